@@ -1,0 +1,51 @@
+"""DTorch: distributed tensors for ordinary, single-threaded PyTorch code.
+
+    import dtorch
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    x = dtorch.rand((4, 3), device_mesh=mesh, placements=[dtorch.Shard(0)])
+
+Names follow `torch.distributed.tensor`. Heavy modules load on first use, so
+`import dtorch.protocol` (the controller's view of dtorch) never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dtorch._version import __version__
+from dtorch.placement_types import Partial, Placement, Replicate, Shard
+
+_LAZY = {
+    "DeviceMesh": "dtorch.device_mesh",
+    "init_device_mesh": "dtorch.device_mesh",
+    "DTensor": "dtorch.dtensor",
+    "distribute_tensor": "dtorch.factories",
+    "rand": "dtorch.factories",
+    "randn": "dtorch.factories",
+    "zeros": "dtorch.factories",
+    "ones": "dtorch.factories",
+    "full": "dtorch.factories",
+    "empty": "dtorch.factories",
+    "arange": "dtorch.factories",
+    "manual_seed": "dtorch.factories",
+    "DTorchError": "dtorch.errors",
+    "connect": "dtorch.runtime",
+    "shutdown": "dtorch.runtime",
+    "status": "dtorch.runtime",
+}
+
+__all__ = ["__version__", "Placement", "Shard", "Replicate", "Partial", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dtorch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,354 @@
+"""Every message DTorch sends, in one place: the single source of truth for the wire.
+
+Messages are msgspec Structs encoded as msgpack maps. `dtorch.protocol.wire.decode`
+validates each one on receipt against these types, so a malformed message is
+refused with the field path that was wrong. Nothing here imports torch.
+
+Naming: client -> controller messages are instructions (`Instr*`), controller ->
+worker messages are commands (`Cmd*`). Tensor ids (`tid`) are chosen by the
+client and unique within its session; a shard on a worker is keyed by
+`(session, tid, device)` where `device` is the logical device id.
+
+Op arguments (`args`, `kwargs`) are plain msgpack values in which a few map forms
+stand for torch values (see `dtorch.protocol.values`): `{"$t": tid}` a DTensor's
+local shard, `{"$dtype": "float32"}`, `{"$device": "cpu"}`, `{"$layout": ...}`,
+`{"$mf": ...}` (memory format), `{"$lit": [dtype, shape, bytes]}` a small plain
+tensor, `{"$c": [re, im]}` a complex number.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+PROTOCOL_VERSION = "1.0"
+
+
+class Hello(Struct, frozen=True):
+    """Opens every connection: refused when the protocol major differs."""
+
+    protocol_version: str
+    package_version: str
+    role: str  # "client" | "worker"
+
+
+class ErrorReport(Struct, frozen=True):
+    """An op that failed on a worker (or a refused instruction), as the user will see it."""
+
+    op: str
+    src: str  # the user's source line, "file.py:12"
+    message: str
+    tid: int = -1  # an output of the failed op, when known
+
+
+# ---------------------------------------------------------------- tensors and meshes
+
+
+class TensorSpec(Struct, frozen=True):
+    """Global metadata of a distributed tensor."""
+
+    shape: list[int]
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    mesh: int  # mesh id, defined by OpenMesh
+    placements: list[str]  # Placement.to_wire(), one per mesh dim
+
+
+class OutSpec(Struct, frozen=True):
+    tid: int
+    spec: TensorSpec
+
+
+# ---------------------------------------------------------------- client -> controller
+
+
+class OpenSession(Struct, frozen=True):
+    hello: Hello
+    name: str = ""
+    priority: str = "normal"  # "high" | "normal" | "low"
+    kind: str = "batch"  # "batch" | "realtime"
+
+
+class SessionOpened(Struct, frozen=True):
+    session: str  # unguessable id; naming it is the right to its tensors
+    controller_version: str
+
+
+class OpenMesh(Struct, frozen=True):
+    """Ask for a mesh's logical devices to be placed on workers (all-or-nothing)."""
+
+    session: str
+    mesh: int
+    devices: list[int]  # logical ids, row-major
+    shape: list[int]
+    min_devices: int = 0  # elastic range (0: exactly len(set(devices)))
+
+
+class MeshPlaced(Struct, frozen=True):
+    mesh: int
+    placed: bool
+    queue_position: int = 0  # when not placed yet
+    locations: dict[int, str] = {}  # logical device -> worker address
+    message: str = ""
+
+
+class InstrCreate(Struct, frozen=True, tag="create"):
+    """A factory: rand, randn, zeros, ones, full, empty, arange."""
+
+    tid: int
+    spec: TensorSpec
+    init: str
+    value: float | int | bool | None = None  # fill value for "full"
+    arange: list[float | int] | None = None  # start, end, step
+    seed: int = 0  # random factories: values depend on the seed only, never on the layout
+    src: str = ""
+
+
+class InstrAdopt(Struct, frozen=True, tag="adopt"):
+    """Shards the client already uploaded with Worker.Put (distribute_tensor)."""
+
+    tid: int
+    spec: TensorSpec
+
+
+class InstrCall(Struct, frozen=True, tag="call"):
+    """Run one aten op on every device of `mesh`, on local shards."""
+
+    op: str  # aten overload name, "aten.add.Tensor"
+    mesh: int
+    args: list[Any]
+    kwargs: dict[str, Any]
+    outs: list[OutSpec | None]  # flattened tensor outputs; None: output ignored
+    local: dict[int, list[Any]] | None = None  # device -> [args, kwargs] where they differ per device
+    src: str = ""
+
+
+class InstrRedistribute(Struct, frozen=True, tag="redistribute"):
+    """Make `dst` hold `src`'s value laid out as `dst_spec` (maybe on another mesh)."""
+
+    src: int
+    dst: int
+    src_spec: TensorSpec
+    dst_spec: TensorSpec
+    src_line: str = ""
+
+
+class InstrDelete(Struct, frozen=True, tag="delete"):
+    tids: list[int]
+
+
+Instr = InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete
+
+
+class Submit(Struct, frozen=True):
+    session: str
+    seq: int  # batches are numbered from 1 and applied in order
+    instrs: list[Instr]
+
+
+class SubmitReply(Struct, frozen=True):
+    accepted: int  # highest batch seq applied
+
+
+class Sync(Struct, frozen=True):
+    """Wait until every worker of the session has executed batches up to `upto`."""
+
+    session: str
+    upto: int
+    timeout_s: float = 60.0
+
+
+class SyncReply(Struct, frozen=True):
+    done: bool
+    errors: list[ErrorReport] = []
+    locations: dict[int, str] = {}  # logical device -> worker address, for fetches
+    message: str = ""
+
+
+class CloseSession(Struct, frozen=True):
+    session: str
+
+
+class StatusRequest(Struct, frozen=True):
+    pass
+
+
+class WorkerStatus(Struct, frozen=True):
+    worker: str
+    address: str
+    state: str
+    device_type: str
+    memory_bytes: int
+    labels: dict[str, str]
+    tensors: int  # live shards
+    bytes: int  # bytes held by live shards
+    devices: list[str] = []  # "session:logical" bound here
+
+
+class SessionStatus(Struct, frozen=True):
+    session: str
+    name: str
+    priority: str
+    state: str
+    devices: dict[int, str]  # logical device -> worker id
+    tensors: int
+    queue_position: int = 0
+
+
+class StatusReply(Struct, frozen=True):
+    workers: list[WorkerStatus]
+    sessions: list[SessionStatus]
+    events: list[str]
+
+
+# ---------------------------------------------------------------- worker <-> controller
+
+
+class RegisterWorker(Struct, frozen=True):
+    hello: Hello
+    address: str  # where peers and clients reach this worker's gRPC server
+    device_type: str
+    memory_bytes: int
+    labels: dict[str, str] = {}
+
+
+class Registered(Struct, frozen=True):
+    worker: str
+    heartbeat_interval_s: float
+
+
+class ShardStats(Struct, frozen=True):
+    tensors: int
+    bytes: int
+
+
+class WorkerReport(Struct, frozen=True):
+    """Heartbeat and completion report in one: sent periodically and whenever a batch finishes."""
+
+    worker: str
+    completed: int  # highest Execute seq finished
+    errors: dict[str, list[ErrorReport]] = {}  # session -> new op failures
+    sessions: dict[str, ShardStats] = {}  # live shards per session
+
+
+class ReportReply(Struct, frozen=True):
+    ok: bool
+    message: str = ""  # e.g. "fenced": the worker was declared lost and must re-register
+
+
+# ---------------------------------------------------------------- controller -> worker
+
+
+class CmdCreate(Struct, frozen=True, tag="create"):
+    tid: int
+    dtype: str
+    shape: list[int]  # global shape
+    init: str
+    boxes: dict[int, list[list[int]]]  # device -> [[start, length], ...] of its shard
+    zero: list[int] = []  # devices that hold zeros (Partial("sum") away from coordinate 0)
+    value: float | int | bool | None = None
+    arange: list[float | int] | None = None
+    seed: int = 0
+    src: str = ""
+
+
+class CmdRun(Struct, frozen=True, tag="run"):
+    op: str
+    devices: list[int]
+    args: list[Any]
+    kwargs: dict[str, Any]
+    outs: list[int | None]
+    local: dict[int, list[Any]] | None = None
+    src: str = ""
+
+
+class Piece(Struct, frozen=True, array_like=True):
+    """Copy `size` elements at `src_offset` of device `device`'s shard into `dst_offset` of the new shard."""
+
+    address: str  # worker holding the source shard ("" for this worker)
+    device: int
+    src_offset: list[int]
+    dst_offset: list[int]
+    size: list[int]
+
+
+class ShardPlan(Struct, frozen=True):
+    """How one device builds its new shard: reduce(`reduce`) over groups of pieces that tile it."""
+
+    shape: list[int]
+    groups: list[list[Piece]]  # empty: the shard is zeros
+    reduce: str = "sum"  # combines groups: "sum" | "avg" | "max" | "min"
+
+
+class CmdRedistribute(Struct, frozen=True, tag="redistribute"):
+    src: int
+    dst: int
+    dtype: str
+    plans: dict[int, ShardPlan]  # destination device -> plan
+    src_line: str = ""
+
+
+class CmdDelete(Struct, frozen=True, tag="delete"):
+    tids: list[int]
+    devices: list[int]
+
+
+class CmdCloseSession(Struct, frozen=True, tag="close"):
+    pass
+
+
+Cmd = CmdCreate | CmdRun | CmdRedistribute | CmdDelete | CmdCloseSession
+
+
+class Execute(Struct, frozen=True):
+    """One ordered batch for one worker; workers run batches strictly in `seq` order."""
+
+    seq: int
+    session: str
+    cmds: list[Cmd]
+
+
+class Ack(Struct, frozen=True):
+    ok: bool = True
+    message: str = ""
+
+
+# ---------------------------------------------------------------- data plane (client/worker -> worker)
+
+
+class PullRequest(Struct, frozen=True):
+    """Read (a box of) one shard; waits up to `timeout_s` for it to be produced."""
+
+    session: str
+    tid: int
+    device: int
+    offset: list[int] | None = None
+    size: list[int] | None = None
+    timeout_s: float = 60.0
+
+
+class Chunk(Struct, frozen=True):
+    """A piece of a tensor payload: raw little-endian bytes; dtype and shape ride on the first chunk."""
+
+    data: bytes
+    dtype: str = ""
+    shape: list[int] = []
+    error: str = ""  # set instead of data when the shard could not be produced
+
+
+class PutChunk(Struct, frozen=True):
+    session: str
+    tid: int
+    device: int
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+def all_message_types() -> list[type]:
+    return [v for v in globals().values() if isinstance(v, type) and issubclass(v, Struct) and v is not Struct]
+
+
+__all__ = [name for name, v in globals().items() if isinstance(v, type) and issubclass(v, msgspec.Struct)] + [
+    "Instr", "Cmd", "PROTOCOL_VERSION"]

@@ -1,0 +1,102 @@
+"""Torch values inside op arguments, as plain msgpack values (see the `messages` docstring).
+
+The client encodes, the worker decodes; torch is imported only when a function here runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def tensor_to_bytes(t: Any) -> bytes:
+    """Raw little-endian bytes of a CPU tensor (bool and bfloat16 included)."""
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    if t.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return t.numpy().tobytes()
+
+
+def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -> Any:
+    import torch
+
+    dt = dtype_from_name(dtype)
+    if len(data) == 0:
+        return torch.empty(shape, dtype=dt)
+    flat = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=dt)
+    return flat.reshape(shape)
+
+
+def encode_value(v: Any, tensor_ref: Callable[[Any], Any]) -> Any:
+    """Encode an op argument. `tensor_ref(t)` returns the wire form of a DTensor, or None for a plain tensor."""
+    import torch
+
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [encode_value(x, tensor_ref) for x in v]
+    if isinstance(v, torch.Tensor):
+        ref = tensor_ref(v)
+        if ref is not None:
+            return ref
+        return {"$lit": [dtype_name(v.dtype), list(v.shape), tensor_to_bytes(v)]}
+    if isinstance(v, torch.dtype):
+        return {"$dtype": dtype_name(v)}
+    if isinstance(v, torch.device):
+        return {"$device": v.type}
+    if isinstance(v, torch.layout):
+        return {"$layout": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.memory_format):
+        return {"$mf": str(v).removeprefix("torch.")}
+    if isinstance(v, complex):
+        return {"$c": [v.real, v.imag]}
+    if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+        raise TypeError(f"symbolic value {v!r} cannot be sent to a worker")
+    raise TypeError(f"cannot send a {type(v).__name__} argument to a worker")
+
+
+_ENUMS = {"$layout", "$mf"}
+
+
+def decode_value(v: Any, resolve: Callable[[int], Any], device: Any) -> Any:
+    """Decode an op argument on a worker: `resolve(tid)` gives the local shard, devices become `device`."""
+    if isinstance(v, list):
+        return [decode_value(x, resolve, device) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if len(v) != 1:
+        raise ValueError(f"bad argument map with keys {sorted(v)}")
+    (key, val), = v.items()
+    if key == "$t":
+        return resolve(int(val))
+    if key == "$dtype":
+        return dtype_from_name(val)
+    if key == "$device":
+        return device
+    if key == "$lit":
+        dtype, shape, data = val
+        return tensor_from_bytes(data, dtype, shape).to(device)
+    if key == "$c":
+        return complex(val[0], val[1])
+    if key in _ENUMS:
+        import torch
+
+        obj = getattr(torch, str(val), None)
+        if not isinstance(obj, (torch.layout, torch.memory_format)):
+            raise ValueError(f"unknown {key[1:]} {val!r}")
+        return obj
+    raise ValueError(f"unknown argument tag {key!r}")
