@@ -71,3 +71,22 @@ def normalize_dim(dim: int, ndim: int) -> int:
     if not -max(ndim, 1) <= dim < max(ndim, 1):
         raise IndexError(f"Shard dim {dim} is out of range for a tensor with {ndim} dims")
     return dim % max(ndim, 1)
+
+
+def gather_groups(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
+                  ) -> tuple[list[list[tuple[int, Box]]], str | None]:
+    """Which devices to read to rebuild the whole tensor.
+
+    Returns groups (one per combination of coordinates on Partial mesh dims), each a list of
+    `(flat device index, box)` that tiles the tensor once, and the reduce op that combines the
+    groups (None when nothing is partial).
+    """
+    partial_dims = [k for k, p in enumerate(placements) if p.is_partial()]
+    ops = {placements[k].reduce_op for k in partial_dims}  # type: ignore[attr-defined]
+    if len(ops) > 1:
+        raise NotImplementedError(f"cannot combine different Partial reduce ops {sorted(ops)} on one tensor")
+    groups: dict[tuple[int, ...], dict[Box, int]] = {}
+    for flat, c in enumerate(coords(mesh_shape)):
+        tiles = groups.setdefault(tuple(c[k] for k in partial_dims), {})
+        tiles.setdefault(shard_box(shape, mesh_shape, placements, c), flat)
+    return [[(flat, box) for box, flat in tiles.items()] for tiles in groups.values()], (ops.pop() if ops else None)

@@ -122,6 +122,7 @@ class InstrCall(Struct, frozen=True, tag="call"):
     outs: list[OutSpec | None]  # flattened tensor outputs; None: output ignored
     local: dict[int, list[Any]] | None = None  # device -> [args, kwargs] where they differ per device
     src: str = ""
+    seed: int | None = None  # random ops: every device runs the op under this seed (inputs are replicated)
 
 
 class InstrRedistribute(Struct, frozen=True, tag="redistribute"):
@@ -261,6 +262,7 @@ class CmdRun(Struct, frozen=True, tag="run"):
     outs: list[int | None]
     local: dict[int, list[Any]] | None = None
     src: str = ""
+    seed: int | None = None  # run under torch.manual_seed(seed), restoring the RNG state after
 
 
 class Piece(Struct, frozen=True, array_like=True):
