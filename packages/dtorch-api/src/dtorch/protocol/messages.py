@@ -337,6 +337,7 @@ class Chunk(Struct, frozen=True):
     dtype: str = ""
     shape: list[int] = []
     error: str = ""  # set instead of data when the shard could not be produced
+    report: ErrorReport | None = None  # with `error` when the shard is poisoned: the original failure
 
 
 class PutChunk(Struct, frozen=True):
