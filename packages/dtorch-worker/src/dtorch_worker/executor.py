@@ -1,0 +1,409 @@
+"""Runs Execute batches strictly in `seq` order on one thread, one command at a time.
+
+Batches arrive as separate RPCs and may overtake each other; early ones wait in
+a buffer until their turn. A failing command never stops the worker: its
+outputs become Poison(report) and the report is queued for the controller; a
+command reading a poisoned input passes the ORIGINAL report on and reports
+nothing new, so the user sees the first failure, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from dtorch.protocol.messages import (
+    Cmd,
+    CmdCloseSession,
+    CmdCreate,
+    CmdDelete,
+    CmdRedistribute,
+    CmdRun,
+    ErrorReport,
+    Execute,
+    Piece,
+    PullRequest,
+    ShardPlan,
+)
+from dtorch.protocol.values import decode_value, dtype_from_name
+
+from dtorch_worker.ops import resolve_op
+from dtorch_worker.store import Poison, TensorStore
+from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
+
+log = logging.getLogger("dtorch_worker.executor")
+
+RANDOM_INITS = frozenset({"rand", "randn"})
+DETERMINISTIC_INITS = frozenset({"zeros", "ones", "full", "empty", "arange"})
+
+
+def one_line(e: BaseException, limit: int = 500) -> str:
+    """'<ExceptionType>: <first line of the message>', short enough for a report."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    if isinstance(e, KeyError) and text.startswith("'") and text.endswith("'"):
+        text = text[1:-1]
+    msg = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return msg if len(msg) <= limit else msg[:limit - 3] + "..."
+
+
+def flatten(result: Any) -> list[Any]:
+    """An op result as the flat list of leaves the client numbers outputs by (pytree order)."""
+    if isinstance(result, (tuple, list)):
+        out: list[Any] = []
+        for item in result:
+            out.extend(flatten(item))
+        return out
+    if result is None:
+        return []
+    return [result]
+
+
+def check_box(shape: Sequence[int], box: Sequence[Sequence[int]]) -> list[int]:
+    """Validate a [[start, length], ...] box against `shape`; returns the box shape."""
+    if len(box) != len(shape):
+        raise ValueError(f"box {[list(b) for b in box]} has {len(box)} dims, the tensor has shape {list(shape)}")
+    for d, (b, n) in enumerate(zip(box, shape)):
+        if len(b) != 2 or b[0] < 0 or b[1] < 0 or b[0] + b[1] > n:
+            raise ValueError(f"box {[list(x) for x in box]} is outside shape {list(shape)} at dim {d}")
+    return [b[1] for b in box]
+
+
+def narrow_box(t: torch.Tensor, box: Sequence[Sequence[int]]) -> torch.Tensor:
+    for d, (start, length) in enumerate(box):
+        t = t.narrow(d, start, length)
+    return t
+
+
+class Executor:
+    """Owns the executor thread, the ordering buffer and the error queue of one worker."""
+
+    def __init__(self, store: TensorStore, device: str | torch.device = "cpu", token: str = "",
+                 on_complete: Callable[[int], None] | None = None, input_timeout_s: float = 10.0,
+                 pull_timeout_s: float = 60.0, fetch_threads: int = 8, first_seq: int = 1) -> None:
+        self.store = store
+        self.device = torch.device(device)
+        self.on_complete = on_complete
+        self.input_timeout_s = input_timeout_s
+        self.pull_timeout_s = pull_timeout_s
+        self.address = ""  # our own server address: pieces naming it are read locally
+        self.peers = PeerPool(token)
+        self._fetch_pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="dtorch-fetch")
+        self._cond = threading.Condition()
+        self._pending: dict[int, Execute] = {}
+        self._completed = first_seq - 1
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._errors: dict[str, list[ErrorReport]] = {}
+        self._errors_lock = threading.Lock()
+
+    # ------------------------------------------------------------ ordering
+
+    @property
+    def completed(self) -> int:
+        """Highest seq finished (batches finish in seq order)."""
+        with self._cond:
+            return self._completed
+
+    def start(self) -> Executor:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dtorch-executor", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, batch: Execute) -> bool:
+        """Queue a batch for its turn; False for a duplicate (already done or already queued)."""
+        with self._cond:
+            if self._stopped or batch.seq <= self._completed or batch.seq in self._pending:
+                return False
+            self._pending[batch.seq] = batch
+            self._cond.notify_all()
+            return True
+
+    def wait_completed(self, seq: int, timeout: float) -> bool:
+        """Block until batch `seq` has finished (tests and shutdown use it)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._completed >= seq or self._stopped, timeout) \
+                and self._completed >= seq
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop after the current command; queued batches are dropped."""
+        with self._cond:
+            self._stopped = True
+            self._pending.clear()
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self.peers.close()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or self._completed + 1 in self._pending)
+                if self._stopped:
+                    return
+                batch = self._pending.pop(self._completed + 1)
+            self.run_batch(batch)
+            with self._cond:
+                self._completed = batch.seq
+                self._cond.notify_all()
+            if self.on_complete is not None:
+                try:
+                    self.on_complete(batch.seq)
+                except Exception:  # a reporting hiccup must not kill execution
+                    log.exception("on_complete callback failed")
+
+    # ------------------------------------------------------------ errors
+
+    def take_errors(self) -> dict[str, list[ErrorReport]]:
+        """New error reports since the last call, per session (the agent sends them)."""
+        with self._errors_lock:
+            errors, self._errors = self._errors, {}
+            return errors
+
+    def restore_errors(self, errors: dict[str, list[ErrorReport]]) -> None:
+        """Put back reports a failed send did not deliver, ahead of newer ones."""
+        if not errors:
+            return
+        with self._errors_lock:
+            for session, reports in errors.items():
+                self._errors[session] = list(reports) + self._errors.get(session, [])
+
+    def _record(self, session: str, report: ErrorReport) -> None:
+        with self._errors_lock:
+            self._errors.setdefault(session, []).append(report)
+
+    # ------------------------------------------------------------ commands
+
+    def run_batch(self, batch: Execute) -> None:
+        """Run every command of a batch now, in order, on the calling thread."""
+        for cmd in batch.cmds:
+            self.run_command(batch.session, cmd)
+
+    def run_command(self, session: str, cmd: Cmd) -> None:
+        """Run one command; failures poison its outputs instead of raising."""
+        try:
+            if isinstance(cmd, CmdRun):
+                self._run(session, cmd)
+            elif isinstance(cmd, CmdCreate):
+                self._create(session, cmd)
+            elif isinstance(cmd, CmdRedistribute):
+                self._redistribute(session, cmd)
+            elif isinstance(cmd, CmdDelete):
+                for tid in cmd.tids:
+                    for device in cmd.devices:
+                        self.store.delete((session, tid, device))
+            elif isinstance(cmd, CmdCloseSession):
+                self.store.drop_session(session)
+            else:
+                raise TypeError(f"unknown command {type(cmd).__name__}")
+        except PoisonedInput as e:
+            self._poison(session, cmd, e.report)
+        except Exception as e:  # noqa: BLE001 (any failure becomes the user's error report)
+            op, src, outs = _describe(cmd)
+            report = ErrorReport(op=op, src=src, message=one_line(e), tid=outs[0] if outs else -1)
+            log.debug("command %s failed: %s", op, report.message)
+            self._poison(session, cmd, report)
+            self._record(session, report)
+
+    def _poison(self, session: str, cmd: Cmd, report: ErrorReport) -> None:
+        poison = Poison(report)
+        for tid, device in _outputs(cmd):
+            self.store.put((session, tid, device), poison)
+
+    def _input(self, session: str, tid: int, device: int) -> torch.Tensor:
+        return poisoned_or(self.store.get((session, tid, device), self.input_timeout_s))
+
+    # create ----------------------------------------------------------------
+
+    def _create(self, session: str, cmd: CmdCreate) -> None:
+        dtype = dtype_from_name(cmd.dtype)
+        shape = list(cmd.shape)
+        boxes = {dev: (box, check_box(shape, box)) for dev, box in cmd.boxes.items()}
+        zero = set(cmd.zero)
+        full: torch.Tensor | None = None
+        if cmd.init in RANDOM_INITS and any(dev not in zero for dev in boxes):
+            # The whole tensor from the seed, then each box: values never depend on mesh or placements.
+            g = torch.Generator().manual_seed(cmd.seed)
+            maker = torch.rand if cmd.init == "rand" else torch.randn
+            full = maker(shape, generator=g, dtype=dtype)
+        elif cmd.init == "arange":
+            if not cmd.arange or len(cmd.arange) != 3:
+                raise ValueError(f"arange needs [start, end, step], got {cmd.arange!r}")
+            start, end, step = cmd.arange
+            full = torch.arange(start, end, step, dtype=dtype).reshape(shape)
+        elif cmd.init not in DETERMINISTIC_INITS and cmd.init not in RANDOM_INITS:
+            raise ValueError(f"unknown init {cmd.init!r}")
+        made: dict[int, torch.Tensor] = {}
+        for dev, (box, bshape) in boxes.items():
+            if dev in zero or cmd.init in ("zeros", "empty"):
+                t = torch.zeros(bshape, dtype=dtype, device=self.device)
+            elif cmd.init == "ones":
+                t = torch.ones(bshape, dtype=dtype, device=self.device)
+            elif cmd.init == "full":
+                if cmd.value is None:
+                    raise ValueError("full needs a value")
+                t = torch.full(bshape, cmd.value, dtype=dtype, device=self.device)
+            else:
+                assert full is not None
+                # clone: devices must never share storage (an in-place op on one would change another)
+                t = narrow_box(full, box).clone(memory_format=torch.contiguous_format).to(self.device)
+            made[dev] = t
+        for dev, t in made.items():
+            self.store.put((session, cmd.tid, dev), t)
+
+    # run -------------------------------------------------------------------
+
+    def _rng(self, seed: int | None) -> Any:
+        if seed is None:
+            return nullcontext()
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        return _Seeded(seed, devices)
+
+    def _run(self, session: str, cmd: CmdRun) -> None:
+        op = resolve_op(cmd.op)
+        results: dict[int, list[Any]] = {}
+        for device in cmd.devices:
+            args, kwargs = cmd.args, cmd.kwargs
+            if cmd.local is not None and device in cmd.local:
+                args, kwargs = cmd.local[device]
+
+            def resolve(tid: int, device: int = device) -> torch.Tensor:
+                return self._input(session, tid, device)
+
+            a = decode_value(list(args), resolve, self.device)
+            k = {key: decode_value(v, resolve, self.device) for key, v in (kwargs or {}).items()}
+            with self._rng(cmd.seed):
+                flat = flatten(op(*a, **k))
+            if len(cmd.outs) > len(flat):
+                raise ValueError(f"{cmd.op} returned {len(flat)} outputs, expected {len(cmd.outs)}")
+            for i, tid in enumerate(cmd.outs):
+                if tid is not None and not isinstance(flat[i], torch.Tensor):
+                    raise TypeError(f"{cmd.op} output {i} is a {type(flat[i]).__name__}, not a tensor")
+            results[device] = flat
+        # Store only once every device succeeded: a tensor is either whole or poisoned.
+        for device, flat in results.items():
+            for i, tid in enumerate(cmd.outs):
+                if tid is not None:
+                    self.store.put((session, tid, device), flat[i])
+
+    # redistribute ----------------------------------------------------------
+
+    def _redistribute(self, session: str, cmd: CmdRedistribute) -> None:
+        dtype = dtype_from_name(cmd.dtype)
+        jobs: list[tuple[Piece, torch.Tensor]] = []  # remote pieces and where they land
+        groups_out: dict[int, tuple[ShardPlan, list[torch.Tensor]]] = {}
+        for dev, plan in cmd.plans.items():
+            bufs: list[torch.Tensor] = []
+            for group in plan.groups:
+                covered = sum(_volume(p.size) for p in group)
+                alloc = torch.empty if covered == _volume(plan.shape) else torch.zeros
+                buf = alloc(list(plan.shape), dtype=dtype, device=self.device)
+                for piece in group:
+                    dst = take_box(buf, piece.dst_offset, piece.size)
+                    if self._is_local(piece.address):
+                        src = take_box(self._input(session, cmd.src, piece.device), piece.src_offset, piece.size)
+                        dst.copy_(src)
+                    else:
+                        jobs.append((piece, dst))
+                bufs.append(buf)
+            groups_out[dev] = (plan, bufs)
+        self._fetch_all(session, cmd.src, jobs)
+        made: dict[int, torch.Tensor] = {}
+        for dev, (plan, bufs) in groups_out.items():
+            if not bufs:
+                made[dev] = torch.zeros(list(plan.shape), dtype=dtype, device=self.device)
+            else:
+                made[dev] = _reduce(bufs, plan.reduce)
+        for dev, t in made.items():
+            self.store.put((session, cmd.dst, dev), t)
+
+    def _is_local(self, address: str) -> bool:
+        return not address or address == self.address
+
+    def _fetch_all(self, session: str, src: int, jobs: Iterable[tuple[Piece, torch.Tensor]]) -> None:
+        """Pull remote pieces in parallel, each straight into its destination view."""
+
+        def fetch(piece: Piece, dst: torch.Tensor) -> None:
+            req = PullRequest(session=session, tid=src, device=piece.device, offset=list(piece.src_offset),
+                              size=list(piece.size), timeout_s=self.pull_timeout_s)
+            dst.copy_(self.peers.pull(piece.address, req))
+
+        futures = [self._fetch_pool.submit(fetch, piece, dst) for piece, dst in jobs]
+        first: BaseException | None = None
+        for f in futures:  # wait for all, so no thread writes into a buffer after we give up on it
+            err = f.exception()
+            if err is not None and (first is None or isinstance(err, PoisonedInput)
+                                    and not isinstance(first, PoisonedInput)):
+                first = err
+        if first is not None:
+            raise first
+
+
+class _Seeded:
+    """Run under torch.manual_seed(seed) and restore the global RNG state afterwards."""
+
+    def __init__(self, seed: int, cuda_devices: list[int]) -> None:
+        self._fork = torch.random.fork_rng(devices=cuda_devices)
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        self._fork.__enter__()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: object) -> None:
+        self._fork.__exit__(*exc)
+
+
+def _volume(size: Sequence[int]) -> int:
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _reduce(bufs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Combine the groups of a plan (Partial -> value): sum, avg, max or min, in group order."""
+    acc = bufs[0]
+    if op in ("sum", "avg"):
+        for b in bufs[1:]:
+            acc.add_(b)
+        if op == "avg" and len(bufs) > 1:
+            if acc.is_floating_point() or acc.is_complex():
+                acc.div_(len(bufs))
+            else:
+                acc = torch.div(acc, len(bufs), rounding_mode="trunc")
+        return acc
+    if op in ("max", "min"):
+        fn = torch.maximum if op == "max" else torch.minimum
+        for b in bufs[1:]:
+            acc = fn(acc, b)
+        return acc
+    raise ValueError(f"unknown reduce op {op!r}")
+
+
+def _describe(cmd: Cmd) -> tuple[str, str, list[int]]:
+    """(op name, source line, output tids) of a command, for error reports."""
+    if isinstance(cmd, CmdRun):
+        return cmd.op, cmd.src, [t for t in cmd.outs if t is not None]
+    if isinstance(cmd, CmdCreate):
+        return "create", cmd.src, [cmd.tid]
+    if isinstance(cmd, CmdRedistribute):
+        return "redistribute", cmd.src_line, [cmd.dst]
+    return type(cmd).__name__, "", []
+
+
+def _outputs(cmd: Cmd) -> list[tuple[int, int]]:
+    """Every (tid, device) a command writes: what gets poisoned when it fails."""
+    if isinstance(cmd, CmdRun):
+        return [(t, d) for d in cmd.devices for t in cmd.outs if t is not None]
+    if isinstance(cmd, CmdCreate):
+        return [(cmd.tid, d) for d in cmd.boxes]
+    if isinstance(cmd, CmdRedistribute):
+        return [(cmd.dst, d) for d in cmd.plans]
+    return []

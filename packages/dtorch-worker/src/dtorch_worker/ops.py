@@ -1,0 +1,55 @@
+"""Op names from the wire -> torch OpOverloads, and nothing else.
+
+Workers execute only registered torch ops named by their overload
+("aten.add.Tensor"): the name is looked up in `torch.ops.<namespace>` and the
+result must be an OpOverload, so no name can reach eval, import or an arbitrary
+Python attribute. A few registered ops that touch the host (files) are refused too.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import torch
+
+ALLOWED_NAMESPACES = frozenset({"aten", "prims"})
+# Registered, but they read host files: a session must not be able to reach them.
+DENIED_OPS = frozenset({"aten.from_file"})
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+class UnknownOp(ValueError):
+    """The name is not a registered torch op this worker may run."""
+
+
+def _refuse(name: str, why: str = "") -> UnknownOp:
+    suffix = f" ({why})" if why else ""
+    return UnknownOp(f"unknown op {name!r}: workers run only registered torch ops{suffix}")
+
+
+@lru_cache(maxsize=4096)
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    """Resolve "namespace.op.overload" to its OpOverload, or raise UnknownOp."""
+    parts = name.split(".") if isinstance(name, str) else []
+    if len(parts) != 3 or not all(_IDENT.match(p) for p in parts):
+        raise _refuse(name, "expected 'namespace.op.overload', e.g. 'aten.add.Tensor'")
+    namespace, op_name, overload_name = parts
+    if namespace not in ALLOWED_NAMESPACES:
+        raise _refuse(name, f"namespace {namespace!r} is not allowed")
+    if f"{namespace}.{op_name}" in DENIED_OPS:
+        raise _refuse(name, "refused on workers")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op_name)
+    except (AttributeError, RuntimeError):
+        raise _refuse(name) from None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise _refuse(name)
+    try:
+        overload = getattr(packet, overload_name)
+    except (AttributeError, RuntimeError):
+        raise _refuse(name) from None
+    if not isinstance(overload, torch._ops.OpOverload) or overload.namespace != namespace:
+        raise _refuse(name)
+    return overload

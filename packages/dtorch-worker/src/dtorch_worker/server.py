@@ -1,0 +1,95 @@
+"""The `dtorch.Worker` gRPC service: Execute (enqueue), Pull (serve a shard box), Put (upload a shard).
+
+Execute never waits for execution, and Pull runs on the server's own threads:
+a peer that is redistributing must always be able to read our shards, or two
+workers pulling from each other would deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from dtorch.protocol import wire
+from dtorch.protocol.messages import Ack, Chunk, Execute, PullRequest, PutChunk
+
+from dtorch_worker.executor import Executor, one_line
+from dtorch_worker.store import Poison, ShardMissing, TensorStore
+from dtorch_worker.transfer import poison_chunk, receive_put, take_box, tensor_chunks
+
+log = logging.getLogger("dtorch_worker.server")
+
+SERVER_THREADS = 64  # Pulls may wait for shards; keep room for Execute and Put meanwhile
+
+
+class WorkerService:
+    """Implements the methods of wire.SERVICES["dtorch.Worker"] over a store and an executor."""
+
+    def __init__(self, store: TensorStore, executor: Executor, max_pull_wait_s: float = 600.0) -> None:
+        self.store = store
+        self.executor = executor
+        self.max_pull_wait_s = max_pull_wait_s
+
+    def Execute(self, request: Execute) -> Ack:
+        if self.executor.submit(request):
+            return Ack()
+        return Ack(ok=True, message=f"batch {request.seq} is a duplicate or the worker is stopping")
+
+    def Pull(self, request: PullRequest) -> Iterator[Chunk]:
+        key = (request.session, request.tid, request.device)
+        wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
+        try:
+            value = self.store.get(key, wait)
+        except ShardMissing as e:
+            yield Chunk(data=b"", error=str(e))
+            return
+        if isinstance(value, Poison):
+            yield poison_chunk(value.report)
+            return
+        try:
+            # Chunks hold views of one contiguous copy at most, so building the list up front is cheap.
+            chunks = list(tensor_chunks(take_box(value, request.offset, request.size)))
+        except (ValueError, TypeError, RuntimeError) as e:
+            yield Chunk(data=b"", error=one_line(e))
+            return
+        yield from chunks
+
+    def Put(self, requests: Iterable[PutChunk]) -> Ack:
+        try:
+            key, tensor = receive_put(requests)
+            if tensor.device != self.executor.device:
+                tensor = tensor.to(self.executor.device)
+        except (ValueError, TypeError) as e:
+            raise wire.ProtocolError(one_line(e)) from None
+        self.store.put(key, tensor)
+        return Ack()
+
+
+@dataclass
+class WorkerHandle:
+    """A running worker (store, executor, gRPC server) without a controller: tests and embedding use it."""
+
+    address: str
+    store: TensorStore
+    executor: Executor
+    server: grpc.Server
+    service: WorkerService = field(repr=False)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.executor.stop()
+        self.server.stop(grace).wait(grace + 1.0)
+
+
+def start_worker(token: str = "", listen: str = "127.0.0.1:0", device: str | torch.device = "cpu",
+                 **executor_options: object) -> WorkerHandle:
+    """Start a store, an executor thread and the Worker service; returns its handle (call .stop())."""
+    store = TensorStore()
+    executor = Executor(store, device=device, token=token, **executor_options)  # type: ignore[arg-type]
+    service = WorkerService(store, executor)
+    server, address = wire.serve("dtorch.Worker", service, token, listen=listen, max_workers=SERVER_THREADS)
+    executor.address = address
+    executor.start()
+    return WorkerHandle(address=address, store=store, executor=executor, server=server, service=service)

@@ -1,0 +1,173 @@
+"""Tensors <-> Chunk streams, and pulling boxes of shards from peer workers.
+
+Payloads travel as raw little-endian bytes in wire.CHUNK_BYTES pieces, so a
+tensor of any size stays far below gRPC's message limit. Both ends avoid
+whole-payload copies where they can: the sender slices a byte view of the
+(contiguous) tensor, the receiver fills one preallocated buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from dtorch.protocol import wire
+from dtorch.protocol.messages import Chunk, ErrorReport, PullRequest, PutChunk
+from dtorch.protocol.values import dtype_from_name, dtype_name, tensor_from_bytes
+
+from dtorch_worker.store import Poison
+
+
+class PoisonedInput(Exception):
+    """An input shard was poisoned by an earlier failure: outputs inherit the original report."""
+
+    def __init__(self, report: ErrorReport) -> None:
+        super().__init__(report.message)
+        self.report = report
+
+
+def take_box(t: torch.Tensor, offset: Sequence[int] | None, size: Sequence[int] | None) -> torch.Tensor:
+    """The view of `t` at `offset` with extent `size` (the whole tensor when either is None)."""
+    if offset is None or size is None:
+        return t
+    if len(offset) != t.dim() or len(size) != t.dim():
+        raise ValueError(f"box offset {list(offset)} / size {list(size)} does not match a {t.dim()}-d shard "
+                         f"of shape {list(t.shape)}")
+    for d, (o, n) in enumerate(zip(offset, size)):
+        if o < 0 or n < 0 or o + n > t.shape[d]:
+            raise ValueError(f"box offset {list(offset)} size {list(size)} is outside a shard of shape "
+                             f"{list(t.shape)}")
+        t = t.narrow(d, o, n)
+    return t
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a CPU copy of `t` (no copy when it is already contiguous on the CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def tensor_chunks(t: torch.Tensor, chunk_bytes: int = wire.CHUNK_BYTES) -> Iterator[Chunk]:
+    """A tensor as a Chunk stream: dtype and shape on the first chunk, then raw bytes."""
+    view = byte_view(t)
+    dtype, shape = dtype_name(t.dtype), list(t.shape)
+    for i, piece in enumerate(wire.chunks(view, chunk_bytes)):
+        if i == 0:
+            yield Chunk(data=piece, dtype=dtype, shape=shape)  # type: ignore[arg-type]  # msgspec encodes views
+        else:
+            yield Chunk(data=piece)  # type: ignore[arg-type]
+
+
+def poison_chunk(report: ErrorReport) -> Chunk:
+    return Chunk(data=b"", error=f"{report.op} failed ({report.src or 'unknown line'}): {report.message}",
+                 report=report)
+
+
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+
+
+class _Assembler:
+    """Collects payload pieces into one preallocated buffer and checks the total size."""
+
+    def __init__(self, dtype: str, shape: Sequence[int], what: str) -> None:
+        self.dtype, self.shape, self.what = dtype, list(shape), what
+        self.size = _nbytes(dtype, shape)
+        self.buf = bytearray(self.size)
+        self.pos = 0
+
+    def add(self, data: bytes) -> None:
+        end = self.pos + len(data)
+        if end > self.size:
+            raise ValueError(f"{self.what}: more bytes than a {self.dtype} tensor of shape {self.shape} holds")
+        self.buf[self.pos:end] = data
+        self.pos = end
+
+    def tensor(self) -> torch.Tensor:
+        if self.pos != self.size:
+            raise ValueError(f"{self.what}: got {self.pos} of {self.size} bytes")
+        return tensor_from_bytes(self.buf, self.dtype, self.shape)
+
+
+def receive_chunks(stream: Iterable[Chunk], what: str) -> torch.Tensor:
+    """Rebuild a tensor from a Pull reply; raises PoisonedInput or RuntimeError when the peer reports an error."""
+    asm: _Assembler | None = None
+    for chunk in stream:
+        if chunk.report is not None:
+            raise PoisonedInput(chunk.report)
+        if chunk.error:
+            raise RuntimeError(chunk.error)
+        if asm is None:
+            asm = _Assembler(chunk.dtype, chunk.shape, what)
+        asm.add(chunk.data)
+    if asm is None:
+        raise RuntimeError(f"{what}: the peer sent no data")
+    return asm.tensor()
+
+
+def receive_put(stream: Iterable[PutChunk]) -> tuple[tuple[str, int, int], torch.Tensor]:
+    """Assemble a Put upload; every chunk names the same shard, the first fixes dtype and shape."""
+    asm: _Assembler | None = None
+    key: tuple[str, int, int] | None = None
+    for chunk in stream:
+        k = (chunk.session, chunk.tid, chunk.device)
+        if asm is None:
+            key = k
+            asm = _Assembler(chunk.dtype, chunk.shape, f"Put of tensor {chunk.tid} on device {chunk.device}")
+        elif k != key:
+            raise ValueError(f"Put stream mixes shards {key[1:] if key else None} and {k[1:]}")
+        asm.add(chunk.data)
+    if asm is None or key is None:
+        raise ValueError("empty Put stream")
+    return key, asm.tensor()
+
+
+class PeerPool:
+    """One gRPC channel per peer address, reused by every pull."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._stubs: dict[str, wire.Stub] = {}
+        self._lock = threading.Lock()
+
+    def stub(self, address: str) -> wire.Stub:
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                stub = self._stubs[address] = wire.Stub("dtorch.Worker", address, self.token)
+            return stub
+
+    def pull(self, address: str, request: PullRequest, transfer_timeout_s: float = 600.0) -> torch.Tensor:
+        """Fetch a box of a peer's shard; raises PoisonedInput when the peer holds a poisoned shard."""
+        what = f"pull of tensor {request.tid} on device {request.device} from {address}"
+        stream = self.stub(address).stream("Pull", request, timeout=request.timeout_s + transfer_timeout_s)
+        return receive_chunks(stream, what)
+
+    def close(self) -> None:
+        with self._lock:
+            stubs, self._stubs = list(self._stubs.values()), {}
+        for stub in stubs:
+            stub.close()
+
+
+def poisoned_or(value: torch.Tensor | Poison) -> torch.Tensor:
+    """The tensor, or raise PoisonedInput with the original report."""
+    if isinstance(value, Poison):
+        raise PoisonedInput(value.report)
+    return value
