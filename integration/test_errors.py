@@ -1,0 +1,80 @@
+"""Errors: one clear line, raised at the next sync point, naming the op and the user's source line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Replicate, Shard
+from dtorch.errors import RemoteOpError
+from dtorch.protocol import messages as m
+from dtorch.protocol import wire
+
+
+def test_worker_op_error_surfaces_at_next_sync_with_source_line(mesh1):
+    x = dtorch.distribute_tensor(torch.randn(4, 4), mesh1, [Replicate()])
+    idx = dtorch.distribute_tensor(torch.tensor([0, 9]), mesh1, [Replicate()])  # 9 is out of range
+    bad = torch.index_select(x, 0, idx)  # noqa: F841  (the failing line)
+    line = sys._getframe().f_lineno - 1
+    ok = x + 1  # later ops are still accepted without blocking
+    with pytest.raises(RemoteOpError) as info:
+        ok.to_torch()
+    message = str(info.value)
+    assert "aten.index_select" in message
+    assert f"test_errors.py:{line}" in message and "index_select(x, 0, idx)" in message
+    assert "\n" not in message
+    # the session keeps working after the error was reported
+    assert torch.equal((x * 0).to_torch(), torch.zeros(4, 4))
+
+
+def test_bad_placements_and_meshes_are_one_line_errors(mesh1):
+    with pytest.raises(ValueError, match="placements for a 1-d mesh"):
+        dtorch.zeros(4, device_mesh=mesh1, placements=[Shard(0), Shard(0)])
+    with pytest.raises(ValueError, match="out of range"):
+        dtorch.zeros(4, device_mesh=mesh1, placements=[Shard(1)])
+    with pytest.raises(ValueError, match="distinct"):
+        dtorch.DeviceMesh("cpu", [0, 0])
+    with pytest.raises(ValueError, match="device_type"):
+        dtorch.DeviceMesh("tpu", [0])
+    with pytest.raises(ValueError, match="needs device_mesh"):
+        dtorch.zeros(4)
+    with pytest.raises(ValueError, match="reduce_op"):
+        dtorch.Partial("prod")
+
+
+def test_mixing_meshes_is_refused(mesh1, mesh4):
+    a = dtorch.zeros(4, device_mesh=mesh1)
+    b = dtorch.zeros(4, device_mesh=mesh4)
+    with pytest.raises(ValueError, match="different meshes"):
+        a + b
+
+
+def test_wrong_token_is_refused(cluster):
+    stub = wire.Stub("dtorch.Controller", cluster.address, "not-the-token")
+    with pytest.raises(PermissionError, match="DTORCH_TOKEN"):
+        stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")))
+    with pytest.raises(PermissionError):
+        dtorch.session.Session(cluster.address, "not-the-token")
+
+
+def test_protocol_major_mismatch_names_both_versions(cluster):
+    stub = wire.Stub("dtorch.Controller", cluster.address, cluster.token)
+    old = m.Hello(protocol_version="0.9", package_version="0.0.1", role="client")
+    with pytest.raises(wire.ProtocolError, match=r"0\.9.*1\.0|1\.0.*0\.9"):
+        stub.call("OpenSession", m.OpenSession(hello=old))
+    newer_minor = m.Hello(protocol_version="1.7", package_version="0.9", role="client")
+    assert stub.call("OpenSession", m.OpenSession(hello=newer_minor)).session
+
+
+def test_unreachable_controller_is_one_line_and_bounded():
+    code = "import dtorch; dtorch.connect('127.0.0.1:9')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "DTORCH_TOKEN": "x"})
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ConnectionError: cannot reach the DTorch controller at 127.0.0.1:9")

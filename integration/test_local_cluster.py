@@ -1,0 +1,103 @@
+"""The quickstart on an embedded cluster, and the same program against a running controller and workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if f"--parent-pid {pid}" in text:
+                out.append(int(proc.name))
+    return out
+
+
+def test_quickstart_prints_tensor_and_leaves_nothing_behind():
+    proc = subprocess.Popen([sys.executable, str(QUICKSTART)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"})
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert out.startswith("x=DTensor(tensor([[")
+    assert out.count("[") - out.count("[0, 1]") >= 5  # a (4, 3) tensor: four rows
+    assert "device_mesh=DeviceMesh('cpu', [0, 1])" in out and "placements=(Shard(dim=0),)" in out
+    time.sleep(0.5)
+    assert _children_of(proc.pid) == []
+
+
+def test_embedded_cluster_dies_with_a_killed_client():
+    code = "import dtorch, time; dtorch.connect(workers=1); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    assert len(_children_of(proc.pid)) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _children_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _children_of(proc.pid) == []
+
+
+@pytest.fixture
+def standalone_cluster(tmp_path):
+    env = {**os.environ, "DTORCH_TOKEN": "standalone-secret"}
+    port_file = tmp_path / "addr"
+    procs = [subprocess.Popen(["dtorch-controller", "--listen", "127.0.0.1:0", "--port-file", str(port_file)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    try:
+        deadline = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "controller did not start"
+            time.sleep(0.05)
+        address = port_file.read_text().strip()
+        for _ in range(2):
+            procs.append(subprocess.Popen(["dtorch-worker", "--controller", address], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        yield address, env, procs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_quickstart_against_running_controller(standalone_cluster):
+    address, env, procs = standalone_cluster
+    status = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = subprocess.run(["dtorch-controller", "status", "--controller", address], env=env,
+                                capture_output=True, text=True)
+        if status.returncode == 0 and status.stdout.count("alive") >= 2:
+            break
+        time.sleep(0.2)
+    assert status is not None and status.stdout.count("alive") >= 2, status
+    out = subprocess.run([sys.executable, str(QUICKSTART)], env={**env, "DTORCH_CONTROLLER": address},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"x=DTensor\(tensor\(\[\[", out.stdout)
+    assert "Shard(dim=0)" in out.stdout
+    wrong = subprocess.run([sys.executable, str(QUICKSTART)],
+                           env={**env, "DTORCH_CONTROLLER": address, "DTORCH_TOKEN": "wrong"},
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode != 0
+    assert "DTORCH_TOKEN" in wrong.stderr.strip().splitlines()[-1]

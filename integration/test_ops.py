@@ -1,0 +1,164 @@
+"""Ordinary torch code on DTensors, through real workers, compared with plain torch on the full tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same
+
+import dtorch
+from dtorch import Partial, Replicate, Shard
+
+
+def dist(t, mesh, *placements):
+    return dtorch.distribute_tensor(t, mesh, list(placements))
+
+
+def test_factories_show_values_mesh_and_placements(mesh1):
+    x = dtorch.rand((4, 3), device_mesh=mesh1, placements=[Shard(0)])
+    text = repr(x)
+    assert "DeviceMesh('cpu', [0, 1])" in text and "Shard(dim=0)" in text and "tensor(" in text
+    full = x.to_torch()
+    assert full.shape == (4, 3) and (full >= 0).all() and (full < 1).all()
+    assert_same(dtorch.zeros(5, 2, device_mesh=mesh1, placements=[Shard(0)]), torch.zeros(5, 2))
+    assert_same(dtorch.ones((3, 4), device_mesh=mesh1, placements=[Shard(1)]), torch.ones(3, 4))
+    assert_same(dtorch.full((3, 3), 7.5, device_mesh=mesh1, placements=[Replicate()]), torch.full((3, 3), 7.5))
+    assert_same(dtorch.arange(10, device_mesh=mesh1, placements=[Shard(0)]), torch.arange(10))
+    assert_same(dtorch.arange(1.0, 4.0, 0.5, device_mesh=mesh1, placements=[Shard(0)]), torch.arange(1.0, 4.0, 0.5))
+    assert dtorch.empty(2, 2, device_mesh=mesh1).to_torch().shape == (2, 2)
+
+
+def test_random_values_do_not_depend_on_layout(mesh1, mesh4, mesh2d):
+    values = []
+    for mesh, placements in [(mesh1, [Shard(0)]), (mesh4, [Shard(1)]), (mesh2d, [Replicate(), Shard(0)])]:
+        dtorch.manual_seed(1234)
+        values.append(dtorch.randn(6, 5, device_mesh=mesh, placements=placements).to_torch())
+    assert torch.equal(values[0], values[1]) and torch.equal(values[0], values[2])
+    dtorch.manual_seed(1235)
+    assert not torch.equal(values[0], dtorch.randn(6, 5, device_mesh=mesh1).to_torch())
+
+
+@pytest.mark.parametrize("pa,pb", [(Shard(0), Shard(0)), (Shard(0), Replicate()), (Shard(1), Shard(0)),
+                                   (Replicate(), Shard(1)), (Partial(), Replicate())])
+def test_elementwise_and_broadcasting(mesh4, pa, pb):
+    a, b = torch.randn(6, 5), torch.randn(6, 5)
+    x, y = dist(a, mesh4, pa), dist(b, mesh4, pb)
+    assert_same(x + y, a + b, exact=False)
+    assert_same(x * y - y / 3, a * b - b / 3, exact=False)
+    assert_same(torch.exp(x).sin(), torch.exp(a).sin(), exact=False)
+    row = torch.randn(5)
+    assert_same(x * row, a * row, exact=False)  # a plain tensor mixed in
+    assert_same(x + 2.5, a + 2.5, exact=False)  # a Python scalar inline
+
+
+@pytest.mark.parametrize("pa,pb", [(Shard(1), Shard(0)), (Shard(0), Replicate()), (Replicate(), Shard(1)),
+                                   (Shard(0), Shard(1)), (Replicate(), Replicate())])
+def test_matmul_family(mesh4, pa, pb):
+    a, w = torch.randn(8, 6), torch.randn(6, 10)
+    x, wd = dist(a, mesh4, pa), dist(w, mesh4, pb)
+    out = x @ wd
+    if (pa, pb) == (Shard(1), Shard(0)):
+        assert out.placements == (Partial("sum"),)
+    assert_same(out, a @ w, exact=False)
+    bias = torch.randn(10)
+    assert_same(F.linear(x, dist(w.T.contiguous(), mesh4, Shard(0)), dist(bias, mesh4, Replicate())),
+                F.linear(a, w.T, bias), exact=False)
+    b3, c3 = torch.randn(4, 3, 5), torch.randn(4, 5, 2)
+    assert_same(torch.bmm(dist(b3, mesh4, Shard(0)), dist(c3, mesh4, Shard(0))), torch.bmm(b3, c3), exact=False)
+
+
+@pytest.mark.parametrize("p", [Shard(0), Shard(1), Replicate(), Partial()])
+def test_reductions(mesh4, p):
+    a = torch.randn(7, 6)
+    x = dist(a, mesh4, p)
+    assert_same(x.sum(0), a.sum(0), exact=False)
+    assert_same(x.sum(1), a.sum(1), exact=False)
+    assert_same(x.sum(), a.sum(), exact=False)
+    assert_same(x.mean(1), a.mean(1), exact=False)
+    assert_same(x.amax(0), a.amax(0), exact=False)
+    assert abs(x.sum().item() - a.sum().item()) < 1e-4
+
+
+@pytest.mark.parametrize("p", [Shard(0), Shard(1), Replicate()])
+def test_views_reshapes_transposes(mesh4, p):
+    a = torch.randn(8, 6)
+    x = dist(a, mesh4, p)
+    assert_same(x.view(4, 12), a.view(4, 12))
+    assert_same(x.view(48), a.view(48))
+    assert_same(x.reshape(2, 4, 6), a.reshape(2, 4, 6))
+    assert_same(x.transpose(0, 1), a.transpose(0, 1))
+    assert_same(x.t().contiguous(), a.t().contiguous())
+    assert_same(x.unsqueeze(0).permute(2, 0, 1), a.unsqueeze(0).permute(2, 0, 1))
+    assert_same(x.flatten(), a.flatten())
+
+
+def test_uneven_view_per_device_sizes(mesh4):
+    a = torch.randn(6, 4)  # 6 rows over 4 devices: 2, 2, 2, 0
+    x = dist(a, mesh4, Shard(0))
+    assert_same(x.view(6, 2, 2), a.view(6, 2, 2))
+    assert_same(x.view(6, 2, 2).sum(-1), a.view(6, 2, 2).sum(-1), exact=False)
+
+
+@pytest.mark.parametrize("p", [Shard(0), Shard(1), Replicate()])
+def test_softmax_family(mesh4, p):
+    a = torch.randn(5, 8)
+    x = dist(a, mesh4, p)
+    assert_same(F.softmax(x, dim=-1), F.softmax(a, dim=-1), exact=False)
+    assert_same(F.log_softmax(x, dim=0), F.log_softmax(a, dim=0), exact=False)
+
+
+def test_cat_stack_slicing_indexing(mesh4):
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    x, y = dist(a, mesh4, Shard(0)), dist(b, mesh4, Shard(1))
+    assert_same(torch.cat([x, y], dim=0), torch.cat([a, b], dim=0))
+    assert_same(torch.cat([x, y], dim=1), torch.cat([a, b], dim=1))
+    assert_same(torch.stack([x, y]), torch.stack([a, b]))
+    assert_same(x[1:3], a[1:3])
+    assert_same(x[:, 2], a[:, 2])
+    assert_same(x[::2, 1:], a[::2, 1:])
+    idx = torch.tensor([4, 0, 2])
+    assert_same(x[idx], a[idx])
+
+
+def test_comparisons_where_and_casts(mesh4):
+    a, b = torch.randn(6, 5), torch.randn(6, 5)
+    x, y = dist(a, mesh4, Shard(0)), dist(b, mesh4, Shard(1))
+    assert_same(x > y, a > b)
+    assert_same(x == x, a == a)
+    assert_same(torch.where(x > 0, x, y), torch.where(a > 0, a, b))
+    assert_same(x.double(), a.double())
+    assert_same((x * 10).int(), (a * 10).int())
+    assert_same(x.to(torch.bfloat16), a.to(torch.bfloat16))
+
+
+def test_sync_points_item_tolist_bool(mesh4):
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    x = dist(a, mesh4, Shard(0))
+    assert x.sum().item() == 10.0
+    assert x.tolist() == a.tolist()
+    assert bool((x > 0).all()) is True
+    assert bool((x > 3).all()) is False
+    if x.max() > 3:  # control flow on data
+        flag = True
+    assert flag
+
+
+def test_inplace_ops(mesh4):
+    a = torch.randn(4, 6)
+    x = dist(a, mesh4, Shard(0))
+    x.add_(1.0)
+    x.mul_(dist(a, mesh4, Shard(0)))
+    assert_same(x, (a + 1.0) * a, exact=False)
+
+
+def test_mlp_forward_matches_torch(mesh4):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    inp = torch.randn(12, 16)
+    expected = model(inp)
+    w1, b1 = dist(model[0].weight.detach(), mesh4, Shard(0)), dist(model[0].bias.detach(), mesh4, Shard(0))
+    w2, b2 = dist(model[2].weight.detach(), mesh4, Shard(1)), dist(model[2].bias.detach(), mesh4, Replicate())
+    x = dist(inp, mesh4, Replicate())
+    out = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+    assert_same(out, expected.detach(), exact=False)

@@ -1,0 +1,55 @@
+"""Every job of the DTorch monorepo. `nox -s tests` is what CI runs."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+PACKAGES = ["packages/dtorch-api", "packages/dtorch-controller", "packages/dtorch-worker", "packages/dtorch-sim"]
+TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest"]
+
+
+def install(session: nox.Session, *extra: str) -> None:
+    session.install(TORCH)
+    session.install(*[arg for p in PACKAGES for arg in ("-e", p)], *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole suite: unit tests of each package and integration tests with real processes."""
+    install(session, *TEST_DEPS)
+    session.run("pytest", "-q", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Install everything and run the quickstart on an embedded local cluster."""
+    install(session)
+    session.run("python", "examples/quickstart.py")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks print their figures; nothing here is a pass/fail timing."""
+    install(session)
+    session.run("python", "benchmarks/bench_foundation.py", *session.posargs)
+
+
+@nox.session
+def gpu_integration(session: nox.Session) -> None:
+    """GPU-marked tests; on a machine without CUDA it says so and tests nothing."""
+    install(session, *TEST_DEPS)
+    has_cuda = session.run("python", "-c", "import torch; print(int(torch.cuda.is_available()))", silent=True)
+    if has_cuda is None or has_cuda.strip() != "1":
+        session.log("no CUDA device on this machine: skipped the GPU integration tests (nothing was tested)")
+        return
+    session.run("pytest", "-q", "-m", "gpu", *session.posargs)

@@ -1,0 +1,257 @@
+"""What `DTensor.__torch_dispatch__` does: plan an op once per signature, then emit and return at once.
+
+A plan says which inputs must be redistributed to which layouts, the wire form of the
+arguments (with slots for tensor ids, and per-device variants where args differ by
+device), and the output specs. It is cached on a cheap key built from the op, each
+DTensor's spec key and the other arguments, so a training loop plans each op once.
+
+Three routes, in order of preference:
+  sharded   torch's sharding rules (`_sharding.propagate`)
+  replicate no rule: gather inputs to Replicate, run everywhere, output Replicate (always correct);
+            random ops take this route with a shared seed so values never depend on the plan
+  sync      the op returns a Python value (`item`, `is_nonzero`, `equal`): fetch and run locally
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from dtorch import _sharding
+from dtorch._source import user_src
+from dtorch._spec import Spec
+from dtorch.placement_types import Replicate
+from dtorch.protocol import messages as m
+from dtorch.protocol.values import encode_value
+
+if TYPE_CHECKING:
+    from dtorch.dtensor import DTensor
+    from dtorch.session import Session
+
+LITERAL_MAX_NUMEL = 1 << 16  # plain tensors up to this size travel inside the instruction
+
+
+class _Plain(Exception):
+    """A plain torch.Tensor among the arguments: lift it to a Replicate DTensor first."""
+
+
+_SCALARS = (int, float, bool, str, type(None), complex, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _key(v: Any, leaves: list) -> Any:
+    """Cache key of one argument; appends DTensors to `leaves` in traversal order."""
+    t = type(v)
+    if t in _SCALARS:
+        return t, v
+    if t is list or t is tuple or t is torch.Size:
+        return t, tuple(_key(x, leaves) for x in v)
+    if t is dict:
+        return t, tuple((k, _key(x, leaves)) for k, x in v.items())
+    if isinstance(v, torch.Tensor):
+        spec = getattr(v, "_spec", None)
+        if spec is None:
+            raise _Plain
+        leaves.append(v)
+        return spec.key
+    raise TypeError(f"DTorch cannot pass a {t.__name__} to an op")
+
+
+@dataclass
+class Plan:
+    op_name: str
+    route: str  # "sharded" | "replicate" | "sync"
+    func: Any
+    inputs: list[Spec | None]  # per DTensor leaf: layout to redistribute to, None if it stays
+    args: list  # wire template: {"$t": leaf index} marks tensor slots
+    kwargs: dict
+    local: dict[int, list] | None  # device -> [args, kwargs] templates where they differ per device
+    outputs: Any  # Spec | None | list/tuple of (Spec | None)
+    flat_outputs: list[Spec | None]
+    inplace: bool
+    random: bool
+
+
+_plans: dict[Any, Plan] = {}
+
+
+class _Slot(int):
+    """Marks where the n-th DTensor of an op's arguments goes."""
+
+
+def _slot_templates(args: Any, kwargs: dict) -> tuple[list, dict]:
+    """Wire form of (args, kwargs) in which the n-th DTensor spec becomes the slot {"$t": n}."""
+    counter = iter(range(1 << 30))
+    marked = pytree.tree_map(lambda v: _Slot(next(counter)) if isinstance(v, Spec) else v, (list(args), kwargs))
+
+    def enc(v: Any) -> Any:
+        if type(v) is _Slot:
+            return {"$t": int(v)}
+        if isinstance(v, (list, tuple)):
+            return [enc(x) for x in v]
+        if isinstance(v, dict):
+            return {k: enc(x) for k, x in v.items()}
+        return encode_value(v, lambda t: None)
+
+    return enc(marked[0]), enc(marked[1])
+
+
+def _fill(t: Any, tids: list[int]) -> Any:
+    if type(t) is list:
+        return [_fill(x, tids) for x in t]
+    if type(t) is dict:
+        if "$t" in t:
+            return {"$t": tids[t["$t"]]}
+        if any(type(x) in (list, dict) for x in t.values()):
+            return {k: _fill(x, tids) for k, x in t.items()}
+    return t
+
+
+def _is_inplace(func: Any) -> bool:
+    schema = func._schema
+    return bool(schema.returns) and schema.returns[0].alias_info is not None and \
+        schema.returns[0].alias_info.is_write and bool(schema.arguments) and \
+        schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+
+
+def _returns_tensors(func: Any) -> bool:
+    for r in func._schema.returns:
+        text = str(r.type)
+        if "Tensor" not in text:
+            return False
+    return True
+
+
+def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Plan:
+    specs = [d._spec for d in leaves]
+    meshes = {s.mesh for s in specs}
+    if len(meshes) > 1:
+        raise ValueError(f"{func} got DTensors on different meshes {sorted(map(repr, meshes))}; "
+                         "move them with .redistribute(device_mesh=...) first")
+    mesh = specs[0].mesh
+    it = iter(specs)
+    spec_args = pytree.tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, args)
+    spec_kwargs = pytree.tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, kwargs)
+    op_name = str(func)
+    inplace = _is_inplace(func)
+    if not _returns_tensors(func):
+        return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False)
+    random = torch.Tag.nondeterministic_seeded in func.tags
+    route, local = "sharded", None
+    try:
+        if random:
+            raise _sharding.NoRule("random op")
+        prop = _sharding.propagate(func, spec_args, spec_kwargs, mesh)
+        run_func, new_args, outputs = prop.op, prop.args, prop.outputs
+        required = [s for s in pytree.tree_leaves((new_args, prop.kwargs)) if isinstance(s, Spec)]
+        if prop.rank_args is not None:
+            local = {mesh.devices[rank]: list(_slot_templates(a, k)) for rank, (a, k) in enumerate(prop.rank_args)}
+    except _sharding.NoRule:
+        route, run_func, new_args = "replicate", func, spec_args
+        replicate = (Replicate(),) * mesh.ndim
+        required = [s.with_placements(replicate) for s in specs]
+        try:
+            outputs = _sharding.meta_outputs(func, spec_args, spec_kwargs, mesh)
+        except _sharding.NoRule as e:
+            raise NotImplementedError(f"dtorch: {func} is not supported on DTensors ({e})") from None
+        except NotImplementedError as e:
+            raise NotImplementedError(f"dtorch: {func} has no sharding rule and no meta kernel, so it cannot "
+                                      f"run on DTensors with placements {[s.placements for s in specs]}: {e}"
+                                      ) from None
+    inputs = [None if r.placements == s.placements else r for r, s in zip(required, specs)]
+    flat_outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
+    # in-place ops whose self must move first: the result replaces self's shards and self takes its layout
+    return Plan(str(run_func), route, run_func, inputs, wire_args, wire_kwargs, local, outputs, flat_outputs,
+                inplace, random)
+
+
+def _lift_plain(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Plain tensors mixed into an op become Replicate DTensors on the op's mesh."""
+    from dtorch.dtensor import DTensor
+    from dtorch.factories import replicate_plain
+
+    ref = next((v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, DTensor)), None)
+    if ref is None:
+        raise TypeError("no DTensor among the arguments")
+
+    def lift(v: Any) -> Any:
+        return replicate_plain(v, ref) if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v
+
+    return pytree.tree_map(lift, args), pytree.tree_map(lift, kwargs)
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    leaves: list = []
+    try:
+        key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
+    except _Plain:
+        args, kwargs = _lift_plain(args, kwargs)
+        leaves = []
+        key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
+    except TypeError:  # unhashable or exotic argument: plan without caching
+        key, leaves = None, [v for v in pytree.tree_leaves((args, kwargs)) if hasattr(v, "_spec")]
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        plan = _make_plan(func, args, kwargs, leaves)
+        if key is not None:
+            _plans[key] = plan
+    if plan.route == "sync":
+        return _run_locally(func, args, kwargs, leaves)
+    return _emit(plan, leaves)
+
+
+def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
+    from dtorch.dtensor import DTensor
+
+    session: Session = leaves[0]._session
+    src = user_src(3)
+    tids, temps = [], []
+    for d, target in zip(leaves, plan.inputs):
+        if target is None:
+            tids.append(d._tid)
+        else:
+            tmp = session.new_tid()
+            session.emit(m.InstrRedistribute(src=d._tid, dst=tmp, src_spec=d._spec.wire, dst_spec=target.wire,
+                                             src_line=src))
+            tids.append(tmp)
+            temps.append(tmp)
+    outs = plan.flat_outputs
+    if plan.inplace:
+        out_tids = [leaves[0]._tid] + [session.new_tid() if s is not None else None for s in outs[1:]]
+    else:
+        out_tids = [session.new_tid() if s is not None else None for s in outs]
+    local = None if plan.local is None else {dev: [_fill(a, tids), _fill(k, tids)]
+                                              for dev, (a, k) in plan.local.items()}
+    session.emit(m.InstrCall(op=plan.op_name, mesh=leaves[0]._spec.mesh.id, args=_fill(plan.args, tids),
+                             kwargs=_fill(plan.kwargs, tids),
+                             outs=[None if t is None else m.OutSpec(t, s.wire) for t, s in zip(out_tids, outs)],
+                             local=local, src=src, seed=session.next_seed() if plan.random else None))
+    if temps:
+        session.emit(m.InstrDelete(tids=temps))
+    results = []
+    for i, (t, s) in enumerate(zip(out_tids, outs)):
+        if s is None:
+            results.append(None)
+        elif plan.inplace and i == 0:
+            self = leaves[0]
+            if s.placements != self._spec.placements:
+                self._spec = self._spec.with_placements(s.placements)
+            results.append(self)
+        else:
+            results.append(DTensor(s, t, session))
+    if isinstance(plan.outputs, (list, tuple)):
+        return type(plan.outputs)(results)
+    return results[0]
+
+
+def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Any:
+    """A sync point: ops that return Python values run on the fetched full tensors."""
+    from dtorch.dtensor import DTensor
+
+    def full(v: Any) -> Any:
+        return v.to_torch() if isinstance(v, DTensor) else v
+
+    return func(*pytree.tree_map(full, args), **pytree.tree_map(full, kwargs))

@@ -1,0 +1,76 @@
+"""The client's metadata for one DTensor: mesh, placements and global shape, stride and dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from dtorch.device_mesh import DeviceMesh
+from dtorch.placement_types import Partial, Placement, Replicate, Shard
+from dtorch.protocol import messages as m
+from dtorch.protocol.values import dtype_name
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def normalize_placements(placements: Sequence[Placement] | None, mesh: DeviceMesh, ndim: int,
+                         ) -> tuple[Placement, ...]:
+    """Check one placement per mesh dim and make Shard dims non-negative; raise a one-line error otherwise."""
+    if placements is None:
+        return (Replicate(),) * mesh.ndim
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"got {len(placements)} placements for a {mesh.ndim}-d mesh: give one per mesh dim, "
+                         f"e.g. {[Replicate()] * mesh.ndim}")
+    out = []
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"placements must be Shard(dim), Replicate() or Partial(op), got {p!r}")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(f"{p} is out of range for a tensor with {ndim} dims")
+            p = Shard(p.dim % ndim)
+        out.append(p)
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class Spec:
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    key: tuple = field(init=False, repr=False)  # hashable identity, part of every plan-cache key
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.mesh.id, self.placements, self.shape, self.stride, self.dtype))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Spec) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def with_placements(self, placements: tuple[Placement, ...], mesh: DeviceMesh | None = None) -> Spec:
+        return Spec(mesh or self.mesh, placements, self.shape, self.stride, self.dtype)
+
+    def to_wire(self) -> m.TensorSpec:
+        return m.TensorSpec(shape=list(self.shape), dtype=dtype_name(self.dtype), mesh=self.mesh.id,
+                            placements=[p.to_wire() for p in self.placements])
+
+    @cached_property
+    def wire(self) -> m.TensorSpec:
+        return self.to_wire()
+
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)

@@ -1,0 +1,116 @@
+"""DeviceMesh: an n-d array of this session's *logical* device ids (the controller maps them to workers).
+
+Several logical devices may share one physical worker (virtual devices), so a program
+written for 8 devices runs on 2 with the same results.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+_registry: dict[tuple, int] = {}
+_registry_lock = threading.Lock()
+
+
+def _flatten(ids: Any) -> tuple[list[int], list[int]]:
+    if isinstance(ids, torch.Tensor):
+        return [int(i) for i in ids.flatten().tolist()], list(ids.shape)
+    if isinstance(ids, int):
+        return [ids], []
+    if not isinstance(ids, Sequence) or isinstance(ids, str):
+        raise TypeError(f"DeviceMesh ids must be a (nested) list of ints or a tensor, got {type(ids).__name__}")
+    if all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return list(ids), [len(ids)]
+    parts = [_flatten(i) for i in ids]
+    shapes = {tuple(s) for _, s in parts}
+    if len(shapes) != 1:
+        raise ValueError(f"DeviceMesh ids must be a rectangular nested list, got rows of shapes {sorted(shapes)}")
+    return [i for flat, _ in parts for i in flat], [len(ids), *shapes.pop()]
+
+
+class DeviceMesh:
+    """`DeviceMesh(device_type, ids, mesh_dim_names=None)`, as in torch.distributed but with no process groups."""
+
+    def __init__(self, device_type: str, mesh: Any, mesh_dim_names: Sequence[str] | None = None) -> None:
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"DeviceMesh device_type must be 'cpu' or 'cuda', got {device_type!r}")
+        flat, shape = _flatten(mesh)
+        if not flat or not shape:
+            raise ValueError("DeviceMesh needs at least one device id in a list, e.g. DeviceMesh('cpu', [0, 1])")
+        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in flat):
+            raise ValueError(f"DeviceMesh ids must be non-negative ints, got {flat}")
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"DeviceMesh ids must be distinct, got {flat}")
+        names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+        if names is not None and (len(names) != len(shape) or len(set(names)) != len(names)):
+            raise ValueError(f"mesh_dim_names {list(names)} must name each of the mesh's {len(shape)} dims once")
+        self.device_type = device_type
+        self.devices: tuple[int, ...] = tuple(flat)
+        self.shape: tuple[int, ...] = tuple(shape)
+        self.mesh_dim_names = names
+        key = (device_type, self.devices, self.shape)
+        with _registry_lock:
+            self.id = _registry.setdefault(key, len(_registry))
+        self._torch_meshes: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ torch-like surface
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        return math.prod(self.shape) if mesh_dim is None else self.shape[mesh_dim]
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        return torch.tensor(self.devices).reshape(self.shape)
+
+    def tolist(self) -> Any:
+        return self.mesh.tolist()
+
+    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
+        """`mesh["tp"]`: the sub-mesh along named dims through coordinate 0 of the others."""
+        if self.mesh_dim_names is None:
+            raise KeyError("this DeviceMesh has no mesh_dim_names; name its dims to take a sub-mesh")
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        unknown = [n for n in wanted if n not in self.mesh_dim_names]
+        if unknown:
+            raise KeyError(f"mesh dim {unknown[0]!r} not in {list(self.mesh_dim_names)}")
+        dims = [self.mesh_dim_names.index(n) for n in wanted]
+        index = tuple(slice(None) if d in dims else 0 for d in range(self.ndim))
+        sub = self.mesh[index].permute(*[sorted(dims).index(d) for d in dims]) if len(dims) > 1 else self.mesh[index]
+        return DeviceMesh(self.device_type, sub, mesh_dim_names=wanted)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and other.id == self.id and other.mesh_dim_names == self.mesh_dim_names
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.mesh_dim_names))
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh('{self.device_type}', {self.tolist()}{names})"
+
+    # ------------------------------------------------------------------ internals
+    def torch_mesh(self, rank: int = 0) -> Any:
+        """A process-group-free torch DeviceMesh for sharding propagation, seen from mesh position `rank`."""
+        tm = self._torch_meshes.get(rank)
+        if tm is None:
+            from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+            tm = TorchMesh("cpu", torch.arange(len(self.devices)).reshape(self.shape),
+                           mesh_dim_names=self.mesh_dim_names, _init_backend=False, _rank=rank)
+            self._torch_meshes[rank] = tm
+        return tm
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
+                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """Like torch's `init_device_mesh`: logical ids 0..N-1 laid out in `mesh_shape`."""
+    n = math.prod(mesh_shape)
+    return DeviceMesh(device_type, torch.arange(n).reshape(tuple(mesh_shape)), mesh_dim_names=mesh_dim_names)

@@ -1,0 +1,118 @@
+"""DTensor: a `torch.Tensor` subclass that holds no data, only a global spec and a tensor id.
+
+Every aten op on it goes through `__torch_dispatch__` (see `_dispatch`), which queues an
+instruction and returns a new DTensor at once. Values come back only at sync points:
+`to_torch()`, `print`/`repr`, `.item()`, `.tolist()`, `bool(x)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from dtorch import _dispatch
+from dtorch._source import user_src
+from dtorch._spec import Spec, normalize_placements
+from dtorch.device_mesh import DeviceMesh
+from dtorch.placement_types import Partial, Placement, Replicate
+from dtorch.protocol import messages as m
+from dtorch.session import Session
+
+
+class DTensor(torch.Tensor):
+    _spec: Spec
+    _tid: int
+    _session: Session
+
+    @staticmethod
+    def __new__(cls, spec: Spec, tid: int, session: Session, requires_grad: bool = False) -> DTensor:
+        r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
+                                                device=spec.mesh.device_type, requires_grad=requires_grad)
+        r._spec, r._tid, r._session = spec, tid, session
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return _dispatch.dispatch(func, args, kwargs or {})
+
+    def __del__(self) -> None:
+        session = self.__dict__.get("_session")
+        if session is not None:
+            session.release(self._tid)
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    # ------------------------------------------------------------------ sync points
+    def to_torch(self) -> torch.Tensor:
+        """The whole tensor as a plain torch.Tensor on the client (a sync point)."""
+        return self._session.fetch(self)
+
+    full_tensor = to_torch
+
+    def to_torch_async(self) -> Future:
+        """Like `to_torch()`, but returns at once with a Future of the tensor."""
+        return self._session.fetch_async(self)
+
+    def tolist(self) -> Any:
+        return self.to_torch().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.to_torch().numpy()
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"DTensor({self.to_torch()!r}, device_mesh={self.device_mesh!r}, placements={self.placements}{grad})"
+
+    # ------------------------------------------------------------------ layout
+    def redistribute(self, device_mesh: DeviceMesh | None = None,
+                     placements: Sequence[Placement] | None = None) -> DTensor:
+        """The same values laid out by `placements` on `device_mesh` (default: this mesh); differentiable."""
+        mesh = device_mesh or self.device_mesh
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"device_mesh must be a dtorch.DeviceMesh, got {type(mesh).__name__}")
+        if placements is None:
+            if mesh != self.device_mesh:
+                raise ValueError("redistribute to another mesh needs placements=")
+            placements = self.placements
+        target = normalize_placements(placements, mesh, len(self.shape))
+        return _Redistribute.apply(self, mesh, target)
+
+
+def redistribute_to(x: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...], src: str) -> DTensor:
+    """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
+    session = x._session
+    if mesh != x.device_mesh:
+        session.ensure_mesh(mesh)
+    spec = x._spec.with_placements(placements, mesh)
+    if spec == x._spec:
+        return x
+    tid = session.new_tid()
+    session.emit(m.InstrRedistribute(src=x._tid, dst=tid, src_spec=x._spec.wire, dst_spec=spec.wire, src_line=src))
+    return DTensor(spec, tid, session)
+
+
+class _Redistribute(torch.autograd.Function):
+    """Forward: move to the target layout. Backward: move the gradient back (Partial becomes Replicate)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+        ctx.src_mesh, ctx.src_placements = x.device_mesh, x.placements
+        out = redistribute_to(x, mesh, placements, user_src(4))
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
+        back = tuple(Replicate() if isinstance(p, Partial) else p for p in ctx.src_placements)
+        return redistribute_to(grad, ctx.src_mesh, back, user_src(2)), None, None

@@ -1,0 +1,132 @@
+"""Creating DTensors: random and constant factories, `distribute_tensor`, and the session RNG seed.
+
+Random factories give the same values whatever the mesh and placements: each worker draws
+the whole tensor from a generator seeded by the session's random stream and keeps its box.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dtorch._source import user_src
+from dtorch._spec import Spec, contiguous_stride, normalize_placements
+from dtorch.device_mesh import DeviceMesh
+from dtorch.dtensor import DTensor
+from dtorch.placement_types import Placement, Replicate
+from dtorch.protocol import messages as m
+from dtorch.protocol.values import dtype_name, tensor_to_bytes
+from dtorch.runtime import get_session
+
+_RANDOM = ("rand", "randn")
+
+
+def _shape(size: tuple) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size):
+        raise ValueError(f"size must be non-negative ints, got {size}")
+    return tuple(size)
+
+
+def _check_mesh(name: str, mesh: Any) -> DeviceMesh:
+    if mesh is None:
+        raise ValueError(f"dtorch.{name} needs device_mesh=, e.g. dtorch.DeviceMesh('cpu', [0, 1])")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a dtorch.DeviceMesh, got {type(mesh).__name__}")
+    return mesh
+
+
+def _create(init: str, shape: tuple[int, ...], mesh: DeviceMesh | None, placements: Sequence[Placement] | None,
+            dtype: torch.dtype | None, requires_grad: bool, value: Any = None, arange: list | None = None) -> DTensor:
+    mesh = _check_mesh(init, mesh)
+    dtype = dtype or torch.get_default_dtype()
+    if init in _RANDOM and not dtype.is_floating_point:
+        raise TypeError(f"dtorch.{init} needs a floating point dtype, got {dtype}")
+    spec = Spec(mesh, normalize_placements(placements, mesh, len(shape)), shape, contiguous_stride(shape), dtype)
+    session = get_session()
+    session.ensure_mesh(mesh)
+    tid = session.new_tid()
+    session.emit(m.InstrCreate(tid=tid, spec=spec.wire, init=init, value=value, arange=arange,
+                               seed=session.next_seed() if init in _RANDOM else 0, src=user_src(3)))
+    return DTensor(spec, tid, session, requires_grad=requires_grad)
+
+
+def rand(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    return _create("rand", _shape(size), device_mesh, placements, dtype, requires_grad)
+
+
+def randn(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    return _create("randn", _shape(size), device_mesh, placements, dtype, requires_grad)
+
+
+def zeros(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    return _create("zeros", _shape(size), device_mesh, placements, dtype, requires_grad)
+
+
+def ones(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    return _create("ones", _shape(size), device_mesh, placements, dtype, requires_grad)
+
+
+def empty(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    return _create("empty", _shape(size), device_mesh, placements, dtype, requires_grad)
+
+
+def full(size: Sequence[int], fill_value: Any, *, device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None, dtype: torch.dtype | None = None,
+         requires_grad: bool = False) -> DTensor:
+    if dtype is None:
+        dtype = torch.tensor(fill_value).dtype if not isinstance(fill_value, float) else torch.get_default_dtype()
+    return _create("full", _shape((size,)), device_mesh, placements, dtype, requires_grad, value=fill_value)
+
+
+def arange(start: Any, end: Any = None, step: Any = 1, *, device_mesh: DeviceMesh | None = None,
+           placements: Sequence[Placement] | None = None, dtype: torch.dtype | None = None,
+           requires_grad: bool = False) -> DTensor:
+    if end is None:
+        start, end = 0, start
+    meta = torch.arange(start, end, step, dtype=dtype, device="meta")
+    return _create("arange", tuple(meta.shape), device_mesh, placements, meta.dtype, requires_grad,
+                   arange=[start, end, step])
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None,
+                      ) -> DTensor:
+    """Shard a full torch tensor from the client onto the mesh (data goes straight to the workers)."""
+    if isinstance(tensor, DTensor):
+        raise TypeError("distribute_tensor takes a plain torch.Tensor; use .redistribute() on a DTensor")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+    mesh = _check_mesh("distribute_tensor", device_mesh)
+    shape = tuple(tensor.shape)
+    spec = Spec(mesh, normalize_placements(placements, mesh, len(shape)), shape, contiguous_stride(shape),
+                tensor.dtype)
+    session = get_session()
+    tid = session.upload(tensor, spec)
+    return DTensor(spec, tid, session, requires_grad=tensor.requires_grad)
+
+
+def replicate_plain(tensor: torch.Tensor, like: DTensor) -> DTensor:
+    """A plain tensor mixed into an op: small ones ride inside the instruction, large ones are uploaded."""
+    mesh, session = like.device_mesh, like._session
+    shape = tuple(tensor.shape)
+    spec = Spec(mesh, (Replicate(),) * mesh.ndim, shape, contiguous_stride(shape), tensor.dtype)
+    if tensor.numel() > 1 << 16:
+        return DTensor(spec, session.upload(tensor, spec), session)
+    tid = session.new_tid()
+    literal = {"$lit": [dtype_name(tensor.dtype), list(shape), tensor_to_bytes(tensor)]}
+    session.emit(m.InstrCall(op="aten.clone.default", mesh=mesh.id, args=[literal], kwargs={},
+                             outs=[m.OutSpec(tid, spec.wire)], src=user_src(3)))
+    return DTensor(spec, tid, session)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed DTorch's random stream: the same seed gives the same values under any mesh and placements."""
+    get_session().manual_seed(seed)

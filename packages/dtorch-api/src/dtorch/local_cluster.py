@@ -1,0 +1,106 @@
+"""An embedded local cluster: a controller and N worker processes on this machine, owned by this process.
+
+Started when no DTORCH_CONTROLLER is set. The processes watch this process and exit with
+it, and `stop()` (run at exit) ends them, so nothing is left behind. Needs the
+dtorch-controller and dtorch-worker packages (`pip install dtorch-api[local]`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dtorch.protocol import messages as m
+from dtorch.protocol import wire
+
+
+class LocalCluster:
+    def __init__(self, workers: int = 2, *, device: str = "cpu", start_timeout: float = 120.0) -> None:
+        if workers < 1:
+            raise ValueError(f"a local cluster needs at least 1 worker, got {workers}")
+        missing = [p for p in ("dtorch_controller", "dtorch_worker") if importlib.util.find_spec(p) is None]
+        if missing:
+            raise RuntimeError(f"no DTORCH_CONTROLLER is set and {', '.join(missing)} is not installed to start a "
+                               "local cluster: pip install 'dtorch-api[local]', or set DTORCH_CONTROLLER=host:port")
+        self.token = secrets.token_hex(16)
+        self.dir = Path(tempfile.mkdtemp(prefix="dtorch-local-"))
+        self.procs: list[subprocess.Popen] = []
+        self.env = {**os.environ, "DTORCH_TOKEN": self.token}
+        parent = str(os.getpid())
+        try:
+            port_file = self.dir / "controller.addr"
+            self._spawn("controller", [sys.executable, "-m", "dtorch_controller", "--listen", "127.0.0.1:0",
+                                       "--port-file", str(port_file), "--parent-pid", parent])
+            deadline = time.monotonic() + start_timeout
+            self.address = self._wait_for_file(port_file, deadline)
+            for i in range(workers):
+                dev = f"cuda:{i}" if device == "cuda" else device
+                self._spawn(f"worker{i}", [sys.executable, "-m", "dtorch_worker", "--controller", self.address,
+                                           "--device", dev, "--parent-pid", parent])
+            self._wait_for_workers(workers, deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.dir / f"{name}.log", "wb")
+        self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=self.env, start_new_session=True))
+        log.close()
+
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            if p.poll() is not None:
+                tail = self._log_tail(p)
+                raise RuntimeError(f"local cluster process {' '.join(p.args[1:3])} exited with code {p.returncode}: "
+                                   f"{tail}")
+
+    def _log_tail(self, p: subprocess.Popen) -> str:
+        index = self.procs.index(p)
+        name = "controller" if index == 0 else f"worker{index - 1}"
+        try:
+            lines = (self.dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return lines[-1] if lines else "(empty log)"
+
+    def _wait_for_file(self, path: Path, deadline: float) -> str:
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if path.exists() and path.read_text().strip():
+                return path.read_text().strip()
+            time.sleep(0.02)
+        raise TimeoutError("the local controller did not start in time")
+
+    def _wait_for_workers(self, n: int, deadline: float) -> None:
+        stub = wire.Stub("dtorch.Controller", self.address, self.token)
+        try:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                status = stub.call("Status", m.StatusRequest(), timeout=5.0)
+                if sum(w.state == "alive" for w in status.workers) >= n:
+                    return
+                time.sleep(0.05)
+            raise TimeoutError(f"{n} local workers did not register in time (logs in {self.dir})")
+        finally:
+            stub.close()
+
+    def stop(self) -> None:
+        """End every process of the cluster (bounded: terminate, then kill)."""
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+        self.procs.clear()

@@ -1,0 +1,68 @@
+"""The process-wide default session: connect to DTORCH_CONTROLLER, or start an embedded local cluster.
+
+    dtorch.connect("host:50051")     # explicit; otherwise the first DTensor connects lazily
+    dtorch.status()                  # workers, sessions, live tensors and bytes per worker
+    dtorch.shutdown()                # also runs at exit
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+
+from dtorch.local_cluster import LocalCluster
+from dtorch.protocol import messages as m
+from dtorch.session import Session
+
+_lock = threading.RLock()
+_session: Session | None = None
+_cluster: LocalCluster | None = None
+
+
+def connect(controller: str | None = None, *, token: str | None = None, workers: int | None = None,
+            name: str = "", priority: str = "normal", kind: str = "batch") -> Session:
+    """Open the default session (closing any previous one).
+
+    `controller` defaults to $DTORCH_CONTROLLER; without either, a local cluster of `workers`
+    worker processes (default $DTORCH_LOCAL_WORKERS or 2) is started for this process.
+    """
+    global _session, _cluster
+    with _lock:
+        shutdown()
+        address = controller or os.environ.get("DTORCH_CONTROLLER")
+        if not address:
+            n = workers if workers is not None else int(os.environ.get("DTORCH_LOCAL_WORKERS", "2"))
+            _cluster = LocalCluster(n, device=os.environ.get("DTORCH_LOCAL_DEVICE", "cpu"))
+            address, token = _cluster.address, _cluster.token
+        try:
+            _session = Session(address, token, name=name, priority=priority, kind=kind)
+        except BaseException:
+            shutdown()
+            raise
+        return _session
+
+
+def get_session() -> Session:
+    with _lock:
+        return _session if _session is not None else connect()
+
+
+def status() -> m.StatusReply:
+    """The controller's view: workers (state, live shards, bytes), sessions and recent events."""
+    return get_session().status()
+
+
+def shutdown() -> None:
+    """Close the default session and stop the local cluster, if this process started one."""
+    global _session, _cluster
+    with _lock:
+        if _session is not None:
+            _session.close()
+            _session = None
+        if _cluster is not None:
+            _cluster.stop()
+            _cluster = None
+
+
+atexit.register(shutdown)
