@@ -1,0 +1,139 @@
+"""`dtorch-controller`: run the controller, or show a running one's status.
+
+    dtorch-controller [--listen HOST:PORT] [--port-file PATH] [--heartbeat-interval S]
+                      [--heartbeat-timeout S] [--parent-pid PID]
+    dtorch-controller status [--controller HOST:PORT] [--json]
+
+The token comes from $DTORCH_TOKEN. The embedded local cluster starts the controller on port 0 with
+--port-file and --parent-pid, reads the address from the file, and relies on the watchdog to end the
+controller when the user's process goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from dtorch.protocol import wire
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+WATCHDOG_INTERVAL_S = 0.5
+
+
+def _normalize_listen(listen: str) -> str:
+    """":50051" means every interface, as in `--listen :50051`."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"dtorch-controller: --listen needs HOST:PORT, got {listen!r}")
+    return f"{host or '0.0.0.0'}:{port}"
+
+
+def _write_port_file(path: str, address: str) -> None:
+    """Write atomically, so a reader polling for the file never sees half an address."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(address)
+    os.replace(tmp, target)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_parent(pid: int, stop: threading.Event) -> None:
+    while not stop.wait(WATCHDOG_INTERVAL_S):
+        if not _alive(pid):
+            print(f"dtorch-controller: parent process {pid} exited, stopping", file=sys.stderr, flush=True)
+            stop.set()
+
+
+def serve(args: argparse.Namespace) -> int:
+    from dtorch_controller.core import Config
+    from dtorch_controller.server import run_server
+
+    try:
+        config = Config(heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout)
+    except ValueError as e:
+        print(f"dtorch-controller: {e}", file=sys.stderr)
+        return 2
+    try:
+        server, address = run_server(_normalize_listen(args.listen), wire.token_from_env(), config)
+    except (OSError, RuntimeError) as e:
+        print(f"dtorch-controller: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True,
+                         name="dtorch-controller-watchdog").start()
+    try:
+        print(f"dtorch-controller listening on {address}", flush=True)
+        if args.port_file:
+            _write_port_file(args.port_file, address)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop(0.5)
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    from dtorch.protocol import messages as m
+
+    from dtorch_controller import status_view
+
+    target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
+    stub = wire.Stub("dtorch.Controller", target, wire.token_from_env())
+    try:
+        reply = stub.call("Status", m.StatusRequest(), timeout=args.timeout)
+    except (ConnectionError, TimeoutError, PermissionError, wire.ProtocolError, wire.RemoteError) as e:
+        print(f"dtorch-controller status: {e}".splitlines()[0], file=sys.stderr)
+        return 1
+    finally:
+        stub.close()
+    if args.json:
+        print(status_view.to_json(reply))
+    else:
+        status_view.render(reply)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtorch-controller",
+                                     description="Run the DTorch controller (token from $DTORCH_TOKEN).")
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT to serve on (default {DEFAULT_LISTEN})")
+    parser.add_argument("--port-file", help="write the address actually served on to this file")
+    parser.add_argument("--heartbeat-interval", type=float, default=0.2, metavar="S",
+                        help="how often workers report (default 0.2)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=1.0, metavar="S",
+                        help="a worker silent this long is lost (default 1.0)")
+    parser.add_argument("--parent-pid", type=int, help="exit when this process exits")
+    commands = parser.add_subparsers(dest="command", metavar="{status}")
+    st = commands.add_parser("status", help="show workers, sessions and recent events of a running controller")
+    st.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
+    st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
+    st.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "status":
+        return status(args)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

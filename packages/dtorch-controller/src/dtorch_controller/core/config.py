@@ -1,0 +1,40 @@
+"""Tunables of the controller core; the adapters (server, simulator) build one and pass it in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def format_seconds(t: float) -> str:
+    """Default event-log time stamp: the core's own clock, in seconds (the server swaps in wall-clock time)."""
+    return f"{t:.3f}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Heartbeat deadlines and bookkeeping sizes.
+
+    A worker silent for `suspect_after_s` (two heartbeat intervals, capped by the timeout) becomes suspect,
+    and lost at `heartbeat_timeout_s`, so a dead worker is detected within the timeout.
+    """
+
+    heartbeat_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 1.0
+    event_log_size: int = 200  # recent events kept for Status
+    lost_workers_kept: int = 32  # lost workers still listed in Status once nothing refers to them
+    max_sync_timeout_s: float = 3600.0  # clamp on a client's Sync timeout
+    format_time: Callable[[float], str] = format_seconds  # renders `now` in event-log lines
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval_s > 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
+                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+        if self.event_log_size < 1:
+            raise ValueError(f"event_log_size must be >= 1, got {self.event_log_size}")
+
+    @property
+    def suspect_after_s(self) -> float:
+        return min(2 * self.heartbeat_interval_s, self.heartbeat_timeout_s)

@@ -1,0 +1,408 @@
+"""The controller core: events in, effects out.
+
+Rules:
+
+1. `ControllerCore.handle(now, event) -> list[Effect]` is the only entry point. `now` is the adapter's
+   monotonic clock (wall clock in the server, simulated clock in dtorch-sim); the core never reads a
+   clock, does no I/O and starts no threads. Randomness (session ids) is injected too.
+2. The core is single-threaded: the adapter serializes calls and performs the returned effects, in
+   order, outside its lock. Outcomes come back as events (`WorkerUnreachable`, `TimerFired`).
+3. Every request event gets exactly one `Reply`, at once or later (Sync waits for workers).
+4. Client input never raises out of the core: a bad request is answered with a `Refusal`, a bad
+   instruction becomes an ErrorReport surfaced at the session's next Sync.
+5. Each worker's Execute seqs are contiguous from 1, across sessions; every seq the core assigns is
+   emitted as a `SendExecute`, so a worker that runs batches in seq order never waits for a gap.
+6. A worker declared lost is fenced for good: its reports are answered "fenced", it gets no commands,
+   and it must register again under a new id. Lifecycles are the tables in `state.py`.
+7. Timers may fire late, early or after they stopped mattering: each firing rechecks the state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from dtorch.protocol import messages as m
+from dtorch.protocol.wire import ProtocolError, check_hello
+
+from dtorch_controller import __version__
+from dtorch_controller.core import effects as fx
+from dtorch_controller.core import events as ev
+from dtorch_controller.core import state as st
+from dtorch_controller.core.config import Config
+from dtorch_controller.core.eventlog import EventLog
+from dtorch_controller.core.ids import random_session_id
+from dtorch_controller.core.model import Mesh, PendingSync, Session, Worker
+from dtorch_controller.core.scheduling import FifoPlacement, PlacementPolicy, PlacementRequest, WorkerSlot
+from dtorch_controller.core.translate import translate
+
+Effects = list[fx.Effect]
+
+PRIORITIES = ("high", "normal", "low")
+KINDS = ("batch", "realtime")
+_EPS = 1e-9  # timers due "at" a deadline must count as past it despite float rounding
+
+
+def _short(session_id: str) -> str:
+    return session_id[:8]
+
+
+class ControllerCore:
+    """All controller logic: workers, sessions, placement, routing, health. See the module rules."""
+
+    def __init__(self, config: Config | None = None, *, session_ids: Callable[[], str] | None = None,
+                 policy: PlacementPolicy | None = None, version: str = __version__) -> None:
+        self.config = config or Config()
+        self.policy: PlacementPolicy = policy or FifoPlacement()
+        self.version = version
+        self.workers: dict[str, Worker] = {}
+        self.sessions: dict[str, Session] = {}
+        self.log = EventLog(self.config.event_log_size, self.config.format_time)
+        self._new_session_id = session_ids or random_session_id
+        self._by_address: dict[str, str] = {}  # address -> id of the worker there that is not lost
+        self._registrations = 0
+        self._handlers: dict[type, Callable[[float, Any, Effects], None]] = {
+            ev.OpenSession: self._open_session, ev.OpenMesh: self._open_mesh, ev.Submit: self._submit,
+            ev.Sync: self._sync, ev.CloseSession: self._close_session, ev.Status: self._status,
+            ev.Register: self._register, ev.Report: self._report, ev.TimerFired: self._timer,
+            ev.WorkerUnreachable: self._unreachable,
+        }
+
+    def handle(self, now: float, event: ev.Event) -> list[fx.Effect]:
+        """Apply one event at time `now`; returns what the adapter must do, in order."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a controller event: {event!r}")
+        out: Effects = []
+        handler(now, event, out)
+        return out
+
+    # ------------------------------------------------------------ small helpers
+
+    @staticmethod
+    def _reply(out: Effects, request_id: Any, message: Any) -> None:
+        out.append(fx.Reply(request_id, message))
+
+    def _refuse(self, out: Effects, request_id: Any, message: str, kind: str = "refused") -> None:
+        out.append(fx.Reply(request_id, fx.Refusal(kind, message)))  # type: ignore[arg-type]
+
+    def _session(self, out: Effects, request_id: Any, session_id: str) -> Session | None:
+        s = self.sessions.get(session_id)
+        if s is None:
+            self._refuse(out, request_id, f"unknown session {session_id[:16]!r} (closed, or never opened here)")
+        return s
+
+    def _hello_refusal(self, hello: m.Hello, role: str) -> str | None:
+        try:
+            check_hello(hello)
+        except ProtocolError as e:
+            return str(e)
+        if hello.role != role:
+            return f"expected a {role} hello, got role {hello.role!r}"
+        return None
+
+    def _send(self, s: Session, cmds: dict[str, list[m.Cmd]], out: Effects) -> None:
+        """One Execute per worker with commands, numbered with the worker's next seq."""
+        for worker_id, batch in cmds.items():
+            if not batch:
+                continue
+            w = self.workers[worker_id]
+            w.sent += 1
+            s.sent[worker_id] = w.sent
+            out.append(fx.SendExecute(worker_id, w.address, m.Execute(seq=w.sent, session=s.id, cmds=batch)))
+
+    def _locations(self, s: Session) -> dict[int, str]:
+        return {d: self.workers[w].address for d, w in sorted(s.devices.items())}
+
+    # ------------------------------------------------------------ sessions and meshes
+
+    def _open_session(self, now: float, e: ev.OpenSession, out: Effects) -> None:
+        msg = e.msg
+        refusal = self._hello_refusal(msg.hello, "client")
+        if refusal:
+            return self._refuse(out, e.request_id, refusal, "protocol")
+        if msg.priority not in PRIORITIES:
+            return self._refuse(out, e.request_id, f"bad priority {msg.priority!r}: expected one of {PRIORITIES}")
+        if msg.kind not in KINDS:
+            return self._refuse(out, e.request_id, f"bad session kind {msg.kind!r}: expected one of {KINDS}")
+        sid = self._new_session_id()
+        while sid in self.sessions:
+            sid = self._new_session_id()
+        self.sessions[sid] = Session(id=sid, name=msg.name, priority=msg.priority, kind=msg.kind, opened_at=now)
+        self.log.add(now, f"session {_short(sid)} opened ({msg.name or 'unnamed'}, {msg.priority}, {msg.kind})")
+        self._reply(out, e.request_id, m.SessionOpened(session=sid, controller_version=self.version))
+
+    def _open_mesh(self, now: float, e: ev.OpenMesh, out: Effects) -> None:
+        msg = e.msg
+        s = self._session(out, e.request_id, msg.session)
+        if s is None:
+            return
+        devices, shape = tuple(msg.devices), tuple(msg.shape)
+        problem = _mesh_problem(devices, shape)
+        if problem:
+            return self._refuse(out, e.request_id, f"bad mesh {msg.mesh}: {problem}")
+        known = s.meshes.get(msg.mesh)
+        if known is not None and known.key != (devices, shape):
+            return self._refuse(out, e.request_id, f"mesh {msg.mesh} is already open with devices "
+                                                   f"{list(known.devices)} and shape {list(known.shape)}")
+        new = tuple(d for d in devices if d not in s.devices)
+        if new:
+            slots = [WorkerSlot(worker=w.id, bound=w.bound, order=w.order, memory_bytes=w.memory_bytes,
+                                device_type=w.device_type, labels=dict(w.labels))
+                     for w in sorted(self.workers.values(), key=lambda w: w.order) if w.state in st.PLACEABLE]
+            registered = sum(w.state != st.LOST for w in self.workers.values())
+            decision = self.policy.place(PlacementRequest(s.id, s.priority, new, registered), slots)
+            if not decision.placed:
+                self.log.add(now, f"session {_short(s.id)} mesh {msg.mesh} not placed: {decision.message}")
+                return self._reply(out, e.request_id, m.MeshPlaced(
+                    mesh=msg.mesh, placed=False, queue_position=decision.queue_position, message=decision.message))
+            allowed = {slot.worker for slot in slots}
+            if set(decision.assignment) != set(new) or not set(decision.assignment.values()) <= allowed:
+                return self._refuse(out, e.request_id, "placement policy returned an invalid assignment")
+            for device in new:
+                self._bind(s, device, decision.assignment[device])
+            self.log.add(now, f"session {_short(s.id)} mesh {msg.mesh}: devices "
+                              + ", ".join(f"{d}->{decision.assignment[d]}" for d in new))
+        s.meshes[msg.mesh] = Mesh(id=msg.mesh, devices=devices, shape=shape)
+        self._reply(out, e.request_id, m.MeshPlaced(
+            mesh=msg.mesh, placed=True, locations={d: self.workers[s.devices[d]].address for d in devices}))
+
+    def _bind(self, s: Session, device: int, worker_id: str) -> None:
+        w = self.workers[worker_id]
+        s.devices[device] = worker_id
+        w.sessions.add(s.id)
+        w.bound += 1
+
+    def _submit(self, now: float, e: ev.Submit, out: Effects) -> None:
+        msg = e.msg
+        s = self._session(out, e.request_id, msg.session)
+        if s is None:
+            return
+        if msg.seq != s.seq + 1:
+            return self._refuse(out, e.request_id, f"batch {msg.seq} out of order: session {_short(s.id)} "
+                                                   f"expects batch {s.seq + 1}")
+        batch = translate(s, msg.instrs, self.workers)
+        s.seq = msg.seq
+        s.errors.extend(batch.errors)
+        s.deferred.extend(batch.deferred)
+        self._send(s, batch.cmds, out)
+        self._reply(out, e.request_id, m.SubmitReply(accepted=msg.seq))
+
+    def _close_session(self, now: float, e: ev.CloseSession, out: Effects) -> None:
+        s = self.sessions.get(e.msg.session)
+        if s is None:
+            return self._reply(out, e.request_id, m.Ack(ok=False, message="unknown session (already closed?)"))
+        holders = sorted({w for w in s.devices.values() if self.workers[w].state != st.LOST},
+                         key=lambda w: self.workers[w].order)
+        self._send(s, {w: [m.CmdCloseSession()] for w in holders}, out)
+        for pending in s.syncs.values():
+            self._reply(out, pending.request_id, m.SyncReply(done=False, message="session closed"))
+        for worker_id in s.devices.values():
+            w = self.workers[worker_id]
+            w.bound -= 1
+            w.sessions.discard(s.id)
+        s.state = st.step(st.SESSION_TABLE, s.state, st.CLOSE)
+        del self.sessions[s.id]
+        self.log.add(now, f"session {_short(s.id)} closed")
+        self._prune_lost()
+        self._reply(out, e.request_id, m.Ack(ok=True))
+
+    # ------------------------------------------------------------ sync
+
+    def _busy(self, s: Session) -> list[Worker]:
+        """Workers that have not finished the session's batches yet (lost ones are reported, not waited for)."""
+        busy = []
+        for worker_id, seq in s.sent.items():
+            w = self.workers[worker_id]
+            if w.state != st.LOST and w.completed < seq:
+                busy.append(w)
+        return busy
+
+    def _sync(self, now: float, e: ev.Sync, out: Effects) -> None:
+        msg = e.msg
+        s = self._session(out, e.request_id, msg.session)
+        if s is None:
+            return
+        if msg.upto > s.seq:
+            return self._refuse(out, e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted "
+                                                   f"for session {_short(s.id)} is {s.seq}")
+        if not self._busy(s):
+            return self._reply(out, e.request_id, self._done(s))
+        timeout = msg.timeout_s if math.isfinite(msg.timeout_s) else 0.0
+        timeout = min(max(timeout, 0.0), self.config.max_sync_timeout_s)
+        s.syncs[e.request_id] = PendingSync(e.request_id, msg.upto, timeout)
+        out.append(fx.SetTimer(now + timeout, ("sync", s.id, e.request_id)))
+
+    def _done(self, s: Session) -> m.SyncReply:
+        errors, s.errors = s.errors, []
+        return m.SyncReply(done=True, errors=errors, locations=self._locations(s))
+
+    def _resolve_syncs(self, s: Session, out: Effects) -> None:
+        if s.syncs and not self._busy(s):
+            for pending in s.syncs.values():
+                self._reply(out, pending.request_id, self._done(s))
+            s.syncs.clear()
+
+    def _sync_timeout(self, now: float, session_id: Any, request_id: Any, out: Effects) -> None:
+        s = self.sessions.get(session_id)
+        pending = s.syncs.pop(request_id, None) if s is not None else None
+        if s is None or pending is None:
+            return  # answered already
+        busy = self._busy(s)
+        if not busy:
+            return self._reply(out, request_id, self._done(s))
+        names = ", ".join(f"{w.id} at {w.address} (completed {w.completed} of {s.sent[w.id]})" for w in busy)
+        self._reply(out, request_id, m.SyncReply(
+            done=False, locations=self._locations(s),
+            message=f"sync upto batch {pending.upto} timed out after {pending.timeout_s:g}s; "
+                    f"workers still busy: {names}"))
+
+    # ------------------------------------------------------------ workers
+
+    def _register(self, now: float, e: ev.Register, out: Effects) -> None:
+        msg = e.msg
+        refusal = self._hello_refusal(msg.hello, "worker")
+        if refusal:
+            return self._refuse(out, e.request_id, refusal, "protocol")
+        if not msg.address:
+            return self._refuse(out, e.request_id, "a worker must register with the address peers reach it at")
+        previous = self._by_address.get(msg.address)
+        if previous is not None:
+            self._lose(now, self.workers[previous], st.REPLACED, f"a new worker registered at {msg.address}", out)
+        worker_id = f"w{self._registrations}"
+        self._registrations += 1
+        self.workers[worker_id] = Worker(
+            id=worker_id, address=msg.address, device_type=msg.device_type, memory_bytes=msg.memory_bytes,
+            labels=dict(msg.labels), order=self._registrations, last_seen=now)
+        self._by_address[msg.address] = worker_id
+        self.log.add(now, f"worker {worker_id} registered at {msg.address} ({msg.device_type})")
+        out.append(fx.SetTimer(now + self.config.suspect_after_s, ("heartbeat", worker_id)))
+        self._reply(out, e.request_id, m.Registered(worker=worker_id,
+                                                    heartbeat_interval_s=self.config.heartbeat_interval_s))
+
+    def _report(self, now: float, e: ev.Report, out: Effects) -> None:
+        msg = e.msg
+        w = self.workers.get(msg.worker)
+        if w is None or w.state == st.LOST:
+            return self._reply(out, e.request_id, m.ReportReply(ok=False, message="fenced"))
+        if w.state == st.SUSPECT:
+            self.log.add(now, f"worker {w.id} reported again after {now - w.last_seen:.2f}s")
+        w.state = st.step(st.WORKER_TABLE, w.state, st.REPORT)
+        w.last_seen = now
+        w.completed = max(w.completed, msg.completed)
+        w.stats = dict(msg.sessions)
+        for session_id, errors in msg.errors.items():
+            s = self.sessions.get(session_id)
+            if s is not None:
+                s.errors.extend(errors)
+        for session_id in sorted(w.sessions):
+            s = self.sessions[session_id]
+            self._flush_deferred(s, out)
+            self._resolve_syncs(s, out)
+        self._reply(out, e.request_id, m.ReportReply(ok=True))
+
+    def _timer(self, now: float, e: ev.TimerFired, out: Effects) -> None:
+        key = e.key
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == "heartbeat":
+            self._check_heartbeat(now, key[1], out)
+        elif isinstance(key, tuple) and len(key) == 3 and key[0] == "sync":
+            self._sync_timeout(now, key[1], key[2], out)
+
+    def _check_heartbeat(self, now: float, worker_id: Any, out: Effects) -> None:
+        w = self.workers.get(worker_id)
+        if w is None or w.state == st.LOST:
+            return
+        cfg = self.config
+        silence = now - w.last_seen
+        if silence >= cfg.heartbeat_timeout_s - _EPS:
+            return self._lose(now, w, st.TIMEOUT, f"no report for {silence:.2f}s", out)
+        if silence >= cfg.suspect_after_s - _EPS and w.state == st.ALIVE:
+            w.state = st.step(st.WORKER_TABLE, w.state, st.SILENT)
+            self.log.add(now, f"worker {w.id} suspect: no report for {silence:.2f}s")
+        due = w.last_seen + (cfg.suspect_after_s if w.state == st.ALIVE else cfg.heartbeat_timeout_s)
+        out.append(fx.SetTimer(due, ("heartbeat", w.id)))
+
+    def _unreachable(self, now: float, e: ev.WorkerUnreachable, out: Effects) -> None:
+        w = self.workers.get(e.worker_id)
+        if w is not None and w.state != st.LOST:
+            self._lose(now, w, st.UNREACHABLE, f"unreachable: {e.message or 'send failed'}", out)
+
+    def _lose(self, now: float, w: Worker, event: str, reason: str, out: Effects) -> None:
+        """Fence `w`; tell each session that depended on it which logical devices lost their tensors."""
+        w.state = st.step(st.WORKER_TABLE, w.state, event)
+        if self._by_address.get(w.address) == w.id:
+            del self._by_address[w.address]
+        self.log.add(now, f"worker {w.id} at {w.address} lost: {reason}")
+        for session_id in sorted(w.sessions):
+            s = self.sessions[session_id]
+            devices = sorted(d for d, worker_id in s.devices.items() if worker_id == w.id)
+            on_worker = {mesh.id for mesh in s.meshes.values() if any(s.devices[d] == w.id for d in mesh.devices)}
+            lost = sorted(tid for tid, spec in s.tensors.items() if spec.mesh in on_worker)
+            unfinished = s.sent.pop(w.id, 0) > w.completed
+            s.state = st.step(st.SESSION_TABLE, s.state, st.WORKER_LOST)
+            if lost or unfinished:
+                ids = ", ".join(map(str, lost[:8])) + (", ..." if len(lost) > 8 else "")
+                what = f"{len(lost)} tensors lost (ids {ids})" if lost else "unfinished commands lost"
+                s.errors.append(m.ErrorReport(
+                    op="worker lost", src="", tid=lost[0] if lost else -1,
+                    message=f"worker {w.id} at {w.address} was lost ({reason}); logical devices {devices} "
+                            f"lost their data: {what}"))
+            self.log.add(now, f"session {_short(s.id)} lost logical devices {devices} with worker {w.id}")
+            self._flush_deferred(s, out)
+            self._resolve_syncs(s, out)
+        self._prune_lost()
+
+    def _prune_lost(self) -> None:
+        """Forget the oldest lost workers nothing refers to, keeping `lost_workers_kept` for Status."""
+        idle = sorted((w for w in self.workers.values() if w.state == st.LOST and not w.sessions),
+                      key=lambda w: w.order)
+        for w in idle[:max(0, len(idle) - self.config.lost_workers_kept)]:
+            del self.workers[w.id]
+
+    def _flush_deferred(self, s: Session, out: Effects) -> None:
+        """Send the deletes whose remote readers have finished (or were lost)."""
+        if not s.deferred:
+            return
+        ready, waiting = [], []
+        for dd in s.deferred:
+            done = all((w := self.workers.get(wid)) is None or w.state == st.LOST or w.completed >= seq
+                       for wid, seq in dd.waits.items())
+            (ready if done else waiting).append(dd)
+        s.deferred = waiting
+        groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        for dd in ready:
+            for worker_id, devices in dd.devices.items():
+                if self.workers[worker_id].state != st.LOST:
+                    groups.setdefault((worker_id, tuple(devices)), []).append(dd.tid)
+        cmds: dict[str, list[m.Cmd]] = {}
+        for (worker_id, devices), tids in groups.items():
+            cmds.setdefault(worker_id, []).append(m.CmdDelete(tids=tids, devices=list(devices)))
+        self._send(s, cmds, out)
+
+    # ------------------------------------------------------------ status
+
+    def _status(self, now: float, e: ev.Status, out: Effects) -> None:
+        bound: dict[str, list[str]] = {}
+        for s in self.sessions.values():
+            for d, worker_id in sorted(s.devices.items()):
+                bound.setdefault(worker_id, []).append(f"{s.id}:{d}")
+        workers = [m.WorkerStatus(worker=w.id, address=w.address, state=w.state, device_type=w.device_type,
+                                  memory_bytes=w.memory_bytes, labels=dict(w.labels), tensors=w.tensors,
+                                  bytes=w.bytes, devices=bound.get(w.id, []))
+                   for w in sorted(self.workers.values(), key=lambda w: w.order)]
+        sessions = [m.SessionStatus(session=s.id, name=s.name, priority=s.priority, state=s.state,
+                                    devices=dict(sorted(s.devices.items())), tensors=len(s.tensors))
+                    for s in sorted(self.sessions.values(), key=lambda s: s.opened_at)]
+        self._reply(out, e.request_id, m.StatusReply(workers=workers, sessions=sessions, events=self.log.lines()))
+
+
+def _mesh_problem(devices: tuple[int, ...], shape: tuple[int, ...]) -> str | None:
+    """Why `devices` with `shape` is not a valid mesh, or None."""
+    if not shape or any(n <= 0 for n in shape):
+        return f"shape {list(shape)} must have at least one dim, each >= 1"
+    if math.prod(shape) != len(devices):
+        return f"shape {list(shape)} needs {math.prod(shape)} devices, got {len(devices)}"
+    if len(set(devices)) != len(devices):
+        return f"a logical device may appear only once in a mesh, got {list(devices)}"
+    return None

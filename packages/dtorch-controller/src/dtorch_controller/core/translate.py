@@ -1,0 +1,209 @@
+"""Logical instructions -> per-worker commands, for one Submit batch of one session.
+
+The controller stays op-agnostic: it routes each mesh-wide instruction to the workers hosting the
+mesh's logical devices, restricted to the devices each one hosts, and keeps the session's tensor
+registry (tid -> TensorSpec) up to date. An instruction it cannot route (unknown mesh or tensor, bad
+placements, a device on a lost worker) becomes an ErrorReport for the session's next Sync; the rest
+of the batch goes on. Nothing here raises on client input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtorch.layout import holds_value, shard_box
+from dtorch.placement_types import Placement
+from dtorch.protocol import messages as m
+
+from dtorch_controller.core import state as st
+from dtorch_controller.core.model import DeferredDelete, Mesh, Session, Worker
+from dtorch_controller.core.redistribute import PlanError, check_layout, parse_placements, plan_redistribute
+
+
+class InstrError(Exception):
+    """An instruction that cannot be routed; becomes an ErrorReport."""
+
+
+@dataclass
+class Batch:
+    """What one Submit produces."""
+
+    cmds: dict[str, list[m.Cmd]] = field(default_factory=dict)  # worker id -> commands, in instruction order
+    errors: list[m.ErrorReport] = field(default_factory=list)
+    deferred: list[DeferredDelete] = field(default_factory=list)  # deletes waiting for remote readers
+
+
+def translate(session: Session, instrs: list[m.Instr], workers: Mapping[str, Worker]) -> Batch:
+    """Route `instrs`; updates `session.tensors` and `session.readers` as it goes."""
+    return _Translator(session, workers).run(instrs)
+
+
+def tensor_refs(value: Any) -> Iterator[int]:
+    """Tensor ids named in op arguments: every `{"$t": tid}` map, however deeply nested."""
+    if isinstance(value, dict):
+        if len(value) == 1 and "$t" in value:
+            yield value["$t"]
+            return
+        for v in value.values():
+            yield from tensor_refs(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensor_refs(v)
+
+
+def _describe(instr: m.Instr) -> tuple[str, str, int]:
+    """(op, src, tid) for an ErrorReport about `instr`."""
+    if isinstance(instr, m.InstrCreate):
+        return f"create:{instr.init}", instr.src, instr.tid
+    if isinstance(instr, m.InstrCall):
+        out = next((o.tid for o in instr.outs if o is not None), -1)
+        return instr.op, instr.src, out
+    if isinstance(instr, m.InstrRedistribute):
+        return "redistribute", instr.src_line, instr.dst
+    if isinstance(instr, m.InstrAdopt):
+        return "adopt", "", instr.tid
+    return "delete", "", -1
+
+
+class _Translator:
+    def __init__(self, session: Session, workers: Mapping[str, Worker]) -> None:
+        self.s = session
+        self.workers = workers
+        self.batch = Batch()
+        self._lost_reported: set[str] = set()
+
+    def run(self, instrs: list[m.Instr]) -> Batch:
+        handlers = {m.InstrCreate: self._create, m.InstrCall: self._call, m.InstrRedistribute: self._redistribute,
+                    m.InstrDelete: self._delete, m.InstrAdopt: self._adopt}
+        for instr in instrs:
+            try:
+                handlers[type(instr)](instr)
+            except (InstrError, PlanError, ValueError) as e:
+                self._error(instr, str(e))
+            except Exception as e:  # noqa: BLE001 - a client must never crash the controller
+                self._error(instr, f"internal controller error: {type(e).__name__}: {e}")
+        return self.batch
+
+    # ------------------------------------------------------------ helpers
+
+    def _error(self, instr: m.Instr, message: str) -> None:
+        op, src, tid = _describe(instr)
+        self.batch.errors.append(m.ErrorReport(op=op, src=src, message=message, tid=tid))
+
+    def _emit(self, worker: str, cmd: m.Cmd) -> None:
+        self.batch.cmds.setdefault(worker, []).append(cmd)
+
+    def _mesh(self, mesh_id: int) -> Mesh:
+        mesh = self.s.meshes.get(mesh_id)
+        if mesh is None:
+            raise InstrError(f"unknown mesh {mesh_id} (open it with OpenMesh first)")
+        return mesh
+
+    def _layout(self, spec: m.TensorSpec) -> tuple[Mesh, tuple[Placement, ...]]:
+        mesh = self._mesh(spec.mesh)
+        placements = parse_placements(tuple(spec.placements))
+        check_layout(spec.shape, mesh.shape, placements)
+        return mesh, placements
+
+    def _spec(self, tid: int) -> m.TensorSpec:
+        spec = self.s.tensors.get(tid)
+        if spec is None:
+            raise InstrError(f"unknown tensor {tid} in this session")
+        return spec
+
+    def _hosts(self, mesh: Mesh, instr: m.Instr) -> dict[str, list[int]]:
+        """Worker -> the mesh devices it hosts (mesh order), leaving out lost workers (reported once a batch)."""
+        hosts: dict[str, list[int]] = {}
+        for device in mesh.devices:
+            hosts.setdefault(self.s.devices[device], []).append(device)
+        for worker in list(hosts):
+            if self.workers[worker].state == st.LOST:
+                devices = hosts.pop(worker)
+                if worker not in self._lost_reported:
+                    self._lost_reported.add(worker)
+                    self._error(instr, f"logical devices {devices} were on worker {worker}, which was lost; "
+                                       "their part of this batch was skipped")
+        return hosts
+
+    # ------------------------------------------------------------ instructions
+
+    def _create(self, instr: m.InstrCreate) -> None:
+        mesh, placements = self._layout(instr.spec)
+        shape = tuple(instr.spec.shape)
+        for worker, devices in self._hosts(mesh, instr).items():
+            boxes = {d: [list(r) for r in shard_box(shape, mesh.shape, placements, mesh.coord[d])] for d in devices}
+            zero = [d for d in devices if not holds_value(placements, mesh.coord[d])]
+            self._emit(worker, m.CmdCreate(
+                tid=instr.tid, dtype=instr.spec.dtype, shape=list(shape), init=instr.init, boxes=boxes, zero=zero,
+                value=instr.value, arange=instr.arange, seed=instr.seed, src=instr.src))
+        self.s.tensors[instr.tid] = instr.spec
+
+    def _call(self, instr: m.InstrCall) -> None:
+        mesh = self._mesh(instr.mesh)
+        refs = tensor_refs([instr.args, instr.kwargs, instr.local or {}])
+        unknown = sorted({repr(t) for t in refs if not isinstance(t, int) or t not in self.s.tensors})
+        if unknown:
+            raise InstrError(f"unknown tensor{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in this session")
+        for out in instr.outs:
+            if out is not None:
+                self._layout(out.spec)
+        outs = [o.tid if o is not None else None for o in instr.outs]
+        for worker, devices in self._hosts(mesh, instr).items():
+            local = None
+            if instr.local is not None:
+                local = {d: instr.local[d] for d in devices if d in instr.local}
+            self._emit(worker, m.CmdRun(op=instr.op, devices=devices, args=instr.args, kwargs=instr.kwargs,
+                                        outs=outs, local=local, src=instr.src, seed=instr.seed))
+        for out in instr.outs:
+            if out is not None:
+                self.s.tensors[out.tid] = out.spec
+
+    def _redistribute(self, instr: m.InstrRedistribute) -> None:
+        self._spec(instr.src)
+        src_mesh, src_pl = self._layout(instr.src_spec)
+        dst_mesh, dst_pl = self._layout(instr.dst_spec)
+        if list(instr.src_spec.shape) != list(instr.dst_spec.shape):
+            raise InstrError(f"redistribute cannot change the shape ({instr.src_spec.shape} -> {instr.dst_spec.shape})")
+        devices = sorted(set(src_mesh.devices) | set(dst_mesh.devices))
+        where = tuple((d, self.s.devices[d], self.workers[self.s.devices[d]].address) for d in devices)
+        plans = plan_redistribute(tuple(instr.src_spec.shape), src_mesh.key, src_pl, dst_mesh.key, dst_pl, where)
+        lost_sources = sorted({p.device for _d, plan in plans for g in plan.groups for p in g
+                               if self.workers[self.s.devices[p.device]].state == st.LOST})
+        if lost_sources:
+            raise InstrError(f"source shards on logical devices {lost_sources} were lost with their worker")
+        by_device = dict(plans)
+        readers = self.s.readers.setdefault(instr.src, {})
+        for worker, hosted in self._hosts(dst_mesh, instr).items():
+            mine = {d: by_device[d] for d in hosted}
+            self._emit(worker, m.CmdRedistribute(src=instr.src, dst=instr.dst, dtype=instr.dst_spec.dtype,
+                                                 plans=mine, src_line=instr.src_line))
+            if any(p.address for plan in mine.values() for g in plan.groups for p in g):
+                readers[worker] = self.workers[worker].sent + 1  # the Execute this batch will send it
+        if not readers:
+            del self.s.readers[instr.src]
+        self.s.tensors[instr.dst] = instr.dst_spec
+
+    def _delete(self, instr: m.InstrDelete) -> None:
+        groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        for tid in instr.tids:
+            spec = self.s.tensors.pop(tid, None)  # deleting an unknown tensor is a no-op: delete is idempotent
+            readers = self.s.readers.pop(tid, {})
+            mesh = self.s.meshes.get(spec.mesh) if spec is not None else None
+            if mesh is None:
+                continue
+            hosts = self._hosts(mesh, instr)
+            waits = {w: seq for w, seq in readers.items()
+                     if self.workers[w].state != st.LOST and self.workers[w].completed < seq}
+            if waits:
+                self.batch.deferred.append(DeferredDelete(tid=tid, devices=hosts, waits=waits))
+                continue
+            for worker, devices in hosts.items():
+                groups.setdefault((worker, tuple(devices)), []).append(tid)
+        for (worker, devices), tids in groups.items():
+            self._emit(worker, m.CmdDelete(tids=tids, devices=list(devices)))
+
+    def _adopt(self, instr: m.InstrAdopt) -> None:
+        self._layout(instr.spec)
+        self.s.tensors[instr.tid] = instr.spec

@@ -1,0 +1,43 @@
+"""Render a StatusReply for people (rich tables) or programs (JSON)."""
+
+from __future__ import annotations
+
+import msgspec
+from dtorch.protocol import messages as m
+from rich.console import Console
+from rich.table import Table
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def to_json(reply: m.StatusReply) -> str:
+    return msgspec.json.format(msgspec.json.encode(reply).decode(), indent=2)
+
+
+def render(reply: m.StatusReply, console: Console | None = None, events: int = 20) -> None:
+    """Workers, sessions and the last `events` events, as tables."""
+    console = console or Console()
+    workers = Table(title=f"workers ({len(reply.workers)})", title_justify="left")
+    for column in ("worker", "state", "address", "device", "tensors", "bytes", "devices bound"):
+        workers.add_column(column, justify="right" if column in ("tensors", "bytes") else "left")
+    for w in reply.workers:
+        workers.add_row(w.worker, w.state, w.address, w.device_type, str(w.tensors), human_bytes(w.bytes),
+                        ", ".join(w.devices) or "-")
+    sessions = Table(title=f"sessions ({len(reply.sessions)})", title_justify="left")
+    for column in ("session", "name", "priority", "state", "devices", "tensors"):
+        sessions.add_column(column, justify="right" if column == "tensors" else "left")
+    for s in reply.sessions:
+        devices = ", ".join(f"{d}->{w}" for d, w in sorted(s.devices.items())) or "-"
+        sessions.add_row(s.session, s.name or "-", s.priority, s.state, devices, str(s.tensors))
+    console.print(workers)
+    console.print(sessions)
+    console.print(f"recent events ({min(events, len(reply.events))} of {len(reply.events)})", style="bold")
+    for line in reply.events[-events:]:
+        console.print(f"  {line}", highlight=False, markup=False)
