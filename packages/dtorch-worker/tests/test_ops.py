@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dtorch_worker.ops import UnknownOp, resolve_op
 
 

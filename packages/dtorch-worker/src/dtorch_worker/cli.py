@@ -39,6 +39,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default: 1 on CPU, since workers share cores; torch's own on GPU)")
+    p.add_argument("--register-attempts", type=int, default=10,
+                   help="tries to reach the controller at start (with backoff up to 2 s) before giving up")
     p.add_argument("--lost-after", type=float, default=10.0, help="exit after the controller is unreachable this long")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
@@ -138,7 +140,8 @@ def run(argv: Sequence[str] | None = None) -> int:
                   lost_after_s=args.lost_after)
     worker.executor.on_complete = agent.poke
     try:
-        reg = agent.register(address, device.type, device_memory_bytes(device), labels)
+        reg = agent.register(address, device.type, device_memory_bytes(device), labels,
+                             attempts=args.register_attempts)
     except ControllerUnreachable as e:
         print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)
         worker.stop(0.0)

@@ -71,6 +71,15 @@ def tensor_chunks(t: torch.Tensor, chunk_bytes: int = wire.CHUNK_BYTES) -> Itera
             yield Chunk(data=piece)  # type: ignore[arg-type]
 
 
+def put_chunks(session: str, tid: int, device: int, t: torch.Tensor,
+               chunk_bytes: int = wire.CHUNK_BYTES) -> Iterator[PutChunk]:
+    """A tensor as a Put stream (what a client sends to upload a shard)."""
+    dtype, shape = dtype_name(t.dtype), list(t.shape)
+    for piece in wire.chunks(byte_view(t), chunk_bytes):
+        yield PutChunk(session=session, tid=tid, device=device, dtype=dtype, shape=shape,
+                       data=piece)  # type: ignore[arg-type]  # msgspec encodes views
+
+
 def poison_chunk(report: ErrorReport) -> Chunk:
     return Chunk(data=b"", error=f"{report.op} failed ({report.src or 'unknown line'}): {report.message}",
                  report=report)

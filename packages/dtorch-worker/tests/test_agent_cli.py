@@ -1,0 +1,179 @@
+"""Registration and the report loop, in-process and as a real `python -m dtorch_worker` against a fake controller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from dtorch.protocol import wire
+from dtorch.protocol.messages import (
+    CmdCreate,
+    CmdRun,
+    Execute,
+    Registered,
+    RegisterWorker,
+    ReportReply,
+    ShardStats,
+    WorkerReport,
+)
+from dtorch_worker.agent import EXIT_FENCED, EXIT_LOST, Agent, ControllerUnreachable
+from dtorch_worker.executor import Executor
+from dtorch_worker.store import TensorStore
+
+TOKEN = "cli-token"
+
+
+class FakeController:
+    """Just enough of dtorch.Controller: Register and Report, recorded for the test to inspect."""
+
+    def __init__(self, heartbeat_s: float = 0.2) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.registered: list[RegisterWorker] = []
+        self.reports: list[WorkerReport] = []
+        self.fenced = False
+        self.cond = threading.Condition()
+
+    def Register(self, request: RegisterWorker) -> Registered:
+        wire.check_hello(request.hello)
+        with self.cond:
+            self.registered.append(request)
+            self.cond.notify_all()
+        return Registered(worker=f"w{len(self.registered)}", heartbeat_interval_s=self.heartbeat_s)
+
+    def Report(self, request: WorkerReport) -> ReportReply:
+        with self.cond:
+            self.reports.append(request)
+            self.cond.notify_all()
+        return ReportReply(ok=False, message="fenced") if self.fenced else ReportReply(ok=True)
+
+    def wait_for(self, pred: Callable[[], bool], timeout: float = 30.0) -> bool:
+        with self.cond:
+            return self.cond.wait_for(pred, timeout)
+
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        if name in wire.SERVICES["dtorch.Controller"]:
+            def refuse(_request: object) -> object:
+                raise wire.RemoteError(f"{name} is not implemented by the fake controller")
+            return refuse
+        raise AttributeError(name)
+
+
+@pytest.fixture
+def controller() -> Iterator[tuple[FakeController, str, object]]:
+    fake = FakeController()
+    server, address = wire.serve("dtorch.Controller", fake, TOKEN)
+    yield fake, address, server
+    server.stop(0)
+
+
+# ---------------------------------------------------------------- in-process agent
+
+
+def test_register_fails_clearly_when_the_controller_is_unreachable() -> None:
+    agent = Agent("127.0.0.1:1", TOKEN, Executor(TensorStore()), TensorStore(), on_exit=lambda c, r: None)
+    with pytest.raises(ControllerUnreachable, match="cannot register with the controller at 127.0.0.1:1 after 2"):
+        agent.register("127.0.0.1:2", "cpu", 0, {}, attempts=2, delay_s=0.01)
+    agent.stop()
+
+
+def test_agent_reports_promptly_carries_errors_and_exits_when_the_controller_is_lost(controller: tuple) -> None:
+    fake, address, server = controller
+    fake.heartbeat_s = 5.0  # long: a prompt report must come from the completion poke, not the timer
+    store = TensorStore()
+    exits: list[tuple[int, str]] = []
+    ex = Executor(store)
+    agent = Agent(address, TOKEN, ex, store, on_exit=lambda c, r: exits.append((c, r)), lost_after_s=0.5,
+                  report_timeout_s=0.5)
+    ex.on_complete = agent.poke
+    reg = agent.register("127.0.0.1:9", "cpu", 123, {"zone": "a"})
+    assert reg.worker == "w1" and fake.registered[0].labels == {"zone": "a"}
+    agent.start()
+    ex.start()
+    ex.submit(Execute(seq=1, session="s", cmds=[
+        CmdCreate(tid=1, dtype="float32", shape=[4], init="ones", boxes={0: [[0, 4]]}),
+        CmdRun(op="aten.bogus.default", devices=[0], args=[], kwargs={}, outs=[2], src="u.py:1")]))
+    assert fake.wait_for(lambda: any(r.completed == 1 for r in fake.reports), timeout=3.0)
+    report = next(r for r in fake.reports if r.completed == 1)
+    assert report.worker == "w1" and report.errors["s"][0].op == "aten.bogus.default"
+    assert report.sessions == {"s": ShardStats(tensors=2, bytes=16)}
+    server.stop(0)  # the controller goes away: the heartbeat timer must notice, not just pokes
+    agent.heartbeat_s = 0.1
+    agent.poke()
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits and exits[0][0] == EXIT_LOST and "unreachable" in exits[0][1]
+    ex.stop()
+    agent.stop()
+
+
+# ---------------------------------------------------------------- the real process
+
+
+def spawn(address: str, *extra: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, DTORCH_TOKEN=TOKEN)
+    return subprocess.Popen([sys.executable, "-m", "dtorch_worker", "--controller", address, "--label", "rack=r1",
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_worker_process_registers_reports_executes_and_exits_when_fenced(controller: tuple) -> None:
+    fake, address, _ = controller
+    proc = spawn(address)
+    try:
+        line = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert line.startswith("dtorch-worker w1 on cpu listening on 127.0.0.1:"), line
+        worker_address = line.rsplit(" ", 1)[1]
+        reg = fake.registered[0]
+        assert (reg.address, reg.device_type, reg.labels) == (worker_address, "cpu", {"rack": "r1"})
+        assert reg.memory_bytes > 0
+        assert fake.wait_for(lambda: len(fake.reports) >= 2)  # heartbeats
+        stub = wire.Stub("dtorch.Worker", worker_address, TOKEN)
+        stub.call("Execute", Execute(seq=1, session="s", cmds=[
+            CmdCreate(tid=1, dtype="float32", shape=[8], init="zeros", boxes={0: [[0, 8]]})]))
+        assert fake.wait_for(lambda: any(r.completed == 1 and r.sessions.get("s") == ShardStats(1, 32)
+                                         for r in fake.reports))
+        stub.close()
+        fake.fenced = True
+        assert proc.wait(timeout=30) == EXIT_FENCED
+        assert "fenced" in proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_worker_process_exits_on_sigterm_and_when_its_parent_dies(controller: tuple) -> None:
+    _fake, address, _ = controller
+    parent = subprocess.Popen(["sleep", "60"])
+    orphan = spawn(address, "--parent-pid", str(parent.pid))
+    term = spawn(address)
+    try:
+        for proc in (orphan, term):
+            assert proc.stdout.readline().startswith("dtorch-worker w")  # type: ignore[union-attr]
+        parent.kill()
+        parent.wait()
+        assert orphan.wait(timeout=20) == 0
+        term.send_signal(signal.SIGTERM)
+        assert term.wait(timeout=20) == 0
+    finally:
+        for proc in (parent, orphan, term):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_worker_process_refuses_to_start_without_a_controller() -> None:
+    proc = spawn("127.0.0.1:1", "--register-attempts", "2")
+    try:
+        assert proc.wait(timeout=30) == 5
+        assert "cannot register with the controller at 127.0.0.1:1" in proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

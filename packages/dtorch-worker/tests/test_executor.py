@@ -1,0 +1,258 @@
+"""Executor unit tests: commands run directly against a store, no gRPC."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dtorch.placement_types import Replicate, Shard
+from dtorch.protocol.messages import (
+    CmdCloseSession,
+    CmdCreate,
+    CmdDelete,
+    CmdRedistribute,
+    CmdRun,
+    ErrorReport,
+    Execute,
+    Piece,
+    ShardPlan,
+)
+from dtorch_worker.executor import Executor
+from dtorch_worker.store import Poison, TensorStore
+
+S = "session-1"
+
+
+@pytest.fixture
+def ex() -> Executor:
+    executor = Executor(TensorStore(), input_timeout_s=0.05)
+    yield executor
+    executor.stop()
+
+
+def run(ex: Executor, *cmds: object) -> None:
+    ex.run_batch(Execute(seq=0, session=S, cmds=list(cmds)))  # type: ignore[arg-type]
+
+
+def t(tid: int) -> dict[str, int]:
+    return {"$t": tid}
+
+
+# ---------------------------------------------------------------- create
+
+
+@pytest.mark.parametrize("init,kw,ref", [
+    ("zeros", {}, lambda s: torch.zeros(s)),
+    ("empty", {}, lambda s: torch.zeros(s)),
+    ("ones", {}, lambda s: torch.ones(s)),
+    ("full", {"value": 2.5}, lambda s: torch.full(s, 2.5)),
+])
+def test_create_deterministic_uneven_and_empty_boxes(ex: Executor, init: str, kw: dict, ref: object,
+                                                     h: SimpleNamespace) -> None:
+    shape = [2, 5]
+    boxes = h.boxes_for(shape, [4], [Shard(0)])  # torch.chunk: devices 2 and 3 get empty boxes
+    assert boxes[2] == [[2, 0], [0, 5]] and boxes[3] == [[2, 0], [0, 5]]
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=shape, init=init, boxes=boxes, **kw))
+    shards = h.shards_of(ex.store, S, 1, range(4))
+    assert shards[2].shape == (0, 5) and shards[3].shape == (0, 5)
+    assert torch.equal(h.assemble(shards, boxes, shape, torch.float32), ref(shape))  # type: ignore[operator]
+
+
+def test_create_arange_uneven(ex: Executor, h: SimpleNamespace) -> None:
+    boxes = h.boxes_for([10], [3], [Shard(0)])  # 4, 4, 2
+    run(ex, CmdCreate(tid=1, dtype="int64", shape=[10], init="arange", boxes=boxes, arange=[3, 23, 2]))
+    shards = h.shards_of(ex.store, S, 1, range(3))
+    assert [len(s) for s in shards.values()] == [4, 4, 2]
+    assert torch.equal(h.assemble(shards, boxes, [10], torch.int64), torch.arange(3, 23, 2))
+
+
+@pytest.mark.parametrize("init,dtype", [("rand", torch.float32), ("randn", torch.float64), ("randn", torch.bfloat16)])
+def test_random_create_is_independent_of_the_layout(ex: Executor, init: str, dtype: torch.dtype,
+                                                    h: SimpleNamespace) -> None:
+    shape, seed = [7, 6], 1234
+    name = str(dtype).removeprefix("torch.")
+    layout_a = h.boxes_for(shape, [3], [Shard(0)])
+    layout_b = h.boxes_for(shape, [2, 2], [Shard(1), Shard(0)], devices=[10, 11, 12, 13])
+    run(ex, CmdCreate(tid=1, dtype=name, shape=shape, init=init, boxes=layout_a, seed=seed),
+        CmdCreate(tid=2, dtype=name, shape=shape, init=init, boxes=layout_b, seed=seed))
+    a = h.assemble(h.shards_of(ex.store, S, 1, layout_a), layout_a, shape, dtype)
+    b = h.assemble(h.shards_of(ex.store, S, 2, layout_b), layout_b, shape, dtype)
+    maker = torch.rand if init == "rand" else torch.randn
+    expected = maker(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    assert torch.equal(a, expected) and torch.equal(b, expected)
+
+
+def test_replicated_create_does_not_share_storage_and_partial_zeros(ex: Executor, h: SimpleNamespace) -> None:
+    boxes = h.boxes_for([3], [3], [Replicate()])
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=[3], init="rand", boxes=boxes, seed=5, zero=[2]))
+    s = h.shards_of(ex.store, S, 1, range(3))
+    assert torch.equal(s[0], s[1]) and torch.equal(s[2], torch.zeros(3))
+    run(ex, CmdRun(op="aten.add_.Tensor", devices=[0], args=[t(1), 1.0], kwargs={}, outs=[1]))
+    assert not torch.equal(s[0], s[1])  # in place on device 0 only
+
+
+# ---------------------------------------------------------------- run
+
+
+def test_run_with_local_overrides_views_and_in_place(ex: Executor, h: SimpleNamespace) -> None:
+    boxes = h.boxes_for([4, 3], [2], [Shard(0)])
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=[4, 3], init="arange", boxes=boxes, arange=[0, 12, 1]),
+        # device 1 gets a per-device argument: its local view size
+        CmdRun(op="aten.view.default", devices=[0, 1], args=[t(1), [6]], kwargs={}, outs=[2],
+               local={1: [[t(1), [3, 2]], {}]}),
+        CmdRun(op="aten.mul.Tensor", devices=[0, 1], args=[t(1), 2], kwargs={}, outs=[3], local={1: [[t(1), 3], {}]}))
+    s2 = h.shards_of(ex.store, S, 2, [0, 1])
+    assert s2[0].shape == (6,) and s2[1].shape == (3, 2)
+    assert s2[0]._base is ex.store.get((S, 1, 0))  # a view of the input, stored as such
+    s3 = h.shards_of(ex.store, S, 3, [0, 1])
+    assert torch.equal(s3[0], torch.arange(6.0).view(2, 3) * 2)
+    assert torch.equal(s3[1], torch.arange(6.0, 12.0).view(2, 3) * 3)
+    run(ex, CmdRun(op="aten.add_.Tensor", devices=[0, 1], args=[t(1), 100], kwargs={}, outs=[None]))
+    assert s2[0][0] == 100.0  # the view sees the in-place update: intended semantics
+
+
+def test_run_multiple_outputs_kwargs_and_literals(ex: Executor) -> None:
+    x = torch.tensor([[1.0, 5.0, 2.0], [7.0, 0.0, 3.0]])
+    lit = {"$lit": ["float32", [2, 3], x.numpy().tobytes()]}
+    run(ex, CmdRun(op="aten.clone.default", devices=[0], args=[lit], kwargs={}, outs=[1]),
+        CmdRun(op="aten.max.dim", devices=[0], args=[t(1), 1], kwargs={"keepdim": True}, outs=[2, None]),
+        CmdRun(op="aten.split.Tensor", devices=[0], args=[t(1), 1, 1], kwargs={}, outs=[None, 3, 4]),
+        CmdRun(op="aten.sum.dim_IntList", devices=[0], args=[t(1), [0]], kwargs={"dtype": {"$dtype": "float64"}},
+               outs=[5]))
+    st = ex.store
+    assert torch.equal(st.get((S, 2, 0)), torch.tensor([[5.0], [7.0]]))
+    assert torch.equal(st.get((S, 3, 0)), x[:, 1:2]) and torch.equal(st.get((S, 4, 0)), x[:, 2:3])
+    assert st.get((S, 5, 0)).dtype == torch.float64
+    assert ex.take_errors() == {}
+
+
+def test_run_under_a_seed_is_identical_per_device_and_restores_the_rng(ex: Executor) -> None:
+    state = torch.get_rng_state()
+    run(ex, CmdRun(op="aten.rand.default", devices=[0, 1], args=[[4]], kwargs={}, outs=[1], seed=9))
+    a, b = ex.store.get((S, 1, 0)), ex.store.get((S, 1, 1))
+    assert torch.equal(a, b) and torch.equal(a, torch.rand(4, generator=torch.Generator().manual_seed(9)))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_failure_poisons_outputs_and_reports_once(ex: Executor) -> None:
+    boxes = {0: [[0, 2], [0, 3]], 1: [[0, 2], [0, 3]]}
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=[2, 3], init="ones", boxes=boxes),
+        CmdRun(op="aten.mm.default", devices=[0, 1], args=[t(1), t(1)], kwargs={}, outs=[2], src="train.py:12"),
+        CmdRun(op="aten.relu.default", devices=[0, 1], args=[t(2)], kwargs={}, outs=[3], src="train.py:13"),
+        CmdRedistribute(src=3, dst=4, dtype="float32", src_line="train.py:14",
+                        plans={0: ShardPlan(shape=[2, 3], groups=[[Piece("", 1, [0, 0], [0, 0], [2, 3])]])}))
+    errors = ex.take_errors()
+    assert list(errors) == [S] and len(errors[S]) == 1
+    report = errors[S][0]
+    assert report.op == "aten.mm.default" and report.src == "train.py:12" and report.tid == 2
+    assert report.message.startswith("RuntimeError: ") and "\n" not in report.message
+    for tid in (2, 3):
+        for dev in (0, 1):
+            assert ex.store.get((S, tid, dev)) == Poison(report)  # the ORIGINAL report
+    assert ex.store.get((S, 4, 0)) == Poison(report)
+    assert ex.take_errors() == {}
+
+
+@pytest.mark.parametrize("cmd,op,message", [
+    (CmdRun(op="os.system", devices=[0], args=["true"], kwargs={}, outs=[7], src="a.py:1"), "os.system",
+     "UnknownOp: unknown op 'os.system': workers run only registered torch ops"),
+    (CmdRun(op="aten.neg.default", devices=[0], args=[t(99)], kwargs={}, outs=[7], src="a.py:1"), "aten.neg.default",
+     "ShardMissing: no shard for tensor 99 on logical device 0"),
+    (CmdCreate(tid=7, dtype="int32", shape=[2], init="rand", boxes={0: [[0, 2]]}, src="a.py:1"), "create",
+     "NotImplementedError: "),
+    (CmdCreate(tid=7, dtype="float32", shape=[2], init="zeros", boxes={0: [[1, 2]]}, src="a.py:1"), "create",
+     "ValueError: box [[1, 2]] is outside shape [2]"),
+    (CmdRedistribute(src=99, dst=7, dtype="float32", src_line="a.py:1",
+                     plans={0: ShardPlan(shape=[1], groups=[[Piece("", 0, [0], [0], [1])]])}), "redistribute",
+     "ShardMissing: no shard for tensor 99"),
+])
+def test_error_reports(ex: Executor, cmd: object, op: str, message: str) -> None:
+    run(ex, cmd)
+    (report,) = ex.take_errors()[S]
+    assert (report.op, report.src, report.tid) == (op, "a.py:1", 7)
+    assert report.message.startswith(message), report.message
+    assert isinstance(ex.store.get((S, 7, 0)), Poison)
+
+
+def test_restore_errors_keeps_order(ex: Executor) -> None:
+    r1, r2 = ErrorReport(op="a", src="", message="1"), ErrorReport(op="b", src="", message="2")
+    ex._record(S, r2)
+    ex.restore_errors({S: [r1]})
+    assert ex.take_errors() == {S: [r1, r2]}
+
+
+# ---------------------------------------------------------------- redistribute (local pieces only)
+
+
+@pytest.mark.parametrize("reduce,combine", [
+    ("sum", lambda a, b: a + b), ("avg", lambda a, b: (a + b) / 2),
+    ("max", torch.maximum), ("min", torch.minimum),
+])
+def test_local_partial_to_replicate(ex: Executor, reduce: str, combine: object, h: SimpleNamespace) -> None:
+    boxes = h.boxes_for([3, 2], [2], [Replicate()])
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=[3, 2], init="randn", boxes={0: boxes[0]}, seed=1),
+        CmdCreate(tid=1, dtype="float32", shape=[3, 2], init="randn", boxes={1: boxes[1]}, seed=2))
+    a, b = ex.store.get((S, 1, 0)).clone(), ex.store.get((S, 1, 1)).clone()
+    whole = [0, 0], [0, 0], [3, 2]
+    plan = ShardPlan(shape=[3, 2], groups=[[Piece("", 0, *whole)], [Piece("", 1, *whole)]], reduce=reduce)
+    run(ex, CmdRedistribute(src=1, dst=2, dtype="float32", plans={0: plan, 1: plan}))
+    expected = combine(a, b)  # type: ignore[operator]
+    assert torch.equal(ex.store.get((S, 2, 0)), expected) and torch.equal(ex.store.get((S, 2, 1)), expected)
+    assert ex.store.get((S, 2, 0)).data_ptr() != ex.store.get((S, 2, 1)).data_ptr()
+
+
+def test_local_shard_to_shard_and_empty_plan(ex: Executor, h: SimpleNamespace) -> None:
+    shape = [5, 4]
+    src_boxes = h.boxes_for(shape, [2], [Shard(0)])  # rows 0-2, 3-4
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=shape, init="arange", boxes=src_boxes, arange=[0, 20, 1]))
+    # Shard(0) -> Shard(1): device 0 takes columns 0-1 of every row, device 1 columns 2-3
+    plans = {d: ShardPlan(shape=[5, 2], groups=[[Piece("", 0, [0, 2 * d], [0, 0], [3, 2]),
+                                                 Piece("", 1, [0, 2 * d], [3, 0], [2, 2])]]) for d in (0, 1)}
+    plans[2] = ShardPlan(shape=[5, 0], groups=[])  # a zero plan: zeros of that shape
+    run(ex, CmdRedistribute(src=1, dst=2, dtype="float32", plans=plans))
+    full = torch.arange(20.0).view(5, 4)
+    assert torch.equal(ex.store.get((S, 2, 0)), full[:, :2]) and torch.equal(ex.store.get((S, 2, 1)), full[:, 2:])
+    assert ex.store.get((S, 2, 2)).shape == (5, 0)
+
+
+# ---------------------------------------------------------------- ordering, delete, close
+
+
+def test_batches_run_in_seq_order_whatever_the_arrival_order() -> None:
+    done: list[int] = []
+    ex = Executor(TensorStore(), on_complete=done.append).start()
+    try:
+        b1 = Execute(seq=1, session=S, cmds=[CmdCreate(tid=1, dtype="float32", shape=[2], init="ones",
+                                                       boxes={0: [[0, 2]]})])
+        b2 = Execute(seq=2, session=S, cmds=[CmdRun(op="aten.add_.Tensor", devices=[0], args=[t(1), 1.0],
+                                                    kwargs={}, outs=[None])])
+        b3 = Execute(seq=3, session=S, cmds=[CmdRun(op="aten.mul.Tensor", devices=[0], args=[t(1), 10.0],
+                                                    kwargs={}, outs=[2])])
+        arrivals = [threading.Timer(0.0, ex.submit, args=(b3,)), threading.Timer(0.05, ex.submit, args=(b2,))]
+        for timer in arrivals:
+            timer.start()
+        for timer in arrivals:
+            timer.join()
+        assert ex.completed == 0 and not ex.wait_completed(1, 0.05)  # 2 and 3 wait for 1
+        assert ex.submit(b1)
+        assert ex.wait_completed(3, 10.0)
+        assert done == [1, 2, 3] and ex.completed == 3
+        assert torch.equal(ex.store.get((S, 2, 0)), torch.full((2,), 20.0))
+        assert not ex.submit(b2)  # a retried batch is not run twice
+    finally:
+        ex.stop()
+
+
+def test_delete_and_close_session(ex: Executor) -> None:
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=[2], init="zeros", boxes={0: [[0, 1]], 1: [[1, 1]]}),
+        CmdCreate(tid=2, dtype="float32", shape=[2], init="zeros", boxes={0: [[0, 2]]}),
+        CmdDelete(tids=[1], devices=[0]))
+    assert sorted(ex.store.keys()) == [(S, 1, 1), (S, 2, 0)]
+    ex.store.put(("other", 1, 0), torch.zeros(1))
+    run(ex, CmdCloseSession())
+    assert ex.store.keys() == [("other", 1, 0)]

@@ -1,0 +1,168 @@
+"""Two real worker servers (in-process gRPC): redistribution pulls pieces from the peer; Put/Pull move big tensors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dtorch.placement_types import Shard
+from dtorch.protocol import wire
+from dtorch.protocol.messages import (
+    CmdCreate,
+    CmdRedistribute,
+    CmdRun,
+    ErrorReport,
+    Execute,
+    Piece,
+    PullRequest,
+    ShardPlan,
+)
+from dtorch_worker.server import WorkerHandle, start_worker
+from dtorch_worker.store import Poison
+from dtorch_worker.transfer import put_chunks, receive_chunks
+
+TOKEN = "test-token"
+S = "sess-peers"
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[WorkerHandle, WorkerHandle]]:
+    a = start_worker(token=TOKEN)
+    b = start_worker(token=TOKEN)
+    yield a, b
+    a.stop(0)
+    b.stop(0)
+
+
+class Seq:
+    """Per-worker batch numbering, as the controller keeps it."""
+
+    def __init__(self) -> None:
+        self.next: dict[str, int] = {}
+
+    def send(self, w: WorkerHandle, *cmds: object) -> int:
+        seq = self.next.get(w.address, w.executor.completed + 1)
+        self.next[w.address] = seq + 1
+        stub = wire.Stub("dtorch.Worker", w.address, TOKEN)
+        assert stub.call("Execute", Execute(seq=seq, session=S, cmds=list(cmds))).ok  # type: ignore[arg-type]
+        stub.close()
+        return seq
+
+
+def wait(w: WorkerHandle, seq: int) -> None:
+    assert w.executor.wait_completed(seq, 30.0), f"batch {seq} did not finish on {w.address}"
+
+
+def test_all_gather_shard0_to_replicate(pair: tuple[WorkerHandle, WorkerHandle], h: SimpleNamespace) -> None:
+    a, b = pair
+    seqs = Seq()
+    shape = [5, 3]
+    boxes = h.boxes_for(shape, [2], [Shard(0)])  # device 0 on a (rows 0-2), device 1 on b (rows 3-4)
+    create = {"tid": 1, "dtype": "float32", "shape": shape, "init": "randn", "seed": 42}
+    # b's redistribute goes out before a has even created its shard: the Pull waits for it
+    plan = {
+        "a": ShardPlan(shape=shape, groups=[[Piece("", 0, [0, 0], [0, 0], [3, 3]),
+                                             Piece(b.address, 1, [0, 0], [3, 0], [2, 3])]]),
+        "b": ShardPlan(shape=shape, groups=[[Piece(a.address, 0, [0, 0], [0, 0], [3, 3]),
+                                             Piece("", 1, [0, 0], [3, 0], [2, 3])]]),
+    }
+    sb = seqs.send(b, CmdCreate(boxes={1: boxes[1]}, **create),  # type: ignore[arg-type]
+                   CmdRedistribute(src=1, dst=2, dtype="float32", plans={1: plan["b"]}))
+    time.sleep(0.1)
+    sa = seqs.send(a, CmdCreate(boxes={0: boxes[0]}, **create),  # type: ignore[arg-type]
+                   CmdRedistribute(src=1, dst=2, dtype="float32", plans={0: plan["a"]}))
+    wait(a, sa)
+    wait(b, sb)
+    expected = torch.randn(shape, generator=torch.Generator().manual_seed(42))
+    assert torch.equal(a.store.get((S, 2, 0)), expected)
+    assert torch.equal(b.store.get((S, 2, 1)), expected)
+    assert a.executor.take_errors() == {} and b.executor.take_errors() == {}
+
+
+def test_partial_sum_to_replicate_from_uploaded_shards(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, b = pair
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    for w, dev, value in ((a, 0, x), (b, 1, y)):
+        stub = wire.Stub("dtorch.Worker", w.address, TOKEN)
+        assert stub.send_stream("Put", put_chunks(S, 10, dev, value)).ok
+        stub.close()
+    whole = [0, 0], [0, 0], [4, 6]
+    seqs = Seq()
+    sa = seqs.send(a, CmdRedistribute(src=10, dst=11, dtype="float64", plans={0: ShardPlan(
+        shape=[4, 6], groups=[[Piece("", 0, *whole)], [Piece(b.address, 1, *whole)]], reduce="sum")}))
+    sb = seqs.send(b, CmdRedistribute(src=10, dst=11, dtype="float64", plans={1: ShardPlan(
+        shape=[4, 6], groups=[[Piece(a.address, 0, *whole)], [Piece(b.address, 1, *whole)]], reduce="sum")}))
+    wait(a, sa)
+    wait(b, sb)
+    assert torch.equal(a.store.get((S, 11, 0)), x + y)
+    assert torch.equal(b.store.get((S, 11, 1)), x + y)
+
+
+def test_a_poisoned_remote_source_passes_the_original_report_on(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, b = pair
+    seqs = Seq()
+    sa = seqs.send(a, CmdRun(op="aten.nonexistent.default", devices=[0], args=[], kwargs={}, outs=[20],
+                             src="model.py:3"))
+    wait(a, sa)
+    (report,) = a.executor.take_errors()[S]
+    sb = seqs.send(b, CmdRedistribute(src=20, dst=21, dtype="float32", src_line="model.py:4", plans={
+        1: ShardPlan(shape=[2], groups=[[Piece(a.address, 0, [0], [0], [2])]])}))
+    wait(b, sb)
+    assert b.store.get((S, 21, 1)) == Poison(report)
+    assert b.executor.take_errors() == {}  # reported once, by a
+
+
+def test_pull_of_a_missing_shard_times_out_with_a_clear_error(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, _ = pair
+    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    with pytest.raises(RuntimeError, match="no shard for tensor 999 on logical device 0 .* after waiting 0.1s"):
+        receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=999, device=0, timeout_s=0.1)), "pull")
+    stub.close()
+
+
+def test_wrong_token_is_refused(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, _ = pair
+    stub = wire.Stub("dtorch.Worker", a.address, "wrong")
+    with pytest.raises(PermissionError):
+        stub.call("Execute", Execute(seq=10**6, session=S, cmds=[]))
+    stub.close()
+
+
+def test_put_and_pull_beyond_the_message_limit(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, _ = pair
+    big = torch.randn(5 * 1024, 4 * 1024, generator=torch.Generator().manual_seed(0))  # 80 MiB of float32
+    assert big.numel() * 4 > wire.MAX_MESSAGE_BYTES
+    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    assert stub.send_stream("Put", put_chunks(S, 30, 0, big)).ok
+    assert torch.equal(a.store.get((S, 30, 0)), big)
+    back = receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=30, device=0)), "pull")
+    assert torch.equal(back, big)
+    box = receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=30, device=0, offset=[1000, 7],
+                                                          size=[3000, 4000])), "pull")
+    assert torch.equal(box, big[1000:4000, 7:4007])
+    stub.close()
+    a.store.delete((S, 30, 0))
+
+
+def test_bool_bfloat16_and_empty_shards_round_trip(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, _ = pair
+    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    for i, value in enumerate([torch.tensor([True, False, True]), torch.randn(3, 2).bfloat16(),
+                               torch.zeros(0, 4), torch.tensor(3.5), torch.arange(6).view(2, 3).t()]):
+        assert stub.send_stream("Put", put_chunks(S, 40 + i, 0, value)).ok
+        back = receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=40 + i, device=0)), "pull")
+        assert back.dtype == value.dtype and torch.equal(back, value)
+    stub.close()
+
+
+def test_a_poisoned_shard_pulls_as_an_error_chunk(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, _ = pair
+    report = ErrorReport(op="aten.mm.default", src="m.py:1", message="RuntimeError: shapes", tid=50)
+    a.store.put((S, 50, 0), Poison(report))
+    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    (chunk,) = list(stub.stream("Pull", PullRequest(session=S, tid=50, device=0)))
+    assert chunk.report == report and "aten.mm.default" in chunk.error and "m.py:1" in chunk.error
+    stub.close()
