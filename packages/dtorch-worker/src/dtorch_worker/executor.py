@@ -141,7 +141,14 @@ class Executor:
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.peers.close()
 
+    @property
+    def stopped(self) -> bool:
+        with self._cond:
+            return self._stopped
+
     def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current CUDA device is per thread
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopped or self._completed + 1 in self._pending)

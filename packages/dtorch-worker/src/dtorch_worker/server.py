@@ -36,7 +36,9 @@ class WorkerService:
     def Execute(self, request: Execute) -> Ack:
         if self.executor.submit(request):
             return Ack()
-        return Ack(ok=True, message=f"batch {request.seq} is a duplicate or the worker is stopping")
+        if self.executor.stopped:
+            return Ack(ok=False, message="the worker is stopping")
+        return Ack(ok=True, message=f"batch {request.seq} is a duplicate: already done or queued")
 
     def Pull(self, request: PullRequest) -> Iterator[Chunk]:
         key = (request.session, request.tid, request.device)
