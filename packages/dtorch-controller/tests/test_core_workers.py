@@ -1,0 +1,185 @@
+"""Workers: registration, heartbeats on a fake clock, loss, fencing, status."""
+
+from __future__ import annotations
+
+from dtorch.protocol import messages as m
+from dtorch.protocol.wire import hello
+
+from dtorch_controller.core import Config, ControllerCore, Refusal
+from dtorch_controller.core import events as ev
+
+
+def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
+    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
+
+
+def test_register_assigns_sequential_ids_and_the_heartbeat_interval(make_harness):
+    h = make_harness(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0)
+    reply = h.call(ev.Register, m.RegisterWorker(hello=hello("worker"), address="10.0.0.1:7000", device_type="cuda",
+                                                 memory_bytes=80 << 30, labels={"rack": "a"}))
+    assert reply == m.Registered(worker="w0", heartbeat_interval_s=0.25)
+    assert h.register("10.0.0.2:7000") == "w1"
+    assert h.core.workers["w0"].labels == {"rack": "a"}
+    assert ("heartbeat", "w0") in h.timers
+
+
+def test_register_with_another_protocol_major_is_refused_naming_both_versions(h):
+    bad = m.Hello(protocol_version="2.0", package_version="9.9.9", role="worker")
+    reply = h.call(ev.Register, m.RegisterWorker(hello=bad, address="a:1", device_type="cpu", memory_bytes=0))
+    assert isinstance(reply, Refusal) and reply.kind == "protocol"
+    assert "2.0" in reply.message and m.PROTOCOL_VERSION in reply.message
+    assert not h.core.workers
+
+
+def test_newer_minor_is_accepted(h):
+    newer = m.Hello(protocol_version="1.7", package_version="0.9.0", role="worker")
+    reply = h.call(ev.Register, m.RegisterWorker(hello=newer, address="a:1", device_type="cpu", memory_bytes=0))
+    assert isinstance(reply, m.Registered)
+
+
+def test_wrong_role_and_empty_address_are_refused(h, refused):
+    reply = h.call(ev.Register, m.RegisterWorker(hello=hello("client"), address="a:1", device_type="cpu",
+                                                 memory_bytes=0))
+    assert refused(reply, "protocol") and "worker" in reply.message
+    reply = h.call(ev.Register, m.RegisterWorker(hello=hello("worker"), address="", device_type="cpu", memory_bytes=0))
+    assert refused(reply)
+
+
+def test_silent_worker_becomes_suspect_then_lost_within_the_timeout(h):
+    w = h.register("a:1")
+    h.advance(0.3)
+    assert h.core.workers[w].state == "alive"
+    h.advance(0.15)  # 0.45 s > 2 intervals
+    assert h.core.workers[w].state == "suspect"
+    h.advance(0.5)  # 0.95 s
+    assert h.core.workers[w].state == "suspect"
+    h.advance(0.05)  # exactly the timeout
+    assert h.core.workers[w].state == "lost"
+    assert any("w0" in line and "lost" in line for line in h.status().events)
+
+
+def test_reports_keep_a_worker_alive_and_bring_a_suspect_back(h):
+    w = h.register("a:1")
+    for _ in range(20):
+        h.advance(0.2)
+        assert h.report(w).ok
+    assert h.core.workers[w].state == "alive"
+    h.advance(0.5)
+    assert h.core.workers[w].state == "suspect"
+    assert h.report(w).ok
+    assert h.core.workers[w].state == "alive"
+    h.advance(0.9)
+    assert h.core.workers[w].state == "suspect"
+    h.advance(0.2)
+    assert h.core.workers[w].state == "lost"
+
+
+def test_lost_and_unknown_workers_are_fenced_and_their_data_ignored(h):
+    w = h.register("a:1")
+    sid = h.open_session()
+    h.open_mesh(sid, 1, [0])
+    h.advance(1.5)
+    assert h.core.workers[w].state == "lost"
+    errors_before = list(h.core.sessions[sid].errors)
+    late = m.ErrorReport(op="aten.add.Tensor", src="x.py:1", message="boom")
+    reply = h.report(w, completed=5, errors={sid: [late]}, sessions={sid: m.ShardStats(3, 300)})
+    assert reply == m.ReportReply(ok=False, message="fenced")
+    assert h.core.workers[w].state == "lost" and h.core.workers[w].completed == 0
+    assert h.core.sessions[sid].errors == errors_before
+    assert h.report("w99") == m.ReportReply(ok=False, message="fenced")
+
+
+def test_reregistering_at_the_same_address_fences_the_old_worker(h):
+    old = h.register("a:1")
+    new = h.register("a:1")
+    assert (old, new) == ("w0", "w1")
+    assert h.core.workers[old].state == "lost"
+    assert not h.report(old).ok
+    assert h.report(new).ok
+
+
+def test_unreachable_worker_is_lost_at_once_and_syncs_report_it(h):
+    w0, w1 = h.register("a:1"), h.register("b:1")
+    sid = h.open_session()
+    h.open_mesh(sid, 1, [0, 1])
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([4]), init="zeros")])
+    h.report(w0)
+    rid, reply = h.sync(sid, 1)
+    assert reply is None  # w1 has not reported yet
+    h.handle(ev.WorkerUnreachable(w1, "b:1", "connection refused"))
+    assert h.core.workers[w1].state == "lost"
+    reply = h.replies[rid]
+    assert reply.done
+    [error] = reply.errors
+    assert "w1" in error.message and "[1]" in error.message and "connection refused" in error.message
+    assert error.tid == 1
+    assert h.core.sessions[sid].state == "degraded"
+
+
+def test_lost_worker_error_names_the_logical_devices_whose_tensors_are_gone(h):
+    w0, w1 = h.register("a:1"), h.register("b:1")
+    sid = h.open_session()
+    h.open_mesh(sid, 1, [0, 1, 2, 3])  # w0: 0, 2; w1: 1, 3
+    h.submit(sid, 1, [m.InstrCreate(tid=7, spec=spec([8]), init="rand")])
+    for _ in range(6):
+        h.advance(0.2)
+        h.report(w0)
+    assert h.core.workers[w1].state == "lost"
+    rid, reply = h.sync(sid, 1)
+    assert reply.done
+    [error] = reply.errors
+    assert error.op == "worker lost"
+    assert "w1" in error.message and "[1, 3]" in error.message and "7" in error.message
+    # later instructions on the lost devices are skipped with one error per batch, the rest still run
+    h.take_sent()
+    h.submit(sid, 2, [m.InstrCreate(tid=8, spec=spec([8]), init="rand"),
+                      m.InstrCreate(tid=9, spec=spec([8]), init="rand")])
+    assert [s.worker_id for s in h.take_sent()] == [w0]
+    h.report(w0)
+    rid, reply = h.sync(sid, 2)
+    assert reply.done and len(reply.errors) == 1 and "w1" in reply.errors[0].message
+
+
+def test_status_lists_workers_sessions_devices_and_events(h):
+    w0 = h.register("a:1", labels={"zone": "z1"})
+    w1 = h.register("b:1")
+    sid = h.open_session("trainer")
+    h.open_mesh(sid, 1, [0, 1, 2])
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([6]), init="ones")])
+    h.report(w0, sessions={sid: m.ShardStats(tensors=2, bytes=16)})
+    status = h.status()
+    by_id = {w.worker: w for w in status.workers}
+    assert by_id[w0].state == "alive" and by_id[w0].address == "a:1" and by_id[w0].labels == {"zone": "z1"}
+    assert (by_id[w0].tensors, by_id[w0].bytes) == (2, 16)
+    assert by_id[w0].devices == [f"{sid}:0", f"{sid}:2"] and by_id[w1].devices == [f"{sid}:1"]
+    [session] = status.sessions
+    assert (session.session, session.name, session.state, session.tensors) == (sid, "trainer", "open", 1)
+    assert session.devices == {0: w0, 1: w1, 2: w0}
+    assert any("registered" in line for line in status.events)
+    assert all(line.split(" ", 1)[0].replace(".", "").isdigit() for line in status.events)  # time stamp first
+
+
+def test_event_log_is_bounded(make_harness):
+    h = make_harness(event_log_size=5)
+    for i in range(20):
+        h.register(f"a:{i}")
+    events = h.status().events
+    assert len(events) == 5 and "w19" in events[-1]
+
+
+def test_old_lost_workers_are_forgotten(make_harness):
+    h = make_harness()
+    h.core = ControllerCore(Config(lost_workers_kept=2))
+    for i in range(5):
+        h.register(f"a:{i}")
+    h.advance(2.0)
+    assert sorted(h.core.workers) == ["w3", "w4"]
+
+
+def test_config_rejects_nonsense():
+    import pytest
+
+    with pytest.raises(ValueError):
+        Config(heartbeat_interval_s=0)
+    with pytest.raises(ValueError):
+        Config(heartbeat_interval_s=1.0, heartbeat_timeout_s=0.5)
