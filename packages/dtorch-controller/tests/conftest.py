@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 from dtorch.protocol import messages as m
 from dtorch.protocol.wire import hello
-
 from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer, counter_ids
 from dtorch_controller.core import events as ev
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from dtorch.protocol import messages as m
 from dtorch.protocol.wire import hello
-
 from dtorch_controller.core import Refusal
 from dtorch_controller.core import events as ev
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dtorch.protocol import messages as m
 from dtorch.protocol.wire import hello
-
 from dtorch_controller.core import Config, ControllerCore, Refusal
 from dtorch_controller.core import events as ev
 

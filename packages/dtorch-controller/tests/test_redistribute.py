@@ -9,7 +9,6 @@ import pytest
 from dtorch.layout import box_shape, coords, shard_box
 from dtorch.placement_types import Partial, Replicate, Shard
 from dtorch.protocol.messages import Piece, ShardPlan
-
 from dtorch_controller.core.redistribute import PlanError, parse_placements, plan_redistribute
 
 R, S0, S1, PSUM, PMAX = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")

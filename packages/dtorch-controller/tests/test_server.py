@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from dtorch.protocol import messages as m
 from dtorch.protocol import wire
-
 from dtorch_controller.core import Config
 from dtorch_controller.server import run_server
 
