@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same
+from _helpers import assert_same
 
 import dtorch
 from dtorch import Partial, Replicate, Shard

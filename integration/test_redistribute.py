@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import assert_same
+from _helpers import assert_same
 
 import dtorch
 from dtorch import Partial, Replicate, Shard

@@ -23,7 +23,8 @@ import torch.utils._pytree as pytree
 from dtorch import _sharding
 from dtorch._source import user_src
 from dtorch._spec import Spec
-from dtorch.placement_types import Replicate
+from dtorch.layout import coords, shard_box
+from dtorch.placement_types import Partial, Replicate
 from dtorch.protocol import messages as m
 from dtorch.protocol.values import encode_value
 
@@ -145,6 +146,8 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
             raise _sharding.NoRule("random op")
         prop = _sharding.propagate(func, spec_args, spec_kwargs, mesh)
         run_func, new_args, outputs = prop.op, prop.args, prop.outputs
+        if _non_sum_partial(outputs) and any(_has_empty_shard(s) for s in specs):
+            raise _sharding.NoRule("max/min/avg over an empty shard")  # torch refuses e.g. max() of nothing
         required = [s for s in pytree.tree_leaves((new_args, prop.kwargs)) if isinstance(s, Spec)]
         if prop.rank_args is not None:
             local = {mesh.devices[rank]: list(_slot_templates(a, k)) for rank, (a, k) in enumerate(prop.rank_args)}
@@ -166,6 +169,16 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
     # in-place ops whose self must move first: the result replaces self's shards and self takes its layout
     return Plan(str(run_func), route, run_func, inputs, wire_args, wire_kwargs, local, outputs, flat_outputs,
                 inplace, random)
+
+
+def _non_sum_partial(outputs: Any) -> bool:
+    flat = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return any(isinstance(p, Partial) and p.reduce_op != "sum" for s in flat if s is not None for p in s.placements)
+
+
+def _has_empty_shard(spec: Spec) -> bool:
+    return any(n == 0 and full > 0 for c in coords(spec.mesh.shape)
+               for (_, n), full in zip(shard_box(spec.shape, spec.mesh.shape, spec.placements, c), spec.shape))
 
 
 def _lift_plain(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
