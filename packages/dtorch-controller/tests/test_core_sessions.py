@@ -310,3 +310,33 @@ def test_garbage_timer_keys_and_unknown_workers_are_ignored(h):
     h.handle(ev.WorkerUnreachable("w404"))
     with pytest.raises(TypeError):
         h.core.handle(0.0, object())  # an adapter bug, not client input
+
+
+def test_a_report_cannot_finish_batches_it_never_got(h):
+    (w0, w1), sid = cluster(h)
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([8]), init="rand")])
+    h.report(w0, completed=99)
+    assert h.core.workers[w0].completed == 1
+    h.submit(sid, 2, [m.InstrCreate(tid=2, spec=spec([8]), init="rand")])
+    h.report(w1)
+    rid, reply = h.sync(sid, 2)
+    assert reply is None  # w0 has not finished batch 2 whatever it claimed before
+
+
+def test_a_deferred_delete_never_hits_a_reused_tensor_id(h):
+    (w0, w1), sid = cluster(h, devices=(0, 1))
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([4]), init="rand")])
+    h.report_all()
+    h.submit(sid, 2, [m.InstrRedistribute(src=1, dst=2, src_spec=spec([4]), dst_spec=spec([4], placements=("R",))),
+                      m.InstrDelete(tids=[1]), m.InstrCreate(tid=1, spec=spec([4]), init="zeros")])
+    h.take_sent()
+    h.report_all()
+    assert h.take_sent() == [] and h.core.sessions[sid].deferred == []
+
+
+def test_nan_sync_timeout_answers_at_once(h):
+    (w0, w1), sid = cluster(h)
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([8]), init="rand")])
+    rid, reply = h.sync(sid, 1, timeout_s=float("nan"))
+    h.advance(0.0)
+    assert h.replies[rid].done is False

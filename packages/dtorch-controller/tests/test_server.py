@@ -66,3 +66,67 @@ def test_register_sync_and_unreachable_worker(controller):
         assert stub.call("CloseSession", m.CloseSession(session=sid), timeout=5).ok
     finally:
         stub.close()
+
+
+class SilentWorker:
+    """A dtorch.Worker that accepts batches and never reports: its batches stay unfinished."""
+
+    def __init__(self) -> None:
+        self.batches: list[m.Execute] = []
+
+    def Execute(self, request: m.Execute) -> m.Ack:
+        self.batches.append(request)
+        return m.Ack()
+
+    def Pull(self, request):
+        raise wire.RemoteError("not here")
+
+    def Put(self, requests):
+        raise wire.RemoteError("not here")
+
+
+def test_sync_times_out_and_shutdown_answers_parked_syncs():
+    import threading
+    import time
+
+    worker = SilentWorker()
+    worker_server, worker_address = wire.serve("dtorch.Worker", worker, TOKEN)
+    server, address = run_server("127.0.0.1:0", TOKEN, Config(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0))
+    stub = wire.Stub("dtorch.Controller", address, TOKEN)
+    try:
+        stub.call("Register", m.RegisterWorker(hello=wire.hello("worker"), address=worker_address,
+                                               device_type="cpu", memory_bytes=0), timeout=5)
+        sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
+        stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0, 1], shape=[2]), timeout=5)
+        spec = m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["S0"])
+        stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec, init="ones")]),
+                  timeout=5)
+        start = time.monotonic()
+        reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3), timeout=10)
+        assert not reply.done and "w0" in reply.message and time.monotonic() - start < 5
+        assert [b.seq for b in worker.batches] == [1]
+        assert worker.batches[0].cmds[0].boxes == {0: [[0, 2]], 1: [[2, 2]]}
+
+        outcome: list[object] = []
+        parked = threading.Thread(target=lambda: outcome.append(_try(stub, sid)))
+        parked.start()
+        deadline = time.monotonic() + 5
+        while not server.service._waiters and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = time.monotonic()
+        server.stop(0)
+        parked.join(5)
+        assert not parked.is_alive() and time.monotonic() - start < 5
+        assert isinstance(outcome[0], Exception)
+        assert not server.service._waiters
+    finally:
+        stub.close()
+        server.stop(0)
+        worker_server.stop(0)
+
+
+def _try(stub, sid):
+    try:
+        return stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=60), timeout=90)
+    except Exception as e:  # noqa: BLE001
+        return e

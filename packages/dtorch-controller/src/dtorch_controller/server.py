@@ -129,10 +129,17 @@ class ControllerService:
             with self._waiters_lock:
                 self._waiters.pop(request_id, None)
         if isinstance(message, Refusal):
-            raise (wire.ProtocolError if message.kind == "protocol" else wire.RemoteError)(message.message)
+            text = " ".join(message.message.split())  # gRPC details travel best as one line
+            raise (wire.ProtocolError if message.kind == "protocol" else wire.RemoteError)(text)
         return message
 
     def close(self) -> None:
+        """Answer requests still parked (a Sync may wait for minutes), stop the timers, close worker channels."""
+        with self._waiters_lock:
+            parked = list(self._waiters.values())
+        for future in parked:
+            if not future.done():
+                future.set_result(Refusal("refused", "the controller is shutting down"))
         self.timers.stop()
         with self._stubs_lock:
             stubs, self._stubs = list(self._stubs.values()), {}
@@ -151,7 +158,8 @@ class ControllerService:
         return self.request(lambda rid: ev.Submit(rid, request))
 
     def Sync(self, request: m.Sync) -> m.SyncReply:
-        wait = min(max(request.timeout_s, 0.0), self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
+        timeout = request.timeout_s if request.timeout_s == request.timeout_s else 0.0  # NaN: answer at once
+        wait = min(max(timeout, 0.0), self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
         return self.request(lambda rid: ev.Sync(rid, request), wait_s=wait)
 
     def CloseSession(self, request: m.CloseSession) -> m.Ack:
@@ -180,9 +188,11 @@ class ControllerServer:
         return self.service.core
 
     def stop(self, grace: float | None = 1.0) -> None:
-        """Stop serving (waiting up to `grace` seconds for calls in flight) and stop the timer thread."""
-        self.grpc_server.stop(grace).wait((grace or 0) + 1.0)
+        """Stop serving: calls in flight get `grace` seconds, then parked ones are answered and timers stop."""
+        stopped = self.grpc_server.stop(grace)
+        stopped.wait((grace or 0) + 0.1)
         self.service.close()
+        stopped.wait(1.0)
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self.grpc_server.wait_for_termination(timeout)

@@ -229,8 +229,7 @@ class ControllerCore:
                                                    f"for session {_short(s.id)} is {s.seq}")
         if not self._busy(s):
             return self._reply(out, e.request_id, self._done(s))
-        timeout = msg.timeout_s if math.isfinite(msg.timeout_s) else 0.0
-        timeout = min(max(timeout, 0.0), self.config.max_sync_timeout_s)
+        timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)
         s.syncs[e.request_id] = PendingSync(e.request_id, msg.upto, timeout)
         out.append(fx.SetTimer(now + timeout, ("sync", s.id, e.request_id)))
 
@@ -290,7 +289,7 @@ class ControllerCore:
             self.log.add(now, f"worker {w.id} reported again after {now - w.last_seen:.2f}s")
         w.state = st.step(st.WORKER_TABLE, w.state, st.REPORT)
         w.last_seen = now
-        w.completed = max(w.completed, msg.completed)
+        w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = dict(msg.sessions)
         for session_id, errors in msg.errors.items():
             s = self.sessions.get(session_id)
@@ -372,6 +371,8 @@ class ControllerCore:
         s.deferred = waiting
         groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         for dd in ready:
+            if dd.tid in s.tensors:  # the id was reused: the new tensor already replaced the old shards
+                continue
             for worker_id, devices in dd.devices.items():
                 if self.workers[worker_id].state != st.LOST:
                     groups.setdefault((worker_id, tuple(devices)), []).append(dd.tid)
