@@ -113,7 +113,7 @@ class _Translator:
             raise InstrError(f"unknown tensor {tid} in this session")
         return spec
 
-    def _hosts(self, mesh: Mesh, instr: m.Instr) -> dict[str, list[int]]:
+    def _hosts(self, mesh: Mesh, instr: m.Instr, report_lost: bool = True) -> dict[str, list[int]]:
         """Worker -> the mesh devices it hosts (mesh order), leaving out lost workers (reported once a batch)."""
         hosts: dict[str, list[int]] = {}
         for device in mesh.devices:
@@ -121,7 +121,7 @@ class _Translator:
         for worker in list(hosts):
             if self.workers[worker].state == st.LOST:
                 devices = hosts.pop(worker)
-                if worker not in self._lost_reported:
+                if report_lost and worker not in self._lost_reported:
                     self._lost_reported.add(worker)
                     self._error(instr, f"logical devices {devices} were on worker {worker}, which was lost; "
                                        "their part of this batch was skipped")
@@ -193,7 +193,7 @@ class _Translator:
             mesh = self.s.meshes.get(spec.mesh) if spec is not None else None
             if mesh is None:
                 continue
-            hosts = self._hosts(mesh, instr)
+            hosts = self._hosts(mesh, instr, report_lost=False)  # lost shards need no deleting
             waits = {w: seq for w, seq in readers.items()
                      if self.workers[w].state != st.LOST and self.workers[w].completed < seq}
             if waits:
