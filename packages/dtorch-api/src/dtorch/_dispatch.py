@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 LITERAL_MAX_NUMEL = 1 << 16  # plain tensors up to this size travel inside the instruction
 
 
+DTensorType: type | None = None  # set by dtorch.dtensor (avoids an import cycle)
+
+
 class _Plain(Exception):
     """A plain torch.Tensor among the arguments: lift it to a Replicate DTensor first."""
 
@@ -47,10 +50,13 @@ def _key(v: Any, leaves: list) -> Any:
     t = type(v)
     if t in _SCALARS:
         return t, v
+    if t is DTensorType:
+        leaves.append(v)
+        return v._spec.key
     if t is list or t is tuple or t is torch.Size:
-        return t, tuple(_key(x, leaves) for x in v)
+        return t, tuple([_key(x, leaves) for x in v])
     if t is dict:
-        return t, tuple((k, _key(x, leaves)) for k, x in v.items())
+        return t, tuple([(k, _key(x, leaves)) for k, x in v.items()])
     if isinstance(v, torch.Tensor):
         spec = getattr(v, "_spec", None)
         if spec is None:
@@ -73,6 +79,23 @@ class Plan:
     flat_outputs: list[Spec | None]
     inplace: bool
     random: bool
+    fast: tuple | None = None  # (top-level arg slots, output spec): the common case, emitted without walking
+
+    def __post_init__(self) -> None:
+        simple = (self.route != "sync" and not self.inplace and not self.random and self.local is None
+                  and not any(self.inputs) and not isinstance(self.outputs, (list, tuple))
+                  and self.outputs is not None and not _has_slot(self.kwargs))
+        slots = [(pos, a["$t"]) for pos, a in enumerate(self.args) if type(a) is dict and "$t" in a]
+        if simple and all(not _has_slot(a) for a in self.args if not (type(a) is dict and "$t" in a)):
+            self.fast = (slots, self.outputs)
+
+
+def _has_slot(t: Any) -> bool:
+    if type(t) is list:
+        return any(_has_slot(x) for x in t)
+    if type(t) is dict:
+        return "$t" in t or any(_has_slot(x) for x in t.values())
+    return False
 
 
 _plans: dict[Any, Plan] = {}
@@ -211,9 +234,24 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         plan = _make_plan(func, args, kwargs, leaves)
         if key is not None:
             _plans[key] = plan
+    if plan.fast is not None:
+        return _emit_fast(plan, leaves)
     if plan.route == "sync":
         return _run_locally(func, args, kwargs, leaves)
     return _emit(plan, leaves)
+
+
+def _emit_fast(plan: Plan, leaves: list[DTensor]) -> DTensor:
+    """The hot path: no moves, one output, tensor slots only at the top level of args."""
+    slots, out = plan.fast  # type: ignore[misc]
+    session: Session = leaves[0]._session
+    args = plan.args.copy()
+    for pos, i in slots:
+        args[pos] = {"$t": leaves[i]._tid}
+    tid = session.new_tid()
+    session.emit(m.InstrCall(plan.op_name, out.mesh.id, args, plan.kwargs, [m.OutSpec(tid, out.wire)], None,
+                             user_src(3)))
+    return DTensorType(out, tid, session)  # type: ignore[misc]
 
 
 def _emit(plan: Plan, leaves: list[DTensor]) -> Any:

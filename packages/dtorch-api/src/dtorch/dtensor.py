@@ -90,6 +90,9 @@ class DTensor(torch.Tensor):
         return _Redistribute.apply(self, mesh, target)
 
 
+_dispatch.DTensorType = DTensor
+
+
 def redistribute_to(x: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...], src: str) -> DTensor:
     """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
     session = x._session
