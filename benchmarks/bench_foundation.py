@@ -72,7 +72,8 @@ def dtorch_mlp(weights, inp, mesh: dtorch.DeviceMesh, tensor_parallel: bool):
             layers.append((dtorch.distribute_tensor(w, mesh, [Replicate()]),
                            dtorch.distribute_tensor(b, mesh, [Replicate()])))
         elif i % 2 == 0:
-            layers.append((dtorch.distribute_tensor(w, mesh, [Shard(0)]), dtorch.distribute_tensor(b, mesh, [Shard(0)])))
+            layers.append((dtorch.distribute_tensor(w, mesh, [Shard(0)]),
+                           dtorch.distribute_tensor(b, mesh, [Shard(0)])))
         else:
             layers.append((dtorch.distribute_tensor(w, mesh, [Shard(1)]),
                            dtorch.distribute_tensor(b, mesh, [Replicate()])))

@@ -9,8 +9,7 @@ import time
 import torch
 
 import dtorch
-from dtorch import Shard
-from dtorch import runtime
+from dtorch import Shard, runtime
 
 
 def test_ops_return_while_workers_are_frozen(cluster, mesh1):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_same
 
 import dtorch
+from _helpers import assert_same
 from dtorch import Partial, Replicate, Shard
 
 

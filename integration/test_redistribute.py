@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
-from _helpers import assert_same
 
 import dtorch
+from _helpers import assert_same
 from dtorch import Partial, Replicate, Shard
 
 PLACEMENTS_1D = [Shard(0), Shard(1), Replicate(), Partial("sum")]

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-PROTOCOL_VERSION = "1.0"
+PROTOCOL_VERSION = "1.1"  # 1.1: CmdExpectReads, PullRequest.expected
 
 
 class Hello(Struct, frozen=True):
@@ -291,6 +291,18 @@ class CmdRedistribute(Struct, frozen=True, tag="redistribute"):
     src_line: str = ""
 
 
+class CmdExpectReads(Struct, frozen=True, tag="expect_reads"):
+    """Peers will pull pieces of `tid` (for a redistribution at this point of the stream): hold in-place writes.
+
+    Sent to each source worker in the same batch as the CmdRedistribute that makes other workers read its
+    shards. Until that many `PullRequest(expected=True)` for a device's shard are served, the worker holds
+    any command that writes the shard's storage in place (bounded wait).
+    """
+
+    tid: int
+    reads: dict[int, int]  # source logical device -> remote pulls planned of its shard
+
+
 class CmdDelete(Struct, frozen=True, tag="delete"):
     tids: list[int]
     devices: list[int]
@@ -300,7 +312,7 @@ class CmdCloseSession(Struct, frozen=True, tag="close"):
     pass
 
 
-Cmd = CmdCreate | CmdRun | CmdRedistribute | CmdDelete | CmdCloseSession
+Cmd = CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession
 
 
 class Execute(Struct, frozen=True):
@@ -328,6 +340,7 @@ class PullRequest(Struct, frozen=True):
     offset: list[int] | None = None
     size: list[int] | None = None
     timeout_s: float = 60.0
+    expected: bool = False  # a peer's planned read, announced by CmdExpectReads: counted as served when done
 
 
 class Chunk(Struct, frozen=True):

@@ -5,7 +5,8 @@ The client encodes, the worker decodes; torch is imported only when a function h
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def dtype_name(dtype: Any) -> str:

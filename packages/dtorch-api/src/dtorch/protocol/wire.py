@@ -202,7 +202,7 @@ class Stub:
         self.channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._meta = _metadata(token)
         self._calls: dict[str, Any] = {}
-        for name, (_req_t, rep_t, kind) in SERVICES[service].items():
+        for name, (_req_t, _rep_t, kind) in SERVICES[service].items():
             path = f"/{service}/{name}"
             if kind == "unary":
                 self._calls[name] = self.channel.unary_unary(path)

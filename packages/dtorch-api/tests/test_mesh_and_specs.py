@@ -1,0 +1,52 @@
+"""DeviceMesh and placement validation: clear one-line errors, torch-like surface."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch._spec import contiguous_stride, normalize_placements
+from dtorch.device_mesh import init_device_mesh
+
+
+def test_mesh_shapes_and_identity():
+    m1 = dtorch.DeviceMesh("cpu", [0, 1, 2, 3])
+    m2 = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    assert m1.shape == (4,) and m2.shape == (2, 2) and m2.ndim == 2 and m2.size() == 4
+    assert dtorch.DeviceMesh("cpu", [0, 1, 2, 3]) == m1 and m1 != m2
+    assert m2["tp"].devices == (0, 1) and m2["dp"].devices == (0, 2)
+    assert repr(m1) == "DeviceMesh('cpu', [0, 1, 2, 3])"
+    assert init_device_mesh("cpu", (2, 2)).devices == (0, 1, 2, 3)
+    assert dtorch.DeviceMesh("cpu", torch.arange(6).reshape(2, 3)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("ids,match", [([], "at least one"), ([0, 0], "distinct"), ([-1], "non-negative"),
+                                       ([[0, 1], [2]], "rectangular"), ("01", "list of ints")])
+def test_bad_meshes(ids, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        dtorch.DeviceMesh("cpu", ids)
+
+
+def test_bad_mesh_dim_names_and_device_type():
+    with pytest.raises(ValueError, match="mesh_dim_names"):
+        dtorch.DeviceMesh("cpu", [0, 1], mesh_dim_names=("a", "b"))
+    with pytest.raises(ValueError, match="device_type"):
+        dtorch.DeviceMesh("gpu", [0])
+
+
+def test_placements_are_checked_and_normalized():
+    mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]])
+    assert normalize_placements([dtorch.Shard(-1), dtorch.Replicate()], mesh, 3)[0] == dtorch.Shard(2)
+    assert normalize_placements(None, mesh, 2) == (dtorch.Replicate(), dtorch.Replicate())
+    with pytest.raises(ValueError, match="got 3 placements for a 2-d mesh"):
+        normalize_placements([dtorch.Shard(0)] * 3, mesh, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        normalize_placements([dtorch.Shard(2), dtorch.Replicate()], mesh, 2)
+    with pytest.raises(TypeError, match="Shard"):
+        normalize_placements(["S0", dtorch.Replicate()], mesh, 2)
+
+
+def test_contiguous_stride():
+    assert contiguous_stride((2, 3, 4)) == (12, 4, 1)
+    assert contiguous_stride(()) == ()

@@ -1,0 +1,72 @@
+"""The wire: every message validated on receipt, versions checked, torch never imported by the protocol."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import torch
+
+from dtorch.protocol import messages as m
+from dtorch.protocol import wire
+from dtorch.protocol.values import decode_value, encode_value, tensor_from_bytes, tensor_to_bytes
+
+
+def test_round_trip_of_an_instruction_batch():
+    batch = m.Submit(session="s", seq=3, instrs=[
+        m.InstrCall(op="aten.add.Tensor", mesh=0, args=[{"$t": 1}, 2.5], kwargs={},
+                    outs=[m.OutSpec(2, m.TensorSpec([4], "float32", 0, ["S0"]))], local={1: [[{"$t": 1}, 1], {}]}),
+        m.InstrDelete(tids=[1])])
+    assert wire.decode(m.Submit, wire.encode(batch)) == batch
+
+
+def test_bad_message_names_the_field():
+    raw = msgspec.msgpack.encode({"session": "s", "seq": "one", "instrs": []})
+    with pytest.raises(wire.ProtocolError, match=r"bad Submit message: .*seq"):
+        wire.decode(m.Submit, raw)
+    with pytest.raises(wire.ProtocolError, match="bad Submit"):
+        wire.decode(m.Submit, b"\xc1garbage")
+    unknown = msgspec.msgpack.encode({"session": "s", "seq": 1, "instrs": [{"type": "exec_python", "code": "x"}]})
+    with pytest.raises(wire.ProtocolError):
+        wire.decode(m.Submit, unknown)
+
+
+def test_version_check_refuses_other_major_and_accepts_newer_minor():
+    with pytest.raises(wire.ProtocolError, match=r"2\.0.*1\.0"):
+        wire.check_hello(m.Hello("2.0", "9.9.9", "client"))
+    wire.check_hello(m.Hello("1.9", "0.2.0", "worker"))
+
+
+def test_protocol_does_not_import_torch():
+    code = "import sys, dtorch.protocol.wire, dtorch.protocol.messages, dtorch.layout; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16])
+def test_tensor_bytes_round_trip(dtype):
+    t = (torch.randn(3, 5) * 10).to(dtype)
+    assert torch.equal(tensor_from_bytes(tensor_to_bytes(t), str(dtype)[6:], [3, 5]), t)
+
+
+def test_argument_values_round_trip():
+    args = [torch.float16, torch.device("cpu"), torch.strided, torch.contiguous_format, 1 + 2j, [1, 2], None,
+            torch.tensor([1.0, 2.0])]
+    wire_form = encode_value(args, lambda t: None)
+    back = decode_value(msgspec.msgpack.decode(msgspec.msgpack.encode(wire_form)), lambda tid: None, "cpu")
+    assert back[:7] == [torch.float16, "cpu", torch.strided, torch.contiguous_format, 1 + 2j, [1, 2], None]
+    assert torch.equal(back[7], torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="unknown"):
+        decode_value({"$dtype": "os.system"}, lambda tid: None, "cpu")
+    with pytest.raises(TypeError):
+        encode_value(object(), lambda t: None)
+
+
+def test_chunks_stay_below_the_message_limit():
+    data = bytes(wire.CHUNK_BYTES * 2 + 5)
+    parts = list(wire.chunks(data))
+    assert [len(p) for p in parts] == [wire.CHUNK_BYTES, wire.CHUNK_BYTES, 5]
+    assert wire.CHUNK_BYTES < wire.MAX_MESSAGE_BYTES
+    assert [len(p) for p in wire.chunks(b"")] == [0]
