@@ -178,7 +178,8 @@ class Session:
             self._locations.update(reply.locations)
             if reply.errors:
                 first = reply.errors[0]
-                err = RemoteOpError(first.op, first.src, first.message)
+                err: DTorchError = RemoteOpError(first.op, first.src, first.message) if first.src else \
+                    ClusterError(first.message)
                 for more in reply.errors[1:]:
                     err.add_note(f"also: {more.op} at {more.src}: {more.message}")
                 raise err
