@@ -1,11 +1,72 @@
-"""`dtorch-sim`: the simulator's command line (skeleton: the simulation itself is not built yet)."""
+"""`dtorch-sim`: validate a scenario, run it, or compare placement policies on it.
+
+    dtorch-sim validate scenario.yaml
+    dtorch-sim run scenario.yaml --out DIR
+    dtorch-sim compare scenario.yaml --policies fifo,... --out DIR
+
+A bad scenario is reported as one line per mistake (`field.path: what was expected`) and exit status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from dtorch_sim import __version__
+from dtorch_sim.policies import POLICIES, known
+from dtorch_sim.scenario import Scenario, ScenarioError, load
+
+
+def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool) -> tuple[dict, float]:
+    from dtorch_sim import metrics
+    from dtorch_sim.harness import Simulation
+
+    started = time.perf_counter()
+    sim = Simulation(sc)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} jobs"),
+                  TextColumn("t={task.fields[now]:.0f}s"), TimeElapsedColumn(), console=console,
+                  disable=quiet, transient=True) as progress:
+        task = progress.add_task(f"{sc.name} [{sc.policy.name}]", total=len(sim.jobs), now=0.0)
+        for now in sim.run():
+            progress.update(task, completed=sim.jobs_ended(), now=now)
+    wall = time.perf_counter() - started
+    summary = metrics.write(sim, out)
+    return summary, wall
+
+
+def _table(rows: list[tuple[dict, float]]) -> Table:
+    """One column per run (policy), one row per metric: stays readable in 80 columns."""
+    table = Table(title="dtorch-sim summary")
+    table.add_column("metric")
+    for s, _wall in rows:
+        table.add_column(s["policy"], justify="right")
+
+    def f(x, fmt="{:.1f}"):
+        return "-" if x is None else fmt.format(x)
+
+    lines = [
+        ("jobs finished", lambda s, w: f"{s['jobs']['finished']}/{s['jobs']['submitted']}"),
+        ("jobs failed / restarts", lambda s, w: f"{s['jobs']['failed']} / {s['jobs']['restarts']}"),
+        ("JCT mean / p50 / p99 (s)", lambda s, w: " / ".join(f(s["jct_s"][k]) for k in ("mean", "p50", "p99"))),
+        ("queueing delay mean (s)", lambda s, w: f(s["queueing_delay_s"]["mean"])),
+        ("makespan (s)", lambda s, w: f(s["makespan_s"])),
+        ("devices busy / allocated", lambda s, w: f"{f(s['utilization']['busy_mean'], '{:.1%}')} / "
+                                                  f"{f(s['utilization']['allocated_mean'], '{:.1%}')}"),
+        ("failures detected/injected", lambda s, w: f"{s['failures']['detected']}/{s['failures']['injected']}"),
+        ("detection max (s)", lambda s, w: f(s["failures"]["detection_s"]["max"], "{:.2f}")),
+        ("core events", lambda s, w: f"{s['events_handled']:,}"),
+        ("events/s (wall)", lambda s, w: f(s["events_handled"] / w if w > 0 else None, "{:,.0f}")),
+        ("wall time (s)", lambda s, w: f(w, "{:.2f}")),
+    ]
+    for name, cell in lines:
+        table.add_row(name, *(cell(s, w) for s, w in rows))
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,12 +74,48 @@ def main(argv: list[str] | None = None) -> int:
                                      "controller core and simulated workers.")
     parser.add_argument("--version", action="version", version=f"dtorch-sim {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "validate", "compare"):
-        cmd = sub.add_parser(name)
-        cmd.add_argument("scenario")
+    v = sub.add_parser("validate", help="check a scenario file; one line per mistake")
+    v.add_argument("scenario")
+    r = sub.add_parser("run", help="run a scenario, write metrics into --out")
+    r.add_argument("scenario")
+    r.add_argument("--out", default="sim-out", help="output folder (default: sim-out)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    c = sub.add_parser("compare", help="run a scenario once per policy, one output folder each")
+    c.add_argument("scenario")
+    c.add_argument("--policies", required=True, help=f"comma-separated, known: {known()}")
+    c.add_argument("--out", default="sim-compare", help="output folder; one subfolder per policy")
+    c.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    print(f"dtorch-sim {args.command}: the simulator is not built yet in this version", file=sys.stderr)
-    return 2
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        sc = load(args.scenario)
+    except ScenarioError as e:
+        for line in e.lines:
+            print(line, file=sys.stderr)
+        return 1
+    if args.command == "validate":
+        print(f"{args.scenario}: ok ({sum(g.count * g.devices_per_node for g in sc.cluster.nodes)} devices, "
+              f"policy {sc.policy.name})")
+        return 0
+    console = Console(highlight=False)
+    if args.command == "run":
+        summary, wall = _simulate(sc, Path(args.out), err, args.quiet)
+        console.print(_table([(summary, wall)]))
+        console.print(f"wrote {args.out}/metrics.json, jobs.csv, utilization.csv, failures.csv (+ plots)")
+        return 0
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or not names:
+        print(f"--policies: unknown policy {', '.join(map(repr, unknown)) or '(none given)'}: known policies are "
+              f"{known()}", file=sys.stderr)
+        return 1
+    rows = []
+    for name in names:
+        variant = sc.model_copy(update={"policy": sc.policy.model_copy(update={"name": name})})
+        rows.append(_simulate(variant, Path(args.out) / name, err, args.quiet))
+    console.print(_table(rows))
+    console.print(f"wrote one folder per policy under {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

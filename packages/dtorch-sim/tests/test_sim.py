@@ -1,0 +1,111 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dtorch_controller.core import state as st
+from dtorch_sim import metrics
+from dtorch_sim.harness import Simulation
+from dtorch_sim.jobs import generate
+from dtorch_sim.scenario import load, parse
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def run(data: dict) -> Simulation:
+    sim = Simulation(parse(data))
+    sim.run_all()
+    return sim
+
+
+def test_jobs_finish_and_utilization_is_plausible(base):
+    sim = run(base)
+    s = metrics.summarize(sim)
+    assert s["jobs"] == {"submitted": 12, "finished": 12, "failed": 0, "unfinished": 0, "restarts": 0}
+    total_work = sum(j.duration * j.devices for j in sim.specs)
+    assert 0.9 * total_work <= sum(w.busy_s for w in sim.all_workers) <= 1.1 * total_work
+    for r in sim.jobs:
+        assert r.finished - r.spec.arrival >= 0.99 * r.spec.duration  # no job beats its own work
+    u = s["utilization"]
+    assert 0 < u["busy_mean"] <= u["allocated_mean"] <= 1
+    assert s["makespan_s"] > 0 and s["jct_s"]["p50"] <= s["jct_s"]["p99"]
+    assert not sim.core.sessions  # every session closed
+
+
+def test_same_seed_same_bytes(base, tmp_path):
+    base["faults"] = [{"kind": "worker_failure", "mtbf_s": 60}]
+    a = metrics.write(run(base), tmp_path / "a", plots=False)
+    b = metrics.write(run(base), tmp_path / "b", plots=False)
+    assert a == b
+    for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    base["seed"] = 6
+    assert metrics.write(run(base), tmp_path / "c", plots=False) != a
+
+
+def test_failures_are_detected_within_the_heartbeat_timeout(base):
+    base["faults"] = [{"kind": "worker_failure", "at": 10, "worker": "node0/gpu1"},
+                      {"kind": "node_failure", "at": 20, "node": "node1", "mode": "crash"}]
+    sim = run(base)
+    assert [f.worker for f in sim.failures] == ["node0/gpu1"] + [f"node1/gpu{d}" for d in range(4)]
+    for f in sim.failures:
+        assert f.detected is not None and 0 < f.detected - f.at <= 4.0 + 1e-9
+    lost = [w for w in sim.core.workers.values() if w.state == st.LOST]
+    assert len(lost) == 5
+    s = metrics.summarize(sim)
+    assert s["failures"]["injected"] == s["failures"]["detected"] == 5
+    assert s["jobs"]["finished"] == 12 and s["jobs"]["restarts"] >= 1  # restarted on the survivors
+
+
+def test_jobs_can_give_up_on_failure(base):
+    base["faults"] = [{"kind": "node_failure", "at": 5, "node": "node0"}]
+    base["workload"]["on_failure"] = "fail"
+    s = metrics.summarize(run(base))
+    assert s["jobs"]["failed"] >= 1 and s["jobs"]["finished"] + s["jobs"]["failed"] == 12
+
+
+def test_a_node_added_later_gets_used(base):
+    base["cluster"]["nodes"][0]["count"] = 1
+    base["elastic"] = [{"at": 15, "action": "add_nodes",
+                        "add": {"count": 1, "devices_per_node": 4, "device_type": "slow", "name": "late"}},
+                       {"at": 40, "action": "remove_nodes", "nodes": ["node0"]}]
+    sim = run(base)
+    late = sim.nodes["late1"]
+    assert all(w.id is not None for w in late)
+    assert sum(w.busy_s for w in late) > 0
+    assert min(s.t for s in sim.samples if s.alive == 8) >= 15
+    assert all(f.kind == "remove_nodes" and f.detected is not None for f in sim.failures)
+    assert metrics.summarize(sim)["jobs"]["finished"] == 12
+
+
+def test_slow_worker_takes_longer(base):
+    base["workload"]["synthetic"]["jobs"] = 1
+    base["workload"]["synthetic"]["size"] = {"choices": [1]}
+    fast = run(base)
+    base["faults"] = [{"kind": "slow_worker", "at": 0, "worker": "node0/gpu0", "factor": 0.5}]
+    slow = run(base)
+    jct = [r.finished - r.spec.arrival for sim in (fast, slow) for r in sim.jobs]
+    assert 1.9 * jct[0] < jct[1] < 2.1 * jct[0]
+
+
+def test_traces_load():
+    itp = load(REPO / "scenarios" / "itp-cluster04.yaml")
+    jobs = generate(itp)
+    assert len(jobs) == 300 and jobs[0].arrival == 0 and all(j.devices >= 1 for j in jobs)
+    openb = generate(load(REPO / "scenarios" / "openb.yaml"))
+    assert len(openb) == 400 and all(1 <= j.devices <= 8 for j in openb)
+
+
+def test_cli_run_and_compare(base, tmp_path):
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(base))
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "run", str(path), "--out", str(tmp_path / "o"),
+                          "--quiet"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "jobs finished" in out.stdout and "12/12" in out.stdout
+    assert json.loads((tmp_path / "o" / "metrics.json").read_text())["jobs"]["finished"] == 12
+    bad = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(path), "--policies", "fifo,las"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip() == "--policies: unknown policy 'las': known policies are fifo"
