@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(_table([(summary, wall)]))
         console.print(f"wrote {args.out}/metrics.json, jobs.csv, utilization.csv, failures.csv (+ plots)")
         return 0
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    names = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
     unknown = [p for p in names if p not in POLICIES]
     if unknown or not names:
         print(f"--policies: unknown policy {', '.join(map(repr, unknown)) or '(none given)'}: known policies are "

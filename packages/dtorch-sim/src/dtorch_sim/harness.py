@@ -225,15 +225,18 @@ class Simulation:
 
     def sampler(self):
         """Every sample interval: how many devices are alive, allocated, and how busy they were."""
-        last_busy = 0.0
+        seen: dict[int, float] = {}  # id(worker) -> its busy seconds at the previous sample
         while True:
             yield self.env.timeout(self.sample_interval)
             alive = [w for w in self.all_workers if w.alive and w.id is not None]
-            busy_total = sum(w.busy_until_now() for w in self.all_workers)
+            busy_s = 0.0
+            for w in alive:  # only devices alive now: a failed one neither counts nor divides
+                now_busy = w.busy_until_now()
+                busy_s += now_busy - seen.get(id(w), 0.0)
+                seen[id(w)] = now_busy
             core_workers = self.core.workers
             bound = [core_workers[w.id].bound for w in alive if w.id in core_workers]  # type: ignore[index]
-            busy = (busy_total - last_busy) / (self.sample_interval * len(alive)) if alive else 0.0
-            last_busy = busy_total
+            busy = min(1.0, busy_s / (self.sample_interval * len(alive))) if alive else 0.0
             self.samples.append(Sample(self.env.now, len(alive), sum(b > 0 for b in bound), sum(bound), busy))
 
     def _default_end(self) -> float:
