@@ -100,6 +100,11 @@ def _has_slot(t: Any) -> bool:
 
 _plans: dict[Any, Plan] = {}
 
+# A shard's strides can differ from the global tensor's (kernels pick their own output layouts), so a view
+# that is valid globally may not be locally: workers reshape, which is the same view whenever one exists.
+_WIRE_NAME = {torch.ops.aten.view.default: "aten.reshape.default",
+              torch.ops.aten._unsafe_view.default: "aten.reshape.default"}
+
 
 class _Slot(int):
     """Marks where the n-th DTensor of an op's arguments goes."""
@@ -190,8 +195,8 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
     flat_outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
     # in-place ops whose self must move first: the result replaces self's shards and self takes its layout
-    return Plan(str(run_func), route, run_func, inputs, wire_args, wire_kwargs, local, outputs, flat_outputs,
-                inplace, random)
+    return Plan(_WIRE_NAME.get(run_func, str(run_func)), route, run_func, inputs, wire_args, wire_kwargs, local,
+                outputs, flat_outputs, inplace, random)
 
 
 def _non_sum_partial(outputs: Any) -> bool:

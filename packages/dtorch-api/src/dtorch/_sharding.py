@@ -93,7 +93,10 @@ def _apply_suggestion(func: Any, args: tuple, kwargs: dict, out: Any, mesh: Devi
     new = []
     for i, orig in enumerate(leaves):
         if isinstance(orig, Spec):
-            new.append(orig.with_placements(tuple(_from_torch(p) for p in sugg_leaves[i].placements)))
+            wanted = tuple(_from_torch(p) for p in sugg_leaves[i].placements)
+            # legacy empty 1-d tensors in cat take any layout in torch's rules; keep them valid for their rank
+            wanted = tuple(Replicate() if isinstance(p, Shard) and p.dim >= len(orig.shape) else p for p in wanted)
+            new.append(orig.with_placements(wanted))
         else:
             new.append(sugg_leaves[i] if out.use_val_from_redistribute_schema else orig)
     if out.use_val_from_redistribute_schema:

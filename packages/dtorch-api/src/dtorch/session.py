@@ -180,8 +180,10 @@ class Session:
                 first = reply.errors[0]
                 err: DTorchError = RemoteOpError(first.op, first.src, first.message) if first.src else \
                     ClusterError(first.message)
-                for more in reply.errors[1:]:
+                for more in reply.errors[1:4]:
                     err.add_note(f"also: {more.op} at {more.src}: {more.message}")
+                if len(reply.errors) > 4:
+                    err.add_note(f"and {len(reply.errors) - 4} more errors")
                 raise err
             if reply.done:
                 return

@@ -1,0 +1,23 @@
+"""Parallelism as configuration for unmodified nn.Modules (names follow torch.distributed.tensor.parallel)."""
+
+from dtorch.nn.api import (
+    copy_weights,
+    fully_shard,
+    microbatch_forward,
+    parallelize_module,
+    place_on_mesh,
+    replicate_module,
+    to_layout,
+)
+from dtorch.nn.style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = ["parallelize_module", "replicate_module", "fully_shard", "place_on_mesh", "microbatch_forward",
+           "copy_weights", "to_layout", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
+           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]

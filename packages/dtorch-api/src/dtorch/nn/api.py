@@ -1,0 +1,240 @@
+"""Parallelism as configuration: lay out an unmodified nn.Module's parameters and activations on a mesh.
+
+* `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names);
+  every parameter and buffer not named by the plan is replicated, so the whole model runs on the mesh.
+* data parallelism: no plan (all replicated) and inputs `Shard(0)` on the `dp` mesh dim; gradients come
+  out `Partial` over `dp` and the optimizer's first use of them all-reduces.
+* `fully_shard(module, mesh)`: FSDP/ZeRO-style, parameters stored `Shard(0)` over a mesh dim and gathered
+  on use; the gather's backward reduce-scatters the gradient.
+* `place_on_mesh(module, {submodule: mesh})`: pipeline stages on sub-meshes; activations move between
+  stage meshes by `redistribute(device_mesh=...)`. Calling the model on micro-batches in turn
+  (`microbatch_forward`) pipelines them, since each worker runs its own instruction stream.
+* `copy_weights(src, dst)`: RL hand-off, one redistribute per parameter into another mesh and layout.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.nn.utils import parametrize
+
+from dtorch.device_mesh import DeviceMesh
+from dtorch.dtensor import DTensor
+from dtorch.factories import distribute_tensor
+from dtorch.nn.style import ParallelStyle
+from dtorch.placement_types import Placement, Replicate, Shard
+
+
+def _mesh_dim(mesh: DeviceMesh, dim: int | str) -> int:
+    if isinstance(dim, str):
+        if mesh.mesh_dim_names is None or dim not in mesh.mesh_dim_names:
+            raise ValueError(f"mesh dim {dim!r} is not one of the mesh's dim names {mesh.mesh_dim_names}")
+        return mesh.mesh_dim_names.index(dim)
+    if not -mesh.ndim <= dim < mesh.ndim:
+        raise ValueError(f"mesh dim {dim} is out of range for a {mesh.ndim}-d mesh")
+    return dim % mesh.ndim
+
+
+def _with(placements: tuple[Placement, ...], dim: int, p: Placement, ndim: int) -> tuple[Placement, ...]:
+    if isinstance(p, Shard) and p.dim < 0:
+        p = Shard(p.dim % max(ndim, 1))
+    out = list(placements)
+    out[dim] = p
+    return tuple(out)
+
+
+def _set_param(module: nn.Module, name: str, value: torch.Tensor, requires_grad: bool) -> None:
+    module.register_parameter(name, nn.Parameter(value, requires_grad=requires_grad))
+
+
+def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    if isinstance(t, DTensor):
+        return t.redistribute(device_mesh=mesh, placements=placements)
+    return distribute_tensor(t.detach(), mesh, placements)
+
+
+def to_layout(x: Any, mesh: DeviceMesh, dim: int, layout: Placement | None) -> Any:
+    """Move one activation's placement on mesh dim `dim` to `layout` (plain tensors are distributed first)."""
+    if layout is None or not isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, DTensor):
+        x = distribute_tensor(x, mesh, (Replicate(),) * mesh.ndim)
+    if x.device_mesh != mesh:
+        x = x.redistribute(device_mesh=mesh, placements=(Replicate(),) * mesh.ndim)
+    target = _with(x.placements, dim, layout, x.ndim)
+    return x if target == x.placements else x.redistribute(placements=target)
+
+
+def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim: int) -> None:
+    replicate = (Replicate(),) * mesh.ndim
+    for name, p in list(module.named_parameters(recurse=False)):
+        placement = style.param_placements(module, name)
+        placements = replicate if placement is None else _with(replicate, dim, placement, p.ndim)
+        _set_param(module, name, _distribute(p, mesh, placements), p.requires_grad)
+    _given, desired = style.input_layouts_for(module)
+    kw_desired = getattr(style, "desired_input_kwarg_layouts", {}) or {}
+    if desired or kw_desired:
+        def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            args = tuple(to_layout(a, mesh, dim, desired[i] if desired and i < len(desired) else None)
+                         for i, a in enumerate(args))
+            kwargs = {k: to_layout(v, mesh, dim, kw_desired.get(k)) for k, v in kwargs.items()}
+            return args, kwargs
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    out_layout = style.output_layouts_for(module)
+    if out_layout is not None:
+        def post_hook(_mod: nn.Module, _args: Any, output: Any) -> Any:
+            if isinstance(output, (tuple, list)):
+                layouts = out_layout if isinstance(out_layout, (tuple, list)) else (out_layout,) * len(output)
+                return type(output)(to_layout(o, mesh, dim, lay) for o, lay in zip(output, layouts))
+            return to_layout(output, mesh, dim, out_layout)
+
+        module.register_forward_hook(post_hook)
+
+
+def replicate_module(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Every parameter and buffer that is still a plain tensor becomes a Replicate DTensor on `mesh`."""
+    replicate = (Replicate(),) * mesh.ndim
+    for mod in module.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                _set_param(mod, name, distribute_tensor(p.detach(), mesh, replicate), p.requires_grad)
+        for name, b in list(mod.named_buffers(recurse=False)):
+            if b is not None and not isinstance(b, DTensor):
+                persistent = name not in mod._non_persistent_buffers_set
+                mod.register_buffer(name, distribute_tensor(b, mesh, replicate), persistent=persistent)
+    return module
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
+                       parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None, *,
+                       tp_mesh_dim: int | str = -1) -> nn.Module:
+    """Apply `parallelize_plan` (a style, or {submodule name pattern: style}) on mesh dim `tp_mesh_dim`.
+
+    Patterns use fnmatch wildcards (`"layers.*.mlp.up_proj"`). Everything the plan does not name is
+    replicated. Returns the module, changed in place.
+    """
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
+    dim = _mesh_dim(device_mesh, tp_mesh_dim)
+    if isinstance(parallelize_plan, ParallelStyle):
+        _apply_style(module, parallelize_plan, device_mesh, dim)
+    elif parallelize_plan:
+        names = [name for name, _ in module.named_modules()]
+        for pattern, style in parallelize_plan.items():
+            if not isinstance(style, ParallelStyle):
+                raise TypeError(f"plan entry {pattern!r} must be a ParallelStyle, got {type(style).__name__}")
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not matched:
+                raise ValueError(f"parallelize_plan key {pattern!r} matches no submodule of "
+                                 f"{type(module).__name__}")
+            for name in matched:
+                _apply_style(module.get_submodule(name), style, device_mesh, dim)
+    return replicate_module(module, device_mesh)
+
+
+class _Gather(nn.Module):
+    """Parametrization: the stored parameter is sharded; each use sees it gathered on one mesh dim."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: DTensor) -> DTensor:
+        return x.redistribute(placements=_with(x.placements, self.dim, Replicate(), x.ndim))
+
+
+def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | str = 0) -> nn.Module:
+    """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered when used.
+
+    Works on a plain module (other mesh dims replicated) or on one already tensor-parallel on
+    the same mesh (the stored layout adds Shard(0) on `mesh_dim`). Optimizer state follows the
+    sharded parameters, so it is sharded too.
+    """
+    dim = _mesh_dim(device_mesh, mesh_dim)
+    replicate_module(module, device_mesh)
+    for mod in list(module.modules()):
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.ndim == 0 or parametrize.is_parametrized(mod, name):
+                continue
+            sharded = p.redistribute(placements=_with(p.placements, dim, Shard(0), p.ndim))
+            _set_param(mod, name, sharded, p.requires_grad)
+            parametrize.register_parametrization(mod, name, _Gather(dim), unsafe=True)
+    return module
+
+
+def place_on_mesh(module: nn.Module, stages: Mapping[str, DeviceMesh]) -> nn.Module:
+    """Pipeline stages: each named submodule's parameters live on its mesh, and its inputs move there.
+
+    Submodules not named inherit the mesh of their nearest named ancestor, else the first stage's.
+    Activations (positional and keyword DTensors) are moved with `redistribute(device_mesh=...)`.
+    """
+    if not stages:
+        raise ValueError("place_on_mesh needs at least one {submodule name: mesh} entry")
+    for name in stages:
+        module.get_submodule(name)  # a clear AttributeError for a wrong name
+    first = next(iter(stages.values()))
+
+    def mesh_of(name: str) -> DeviceMesh:
+        best = max((s for s in stages if s == "" or name == s or name.startswith(s + ".")), key=len, default=None)
+        return stages[best] if best is not None else first
+
+    for name, mod in module.named_modules():
+        replicate_module_shallow(mod, mesh_of(name))
+    for name, mesh in stages.items():
+        target = mesh
+
+        def move(_mod: nn.Module, args: tuple, kwargs: dict, target: DeviceMesh = target) -> tuple[tuple, dict]:
+            hop = lambda v: v.redistribute(device_mesh=target, placements=(Replicate(),) * target.ndim) \
+                if isinstance(v, DTensor) and v.device_mesh != target else v  # noqa: E731
+            return pytree.tree_map(hop, (args, kwargs))
+
+        module.get_submodule(name).register_forward_pre_hook(move, with_kwargs=True)
+    return module
+
+
+def replicate_module_shallow(mod: nn.Module, mesh: DeviceMesh) -> None:
+    """Replicate one module's own parameters and buffers (not its children's) on `mesh`."""
+    replicate = (Replicate(),) * mesh.ndim
+    for name, p in list(mod.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor) or p.device_mesh != mesh:
+            _set_param(mod, name, _distribute(p, mesh, replicate), p.requires_grad)
+    for name, b in list(mod.named_buffers(recurse=False)):
+        if b is not None and (not isinstance(b, DTensor) or b.device_mesh != mesh):
+            mod.register_buffer(name, _distribute(b, mesh, replicate),
+                                persistent=name not in mod._non_persistent_buffers_set)
+
+
+def microbatch_forward(module: nn.Module, batch: torch.Tensor, microbatches: int, **kwargs: Any) -> torch.Tensor:
+    """Run `module` on `microbatches` slices of the batch in turn and concatenate: a GPipe-style schedule.
+
+    Each stage's workers start on micro-batch i+1 as soon as they finished micro-batch i, so stages
+    overlap without any schedule code: the instruction streams are asynchronous.
+    """
+    outs = [module(mb, **kwargs) for mb in batch.chunk(microbatches, dim=0)]
+    if hasattr(outs[0], "logits"):
+        return torch.cat([o.logits for o in outs], dim=0)
+    return torch.cat(outs, dim=0)
+
+
+@torch.no_grad()
+def copy_weights(src: nn.Module, dst: nn.Module) -> None:
+    """Copy every parameter of `src` into `dst`'s mesh and layout: one redistribute per parameter.
+
+    `dst` is the same architecture, already laid out (e.g. by `parallelize_module`) on its own mesh.
+    """
+    dst_params = dict(dst.named_parameters())
+    for name, p in src.named_parameters():
+        if name not in dst_params:
+            raise KeyError(f"copy_weights: {name!r} is not a parameter of the destination module")
+        q = dst_params[name]
+        if not isinstance(p, DTensor) or not isinstance(q, DTensor):
+            raise TypeError(f"copy_weights: {name!r} must be a DTensor on both sides")
+        moved = p.detach().redistribute(device_mesh=q.device_mesh, placements=q.placements)
+        owner, _, leaf = name.rpartition(".")
+        _set_param(dst.get_submodule(owner) if owner else dst, leaf, moved, q.requires_grad)

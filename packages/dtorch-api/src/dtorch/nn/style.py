@@ -1,0 +1,133 @@
+"""Parallel styles: plans are data (names and meaning as in `torch.distributed.tensor.parallel`).
+
+Layouts name the placement on the tensor-parallel mesh dim; every other mesh dim keeps the
+input's placement (activations) or is Replicate (parameters), which is how DP x TP composes.
+One difference from torch by design: module code always sees global shapes, so
+`use_local_output` is accepted for compatibility and ignored; model code needs no edits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtorch.placement_types import Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class ParallelStyle:
+    """Base: how to lay out a module's parameters and move its inputs and outputs."""
+
+    def param_placements(self, module: Any, name: str) -> Placement | None:
+        """Placement of parameter `name` on the TP mesh dim (None: Replicate)."""
+        return None
+
+    def input_layouts_for(self, module: Any) -> tuple[Any, Any]:
+        """(given input layouts, desired input layouts) for positional inputs, or (None, None)."""
+        return None, None
+
+    def output_layouts_for(self, module: Any) -> Any:
+        """Desired layout(s) of the output on the TP mesh dim, or None to leave it."""
+        return None
+
+
+def _linear_or_embedding(module: Any, style: str) -> None:
+    import torch.nn as nn
+
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise NotImplementedError(f"{style} supports nn.Linear and nn.Embedding, got {type(module).__name__}")
+
+
+@dataclass(frozen=True)
+class ColwiseParallel(ParallelStyle):
+    """Shard a Linear's output features (weight Shard(0)) or an Embedding's embedding dim (weight Shard(1))."""
+
+    input_layouts: Placement = Replicate()
+    output_layouts: Placement = Shard(-1)
+    use_local_output: bool = True
+
+    def param_placements(self, module: Any, name: str) -> Placement | None:
+        import torch.nn as nn
+
+        _linear_or_embedding(module, "ColwiseParallel")
+        if isinstance(module, nn.Embedding):
+            return Shard(1)
+        return Shard(0)
+
+    def input_layouts_for(self, module: Any) -> tuple[Any, Any]:
+        return (self.input_layouts,), (Replicate(),)
+
+    def output_layouts_for(self, module: Any) -> Any:
+        return self.output_layouts
+
+
+@dataclass(frozen=True)
+class RowwiseParallel(ParallelStyle):
+    """Shard a Linear's input features (weight Shard(1), bias replicated) or an Embedding's rows (Shard(0))."""
+
+    input_layouts: Placement = Shard(-1)
+    output_layouts: Placement = Replicate()
+    use_local_output: bool = True
+
+    def param_placements(self, module: Any, name: str) -> Placement | None:
+        import torch.nn as nn
+
+        _linear_or_embedding(module, "RowwiseParallel")
+        if isinstance(module, nn.Embedding):
+            return Shard(0)
+        return Shard(1) if name == "weight" else None
+
+    def input_layouts_for(self, module: Any) -> tuple[Any, Any]:
+        import torch.nn as nn
+
+        desired = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+        return (self.input_layouts,), (desired,)
+
+    def output_layouts_for(self, module: Any) -> Any:
+        return self.output_layouts
+
+
+@dataclass(frozen=True)
+class SequenceParallel(ParallelStyle):
+    """Norms and dropout on sequence-sharded activations: parameters replicated, activations Shard(1)."""
+
+    sequence_dim: int = 1
+    use_local_output: bool = False
+
+    def input_layouts_for(self, module: Any) -> tuple[Any, Any]:
+        return (Replicate(),), (Shard(self.sequence_dim),)
+
+    def output_layouts_for(self, module: Any) -> Any:
+        return Shard(self.sequence_dim)
+
+
+@dataclass(frozen=True)
+class PrepareModuleInput(ParallelStyle):
+    """Redistribute a module's inputs: `input_layouts` say how plain tensors are taken, `desired_*` the target."""
+
+    input_layouts: Any = None
+    desired_input_layouts: Any = None
+    input_kwarg_layouts: dict[str, Placement] = field(default_factory=dict)
+    desired_input_kwarg_layouts: dict[str, Placement] = field(default_factory=dict)
+    use_local_output: bool = False
+
+    def input_layouts_for(self, module: Any) -> tuple[Any, Any]:
+        return _as_tuple(self.input_layouts), _as_tuple(self.desired_input_layouts)
+
+
+@dataclass(frozen=True)
+class PrepareModuleOutput(ParallelStyle):
+    """Redistribute a module's outputs to `desired_output_layouts`."""
+
+    output_layouts: Any = None
+    desired_output_layouts: Any = None
+    use_local_output: bool = True
+
+    def output_layouts_for(self, module: Any) -> Any:
+        return self.desired_output_layouts
+
+
+def _as_tuple(v: Any) -> Any:
+    if v is None:
+        return None
+    return tuple(v) if isinstance(v, (list, tuple)) else (v,)
