@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from dtorch.protocol import messages as m
 from dtorch.protocol.wire import hello
 from dtorch_controller.core import Refusal
@@ -168,12 +169,48 @@ def test_redistribute_sends_plans_to_destination_workers(h):
     h.submit(sid, 2, [m.InstrRedistribute(src=1, dst=2, src_spec=spec([4]), dst_spec=spec([4], placements=("R",)),
                                           src_line="c.py:3")])
     sent = by_worker(h.take_sent())
-    [cmd] = sent[w0].cmds
+    expect, cmd = sent[w0].cmds  # w1 pulls device 0's half once: announced to w0 first
+    assert expect == m.CmdExpectReads(tid=1, reads={0: 1})
     assert isinstance(cmd, m.CmdRedistribute) and (cmd.src, cmd.dst, cmd.dtype, cmd.src_line) == (1, 2, "float32",
                                                                                                    "c.py:3")
     assert cmd.plans == {0: m.ShardPlan(shape=[4], groups=[[m.Piece("", 0, [0], [0], [2]),
                                                             m.Piece("10.0.0.1:7001", 1, [0], [2], [2])]])}
-    assert list(sent[w1].cmds[0].plans) == [1]
+    assert sent[w1].cmds[0] == m.CmdExpectReads(tid=1, reads={1: 1})
+    assert list(sent[w1].cmds[1].plans) == [1]
+
+
+def test_redistribute_announces_remote_reads_to_every_source_worker(h):
+    """Counts are per source device and count only pieces pulled across workers; source-only workers get them too."""
+    (w0, w1, w2), sid = cluster(h, workers=3, devices=(0, 1, 2, 3))  # 0, 3 -> w0; 1 -> w1; 2 -> w2
+    assert h.open_mesh(sid, 2, [2, 3]).placed  # destination mesh: devices on w2 and w0
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([8]), init="rand")])
+    h.take_sent()
+    h.submit(sid, 2, [m.InstrRedistribute(src=1, dst=2, src_spec=spec([8]),
+                                          dst_spec=spec([8], mesh=2, placements=("R",)))])
+    sent = by_worker(h.take_sent())
+    # device 2 (on w2) reads pieces of 0, 1, 3 remotely and its own locally;
+    # device 3 (on w0) reads 1 and 2 remotely, 0 and 3 locally (same worker)
+    assert sent[w1].cmds == [m.CmdExpectReads(tid=1, reads={1: 2})]  # a source only: nothing else to do
+    assert sent[w2].cmds[0] == m.CmdExpectReads(tid=1, reads={2: 1})
+    assert sent[w0].cmds[0] == m.CmdExpectReads(tid=1, reads={0: 1, 3: 1})
+    assert [type(c) for c in sent[w0].cmds[1:]] == [m.CmdRedistribute] == [type(c) for c in sent[w2].cmds[1:]]
+    rid, reply = h.sync(sid, 2)
+    assert reply is None  # the source-only worker's batch counts too
+    h.report(w0)
+    h.report(w2)
+    assert rid not in h.replies
+    h.report(w1)
+    assert h.replies[rid].done
+
+
+def test_redistribute_without_remote_pieces_announces_nothing(h):
+    (w0, w1), sid = cluster(h, devices=(0, 1))
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([4], placements=("R",)), init="rand")])
+    h.take_sent()
+    h.submit(sid, 2, [m.InstrRedistribute(src=1, dst=2, src_spec=spec([4], placements=("R",)),
+                                          dst_spec=spec([4]))])  # every device slices its own replica
+    sent = by_worker(h.take_sent())
+    assert [type(c) for c in sent[w0].cmds] == [m.CmdRedistribute] == [type(c) for c in sent[w1].cmds]
 
 
 def test_delete_of_a_remotely_read_source_waits_for_the_readers(h):

@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from dtorch.placement_types import Shard
 from dtorch.protocol import wire
 from dtorch.protocol.messages import (
     CmdCreate,
+    CmdExpectReads,
     CmdRedistribute,
     CmdRun,
     ErrorReport,
@@ -166,3 +168,86 @@ def test_a_poisoned_shard_pulls_as_an_error_chunk(pair: tuple[WorkerHandle, Work
     (chunk,) = list(stub.stream("Pull", PullRequest(session=S, tid=50, device=0)))
     assert chunk.report == report and "aten.mm.default" in chunk.error and "m.py:1" in chunk.error
     stub.close()
+
+
+# ---------------------------------------------------------------- in-place writes wait for announced reads
+
+
+def put(w: WorkerHandle, tid: int, device: int, value: torch.Tensor) -> None:
+    stub = wire.Stub("dtorch.Worker", w.address, TOKEN)
+    assert stub.send_stream("Put", put_chunks(S, tid, device, value)).ok
+    stub.close()
+
+
+def test_an_in_place_write_waits_for_the_peer_pull_announced_before_it(
+        pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    """b is ahead of a: it reaches add_ on x before a reaches the redistribution that pulls x from b."""
+    a, b = pair
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    put(b, 60, 1, x.clone())
+    seqs = Seq()
+    sb = seqs.send(b, CmdExpectReads(tid=60, reads={1: 1}),
+                   CmdRun(op="aten.add_.Tensor", devices=[1], args=[{"$t": 60}, 1.0], kwargs={}, outs=[60]))
+    time.sleep(0.3)  # without the wait, b has long run add_ by now
+    assert not b.executor.wait_completed(sb, 0.0), "b wrote x in place before the announced read"
+    sa = seqs.send(a, CmdRedistribute(src=60, dst=61, dtype="float32", plans={0: ShardPlan(
+        shape=[64, 32], groups=[[Piece(b.address, 1, [0, 0], [0, 0], [64, 32])]])}))
+    wait(a, sa)
+    wait(b, sb)
+    assert torch.equal(a.store.get((S, 61, 0)), x)  # the pre-mutation values
+    assert torch.equal(b.store.get((S, 60, 1)), x + 1)
+    assert b.store.pending_reads((S, 60, 1)) == 0
+    assert a.executor.take_errors() == {} and b.executor.take_errors() == {}
+
+
+def test_a_pull_served_before_it_was_announced_still_counts(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    """a is ahead: its pull is served before b executes the CmdExpectReads; b's write must not wait then."""
+    a, b = pair
+    x = torch.arange(12.0).view(3, 4)
+    put(b, 70, 1, x.clone())
+    seqs = Seq()
+    sa = seqs.send(a, CmdRedistribute(src=70, dst=71, dtype="float32", plans={0: ShardPlan(
+        shape=[2, 4], groups=[[Piece(b.address, 1, [1, 0], [0, 0], [2, 4])]])}))
+    wait(a, sa)
+    assert b.store.pending_reads((S, 70, 1)) == -1
+    start = time.monotonic()
+    sb = seqs.send(b, CmdExpectReads(tid=70, reads={1: 1}),
+                   CmdRun(op="aten.mul_.Tensor", devices=[1], args=[{"$t": 70}, 0.0], kwargs={}, outs=[70]))
+    wait(b, sb)
+    assert time.monotonic() - start < 5.0
+    assert torch.equal(a.store.get((S, 71, 0)), x[1:])
+    assert b.store.pending_reads((S, 70, 1)) == 0
+
+
+def test_client_fetches_and_failed_pulls(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    """Only planned pulls count; a planned pull counts as served even when it fails."""
+    a, _ = pair
+    put(a, 80, 0, torch.ones(3))
+    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=80, device=0)), "client fetch")
+    assert a.store.pending_reads((S, 80, 0)) == 0
+    a.store.expect_reads((S, 81, 0), 1)
+    with pytest.raises(RuntimeError, match="no shard"):
+        receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=81, device=0, timeout_s=0.05,
+                                                       expected=True)), "pull")
+    assert a.store.pending_reads((S, 81, 0)) == 0
+    stub.close()
+
+
+def test_a_poisoned_local_piece_does_not_cancel_the_announced_remote_pulls(
+        pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, b = pair
+    report = ErrorReport(op="aten.mm.default", src="m.py:2", message="RuntimeError: shapes", tid=90)
+    a.store.put((S, 90, 0), Poison(report))
+    put(b, 90, 1, torch.zeros(2))
+    seqs = Seq()
+    start = time.monotonic()
+    sb = seqs.send(b, CmdExpectReads(tid=90, reads={1: 1}),
+                   CmdRun(op="aten.add_.Tensor", devices=[1], args=[{"$t": 90}, 1.0], kwargs={}, outs=[90]))
+    sa = seqs.send(a, CmdRedistribute(src=90, dst=91, dtype="float32", plans={0: ShardPlan(
+        shape=[4], groups=[[Piece("", 0, [0], [0], [2]), Piece(b.address, 1, [0], [2], [2])]])}))
+    wait(a, sa)
+    wait(b, sb)
+    assert time.monotonic() - start < 10.0  # b did not sit out its 60 s read timeout
+    assert a.store.get((S, 91, 0)) == Poison(report)
+    assert torch.equal(b.store.get((S, 90, 1)), torch.ones(2))

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+
 from dtorch.protocol.messages import ErrorReport, ShardStats
 from dtorch_worker.store import Poison, ShardMissing, TensorStore
 
@@ -51,3 +52,38 @@ def test_stats_count_shared_storage_once() -> None:
     store.put(("s", 4, 1), Poison(ErrorReport(op="x", src="", message="m")))
     store.put(("t", 1, 0), torch.zeros(0))
     assert store.stats() == {"s": ShardStats(tensors=4, bytes=80), "t": ShardStats(tensors=1, bytes=0)}
+
+
+def test_planned_reads_hold_writers_of_the_same_storage_until_served() -> None:
+    store = TensorStore()
+    x = torch.zeros(4, 2)
+    other = torch.zeros(3)
+    store.put(("s", 1, 0), x)
+    store.put(("s", 2, 0), x.view(-1))  # another tid, same storage
+    store.put(("s", 3, 0), other)
+    store.expect_reads(("s", 2, 0), 2)
+    assert store.pending_reads(("s", 2, 0)) == 2
+    assert store.wait_reads([other], 0.0) == []
+    assert store.wait_reads([x[1]], 0.0) == [("s", 2, 0)]  # a view of the base: same memory
+    store.read_served(("s", 2, 0))
+    threading.Timer(0.05, store.read_served, args=(("s", 2, 0),)).start()
+    start = time.monotonic()
+    assert store.wait_reads([x], 5.0) == []
+    assert time.monotonic() - start < 2.0
+    assert store.pending_reads(("s", 2, 0)) == 0
+
+
+def test_reads_served_early_balance_and_deletes_forget_reads() -> None:
+    store = TensorStore()
+    store.put(("s", 1, 0), torch.ones(2))
+    store.read_served(("s", 1, 0))  # the peer was faster than this worker's CmdExpectReads
+    store.expect_reads(("s", 1, 0), 1)
+    assert store.pending_reads(("s", 1, 0)) == 0 and store.wait_reads([store.get(("s", 1, 0))], 0.0) == []
+    store.expect_reads(("s", 1, 0), 1)  # a reader that was lost: the delete drops the count
+    assert store.wait_reads([store.get(("s", 1, 0))], 0.01) == [("s", 1, 0)]
+    store.delete(("s", 1, 0))
+    assert store.pending_reads(("s", 1, 0)) == 0
+    store.put(("t", 1, 0), torch.ones(2))
+    store.expect_reads(("t", 1, 0), 3)
+    store.drop_session("t")
+    assert store.pending_reads(("t", 1, 0)) == 0

@@ -5,23 +5,36 @@ a buffer until their turn. A failing command never stops the worker: its
 outputs become Poison(report) and the report is queued for the controller; a
 command reading a poisoned input passes the ORIGINAL report on and reports
 nothing new, so the user sees the first failure, once.
+
+Peers read this worker's shards (Pull) when THEY reach a redistribution, while
+this worker may already be further on. So a command that writes a shard in place
+first waits until the peers' reads announced earlier (CmdExpectReads) are served.
+That cannot deadlock: a planned read only needs data produced before the
+CmdExpectReads in this worker's stream, and the reader only waits for things that
+come before the redistribution in the client's instruction order, so every wait
+points back in that one total order and no cycle can form. The wait is still
+bounded (a reader may have been lost): then the write goes ahead with a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from functools import lru_cache
 from typing import Any
 
 import torch
+
 from dtorch.protocol.messages import (
     Cmd,
     CmdCloseSession,
     CmdCreate,
     CmdDelete,
+    CmdExpectReads,
     CmdRedistribute,
     CmdRun,
     ErrorReport,
@@ -31,9 +44,8 @@ from dtorch.protocol.messages import (
     ShardPlan,
 )
 from dtorch.protocol.values import decode_value, dtype_from_name
-
 from dtorch_worker.ops import resolve_op
-from dtorch_worker.store import Poison, TensorStore
+from dtorch_worker.store import Poison, TensorStore, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
 
 log = logging.getLogger("dtorch_worker.executor")
@@ -84,12 +96,14 @@ class Executor:
 
     def __init__(self, store: TensorStore, device: str | torch.device = "cpu", token: str = "",
                  on_complete: Callable[[int], None] | None = None, input_timeout_s: float = 10.0,
-                 pull_timeout_s: float = 60.0, fetch_threads: int = 8, first_seq: int = 1) -> None:
+                 pull_timeout_s: float = 60.0, fetch_threads: int = 8, first_seq: int = 1,
+                 reads_timeout_s: float = 60.0) -> None:
         self.store = store
         self.device = torch.device(device)
         self.on_complete = on_complete
         self.input_timeout_s = input_timeout_s
         self.pull_timeout_s = pull_timeout_s
+        self.reads_timeout_s = reads_timeout_s  # bound on holding an in-place write for peers' reads
         self.address = ""  # our own server address: pieces naming it are read locally
         self.peers = PeerPool(token)
         self._fetch_pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="dtorch-fetch")
@@ -201,6 +215,9 @@ class Executor:
                 self._create(session, cmd)
             elif isinstance(cmd, CmdRedistribute):
                 self._redistribute(session, cmd)
+            elif isinstance(cmd, CmdExpectReads):
+                for device, n in cmd.reads.items():
+                    self.store.expect_reads((session, cmd.tid, device), n)
             elif isinstance(cmd, CmdDelete):
                 for tid in cmd.tids:
                     for device in cmd.devices:
@@ -285,6 +302,8 @@ class Executor:
 
             a = decode_value(list(args), resolve, self.device)
             k = {key: decode_value(v, resolve, self.device) for key, v in (kwargs or {}).items()}
+            self._wait_reads(cmd.op, [t for i, name in written_args(op) for t in _tensors(
+                a[i] if i < len(a) else k.get(name))])
             with self._rng(cmd.seed):
                 flat = flatten(op(*a, **k))
             if len(cmd.outs) > len(flat):
@@ -299,11 +318,26 @@ class Executor:
                 if tid is not None:
                     self.store.put((session, tid, device), flat[i])
 
+    def _wait_reads(self, op: str, written: list[torch.Tensor]) -> None:
+        """Hold an in-place write until peers served the reads of the same storage announced before it."""
+        if not written:
+            return
+        deadline = time.monotonic() + self.reads_timeout_s
+        pending = self.store.wait_reads(written, 0.0)
+        while pending and not self.stopped and (left := deadline - time.monotonic()) > 0:
+            pending = self.store.wait_reads(written, min(left, 1.0))  # slices: stop() is not kept waiting
+        if pending and not self.stopped:
+            log.warning("%s writes in place while peers still have %s planned reads of %s after %gs; going ahead "
+                        "and no longer waiting for them", op, sum(max(self.store.pending_reads(k), 0) for k in pending),
+                        ", ".join(describe(k) for k in pending), self.reads_timeout_s)
+            self.store.forget_reads(pending)  # a lost reader must not hold every later write of the shard too
+
     # redistribute ----------------------------------------------------------
 
     def _redistribute(self, session: str, cmd: CmdRedistribute) -> None:
         dtype = dtype_from_name(cmd.dtype)
         jobs: list[tuple[Piece, torch.Tensor]] = []  # remote pieces and where they land
+        local: list[tuple[Piece, torch.Tensor]] = []
         groups_out: dict[int, tuple[ShardPlan, list[torch.Tensor]]] = {}
         for dev, plan in cmd.plans.items():
             bufs: list[torch.Tensor] = []
@@ -313,14 +347,14 @@ class Executor:
                 buf = alloc(list(plan.shape), dtype=dtype, device=self.device)
                 for piece in group:
                     dst = take_box(buf, piece.dst_offset, piece.size)
-                    if self._is_local(piece.address):
-                        src = take_box(self._input(session, cmd.src, piece.device), piece.src_offset, piece.size)
-                        dst.copy_(src)
-                    else:
-                        jobs.append((piece, dst))
+                    (local if self._is_local(piece.address) else jobs).append((piece, dst))
                 bufs.append(buf)
             groups_out[dev] = (plan, bufs)
+        # Remote pieces first: the sources announced these reads and hold in-place writes until they are
+        # served, so each one must be issued even when a local piece turns out to be missing or poisoned.
         self._fetch_all(session, cmd.src, jobs)
+        for piece, dst in local:
+            dst.copy_(take_box(self._input(session, cmd.src, piece.device), piece.src_offset, piece.size))
         made: dict[int, torch.Tensor] = {}
         for dev, (plan, bufs) in groups_out.items():
             if not bufs:
@@ -338,7 +372,7 @@ class Executor:
 
         def fetch(piece: Piece, dst: torch.Tensor) -> None:
             req = PullRequest(session=session, tid=src, device=piece.device, offset=list(piece.src_offset),
-                              size=list(piece.size), timeout_s=self.pull_timeout_s)
+                              size=list(piece.size), timeout_s=self.pull_timeout_s, expected=True)
             dst.copy_(self.peers.pull(piece.address, req))
 
         futures = [self._fetch_pool.submit(fetch, piece, dst) for piece, dst in jobs]
@@ -392,6 +426,22 @@ def _reduce(bufs: list[torch.Tensor], op: str) -> torch.Tensor:
             acc = fn(acc, b)
         return acc
     raise ValueError(f"unknown reduce op {op!r}")
+
+
+@lru_cache(maxsize=4096)
+def written_args(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments `op` writes in place (`Tensor(a!)` in its schema), out= included."""
+    return tuple((i, a.name) for i, a in enumerate(op._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a decoded argument (a tensor, or a list of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _describe(cmd: Cmd) -> tuple[str, str, list[int]]:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+
 from dtorch.protocol import wire
 from dtorch.protocol.messages import Ack, Chunk, Execute, PullRequest, PutChunk
-
 from dtorch_worker.executor import Executor, one_line
 from dtorch_worker.store import Poison, ShardMissing, TensorStore
 from dtorch_worker.transfer import poison_chunk, receive_put, take_box, tensor_chunks
@@ -42,6 +42,19 @@ class WorkerService:
 
     def Pull(self, request: PullRequest) -> Iterator[Chunk]:
         key = (request.session, request.tid, request.device)
+        counted = not request.expected  # a planned read holds back in-place writes of the shard until counted
+        try:
+            for chunk in self._pull(key, request):
+                if chunk.error and not counted:
+                    # an error chunk is the last and reads nothing: count it before the reader can see it
+                    counted = True
+                    self.store.read_served(key)
+                yield chunk
+        finally:
+            if not counted:  # after the last data chunk went out (they may be views of the shard) or a cancel
+                self.store.read_served(key)
+
+    def _pull(self, key: tuple[str, int, int], request: PullRequest) -> Iterator[Chunk]:
         wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
         try:
             value = self.store.get(key, wait)

@@ -16,7 +16,6 @@ from typing import Any
 from dtorch.layout import holds_value, shard_box
 from dtorch.placement_types import Placement
 from dtorch.protocol import messages as m
-
 from dtorch_controller.core import state as st
 from dtorch_controller.core.model import DeferredDelete, Mesh, Session, Worker
 from dtorch_controller.core.redistribute import PlanError, check_layout, parse_placements, plan_redistribute
@@ -175,7 +174,18 @@ class _Translator:
             raise InstrError(f"source shards on logical devices {lost_sources} were lost with their worker")
         by_device = dict(plans)
         readers = self.s.readers.setdefault(instr.src, {})
-        for worker, hosted in self._hosts(dst_mesh, instr).items():
+        dst_hosts = self._hosts(dst_mesh, instr)
+        # Each source worker learns, at this point of its own stream, how many pulls of its shards the other
+        # workers will make: it holds later in-place writes to them until those are served.
+        expected: dict[str, dict[int, int]] = {}
+        for worker, hosted in dst_hosts.items():
+            for p in (p for d in hosted for g in by_device[d].groups for p in g):
+                if self.s.devices[p.device] != worker:
+                    reads = expected.setdefault(self.s.devices[p.device], {})
+                    reads[p.device] = reads.get(p.device, 0) + 1
+        for worker, reads in expected.items():
+            self._emit(worker, m.CmdExpectReads(tid=instr.src, reads=dict(sorted(reads.items()))))
+        for worker, hosted in dst_hosts.items():
             mine = {d: by_device[d] for d in hosted}
             self._emit(worker, m.CmdRedistribute(src=instr.src, dst=instr.dst, dtype=instr.dst_spec.dtype,
                                                  plans=mine, src_line=instr.src_line))
