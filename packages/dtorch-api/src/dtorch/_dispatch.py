@@ -99,6 +99,7 @@ def _has_slot(t: Any) -> bool:
 
 
 _plans: dict[Any, Plan] = {}
+_SET_SOURCE = torch.ops.aten.set_.source_Tensor
 
 # A shard's strides can differ from the global tensor's (kernels pick their own output layouts), so a view
 # that is valid globally may not be locally: workers reshape, which is the same view whenever one exists.
@@ -225,6 +226,8 @@ def _lift_plain(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func is _SET_SOURCE and args[0] is args[1]:
+        return args[0]  # x.set_(x), as torch.nn.utils.parametrize does: nothing to move
     leaves: list = []
     try:
         key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)

@@ -1,0 +1,164 @@
+"""Unmodified models under DP, TP, DP x TP, FSDP and PP: logits and training losses equal to plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtorch
+from dtorch import Replicate, Shard
+from dtorch.nn import (
+    ColwiseParallel,
+    RowwiseParallel,
+    copy_weights,
+    fully_shard,
+    microbatch_forward,
+    parallelize_module,
+    place_on_mesh,
+    replicate_module,
+)
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA_TP_PLAN = {
+    "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+    "model.layers.*.mlp.up_proj": ColwiseParallel(),
+    "model.layers.*.mlp.down_proj": RowwiseParallel(),
+    "lm_head": ColwiseParallel(output_layouts=Replicate()),
+}
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def tiny_llama(seed: int = 0):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tiny_llama()
+    ids = torch.randint(0, 96, (4, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids).logits
+    return model, ids, logits
+
+
+def clone(model):
+    fresh = tiny_llama(seed=123)
+    fresh.load_state_dict(model.state_dict())  # a full torch state dict: sharded automatically
+    return fresh
+
+
+def test_llama_tensor_parallel_logits_and_generation(reference, mesh1):
+    model, ids, logits = reference
+    tp = parallelize_module(clone(model), mesh1, LLAMA_TP_PLAN)
+    assert tp.model.layers[0].mlp.up_proj.weight.placements == (Shard(0),)
+    assert tp.model.layers[0].mlp.down_proj.weight.placements == (Shard(1),)
+    with torch.no_grad():
+        out = tp(ids).logits
+    torch.testing.assert_close(out.to_torch(), logits, **TOL)
+    expected = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    got = tp.generate(dtorch.distribute_tensor(ids[:1], mesh1, [Replicate()]), max_new_tokens=6, do_sample=False)
+    assert got.to_torch().tolist() == expected.tolist()
+    state = tp.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(state.to_torch(), model.state_dict()["model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_llama_dp_and_dp_x_tp(reference, mesh4, mesh2d):
+    model, ids, logits = reference
+    dp = replicate_module(clone(model), mesh4)
+    with torch.no_grad():
+        out = dp(dtorch.distribute_tensor(ids, mesh4, [Shard(0)])).logits
+    torch.testing.assert_close(out.to_torch(), logits, **TOL)
+    dptp = parallelize_module(clone(model), mesh2d, LLAMA_TP_PLAN, tp_mesh_dim="tp")
+    with torch.no_grad():
+        out = dptp(dtorch.distribute_tensor(ids, mesh2d, [Shard(0), Replicate()])).logits
+    torch.testing.assert_close(out.to_torch(), logits, **TOL)
+    assert out.to_torch().argmax(-1).tolist() == logits.argmax(-1).tolist()
+
+
+def test_llama_pipeline_stages_with_microbatches(reference, cluster):
+    model, ids, logits = reference
+    stage0, stage1 = dtorch.DeviceMesh("cpu", [0]), dtorch.DeviceMesh("cpu", [1])
+    pp = place_on_mesh(clone(model), {"model.embed_tokens": stage0, "model.rotary_emb": stage0,
+                                      "model.layers.0": stage0, "model.layers.1": stage1,
+                                      "model.norm": stage1, "lm_head": stage1})
+    assert pp.model.layers[1].mlp.up_proj.weight.device_mesh == stage1
+    with torch.no_grad():
+        out = microbatch_forward(pp, dtorch.distribute_tensor(ids, stage0, [Replicate()]), microbatches=2)
+    assert out.device_mesh == stage1
+    torch.testing.assert_close(out.to_torch(), logits, **TOL)
+
+
+def test_another_architecture_gpt2_tensor_parallel(mesh1):
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+    dmodel = transformers.GPT2LMHeadModel(cfg).eval()
+    dmodel.load_state_dict(model.state_dict())
+    replicate_module(dmodel, mesh1)  # GPT-2 uses Conv1D, not nn.Linear: replicated, still unmodified code
+    with torch.no_grad():
+        out = dmodel(dtorch.distribute_tensor(ids, mesh1, [Shard(0)])).logits
+    torch.testing.assert_close(out.to_torch(), expected, **TOL)
+
+
+def _train(model, opt, batches, step_input):
+    losses = []
+    for x, y in batches:
+        loss = ((model(step_input(x)) - step_input(y)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("layout", ["dp_x_tp", "fsdp"])
+def test_training_matches_single_process(mesh2d, layout):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    model.load_state_dict(ref.state_dict())
+    if layout == "dp_x_tp":
+        parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
+    else:
+        fully_shard(model, mesh2d, mesh_dim="dp")
+        assert model[0].parametrizations.weight.original.placements[0] == Shard(0)
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(5)]
+    expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches, lambda t: t)
+    got = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                 lambda t: dtorch.distribute_tensor(t, mesh2d, [Shard(0), Replicate()]))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_rl_handoff_to_a_differently_sharded_inference_mesh(reference, mesh2d, mesh1):
+    model, ids, _ = reference
+    policy = parallelize_module(clone(model), mesh2d, LLAMA_TP_PLAN, tp_mesh_dim="tp")
+    with torch.no_grad():  # "training" changed the policy's weights
+        for p in policy.parameters():
+            p.mul_(1.01)
+    inference = parallelize_module(tiny_llama(seed=7), mesh1, LLAMA_TP_PLAN)
+    copy_weights(policy, inference)
+    w = inference.model.layers[0].self_attn.q_proj.weight
+    assert w.device_mesh == mesh1 and w.placements == (Shard(0),)
+    expected_model = clone(model)
+    with torch.no_grad():
+        for p in expected_model.parameters():
+            p.mul_(1.01)
+        expected = expected_model.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    got = inference.generate(dtorch.distribute_tensor(ids[:1], mesh1, [Replicate()]), max_new_tokens=4,
+                             do_sample=False)
+    assert got.to_torch().tolist() == expected.tolist()
