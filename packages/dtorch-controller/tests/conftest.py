@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 import pytest
+
 from dtorch.protocol import messages as m
 from dtorch.protocol.wire import hello
 from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer, counter_ids

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+
 from dtorch_controller import cli
 
 

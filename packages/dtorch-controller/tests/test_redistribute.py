@@ -6,6 +6,7 @@ import itertools
 from functools import reduce
 
 import pytest
+
 from dtorch.layout import box_shape, coords, shard_box
 from dtorch.placement_types import Partial, Replicate, Shard
 from dtorch.protocol.messages import Piece, ShardPlan

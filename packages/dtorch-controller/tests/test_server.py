@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from dtorch.protocol import messages as m
 from dtorch.protocol import wire
 from dtorch_controller.core import Config

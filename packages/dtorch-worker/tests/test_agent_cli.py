@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from dtorch.protocol import wire
 from dtorch.protocol.messages import (
     CmdCreate,

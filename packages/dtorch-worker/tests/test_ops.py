@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dtorch_worker.ops import UnknownOp, resolve_op
 
 

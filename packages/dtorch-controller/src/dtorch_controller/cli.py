@@ -91,7 +91,6 @@ def serve(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     from dtorch.protocol import messages as m
-
     from dtorch_controller import status_view
 
     target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN

@@ -19,9 +19,9 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+
 from dtorch.protocol import messages as m
 from dtorch.protocol import wire
-
 from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.config import format_seconds

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import msgspec
-from dtorch.protocol import messages as m
 from rich.console import Console
 from rich.table import Table
+
+from dtorch.protocol import messages as m
 
 
 def human_bytes(n: int) -> str:

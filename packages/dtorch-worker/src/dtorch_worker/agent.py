@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from dtorch.protocol import wire
 from dtorch.protocol.messages import Registered, RegisterWorker, ReportReply, WorkerReport
-
 from dtorch_worker.executor import Executor
 from dtorch_worker.store import TensorStore
 

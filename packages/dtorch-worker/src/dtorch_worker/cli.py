@@ -17,8 +17,8 @@ import threading
 from collections.abc import Sequence
 
 import torch
-from dtorch.protocol import wire
 
+from dtorch.protocol import wire
 from dtorch_worker.agent import Agent, ControllerUnreachable, device_memory_bytes
 from dtorch_worker.server import start_worker
 

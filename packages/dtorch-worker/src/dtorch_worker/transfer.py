@@ -12,10 +12,10 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+
 from dtorch.protocol import wire
 from dtorch.protocol.messages import Chunk, ErrorReport, PullRequest, PutChunk
 from dtorch.protocol.values import dtype_from_name, dtype_name, tensor_from_bytes
-
 from dtorch_worker.store import Poison
 
 

@@ -25,7 +25,6 @@ from typing import Any
 
 from dtorch.protocol import messages as m
 from dtorch.protocol.wire import ProtocolError, check_hello
-
 from dtorch_controller import __version__
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev

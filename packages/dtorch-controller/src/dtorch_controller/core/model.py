@@ -8,7 +8,6 @@ from functools import cached_property
 
 from dtorch.layout import coords
 from dtorch.protocol import messages as m
-
 from dtorch_controller.core import state as st
 
 
