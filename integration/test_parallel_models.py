@@ -162,3 +162,30 @@ def test_rl_handoff_to_a_differently_sharded_inference_mesh(reference, mesh2d, m
     got = inference.generate(dtorch.distribute_tensor(ids[:1], mesh1, [Replicate()]), max_new_tokens=4,
                              do_sample=False)
     assert got.to_torch().tolist() == expected.tolist()
+
+
+def test_llama_twenty_training_steps_dp_x_tp_match_torch(mesh2d):
+    ref = tiny_llama()
+    ref.train()
+    model = clone(ref).train()
+    parallelize_module(model, mesh2d, LLAMA_TP_PLAN, tp_mesh_dim="tp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(3)
+    expected, got = [], []
+    for _ in range(20):
+        ids = torch.randint(0, 96, (4, 8), generator=gen)
+        loss = ref(ids, labels=ids).loss
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_opt.step()
+        expected.append(loss.item())
+        dids = dtorch.distribute_tensor(ids, mesh2d, [Shard(0), Replicate()])
+        dloss = model(dids, labels=dids).loss
+        opt.zero_grad()
+        dloss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+        got.append(dloss.item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert got[-1] != got[0]  # it did train

@@ -244,9 +244,22 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             _plans[key] = plan
     if plan.fast is not None:
         return _emit_fast(plan, leaves)
+    if plan.random and plan.inplace:
+        return _random_in_place(plan, leaves)
     if plan.route == "sync":
         return _run_locally(func, args, kwargs, leaves)
     return _emit(plan, leaves)
+
+
+def _random_in_place(plan: Plan, leaves: list[DTensor]) -> Any:
+    """`x.uniform_()` and friends: draw into a fresh copy (seeded, replicated), then copy_ into x.
+
+    Writing through `copy_` keeps torch's aliasing: when x is a view, its base sees the values.
+    """
+    self = leaves[0]
+    fresh = torch.ops.aten.clone.default(self)
+    _emit(plan, [fresh, *leaves[1:]])
+    return torch.ops.aten.copy_.default(self, fresh)
 
 
 def _emit_fast(plan: Plan, leaves: list[DTensor]) -> DTensor:

@@ -1,0 +1,57 @@
+"""Random values do not depend on the parallel plan: same seed, same numbers, whatever the mesh and placements."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import Replicate, Shard
+
+
+def _layouts(mesh1, mesh4, mesh2d):
+    return [(mesh1, [Shard(0)]), (mesh4, [Shard(1)]), (mesh4, [Replicate()]), (mesh2d, [Shard(0), Shard(1)])]
+
+
+def test_dropout_is_plan_independent(mesh1, mesh4, mesh2d):
+    full = torch.randn(8, 6)
+    masks = []
+    for mesh, placements in _layouts(mesh1, mesh4, mesh2d):
+        x = dtorch.distribute_tensor(full, mesh, placements)
+        dtorch.manual_seed(7)
+        masks.append(F.dropout(x, p=0.5, training=True).to_torch())
+    for other in masks[1:]:
+        assert torch.equal(masks[0], other)
+    kept = masks[0] != 0
+    assert 0 < kept.sum() < full.numel()
+    torch.testing.assert_close(masks[0][kept], full[kept] * 2)
+
+
+def test_in_place_init_is_plan_independent(mesh1, mesh4, mesh2d):
+    values = []
+    for mesh, placements in _layouts(mesh1, mesh4, mesh2d):
+        w = dtorch.zeros(6, 8, device_mesh=mesh, placements=placements)
+        dtorch.manual_seed(11)
+        torch.nn.init.normal_(w, std=0.02)
+        values.append(w.to_torch())
+    for other in values[1:]:
+        assert torch.equal(values[0], other)
+    assert 0 < values[0].std() < 0.05
+
+
+def test_random_write_through_a_view_reaches_the_base(mesh4):
+    w = dtorch.zeros(8, 6, device_mesh=mesh4, placements=[Shard(0)])
+    torch.nn.init.uniform_(w[:, 2], 1, 2)  # a real view: dim 1 is not sharded
+    full = w.to_torch()
+    assert (full[:, 2] >= 1).all() and (full[:, [0, 1, 3, 4, 5]] == 0).all()
+
+
+def test_rand_like_and_factories_follow_the_seed(mesh4):
+    dtorch.manual_seed(3)
+    a = dtorch.rand(5, 5, device_mesh=mesh4, placements=[Shard(0)])
+    b = torch.rand_like(a)
+    dtorch.manual_seed(3)
+    a2 = dtorch.rand(5, 5, device_mesh=mesh4, placements=[Replicate()])
+    b2 = torch.rand_like(a2)
+    assert torch.equal(a.to_torch(), a2.to_torch()) and torch.equal(b.to_torch(), b2.to_torch())
+    assert not torch.equal(a.to_torch(), b.to_torch())
