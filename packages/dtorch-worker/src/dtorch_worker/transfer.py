@@ -55,6 +55,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if t.is_neg():
         t = t.resolve_neg()
     flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # contiguous() keeps any stride on size-1 dims (an expand or a row of a shard)
+        flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
