@@ -170,12 +170,12 @@ def test_redistribute_sends_plans_to_destination_workers(h):
                                           src_line="c.py:3")])
     sent = by_worker(h.take_sent())
     expect, cmd = sent[w0].cmds  # w1 pulls device 0's half once: announced to w0 first
-    assert expect == m.CmdExpectReads(tid=1, reads={0: 1})
+    assert expect == m.CmdExpectReads(tid=1, reads={0: 1}, dst=2)
     assert isinstance(cmd, m.CmdRedistribute) and (cmd.src, cmd.dst, cmd.dtype, cmd.src_line) == (1, 2, "float32",
                                                                                                    "c.py:3")
     assert cmd.plans == {0: m.ShardPlan(shape=[4], groups=[[m.Piece("", 0, [0], [0], [2]),
                                                             m.Piece("10.0.0.1:7001", 1, [0], [2], [2])]])}
-    assert sent[w1].cmds[0] == m.CmdExpectReads(tid=1, reads={1: 1})
+    assert sent[w1].cmds[0] == m.CmdExpectReads(tid=1, reads={1: 1}, dst=2)
     assert list(sent[w1].cmds[1].plans) == [1]
 
 
@@ -190,9 +190,9 @@ def test_redistribute_announces_remote_reads_to_every_source_worker(h):
     sent = by_worker(h.take_sent())
     # device 2 (on w2) reads pieces of 0, 1, 3 remotely and its own locally;
     # device 3 (on w0) reads 1 and 2 remotely, 0 and 3 locally (same worker)
-    assert sent[w1].cmds == [m.CmdExpectReads(tid=1, reads={1: 2})]  # a source only: nothing else to do
-    assert sent[w2].cmds[0] == m.CmdExpectReads(tid=1, reads={2: 1})
-    assert sent[w0].cmds[0] == m.CmdExpectReads(tid=1, reads={0: 1, 3: 1})
+    assert sent[w1].cmds == [m.CmdExpectReads(tid=1, reads={1: 2}, dst=2)]  # a source only: nothing else to do
+    assert sent[w2].cmds[0] == m.CmdExpectReads(tid=1, reads={2: 1}, dst=2)
+    assert sent[w0].cmds[0] == m.CmdExpectReads(tid=1, reads={0: 1, 3: 1}, dst=2)
     assert [type(c) for c in sent[w0].cmds[1:]] == [m.CmdRedistribute] == [type(c) for c in sent[w2].cmds[1:]]
     rid, reply = h.sync(sid, 2)
     assert reply is None  # the source-only worker's batch counts too

@@ -72,9 +72,11 @@ def test_all_gather_shard0_to_replicate(pair: tuple[WorkerHandle, WorkerHandle],
                                              Piece("", 1, [0, 0], [3, 0], [2, 3])]]),
     }
     sb = seqs.send(b, CmdCreate(boxes={1: boxes[1]}, **create),  # type: ignore[arg-type]
+                   CmdExpectReads(tid=1, reads={1: 1}, dst=2),
                    CmdRedistribute(src=1, dst=2, dtype="float32", plans={1: plan["b"]}))
     time.sleep(0.1)
     sa = seqs.send(a, CmdCreate(boxes={0: boxes[0]}, **create),  # type: ignore[arg-type]
+                   CmdExpectReads(tid=1, reads={0: 1}, dst=2),
                    CmdRedistribute(src=1, dst=2, dtype="float32", plans={0: plan["a"]}))
     wait(a, sa)
     wait(b, sb)
@@ -93,9 +95,11 @@ def test_partial_sum_to_replicate_from_uploaded_shards(pair: tuple[WorkerHandle,
         stub.close()
     whole = [0, 0], [0, 0], [4, 6]
     seqs = Seq()
-    sa = seqs.send(a, CmdRedistribute(src=10, dst=11, dtype="float64", plans={0: ShardPlan(
+    sa = seqs.send(a, CmdExpectReads(tid=10, reads={0: 1}, dst=11),
+                   CmdRedistribute(src=10, dst=11, dtype="float64", plans={0: ShardPlan(
         shape=[4, 6], groups=[[Piece("", 0, *whole)], [Piece(b.address, 1, *whole)]], reduce="sum")}))
-    sb = seqs.send(b, CmdRedistribute(src=10, dst=11, dtype="float64", plans={1: ShardPlan(
+    sb = seqs.send(b, CmdExpectReads(tid=10, reads={1: 1}, dst=11),
+                   CmdRedistribute(src=10, dst=11, dtype="float64", plans={1: ShardPlan(
         shape=[4, 6], groups=[[Piece(a.address, 0, *whole)], [Piece(b.address, 1, *whole)]], reduce="sum")}))
     wait(a, sa)
     wait(b, sb)
@@ -107,7 +111,7 @@ def test_a_poisoned_remote_source_passes_the_original_report_on(pair: tuple[Work
     a, b = pair
     seqs = Seq()
     sa = seqs.send(a, CmdRun(op="aten.nonexistent.default", devices=[0], args=[], kwargs={}, outs=[20],
-                             src="model.py:3"))
+                             src="model.py:3"), CmdExpectReads(tid=20, reads={0: 1}, dst=21))
     wait(a, sa)
     (report,) = a.executor.take_errors()[S]
     sb = seqs.send(b, CmdRedistribute(src=20, dst=21, dtype="float32", src_line="model.py:4", plans={
@@ -186,7 +190,7 @@ def test_an_in_place_write_waits_for_the_peer_pull_announced_before_it(
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
     put(b, 60, 1, x.clone())
     seqs = Seq()
-    sb = seqs.send(b, CmdExpectReads(tid=60, reads={1: 1}),
+    sb = seqs.send(b, CmdExpectReads(tid=60, reads={1: 1}, dst=61),
                    CmdRun(op="aten.add_.Tensor", devices=[1], args=[{"$t": 60}, 1.0], kwargs={}, outs=[60]))
     time.sleep(0.3)  # without the wait, b has long run add_ by now
     assert not b.executor.wait_completed(sb, 0.0), "b wrote x in place before the announced read"
@@ -200,22 +204,21 @@ def test_an_in_place_write_waits_for_the_peer_pull_announced_before_it(
     assert a.executor.take_errors() == {} and b.executor.take_errors() == {}
 
 
-def test_a_pull_served_before_it_was_announced_still_counts(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
-    """a is ahead: its pull is served before b executes the CmdExpectReads; b's write must not wait then."""
+def test_a_pull_waits_until_the_source_reaches_the_redistribution(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
+    """a is ahead: it pulls x before b ran the in-place write that precedes the redistribution in b's stream."""
     a, b = pair
     x = torch.arange(12.0).view(3, 4)
     put(b, 70, 1, x.clone())
     seqs = Seq()
     sa = seqs.send(a, CmdRedistribute(src=70, dst=71, dtype="float32", plans={0: ShardPlan(
         shape=[2, 4], groups=[[Piece(b.address, 1, [1, 0], [0, 0], [2, 4])]])}))
-    wait(a, sa)
-    assert b.store.pending_reads((S, 70, 1)) == -1
-    start = time.monotonic()
-    sb = seqs.send(b, CmdExpectReads(tid=70, reads={1: 1}),
-                   CmdRun(op="aten.mul_.Tensor", devices=[1], args=[{"$t": 70}, 0.0], kwargs={}, outs=[70]))
+    time.sleep(0.3)  # without the wait for the announcement, a has long read the unwritten x
+    assert not a.executor.wait_completed(sa, 0.0), "a read x before b reached the redistribution"
+    sb = seqs.send(b, CmdRun(op="aten.mul_.Tensor", devices=[1], args=[{"$t": 70}, 2.0], kwargs={}, outs=[70]),
+                   CmdExpectReads(tid=70, reads={1: 1}, dst=71))
     wait(b, sb)
-    assert time.monotonic() - start < 5.0
-    assert torch.equal(a.store.get((S, 71, 0)), x[1:])
+    wait(a, sa)
+    assert torch.equal(a.store.get((S, 71, 0)), x[1:] * 2)  # the value at the redistribution's place in b's stream
     assert b.store.pending_reads((S, 70, 1)) == 0
 
 
@@ -226,10 +229,10 @@ def test_client_fetches_and_failed_pulls(pair: tuple[WorkerHandle, WorkerHandle]
     stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
     receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=80, device=0)), "client fetch")
     assert a.store.pending_reads((S, 80, 0)) == 0
-    a.store.expect_reads((S, 81, 0), 1)
+    a.store.expect_reads((S, 81, 0), 1, dst=82)
     with pytest.raises(RuntimeError, match="no shard"):
         receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=81, device=0, timeout_s=0.05,
-                                                       expected=True)), "pull")
+                                                       expected=True, dst=82)), "pull")
     assert a.store.pending_reads((S, 81, 0)) == 0
     stub.close()
 
@@ -242,7 +245,7 @@ def test_a_poisoned_local_piece_does_not_cancel_the_announced_remote_pulls(
     put(b, 90, 1, torch.zeros(2))
     seqs = Seq()
     start = time.monotonic()
-    sb = seqs.send(b, CmdExpectReads(tid=90, reads={1: 1}),
+    sb = seqs.send(b, CmdExpectReads(tid=90, reads={1: 1}, dst=91),
                    CmdRun(op="aten.add_.Tensor", devices=[1], args=[{"$t": 90}, 1.0], kwargs={}, outs=[90]))
     sa = seqs.send(a, CmdRedistribute(src=90, dst=91, dtype="float32", plans={0: ShardPlan(
         shape=[4], groups=[[Piece("", 0, [0], [0], [2]), Piece(b.address, 1, [0], [2], [2])]])}))

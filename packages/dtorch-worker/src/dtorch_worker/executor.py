@@ -217,7 +217,7 @@ class Executor:
                 self._redistribute(session, cmd)
             elif isinstance(cmd, CmdExpectReads):
                 for device, n in cmd.reads.items():
-                    self.store.expect_reads((session, cmd.tid, device), n)
+                    self.store.expect_reads((session, cmd.tid, device), n, cmd.dst)
             elif isinstance(cmd, CmdDelete):
                 for tid in cmd.tids:
                     for device in cmd.devices:
@@ -352,7 +352,7 @@ class Executor:
             groups_out[dev] = (plan, bufs)
         # Remote pieces first: the sources announced these reads and hold in-place writes until they are
         # served, so each one must be issued even when a local piece turns out to be missing or poisoned.
-        self._fetch_all(session, cmd.src, jobs)
+        self._fetch_all(session, cmd.src, cmd.dst, jobs)
         for piece, dst in local:
             dst.copy_(take_box(self._input(session, cmd.src, piece.device), piece.src_offset, piece.size))
         made: dict[int, torch.Tensor] = {}
@@ -367,12 +367,12 @@ class Executor:
     def _is_local(self, address: str) -> bool:
         return not address or address == self.address
 
-    def _fetch_all(self, session: str, src: int, jobs: Iterable[tuple[Piece, torch.Tensor]]) -> None:
+    def _fetch_all(self, session: str, src: int, dst_tid: int, jobs: Iterable[tuple[Piece, torch.Tensor]]) -> None:
         """Pull remote pieces in parallel, each straight into its destination view."""
 
         def fetch(piece: Piece, dst: torch.Tensor) -> None:
             req = PullRequest(session=session, tid=src, device=piece.device, offset=list(piece.src_offset),
-                              size=list(piece.size), timeout_s=self.pull_timeout_s, expected=True)
+                              size=list(piece.size), timeout_s=self.pull_timeout_s, expected=True, dst=dst_tid)
             dst.copy_(self.peers.pull(piece.address, req))
 
         futures = [self._fetch_pool.submit(fetch, piece, dst) for piece, dst in jobs]

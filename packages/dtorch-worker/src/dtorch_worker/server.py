@@ -56,6 +56,10 @@ class WorkerService:
 
     def _pull(self, key: tuple[str, int, int], request: PullRequest) -> Iterator[Chunk]:
         wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
+        if request.expected and request.dst >= 0 and not self.store.wait_announced(key, request.dst, wait):
+            yield Chunk(data=b"", error=f"this worker never reached the redistribution into tensor {request.dst} "
+                                        f"within {wait:g}s")
+            return
         try:
             value = self.store.get(key, wait)
         except ShardMissing as e:

@@ -51,7 +51,12 @@ class TensorStore:
     def __init__(self) -> None:
         self._data: dict[Key, Shard] = {}
         self._reads: dict[Key, int] = {}  # expected - served planned reads; only keys where that is not 0
+        self._announced: dict[Key, set[int]] = {}  # redistributions (dst tids) whose reads of a key were announced
         self._cond = threading.Condition()
+        # Recovery and migration (CmdAbandon, CmdSendShards(move=...), CmdRebuilt):
+        self._gen: dict[str, int] = {}  # session -> bumped when it is abandoned: waits on its shards end
+        self._moved: set[tuple[str, int]] = set()  # (session, device) that moved away from this worker
+        self._rebuilding: set[str] = set()  # sessions whose shards are being rebuilt: client reads wait
 
     def put(self, key: Key, value: Shard) -> None:
         with self._cond:
@@ -67,10 +72,17 @@ class TensorStore:
         """The shard, waiting up to `timeout` seconds for it to appear; raises ShardMissing."""
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
+            gen = self._gen.get(key[0], 0)
             while True:
                 value = self._data.get(key)
                 if value is not None:
                     return value
+                if (key[0], key[2]) in self._moved:
+                    raise ShardMissing(f"moved: logical device {key[2]} of session {key[0][:8]} moved to another "
+                                       "worker")
+                if self._gen.get(key[0], 0) != gen:
+                    raise ShardMissing(f"no shard for {describe(key)}: the session is being rebuilt after a "
+                                       "worker loss")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     waited = f" after waiting {timeout:g}s" if timeout > 0 else ""
@@ -84,6 +96,7 @@ class TensorStore:
     def delete(self, key: Key) -> bool:
         with self._cond:
             self._reads.pop(key, None)  # reads of a lost reader: nothing may wait for them any more
+            self._announced.pop(key, None)
             self._cond.notify_all()
             return self._data.pop(key, None) is not None
 
@@ -92,17 +105,111 @@ class TensorStore:
         with self._cond:
             for k in [k for k in self._reads if k[0] == session]:
                 del self._reads[k]
+            for k in [k for k in self._announced if k[0] == session]:
+                del self._announced[k]
             keys = [k for k in self._data if k[0] == session]
+            for k in keys:
+                del self._data[k]
+            self._moved = {m for m in self._moved if m[0] != session}
+            self._rebuilding.discard(session)
+            self._cond.notify_all()
+            return len(keys)
+
+    def drop_derived(self, session: str) -> int:
+        """Forget the shards of every namespace derived from `session` (`{session}#...`: its backups)."""
+        prefix = session + "#"
+        with self._cond:
+            keys = [k for k in self._data if k[0].startswith(prefix)]
             for k in keys:
                 del self._data[k]
             self._cond.notify_all()
             return len(keys)
 
+    def drop_tids(self, session: str, tids: list[int]) -> int:
+        """Forget the shards of `tids` on every logical device of `session`."""
+        wanted = set(tids)
+        with self._cond:
+            keys = [k for k in self._data if k[0] == session and k[1] in wanted]
+        for k in keys:
+            self.delete(k)
+        return len(keys)
+
+    def device_keys(self, session: str, devices: list[int]) -> list[Key]:
+        wanted = set(devices)
+        with self._cond:
+            return [k for k in self._data if k[0] == session and k[2] in wanted]
+
+    # ------------------------------------------------------------ recovery and migration
+
+    def abandon(self, session: str) -> None:
+        """The session starts over here: end every wait on its shards, forget peers' planned reads of them,
+        and make client reads wait until `rebuilt`."""
+        with self._cond:
+            self._gen[session] = self._gen.get(session, 0) + 1
+            for k in [k for k in self._reads if k[0] == session]:
+                del self._reads[k]
+            self._rebuilding.add(session)
+            self._cond.notify_all()
+
+    def rebuilt(self, session: str) -> None:
+        with self._cond:
+            self._rebuilding.discard(session)
+            self._cond.notify_all()
+
+    def wait_rebuilt(self, session: str, timeout: float) -> bool:
+        """Wait up to `timeout` s while the session is being rebuilt; True when it is not (any more)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: session not in self._rebuilding, max(timeout, 0.0))
+
+    def mark_moved(self, session: str, devices: list[int]) -> None:
+        with self._cond:
+            self._moved.update((session, d) for d in devices)
+            self._cond.notify_all()
+
+    def clear_moved(self, session: str, devices: list[int] | None = None) -> None:
+        with self._cond:
+            self._moved = {m for m in self._moved if m[0] != session or (devices is not None and m[1] not in devices)}
+
+    def is_moved(self, session: str, device: int) -> bool:
+        with self._cond:
+            return (session, device) in self._moved
+
+    def put_unless_moved(self, key: Key, value: Shard) -> bool:
+        """A client upload: stored unless its device moved away from this worker (then False)."""
+        with self._cond:
+            if (key[0], key[2]) in self._moved:
+                return False
+            self._data[key] = value
+            self._cond.notify_all()
+            return True
+
     # ------------------------------------------------------------ planned reads by peers
 
-    def expect_reads(self, key: Key, n: int) -> None:
-        """`n` more planned peer reads of `key` are coming (CmdExpectReads)."""
+    def expect_reads(self, key: Key, n: int, dst: int = -1) -> None:
+        """`n` more planned peer reads of `key` are coming (CmdExpectReads) for redistribution `dst`.
+
+        From now on pulls of `key` for `dst` may be served: the shard holds exactly the value that
+        redistribution must read, every earlier write of this stream having run.
+        """
+        with self._cond:
+            if dst >= 0:
+                self._announced.setdefault(key, set()).add(dst)
         self._add_reads(key, n)
+
+    def wait_announced(self, key: Key, dst: int, timeout: float) -> bool:
+        """Wait up to `timeout` s until this worker ran the CmdExpectReads of redistribution `dst` for `key`.
+
+        A peer reaches its redistribution in its own stream, maybe before this worker ran the writes that
+        precede it here; serving the pull only after the announcement keeps it from reading too early.
+        """
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            while dst not in self._announced.get(key, ()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
 
     def read_served(self, key: Key) -> None:
         """One planned read of `key` was served (or failed); it may come before the expectation."""
@@ -115,6 +222,7 @@ class TensorStore:
                 self._reads[key] = left
             else:
                 self._reads.pop(key, None)
+                self._announced.pop(key, None)  # every announced read was served: no pull can still come
                 self._cond.notify_all()
 
     def forget_reads(self, keys: list[Key]) -> None:

@@ -301,6 +301,8 @@ class CmdExpectReads(Struct, frozen=True, tag="expect_reads"):
 
     tid: int
     reads: dict[int, int]  # source logical device -> remote pulls planned of its shard
+    dst: int = -1  # the redistribution's new tensor: peers' pulls for it are served only once this ran
+
 
 
 class CmdDelete(Struct, frozen=True, tag="delete"):
@@ -341,6 +343,7 @@ class PullRequest(Struct, frozen=True):
     size: list[int] | None = None
     timeout_s: float = 60.0
     expected: bool = False  # a peer's planned read, announced by CmdExpectReads: counted as served when done
+    dst: int = -1  # with `expected`: served only after the source ran the CmdExpectReads of redistribution `dst`
 
 
 class Chunk(Struct, frozen=True):

@@ -184,7 +184,7 @@ class _Translator:
                     reads = expected.setdefault(self.s.devices[p.device], {})
                     reads[p.device] = reads.get(p.device, 0) + 1
         for worker, reads in expected.items():
-            self._emit(worker, m.CmdExpectReads(tid=instr.src, reads=dict(sorted(reads.items()))))
+            self._emit(worker, m.CmdExpectReads(tid=instr.src, reads=dict(sorted(reads.items())), dst=instr.dst))
         for worker, hosted in dst_hosts.items():
             mine = {d: by_device[d] for d in hosted}
             self._emit(worker, m.CmdRedistribute(src=instr.src, dst=instr.dst, dtype=instr.dst_spec.dtype,
