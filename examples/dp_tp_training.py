@@ -1,0 +1,53 @@
+"""Data parallel x tensor parallel training of an unmodified Hugging Face Llama, checked against plain torch.
+
+    python3 examples/dp_tp_training.py [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+from tp_llama_inference import TP_PLAN
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import dtorch
+from dtorch import Replicate, Shard
+from dtorch.nn import parallelize_module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config)
+    model = copy.deepcopy(reference)
+
+    mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh, TP_PLAN, tp_mesh_dim="tp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(1)
+    for step in range(args.steps):
+        ids = torch.randint(0, 128, (4, 16), generator=data)
+        batch = dtorch.distribute_tensor(ids, mesh, [Shard(0), Replicate()])  # batch split over dp
+        loss = model(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+        ref_loss = reference(ids, labels=ids).loss
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        print(f"step {step:2d}  loss dtorch {loss.item():.6f}  torch {ref_loss.item():.6f}")
+
+
+if __name__ == "__main__":
+    main()
