@@ -189,3 +189,32 @@ def test_llama_twenty_training_steps_dp_x_tp_match_torch(mesh2d):
         got.append(dloss.item())
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert got[-1] != got[0]  # it did train
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_context_parallel_attention_forward_and_backward(mesh4, causal):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 12, 8, requires_grad=True) for _ in range(3))
+    dq, dk, dv = (dtorch.distribute_tensor(t.detach(), mesh4, [Shard(2)]).requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, is_causal=causal)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert out.placements == (Shard(2),)  # the sequence stays sharded: keys and values were gathered
+    torch.testing.assert_close(out.to_torch(), expected, **TOL)
+    grad = torch.randn_like(expected)
+    out.backward(dtorch.distribute_tensor(grad, mesh4, [Shard(2)]))
+    expected.backward(grad)
+    for d, t in ((dq, q), (dk, k), (dv, v)):
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, **TOL)
+
+
+def test_llama_context_parallel(reference, mesh1):
+    from dtorch import _dispatch
+
+    model, ids, logits = reference
+    cp = replicate_module(clone(model), mesh1)
+    with torch.no_grad():
+        out = cp(dtorch.distribute_tensor(ids, mesh1, [Shard(1)])).logits  # the sequence dim is sharded
+    torch.testing.assert_close(out.to_torch(), logits, **TOL)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    plans = [p for p in _dispatch._plans.values() if p.func is flash and p.outputs[0].placements == (Shard(2),)]
+    assert plans, "attention did not run sequence-sharded"

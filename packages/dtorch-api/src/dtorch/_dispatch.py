@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from dtorch import _sharding
+from dtorch import _rules, _sharding
 from dtorch._source import user_src
 from dtorch._spec import Spec
 from dtorch.layout import coords, shard_box
@@ -168,7 +168,8 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
     inplace = _is_inplace(func)
     if not _returns_tensors(func):
         return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False)
-    random = torch.Tag.nondeterministic_seeded in func.tags
+    # seeded ops run replicated under a shared seed, unless one of our rules covers them (it refuses dropout)
+    random = torch.Tag.nondeterministic_seeded in func.tags and func not in _rules.RULES
     route, local = "sharded", None
     try:
         if random:

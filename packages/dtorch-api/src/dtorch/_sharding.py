@@ -107,6 +107,11 @@ def _apply_suggestion(func: Any, args: tuple, kwargs: dict, out: Any, mesh: Devi
 
 def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     """Sharding propagation for `func` on args whose DTensors are replaced by their Specs."""
+    from dtorch._rules import RULES  # our own rules where torch has none
+
+    rule = RULES.get(func)
+    if rule is not None:
+        return rule(func, args, kwargs, mesh)
     try:
         out = _prop.propagate_op_sharding(_schema(func, args, kwargs, 0))
         op, new_args = _apply_suggestion(func, args, kwargs, out, mesh)
@@ -130,6 +135,12 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
 
 def _nontensor_leaves(args: tuple) -> list:
     return [v for v in pytree.tree_leaves(args) if not isinstance(v, Spec)]
+
+
+def meta_specs(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Spec]:
+    """Global output specs (Replicate) of a tensor-returning op, from its meta kernel."""
+    outs = meta_outputs(func, args, kwargs, mesh)
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
 def meta_outputs(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:

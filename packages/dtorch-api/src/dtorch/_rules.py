@@ -1,0 +1,127 @@
+"""Sharding rules DTorch writes itself, where torch has none: CPU flash attention (forward and backward).
+
+Per mesh dim, the query's placement picks the layout of the whole op:
+  Shard(0) batch / Shard(1) heads   every input and output sharded the same way (heads need q and kv
+                                    heads equal, as after transformers' repeat_kv)
+  Shard(2) sequence                 context parallelism: queries stay sharded, keys and values are
+                                    gathered; a causal mask becomes a per-device mask of the device's
+                                    query rows (`is_causal` aligns top-left, which a shard would break);
+                                    in backward, key and value gradients come out Partial("sum")
+  anything else                     Replicate
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtorch._sharding import NoRule, Propagation, meta_specs
+from dtorch._spec import Spec
+from dtorch.device_mesh import DeviceMesh
+from dtorch.layout import coords, shard_box
+from dtorch.placement_types import Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+_R = Replicate()
+
+
+def _roles(q: Spec, k: Spec) -> list[str]:
+    roles = []
+    for p in q.placements:
+        if isinstance(p, Shard) and p.dim in (0, 1, 2):
+            if p.dim == 1 and q.shape[1] != k.shape[1]:
+                raise NoRule("heads sharded but query and key/value head counts differ")
+            roles.append("bhs"[p.dim])
+        else:
+            roles.append("r")
+    if roles.count("s") > 1:
+        raise NoRule("sequence sharded on more than one mesh dim")
+    if any(n == 0 for c in coords(q.mesh.shape) for _, n in shard_box(q.shape, q.mesh.shape, q.placements, c)):
+        raise NoRule("an empty shard")  # the CPU kernel divides by zero heads or rows (SIGFPE)
+    return roles
+
+
+def _place(roles: list[str], kind: str, spec: Spec | None) -> tuple[Placement, ...] | None:
+    """Placements for one operand: kind "q" follows the roles, "kv" is gathered on the sequence dim,
+    "mask" broadcasts where its dim has size 1."""
+    if spec is None:
+        return None
+    out: list[Placement] = []
+    for role in roles:
+        dim = "bhs".find(role)
+        if role == "r" or (role == "s" and kind == "kv"):
+            out.append(_R)
+        elif kind == "mask" and (len(spec.shape) < 4 or spec.shape[dim - 4] == 1):
+            out.append(_R)
+        else:
+            out.append(Shard(dim if kind != "mask" else len(spec.shape) - 4 + dim))
+    return tuple(out)
+
+
+def _causal_masks(q: Spec, k_len: int, mesh: DeviceMesh, q_placements: tuple[Placement, ...]) -> list[torch.Tensor]:
+    """Per device, the additive causal mask rows of the queries it holds (flash attention on CPU wants
+    the query's dtype: 0 attends, -inf does not), aligned top-left as torch's `is_causal` is."""
+    masks = []
+    for c in coords(mesh.shape):
+        start, length = shard_box(tuple(q.shape), mesh.shape, q_placements, c)[2]
+        rows = torch.arange(start, start + length).unsqueeze(1)
+        allowed = torch.arange(k_len).unsqueeze(0) <= rows
+        masks.append(torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, float("-inf")))
+    return masks
+
+
+def _with_specs(args: tuple, kwargs: dict, moved: dict[int, Spec]) -> tuple[tuple, dict]:
+    swap = lambda v: moved.get(id(v), v)  # noqa: E731
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
+def _plan(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, layout: dict[int, str], q: Spec, k: Spec,
+          out_kinds: list[str], causal_index: int) -> Propagation:
+    roles = _roles(q, k)
+    if any(isinstance(v, Spec) and v.has_partial() for v in (*args, *kwargs.values())):
+        raise NoRule("partial inputs")
+    moved = {}
+    for index, kind in layout.items():
+        spec = args[index] if isinstance(index, int) and index >= 0 else kwargs.get("attn_mask")
+        if isinstance(spec, Spec):
+            moved[id(spec)] = spec.with_placements(_place(roles, kind, spec))
+    new_args, new_kwargs = _with_specs(args, kwargs, moved)
+    outs = meta_specs(func, args, kwargs, mesh)
+    out_specs = tuple(o.with_placements(tuple(
+        Partial() if kind == "kv_grad" and role == "s" else
+        (_R if role == "r" or (role == "s" and kind == "kv_grad") else Shard("bhs".find(role)))
+        for role in roles)) for o, kind in zip(outs, out_kinds))
+    rank_args = None
+    is_causal = len(args) > causal_index and bool(args[causal_index])
+    if "s" in roles and is_causal:
+        if kwargs.get("attn_mask") is not None:
+            raise NoRule("is_causal together with attn_mask")
+        masks = _causal_masks(q, k.shape[2], mesh, moved[id(q)].placements)
+        rank_args = []
+        for mask in masks:
+            a = list(new_args)
+            a[causal_index] = False
+            rank_args.append((tuple(a), {**new_kwargs, "attn_mask": mask}))
+    return Propagation(func, new_args, new_kwargs, rank_args, out_specs)
+
+
+def flash_attention_cpu(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
+    q, k = args[0], args[1]
+    if len(q.shape) != 4 or (len(args) > 3 and args[3]):
+        raise NoRule("needs 4-d inputs and no dropout")
+    return _plan(func, args, kwargs, mesh, {0: "q", 1: "kv", 2: "kv", -1: "mask"}, q, k, ["q", "q_lse"], 4)
+
+
+def flash_attention_cpu_backward(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
+    q, k = args[1], args[2]
+    if len(q.shape) != 4 or args[6]:
+        raise NoRule("needs 4-d inputs and no dropout")
+    layout = {0: "q", 1: "q", 2: "kv", 3: "kv", 4: "q", 5: "q", -1: "mask"}
+    return _plan(func, args, kwargs, mesh, layout, q, k, ["q", "kv_grad", "kv_grad"], 7)
+
+
+RULES = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: flash_attention_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: flash_attention_cpu_backward,
+}
