@@ -99,16 +99,21 @@ def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim:
 
 def replicate_module(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Every parameter and buffer that is still a plain tensor becomes a Replicate DTensor on `mesh`."""
-    replicate = (Replicate(),) * mesh.ndim
     for mod in module.modules():
-        for name, p in list(mod.named_parameters(recurse=False)):
-            if not isinstance(p, DTensor):
-                _set_param(mod, name, distribute_tensor(p.detach(), mesh, replicate), p.requires_grad)
-        for name, b in list(mod.named_buffers(recurse=False)):
-            if b is not None and not isinstance(b, DTensor):
-                persistent = name not in mod._non_persistent_buffers_set
-                mod.register_buffer(name, distribute_tensor(b, mesh, replicate), persistent=persistent)
+        _replicate_own(mod, mesh, keep=lambda t: isinstance(t, DTensor))
     return module
+
+
+def _replicate_own(mod: nn.Module, mesh: DeviceMesh, keep: Any) -> None:
+    """Replicate one module's own parameters and buffers (not its children's) on `mesh`, except `keep(t)`."""
+    replicate = (Replicate(),) * mesh.ndim
+    for name, p in list(mod.named_parameters(recurse=False)):
+        if not keep(p):
+            _set_param(mod, name, _distribute(p, mesh, replicate), p.requires_grad)
+    for name, b in list(mod.named_buffers(recurse=False)):
+        if b is not None and not keep(b):
+            mod.register_buffer(name, _distribute(b, mesh, replicate),
+                                persistent=name not in mod._non_persistent_buffers_set)
 
 
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
@@ -185,7 +190,8 @@ def place_on_mesh(module: nn.Module, stages: Mapping[str, DeviceMesh]) -> nn.Mod
         return stages[best] if best is not None else first
 
     for name, mod in module.named_modules():
-        replicate_module_shallow(mod, mesh_of(name))
+        mesh = mesh_of(name)
+        _replicate_own(mod, mesh, keep=lambda t, mesh=mesh: isinstance(t, DTensor) and t.device_mesh == mesh)
     for name, mesh in stages.items():
         target = mesh
 
@@ -196,18 +202,6 @@ def place_on_mesh(module: nn.Module, stages: Mapping[str, DeviceMesh]) -> nn.Mod
 
         module.get_submodule(name).register_forward_pre_hook(move, with_kwargs=True)
     return module
-
-
-def replicate_module_shallow(mod: nn.Module, mesh: DeviceMesh) -> None:
-    """Replicate one module's own parameters and buffers (not its children's) on `mesh`."""
-    replicate = (Replicate(),) * mesh.ndim
-    for name, p in list(mod.named_parameters(recurse=False)):
-        if not isinstance(p, DTensor) or p.device_mesh != mesh:
-            _set_param(mod, name, _distribute(p, mesh, replicate), p.requires_grad)
-    for name, b in list(mod.named_buffers(recurse=False)):
-        if b is not None and (not isinstance(b, DTensor) or b.device_mesh != mesh):
-            mod.register_buffer(name, _distribute(b, mesh, replicate),
-                                persistent=name not in mod._non_persistent_buffers_set)
 
 
 def microbatch_forward(module: nn.Module, batch: torch.Tensor, microbatches: int, **kwargs: Any) -> torch.Tensor:
