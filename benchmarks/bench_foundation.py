@@ -3,7 +3,8 @@
 (a) user-thread time per op of a 10,000-iteration loop of a shape-(1,) add on a 2-device mesh,
     against the same loop in plain torch;
 (b) end-to-end time (values back on the client) of a 4-layer 1024x1024 MLP forward, batch 64,
-    on one worker and tensor-parallel on two workers, against plain torch.
+    on one worker and tensor-parallel on two workers, against plain torch;
+(c) a 1 GiB tensor uploaded with distribute_tensor and fetched back with to_torch (chunked transfers).
 """
 
 from __future__ import annotations
@@ -85,10 +86,26 @@ def dtorch_mlp(weights, inp, mesh: dtorch.DeviceMesh, tensor_parallel: bool):
     return forward
 
 
+def one_gib_round_trip() -> tuple[float, float]:
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    big = torch.rand(1 << 28)  # 2**28 float32 = 1 GiB
+    t0 = time.perf_counter()
+    x = dtorch.distribute_tensor(big, mesh, [Shard(0)])
+    y = x.redistribute(placements=[Replicate()])  # worker to worker: each pulls the other half
+    y._session.sync()
+    up = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    back = y.to_torch()
+    down = time.perf_counter() - t0
+    assert torch.equal(back, big)
+    return up, down
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-big", dest="big", action="store_false", help="skip the 1 GiB transfer")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     weights, inp = mlp_weights(), torch.randn(64, 1024, generator=torch.Generator().manual_seed(1))
@@ -106,6 +123,7 @@ def main() -> None:
     tp = dtorch_mlp(weights, inp, dtorch.DeviceMesh("cpu", [0, 1]), tensor_parallel=True)
     torch.testing.assert_close(tp(), expected, rtol=1e-4, atol=1e-4)
     tp_ms = timed(tp, args.repeats)
+    up_s, down_s = one_gib_round_trip() if args.big else (float("nan"), float("nan"))
     dtorch.shutdown()
 
     print(f"\nDTorch foundation benchmark (torch {torch.__version__}, {threads} client threads)")
@@ -117,6 +135,9 @@ def main() -> None:
     print(f"    plain torch                 {plain_ms:8.2f} ms")
     print(f"    dtorch, 1 worker            {one_ms:8.2f} ms   ({one_ms / plain_ms:.2f}x plain; target <= 1.2x)")
     print(f"    dtorch, TP on 2 workers     {tp_ms:8.2f} ms   ({tp_ms / plain_ms:.2f}x plain)")
+    print("(c) 1 GiB tensor, Shard(0) on 2 workers")
+    print(f"    upload + all-gather         {up_s:8.2f} s")
+    print(f"    to_torch                    {down_s:8.2f} s")
 
 
 if __name__ == "__main__":
