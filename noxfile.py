@@ -45,6 +45,16 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def conformance(session: nox.Session) -> None:
+    """Op coverage: every OpInfo of PyTorch's op database on DTensors vs torch (a few minutes).
+
+    Writes conformance-report/conformance.{md,json}; options go after `--`, e.g. `--ops add,cat`.
+    """
+    install(session, "numpy", "expecttest")
+    session.run("python", "-m", "dtorch.testing.conformance", "conformance-report", *session.posargs)
+
+
+@nox.session
 def gpu_integration(session: nox.Session) -> None:
     """GPU-marked tests; on a machine without CUDA it says so and tests nothing."""
     install(session, *TEST_DEPS)

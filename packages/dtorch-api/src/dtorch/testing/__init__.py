@@ -1,0 +1,1 @@
+"""Test tooling shipped with dtorch (importable without a cluster): `dtorch.testing.conformance`."""
