@@ -5,11 +5,18 @@ arguments (with slots for tensor ids, and per-device variants where args differ 
 device), and the output specs. It is cached on a cheap key built from the op, each
 DTensor's spec key and the other arguments, so a training loop plans each op once.
 
-Three routes, in order of preference:
-  sharded   torch's sharding rules (`_sharding.propagate`)
+Four routes, in order of preference:
+  sharded   torch's sharding rules (`_sharding.propagate`), checked against every device's local shapes
+            (`_sharding.check_local`): a rule that breaks on some local shape falls through to replicate
   replicate no rule: gather inputs to Replicate, run everywhere, output Replicate (always correct);
             random ops take this route with a shared seed so values never depend on the plan
   sync      the op returns a Python value (`item`, `is_nonzero`, `equal`): fetch and run locally
+  local     the op's output shape depends on the values (no meta kernel: `nonzero`, `unique`,
+            `masked_select`, ...) or workers cannot run it (an op outside aten/prims): a sync point that
+            fetches the inputs, runs the op on the client and uploads the outputs as Replicate
+
+In-place ops keep the DTensor object; when they change its shape (`squeeze_`, `transpose_`, `resize_`)
+the wrapper's metadata follows. An op that would write into a plain torch.Tensor is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._mode_utils import no_dispatch
 
 from dtorch import _rules, _sharding
 from dtorch._source import user_src
@@ -33,6 +41,7 @@ if TYPE_CHECKING:
     from dtorch.session import Session
 
 LITERAL_MAX_NUMEL = 1 << 16  # plain tensors up to this size travel inside the instruction
+WORKER_NAMESPACES = ("aten", "prims")  # what workers run (dtorch_worker.ops); other ops take the local route
 
 
 DTensorType: type | None = None  # set by dtorch.dtensor (avoids an import cycle)
@@ -69,7 +78,7 @@ def _key(v: Any, leaves: list) -> Any:
 @dataclass
 class Plan:
     op_name: str
-    route: str  # "sharded" | "replicate" | "sync"
+    route: str  # "sharded" | "replicate" | "sync" | "local"
     func: Any
     inputs: list[Spec | None]  # per DTensor leaf: layout to redistribute to, None if it stays
     args: list  # wire template: {"$t": leaf index} marks tensor slots
@@ -146,6 +155,23 @@ def _is_inplace(func: Any) -> bool:
         schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
 
 
+def _writes(func: Any) -> list[tuple[int, str]]:
+    """(position, name) of the arguments `func` writes (self of in-place ops, out=)."""
+    return [(i, a.name) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _placements(specs: list[Spec]) -> list:
+    return [s.placements for s in specs]
+
+
+def _local_plan(func: Any, specs: list[Spec], why: str, random: bool) -> Plan:
+    if _writes(func):
+        raise NotImplementedError(f"dtorch: {func} {why} and writes its arguments in place, so it cannot run on "
+                                  f"DTensors with placements {_placements(specs)}")
+    return Plan(str(func), "local", func, [], [], {}, None, None, [], False, random)
+
+
 def _returns_tensors(func: Any) -> bool:
     for r in func._schema.returns:
         text = str(r.type)
@@ -170,6 +196,8 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
         return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False)
     # seeded ops run replicated under a shared seed, unless one of our rules covers them (it refuses dropout)
     random = torch.Tag.nondeterministic_seeded in func.tags and func not in _rules.RULES
+    if func.namespace not in WORKER_NAMESPACES:
+        return _local_plan(func, specs, "is not an aten/prims op (workers run only those)", random)
     route, local = "sharded", None
     try:
         if random:
@@ -179,6 +207,7 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
         if _non_sum_partial(outputs) and any(_has_empty_shard(s) for s in specs):
             raise _sharding.NoRule("max/min/avg over an empty shard")  # torch refuses e.g. max() of nothing
         required = [s for s in pytree.tree_leaves((new_args, prop.kwargs)) if isinstance(s, Spec)]
+        _sharding.check_local(func, prop, mesh)
         if prop.rank_args is not None:
             local = {mesh.devices[rank]: list(_slot_templates(a, k)) for rank, (a, k) in enumerate(prop.rank_args)}
     except _sharding.NoRule:
@@ -188,13 +217,14 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
         try:
             outputs = _sharding.meta_outputs(func, spec_args, spec_kwargs, mesh)
         except _sharding.NoRule as e:
-            raise NotImplementedError(f"dtorch: {func} is not supported on DTensors ({e})") from None
-        except NotImplementedError as e:
-            raise NotImplementedError(f"dtorch: {func} has no sharding rule and no meta kernel, so it cannot "
-                                      f"run on DTensors with placements {[s.placements for s in specs]}: {e}"
-                                      ) from None
+            raise NotImplementedError(f"dtorch: {func} is not supported on DTensors with placements "
+                                      f"{_placements(specs)} ({e})") from None
+        except Exception:  # noqa: BLE001 (no meta kernel: the output shape depends on the values)
+            return _local_plan(func, specs, "has no sharding rule and no meta kernel", random)
     inputs = [None if r.placements == s.placements else r for r, s in zip(required, specs)]
     flat_outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    if not func._schema.returns:  # e.g. _linalg_check_errors: runs for its error only (dispatch returns None)
+        outputs, flat_outputs = (), []
     wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
     # in-place ops whose self must move first: the result replaces self's shards and self takes its layout
     return Plan(_WIRE_NAME.get(run_func, str(run_func)), route, run_func, inputs, wire_args, wire_kwargs, local,
@@ -211,14 +241,19 @@ def _has_empty_shard(spec: Spec) -> bool:
                for (_, n), full in zip(shard_box(spec.shape, spec.mesh.shape, spec.placements, c), spec.shape))
 
 
-def _lift_plain(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Plain tensors mixed into an op become Replicate DTensors on the op's mesh."""
+def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Plain tensors mixed into an op become Replicate DTensors on the op's mesh (never ones it writes)."""
     from dtorch.dtensor import DTensor
     from dtorch.factories import replicate_plain
 
     ref = next((v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, DTensor)), None)
     if ref is None:
         raise TypeError("no DTensor among the arguments")
+    for pos, name in _writes(func):
+        value = args[pos] if pos < len(args) else kwargs.get(name)
+        if any(isinstance(v, torch.Tensor) and not isinstance(v, DTensor) for v in pytree.tree_leaves(value)):
+            raise NotImplementedError(f"dtorch: {func} would write into the plain torch.Tensor {name!r}; "
+                                      "make it a DTensor first (dtorch.distribute_tensor)")
 
     def lift(v: Any) -> Any:
         return replicate_plain(v, ref) if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v
@@ -233,7 +268,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     try:
         key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
     except _Plain:
-        args, kwargs = _lift_plain(args, kwargs)
+        args, kwargs = _lift_plain(func, args, kwargs)
         leaves = []
         key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
     except TypeError:  # unhashable or exotic argument: plan without caching
@@ -249,7 +284,12 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return _random_in_place(plan, leaves)
     if plan.route == "sync":
         return _run_locally(func, args, kwargs, leaves)
-    return _emit(plan, leaves)
+    if plan.route == "local":
+        return _run_and_upload(plan, args, kwargs, leaves)
+    if plan.inplace and _reshapes(plan, leaves[0]):
+        return _emit_reshaping(plan, leaves)
+    result = _emit(plan, leaves)
+    return None if not func._schema.returns else result
 
 
 def _random_in_place(plan: Plan, leaves: list[DTensor]) -> Any:
@@ -320,6 +360,35 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
     return results[0]
 
 
+def _reshapes(plan: Plan, self: DTensor) -> bool:
+    out = plan.flat_outputs[0]
+    return out is not None and (out.shape, out.stride) != (self._spec.shape, self._spec.stride)
+
+
+def _emit_reshaping(plan: Plan, leaves: list[DTensor]) -> Any:
+    """An in-place view op (squeeze_, t_, resize_) changing self's shape: the wrapper's metadata follows."""
+    self, s = leaves[0], plan.flat_outputs[0]
+    _check_room(plan, self, s)
+    result = _emit(plan, leaves)
+    with no_dispatch():
+        self.as_strided_(s.shape, s.stride)
+    self._spec = Spec(self._spec.mesh, s.placements, s.shape, s.stride, self._spec.dtype)
+    return result
+
+
+def _check_room(plan: Plan, self: DTensor, out: Spec) -> None:
+    """An in-place op changing self's shape must keep self's layout and fit the wrapper's (unallocated) storage."""
+    if plan.inputs[0] is not None:
+        raise NotImplementedError(f"dtorch: {plan.op_name} changes the shape of a DTensor with placements "
+                                  f"{self.placements} in place, which needs it moved to {plan.inputs[0].placements}; "
+                                  "redistribute it first")
+    need = 0 if 0 in out.shape else 1 + sum((n - 1) * st for n, st in zip(out.shape, out.stride))
+    have = self.untyped_storage().nbytes() // max(self.element_size(), 1)
+    if need > have:
+        raise NotImplementedError(f"dtorch: {plan.op_name} would grow a DTensor of shape {list(self.shape)} to "
+                                  f"{list(out.shape)}; make a new DTensor instead")
+
+
 def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Any:
     """A sync point: ops that return Python values run on the fetched full tensors."""
     from dtorch.dtensor import DTensor
@@ -328,3 +397,26 @@ def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) ->
         return v.to_torch() if isinstance(v, DTensor) else v
 
     return func(*pytree.tree_map(full, args), **pytree.tree_map(full, kwargs))
+
+
+def _run_and_upload(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Any:
+    """The local route: run on the fetched full tensors (a sync point), upload the outputs as Replicate."""
+    from dtorch.factories import replicate_plain
+
+    ref = leaves[0]
+    if plan.random:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ref._session.next_seed())
+            result = _run_locally(plan.func, args, kwargs, leaves)
+    else:
+        result = _run_locally(plan.func, args, kwargs, leaves)
+
+    def upload(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.layout != torch.strided:
+            raise NotImplementedError(f"dtorch: {plan.op_name} returns a {v.layout} tensor; DTensors hold "
+                                      "strided tensors only")
+        return replicate_plain(v, ref)
+
+    return pytree.tree_map(upload, result)

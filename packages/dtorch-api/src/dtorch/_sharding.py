@@ -9,6 +9,7 @@ the caller falls back to running the op on replicated inputs, which is always co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
+from dtorch.layout import box_shape, coords, shard_box
 from dtorch.placement_types import Partial, Placement, Replicate, Shard
 
 _prop = _TorchDTensor._op_dispatcher.sharding_propagator
@@ -113,12 +115,19 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
     if rule is not None:
         return rule(func, args, kwargs, mesh)
     try:
-        out = _prop.propagate_op_sharding(_schema(func, args, kwargs, 0))
+        # never torch's own cache: it keys on the tensor args plus only the non-tensor args a rule declares
+        # static, so e.g. histc(bins=1) would reuse the plan of histc(bins=100); our plan cache keys on all args
+        out = _prop.propagate_op_sharding_non_cached(_schema(func, args, kwargs, 0))
         op, new_args = _apply_suggestion(func, args, kwargs, out, mesh)
-        outputs = _convert(out.output_spec, lambda s: _our_spec(s, mesh))
+        outputs = cpu_outputs(func, args, _convert(out.output_spec, lambda s: _our_spec(s, mesh)), mesh)
     except NoRule:
         raise
     except Exception as e:  # no strategy, or a rule that cannot handle these placements
+        if func is _aten.copy_.default and _copy_in_place(args):
+            # torch refuses e.g. a self sharded on a dim smaller than the mesh; copying never needs self to
+            # move (which would recurse: a moved self is written back with copy_): move src to self's layout
+            self, src = args[0], args[1]
+            return Propagation(func, (self, src.with_placements(self.placements), *args[2:]), kwargs, None, self)
         raise NoRule(f"{type(e).__name__}: {e}") from None
     # the input Specs keep the caller's shape/stride metadata; only placements change
     rank_args = None
@@ -131,6 +140,12 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
         if any(_nontensor_leaves(a) != base for a, _ in per_rank[1:]):
             rank_args = per_rank
     return Propagation(op, new_args, kwargs, rank_args, outputs)
+
+
+def _copy_in_place(args: tuple) -> bool:
+    return len(args) >= 2 and isinstance(args[0], Spec) and isinstance(args[1], Spec) and \
+        args[0].shape == args[1].shape and args[0].mesh == args[1].mesh and \
+        not any(isinstance(p, Partial) and p.reduce_op != "sum" for p in args[0].placements)
 
 
 def _nontensor_leaves(args: tuple) -> list:
@@ -160,5 +175,102 @@ def meta_outputs(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
         raise NoRule(f"returns a {type(t).__name__}")
 
     if isinstance(result, (tuple, list)):
-        return type(result)(to_spec(t) for t in result)
+        return cpu_outputs(func, args, type(result)(to_spec(t) for t in result), mesh)
     return to_spec(result)
+
+
+_aten = torch.ops.aten
+# CPU batch-norm kernels return empty save_mean/save_invstd when not training, where the meta kernels (which
+# torch's rules follow) say [C]: op -> position of its `training` argument (None: never training).
+_CPU_EMPTY_STATS = {_aten.native_batch_norm.default: 5, _aten._native_batch_norm_legit.default: 5,
+                    _aten._native_batch_norm_legit_no_training.default: None,
+                    _aten._batch_norm_no_update.default: None}
+
+
+def _empty_stats(func: Any, args: tuple) -> bool:
+    if func not in _CPU_EMPTY_STATS:
+        return False
+    at = _CPU_EMPTY_STATS[func]
+    return at is None or (len(args) > at and not args[at])
+
+
+def cpu_outputs(func: Any, args: tuple, outputs: Any, mesh: DeviceMesh) -> Any:
+    """Output specs corrected where a CPU kernel's output shapes differ from the meta kernel's."""
+    if mesh.device_type != "cpu" or not _empty_stats(func, args):
+        return outputs
+    fixed = list(outputs)
+    for i in (1, 2):
+        fixed[i] = Spec(mesh, (Replicate(),) * mesh.ndim, (0,), (1,), fixed[i].dtype)
+    return type(outputs)(fixed)
+
+
+PROBE_MAX_NUMEL = 1 << 16  # real-tensor probes of empty shards stay this small
+
+
+def _flat(outputs: Any) -> list:
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+def _local_shape(spec: Spec, coord: tuple[int, ...]) -> tuple[int, ...]:
+    return box_shape(shard_box(spec.shape, spec.mesh.shape, spec.placements, coord))
+
+
+def check_local(func: Any, prop: Propagation, mesh: DeviceMesh) -> None:
+    """Raise NoRule unless the op accepts every device's local shapes and gives the local outputs torch promised.
+
+    torch's rules are written for the global view; a few break on particular local shapes: squeeze_copy drops
+    a sharded dim whose shard has size 1, pixel_unshuffle gets shards not divisible by the factor, and
+    batch_norm, fft or max refuse the empty shards of small dims. Each distinct set of local shapes runs once
+    on meta tensors (and, when it has an empty shard, once on small real zeros); the plan is cached after.
+    """
+    per_rank = prop.rank_args or [(prop.args, prop.kwargs)] * mesh.size()
+    expected = _flat(prop.outputs)
+    seen: set = set()
+    for rank, coord in enumerate(coords(mesh.shape)):
+        args, kwargs = per_rank[rank]
+        specs = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, Spec)]
+        shapes = [_local_shape(s, coord) for s in specs]
+        key = (tuple(shapes), repr(_nontensor_leaves((args, kwargs))))
+        if key in seen:
+            continue
+        seen.add(key)
+        it = iter(shapes)
+        meta = pytree.tree_map(lambda v: torch.empty(next(it), dtype=v.dtype, device="meta")  # noqa: B023
+                               if isinstance(v, Spec) else v, (args, kwargs))
+        try:
+            result = func(*meta[0], **meta[1])
+        except NotImplementedError:
+            return  # no meta kernel: nothing to check against
+        except Exception as e:  # noqa: BLE001
+            if _global_meta_fails(func, args, kwargs):
+                return  # the meta kernel cannot judge these args at all (data-dependent)
+            raise NoRule(f"the op refuses the local shapes {shapes} at mesh position {rank}: {e}") from None
+        got = _flat(result)
+        for i, spec in enumerate(expected):
+            if spec is None or (i in (1, 2) and _empty_stats(func, args)):
+                continue
+            t = got[i] if i < len(got) else None
+            want = _local_shape(spec, coord)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != spec.dtype:
+                have = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise NoRule(f"torch's rule promises output {i} of {spec.dtype}{list(want)} at mesh position "
+                             f"{rank}, the op gives {have}")
+        empty = any(math.prod(sh) == 0 and math.prod(s.shape) > 0 for s, sh in zip(specs, shapes))
+        if empty and sum(math.prod(sh) for sh in shapes) <= PROBE_MAX_NUMEL:
+            it = iter(shapes)
+            real = pytree.tree_map(lambda v: torch.zeros(next(it), dtype=v.dtype)  # noqa: B023
+                                   if isinstance(v, Spec) else v, (args, kwargs))
+            try:
+                func(*real[0], **real[1])
+            except Exception as e:  # noqa: BLE001
+                raise NoRule(f"the op refuses an empty shard at mesh position {rank}: {e}") from None
+
+
+def _global_meta_fails(func: Any, args: tuple, kwargs: dict) -> bool:
+    to_meta = lambda v: torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device="meta") \
+        if isinstance(v, Spec) else v  # noqa: E731
+    try:
+        func(*pytree.tree_map(to_meta, args), **pytree.tree_map(to_meta, kwargs))
+        return False
+    except Exception:  # noqa: BLE001
+        return True
