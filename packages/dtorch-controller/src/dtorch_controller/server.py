@@ -174,6 +174,14 @@ class ControllerService:
     def Report(self, request: m.WorkerReport) -> m.ReportReply:
         return self.request(lambda rid: ev.Report(rid, request))
 
+    def Drain(self, request: m.DrainRequest) -> m.AdminReply:
+        wait = min(max(request.timeout_s, 0.0), self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
+        return self.request(lambda rid: ev.Drain(rid, request), wait_s=wait)
+
+    def Migrate(self, request: m.MigrateRequest) -> m.AdminReply:
+        wait = min(max(request.timeout_s, 0.0), self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
+        return self.request(lambda rid: ev.Migrate(rid, request), wait_s=wait)
+
 
 class ControllerServer:
     """A running controller: the gRPC server and the service that drives the core."""

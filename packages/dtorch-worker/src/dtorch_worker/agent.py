@@ -59,6 +59,7 @@ class Agent:
         self.worker_id = ""
         self.heartbeat_s = 1.0
         self.reports_sent = 0
+        self._busy_mark = (time.monotonic(), 0.0)  # (when, executor busy seconds then): utilization
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,13 +105,18 @@ class Agent:
         """Send one report; errors that do not get through are put back for the next one."""
         completed = self.executor.completed  # before the errors: every error of a completed batch rides along
         errors = self.executor.take_errors()
-        report = WorkerReport(worker=self.worker_id, completed=completed, errors=errors, sessions=self.store.stats())
+        now, busy = time.monotonic(), self.executor.busy_s
+        then, busy_then = self._busy_mark
+        utilization = min(1.0, max(0.0, (busy - busy_then) / (now - then))) if now > then else 0.0
+        report = WorkerReport(worker=self.worker_id, completed=completed, errors=errors, sessions=self.store.stats(),
+                              utilization=utilization)
         try:
             reply: ReportReply = self.stub.call("Report", report, timeout=self.report_timeout_s)
         except Exception:
             self.executor.restore_errors(errors)
             raise
         self.reports_sent += 1
+        self._busy_mark = (now, busy)
         return reply
 
     def _loop(self) -> None:

@@ -27,25 +27,32 @@ from contextlib import nullcontext
 from functools import lru_cache
 from typing import Any
 
+import msgspec
 import torch
 
 from dtorch.protocol.messages import (
     Cmd,
+    CmdAbandon,
     CmdCloseSession,
     CmdCreate,
     CmdDelete,
     CmdExpectReads,
+    CmdFetchShards,
+    CmdRebuilt,
     CmdRedistribute,
     CmdRun,
+    CmdSendShards,
     ErrorReport,
     Execute,
     Piece,
     PullRequest,
     ShardPlan,
+    ShardsRequest,
 )
 from dtorch.protocol.values import decode_value, dtype_from_name
+from dtorch_worker import shards
 from dtorch_worker.ops import resolve_op
-from dtorch_worker.store import Poison, TensorStore, describe
+from dtorch_worker.store import Poison, ShardMissing, TensorStore, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
 
 log = logging.getLogger("dtorch_worker.executor")
@@ -114,6 +121,9 @@ class Executor:
         self._thread: threading.Thread | None = None
         self._errors: dict[str, list[ErrorReport]] = {}
         self._errors_lock = threading.Lock()
+        self._skip_below: dict[str, int] = {}  # session -> batches below this seq were abandoned (CmdAbandon)
+        self._seq = 0  # the batch running now
+        self.busy_s = 0.0  # seconds spent running batches (utilization)
 
     # ------------------------------------------------------------ ordering
 
@@ -130,13 +140,33 @@ class Executor:
         return self
 
     def submit(self, batch: Execute) -> bool:
-        """Queue a batch for its turn; False for a duplicate (already done or already queued)."""
+        """Queue a batch for its turn; False for a duplicate (already done or already queued).
+
+        A batch with a CmdAbandon acts on arrival: the session's earlier batches are skipped, and whatever
+        the session is waiting for now (shards, peers' reads, pulls) ends, so its rebuild starts promptly.
+        """
+        abandon = next((c for c in batch.cmds if isinstance(c, CmdAbandon)), None)
         with self._cond:
             if self._stopped or batch.seq <= self._completed or batch.seq in self._pending:
                 return False
             self._pending[batch.seq] = batch
+            if abandon is not None:
+                self._skip_below[batch.session] = max(self._skip_below.get(batch.session, 0), batch.seq)
             self._cond.notify_all()
-            return True
+        if abandon is not None:
+            self._abandon_now(batch.session, abandon)
+        return True
+
+    def _abandon_now(self, session: str, cmd: CmdAbandon) -> None:
+        with self._errors_lock:
+            self._errors.pop(session, None)  # reports of abandoned work: nobody wants them
+        self.peers.fence(cmd.lost)
+        self.store.abandon(session)
+        self.peers.cancel(session)
+
+    def _abandoned(self, session: str, seq: int) -> bool:
+        with self._cond:
+            return seq < self._skip_below.get(session, 0)
 
     def wait_completed(self, seq: int, timeout: float) -> bool:
         """Block until batch `seq` has finished (tests and shutdown use it)."""
@@ -169,7 +199,10 @@ class Executor:
                 if self._stopped:
                     return
                 batch = self._pending.pop(self._completed + 1)
-            self.run_batch(batch)
+            started = time.monotonic()
+            if not self._abandoned(batch.session, batch.seq):
+                self.run_batch(batch)
+            self.busy_s += time.monotonic() - started
             with self._cond:
                 self._completed = batch.seq
                 self._cond.notify_all()
@@ -196,6 +229,9 @@ class Executor:
                 self._errors[session] = list(reports) + self._errors.get(session, [])
 
     def _record(self, session: str, report: ErrorReport) -> None:
+        if self._abandoned(session, self._seq):
+            return  # the command was cut short by a rebuild: its failure means nothing
+        report = msgspec.structs.replace(report, seq=self._seq)
         with self._errors_lock:
             self._errors.setdefault(session, []).append(report)
 
@@ -203,6 +239,7 @@ class Executor:
 
     def run_batch(self, batch: Execute) -> None:
         """Run every command of a batch now, in order, on the calling thread."""
+        self._seq = batch.seq
         for cmd in batch.cmds:
             self.run_command(batch.session, cmd)
 
@@ -224,13 +261,23 @@ class Executor:
                         self.store.delete((session, tid, device))
             elif isinstance(cmd, CmdCloseSession):
                 self.store.drop_session(session)
+                self.store.drop_derived(session)
+            elif isinstance(cmd, CmdSendShards):
+                self._send_shards(session, cmd)
+            elif isinstance(cmd, CmdFetchShards):
+                self._fetch_shards(session, cmd)
+            elif isinstance(cmd, CmdAbandon):
+                self.store.drop_tids(session, cmd.tids)
+                self.store.clear_moved(session)
+            elif isinstance(cmd, CmdRebuilt):
+                self.store.rebuilt(session)
             else:
                 raise TypeError(f"unknown command {type(cmd).__name__}")
         except PoisonedInput as e:
             self._poison(session, cmd, e.report)
         except Exception as e:  # noqa: BLE001 (any failure becomes the user's error report)
             op, src, outs = _describe(cmd)
-            report = ErrorReport(op=op, src=src, message=one_line(e), tid=outs[0] if outs else -1)
+            report = ErrorReport(op=op, src=src, message=one_line(e), tid=outs[0] if outs else -1, seq=self._seq)
             log.debug("command %s failed: %s", op, report.message)
             self._poison(session, cmd, report)
             self._record(session, report)
@@ -331,6 +378,44 @@ class Executor:
                         "and no longer waiting for them", op, sum(max(self.store.pending_reads(k), 0) for k in pending),
                         ", ".join(describe(k) for k in pending), self.reads_timeout_s)
             self.store.forget_reads(pending)  # a lost reader must not hold every later write of the shard too
+
+    # whole shards: snapshots, restores, moving devices ------------------------
+
+    def _send_shards(self, session: str, cmd: CmdSendShards) -> None:
+        if cmd.move:
+            self.store.mark_moved(session, list(cmd.move))  # uploads for them are refused from here on
+        items = []
+        listed = set()
+        for device, tids in cmd.devices.items():
+            for tid in tids:
+                listed.add((tid, device))
+                try:
+                    items.append((tid, device, self.store.get((session, tid, device))))
+                except ShardMissing as e:  # never produced here (e.g. an upload that did not arrive)
+                    items.append((tid, device, Poison(ErrorReport(op="copy", src="", message=str(e), tid=tid))))
+        for key in self.store.device_keys(session, list(cmd.move)):  # uploads not adopted yet travel too
+            if (key[1], key[2]) not in listed and (value := self.store.peek(key)) is not None:
+                items.append((key[1], key[2], value))
+        if self._is_local(cmd.to):
+            device = torch.device("cpu") if cmd.host else self.device
+            for tid, dev, shard in shards.clone(items, device):
+                self.store.put((cmd.namespace, tid, dev), shard)
+            return
+        stream = shards.chunks(shards.pack(items), namespace=cmd.namespace, sender=self.address, host=cmd.host,
+                               move=list(cmd.move))
+        self.peers.put_shards(cmd.to, stream, session)
+
+    def _fetch_shards(self, session: str, cmd: CmdFetchShards) -> None:
+        if self._is_local(cmd.address):
+            items = [(tid, dev, self.store.get((cmd.namespace, tid, dev)))
+                     for dev, tids in cmd.devices.items() for tid in tids]
+            got = shards.clone(items, self.device)
+        else:
+            # copies are complete before the controller names them: nothing to wait for
+            got = self.peers.pull_shards(cmd.address, ShardsRequest(session=cmd.namespace, devices=cmd.devices,
+                                                                    timeout_s=0.0), session, self.device)
+        for tid, dev, shard in got:
+            self.store.put((session, tid, dev), shard)
 
     # redistribute ----------------------------------------------------------
 
@@ -452,6 +537,11 @@ def _describe(cmd: Cmd) -> tuple[str, str, list[int]]:
         return "create", cmd.src, [cmd.tid]
     if isinstance(cmd, CmdRedistribute):
         return "redistribute", cmd.src_line, [cmd.dst]
+    if isinstance(cmd, CmdSendShards):
+        return f"copy shards to {cmd.to or 'this worker'} ({cmd.namespace})", "", []
+    if isinstance(cmd, CmdFetchShards):
+        return (f"restore shards from {cmd.address or 'this worker'} ({cmd.namespace})", "",
+                sorted({t for tids in cmd.devices.values() for t in tids}))
     return type(cmd).__name__, "", []
 
 
@@ -463,4 +553,6 @@ def _outputs(cmd: Cmd) -> list[tuple[int, int]]:
         return [(cmd.tid, d) for d in cmd.boxes]
     if isinstance(cmd, CmdRedistribute):
         return [(cmd.dst, d) for d in cmd.plans]
+    if isinstance(cmd, CmdFetchShards):
+        return [(t, d) for d, tids in cmd.devices.items() for t in tids]
     return []

@@ -8,6 +8,7 @@ workers pulling from each other would deadlock.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -15,9 +16,10 @@ import grpc
 import torch
 
 from dtorch.protocol import wire
-from dtorch.protocol.messages import Ack, Chunk, Execute, PullRequest, PutChunk
+from dtorch.protocol.messages import Ack, Chunk, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_worker import shards
 from dtorch_worker.executor import Executor, one_line
-from dtorch_worker.store import Poison, ShardMissing, TensorStore
+from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore
 from dtorch_worker.transfer import poison_chunk, receive_put, take_box, tensor_chunks
 
 log = logging.getLogger("dtorch_worker.server")
@@ -61,7 +63,7 @@ class WorkerService:
                                         f"within {wait:g}s")
             return
         try:
-            value = self.store.get(key, wait)
+            value = self.store.get(key, wait) if request.expected else self._client_get(key, wait)
         except ShardMissing as e:
             yield Chunk(data=b"", error=str(e))
             return
@@ -76,6 +78,21 @@ class WorkerService:
             return
         yield from chunks
 
+    def _client_get(self, key: tuple[str, int, int], wait: float) -> Shard:
+        """A client's read: never of a session that is being rebuilt after a worker loss (it would see
+        values from the middle of the replay), so wait for the rebuild first, and again if one starts."""
+        deadline = time.monotonic() + wait
+        first = True
+        while True:
+            if not self.store.wait_rebuilt(key[0], deadline - time.monotonic()):
+                raise ShardMissing(f"the session's shards on this worker are still being rebuilt after {wait:g}s")
+            try:
+                return self.store.get(key, wait if first else max(0.0, deadline - time.monotonic()))
+            except ShardMissing:
+                first = False
+                if time.monotonic() >= deadline or not self.store.rebuilding(key[0]):
+                    raise
+
     def Put(self, requests: Iterable[PutChunk]) -> Ack:
         try:
             key, tensor = receive_put(requests)
@@ -83,7 +100,38 @@ class WorkerService:
                 tensor = tensor.to(self.executor.device)
         except (ValueError, TypeError) as e:
             raise wire.ProtocolError(one_line(e)) from None
-        self.store.put(key, tensor)
+        if not self.store.put_unless_moved(key, tensor):
+            raise wire.RemoteError(f"moved: logical device {key[2]} of session {key[0][:8]} moved to another worker")
+        return Ack()
+
+    def PullShards(self, request: ShardsRequest) -> Iterator[ShardsChunk]:
+        """Whole shards with their aliasing (restores and copies between workers); waits for missing ones."""
+        wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
+        try:
+            items = [(tid, device, self.store.get((request.session, tid, device), wait))
+                     for device, tids in request.devices.items() for tid in tids]
+            packed = shards.pack(items)
+        except (ShardMissing, TypeError) as e:
+            yield ShardsChunk(error=one_line(e) if not isinstance(e, ShardMissing) else str(e))
+            return
+        yield from shards.chunks(packed)
+
+    def PutShards(self, requests: Iterable[ShardsChunk]) -> Ack:
+        """Store whole shards a peer sends (CmdSendShards), under the namespace its first message names."""
+        receiver = shards.Receiver()
+        try:
+            for chunk in requests:
+                receiver.add(chunk)
+            host = receiver.header is not None and receiver.header.host
+            header, items = receiver.finish("cpu" if host else self.executor.device)
+        except (ValueError, TypeError, RuntimeError) as e:
+            return Ack(ok=False, message=one_line(e))
+        if header.sender and self.executor.peers.fenced(header.sender):
+            return Ack(ok=False, message=f"{header.sender} was declared lost: its shards are refused")
+        for tid, device, shard in items:
+            self.store.put((header.namespace, tid, device), shard)
+        if header.move:
+            self.store.clear_moved(header.namespace, list(header.move))
         return Ack()
 
 

@@ -156,6 +156,10 @@ class TensorStore:
             self._rebuilding.discard(session)
             self._cond.notify_all()
 
+    def rebuilding(self, session: str) -> bool:
+        with self._cond:
+            return session in self._rebuilding
+
     def wait_rebuilt(self, session: str, timeout: float) -> bool:
         """Wait up to `timeout` s while the session is being rebuilt; True when it is not (any more)."""
         with self._cond:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from dtorch.protocol import wire
-from dtorch.protocol.messages import Chunk, ErrorReport, PullRequest, PutChunk
+from dtorch.protocol.messages import Chunk, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch.protocol.values import dtype_from_name, dtype_name, tensor_from_bytes
+from dtorch_worker import shards
 from dtorch_worker.store import Poison
 
 
@@ -150,25 +153,88 @@ def receive_put(stream: Iterable[PutChunk]) -> tuple[tuple[str, int, int], torch
 
 
 class PeerPool:
-    """One gRPC channel per peer address, reused by every pull."""
+    """One gRPC channel per peer address, reused by every pull.
+
+    Calls are tracked per session so a recovery can cut them short (`cancel`), and addresses of workers
+    the controller declared lost are fenced: calls to them fail at once, calls in flight end.
+    """
 
     def __init__(self, token: str) -> None:
         self.token = token
         self._stubs: dict[str, wire.Stub] = {}
         self._lock = threading.Lock()
+        self._fenced: set[str] = set()
+        self._inflight: dict[str, set[Any]] = {}  # session -> cancellable calls in flight
 
     def stub(self, address: str) -> wire.Stub:
         with self._lock:
+            if address in self._fenced:
+                raise ConnectionError(f"{address} was declared lost by the controller (fenced)")
             stub = self._stubs.get(address)
             if stub is None:
                 stub = self._stubs[address] = wire.Stub("dtorch.Worker", address, self.token)
             return stub
 
+    def fence(self, addresses: Iterable[str]) -> None:
+        """Never talk to these addresses again; calls in flight to them end now."""
+        with self._lock:
+            stubs = []
+            for a in addresses:
+                self._fenced.add(a)
+                if a in self._stubs:
+                    stubs.append(self._stubs.pop(a))
+        for stub in stubs:
+            stub.close()
+
+    def fenced(self, address: str) -> bool:
+        with self._lock:
+            return address in self._fenced
+
+    def cancel(self, session: str) -> None:
+        """End every call in flight for `session` (it is being rebuilt)."""
+        with self._lock:
+            calls = self._inflight.pop(session, set())
+        for call in calls:
+            call.cancel()
+
+    @contextmanager
+    def _tracked(self, session: str, call: Any) -> Iterator[None]:
+        with self._lock:
+            self._inflight.setdefault(session, set()).add(call)
+        try:
+            yield
+        finally:
+            with self._lock:
+                calls = self._inflight.get(session)
+                if calls is not None:
+                    calls.discard(call)
+                    if not calls:
+                        del self._inflight[session]
+
     def pull(self, address: str, request: PullRequest, transfer_timeout_s: float = 600.0) -> torch.Tensor:
         """Fetch a box of a peer's shard; raises PoisonedInput when the peer holds a poisoned shard."""
         what = f"pull of tensor {request.tid} on device {request.device} from {address}"
-        stream = self.stub(address).stream("Pull", request, timeout=request.timeout_s + transfer_timeout_s)
-        return receive_chunks(stream, what)
+        call, stream = self.stub(address).open_stream("Pull", request, timeout=request.timeout_s + transfer_timeout_s)
+        with self._tracked(request.session, call):
+            return receive_chunks(stream, what)
+
+    def pull_shards(self, address: str, request: ShardsRequest, session: str, device: torch.device,
+                    transfer_timeout_s: float = 600.0) -> list[tuple[int, int, Any]]:
+        """Whole shards (aliasing kept) from a peer's store; `session` is the one to cancel them with."""
+        call, stream = self.stub(address).open_stream("PullShards", request,
+                                                      timeout=request.timeout_s + transfer_timeout_s)
+        with self._tracked(session, call):
+            return shards.receive(stream, device)[1]
+
+    def put_shards(self, address: str, stream: Iterable[ShardsChunk], session: str,
+                   timeout_s: float = 600.0) -> None:
+        """Send whole shards into a peer's store (PutShards); raises when the peer refuses them."""
+        stub = self.stub(address)
+        future = stub.send_stream_future("PutShards", stream, timeout=timeout_s)
+        with self._tracked(session, future):
+            ack = stub.decode_reply("PutShards", future)
+        if not ack.ok:
+            raise RuntimeError(f"{address} refused the shards: {ack.message}")
 
     def close(self) -> None:
         with self._lock:

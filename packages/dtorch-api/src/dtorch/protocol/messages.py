@@ -41,6 +41,7 @@ class ErrorReport(Struct, frozen=True):
     src: str  # the user's source line, "file.py:12"
     message: str
     tid: int = -1  # an output of the failed op, when known
+    seq: int = 0  # the reporting worker's Execute seq of the failed command (0: not from a worker batch)
 
 
 # ---------------------------------------------------------------- tensors and meshes
@@ -185,6 +186,8 @@ class WorkerStatus(Struct, frozen=True):
     tensors: int  # live shards
     bytes: int  # bytes held by live shards
     devices: list[str] = []  # "session:logical" bound here
+    utilization: float = -1.0  # fraction of the last report interval spent executing (-1: not reported)
+    backup_bytes: int = 0  # of `bytes`: snapshot and upload copies kept for other workers' recovery
 
 
 class SessionStatus(Struct, frozen=True):
@@ -195,6 +198,10 @@ class SessionStatus(Struct, frozen=True):
     devices: dict[int, str]  # logical device -> worker id
     tensors: int
     queue_position: int = 0
+    snapshot_batch: int = -1  # client batch of the last complete snapshot (-1: none, a loss is not recoverable)
+    replay_batches: int = 0  # batches a recovery would replay on top of it
+    recoveries: int = 0  # worker losses this session recovered from
+    migrations: int = 0  # logical-device moves (migrate, drain)
 
 
 class StatusReply(Struct, frozen=True):
@@ -231,6 +238,7 @@ class WorkerReport(Struct, frozen=True):
     completed: int  # highest Execute seq finished
     errors: dict[str, list[ErrorReport]] = {}  # session -> new op failures
     sessions: dict[str, ShardStats] = {}  # live shards per session
+    utilization: float = -1.0  # fraction of the time since the last report spent executing (-1: unknown)
 
 
 class ReportReply(Struct, frozen=True):
@@ -314,7 +322,51 @@ class CmdCloseSession(Struct, frozen=True, tag="close"):
     pass
 
 
-Cmd = CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession
+class CmdSendShards(Struct, frozen=True, tag="send"):
+    """Copy whole shards of this batch's session into the store of `to` under `namespace` (fault tolerance).
+
+    Runs at its place in this worker's stream, so it copies exactly the values every earlier command left.
+    Shards that share storage here share it in the copy too (views stay views). `to` "" or this worker's
+    own address makes a local copy. Snapshots and upload backups use a namespace derived from the session
+    (`{session}#...`); moving devices uses the session itself.
+    """
+
+    devices: dict[int, list[int]]  # logical device -> tids to copy
+    namespace: str  # the copies' session key at the destination
+    to: str = ""  # destination worker address ("" = this worker)
+    host: bool = False  # keep the copies in host memory (backups of GPU shards)
+    move: list[int] = []  # devices leaving this worker: every shard of theirs is sent (uploads not adopted
+    # yet too) and, from this command on, client Puts for them are refused and Pulls of missing shards
+    # are answered "moved:" so the client asks the controller where they went
+
+
+class CmdFetchShards(Struct, frozen=True, tag="fetch"):
+    """Copy whole shards from `namespace` on `address` ("" = this worker) into this batch's session."""
+
+    devices: dict[int, list[int]]  # logical device -> tids
+    namespace: str
+    address: str = ""
+
+
+class CmdAbandon(Struct, frozen=True, tag="abandon"):
+    """Start the session over on this worker (recovery after a lost worker).
+
+    Acts when the batch ARRIVES: the session's batches with a lower seq are skipped, its waits end, its
+    peers' planned reads are forgotten, pulls from the `lost` addresses fail at once, and client Pulls of
+    its shards wait until CmdRebuilt. In order: `tids` are dropped on every device (uploads not adopted
+    yet are left alone) and "moved" marks are cleared.
+    """
+
+    tids: list[int]
+    lost: list[str] = []
+
+
+class CmdRebuilt(Struct, frozen=True, tag="rebuilt"):
+    """The session's shards on this worker are rebuilt: client Pulls may read them again."""
+
+
+Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
+       | CmdFetchShards | CmdAbandon | CmdRebuilt)
 
 
 class Execute(Struct, frozen=True):
@@ -363,6 +415,77 @@ class PutChunk(Struct, frozen=True):
     dtype: str
     shape: list[int]
     data: bytes
+
+
+class ShardView(Struct, frozen=True, array_like=True):
+    """One whole shard in a ShardsChunk stream: a view of storage number `storage` (-1: poisoned)."""
+
+    tid: int
+    device: int
+    storage: int
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    offset: int  # storage offset, in elements of `dtype`
+    report: ErrorReport | None = None  # the original failure, for a poisoned shard
+
+
+class ShardsRequest(Struct, frozen=True):
+    """PullShards: whole shards of `session` (any namespace) on this worker, waiting for missing ones."""
+
+    session: str
+    devices: dict[int, list[int]]  # logical device -> tids
+    timeout_s: float = 60.0
+
+
+class ShardsChunk(Struct, frozen=True):
+    """A stream of whole shards keeping their aliasing: the first message lists the views and the storage
+    sizes, then the storages' bytes follow in order (raw, little-endian, in pieces below the message limit)."""
+
+    views: list[ShardView] = []
+    storages: list[int] = []  # byte size of each storage
+    data: bytes = b""
+    namespace: str = ""  # PutShards: where the receiver stores them
+    sender: str = ""  # PutShards: the sending worker (refused when fenced there)
+    host: bool = False  # PutShards: keep them in host memory
+    move: list[int] = []  # PutShards: devices moving to the receiver (clears its "moved" marks for them)
+    error: str = ""
+
+
+# ---------------------------------------------------------------- admin: drain and migration
+
+
+class DrainRequest(Struct, frozen=True):
+    """Move every tensor off `worker` (devices to other workers, backups re-made elsewhere), then release it."""
+
+    worker: str
+    timeout_s: float = 300.0
+
+
+class MigrateRequest(Struct, frozen=True):
+    """Move logical device `device` of `session` (an id or a unique prefix) to worker `to_worker`."""
+
+    session: str
+    device: int
+    to_worker: str
+    timeout_s: float = 300.0
+
+
+class MoveReport(Struct, frozen=True):
+    session: str
+    devices: list[int]
+    from_worker: str
+    to_worker: str
+    tensors: int  # shards moved
+    bytes: int  # their logical size
+    downtime_s: float  # how long the session's dispatch was paused for the copy
+
+
+class AdminReply(Struct, frozen=True):
+    ok: bool
+    message: str = ""
+    moves: list[MoveReport] = []
+    seconds: float = 0.0  # from the request to the answer
 
 
 def all_message_types() -> list[type]:

@@ -38,11 +38,15 @@ SERVICES: dict[str, dict[str, tuple[type, type, str]]] = {
         "Status": (m.StatusRequest, m.StatusReply, "unary"),
         "Register": (m.RegisterWorker, m.Registered, "unary"),
         "Report": (m.WorkerReport, m.ReportReply, "unary"),
+        "Drain": (m.DrainRequest, m.AdminReply, "unary"),
+        "Migrate": (m.MigrateRequest, m.AdminReply, "unary"),
     },
     "dtorch.Worker": {
         "Execute": (m.Execute, m.Ack, "unary"),
         "Pull": (m.PullRequest, m.Chunk, "stream_out"),
         "Put": (m.PutChunk, m.Ack, "stream_in"),
+        "PullShards": (m.ShardsRequest, m.ShardsChunk, "stream_out"),
+        "PutShards": (m.ShardsChunk, m.Ack, "stream_in"),
     },
 }
 
@@ -134,7 +138,9 @@ def service_handler(service: str, impl: Any, token: str) -> grpc.GenericRpcHandl
     """
     handlers = {}
     for name, (req_t, _rep_t, kind) in SERVICES[service].items():
-        fn = getattr(impl, name)
+        fn = getattr(impl, name, None)
+        if fn is None:  # a partial implementation (a test's fake peer): gRPC answers UNIMPLEMENTED
+            continue
         if kind == "unary":
             def unary(raw: bytes, context: grpc.ServicerContext, fn=fn, req_t=req_t) -> bytes:
                 if not _token_ok(context, token):
@@ -245,6 +251,24 @@ class Stub:
         except grpc.RpcError as e:
             raise _describe(e, self.target, method) from None
         return decode(self._reply_type(method), raw)
+
+    def open_stream(self, method: str, request: Any, timeout: float = 300.0) -> tuple[Any, Iterator[Any]]:
+        """Start a server-streaming call; returns (call, replies). `call.cancel()` ends it from another thread."""
+        call = self._calls[method](encode(request), timeout=timeout, metadata=self._meta)
+        rep_t = self._reply_type(method)
+
+        def replies() -> Iterator[Any]:
+            try:
+                for raw in call:
+                    yield decode(rep_t, raw)
+            except grpc.RpcError as e:
+                raise _describe(e, self.target, method) from None
+
+        return call, replies()
+
+    def send_stream_future(self, method: str, requests: Iterable[Any], timeout: float = 300.0) -> grpc.Future:
+        """Start a client-streaming call; `decode_reply(method, future)` waits, `future.cancel()` ends it."""
+        return self._calls[method].future((encode(r) for r in requests), timeout=timeout, metadata=self._meta)
 
     def close(self) -> None:
         self.channel.close()

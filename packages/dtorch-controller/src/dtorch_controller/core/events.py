@@ -72,6 +72,25 @@ class Report:
     msg: m.WorkerReport
 
 
+# ---------------------------------------------------------------- from operators (admin)
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Move everything off a worker, then release it; answered when done or at `msg.timeout_s`."""
+
+    request_id: RequestId
+    msg: m.DrainRequest
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Move one logical device of a running session to another worker; answered with the move's report."""
+
+    request_id: RequestId
+    msg: m.MigrateRequest
+
+
 # ---------------------------------------------------------------- from the adapter
 
 
@@ -92,4 +111,4 @@ class WorkerUnreachable:
 
 
 Event = (OpenSession | OpenMesh | Submit | Sync | CloseSession | Status | Register | Report | TimerFired
-         | WorkerUnreachable)
+         | WorkerUnreachable | Drain | Migrate)

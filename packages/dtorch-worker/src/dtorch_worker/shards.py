@@ -1,0 +1,166 @@
+"""Whole shards with their aliasing: pack a set of shards into storages and views, and back.
+
+Rules:
+
+1. This is how shards move whole between workers (migration, snapshots, restores after a loss): a
+   `Pull` copies a box of one tensor, this copies every listed shard of a device at once.
+2. Shards that share storage here share one storage in the copy, with the same offsets and strides: a
+   view stays a view of its base, so an in-place op on one still shows through the others. (A storage
+   is copied whole, even when only part of it is viewed.)
+3. A poisoned shard travels as its ErrorReport and arrives poisoned.
+4. Conjugate/negative-bit views are materialized (they lose their aliasing); nothing else is changed.
+5. Streams (`chunks` / `Receiver`) are one header message listing views and storage sizes, then the
+   storages' raw bytes in order, in pieces of at most wire.CHUNK_BYTES.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy
+import torch
+
+from dtorch.protocol import wire
+from dtorch.protocol.messages import ShardsChunk, ShardView
+from dtorch.protocol.values import dtype_from_name, dtype_name
+from dtorch_worker.store import Poison, Shard
+
+Item = tuple[int, int, Shard]  # (tid, logical device, shard)
+
+
+@dataclass
+class Packed:
+    views: list[ShardView]
+    storages: list[torch.Tensor]  # uint8 views of whole storages, on the shards' device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() for s in self.storages)
+
+
+def _whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage of `t` (no copy)."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def pack(items: Iterable[Item]) -> Packed:
+    """Group shards by the storage they view; every storage is listed once."""
+    views: list[ShardView] = []
+    storages: list[torch.Tensor] = []
+    index: dict[tuple[str, int], int] = {}
+    for tid, device, shard in items:
+        if isinstance(shard, Poison):
+            views.append(ShardView(tid=tid, device=device, storage=-1, dtype="", shape=[], stride=[], offset=0,
+                                   report=shard.report))
+            continue
+        t = shard.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        if t.layout != torch.strided:
+            raise TypeError(f"cannot copy a {t.layout} shard of tensor {tid} whole")
+        ptr = t.untyped_storage().data_ptr()
+        key = (str(t.device), ptr) if ptr else (str(t.device), -len(storages) - 1)  # empty storages: each its own
+        n = index.get(key)
+        if n is None:
+            n = index[key] = len(storages)
+            storages.append(_whole_storage(t))
+        views.append(ShardView(tid=tid, device=device, storage=n, dtype=dtype_name(t.dtype), shape=list(t.shape),
+                               stride=list(t.stride()), offset=t.storage_offset()))
+    return Packed(views, storages)
+
+
+def unpack(views: Sequence[ShardView], storages: Sequence[torch.Tensor], device: torch.device | str,
+           ) -> list[Item]:
+    """Rebuild the shards over `storages` (uint8, moved to `device` once each, so aliasing survives)."""
+    device = torch.device(device)
+    bases = [s if s.device == device else s.to(device) for s in storages]
+    out: list[Item] = []
+    for v in views:
+        if v.storage < 0:
+            if v.report is None:
+                raise ValueError(f"shard of tensor {v.tid} has neither a storage nor an error report")
+            out.append((v.tid, v.device, Poison(v.report)))
+            continue
+        if not 0 <= v.storage < len(bases):
+            raise ValueError(f"shard of tensor {v.tid} names storage {v.storage} of {len(bases)}")
+        base = bases[v.storage]
+        t = torch.empty(0, dtype=dtype_from_name(v.dtype), device=device)
+        t.set_(base.untyped_storage(), v.offset, list(v.shape), list(v.stride))
+        out.append((v.tid, v.device, t))
+    return out
+
+
+def clone(items: Iterable[Item], device: torch.device | str) -> list[Item]:
+    """Copies of `items` on `device` that share nothing with the originals but keep their own aliasing."""
+    packed = pack(items)
+    copies = [s.to(device, copy=True) for s in packed.storages]
+    return unpack(packed.views, copies, device)
+
+
+def _byte_view(u8: torch.Tensor) -> memoryview:
+    if u8.device.type != "cpu":
+        u8 = u8.cpu()
+    if u8.numel() == 0:
+        return memoryview(b"")
+    return memoryview(u8.numpy()).cast("B")
+
+
+def chunks(packed: Packed, chunk_bytes: int = wire.CHUNK_BYTES, **header: object) -> Iterator[ShardsChunk]:
+    """The stream for `packed`: a header (with `header` fields, e.g. namespace for PutShards), then bytes."""
+    yield ShardsChunk(views=packed.views, storages=[s.numel() for s in packed.storages], **header)  # type: ignore[arg-type]
+    for s in packed.storages:
+        if s.numel() == 0:
+            continue
+        view = _byte_view(s)
+        for start in range(0, len(view), chunk_bytes):
+            yield ShardsChunk(data=view[start:start + chunk_bytes])  # type: ignore[arg-type]  # msgspec encodes views
+
+
+class Receiver:
+    """Assembles a ShardsChunk stream into preallocated storages; `header` is the first message."""
+
+    def __init__(self) -> None:
+        self.header: ShardsChunk | None = None
+        self.storages: list[torch.Tensor] = []
+        self._i = 0
+        self._pos = 0
+
+    def add(self, chunk: ShardsChunk) -> None:
+        if chunk.error:
+            raise RuntimeError(chunk.error)
+        if self.header is None:
+            self.header = chunk
+            self.storages = [torch.empty(n, dtype=torch.uint8) for n in chunk.storages]
+            self._skip_empty()
+            return
+        data = memoryview(chunk.data)
+        while len(data):
+            if self._i >= len(self.storages):
+                raise ValueError("more shard bytes than the header announced")
+            dst = self.storages[self._i].numpy()
+            n = min(len(data), dst.size - self._pos)
+            dst[self._pos:self._pos + n] = numpy.frombuffer(data[:n], dtype=numpy.uint8)
+            self._pos += n
+            data = data[n:]
+            self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self._i < len(self.storages) and self._pos >= self.storages[self._i].numel():
+            self._i += 1
+            self._pos = 0
+
+    def finish(self, device: torch.device | str) -> tuple[ShardsChunk, list[Item]]:
+        if self.header is None:
+            raise ValueError("empty shard stream")
+        if self._i < len(self.storages):
+            raise ValueError(f"shard stream ended early: storage {self._i} of {len(self.storages)} incomplete")
+        return self.header, unpack(self.header.views, self.storages, device)
+
+
+def receive(stream: Iterable[ShardsChunk], device: torch.device | str) -> tuple[ShardsChunk, list[Item]]:
+    r = Receiver()
+    for chunk in stream:
+        r.add(chunk)
+    return r.finish(device)

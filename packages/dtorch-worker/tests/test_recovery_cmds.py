@@ -1,0 +1,232 @@
+"""Fault-tolerance commands: whole-shard copies that keep aliasing (snapshots, restores, moving devices),
+CmdAbandon (start a session over, acting on arrival) and CmdRebuilt, fencing of lost peers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dtorch.protocol import wire
+from dtorch.protocol.messages import (
+    CmdAbandon,
+    CmdCreate,
+    CmdFetchShards,
+    CmdRebuilt,
+    CmdRun,
+    CmdSendShards,
+    ErrorReport,
+    Execute,
+    PullRequest,
+    ShardsChunk,
+)
+from dtorch_worker import shards
+from dtorch_worker.server import WorkerHandle, start_worker
+from dtorch_worker.store import Poison, TensorStore
+from dtorch_worker.transfer import put_chunks, receive_chunks
+
+TOKEN = "tok"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[WorkerHandle, WorkerHandle]]:
+    a = start_worker(token=TOKEN, input_timeout_s=30.0)
+    b = start_worker(token=TOKEN, input_timeout_s=30.0)
+    yield a, b
+    a.stop(0)
+    b.stop(0)
+
+
+_next: dict[str, int] = {}
+
+
+def send(w: WorkerHandle, session: str, *cmds: object) -> int:
+    """One batch with the worker's next seq, as the controller numbers them."""
+    seq = _next[w.address] = _next.get(w.address, 0) + 1
+    stub = wire.Stub("dtorch.Worker", w.address, TOKEN)
+    assert stub.call("Execute", Execute(seq=seq, session=session, cmds=list(cmds))).ok  # type: ignore[arg-type]
+    stub.close()
+    return seq
+
+
+def wait(w: WorkerHandle, seq: int) -> None:
+    assert w.executor.wait_completed(seq, 30.0), f"batch {seq} did not finish on {w.address}"
+
+
+def ones(tid: int, devices: list[int], shape: list[int] | None = None) -> CmdCreate:
+    shape = shape or [4, 3]
+    return CmdCreate(tid=tid, dtype="float32", shape=shape, init="arange", arange=[0, 12, 1],
+                     boxes={d: [[0, shape[0]], [0, shape[1]]] for d in devices})
+
+
+def view_of(tid: int, out: int, device: int) -> CmdRun:
+    return CmdRun(op="aten.t.default", devices=[device], args=[{"$t": tid}], kwargs={}, outs=[out])
+
+
+# ---------------------------------------------------------------- pack / unpack
+
+
+def test_pack_keeps_views_of_one_storage_and_poison():
+    base = torch.arange(12.0).reshape(4, 3)
+    items = [(1, 0, base), (2, 0, base.t()), (3, 0, base[1:3]), (4, 0, torch.ones(2)),
+             (5, 0, Poison(ErrorReport(op="x", src="m.py:1", message="boom"))), (6, 0, torch.empty(0))]
+    packed = shards.pack(items)
+    assert len(packed.storages) == 3  # base and its two views share one storage
+    copies = {tid: t for tid, _d, t in shards.clone(items, "cpu")}
+    assert torch.equal(copies[2], base.t()) and torch.equal(copies[3], base[1:3])
+    assert copies[2].untyped_storage().data_ptr() == copies[1].untyped_storage().data_ptr()
+    assert copies[1].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    copies[1].add_(1)  # an in-place op on the base shows through the views, as before the copy
+    assert torch.equal(copies[2], (base + 1).t())
+    assert copies[5] == items[4][2] and copies[6].numel() == 0
+
+
+def test_stream_round_trip_in_small_pieces():
+    base = torch.randn(64, 33, dtype=torch.float64)
+    items = [(1, 7, base), (2, 7, base[3:9, 1:]), (3, 8, torch.arange(5, dtype=torch.int16))]
+    msgs = [wire.decode(ShardsChunk, wire.encode(c)) for c in shards.chunks(shards.pack(items), chunk_bytes=1000,
+                                                                            namespace="ns")]
+    assert msgs[0].namespace == "ns" and len(msgs) > 10
+    header, got = shards.receive(msgs, "cpu")
+    got_map = {(tid, d): t for tid, d, t in got}
+    assert torch.equal(got_map[(1, 7)], base) and torch.equal(got_map[(2, 7)], base[3:9, 1:])
+    assert got_map[(2, 7)].untyped_storage().data_ptr() == got_map[(1, 7)].untyped_storage().data_ptr()
+    assert torch.equal(got_map[(3, 8)], torch.arange(5, dtype=torch.int16))
+
+
+# ---------------------------------------------------------------- copies between workers
+
+
+def test_backup_to_a_peer_and_restore_keeps_values_and_views(pair):
+    a, b = pair
+    s = "sess-backup"
+    wait(a, send(a, s, ones(1, [0, 1]), view_of(1, 2, 0)))
+    # snapshot: a local copy and one on the peer, in a namespace derived from the session
+    wait(a, send(a, s, CmdSendShards(devices={0: [1, 2], 1: [1]}, namespace=f"{s}#s1"),
+                 CmdSendShards(devices={0: [1, 2], 1: [1]}, namespace=f"{s}#s1", to=b.address, host=True)))
+    assert not a.executor.take_errors()
+    backup = b.store.get((f"{s}#s1", 2, 0))
+    assert torch.equal(backup, torch.arange(12.0).reshape(4, 3).t())
+    assert backup.untyped_storage().data_ptr() == b.store.get((f"{s}#s1", 1, 0)).untyped_storage().data_ptr()
+    # the session moves on, then is restored to the snapshot on another worker, from the peer's copy
+    wait(a, send(a, s, CmdRun(op="aten.add_.Scalar", devices=[0], args=[{"$t": 1}, 100], kwargs={}, outs=[1])))
+    assert a.store.get((s, 2, 0))[0, 0] == 100
+    wait(b, send(b, s, CmdFetchShards(devices={0: [1, 2]}, namespace=f"{s}#s1", address=a.address)))
+    restored = b.store.get((s, 2, 0))
+    assert torch.equal(restored, torch.arange(12.0).reshape(4, 3).t())
+    wait(b, send(b, s, CmdRun(op="aten.add_.Scalar", devices=[0], args=[{"$t": 1}, 100], kwargs={}, outs=[1])))
+    assert torch.equal(b.store.get((s, 2, 0)), a.store.get((s, 2, 0)))  # the view followed its base again
+    # a local restore, and closing the session drops its derived namespaces too
+    wait(a, send(a, s, CmdFetchShards(devices={1: [1]}, namespace=f"{s}#s1")))
+    assert torch.equal(a.store.get((s, 1, 1)), torch.arange(12.0).reshape(4, 3))
+    wait(b, send(b, s, CmdFetchShards(devices={0: [9]}, namespace=f"{s}#s1", address=a.address)))
+    (err,) = b.executor.take_errors()[s]
+    assert err.op.startswith("restore shards") and "tensor 9" in err.message
+    assert isinstance(b.store.get((s, 9, 0)), Poison)
+
+
+def test_moving_a_device_sends_everything_and_redirects_clients(pair):
+    a, b = pair
+    s = "sess-move"
+    wait(a, send(a, s, ones(1, [0, 1])))
+    client = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    # an upload the controller does not know about yet (adopted later) travels with its device
+    client.send_stream("Put", put_chunks(s, 5, 0, torch.full((2,), 7.0)))
+    wait(a, send(a, s, CmdSendShards(devices={0: [1]}, namespace=s, to=b.address, move=[0])))
+    assert torch.equal(b.store.get((s, 1, 0)), torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(b.store.get((s, 5, 0)), torch.full((2,), 7.0))
+    with pytest.raises(wire.RemoteError, match="moved"):
+        client.send_stream("Put", put_chunks(s, 6, 0, torch.ones(1)))
+    client.send_stream("Put", put_chunks(s, 6, 1, torch.ones(1)))  # device 1 stays here
+    a.store.delete((s, 1, 0))
+    with pytest.raises(RuntimeError, match="^moved:"):
+        receive_chunks(client.stream("Pull", PullRequest(session=s, tid=1, device=0, timeout_s=5)), "pull")
+    client.close()
+    # coming back clears the mark
+    wait(b, send(b, s, CmdSendShards(devices={0: [1]}, namespace=s, to=a.address, move=[0])))
+    assert not a.store.is_moved(s, 0) and b.store.is_moved(s, 0)
+
+
+# ---------------------------------------------------------------- abandon / rebuilt
+
+
+def test_abandon_acts_on_arrival_and_skips_earlier_batches(pair):
+    a, _b = pair
+    s = "sess-abandon"
+    client = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    wait(a, send(a, s, ones(1, [0])))
+    # batch 2 waits (up to 30 s) for an input that never comes; batch 3 would create tensor 3
+    stuck = send(a, s, CmdRun(op="aten.neg.default", devices=[0], args=[{"$t": 42}], kwargs={}, outs=[2]))
+    send(a, s, ones(3, [0]))
+    time.sleep(0.2)
+    assert a.executor.completed == stuck - 1
+    client.send_stream("Put", put_chunks(s, 50, 0, torch.ones(3)))  # an upload not adopted yet
+    t0 = time.monotonic()
+    reset = send(a, s, CmdAbandon(tids=[1, 2, 3], lost=["127.0.0.1:1"]))
+    wait(a, reset)
+    assert time.monotonic() - t0 < 5.0
+    assert s not in a.executor.take_errors()  # the cut-short command's failure is not reported
+    assert (s, 3, 0) not in a.store and (s, 1, 0) not in a.store
+    assert (s, 50, 0) in a.store
+    # client reads wait for the rebuild; peers' pulls of the fenced address fail at once
+    result: list[object] = []
+
+    def read() -> None:
+        result.append(receive_chunks(client.stream("Pull", PullRequest(session=s, tid=1, device=0, timeout_s=10)),
+                                     "pull"))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.2)
+    assert not result
+    done = send(a, s, ones(1, [0]), CmdRebuilt())
+    reader.join(10)
+    wait(a, done)
+    assert torch.equal(result[0], torch.arange(12.0).reshape(4, 3))
+    with pytest.raises(ConnectionError, match="fenced"):
+        a.executor.peers.stub("127.0.0.1:1")
+    client.close()
+
+
+def test_shards_from_a_fenced_sender_are_refused(pair):
+    a, b = pair
+    s = "sess-fence"
+    wait(a, send(a, s, ones(1, [0])))
+    b.executor.peers.fence([a.address])
+    wait(a, send(a, s, CmdSendShards(devices={0: [1]}, namespace=f"{s}#s1", to=b.address)))
+    (err,) = a.executor.take_errors()[s]
+    assert "declared lost" in err.message and err.seq > 0
+    assert (f"{s}#s1", 1, 0) not in b.store
+
+
+def test_store_waits_end_when_the_session_is_abandoned():
+    store = TensorStore()
+    errors: list[str] = []
+
+    def wait_for_it() -> None:
+        try:
+            store.get(("s", 1, 0), 30.0)
+        except KeyError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=wait_for_it)
+    t.start()
+    time.sleep(0.1)
+    store.abandon("s")
+    t.join(5)
+    assert errors and "rebuilt" in errors[0]
+    assert store.rebuilding("s") and not store.wait_rebuilt("s", 0.01)
+    store.rebuilt("s")
+    assert store.wait_rebuilt("s", 0.01)
+
+
+def test_utilization_counts_busy_time(pair):
+    a, _b = pair
+    before = a.executor.busy_s
+    wait(a, send(a, "sess-busy", CmdCreate(tid=1, dtype="float32", shape=[300, 300], init="randn",
+                                           boxes={0: [[0, 300], [0, 300]]}),
+                 *[CmdRun(op="aten.mm.default", devices=[0], args=[{"$t": 1}, {"$t": 1}], kwargs={}, outs=[2])] * 5))
+    assert a.executor.busy_s > before
