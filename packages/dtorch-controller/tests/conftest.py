@@ -16,9 +16,9 @@ from dtorch_controller.core import events as ev
 class Harness:
     """Feeds events at a fake time, keeps the timers the core asks for and fires them as time advances."""
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, policy: Any = None, **config: Any) -> None:
         self.now = 100.0
-        self.core = ControllerCore(Config(**config), session_ids=counter_ids("sess"))
+        self.core = ControllerCore(Config(**config), session_ids=counter_ids("sess"), policy=policy)
         self.timers: dict[Any, float] = {}
         self.sent: list[SendExecute] = []  # every SendExecute so far
         self.replies: dict[Any, Any] = {}  # request id -> reply message (also late ones)
@@ -86,14 +86,15 @@ class Harness:
             if w.state != "lost":
                 self.report(wid)
 
-    def open_session(self, name: str = "test") -> str:
-        reply = self.call(ev.OpenSession, m.OpenSession(hello=hello("client"), name=name))
+    def open_session(self, name: str = "test", **fields: Any) -> str:
+        reply = self.call(ev.OpenSession, m.OpenSession(hello=hello("client"), name=name, **fields))
         assert isinstance(reply, m.SessionOpened), reply
         return reply.session
 
-    def open_mesh(self, session: str, mesh: int, devices: list[int], shape: list[int] | None = None) -> Any:
+    def open_mesh(self, session: str, mesh: int, devices: list[int], shape: list[int] | None = None,
+                  min_devices: int = 0) -> Any:
         return self.call(ev.OpenMesh, m.OpenMesh(session=session, mesh=mesh, devices=devices,
-                                                 shape=shape or [len(devices)]))
+                                                 shape=shape or [len(devices)], min_devices=min_devices))
 
     def submit(self, session: str, seq: int, instrs: list[Any]) -> Any:
         return self.call(ev.Submit, m.Submit(session=session, seq=seq, instrs=instrs))

@@ -35,7 +35,8 @@ def test_serve_status_and_sigterm(tmp_path, monkeypatch, capsys):
         monkeypatch.setenv("DTORCH_TOKEN", "tok")
         monkeypatch.setenv("DTORCH_CONTROLLER", address)
         assert cli.main(["status", "--json"]) == 0
-        assert json.loads(capsys.readouterr().out) == {"workers": [], "sessions": [], "events": []}
+        assert json.loads(capsys.readouterr().out) == {"workers": [], "sessions": [], "events": [],
+                                                       "policy": "priority (preempt=on, pack=on)", "queued": 0}
         assert cli.main(["status", "--controller", address]) == 0
         assert "workers (0)" in capsys.readouterr().out
         monkeypatch.setenv("DTORCH_TOKEN", "bad")

@@ -47,7 +47,7 @@ def test_bad_priority_is_refused(h, refused):
 def test_mesh_without_workers_is_not_placed(h):
     sid = h.open_session()
     reply = h.open_mesh(sid, 1, [0, 1])
-    assert reply == m.MeshPlaced(mesh=1, placed=False, message="no workers registered")
+    assert reply == m.MeshPlaced(mesh=1, placed=False, queue_position=1, message="no workers registered")
     assert 1 not in h.core.sessions[sid].meshes
 
 
@@ -56,11 +56,13 @@ def test_virtual_devices_spread_over_workers_fewest_bound_first(h):
     s1 = h.open_session()
     reply = h.open_mesh(s1, 1, [0, 1, 2, 3, 4], [5])
     assert reply.placed and reply.locations == {0: "a:1", 1: "b:1", 2: "a:1", 3: "b:1", 4: "a:1"}
-    # a second session starts on the less loaded worker
+    # devices are exclusive across sessions: a second session waits until the first one closes
     s2 = h.open_session()
-    assert h.open_mesh(s2, 1, [0])
-    assert h.core.sessions[s2].devices == {0: w1}
-    assert (h.core.workers[w0].bound, h.core.workers[w1].bound) == (3, 3)
+    assert not h.open_mesh(s2, 1, [0]).placed
+    h.call(ev.CloseSession, m.CloseSession(session=s1))
+    assert h.open_mesh(s2, 1, [0]).placed
+    assert h.core.sessions[s2].devices == {0: w0}
+    assert (h.core.workers[w0].bound, h.core.workers[w1].bound) == (1, 0)
 
 
 def test_logical_devices_are_shared_across_meshes_of_a_session(h):
@@ -137,9 +139,10 @@ def test_call_runs_on_hosted_devices_with_local_args_filtered(h):
 
 
 def test_execute_seqs_are_per_worker_and_contiguous_across_sessions(h):
-    (w0, w1), s1 = cluster(h, devices=(0, 1))
-    s2 = h.open_session()
-    h.open_mesh(s2, 1, [0])  # lands on w0
+    w0, w1 = h.register("10.0.0.0:7000"), h.register("10.0.0.1:7001")
+    s1, s2 = h.open_session(memory_cap=1 << 20), h.open_session(memory_cap=1 << 20)  # packed: they share devices
+    assert h.open_mesh(s1, 1, [0, 1]).placed
+    assert h.open_mesh(s2, 1, [0]).locations == {0: "10.0.0.0:7000"}  # lands on w0
     h.submit(s1, 1, [m.InstrCreate(tid=1, spec=spec([2]), init="zeros")])
     h.submit(s2, 1, [m.InstrCreate(tid=1, spec=spec([2], placements=("R",)), init="zeros")])
     h.submit(s1, 2, [m.InstrDelete(tids=[1])])

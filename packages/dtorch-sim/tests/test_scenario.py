@@ -40,8 +40,13 @@ def test_cross_field_mistakes(base):
 
 
 def test_unknown_policy_and_missing_trace(base):
-    base["policy"] = {"name": "las"}
-    assert errors(base) == ["policy.name: unknown policy 'las': known policies are fifo"]
+    base["policy"] = {"name": "srtf"}
+    assert errors(base) == ["policy.name: unknown policy 'srtf': known policies are fifo, las, priority"]
+    base["policy"] = {"name": "las", "params": {"thresholds": [600, 60]}}
+    assert errors(base) == ["policy.params: policy parameter 'thresholds' must be ascending positive device-seconds, "
+                            "got [600, 60]"]
+    base["policy"] = {"name": "fifo", "params": {"pack": True}}
+    assert errors(base) == ["policy.params: policy 'fifo' takes no parameter 'pack'"]
     base["policy"] = {"name": "fifo"}
     base["workload"] = {"trace": {"format": "itp", "path": "nowhere.csv"}}
     assert errors(base)[0].startswith("workload.trace.path: file 'nowhere.csv' not found")

@@ -106,6 +106,12 @@ def test_cli_run_and_compare(base, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "jobs finished" in out.stdout and "12/12" in out.stdout
     assert json.loads((tmp_path / "o" / "metrics.json").read_text())["jobs"]["finished"] == 12
-    bad = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(path), "--policies", "fifo,las"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 1 and bad.stderr.strip() == "--policies: unknown policy 'las': known policies are fifo"
+    bad = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(path), "--policies", "fifo,srtf",
+                          "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip() == ("--policies: unknown policy 'srtf': known policies are "
+                                                          "fifo, las, priority")
+    both = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(path), "--policies", "fifo,priority,las",
+                           "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
+    assert both.returncode == 0, both.stderr
+    for name in ("fifo", "priority", "las"):
+        assert json.loads((tmp_path / "cmp" / name / "metrics.json").read_text())["jobs"]["finished"] == 12

@@ -21,11 +21,15 @@ _cluster: LocalCluster | None = None
 
 
 def connect(controller: str | None = None, *, token: str | None = None, workers: int | None = None,
-            name: str = "", priority: str = "normal", kind: str = "batch") -> Session:
+            name: str = "", priority: str = "normal", kind: str = "batch", memory_cap: int = 0,
+            min_devices: int = 0) -> Session:
     """Open the default session (closing any previous one).
 
     `controller` defaults to $DTORCH_CONTROLLER; without either, a local cluster of `workers`
     worker processes (default $DTORCH_LOCAL_WORKERS or 2) is started for this process.
+    Scheduling: `priority` "high" | "normal" | "low", `kind` "batch" | "realtime", `memory_cap` bytes per
+    device (> 0 lets the controller pack the session onto a device shared with others), `min_devices`
+    (> 0: elastic, a mesh starts on as few physical devices as this, as virtual devices).
     """
     global _session, _cluster
     with _lock:
@@ -36,7 +40,8 @@ def connect(controller: str | None = None, *, token: str | None = None, workers:
             _cluster = LocalCluster(n, device=os.environ.get("DTORCH_LOCAL_DEVICE", "cpu"))
             address, token = _cluster.address, _cluster.token
         try:
-            _session = Session(address, token, name=name, priority=priority, kind=kind)
+            _session = Session(address, token, name=name, priority=priority, kind=kind, memory_cap=memory_cap,
+                               min_devices=min_devices)
         except BaseException:
             shutdown()
             raise

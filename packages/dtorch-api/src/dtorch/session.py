@@ -57,20 +57,23 @@ class Session:
     """A connection to a controller; every DTensor belongs to one."""
 
     def __init__(self, controller: str, token: str | None = None, *, name: str = "", priority: str = "normal",
-                 kind: str = "batch") -> None:
+                 kind: str = "batch", memory_cap: int = 0, min_devices: int = 0) -> None:
         self.address = controller
         self.token = wire.token_from_env() if token is None else token
         self.timeout = _env_float("DTORCH_TIMEOUT", 300.0)  # bound on any single wait for workers
         self.stub = wire.Stub("dtorch.Controller", controller, self.token)
         try:
             opened = self.stub.call("OpenSession", m.OpenSession(hello=wire.hello("client"), name=name,
-                                                                  priority=priority, kind=kind), timeout=10.0)
+                                                                  priority=priority, kind=kind, memory_cap=memory_cap),
+                                    timeout=10.0)
         except ConnectionError:
             raise ConnectionError(f"cannot reach the DTorch controller at {controller}: is dtorch-controller "
                                   "running there? (unset DTORCH_CONTROLLER to start a local cluster)") from None
         except TimeoutError:
             raise ConnectionError(f"the DTorch controller at {controller} did not answer within 10 s") from None
         self.id = opened.session
+        self.min_devices = min_devices  # elastic: each mesh accepts this many physical devices (0: all of them)
+        self._keepalive_s, self._keepalive_at = opened.keepalive_s, time.monotonic()
         self._tids = itertools.count(1)
         self._queue: deque = deque()
         self._dead: deque = deque()
@@ -111,6 +114,12 @@ class Session:
                     self.flush()
                 except Exception:  # recorded in _broken, raised at the next sync point
                     pass
+            if self._keepalive_s and time.monotonic() - self._keepalive_at >= self._keepalive_s:
+                self._keepalive_at = time.monotonic()  # the controller closes sessions that fall silent
+                try:
+                    self.stub.call("KeepAlive", m.KeepAlive(session=self.id), timeout=5.0)
+                except Exception:
+                    pass
 
     def flush(self) -> None:
         """Send everything queued so far, in order."""
@@ -140,7 +149,8 @@ class Session:
         shown = False
         while True:
             reply = self.stub.call("OpenMesh", m.OpenMesh(session=self.id, mesh=mesh.id, devices=list(mesh.devices),
-                                                          shape=list(mesh.shape)), timeout=30.0)
+                                                          shape=list(mesh.shape), min_devices=self.min_devices),
+                                   timeout=30.0)
             if reply.placed:
                 break
             if time.monotonic() > deadline:

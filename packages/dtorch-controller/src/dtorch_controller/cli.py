@@ -1,7 +1,8 @@
 """`dtorch-controller`: run the controller, or show a running one's status.
 
     dtorch-controller [--listen HOST:PORT] [--port-file PATH] [--heartbeat-interval S]
-                      [--heartbeat-timeout S] [--parent-pid PID]
+                      [--heartbeat-timeout S] [--session-timeout S] [--policy NAME]
+                      [--policy-param K=V ...] [--parent-pid PID]
     dtorch-controller status [--controller HOST:PORT] [--json]
 
 The token comes from $DTORCH_TOKEN. The embedded local cluster starts the controller on port 0 with
@@ -60,15 +61,18 @@ def _watch_parent(pid: int, stop: threading.Event) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from dtorch_controller.core import Config
+    from dtorch_controller.core.policies import make_policy
     from dtorch_controller.server import run_server
 
     try:
-        config = Config(heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout)
+        config = Config(heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
+                        session_timeout_s=args.session_timeout)
+        policy = make_policy(args.policy, _policy_params(args.policy_param))
     except ValueError as e:
         print(f"dtorch-controller: {e}", file=sys.stderr)
         return 2
     try:
-        server, address = run_server(_normalize_listen(args.listen), wire.token_from_env(), config)
+        server, address = run_server(_normalize_listen(args.listen), wire.token_from_env(), config, policy=policy)
     except (OSError, RuntimeError) as e:
         print(f"dtorch-controller: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 1
@@ -87,6 +91,22 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         server.stop(0.5)
     return 0
+
+
+def _policy_params(items: Sequence[str]) -> dict[str, object]:
+    """`--policy-param K=V`: V is read as JSON when it parses (numbers, true/false, lists), else as a string."""
+    import json
+
+    params: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad --policy-param {item!r} (expected K=V)")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            params[key] = value
+    return params
 
 
 def status(args: argparse.Namespace) -> int:
@@ -118,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how often workers report (default 0.2)")
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0, metavar="S",
                         help="a worker silent this long is lost (default 1.0)")
+    parser.add_argument("--session-timeout", type=float, default=5.0, metavar="S",
+                        help="close a client session silent this long, freeing its shards (default 5.0; 0: never)")
+    parser.add_argument("--policy", default="priority",
+                        help="scheduling policy: fifo, priority (default: classes, preemption, packing) or las")
+    parser.add_argument("--policy-param", action="append", default=[], metavar="K=V",
+                        help="a policy parameter, e.g. preempt=false or thresholds=[60,600] (repeatable)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process exits")
     commands = parser.add_subparsers(dest="command", metavar="{status}")
     st = commands.add_parser("status", help="show workers, sessions and recent events of a running controller")

@@ -25,6 +25,7 @@ from dtorch.protocol import wire
 from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.config import format_seconds
+from dtorch_controller.core.policies import Policy
 from dtorch_controller.timers import TimerThread
 
 log = logging.getLogger("dtorch_controller.server")
@@ -165,6 +166,9 @@ class ControllerService:
     def CloseSession(self, request: m.CloseSession) -> m.Ack:
         return self.request(lambda rid: ev.CloseSession(rid, request))
 
+    def KeepAlive(self, request: m.KeepAlive) -> m.Ack:
+        return self.request(lambda rid: ev.KeepAlive(rid, request))
+
     def Status(self, request: m.StatusRequest) -> m.StatusReply:
         return self.request(lambda rid: ev.Status(rid, request))
 
@@ -207,13 +211,13 @@ class ControllerServer:
 
 
 def run_server(listen: str = "127.0.0.1:0", token: str = "", config: Config | None = None,
-               core: ControllerCore | None = None) -> tuple[ControllerServer, str]:
+               core: ControllerCore | None = None, policy: Policy | None = None) -> tuple[ControllerServer, str]:
     """Start a controller on `listen` ("HOST:PORT", port 0 picks one); returns it and the address it serves on."""
     if core is None:
         config = config or Config()
         if config.format_time is format_seconds:  # the default: show wall-clock times instead
             config = replace(config, format_time=wall_clock_formatter())
-        core = ControllerCore(config)
+        core = ControllerCore(config, policy=policy)
     service = ControllerService(core, token)
     try:
         grpc_server, address = wire.serve("dtorch.Controller", service, token, listen=listen,

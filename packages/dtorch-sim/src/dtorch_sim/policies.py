@@ -1,17 +1,17 @@
-"""Placement policies the simulator can run: exactly the ones the controller core ships today.
+"""Placement policies the simulator can run: exactly the ones the controller core ships.
 
-A scheduling issue adds its policies to the core; listing them here makes them runnable and comparable.
+The core's registry (`dtorch_controller.core.policies`) is the one list; the simulator only names it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-from dtorch_controller.core.scheduling import FifoPlacement, PlacementPolicy
+from dtorch_controller.core.policies import POLICIES, Policy, PolicyError
+from dtorch_controller.core.policies import known as _known
+from dtorch_controller.core.policies import make_policy as _make_policy
 
-POLICIES: dict[str, Callable[[Mapping[str, object]], PlacementPolicy]] = {
-    "fifo": lambda params: FifoPlacement(),
-}
+__all__ = ["POLICIES", "UnknownPolicy", "known", "make_policy"]
 
 
 class UnknownPolicy(ValueError):
@@ -19,11 +19,13 @@ class UnknownPolicy(ValueError):
 
 
 def known() -> str:
-    return ", ".join(sorted(POLICIES))
+    return _known()
 
 
-def make_policy(name: str, params: Mapping[str, object] | None = None) -> PlacementPolicy:
-    factory = POLICIES.get(name)
-    if factory is None:
+def make_policy(name: str, params: Mapping[str, object] | None = None) -> Policy:
+    if name not in POLICIES:
         raise UnknownPolicy(f"unknown policy {name!r}: known policies are {known()}")
-    return factory(params or {})
+    try:
+        return _make_policy(name, params or {})
+    except PolicyError as e:
+        raise UnknownPolicy(str(e)) from None

@@ -293,10 +293,14 @@ def parse(data: object, base_dir: str = ".", source: str = "") -> Scenario:
         sc = Scenario.model_validate({**data, "base_dir": base_dir})
     except ValidationError as e:
         raise ScenarioError(format_errors(e, prefix)) from None
-    from dtorch_sim.policies import POLICIES, known
+    from dtorch_sim.policies import POLICIES, UnknownPolicy, known, make_policy
 
     if sc.policy.name not in POLICIES:
         raise ScenarioError([f"{prefix}policy.name: unknown policy {sc.policy.name!r}: known policies are {known()}"])
+    try:
+        make_policy(sc.policy.name, sc.policy.params)
+    except UnknownPolicy as e:
+        raise ScenarioError([f"{prefix}policy.params: {e}"]) from None
     if sc.workload.trace is not None and not sc.trace_path().exists():
         raise ScenarioError([f"{prefix}workload.trace.path: file {sc.workload.trace.path!r} not found (looked in "
                              f"{base_dir} and in the current directory)"])

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-PROTOCOL_VERSION = "1.1"  # 1.1: CmdExpectReads, PullRequest.expected
+PROTOCOL_VERSION = "1.2"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields
 
 
 class Hello(Struct, frozen=True):
@@ -69,11 +69,19 @@ class OpenSession(Struct, frozen=True):
     name: str = ""
     priority: str = "normal"  # "high" | "normal" | "low"
     kind: str = "batch"  # "batch" | "realtime"
+    memory_cap: int = 0  # bytes each device may hold for this session (0: whole devices; > 0: may share one)
 
 
 class SessionOpened(Struct, frozen=True):
     session: str  # unguessable id; naming it is the right to its tensors
     controller_version: str
+    keepalive_s: float = 0.0  # send KeepAlive this often (0: not needed); a silent session is closed
+
+
+class KeepAlive(Struct, frozen=True):
+    """The client is still there: a session silent for the controller's session timeout is closed."""
+
+    session: str
 
 
 class OpenMesh(Struct, frozen=True):
@@ -188,6 +196,8 @@ class WorkerStatus(Struct, frozen=True):
     devices: list[str] = []  # "session:logical" bound here
     utilization: float = -1.0  # fraction of the last report interval spent executing (-1: not reported)
     backup_bytes: int = 0  # of `bytes`: snapshot and upload copies kept for other workers' recovery
+    node: str = ""
+    leases: dict[str, int] = {}  # session -> memory cap leased here (0: the whole device)
 
 
 class SessionStatus(Struct, frozen=True):
@@ -202,12 +212,18 @@ class SessionStatus(Struct, frozen=True):
     replay_batches: int = 0  # batches a recovery would replay on top of it
     recoveries: int = 0  # worker losses this session recovered from
     migrations: int = 0  # logical-device moves (migrate, drain)
+    kind: str = ""
+    schedule: str = ""  # idle | waiting | running | frozen
+    memory_cap: int = 0
+    attained_s: float = 0.0  # device-seconds of service so far
 
 
 class StatusReply(Struct, frozen=True):
     workers: list[WorkerStatus]
     sessions: list[SessionStatus]
     events: list[str]
+    policy: str = ""
+    queued: int = 0  # sessions waiting or frozen
 
 
 # ---------------------------------------------------------------- worker <-> controller

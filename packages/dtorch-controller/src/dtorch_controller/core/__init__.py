@@ -9,10 +9,11 @@ from dtorch_controller.core.controller import ControllerCore
 from dtorch_controller.core.effects import Effect, Refusal, Reply, SendExecute, SetTimer
 from dtorch_controller.core.events import Event
 from dtorch_controller.core.ids import counter_ids, random_session_id
-from dtorch_controller.core.scheduling import FifoPlacement, PlacementDecision, PlacementPolicy, PlacementRequest
+from dtorch_controller.core.policies import POLICIES, FifoPolicy, LasPolicy, Policy, PriorityPolicy, make_policy
+from dtorch_controller.core.scheduler import Scheduler
 
 __all__ = [
-    "Config", "ControllerCore", "Effect", "Event", "FifoPlacement", "PlacementDecision", "PlacementPolicy",
-    "PlacementRequest", "Refusal", "Reply", "SendExecute", "SetTimer", "counter_ids", "effects", "events",
+    "POLICIES", "Config", "ControllerCore", "Effect", "Event", "FifoPolicy", "LasPolicy", "Policy", "PriorityPolicy",
+    "Refusal", "Reply", "Scheduler", "SendExecute", "SetTimer", "counter_ids", "effects", "events", "make_policy",
     "random_session_id",
 ]

@@ -13,7 +13,7 @@ def format_seconds(t: float) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Heartbeat deadlines and bookkeeping sizes.
+    """Heartbeat deadlines, client liveness and bookkeeping sizes.
 
     A worker silent for `suspect_after_s` (two heartbeat intervals, capped by the timeout) becomes suspect,
     and lost at `heartbeat_timeout_s`, so a dead worker is detected within the timeout.
@@ -24,6 +24,7 @@ class Config:
     event_log_size: int = 200  # recent events kept for Status
     lost_workers_kept: int = 32  # lost workers still listed in Status once nothing refers to them
     max_sync_timeout_s: float = 3600.0  # clamp on a client's Sync timeout
+    session_timeout_s: float = 5.0  # a client silent this long is gone: its session closes (0: never)
     format_time: Callable[[float], str] = format_seconds  # renders `now` in event-log lines
 
     def __post_init__(self) -> None:
@@ -32,6 +33,8 @@ class Config:
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+        if not self.session_timeout_s >= 0:
+            raise ValueError(f"session_timeout_s must be >= 0, got {self.session_timeout_s}")
         if self.event_log_size < 1:
             raise ValueError(f"event_log_size must be >= 1, got {self.event_log_size}")
 

@@ -15,6 +15,12 @@ Rules:
 6. A worker declared lost is fenced for good: its reports are answered "fenced", it gets no commands,
    and it must register again under a new id. Lifecycles are the tables in `state.py`.
 7. Timers may fire late, early or after they stopped mattering: each firing rechecks the state.
+8. Who runs where is the scheduler's (`scheduler.py`, `pool.py`, `policies/`): the core feeds it capacity
+   changes and mesh requests and applies the `Changes` it returns (bind devices, flush a resumed session's
+   held batches, set its wake-up timer). A frozen session's Submits are accepted and held, untranslated.
+9. A client session that says nothing (any request naming it, or KeepAlive) for `session_timeout_s` is
+   closed as if it had called CloseSession: every worker it used frees its shards (clients speaking
+   protocol 1.2 or later; older clients send no keep-alives and are never timed out).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from dtorch_controller.core.config import Config
 from dtorch_controller.core.eventlog import EventLog
 from dtorch_controller.core.ids import random_session_id
 from dtorch_controller.core.model import Mesh, PendingSync, Session, Worker
-from dtorch_controller.core.scheduling import FifoPlacement, PlacementPolicy, PlacementRequest, WorkerSlot
+from dtorch_controller.core.policies import Policy, make_policy
+from dtorch_controller.core.scheduler import Changes, Scheduler
 from dtorch_controller.core.translate import translate
 
 Effects = list[fx.Effect]
@@ -51,12 +58,13 @@ class ControllerCore:
     """All controller logic: workers, sessions, placement, routing, health. See the module rules."""
 
     def __init__(self, config: Config | None = None, *, session_ids: Callable[[], str] | None = None,
-                 policy: PlacementPolicy | None = None, version: str = __version__) -> None:
+                 policy: Policy | None = None, version: str = __version__) -> None:
         self.config = config or Config()
-        self.policy: PlacementPolicy = policy or FifoPlacement()
+        self.policy: Policy = policy or make_policy()
         self.version = version
         self.workers: dict[str, Worker] = {}
         self.sessions: dict[str, Session] = {}
+        self.sched = Scheduler(self.policy, self.workers)
         self.log = EventLog(self.config.event_log_size, self.config.format_time)
         self._new_session_id = session_ids or random_session_id
         self._by_address: dict[str, str] = {}  # address -> id of the worker there that is not lost
@@ -65,7 +73,7 @@ class ControllerCore:
             ev.OpenSession: self._open_session, ev.OpenMesh: self._open_mesh, ev.Submit: self._submit,
             ev.Sync: self._sync, ev.CloseSession: self._close_session, ev.Status: self._status,
             ev.Register: self._register, ev.Report: self._report, ev.TimerFired: self._timer,
-            ev.WorkerUnreachable: self._unreachable,
+            ev.WorkerUnreachable: self._unreachable, ev.KeepAlive: self._keepalive,
         }
 
     def handle(self, now: float, event: ev.Event) -> list[fx.Effect]:
@@ -74,6 +82,9 @@ class ControllerCore:
         if handler is None:
             raise TypeError(f"not a controller event: {event!r}")
         out: Effects = []
+        s = self.sessions.get(getattr(getattr(event, "msg", None), "session", None))  # type: ignore[arg-type]
+        if s is not None:
+            s.last_heard = now
         handler(now, event, out)
         return out
 
@@ -128,9 +139,19 @@ class ControllerCore:
         sid = self._new_session_id()
         while sid in self.sessions:
             sid = self._new_session_id()
-        self.sessions[sid] = Session(id=sid, name=msg.name, priority=msg.priority, kind=msg.kind, opened_at=now)
+        if msg.memory_cap < 0:
+            return self._refuse(out, e.request_id, f"bad memory_cap {msg.memory_cap}: expected bytes >= 0")
+        self.sessions[sid] = Session(id=sid, name=msg.name, priority=msg.priority, kind=msg.kind, opened_at=now,
+                                     last_heard=now)
+        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap)
         self.log.add(now, f"session {_short(sid)} opened ({msg.name or 'unnamed'}, {msg.priority}, {msg.kind})")
-        self._reply(out, e.request_id, m.SessionOpened(session=sid, controller_version=self.version))
+        timeout = self.config.session_timeout_s
+        keepalive = 0.0
+        if timeout > 0 and _minor(msg.hello.protocol_version) >= 2:
+            keepalive = min(1.0, timeout / 4)
+            out.append(fx.SetTimer(now + timeout, ("session", sid)))
+        self._reply(out, e.request_id, m.SessionOpened(session=sid, controller_version=self.version,
+                                                       keepalive_s=keepalive))
 
     def _open_mesh(self, now: float, e: ev.OpenMesh, out: Effects) -> None:
         msg = e.msg
@@ -147,22 +168,16 @@ class ControllerCore:
                                                    f"{list(known.devices)} and shape {list(known.shape)}")
         new = tuple(d for d in devices if d not in s.devices)
         if new:
-            slots = [WorkerSlot(worker=w.id, bound=w.bound, order=w.order, memory_bytes=w.memory_bytes,
-                                device_type=w.device_type, labels=dict(w.labels))
-                     for w in sorted(self.workers.values(), key=lambda w: w.order) if w.state in st.PLACEABLE]
-            registered = sum(w.state != st.LOST for w in self.workers.values())
-            decision = self.policy.place(PlacementRequest(s.id, s.priority, new, registered), slots)
-            if not decision.placed:
-                self.log.add(now, f"session {_short(s.id)} mesh {msg.mesh} not placed: {decision.message}")
+            queued = self.sched.position(s.id)
+            changes, answer = self.sched.place(now, s.id, msg.mesh, new, msg.min_devices)
+            self._apply(now, changes, out)
+            if not answer.placed:
+                if not queued:
+                    self.log.add(now, f"session {_short(s.id)} mesh {msg.mesh} waits: {answer.message}")
                 return self._reply(out, e.request_id, m.MeshPlaced(
-                    mesh=msg.mesh, placed=False, queue_position=decision.queue_position, message=decision.message))
-            allowed = {slot.worker for slot in slots}
-            if set(decision.assignment) != set(new) or not set(decision.assignment.values()) <= allowed:
-                return self._refuse(out, e.request_id, "placement policy returned an invalid assignment")
-            for device in new:
-                self._bind(s, device, decision.assignment[device])
+                    mesh=msg.mesh, placed=False, queue_position=answer.queue_position, message=answer.message))
             self.log.add(now, f"session {_short(s.id)} mesh {msg.mesh}: devices "
-                              + ", ".join(f"{d}->{decision.assignment[d]}" for d in new))
+                              + ", ".join(f"{d}->{s.devices[d]}" for d in new))
         s.meshes[msg.mesh] = Mesh(id=msg.mesh, devices=devices, shape=shape)
         self._reply(out, e.request_id, m.MeshPlaced(
             mesh=msg.mesh, placed=True, locations={d: self.workers[s.devices[d]].address for d in devices}))
@@ -181,17 +196,26 @@ class ControllerCore:
         if msg.seq != s.seq + 1:
             return self._refuse(out, e.request_id, f"batch {msg.seq} out of order: session {_short(s.id)} "
                                                    f"expects batch {s.seq + 1}")
-        batch = translate(s, msg.instrs, self.workers)
         s.seq = msg.seq
+        if not self.sched.hold(s.id, msg.instrs):  # a frozen session's batches wait until it resumes
+            self._dispatch(s, msg.instrs, out)
+        self._reply(out, e.request_id, m.SubmitReply(accepted=msg.seq))
+
+    def _dispatch(self, s: Session, instrs: list[m.Instr], out: Effects) -> None:
+        batch = translate(s, instrs, self.workers)
         s.errors.extend(batch.errors)
         s.deferred.extend(batch.deferred)
         self._send(s, batch.cmds, out)
-        self._reply(out, e.request_id, m.SubmitReply(accepted=msg.seq))
 
     def _close_session(self, now: float, e: ev.CloseSession, out: Effects) -> None:
         s = self.sessions.get(e.msg.session)
         if s is None:
             return self._reply(out, e.request_id, m.Ack(ok=False, message="unknown session (already closed?)"))
+        self._end_session(now, s, "closed", out)
+        self._reply(out, e.request_id, m.Ack(ok=True))
+
+    def _end_session(self, now: float, s: Session, reason: str, out: Effects) -> None:
+        """Free the session's shards on every worker it used, answer its parked syncs, release its devices."""
         holders = sorted({w for w in s.devices.values() if self.workers[w].state != st.LOST},
                          key=lambda w: self.workers[w].order)
         self._send(s, {w: [m.CmdCloseSession()] for w in holders}, out)
@@ -203,9 +227,9 @@ class ControllerCore:
             w.sessions.discard(s.id)
         s.state = st.step(st.SESSION_TABLE, s.state, st.CLOSE)
         del self.sessions[s.id]
-        self.log.add(now, f"session {_short(s.id)} closed")
+        self.log.add(now, f"session {_short(s.id)} {reason}")
         self._prune_lost()
-        self._reply(out, e.request_id, m.Ack(ok=True))
+        self._apply(now, self.sched.close(now, s.id), out)
 
     # ------------------------------------------------------------ sync
 
@@ -226,7 +250,7 @@ class ControllerCore:
         if msg.upto > s.seq:
             return self._refuse(out, e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted "
                                                    f"for session {_short(s.id)} is {s.seq}")
-        if not self._busy(s):
+        if not self._busy(s) and not self.sched.holding(s.id):
             return self._reply(out, e.request_id, self._done(s))
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)
         s.syncs[e.request_id] = PendingSync(e.request_id, msg.upto, timeout)
@@ -237,7 +261,7 @@ class ControllerCore:
         return m.SyncReply(done=True, errors=errors, locations=self._locations(s))
 
     def _resolve_syncs(self, s: Session, out: Effects) -> None:
-        if s.syncs and not self._busy(s):
+        if s.syncs and not self._busy(s) and not self.sched.holding(s.id):
             for pending in s.syncs.values():
                 self._reply(out, pending.request_id, self._done(s))
             s.syncs.clear()
@@ -248,8 +272,13 @@ class ControllerCore:
         if s is None or pending is None:
             return  # answered already
         busy = self._busy(s)
-        if not busy:
+        if not busy and not self.sched.holding(s.id):
             return self._reply(out, request_id, self._done(s))
+        if not busy:
+            return self._reply(out, request_id, m.SyncReply(
+                done=False, locations=self._locations(s),
+                message=f"sync upto batch {pending.upto} timed out after {pending.timeout_s:g}s; the session is "
+                        f"frozen (preempted) with batches held, queue position {self.sched.position(s.id)}"))
         names = ", ".join(f"{w.id} at {w.address} (completed {w.completed} of {s.sent[w.id]})" for w in busy)
         self._reply(out, request_id, m.SyncReply(
             done=False, locations=self._locations(s),
@@ -276,6 +305,7 @@ class ControllerCore:
         self._by_address[msg.address] = worker_id
         self.log.add(now, f"worker {worker_id} registered at {msg.address} ({msg.device_type})")
         out.append(fx.SetTimer(now + self.config.suspect_after_s, ("heartbeat", worker_id)))
+        self._apply(now, self.sched.add_worker(now, self.workers[worker_id]), out)
         self._reply(out, e.request_id, m.Registered(worker=worker_id,
                                                     heartbeat_interval_s=self.config.heartbeat_interval_s))
 
@@ -284,16 +314,21 @@ class ControllerCore:
         w = self.workers.get(msg.worker)
         if w is None or w.state == st.LOST:
             return self._reply(out, e.request_id, m.ReportReply(ok=False, message="fenced"))
+        was = w.state
         if w.state == st.SUSPECT:
             self.log.add(now, f"worker {w.id} reported again after {now - w.last_seen:.2f}s")
         w.state = st.step(st.WORKER_TABLE, w.state, st.REPORT)
         w.last_seen = now
+        if w.state != was:
+            self._apply(now, self.sched.worker_changed(now, w), out)
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = dict(msg.sessions)
         for session_id, errors in msg.errors.items():
             s = self.sessions.get(session_id)
             if s is not None:
                 s.errors.extend(errors)
+        if msg.sessions:
+            self._check_caps(now, w, msg.sessions)
         for session_id in sorted(w.sessions):
             s = self.sessions[session_id]
             self._flush_deferred(s, out)
@@ -306,6 +341,10 @@ class ControllerCore:
             self._check_heartbeat(now, key[1], out)
         elif isinstance(key, tuple) and len(key) == 3 and key[0] == "sync":
             self._sync_timeout(now, key[1], key[2], out)
+        elif key == ("schedule",):
+            self._apply(now, self.sched.tick(now), out)
+        elif isinstance(key, tuple) and len(key) == 2 and key[0] == "session":
+            self._check_session(now, key[1], out)
 
     def _check_heartbeat(self, now: float, worker_id: Any, out: Effects) -> None:
         w = self.workers.get(worker_id)
@@ -318,6 +357,7 @@ class ControllerCore:
         if silence >= cfg.suspect_after_s - _EPS and w.state == st.ALIVE:
             w.state = st.step(st.WORKER_TABLE, w.state, st.SILENT)
             self.log.add(now, f"worker {w.id} suspect: no report for {silence:.2f}s")
+            self._apply(now, self.sched.worker_changed(now, w), out)
         due = w.last_seen + (cfg.suspect_after_s if w.state == st.ALIVE else cfg.heartbeat_timeout_s)
         out.append(fx.SetTimer(due, ("heartbeat", w.id)))
 
@@ -350,6 +390,7 @@ class ControllerCore:
             self._flush_deferred(s, out)
             self._resolve_syncs(s, out)
         self._prune_lost()
+        self._apply(now, self.sched.worker_changed(now, w), out)
 
     def _prune_lost(self) -> None:
         """Forget the oldest lost workers nothing refers to, keeping `lost_workers_kept` for Status."""
@@ -380,6 +421,47 @@ class ControllerCore:
             cmds.setdefault(worker_id, []).append(m.CmdDelete(tids=tids, devices=list(devices)))
         self._send(s, cmds, out)
 
+    # ------------------------------------------------------------ scheduling and liveness
+
+    def _apply(self, now: float, changes: Changes, out: Effects) -> None:
+        """Carry out what the scheduler decided: bind placed devices, flush resumed sessions' held batches."""
+        for session_id, assignment in changes.placed:
+            s = self.sessions[session_id]
+            for device, worker_id in assignment.items():
+                self._bind(s, device, worker_id)
+        for line in changes.notes:
+            self.log.add(now, line)
+        for session_id in changes.resumed:
+            s = self.sessions[session_id]
+            for instrs in self.sched.take_backlog(session_id):
+                self._dispatch(s, instrs, out)
+            self._resolve_syncs(s, out)
+        if changes.wake is not None:
+            out.append(fx.SetTimer(changes.wake, ("schedule",)))
+
+    def _keepalive(self, now: float, e: ev.KeepAlive, out: Effects) -> None:
+        known = e.msg.session in self.sessions  # handle() already noted that the client is alive
+        self._reply(out, e.request_id, m.Ack(ok=known, message="" if known else "unknown session (timed out?)"))
+
+    def _check_session(self, now: float, session_id: Any, out: Effects) -> None:
+        s = self.sessions.get(session_id)
+        if s is None:
+            return
+        timeout = self.config.session_timeout_s
+        silence = now - s.last_heard
+        if silence >= timeout - _EPS:
+            return self._end_session(now, s, f"timed out: client silent for {silence:.1f}s", out)
+        out.append(fx.SetTimer(s.last_heard + timeout, ("session", s.id)))
+
+    def _check_caps(self, now: float, w: Worker, usage: dict[str, m.ShardStats]) -> None:
+        for session_id, used, cap in self.sched.over_cap(w.id, {k: v.bytes for k, v in usage.items()}):
+            s = self.sessions.get(session_id)
+            if s is None:
+                continue
+            text = f"session holds {used} bytes on worker {w.id}, over its memory cap of {cap} bytes per device"
+            s.errors.append(m.ErrorReport(op="memory cap", src="", message=text))
+            self.log.add(now, f"session {_short(session_id)}: {text}")
+
     # ------------------------------------------------------------ status
 
     def _status(self, now: float, e: ev.Status, out: Effects) -> None:
@@ -387,14 +469,28 @@ class ControllerCore:
         for s in self.sessions.values():
             for d, worker_id in sorted(s.devices.items()):
                 bound.setdefault(worker_id, []).append(f"{s.id}:{d}")
+        pool, tenants = self.sched.pool.slots, self.sched.tenants
         workers = [m.WorkerStatus(worker=w.id, address=w.address, state=w.state, device_type=w.device_type,
                                   memory_bytes=w.memory_bytes, labels=dict(w.labels), tensors=w.tensors,
-                                  bytes=w.bytes, devices=bound.get(w.id, []))
+                                  bytes=w.bytes, devices=bound.get(w.id, []),
+                                  node=pool[w.id].node if w.id in pool else "",
+                                  leases=dict(pool[w.id].leases) if w.id in pool else {})
                    for w in sorted(self.workers.values(), key=lambda w: w.order)]
         sessions = [m.SessionStatus(session=s.id, name=s.name, priority=s.priority, state=s.state,
-                                    devices=dict(sorted(s.devices.items())), tensors=len(s.tensors))
+                                    devices=dict(sorted(s.devices.items())), tensors=len(s.tensors),
+                                    queue_position=self.sched.position(s.id), kind=s.kind,
+                                    schedule=self.sched.state(s.id), memory_cap=tenants[s.id].cap,
+                                    attained_s=tenants[s.id].service(now))
                     for s in sorted(self.sessions.values(), key=lambda s: s.opened_at)]
-        self._reply(out, e.request_id, m.StatusReply(workers=workers, sessions=sessions, events=self.log.lines()))
+        self._reply(out, e.request_id, m.StatusReply(workers=workers, sessions=sessions, events=self.log.lines(),
+                                                     policy=self.policy.describe(), queued=self.sched.queued))
+
+
+def _minor(version: str) -> int:
+    try:
+        return int(version.split(".")[1])
+    except (IndexError, ValueError):
+        return 0
 
 
 def _mesh_problem(devices: tuple[int, ...], shape: tuple[int, ...]) -> str | None:

@@ -50,6 +50,14 @@ class CloseSession:
 
 
 @dataclass(frozen=True)
+class KeepAlive:
+    """The client is still there (sent every `SessionOpened.keepalive_s`)."""
+
+    request_id: RequestId
+    msg: m.KeepAlive
+
+
+@dataclass(frozen=True)
 class Status:
     request_id: RequestId
     msg: m.StatusRequest = m.StatusRequest()
@@ -110,5 +118,5 @@ class WorkerUnreachable:
     message: str = ""
 
 
-Event = (OpenSession | OpenMesh | Submit | Sync | CloseSession | Status | Register | Report | TimerFired
+Event = (OpenSession | OpenMesh | Submit | Sync | CloseSession | KeepAlive | Status | Register | Report | TimerFired
          | WorkerUnreachable | Drain | Migrate)

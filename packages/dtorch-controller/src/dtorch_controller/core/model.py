@@ -81,6 +81,7 @@ class Session:
     priority: str
     kind: str
     opened_at: float
+    last_heard: float = 0.0  # the last request naming this session (liveness)
     state: str = st.OPEN
     devices: dict[int, str] = field(default_factory=dict)  # logical device -> worker id
     meshes: dict[int, Mesh] = field(default_factory=dict)

@@ -1,0 +1,91 @@
+"""The scheduling-policy interface: what a policy decides, and nothing else.
+
+Rules:
+
+1. A policy is a small object the `Scheduler` consults; it keeps no state about sessions or workers and never
+   mutates what it is shown. Mechanics (leases, the queue, freezing, resuming, fewest-node placement) live in
+   `scheduler.py` and `pool.py` and are the same under every policy.
+2. `rank(t, now)` is a session's importance class: a small int, lower = more important. It orders the queue
+   first, decides who may preempt whom (a session may freeze only sessions of a strictly higher rank, and only
+   when `preempts`), and who may overtake whom: a request may be placed ahead of an earlier one that cannot
+   be placed only if that one could later preempt it (its rank is strictly lower). So FIFO, whose ranks are
+   all equal and which does not preempt, is strictly first come, first served.
+3. `key(t, now)` orders the queue within a rank (the scheduler appends the arrival number as the last tie-break).
+4. `packs`: sessions that declare a memory cap (and are not realtime) may share a device with other such
+   sessions while their caps fit in its memory. Otherwise every device is leased to one session at a time.
+5. `next_change(t, now)`: when `rank` or `key` of `t` may change by itself (attained service crossing a
+   threshold, a starvation promotion), or None. The scheduler sets a timer for the earliest one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from dtorch_controller.core.scheduler import Tenant
+
+PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
+
+
+class Policy(Protocol):
+    name: str
+    preempts: bool
+    packs: bool
+
+    def rank(self, t: Tenant, now: float) -> int: ...
+
+    def key(self, t: Tenant, now: float) -> tuple: ...
+
+    def next_change(self, t: Tenant, now: float) -> float | None: ...
+
+    def describe(self) -> str: ...
+
+
+class PolicyError(ValueError):
+    """Bad policy name or parameters."""
+
+
+class BasePolicy:
+    """Defaults: one rank, queue order = arrival, no preemption, no packing."""
+
+    name = "base"
+    preempts = False
+    packs = False
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        params = dict(params or {})
+        self.params = params
+        unknown = sorted(set(params) - set(self.accepts()))
+        if unknown:
+            raise PolicyError(f"policy {self.name!r} takes no parameter {', '.join(map(repr, unknown))}"
+                              + (f" (it takes {', '.join(self.accepts())})" if self.accepts() else ""))
+
+    def accepts(self) -> tuple[str, ...]:
+        return ()
+
+    def rank(self, t: Tenant, now: float) -> int:
+        return 0
+
+    def key(self, t: Tenant, now: float) -> tuple:
+        return ()
+
+    def next_change(self, t: Tenant, now: float) -> float | None:
+        return None
+
+    def describe(self) -> str:
+        return self.name
+
+
+def flag(params: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = params.get(name, default)
+    if not isinstance(value, bool):
+        raise PolicyError(f"policy parameter {name!r} must be true or false, got {value!r}")
+    return value
+
+
+def number(params: Mapping[str, Any], name: str, default: float, minimum: float = 0.0) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise PolicyError(f"policy parameter {name!r} must be a number >= {minimum:g}, got {value!r}")
+    return float(value)

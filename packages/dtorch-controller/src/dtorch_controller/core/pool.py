@@ -1,0 +1,218 @@
+"""The resource pool: which worker is free, which session leases which worker, where free devices sit.
+
+Rules:
+
+1. A worker is one physical device. A *lease* gives a session the use of a worker: cap 0 is the whole device
+   (exclusive), cap > 0 is a packed lease of at most `cap` bytes. A worker carries either one exclusive lease,
+   or packed leases whose caps sum to at most its memory. A session's logical devices bound to a worker it
+   leases are virtual devices of that worker.
+2. A worker is *free* when it is placeable (alive) and carries no lease. Exclusive leases go to free workers
+   only; packed leases go to placeable workers without an exclusive lease and with room for the cap.
+3. A worker's node is its "node" label, else the host of its address. `pick` takes free workers on the
+   fewest nodes: the node with the fewest free workers that still has enough (best fit), otherwise the
+   nodes with the most free workers first, then best fit for the rest.
+4. No query scans every worker: free workers are indexed by node and nodes by their free count, so picking
+   costs O(distinct free counts + nodes used), whatever the cluster size (10,000 workers is normal).
+5. The pool holds no session logic. The scheduler decides who leases what; the pool keeps the counts right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+
+
+@dataclass
+class Slot:
+    worker: str
+    node: str
+    memory: int  # bytes the worker registered with (0: unknown)
+    order: int  # registration order, for deterministic tie-breaks
+    placeable: bool = True
+    leases: dict[str, int] = field(default_factory=dict)  # session -> cap bytes (0: the whole device)
+
+    @property
+    def exclusive(self) -> bool:
+        return any(cap == 0 for cap in self.leases.values())
+
+    @property
+    def room(self) -> int:
+        """Bytes still free for packed leases (0 when leased whole)."""
+        return 0 if self.exclusive else self.memory - sum(self.leases.values())
+
+
+def node_of(address: str, labels: dict[str, str]) -> str:
+    node = labels.get("node")
+    if node:
+        return node
+    host, sep, _port = address.rpartition(":")
+    return host if sep else address
+
+
+class Pool:
+    def __init__(self) -> None:
+        self.slots: dict[str, Slot] = {}  # every worker that is not lost
+        self._free: dict[str, dict[str, None]] = {}  # node -> its free workers (insertion order)
+        self._buckets: dict[int, dict[str, None]] = {}  # free count -> nodes with that many free workers
+        self._shared: dict[str, None] = {}  # placeable workers carrying only packed leases
+        self.free_total = 0
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self.slots
+
+    # ------------------------------------------------------------ membership
+
+    def add(self, worker: str, node: str, memory: int, order: int, placeable: bool = True) -> None:
+        slot = self.slots[worker] = Slot(worker, node, memory, order, placeable)
+        self._refresh(slot)
+
+    def remove(self, worker: str) -> dict[str, int]:
+        """Forget a lost worker; returns the leases it carried."""
+        slot = self.slots.get(worker)
+        if slot is None:
+            return {}
+        slot.placeable = False
+        self._refresh(slot)
+        del self.slots[worker]
+        return slot.leases
+
+    def set_placeable(self, worker: str, placeable: bool) -> bool:
+        """True when the worker just became placeable (capacity grew)."""
+        slot = self.slots.get(worker)
+        if slot is None or slot.placeable == placeable:
+            return False
+        slot.placeable = placeable
+        self._refresh(slot)
+        return placeable
+
+    # ------------------------------------------------------------ leases
+
+    def lease(self, worker: str, session: str, cap: int) -> None:
+        slot = self.slots[worker]
+        slot.leases[session] = cap
+        self._refresh(slot)
+
+    def release(self, worker: str, session: str) -> None:
+        slot = self.slots.get(worker)
+        if slot is not None and slot.leases.pop(session, None) is not None:
+            self._refresh(slot)
+
+    def holders(self, worker: str) -> dict[str, int]:
+        slot = self.slots.get(worker)
+        return slot.leases if slot is not None else {}
+
+    def is_free(self, worker: str) -> bool:
+        slot = self.slots.get(worker)
+        return slot is not None and slot.placeable and not slot.leases
+
+    def fits(self, worker: str, cap: int) -> bool:
+        """Could `worker` take a lease with this cap now (placeability aside)?"""
+        slot = self.slots.get(worker)
+        if slot is None:
+            return False
+        if cap == 0 or not slot.leases:
+            return not slot.leases
+        return not slot.exclusive and slot.room >= cap
+
+    def shared_room(self) -> bool:
+        return bool(self._shared)
+
+    # ------------------------------------------------------------ picking (pure queries)
+
+    def pick(self, k: int, exclude: Collection[str] = ()) -> list[str]:
+        """Up to `k` free workers on the fewest nodes (fewer when fewer are free)."""
+        if k <= 0:
+            return []
+        if exclude:
+            return self._pick_slow(k, exclude)
+        chosen: list[str] = []
+        used: set[str] = set()
+        remaining = k
+        counts = sorted(self._buckets)
+        while remaining > 0:
+            node = self._best_fit(counts, remaining, used) or self._largest(counts, used)
+            if node is None:
+                break
+            take = list(islice(self._free[node], remaining))
+            chosen += take
+            used.add(node)
+            remaining -= len(take)
+        return chosen
+
+    def _nodes(self, count: int, used: set[str]) -> Iterator[str]:
+        return (n for n in self._buckets[count] if n not in used)
+
+    def _best_fit(self, counts: list[int], remaining: int, used: set[str]) -> str | None:
+        for c in counts:
+            if c >= remaining:
+                node = next(self._nodes(c, used), None)
+                if node is not None:
+                    return node
+        return None
+
+    def _largest(self, counts: list[int], used: set[str]) -> str | None:
+        for c in reversed(counts):
+            node = next(self._nodes(c, used), None)
+            if node is not None:
+                return node
+        return None
+
+    def _pick_slow(self, k: int, exclude: Collection[str]) -> list[str]:
+        """`pick` when some free workers are reserved: recount per node (rare: only during a pass with reservations)."""
+        free = {node: [w for w in ws if w not in exclude] for node, ws in self._free.items()}
+        free = {node: ws for node, ws in free.items() if ws}
+        chosen: list[str] = []
+        remaining = k
+        while remaining > 0 and free:
+            fitting = [n for n, ws in free.items() if len(ws) >= remaining]
+            node = min(fitting, key=lambda n: len(free[n])) if fitting else max(free, key=lambda n: len(free[n]))
+            take = free.pop(node)[:remaining]
+            chosen += take
+            remaining -= len(take)
+        return chosen
+
+    def pick_packed(self, k: int, cap: int, exclude: Collection[str] = ()) -> list[str]:
+        """Up to `k` workers for packed leases of `cap` bytes: shared workers with the least room that fits
+        first (keeping whole devices whole), then free workers on the fewest nodes."""
+        shared = sorted((self.slots[w] for w in self._shared if w not in exclude and self.slots[w].room >= cap),
+                        key=lambda s: (s.room, s.order))
+        chosen = [s.worker for s in shared[:k]]
+        return chosen + self.pick(k - len(chosen), exclude)
+
+    # ------------------------------------------------------------ the indexes
+
+    def _refresh(self, slot: Slot) -> None:
+        live = slot.worker in self.slots and slot.placeable
+        self._set_free(slot, live and not slot.leases)
+        if live and slot.leases and not slot.exclusive:
+            self._shared[slot.worker] = None
+        else:
+            self._shared.pop(slot.worker, None)
+
+    def _set_free(self, slot: Slot, free: bool) -> None:
+        workers = self._free.get(slot.node)
+        present = workers is not None and slot.worker in workers
+        if present == free:
+            return
+        before = len(workers) if workers else 0
+        if before:
+            bucket = self._buckets[before]
+            del bucket[slot.node]
+            if not bucket:
+                del self._buckets[before]
+        if free:
+            workers = self._free.setdefault(slot.node, {})
+            workers[slot.worker] = None
+            self.free_total += 1
+        else:
+            del workers[slot.worker]  # type: ignore[union-attr]
+            self.free_total -= 1
+        after = len(workers)  # type: ignore[arg-type]
+        if after:
+            self._buckets.setdefault(after, {})[slot.node] = None
+        else:
+            self._free.pop(slot.node, None)

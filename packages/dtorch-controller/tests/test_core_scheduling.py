@@ -1,0 +1,437 @@
+"""The scheduler through the core, on a fake clock: one test (or a few) per rule of scheduler.py, pool.py and
+the policies. Workers "report" by hand; heartbeats are made long where a test moves the clock a lot."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtorch.protocol import messages as m
+from dtorch.protocol.wire import hello
+from dtorch_controller.core import events as ev
+from dtorch_controller.core.policies import FifoPolicy, LasPolicy, PolicyError, PriorityPolicy, make_policy
+from dtorch_controller.core.pool import Pool
+from dtorch_controller.core.scheduler import TENANT_TABLE, IllegalTenantTransition
+
+QUIET = dict(heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6)  # workers never go suspect on their own
+
+
+def spec(shape, mesh=1, placements=("S0",)):
+    return m.TensorSpec(shape=list(shape), dtype="float32", mesh=mesh, placements=list(placements))
+
+
+def create(tid, mesh=1):
+    return m.InstrCreate(tid=tid, spec=spec([4], mesh), init="zeros")
+
+
+def workers(h, n, node=None, start=0):
+    return [h.register(f"10.0.0.{i}:7000", labels={"node": node} if node else None) for i in range(start, start + n)]
+
+
+def close(h, sid):
+    assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
+
+
+def sched_state(h, sid):
+    return h.core.sched.state(sid)
+
+
+def leases(h, wid):
+    return dict(h.core.sched.pool.slots[wid].leases)
+
+
+# ---------------------------------------------------------------- admission and the queue
+
+
+def test_devices_are_exclusive_across_sessions_and_a_waiting_mesh_shows_its_position(h):
+    w0, w1 = workers(h, 2)
+    a, b, c = h.open_session("a"), h.open_session("b"), h.open_session("c")
+    assert h.open_mesh(a, 1, [0, 1]).placed
+    first = h.open_mesh(b, 1, [0])
+    assert (first.placed, first.queue_position) == (False, 1) and "needs 1 device, 0 free of 2" in first.message
+    assert h.open_mesh(c, 1, [0]).queue_position == 2
+    assert h.open_mesh(b, 1, [0]).queue_position == 1  # polling keeps the place
+    assert [sched_state(h, s) for s in (a, b, c)] == ["running", "waiting", "waiting"]
+    close(h, a)  # both devices free up: both waiting sessions are placed by the core, before they poll again
+    assert [sched_state(h, s) for s in (b, c)] == ["running", "running"]
+    assert h.core.sessions[b].devices == {0: w0} and h.core.sessions[c].devices == {0: w1}
+    reply = h.open_mesh(b, 1, [0])
+    assert reply.placed and reply.locations == {0: "10.0.0.0:7000"}
+    assert any("placed on 1 device" in line for line in h.core.log.lines())
+
+
+def test_a_worker_that_registers_is_used_by_a_waiting_session_at_once(h):
+    workers(h, 1)
+    a, b = h.open_session(), h.open_session()
+    assert h.open_mesh(a, 1, [0]).placed
+    assert not h.open_mesh(b, 1, [0]).placed
+    w1 = h.register("10.0.0.9:7000")
+    assert h.core.sessions[b].devices == {0: w1}
+    assert h.open_mesh(b, 1, [0]).locations == {0: "10.0.0.9:7000"}
+
+
+def test_more_logical_devices_than_workers_run_as_virtual_devices_of_one_session(h):
+    w0, w1 = workers(h, 2)
+    s = h.open_session()
+    assert h.open_mesh(s, 1, [0, 1, 2, 3], [2, 2]).placed  # needs min(4, 2 known workers) = 2
+    assert leases(h, w0) == {s: 0} and leases(h, w1) == {s: 0}
+    assert sorted(h.core.sessions[s].devices.values()) == [w0, w0, w1, w1]
+
+
+def test_admission_is_all_or_nothing(h):
+    w0, w1, w2 = workers(h, 3)
+    a, b = h.open_session(), h.open_session()
+    assert h.open_mesh(a, 1, [0, 1]).placed  # takes w0, w1
+    assert not h.open_mesh(b, 1, [0, 1]).placed  # needs 2, one free: takes nothing
+    assert h.core.sched.pool.is_free(w2) and h.core.sessions[b].devices == {}
+
+
+def test_elastic_minimum_starts_on_fewer_devices(h):
+    w0, w1, w2 = workers(h, 3)
+    a, b = h.open_session(), h.open_session()
+    assert h.open_mesh(a, 1, [0, 1]).placed
+    assert h.open_mesh(b, 1, [0, 1, 2, 3], min_devices=1).placed  # wants 4, accepts 1
+    assert set(h.core.sessions[b].devices.values()) == {w2}
+
+
+def test_a_waiting_need_shrinks_with_the_cluster_when_workers_are_lost(h):
+    w0, w1 = workers(h, 2)
+    a, b = h.open_session(), h.open_session()
+    assert h.open_mesh(a, 1, [0]).placed
+    assert not h.open_mesh(b, 1, [0, 1]).placed  # needs both workers
+    h.handle(ev.WorkerUnreachable(w0))  # a's worker dies: one worker left, so b needs only one
+    assert sched_state(h, b) == "running" and set(h.core.sessions[b].devices.values()) == {w1}
+
+
+def test_placement_prefers_the_fewest_nodes_best_fit_first(h):
+    big = workers(h, 4, node="big")
+    small = workers(h, 2, node="small", start=10)
+    s1, s2, s3 = h.open_session(), h.open_session(), h.open_session()
+    assert h.open_mesh(s1, 1, [0, 1]).placed
+    assert set(h.core.sessions[s1].devices.values()) == set(small)  # the smallest node that fits
+    assert h.open_mesh(s2, 1, [0, 1, 2]).placed
+    assert set(h.core.sessions[s2].devices.values()) <= set(big)  # one node, not two
+    close(h, s1)
+    assert h.open_mesh(s3, 1, [0, 1, 2]).placed  # 1 free on big + 2 on small: two nodes, the fuller first
+    rest = set(big) - set(h.core.sessions[s2].devices.values())
+    assert set(h.core.sessions[s3].devices.values()) == set(small) | rest
+
+
+def test_pool_picks_without_scanning_and_keeps_counts():
+    pool = Pool()
+    for i in range(10):
+        pool.add(f"w{i}", f"n{i // 4}", 100, i)  # nodes n0: 4, n1: 4, n2: 2
+    assert pool.free_total == 10
+    assert pool.pick(2) == ["w8", "w9"]  # best fit: the node with 2
+    assert pool.pick(4) == ["w0", "w1", "w2", "w3"]
+    assert sorted(pool.pick(5)) == ["w0", "w1", "w2", "w3", "w8"]  # largest node, then best fit for the rest
+    pool.lease("w0", "s", 0)
+    assert pool.free_total == 9 and not pool.is_free("w0")
+    assert pool.pick(4, exclude={"w5"}) == ["w1", "w2", "w3", "w8"]  # reserved workers are left out
+    pool.set_placeable("w4", False)
+    assert "w4" not in pool.pick(10) and pool.free_total == 8
+    assert pool.remove("w0") == {"s": 0} and pool.free_total == 8 and len(pool) == 9
+
+
+def test_a_running_session_never_waits_for_its_later_meshes(h):
+    w0, w1, w2 = workers(h, 3)
+    a, b = h.open_session(), h.open_session()
+    assert h.open_mesh(a, 1, [0]).placed
+    assert h.open_mesh(a, 2, [1]).placed  # nobody waits: a takes a free device
+    assert len(set(h.core.sessions[a].devices.values())) == 2
+    assert h.open_mesh(b, 1, [0, 1]).queue_position == 1  # needs 2, one free
+    assert h.open_mesh(a, 3, [2, 3]).placed  # someone waits: a's new devices go on its own workers
+    assert len(set(h.core.sessions[a].devices.values())) == 2 and h.core.sched.pool.free_total == 1
+
+
+def test_fifo_is_strict_head_of_line(make_harness):
+    h = make_harness(policy=FifoPolicy())
+    workers(h, 2)
+    a, b, c = h.open_session(), h.open_session(priority="high"), h.open_session()
+    assert h.open_mesh(a, 1, [0]).placed
+    assert not h.open_mesh(b, 1, [0, 1]).placed  # needs 2, waits
+    assert not h.open_mesh(c, 1, [0]).placed  # would fit, but b came first
+    assert (h.core.sched.position(b), h.core.sched.position(c)) == (1, 2)
+    assert sched_state(h, a) == "running"  # fifo never preempts, whatever the priority
+
+
+# ---------------------------------------------------------------- priorities and preemption
+
+
+def test_priority_orders_the_queue_and_realtime_goes_first_within_a_class(h):
+    workers(h, 1)
+    a = h.open_session(priority="high")
+    assert h.open_mesh(a, 1, [0]).placed
+    low, normal, rt = h.open_session(priority="low"), h.open_session(), h.open_session(kind="realtime")
+    for s in (low, normal, rt):
+        assert not h.open_mesh(s, 1, [0]).placed
+    assert [h.core.sched.position(s) for s in (rt, normal, low)] == [1, 2, 3]
+    assert sched_state(h, a) == "running"  # nobody outranks a high session
+
+
+def test_a_lower_class_may_overtake_a_blocked_higher_one_but_not_its_own_class(h):
+    w0, w1 = workers(h, 2)
+    busy = h.open_session(priority="high")
+    assert h.open_mesh(busy, 1, [0]).placed
+    big = h.open_session(priority="high")  # blocked: needs 2, and nothing it may preempt
+    assert not h.open_mesh(big, 1, [0, 1]).placed
+    same, lower = h.open_session(priority="high"), h.open_session(priority="low")
+    assert not h.open_mesh(same, 1, [0]).placed  # same class: waits behind big
+    assert h.open_mesh(lower, 1, [0]).placed  # big could preempt it later, so it may use the free device
+    close(h, busy)  # big needs both: it freezes the low session to get them
+    assert sched_state(h, big) == "running" and sched_state(h, lower) == "frozen"
+
+
+def test_high_priority_freezes_low_which_holds_its_batches_and_resumes_in_order(h):
+    w0, w1 = workers(h, 2)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0, 1]).placed
+    h.submit(low, 1, [create(1)])
+    h.report_all()
+    h.take_sent()
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1]).placed  # freezes low, takes both devices
+    assert sched_state(h, low) == "frozen" and leases(h, w0) == {high: 0}
+    assert h.core.sessions[low].devices == {0: w0, 1: w1}  # its shards stay where they are
+    assert any("frozen on 2 devices: preempted by session" in line for line in h.core.log.lines())
+    # the frozen session's client goes on: batches are accepted and held, its sync waits
+    assert h.submit(low, 2, [create(2)]) == m.SubmitReply(accepted=2)
+    assert h.submit(low, 3, [create(3)]) == m.SubmitReply(accepted=3)
+    assert h.take_sent() == []
+    rid, reply = h.sync(low, 3, timeout_s=30)
+    assert reply is None
+    status = {s.session: s for s in h.status().sessions}
+    assert (status[low].schedule, status[low].queue_position) == ("frozen", 1)
+    h.submit(high, 1, [create(1)])
+    assert [s.execute.session for s in h.take_sent()] == [high, high]
+    close(h, high)  # devices free: low resumes, its held batches go out in order after high's close
+    assert sched_state(h, low) == "running"
+    sent = [(s.worker_id, s.execute.session, [c.tid for c in s.execute.cmds if isinstance(c, m.CmdCreate)])
+            for s in h.take_sent()]
+    assert sent == [(w0, high, []), (w1, high, []), (w0, low, [2]), (w1, low, [2]), (w0, low, [3]), (w1, low, [3])]
+    h.report_all()
+    assert h.replies[rid].done
+
+
+def test_a_frozen_session_with_nothing_held_syncs_at_once(h):
+    workers(h, 1)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0]).placed
+    h.submit(low, 1, [create(1)])
+    h.report_all()
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0]).placed
+    assert sched_state(h, low) == "frozen"
+    _, reply = h.sync(low, 1)
+    assert reply is not None and reply.done  # its work was finished before the freeze: results can be read
+
+
+def test_preemption_happens_only_when_it_frees_enough(h):
+    workers(h, 3)
+    low, peer = h.open_session(priority="low"), h.open_session(priority="high")
+    assert h.open_mesh(low, 1, [0, 1]).placed and h.open_mesh(peer, 1, [0]).placed
+    high = h.open_session(priority="high")
+    assert not h.open_mesh(high, 1, [0, 1, 2]).placed  # low's two devices are not enough, peer is not lower
+    assert sched_state(h, low) == "running"
+    close(h, peer)  # now freezing low is enough
+    assert sched_state(h, low) == "frozen" and sched_state(h, high) == "running"
+
+
+def test_preemption_victims_are_lowest_class_then_most_recent(h):
+    workers(h, 3)
+    n1, l1, l2 = h.open_session(), h.open_session(priority="low"), h.open_session(priority="low")
+    for s in (n1, l1, l2):
+        assert h.open_mesh(s, 1, [0]).placed
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed
+    assert [sched_state(h, s) for s in (n1, l1, l2)] == ["running", "running", "frozen"]
+
+
+def test_same_class_never_preempts(h):
+    workers(h, 1)
+    a, b = h.open_session(), h.open_session(kind="realtime")
+    assert h.open_mesh(a, 1, [0]).placed
+    assert not h.open_mesh(b, 1, [0]).placed
+    assert sched_state(h, a) == "running"
+
+
+def test_a_frozen_session_reserves_its_free_devices(h):
+    w0, w1 = workers(h, 2)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0, 1]).placed
+    h1 = h.open_session(priority="high")
+    assert h.open_mesh(h1, 1, [0]).placed  # freezes low (both devices come free), takes one
+    assert sched_state(h, low) == "frozen"
+    other = h.open_session(priority="low")
+    assert not h.open_mesh(other, 1, [0]).placed  # the free device is low's, kept for its resume
+    close(h, h1)
+    assert sched_state(h, low) == "running" and sched_state(h, other) == "waiting"
+
+
+def test_preemption_can_be_turned_off():
+    policy = make_policy("priority", {"preempt": False})
+    assert isinstance(policy, PriorityPolicy) and not policy.preempts
+    with pytest.raises(PolicyError, match="takes no parameter 'bogus'"):
+        make_policy("priority", {"bogus": 1})
+    with pytest.raises(PolicyError, match="unknown policy 'srtf'"):
+        make_policy("srtf")
+
+
+# ---------------------------------------------------------------- packing with memory caps
+
+
+def test_capped_batch_sessions_share_devices_while_their_caps_fit(h):
+    w0, = [h.register("10.0.0.0:7000", memory=1000)]
+    w1 = h.register("10.0.0.1:7000", memory=1000)
+    a, b, c = (h.open_session(memory_cap=400) for _ in range(3))
+    for s in (a, b):
+        assert h.open_mesh(s, 1, [0]).placed
+    assert leases(h, w0) == {a: 400, b: 400}  # b packs onto a's device (best fit keeps w1 whole)
+    assert h.open_mesh(c, 1, [0]).placed and leases(h, w1) == {c: 400}  # 1200 > 1000: next device
+    whole = h.open_session()
+    assert not h.open_mesh(whole, 1, [0]).placed  # an uncapped session needs a device to itself
+    rt = h.open_session(memory_cap=100, kind="realtime")
+    assert not h.open_mesh(rt, 1, [0]).placed  # realtime sessions are never packed
+    st = {w.worker: w for w in h.status().workers}
+    assert st[w0].leases == {a: 400, b: 400}
+
+
+def test_fifo_and_las_do_not_pack(make_harness):
+    for policy in (FifoPolicy(), LasPolicy()):
+        h = make_harness(policy=policy)
+        w0 = h.register("10.0.0.0:7000", memory=1000)
+        a, b = h.open_session(memory_cap=100), h.open_session(memory_cap=100)
+        assert h.open_mesh(a, 1, [0]).placed and not h.open_mesh(b, 1, [0]).placed
+        assert leases(h, w0) == {a: 0}
+
+
+def test_going_over_the_memory_cap_is_reported_at_the_next_sync(h):
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    s = h.open_session(memory_cap=100)
+    assert h.open_mesh(s, 1, [0]).placed
+    h.report(w0, sessions={s: m.ShardStats(tensors=1, bytes=150)})
+    h.report(w0, sessions={s: m.ShardStats(tensors=1, bytes=160)})  # said once, not at every report
+    _, reply = h.sync(s, 0)
+    assert [e.op for e in reply.errors] == ["memory cap"]
+    assert "over its memory cap of 100 bytes" in reply.errors[0].message
+
+
+# ---------------------------------------------------------------- least attained service
+
+
+def test_las_demotes_with_attained_service_and_lets_newcomers_preempt(make_harness):
+    h = make_harness(policy=LasPolicy({"thresholds": [10]}), session_timeout_s=0, **QUIET)
+    w0, w1 = workers(h, 2)
+    old = h.open_session()
+    assert h.open_mesh(old, 1, [0, 1]).placed
+    assert h.timers[("schedule",)] == pytest.approx(h.now + 5)  # 10 device-s on 2 devices
+    new = h.open_session()
+    assert not h.open_mesh(new, 1, [0]).placed  # same level: no preemption
+    h.advance(6)
+    assert sched_state(h, old) == "frozen" and sched_state(h, new) == "running"  # old crossed 10 device-s
+    status = {s.session: s for s in h.status().sessions}
+    assert status[old].attained_s == pytest.approx(10)
+    close(h, new)
+    assert sched_state(h, old) == "running"
+
+
+def test_las_starvation_promotion_resets_counted_service(make_harness):
+    h = make_harness(policy=LasPolicy({"thresholds": [10], "starve_factor": 1.0, "starve_min_s": 1}),
+                     session_timeout_s=0, **QUIET)
+    workers(h, 1)
+    old = h.open_session()
+    assert h.open_mesh(old, 1, [0]).placed
+    h.advance(20)  # 20 device-s: level 1
+    new = h.open_session()
+    assert h.open_mesh(new, 1, [0]).placed and sched_state(h, old) == "frozen"
+    h.advance(9)  # new reaches 9 device-s (level 0); old has waited 9 s of the 20 it needs
+    assert sched_state(h, old) == "frozen"
+    h.advance(2)  # new crosses 10: level 1, same as old, no preemption; old promoted at 20 s of waiting?
+    h.advance(10)
+    assert any("promoted after waiting" in line for line in h.core.log.lines())
+    assert sched_state(h, old) == "running" and sched_state(h, new) == "frozen"
+
+
+def test_las_policy_parameters_are_checked():
+    with pytest.raises(PolicyError, match="ascending"):
+        LasPolicy({"thresholds": [5, 1]})
+    with pytest.raises(PolicyError, match="starve_factor"):
+        LasPolicy({"starve_factor": -1})
+
+
+# ---------------------------------------------------------------- session liveness
+
+
+def test_a_silent_client_is_closed_and_its_shards_freed_everywhere(make_harness):
+    h = make_harness(session_timeout_s=5.0, **QUIET)
+    w0, w1 = workers(h, 2)
+    dead, waiting = h.open_session(), h.open_session()
+    opened = h.call(ev.OpenSession, m.OpenSession(hello=hello("client")))
+    assert opened.keepalive_s == 1.0
+    assert h.open_mesh(dead, 1, [0, 1]).placed
+    h.submit(dead, 1, [create(1)])
+    assert not h.open_mesh(waiting, 1, [0]).placed
+    h.take_sent()
+    for _ in range(8):  # the waiting client polls; the other one says nothing
+        h.advance(1.0)
+        h.open_mesh(waiting, 1, [0])
+        h.call(ev.KeepAlive, m.KeepAlive(session=opened.session))
+    assert dead not in h.core.sessions and opened.session in h.core.sessions
+    closes = [(s.worker_id, s.execute.cmds) for s in h.take_sent()]
+    assert closes == [(w0, [m.CmdCloseSession()]), (w1, [m.CmdCloseSession()])]
+    assert sched_state(h, waiting) == "running"
+    assert any("timed out: client silent for 5.0s" in line for line in h.core.log.lines())
+    assert h.call(ev.KeepAlive, m.KeepAlive(session=dead)) == m.Ack(ok=False, message="unknown session (timed out?)")
+
+
+def test_old_clients_without_keepalives_are_never_timed_out(make_harness):
+    h = make_harness(session_timeout_s=5.0, **QUIET)
+    old = m.Hello(protocol_version="1.1", package_version="0.1.0", role="client")
+    opened = h.call(ev.OpenSession, m.OpenSession(hello=old))
+    assert opened.keepalive_s == 0.0
+    h.advance(60)
+    assert opened.session in h.core.sessions
+
+
+# ---------------------------------------------------------------- workers coming and going
+
+
+def test_suspect_workers_take_no_new_devices_until_they_report(make_harness):
+    h = make_harness(heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0, session_timeout_s=0)
+    w0 = h.register("10.0.0.0:7000")
+    h.advance(0.5)  # silent: suspect
+    s = h.open_session()
+    assert not h.open_mesh(s, 1, [0]).placed
+    h.report(w0)  # alive again: the waiting session is placed at once
+    assert sched_state(h, s) == "running"
+
+
+def test_a_frozen_session_whose_workers_are_lost_resumes_with_what_is_left(h):
+    w0, w1 = workers(h, 2)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0, 1]).placed
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed  # low frozen; w1 reserved for it
+    h.handle(ev.WorkerUnreachable(w0))  # high's (and low's) device dies: low can resume on w1 alone
+    assert sched_state(h, low) == "running" and leases(h, w1) == {low: 0}
+
+
+def test_status_shows_schedule_queue_and_leases(h):
+    h.register("10.0.0.0:7000", labels={"node": "rack1"})
+    a, b = h.open_session(priority="high"), h.open_session(priority="low")
+    assert h.open_mesh(a, 1, [0]).placed and not h.open_mesh(b, 1, [0]).placed
+    st = h.status()
+    assert st.policy == "priority (preempt=on, pack=on)" and st.queued == 1
+    sessions = {s.session: s for s in st.sessions}
+    assert (sessions[a].schedule, sessions[a].queue_position, sessions[a].priority) == ("running", 0, "high")
+    assert (sessions[b].schedule, sessions[b].queue_position, sessions[b].kind) == ("waiting", 1, "batch")
+    assert st.workers[0].node == "rack1" and st.workers[0].leases == {a: 0}
+
+
+def test_tenant_table_is_closed_under_its_events():
+    for state, moves in TENANT_TABLE.items():
+        assert set(moves.values()) <= set(TENANT_TABLE), state
+    from dtorch_controller.core.scheduler import Scheduler, Tenant
+
+    sched = Scheduler(FifoPolicy(), {})
+    t = Tenant("s", "normal", "batch", 0)
+    with pytest.raises(IllegalTenantTransition):
+        sched._step(t, "resume")
