@@ -287,7 +287,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if plan.route == "local":
         return _run_and_upload(plan, args, kwargs, leaves)
     if plan.inplace and _reshapes(plan, leaves[0]):
-        return _emit_reshaping(plan, leaves)
+        return _emit_reshaping(plan, args, kwargs, leaves)
     result = _emit(plan, leaves)
     return None if not func._schema.returns else result
 
@@ -365,11 +365,24 @@ def _reshapes(plan: Plan, self: DTensor) -> bool:
     return out is not None and (out.shape, out.stride) != (self._spec.shape, self._spec.stride)
 
 
-def _emit_reshaping(plan: Plan, leaves: list[DTensor]) -> Any:
-    """An in-place view op (squeeze_, t_, resize_) changing self's shape: the wrapper's metadata follows."""
+def _emit_reshaping(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Any:
+    """An in-place view op (squeeze_, t_, resize_) changing self's shape: the wrapper's metadata follows.
+
+    When self must move first (resize_ of a sharded tensor), the op reshapes a moved copy, which then
+    becomes self (its tensor id and layout); the shape change does not reach self's views, whose data
+    this op does not change.
+    """
+    from dtorch.dtensor import redistribute_to
+
     self, s = leaves[0], plan.flat_outputs[0]
     _check_room(plan, self, s)
-    result = _emit(plan, leaves)
+    if plan.inputs[0] is not None:
+        moved = redistribute_to(self, self._spec.mesh, plan.inputs[0].placements, user_src(4))
+        plan.func(moved, *args[1:], **kwargs)
+        self._tid, moved._tid = moved._tid, self._tid  # moved's __del__ now frees self's old shards
+        result, s = self, moved._spec
+    else:
+        result = _emit(plan, leaves)
     with no_dispatch():
         self.as_strided_(s.shape, s.stride)
     self._spec = Spec(self._spec.mesh, s.placements, s.shape, s.stride, self._spec.dtype)
@@ -377,11 +390,7 @@ def _emit_reshaping(plan: Plan, leaves: list[DTensor]) -> Any:
 
 
 def _check_room(plan: Plan, self: DTensor, out: Spec) -> None:
-    """An in-place op changing self's shape must keep self's layout and fit the wrapper's (unallocated) storage."""
-    if plan.inputs[0] is not None:
-        raise NotImplementedError(f"dtorch: {plan.op_name} changes the shape of a DTensor with placements "
-                                  f"{self.placements} in place, which needs it moved to {plan.inputs[0].placements}; "
-                                  "redistribute it first")
+    """An in-place op changing self's shape must fit the wrapper's (unallocated) storage."""
     need = 0 if 0 in out.shape else 1 + sum((n - 1) * st for n, st in zip(out.shape, out.stride))
     have = self.untyped_storage().nbytes() // max(self.element_size(), 1)
     if need > have:

@@ -114,6 +114,8 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
     rule = RULES.get(func)
     if rule is not None:
         return rule(func, args, kwargs, mesh)
+    if func is _aten.fill_.Scalar and isinstance(args[0], Spec) and args[0].has_partial():
+        return _fill_partial(func, args, kwargs, mesh)
     try:
         # never torch's own cache: it keys on the tensor args plus only the non-tensor args a rule declares
         # static, so e.g. histc(bins=1) would reuse the plan of histc(bins=100); our plan cache keys on all args
@@ -140,6 +142,20 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
         if any(_nontensor_leaves(a) != base for a, _ in per_rank[1:]):
             rank_args = per_rank
     return Propagation(op, new_args, kwargs, rank_args, outputs)
+
+
+def _fill_partial(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
+    """fill_ of a Partial self keeps the layout (views keep aliasing): the value goes to one device of each
+    Partial("sum") group and 0 to the others. (torch fills every device, which sums to the value times the
+    group size.)"""
+    self, value = args[0], args[1]
+    sums = [d for d, p in enumerate(self.placements) if isinstance(p, Partial) and p.reduce_op == "sum"]
+    if not sums:
+        return Propagation(func, args, kwargs, None, self)
+    zero = type(value)(0)
+    per_rank = [((self, value if all(c[d] == 0 for d in sums) else zero, *args[2:]), kwargs)
+                for c in coords(mesh.shape)]
+    return Propagation(func, args, kwargs, per_rank, self)
 
 
 def _copy_in_place(args: tuple) -> bool:

@@ -386,13 +386,19 @@ def summarize(results: Sequence[OpResult]) -> dict[str, int]:
     return counts
 
 
+def cause(error: str) -> str:
+    """A failure's first error, normalized for grouping: the innermost 'XxxError: ...', digits as N, short."""
+    hits = list(re.finditer(r"\b\w+(Error|Exception|Mismatch)\b: ", error))
+    text = error[hits[-1].start():] if hits else error.split(";")[0]
+    return re.sub(r"\d+", "N", text)[:90]
+
+
 def causes(results: Sequence[OpResult], top: int = 15) -> list[tuple[str, int]]:
-    """The most common first errors among failing ops, with numbers and names shortened away."""
+    """The most common normalized first errors among failing ops."""
     bucket: dict[str, int] = {}
     for r in results:
         if r.status == "fail":
-            key = re.sub(r"\d+", "N", r.error.split(":", 2)[0] + ":" + r.error.split(":", 2)[1]
-                         if r.error.count(":") >= 1 else r.error)[:120]
+            key = cause(r.error)
             bucket[key] = bucket.get(key, 0) + 1
     return sorted(bucket.items(), key=lambda kv: -kv[1])[:top]
 
