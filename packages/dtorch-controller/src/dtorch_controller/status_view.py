@@ -26,17 +26,20 @@ def render(reply: m.StatusReply, console: Console | None = None, events: int = 2
     """Workers, sessions and the last `events` events, as tables."""
     console = console or Console()
     workers = Table(title=f"workers ({len(reply.workers)})", title_justify="left")
-    for column in ("worker", "state", "address", "device", "tensors", "bytes", "devices bound"):
+    for column in ("worker", "state", "address", "node", "device", "tensors", "bytes", "leased by", "devices bound"):
         workers.add_column(column, justify="right" if column in ("tensors", "bytes") else "left")
     for w in reply.workers:
-        workers.add_row(w.worker, w.state, w.address, w.device_type, str(w.tensors), human_bytes(w.bytes),
-                        ", ".join(w.devices) or "-")
-    sessions = Table(title=f"sessions ({len(reply.sessions)})", title_justify="left")
-    for column in ("session", "name", "priority", "state", "devices", "tensors"):
-        sessions.add_column(column, justify="right" if column == "tensors" else "left")
+        leased = ", ".join(f"{s[:8]}" + (f" ({human_bytes(cap)})" if cap else "") for s, cap in w.leases.items())
+        workers.add_row(w.worker, w.state, w.address, w.node or "-", w.device_type, str(w.tensors),
+                        human_bytes(w.bytes), leased or "-", ", ".join(w.devices) or "-")
+    title = f"sessions ({len(reply.sessions)}, {reply.queued} queued; policy {reply.policy or '?'})"
+    sessions = Table(title=title, title_justify="left")
+    for column in ("session", "name", "priority", "kind", "schedule", "queue", "state", "devices", "tensors"):
+        sessions.add_column(column, justify="right" if column in ("tensors", "queue") else "left")
     for s in reply.sessions:
         devices = ", ".join(f"{d}->{w}" for d, w in sorted(s.devices.items())) or "-"
-        sessions.add_row(s.session, s.name or "-", s.priority, s.state, devices, str(s.tensors))
+        sessions.add_row(s.session[:8], s.name or "-", s.priority, s.kind or "-", s.schedule or "-",
+                         str(s.queue_position) if s.queue_position else "-", s.state, devices, str(s.tensors))
     console.print(workers)
     console.print(sessions)
     console.print(f"recent events ({min(events, len(reply.events))} of {len(reply.events)})", style="bold")

@@ -13,14 +13,18 @@ Rules:
 3. Across sessions devices are exclusive, unless the policy packs: then batch sessions that declared a memory
    cap share devices while the caps fit (pool.py). A running or frozen tenant's later meshes never wait:
    their new logical devices go to free devices when nobody is queued, else onto the tenant's own devices.
-4. The queue is ordered by (policy rank, policy key, arrival). A *pass* walks it in order whenever capacity
-   may have grown (worker registered or alive again, session closed, worker lost, timer) and on every new
-   request; a request that cannot be placed blocks the later ones unless it could preempt them later
-   (policy rules in policies/base.py). A frozen tenant in the queue resumes when all its (live) workers can
-   take it again, preempting their holders if it outranks them; until then it reserves those of its
-   workers that are free, so others do not take them away from it.
+4. The queue holds waiting requests, ordered by (policy rank, policy key, arrival). A *pass* runs whenever
+   capacity may have grown (worker registered or alive again, session closed, worker lost, timer) and on
+   every new request: first every frozen tenant that got all its devices back resumes, then the queue is
+   walked in order. A request that cannot be placed blocks the later ones unless it could preempt them
+   later (policies/base.py), so the walk jumps to the next rank at once: a pass costs O(ranks), not O(queue).
 5. Preemption freezes running tenants of a strictly higher rank, least important and most recently started
-   first, only when freezing them frees enough devices; their leases go back to the pool at once.
+   first, only when that frees enough devices. A frozen tenant *reserves* its devices: the ones the
+   preemptor did not take, and each one that comes free later, are leased back to it (reservation leases;
+   several frozen tenants wanting one device: the best ranked gets it). It resumes, with its batches
+   flushed in order, once it holds all of them again. A higher-ranked request may take reserved devices
+   (before freezing running work). With ranks that change over time (LAS), a frozen tenant that comes to
+   outrank the holders of its devices takes them back at the next tick.
 6. Attained service (device-seconds) accrues while running, with the number of devices leased.
 7. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
@@ -80,15 +84,16 @@ class Tenant:
     kind: str
     cap: int  # memory cap per device in bytes (0: whole devices)
     state: str = IDLE
-    workers: dict[str, None] = field(default_factory=dict)  # leased (running) / to take back (frozen)
+    workers: dict[str, None] = field(default_factory=dict)  # its devices: leased (running) / its own (frozen)
+    missing: set[str] = field(default_factory=set)  # frozen: its devices it does not hold a reservation on
     request: Request | None = None
     arrival: int = 0  # queue tie-break, from its first request (kept through freezes)
-    key: tuple | None = None  # its queue entry while queued
-    rank: int = 0  # its bucket while running
+    key: tuple | None = None  # its queue entry while waiting
+    rank: int = 0  # its bucket while running or frozen
     attained: float = 0.0  # device-seconds of service
     base: float = 0.0  # counted service starts here (a starvation promotion resets it)
     since: float = 0.0  # running since
-    waiting_since: float | None = None
+    waiting_since: float | None = None  # waiting or frozen since
     frozen_by: str = ""
     backlog: list[Any] = field(default_factory=list)  # Submit batches held while frozen
     over_cap: set[str] = field(default_factory=set)  # workers where it was told it exceeds its cap
@@ -133,15 +138,22 @@ def _short(session: str) -> str:
     return session[:8]
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 class Scheduler:
     def __init__(self, policy: Policy, workers: Mapping[str, Worker]) -> None:
         self.policy = policy
         self.workers = workers  # the core's worker table, read only (bound counts, order)
         self.pool = Pool()
         self.tenants: dict[str, Tenant] = {}
-        self._queue: list[tuple] = []  # sorted (rank, *key, arrival, session)
+        self._queue: list[tuple] = []  # waiting requests, sorted (rank, *key, arrival, session)
         self._ranks: dict[int, dict[str, None]] = {}  # running tenants by rank, in start order
-        self._frozen: dict[str, None] = {}
+        self._frozen: dict[int, dict[str, None]] = {}  # frozen tenants by rank, in freeze order
+        self._wanted: dict[str, dict[str, None]] = {}  # worker -> frozen tenants missing it
+        self._resumable: dict[str, None] = {}  # frozen tenants holding all their devices again
+        self._freed: list[str] = []  # workers released in the current step, offered to frozen tenants after it
         self._wakeups: list[tuple[float, int, str]] = []  # heap of (at, stamp, session)
         self._armed: float | None = None
         self._arrivals = itertools.count(1)
@@ -172,6 +184,10 @@ class Scheduler:
         t = self.tenants.get(session)
         return t is not None and bool(t.backlog)
 
+    def reserved(self, worker: str) -> list[str]:
+        """Frozen tenants holding a reservation lease on `worker`."""
+        return [s for s in self.pool.holders(worker) if self.tenants[s].state == FROZEN]
+
     # ------------------------------------------------------------ tenants
 
     def open(self, session: str, priority: str, kind: str, cap: int = 0) -> None:
@@ -179,19 +195,21 @@ class Scheduler:
 
     def close(self, now: float, session: str) -> Changes:
         ch = Changes()
-        t = self.tenants.pop(session, None)
+        t = self.tenants.get(session)
         if t is None:
             return ch
         if t.running:
             self._stop(now, t)
         if t.key is not None:
             self._dequeue(t)
-        self._frozen.pop(session, None)
+        if t.state == FROZEN:
+            self._unfreeze(t)
         for w in t.workers:
-            self.pool.release(w, session)
+            self._release(w, session)
         t.workers.clear()
         t.backlog.clear()
         self._step(t, CLOSE)
+        del self.tenants[session]
         return self._pass(now, ch)
 
     def hold(self, session: str, batch: Any) -> bool:
@@ -238,17 +256,20 @@ class Scheduler:
         return self._finish(Changes())
 
     def _lose_worker(self, now: float, worker: str) -> Changes:
-        ch = Changes()
-        leases = self.pool.remove(worker)
-        for session in leases:
-            t = self.tenants.get(session)
-            if t is not None and t.running:
+        for session in self.pool.remove(worker):
+            t = self.tenants[session]
+            if t.running:
                 self._accrue(now, t)
                 t.workers.pop(worker, None)
                 self._watch(t, now)
-        for session in list(self._frozen):
-            self.tenants[session].workers.pop(worker, None)
-        return self._pass(now, ch)
+        for session in self._wanted.pop(worker, {}):
+            self.tenants[session].missing.discard(worker)
+        for t in (self.tenants[s] for b in self._frozen.values() for s in b):
+            if worker in t.workers:
+                del t.workers[worker]
+                if not t.missing:
+                    self._resumable[t.session] = None
+        return self._pass(now, Changes())
 
     # ------------------------------------------------------------ meshes
 
@@ -262,10 +283,10 @@ class Scheduler:
             ch.placed.append((session, self._extra(now, t, devices, own)))
             self.decisions += 1
             return self._finish(ch), Answer(True)
-        if t.state == FROZEN:  # every worker it had was lost: it resumes (with nothing) in a pass
+        if t.state == FROZEN:  # every device it had was lost: it resumes (with nothing) in a pass
             self._pass(now, ch)
             if t.state == FROZEN:
-                return self._finish(ch), Answer(False, self.position(session), self._why(t))
+                return self._finish(ch), Answer(False, 0, self._why(t))
         if t.request is not None:
             if t.request.mesh != mesh:
                 return self._finish(ch), Answer(False, self.position(session),
@@ -275,7 +296,7 @@ class Scheduler:
         need = min(min_devices, n) if min_devices > 0 else n
         t.request = Request(mesh, tuple(devices), max(1, min(need, len(self.pool))))
         t.arrival = t.arrival or next(self._arrivals)
-        if t.running:  # every worker it leased was lost: it asks again
+        if t.running:  # every device it leased was lost: it asks again
             self._stop(now, t)
         self._step(t, ASK)
         t.waiting_since = now
@@ -287,12 +308,12 @@ class Scheduler:
         return ch, Answer(False, self.position(session), self._why(t))
 
     def _why(self, t: Tenant) -> str:
+        if t.state == FROZEN:
+            return f"frozen (preempted by session {_short(t.frozen_by)})"
         if not self.pool:
             return "no workers registered"
-        if t.request is None:
-            return f"frozen (preempted by session {_short(t.frozen_by)})"
-        need = max(1, min(t.request.need, len(self.pool)))
-        return f"needs {need} device{'s' if need > 1 else ''}, {self.pool.free_total} free of {len(self.pool)}"
+        need = max(1, min(t.request.need if t.request else 1, len(self.pool)))
+        return f"needs {_plural(need, 'physical device')}, {self.pool.free_total} of {len(self.pool)} free"
 
     def _extra(self, now: float, t: Tenant, devices: tuple[int, ...], own: list[str]) -> dict[int, str]:
         """New logical devices of a running or frozen tenant: free devices if nobody waits, else its own."""
@@ -335,45 +356,66 @@ class Scheduler:
         for t in due:
             if t.running:
                 self._accrue(now, t)
-                rank = self.policy.rank(t, now)
-                if rank != t.rank:
-                    self._unrank(t)
-                    ch.notes.append(f"session {_short(t.session)} now at rank {rank} "
-                                    f"({t.service(now):.0f} device-s attained)")
-                    t.rank = rank
-                    self._ranks.setdefault(rank, {})[t.session] = None
+                self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch)
                 self._watch(t, now)
-            elif t.key is not None:
-                starving = getattr(self.policy, "starving", None)
-                if starving is not None and starving(t, now):
-                    t.base = t.service(now)
-                    ch.notes.append(f"session {_short(t.session)} promoted after waiting "
-                                    f"{now - (t.waiting_since or now):.0f}s")
+                continue
+            starving = getattr(self.policy, "starving", None)
+            if starving is not None and starving(t, now):
+                t.base = t.service(now)
+                ch.notes.append(f"session {_short(t.session)} promoted after waiting "
+                                f"{now - (t.waiting_since or now):.0f}s")
+            if t.key is not None:
                 self._dequeue(t)
                 self._enqueue(t, now)
+            elif t.state == FROZEN:
+                self._rerank(t, self.policy.rank(t, now), self._frozen, now, ch)
+                self._watch(t, now)
+        if due:  # ranks moved: frozen tenants that now outrank the holders of their devices take them back
+            for t in [self.tenants[s] for b in list(self._frozen.values()) for s in b]:
+                if t.state == FROZEN and t.missing:
+                    self._reclaim(now, t, ch)
         return self._pass(now, ch)
+
+    def _rerank(self, t: Tenant, rank: int, buckets: dict[int, dict[str, None]], now: float, ch: Changes) -> None:
+        if rank == t.rank:
+            return
+        self._unbucket(t, buckets)
+        ch.notes.append(f"session {_short(t.session)} now at rank {rank} ({t.service(now):.0f} device-s attained)")
+        t.rank = rank
+        buckets.setdefault(rank, {})[t.session] = None
+
+    def _reclaim(self, now: float, t: Tenant, ch: Changes) -> None:
+        holders = {h for w in t.missing for h in self.pool.holders(w)}
+        if not holders or not self.policy.preempts or any(self.tenants[h].rank <= t.rank for h in holders):
+            return
+        for h in sorted(holders, key=lambda h: self.tenants[h].arrival):
+            v = self.tenants[h]
+            if v.running:
+                self._freeze(now, v, t, ch)
+            else:
+                self._unreserve(v)
+        self._offer()
 
     # ------------------------------------------------------------ the pass
 
     def _pass(self, now: float, ch: Changes) -> Changes:
-        """Walk the queue in order and place, preempt or resume what the policy allows."""
-        blocked: int | None = None
-        reserved: set[str] = set()
-        preempts = self.policy.preempts
-        for entry in list(self._queue):
-            t = self.tenants.get(entry[-1])
-            if t is None or t.key != entry:
-                continue  # placed or re-queued earlier in this pass
-            rank = entry[0]
-            if blocked is not None and not (preempts and rank > blocked):
-                if not preempts:
-                    break
+        """Resume the frozen tenants that hold all their devices again, then walk the queue in order."""
+        self._offer()
+        for session in list(self._resumable):
+            self._resume(now, self.tenants[session], ch)
+        entries = list(self._queue)
+        i = 0
+        while i < len(entries):
+            entry = entries[i]
+            t = self.tenants[entry[-1]]
+            if t.key == entry and not self._admit(now, t, ch):
+                if not self.policy.preempts:
+                    break  # nobody may overtake a blocked request
+                i = bisect.bisect_left(entries, (entry[0] + 1,), i + 1)  # only a lower rank may go ahead
                 continue
-            if t.state == FROZEN:
-                if not self._resume(now, t, ch, reserved):
-                    reserved.update(w for w in t.workers if self.pool.is_free(w))
-            elif not self._admit(now, t, ch, reserved):
-                blocked = rank if blocked is None else blocked
+            i += 1
+            for session in list(self._resumable):  # an admission may have handed devices back
+                self._resume(now, self.tenants[session], ch)
         return self._finish(ch)
 
     def _finish(self, ch: Changes) -> Changes:
@@ -394,62 +436,72 @@ class Scheduler:
     def _cap(self, t: Tenant) -> int:
         return t.cap if self._packs(t) else 0
 
-    def _pick(self, t: Tenant, k: int, exclude: Collection[str]) -> list[str]:
+    def _pick(self, t: Tenant, k: int, exclude: Collection[str] = ()) -> list[str]:
         if self._packs(t):
             return self.pool.pick_packed(k, t.cap, exclude)
         return self.pool.pick(k, exclude)
 
-    def _admit(self, now: float, t: Tenant, ch: Changes, reserved: set[str]) -> bool:
+    def _admit(self, now: float, t: Tenant, ch: Changes) -> bool:
         req = t.request
         assert req is not None
-        want = len(req.devices)
-        need = max(1, min(req.need, len(self.pool)))
         if not self.pool:
             return False
-        picked = self._pick(t, want, reserved) if self.pool.free_total or self.pool.shared_room() else []
+        want = len(req.devices)
+        need = max(1, min(req.need, len(self.pool)))
+        picked = self._pick(t, want) if self.pool.free_total or self._packs(t) else []
         if len(picked) < need and self.policy.preempts:
-            victims = self._victims(t, need - len(picked), now, reserved)
+            victims = self._victims(t, need - len(picked), now)
             if victims:
                 for v in victims:
-                    self._freeze(now, v, t, ch)
-                picked = self._pick(t, want, reserved)
+                    if v.running:
+                        self._freeze(now, v, t, ch)
+                    else:
+                        self._unreserve(v)
+                picked = self._pick(t, want)
         if len(picked) < need:
+            self._offer()
             return False
         cap = self._cap(t)
         for w in picked:
             self.pool.lease(w, t.session, cap)
+        self._offer()  # devices the victims gave up and this request did not take go back to them
         t.workers = dict.fromkeys(picked)
         assignment = self._spread(req.devices, picked)
         t.request = None
         self._dequeue(t)
         self._step(t, PLACE)
-        self._start(now, t)
+        self._start(now, t, self._ranks)
         self.decisions += 1
         ch.placed.append((t.session, assignment))
         nodes = len({self.pool.slots[w].node for w in picked})
-        ch.notes.append(f"session {_short(t.session)} mesh {req.mesh} placed on {len(picked)} device"
-                        f"{'s' if len(picked) > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''}) after "
-                        f"{now - (t.waiting_since or now):.2f}s in the queue")
+        ch.notes.append(f"session {_short(t.session)} mesh {req.mesh} placed on {_plural(len(picked), 'device')} "
+                        f"({_plural(nodes, 'node')}) after {now - (t.waiting_since or now):.2f}s in the queue")
         return True
 
-    def _victims(self, t: Tenant, short: int, now: float, reserved: Collection[str]) -> list[Tenant] | None:
-        """Running tenants to freeze so that `short` more devices come free, or None when that cannot be done."""
+    def _victims(self, t: Tenant, short: int, now: float) -> list[Tenant] | None:
+        """Tenants of a higher rank to give up devices so that `short` more come free, or None when they cannot:
+        per rank from the least important, reservations of frozen tenants first, then running tenants, most
+        recent first."""
         mine = t.key[0] if t.key is not None else self.policy.rank(t, now)
         victims: list[Tenant] = []
         chosen: set[str] = set()
         pending: set[str] = set()
         freed: set[str] = set()
-        for rank in sorted(self._ranks, reverse=True):
+        for rank in sorted(self._ranks.keys() | self._frozen.keys(), reverse=True):
             if rank <= mine:
                 break
-            for session in reversed(self._ranks[rank]):
-                v = self.tenants[session]
+            frozen = (self.tenants[s] for s in reversed(self._frozen.get(rank, {})))
+            running = (self.tenants[s] for s in reversed(self._ranks.get(rank, {})))
+            for v in itertools.chain(frozen, running):
+                held = [w for w in v.workers if w not in v.missing] if v.state == FROZEN else list(v.workers)
+                if not held:
+                    continue
                 victims.append(v)
-                chosen.add(session)
-                pending.update(v.workers)
+                chosen.add(v.session)
+                pending.update(held)
                 for w in list(pending):
                     slot = self.pool.slots.get(w)
-                    if slot is None or not slot.placeable or w in reserved:
+                    if slot is None or not slot.placeable:
                         pending.discard(w)
                     elif all(h in chosen for h in slot.leases):
                         pending.discard(w)
@@ -459,46 +511,75 @@ class Scheduler:
         return None
 
     def _freeze(self, now: float, v: Tenant, by: Tenant, ch: Changes) -> None:
+        """Stop dispatching `v`: its devices go back to the pool (it gets back the ones left over)."""
         self._stop(now, v)
-        for w in v.workers:
-            self.pool.release(w, v.session)
         self._step(v, FREEZE)
         v.frozen_by = by.session
         v.waiting_since = now
-        self._frozen[v.session] = None
-        self._enqueue(v, now)
+        v.rank = self.policy.rank(v, now)
+        self._frozen.setdefault(v.rank, {})[v.session] = None
+        self._unreserve(v)
+        self._watch(v, now)
         self.decisions += 1
         ch.frozen.append(v.session)
-        ch.notes.append(f"session {_short(v.session)} ({v.priority}) frozen on {len(v.workers)} device"
-                        f"{'s' if len(v.workers) != 1 else ''}: preempted by session {_short(by.session)} "
-                        f"({by.priority})")
+        ch.notes.append(f"session {_short(v.session)} ({v.priority}) frozen on {_plural(len(v.workers), 'device')}:"
+                        f" preempted by session {_short(by.session)} ({by.priority})")
 
-    def _resume(self, now: float, t: Tenant, ch: Changes, reserved: set[str]) -> bool:
-        live = [w for w in t.workers if w in self.pool]
-        if any(w in reserved for w in live):
-            return False
-        cap = self._cap(t)
-        blockers = {h for w in live if not self.pool.fits(w, cap) for h in self.pool.holders(w)}
-        if blockers:
-            mine = t.key[0] if t.key is not None else self.policy.rank(t, now)
-            if not self.policy.preempts or any(self.tenants[b].rank <= mine or not self.tenants[b].running
-                                               for b in blockers):
-                return False
-            for b in sorted(blockers, key=lambda b: self.tenants[b].arrival):
-                self._freeze(now, self.tenants[b], t, ch)
-        for w in live:
-            self.pool.lease(w, t.session, cap)
-        t.workers = dict.fromkeys(live)
-        self._dequeue(t)
-        self._frozen.pop(t.session, None)
+    def _unreserve(self, v: Tenant) -> None:
+        """A frozen tenant lets go of the devices it holds; it wants them all back."""
+        for w in v.workers:
+            if w not in v.missing:
+                v.missing.add(w)
+                self._wanted.setdefault(w, {})[v.session] = None
+                self._release(w, v.session)
+        self._resumable.pop(v.session, None)
+
+    def _unfreeze(self, t: Tenant) -> None:
+        """Forget a frozen tenant's wants (it resumes or closes)."""
+        for w in t.missing:
+            wanting = self._wanted.get(w)
+            if wanting is not None:
+                wanting.pop(t.session, None)
+                if not wanting:
+                    del self._wanted[w]
+        t.missing.clear()
+        self._unbucket(t, self._frozen)
+        self._resumable.pop(t.session, None)
+
+    def _release(self, worker: str, session: str) -> None:
+        self.pool.release(worker, session)
+        if worker in self._wanted:
+            self._freed.append(worker)
+
+    def _offer(self) -> None:
+        """Reserve each released device that frozen tenants want for the best ranked one it fits."""
+        freed, self._freed = self._freed, []
+        for w in freed:
+            wanting = self._wanted.get(w)
+            if not wanting or w not in self.pool:
+                continue
+            for t in sorted((self.tenants[s] for s in wanting), key=lambda t: (t.rank, t.arrival)):
+                cap = self._cap(t)
+                if not self.pool.fits(w, cap):
+                    continue
+                self.pool.lease(w, t.session, cap)
+                t.missing.discard(w)
+                del wanting[t.session]
+                if not t.missing:
+                    self._resumable[t.session] = None
+            if not wanting:
+                del self._wanted[w]
+
+    def _resume(self, now: float, t: Tenant, ch: Changes) -> None:
+        """`t` holds all its (live) devices again: their reservation leases become its running leases."""
+        self._unfreeze(t)
         self._step(t, RESUME)
         waited = now - (t.waiting_since or now)
-        self._start(now, t)
+        self._start(now, t, self._ranks)
         self.decisions += 1
         ch.resumed.append(t.session)
-        ch.notes.append(f"session {_short(t.session)} resumed on {len(live)} device{'s' if len(live) != 1 else ''}"
-                        f" after {waited:.2f}s frozen")
-        return True
+        ch.notes.append(f"session {_short(t.session)} resumed on {_plural(len(t.workers), 'device')} after "
+                        f"{waited:.2f}s frozen")
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -508,25 +589,26 @@ class Scheduler:
         except KeyError:
             raise IllegalTenantTransition(f"session {t.session}: no transition from {t.state!r} on {event!r}") from None
 
-    def _start(self, now: float, t: Tenant) -> None:
+    def _start(self, now: float, t: Tenant, buckets: dict[int, dict[str, None]]) -> None:
         t.since = now
         t.waiting_since = None
         t.frozen_by = ""
         t.rank = self.policy.rank(t, now)
-        self._ranks.setdefault(t.rank, {})[t.session] = None
+        buckets.setdefault(t.rank, {})[t.session] = None
         self._watch(t, now)
 
     def _stop(self, now: float, t: Tenant) -> None:
         """Leaving `running`: bank the service, leave the rank buckets."""
         self._accrue(now, t)
-        self._unrank(t)
+        self._unbucket(t, self._ranks)
 
-    def _unrank(self, t: Tenant) -> None:
-        bucket = self._ranks.get(t.rank)
-        if bucket is not None:
-            bucket.pop(t.session, None)
+    @staticmethod
+    def _unbucket(t: Tenant, buckets: dict[int, dict[str, None]]) -> None:
+        bucket = buckets.get(t.rank)
+        if bucket is not None and t.session in bucket:
+            del bucket[t.session]
             if not bucket:
-                del self._ranks[t.rank]
+                del buckets[t.rank]
 
     def _accrue(self, now: float, t: Tenant) -> None:
         if t.running:

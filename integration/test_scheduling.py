@@ -1,0 +1,333 @@
+"""Many sessions on one cluster, with real processes: a controller and workers started with their CLIs,
+clients as separate Python processes. Every wait is bounded; the order of events is forced with files, so
+nothing depends on timing luck.
+
+* two clients at once, packed onto the same devices, each with correct results;
+* a SIGKILLed client: the controller closes its silent session and every worker frees its shards;
+* a mesh that waits in the queue (the client shows its position) and is placed as soon as a worker joins;
+* a high-priority session freezes a low-priority one, which resumes afterwards and finishes correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dtorch.protocol import messages as m
+from dtorch.protocol import wire
+
+TOKEN = "scheduling-secret"
+WAIT_S = 60.0  # bound on every wait in these tests
+
+# A client: the program of a DTorch user, with a few helpers to coordinate with the test through files.
+PRELUDE = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import torch
+    import dtorch
+    from dtorch import Replicate, Shard
+
+    DIR = Path(sys.argv[1])
+
+    def say(word):
+        print(word, flush=True)
+
+    def wait_for(name, limit=60.0):
+        deadline = time.monotonic() + limit
+        while not (DIR / name).exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"gave up waiting for {name}")
+            time.sleep(0.05)
+""")
+
+
+class Cluster:
+    """A controller and workers started with the CLIs; clients are scripts run with DTORCH_CONTROLLER set."""
+
+    def __init__(self, tmp: Path, workers: int, *controller_args: str) -> None:
+        self.tmp = tmp
+        self.env = {**os.environ, "DTORCH_TOKEN": TOKEN}
+        self.env.pop("DTORCH_CONTROLLER", None)
+        self.procs: list[subprocess.Popen] = []
+        self.workers: list[subprocess.Popen] = []
+        port_file = tmp / "controller.addr"
+        self.controller = self._start("controller", ["dtorch-controller", "--listen", "127.0.0.1:0",
+                                                     "--port-file", str(port_file), *controller_args])
+        deadline = time.monotonic() + WAIT_S
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert time.monotonic() < deadline and self.controller.poll() is None, "the controller did not start"
+            time.sleep(0.05)
+        self.address = port_file.read_text().strip()
+        self.stub = wire.Stub("dtorch.Controller", self.address, TOKEN)
+        for _ in range(workers):
+            self.add_worker()
+        self.wait(lambda st: sum(w.state == "alive" for w in st.workers) == workers, "workers to register")
+
+    def _start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}-{len(self.procs)}.log", "w")
+        proc = subprocess.Popen(argv, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def add_worker(self) -> subprocess.Popen:
+        proc = self._start("worker", ["dtorch-worker", "--controller", self.address])
+        self.workers.append(proc)
+        return proc
+
+    def client(self, name: str, code: str, **consts: object) -> subprocess.Popen:
+        """Run a client script; its stdout is a pipe (lines the test waits for), stderr goes to a file."""
+        script = self.tmp / f"{name}.py"
+        script.write_text(PRELUDE + "".join(f"{k} = {v!r}\n" for k, v in consts.items()) + textwrap.dedent(code))
+        err = open(self.tmp / f"{name}.err", "w")
+        proc = subprocess.Popen([sys.executable, str(script), str(self.tmp)], stdout=subprocess.PIPE, stderr=err,
+                                text=True, env={**self.env, "DTORCH_CONTROLLER": self.address})
+        err.close()
+        self.procs.append(proc)
+        return proc
+
+    def stderr(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_bytes().decode()  # keep "\r" as written
+
+    def status(self) -> m.StatusReply:
+        return self.stub.call("Status", m.StatusRequest(), timeout=10.0)
+
+    def wait(self, ready, what: str, limit: float = WAIT_S) -> m.StatusReply:
+        deadline = time.monotonic() + limit
+        while True:
+            st = self.status()
+            if ready(st):
+                return st
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
+            time.sleep(0.05)
+
+    def signal(self, name: str) -> None:
+        (self.tmp / name).write_text("go")
+
+    def close(self) -> None:
+        self.stub.close()
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def expect_line(proc: subprocess.Popen, line: str, limit: float = WAIT_S) -> None:
+    """Read the client's stdout until `line` (bounded: a stuck client is killed and the test fails)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        got = proc.stdout.readline()  # type: ignore[union-attr]
+        if got.strip() == line:
+            return
+        if not got and proc.poll() is not None:
+            err = Path(proc.args[-1]) / (Path(proc.args[-2]).stem + ".err")
+            pytest.fail(f"the client exited with {proc.returncode} before printing {line!r}: {err.read_text()[-2000:]}")
+    proc.kill()
+    pytest.fail(f"the client did not print {line!r} within {limit:g}s")
+
+
+def finish(proc: subprocess.Popen, cluster: Cluster, name: str, limit: float = WAIT_S) -> str:
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"client {name} did not finish within {limit:g}s")
+    assert proc.returncode == 0, cluster.stderr(name)
+    return out
+
+
+@pytest.fixture
+def make_cluster(tmp_path):
+    clusters: list[Cluster] = []
+
+    def make(workers: int, *args: str) -> Cluster:
+        clusters.append(Cluster(tmp_path, workers, "--session-timeout", "2", *args))
+        return clusters[-1]
+
+    yield make
+    for c in clusters:
+        c.close()
+
+
+# ---------------------------------------------------------------- two clients at once
+
+TWO_AT_ONCE = """
+    dtorch.connect(name=NAME, memory_cap=256 << 20)  # capped: the two sessions may share devices
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    torch.manual_seed(SEED)
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    da = dtorch.distribute_tensor(a, mesh, [Shard(0)])
+    db = dtorch.distribute_tensor(b, mesh, [Replicate()])
+    assert torch.allclose((da @ db).to_torch(), a @ b, atol=1e-5)
+    say("placed")
+    wait_for("both-running")
+    out = ((da @ db) * SEED).sum(dim=0)  # same tensor ids in both sessions: each names only its own
+    assert torch.allclose(out.to_torch(), ((a @ b) * SEED).sum(dim=0), atol=1e-4)
+    say("ok")
+"""
+
+
+def test_two_clients_at_once_share_the_devices_and_get_correct_results(make_cluster):
+    cluster = make_cluster(2)
+    procs = {name: cluster.client(name, TWO_AT_ONCE, NAME=name, SEED=seed)
+             for name, seed in (("one", 1), ("two", 2))}
+    for proc in procs.values():
+        expect_line(proc, "placed")
+    st = cluster.status()
+    running = [s for s in st.sessions if s.schedule == "running"]
+    assert sorted(s.name for s in running) == ["one", "two"]
+    for w in st.workers:  # packed: each device carries both sessions, each within its cap
+        assert sorted(w.leases.values()) == [256 << 20, 256 << 20], w
+    cluster.signal("both-running")
+    for name, proc in procs.items():
+        assert finish(proc, cluster, name).split() == ["ok"]
+
+
+# ---------------------------------------------------------------- a killed client leaks nothing
+
+KILLED = """
+    dtorch.connect()
+    mesh = dtorch.DeviceMesh("cpu", [0, 1, 2, 3])
+    xs = [dtorch.randn(64, 32, device_mesh=mesh, placements=[Shard(0)]) for _ in range(5)]
+    ys = [x @ x.T for x in xs]
+    ys[-1].to_torch()
+    say("ready")
+    time.sleep(120)
+"""
+
+
+def test_a_killed_client_has_every_shard_freed_on_every_worker(make_cluster):
+    cluster = make_cluster(2)
+    baseline = {w.worker: w.tensors for w in cluster.status().workers}
+    proc = cluster.client("victim", KILLED)
+    expect_line(proc, "ready")
+    st = cluster.wait(lambda st: all(w.tensors > baseline[w.worker] for w in st.workers), "shards on both workers")
+    (session,) = [s.session for s in st.sessions]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    t0 = time.monotonic()
+    st = cluster.wait(lambda st: not st.sessions and all(w.tensors == baseline[w.worker] for w in st.workers),
+                      "the dead client's shards to be freed", limit=20)
+    assert time.monotonic() - t0 < 10
+    assert all(w.bytes == 0 and not w.leases for w in st.workers)
+    assert any(f"session {session[:8]} timed out: client silent" in line for line in st.events)
+
+
+# ---------------------------------------------------------------- waiting for a worker that joins
+
+HOLDER = """
+    dtorch.connect(name="holder")
+    mesh = dtorch.DeviceMesh("cpu", [0])
+    x = dtorch.ones(4, device_mesh=mesh, placements=[Replicate()])
+    assert torch.equal(x.to_torch(), torch.ones(4))
+    say("holding")
+    wait_for("release-holder")
+"""
+
+WAITER = """
+    dtorch.connect(name="waiter")
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    x = dtorch.arange(8, device_mesh=mesh, placements=[Shard(0)]).float()
+    say("placed")
+    assert torch.equal((x * 2).to_torch(), torch.arange(8).float() * 2)
+    say("ok")
+"""
+
+
+def test_a_waiting_mesh_shows_its_position_and_is_placed_when_a_worker_joins(make_cluster):
+    cluster = make_cluster(1)
+    holder = cluster.client("holder", HOLDER)
+    expect_line(holder, "holding")
+    waiter = cluster.client("waiter", WAITER)
+    st = cluster.wait(lambda st: any(s.name == "waiter" and s.schedule == "waiting" for s in st.sessions),
+                      "the waiter to queue")
+    assert [s.queue_position for s in st.sessions if s.name == "waiter"] == [1]
+    cli = subprocess.run(["dtorch-controller", "status", "--controller", cluster.address], env={**cluster.env,
+                         "COLUMNS": "250"}, capture_output=True, text=True, timeout=30)
+    assert cli.returncode == 0 and "1 queued" in cli.stdout, cli.stdout
+    assert any("waiter" in line and "waiting" in line for line in cli.stdout.splitlines()), cli.stdout
+    deadline = time.monotonic() + 10
+    while "position 1 in the queue" not in cluster.stderr("waiter"):  # one line, rewritten in place
+        assert time.monotonic() < deadline, cluster.stderr("waiter")
+        time.sleep(0.05)
+    cluster.add_worker()
+    expect_line(waiter, "placed")
+    assert finish(waiter, cluster, "waiter").split() == ["ok"]
+    err = cluster.stderr("waiter")
+    assert err.count("\n") <= 1 and "\r" in err and "devices placed" in err, repr(err)
+    lines = cluster.status().events
+    joined = next(i for i, line in enumerate(lines) if "registered" in line and "w1 " in line)
+    assert "placed on 1 device" in lines[joined + 1]  # in the same step as the registration
+    cluster.signal("release-holder")
+    assert finish(holder, cluster, "holder") == ""
+
+
+# ---------------------------------------------------------------- preemption and resume
+
+LOW = """
+    dtorch.connect(name="low", priority="low")
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    torch.manual_seed(0)
+    w = torch.randn(16, 16) / 4
+    x = torch.randn(32, 16)
+    dw = dtorch.distribute_tensor(w, mesh, [Replicate()])
+    dx = dtorch.distribute_tensor(x, mesh, [Shard(0)])
+    for _ in range(5):
+        dx = torch.tanh(dx @ dw)
+        x = torch.tanh(x @ w)
+    assert torch.allclose(dx.to_torch(), x, atol=1e-5)
+    say("phase1")
+    wait_for("low-phase2")
+    for _ in range(5):  # submitted while frozen: held by the controller, the sync waits for the resume
+        dx = torch.tanh(dx @ dw)
+        x = torch.tanh(x @ w)
+    t0 = time.monotonic()
+    assert torch.allclose(dx.to_torch(), x, atol=1e-5)
+    say(f"ok waited {time.monotonic() - t0:.1f}")
+"""
+
+HIGH = """
+    dtorch.connect(name="high", priority="high")
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    y = dtorch.full((8, 4), 3.0, device_mesh=mesh, placements=[Shard(0)])
+    assert torch.equal((y + 1).to_torch(), torch.full((8, 4), 4.0))
+    say("placed")
+    wait_for("high-finish")
+    assert torch.equal((y * y).sum().to_torch(), torch.tensor(288.0))
+    say("ok")
+"""
+
+
+def test_high_priority_freezes_low_priority_which_resumes_and_finishes_correctly(make_cluster):
+    cluster = make_cluster(2, "--policy", "priority")
+    low = cluster.client("low", LOW)
+    expect_line(low, "phase1")
+    high = cluster.client("high", HIGH)
+    expect_line(high, "placed")
+    st = cluster.status()
+    states = {s.name: s.schedule for s in st.sessions}
+    assert states == {"low": "frozen", "high": "running"}, states
+    assert all(list(w.leases.values()) == [0] and len(w.leases) == 1 for w in st.workers)  # high holds both
+    cluster.signal("low-phase2")
+    time.sleep(1.0)
+    assert low.poll() is None  # frozen: its sync cannot finish while high holds the devices
+    assert {s.name: s.schedule for s in cluster.status().sessions}["low"] == "frozen"
+    cluster.signal("high-finish")
+    assert finish(high, cluster, "high").split() == ["ok"]
+    out = finish(low, cluster, "low").split()
+    assert out[:2] == ["ok", "waited"] and float(out[2]) >= 0.5, out
+    events = cluster.status().events
+    assert any("(low) frozen on 2 devices: preempted by session" in line and "(high)" in line for line in events)
+    assert any("resumed on 2 devices" in line for line in events)
