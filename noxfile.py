@@ -42,6 +42,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks print their figures; nothing here is a pass/fail timing."""
     install(session)
     session.run("python", "benchmarks/bench_foundation.py", *session.posargs)
+    session.run("python", "benchmarks/bench_scheduler.py")  # 10,000 fake workers, 1,000 queued sessions
 
 
 @nox.session
