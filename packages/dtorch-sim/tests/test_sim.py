@@ -115,3 +115,17 @@ def test_cli_run_and_compare(base, tmp_path):
     assert both.returncode == 0, both.stderr
     for name in ("fifo", "priority", "las"):
         assert json.loads((tmp_path / "cmp" / name / "metrics.json").read_text())["jobs"]["finished"] == 12
+
+
+def test_priority_classes_are_drawn_per_job_and_high_ones_wait_less_under_preemption(base):
+    base["workload"]["synthetic"]["jobs"] = 30
+    base["workload"]["synthetic"]["arrival"]["rate_per_s"] = 1.0
+    base["workload"]["priorities"] = {"high": 1, "low": 3}
+    base["workload"]["retry_s"] = 1.0
+    base["policy"] = {"name": "priority"}
+    sim = run(base)
+    s = metrics.summarize(sim)
+    assert s["jobs"]["finished"] == 30
+    by = s["jct_s_by_priority"]
+    assert set(by) == {"high", "low"} and by["high"]["mean"] < by["low"]["mean"]
+    assert any("frozen on" in line for line in sim.core.log.lines())

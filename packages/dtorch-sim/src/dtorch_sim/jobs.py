@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtorch.protocol import messages as m
 from dtorch_controller.core import events as ev
@@ -27,6 +27,7 @@ class JobSpec:
     arrival: float
     devices: int
     duration: float  # seconds of work on a speed-1.0 device, alone on its devices
+    priority: str = "normal"
 
 
 @dataclass
@@ -47,8 +48,12 @@ class JobRecord:
 
 def generate(sc: Scenario) -> list[JobSpec]:
     wl = sc.workload
-    jobs = list(_synthetic(sc) if wl.synthetic is not None else _trace(sc))
-    return sorted(jobs, key=lambda j: (j.arrival, j.id))
+    jobs = sorted(_synthetic(sc) if wl.synthetic is not None else _trace(sc), key=lambda j: (j.arrival, j.id))
+    if wl.priorities:
+        rng = random.Random(f"priorities-{sc.seed}")
+        classes, weights = list(wl.priorities), list(wl.priorities.values())
+        jobs = [replace(j, priority=rng.choices(classes, weights=weights)[0]) for j in jobs]
+    return jobs
 
 
 def _synthetic(sc: Scenario) -> Iterator[JobSpec]:
@@ -104,7 +109,8 @@ def job(sim, spec: JobSpec, wl: Workload, rec: JobRecord):
     yield env.timeout(spec.arrival - env.now)
     work = Steps(spec, wl.steps_per_job, sim.scenario.cost)
     while True:
-        opened = yield sim.request(lambda r: ev.OpenSession(r, m.OpenSession(hello=HELLO, name=spec.id)))
+        opened = yield sim.request(lambda r: ev.OpenSession(r, m.OpenSession(hello=HELLO, name=spec.id,
+                                                                             priority=spec.priority)))
         session = opened.session
         rec.sessions.append(session)
         mesh = m.OpenMesh(session=session, mesh=0, devices=list(range(spec.devices)), shape=[spec.devices])

@@ -53,6 +53,8 @@ def summarize(sim: Simulation) -> dict:
             "restarts": sum(r.restarts for r in sim.jobs),
         },
         "jct_s": _stats(jct),
+        "jct_s_by_priority": {p: _stats([r.finished - r.spec.arrival for r in done if r.spec.priority == p])
+                              for p in ("high", "normal", "low") if any(r.spec.priority == p for r in sim.jobs)},
         "queueing_delay_s": _stats(queued),
         "makespan_s": _r(max((r.finished for r in done), default=0.0) - (sim.jobs[0].spec.arrival if sim.jobs else 0)),
         "utilization": {
@@ -84,12 +86,13 @@ def write(sim: Simulation, out: str | Path, plots: bool = True) -> dict:
     with open(out / "jobs.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["job_id", "arrival_s", "devices", "duration_s", "placed_s", "finished_s", "failed_s", "jct_s",
-                    "queueing_delay_s", "restarts", "steps_done"])
+                    "queueing_delay_s", "restarts", "steps_done", "priority"])
         for r in sim.jobs:
             s = r.spec
             w.writerow([s.id, _r(s.arrival), s.devices, _r(s.duration), _r(r.placed), _r(r.finished), _r(r.failed),
                         _r(r.finished - s.arrival) if r.finished is not None else None,
-                        _r(r.placed - s.arrival) if r.placed is not None else None, r.restarts, r.steps_done])
+                        _r(r.placed - s.arrival) if r.placed is not None else None, r.restarts, r.steps_done,
+                        s.priority])
     with open(out / "utilization.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["t_s", "alive", "allocated", "bound", "allocated_frac", "busy_frac"])

@@ -158,11 +158,14 @@ class Workload(_Model):
     sync_every: int = Field(5, ge=1)  # steps between Syncs; a Sync is a checkpoint for restarts
     on_failure: Literal["restart", "fail"] = "restart"  # a job whose worker was lost: resume elsewhere, or give up
     retry_s: float = Field(10.0, gt=0)  # wait before asking again when a mesh is not placed
+    priorities: dict[Literal["high", "normal", "low"], float] = {}  # weights of each job's class (empty: normal)
 
     @model_validator(mode="after")
     def _one_source(self) -> Workload:
         if (self.synthetic is None) == (self.trace is None):
             raise ValueError("give exactly one of workload.synthetic or workload.trace")
+        if self.priorities and (any(w < 0 for w in self.priorities.values()) or not sum(self.priorities.values())):
+            raise ValueError("priorities are weights: >= 0, not all 0")
         return self
 
 
