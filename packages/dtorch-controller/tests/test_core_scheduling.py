@@ -437,3 +437,35 @@ def test_tenant_table_is_closed_under_its_events():
     t = Tenant("s", "normal", "batch", 0)
     with pytest.raises(IllegalTenantTransition):
         sched._step(t, "resume")
+
+
+# ---------------------------------------------------------------- elastic growth and moves
+
+
+def test_an_elastic_session_grows_onto_a_worker_that_joins_when_moves_are_possible(h):
+    h.core.sched.growth = True
+    w0 = h.register("10.0.0.0:7000")
+    a = h.open_session()
+    assert h.open_mesh(a, 1, [0, 1, 2, 3], min_devices=1).placed  # 4 logical devices on one worker
+    fixed = h.open_session()
+    w1 = h.register("10.0.0.1:7000")
+    assert leases(h, w1) == {a: 0}  # a grows (nobody waits)
+    assert any("grows onto 1 more device (2 for 4 logical)" in line for line in h.core.log.lines())
+    assert not h.open_mesh(fixed, 1, [0]).placed  # now someone waits: no more growth
+    w2 = h.register("10.0.0.2:7000")
+    assert leases(h, w2) == {fixed: 0}
+    h.core.sched.shrink(h.now, a, [w1])  # the core could not use it: given back, not offered again
+    assert h.core.sched.pool.is_free(w1)
+    h.register("10.0.0.3:7000")
+    assert len(h.core.sched.tenants[a].workers) == 1 and leases(h, w0) == {a: 0}
+
+
+def test_moves_swap_leases_and_free_the_source(h):
+    w0, w1 = workers(h, 2)
+    a, b = h.open_session(), h.open_session()
+    assert h.open_mesh(a, 1, [0]).placed
+    assert not h.open_mesh(b, 1, [0, 1]).placed
+    h.core.sched.moved(h.now, a, w0, w1, src_empty=False)
+    assert leases(h, w0) == {a: 0} and leases(h, w1) == {a: 0}
+    h.core.sched.moved(h.now, a, w0, w1, src_empty=True)  # nothing of a left on w0: it goes back to the pool
+    assert leases(h, w0) == {} and h.core.sched.pool.is_free(w0)

@@ -18,15 +18,18 @@ Rules:
    every new request: first every frozen tenant that got all its devices back resumes, then the queue is
    walked in order. A request that cannot be placed blocks the later ones unless it could preempt them
    later (policies/base.py), so the walk jumps to the next rank at once: a pass costs O(ranks), not O(queue).
-5. Preemption freezes running tenants of a strictly higher rank, least important and most recently started
+5. Elastic tenants (asked with a minimum below their size) that run on fewer devices than they have
+   logical devices grow onto free devices when nobody waits (`growth`, set by the core when it can move
+   logical devices): the core moves some of their logical devices there and reports it with `moved`.
+6. Preemption freezes running tenants of a strictly higher rank, least important and most recently started
    first, only when that frees enough devices. A frozen tenant *reserves* its devices: the ones the
    preemptor did not take, and each one that comes free later, are leased back to it (reservation leases;
    several frozen tenants wanting one device: the best ranked gets it). It resumes, with its batches
    flushed in order, once it holds all of them again. A higher-ranked request may take reserved devices
    (before freezing running work). With ranks that change over time (LAS), a frozen tenant that comes to
    outrank the holders of its devices takes them back at the next tick.
-6. Attained service (device-seconds) accrues while running, with the number of devices leased.
-7. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
+7. Attained service (device-seconds) accrues while running, with the number of devices leased.
+8. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
 """
 
@@ -95,6 +98,8 @@ class Tenant:
     since: float = 0.0  # running since
     waiting_since: float | None = None  # waiting or frozen since
     frozen_by: str = ""
+    logical: int = 0  # logical devices placed: the most physical devices it can use
+    elastic: bool = False  # asked with a minimum below its size: it grows onto devices that come free
     backlog: list[Any] = field(default_factory=list)  # Submit batches held while frozen
     over_cap: set[str] = field(default_factory=set)  # workers where it was told it exceeds its cap
     stamp: int = 0  # invalidates stale wake-ups
@@ -117,6 +122,7 @@ class Tenant:
 @dataclass
 class Changes:
     placed: list[tuple[str, dict[int, str]]] = field(default_factory=list)  # session -> devices to bind
+    grown: list[tuple[str, list[str]]] = field(default_factory=list)  # session -> workers leased to grow onto
     frozen: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # event-log lines
@@ -158,6 +164,7 @@ class Scheduler:
         self._armed: float | None = None
         self._arrivals = itertools.count(1)
         self.decisions = 0  # placements, queueings, freezes, resumes (for benchmarks)
+        self.growth = False  # the core can move logical devices: elastic tenants may grow (see _grow)
 
     # ------------------------------------------------------------ queries
 
@@ -280,6 +287,7 @@ class Scheduler:
         ch = Changes()
         own = [w for w in t.workers if w in self.pool]
         if t.state in (RUNNING, FROZEN) and own:
+            t.logical += len(devices)
             ch.placed.append((session, self._extra(now, t, devices, own)))
             self.decisions += 1
             return self._finish(ch), Answer(True)
@@ -295,6 +303,7 @@ class Scheduler:
         n = len(devices)
         need = min(min_devices, n) if min_devices > 0 else n
         t.request = Request(mesh, tuple(devices), max(1, min(need, len(self.pool))))
+        t.elastic = t.elastic or 0 < min_devices < n
         t.arrival = t.arrival or next(self._arrivals)
         if t.running:  # every device it leased was lost: it asks again
             self._stop(now, t)
@@ -416,7 +425,63 @@ class Scheduler:
             i += 1
             for session in list(self._resumable):  # an admission may have handed devices back
                 self._resume(now, self.tenants[session], ch)
+        if self.growth and not self._queue and self.pool.free_total:
+            self._grow(now, ch)
         return self._finish(ch)
+
+    def _grow(self, now: float, ch: Changes) -> None:
+        """Nobody waits and devices are free: running elastic tenants on fewer devices than logical ones take
+        more (oldest first); the core moves some of their logical devices there."""
+        for bucket in [self._ranks[r] for r in sorted(self._ranks)]:
+            for session in list(bucket):
+                t = self.tenants[session]
+                short = t.logical - len(t.workers)
+                if not t.elastic or short <= 0:
+                    continue
+                grabbed = self._pick(t, short, t.workers)
+                if not grabbed:
+                    return
+                self._accrue(now, t)
+                cap = self._cap(t)
+                for w in grabbed:
+                    self.pool.lease(w, t.session, cap)
+                    t.workers[w] = None
+                self._watch(t, now)
+                self.decisions += 1
+                ch.grown.append((t.session, grabbed))
+                ch.notes.append(f"session {_short(t.session)} grows onto {_plural(len(grabbed), 'more device')} "
+                                f"({len(t.workers)} for {t.logical} logical)")
+
+    def moved(self, now: float, session: str, src: str, dst: str, src_empty: bool) -> Changes:
+        """Logical devices of `session` moved from `src` to `dst` (a migration, a drain, a growth): `dst` is
+        leased to it, and `src` goes back to the pool when none of its devices is left there."""
+        t = self.tenants.get(session)
+        if t is None or t.state == FROZEN:
+            return self._finish(Changes())
+        self._accrue(now, t)
+        if dst not in t.workers and dst in self.pool:
+            self.pool.lease(dst, session, self._cap(t))
+            t.workers[dst] = None
+        if src_empty and src in t.workers and src != dst:
+            del t.workers[src]
+            self._release(src, session)
+        self._watch(t, now)
+        return self._pass(now, Changes())
+
+    def shrink(self, now: float, session: str, workers: list[str]) -> Changes:
+        """Give back workers leased to `session` that hold none of its devices (a growth that could not be
+        used: the tenant is not offered more)."""
+        t = self.tenants.get(session)
+        if t is None:
+            return self._finish(Changes())
+        t.elastic = False
+        self._accrue(now, t)
+        for w in workers:
+            if w in t.workers:
+                del t.workers[w]
+                self._release(w, session)
+        self._watch(t, now)
+        return self._pass(now, Changes())
 
     def _finish(self, ch: Changes) -> Changes:
         while self._wakeups:
@@ -466,6 +531,7 @@ class Scheduler:
             self.pool.lease(w, t.session, cap)
         self._offer()  # devices the victims gave up and this request did not take go back to them
         t.workers = dict.fromkeys(picked)
+        t.logical += want
         assignment = self._spread(req.devices, picked)
         t.request = None
         self._dequeue(t)
