@@ -228,7 +228,8 @@ class ControllerCore:
         s.state = st.step(st.SESSION_TABLE, s.state, st.CLOSE)
         del self.sessions[s.id]
         self.log.add(now, f"session {_short(s.id)} {reason}")
-        self._prune_lost()
+        if len(holders) < len(set(s.devices.values())):  # it used a lost worker, which may be forgotten now
+            self._prune_lost()
         self._apply(now, self.sched.close(now, s.id), out)
 
     # ------------------------------------------------------------ sync
