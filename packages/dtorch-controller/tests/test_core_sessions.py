@@ -150,7 +150,8 @@ def test_execute_seqs_are_per_worker_and_contiguous_across_sessions(h):
     assert seqs == [(w0, s1, 1), (w1, s1, 1), (w0, s2, 2), (w0, s1, 3), (w1, s1, 2)]
 
 
-def test_delete_groups_by_worker_and_devices_and_adopt_only_records(h):
+def test_delete_groups_by_worker_and_devices_and_adopt_only_records(make_harness):
+    h = make_harness(snapshot_every_batches=0)  # recovery off: adopts are not copied (test_core_recovery.py)
     (w0, w1), sid = cluster(h)
     h.register("c:1")
     h.open_mesh(sid, 2, [0, 1])

@@ -97,7 +97,8 @@ def test_reregistering_at_the_same_address_fences_the_old_worker(h):
     assert h.report(new).ok
 
 
-def test_unreachable_worker_is_lost_at_once_and_syncs_report_it(h):
+def test_unreachable_worker_is_lost_at_once_and_syncs_report_it(make_harness):
+    h = make_harness(snapshot_every_batches=0)  # recovery off: the loss is reported (test_core_recovery.py)
     w0, w1 = h.register("a:1"), h.register("b:1")
     sid = h.open_session()
     h.open_mesh(sid, 1, [0, 1])
@@ -115,7 +116,8 @@ def test_unreachable_worker_is_lost_at_once_and_syncs_report_it(h):
     assert h.core.sessions[sid].state == "degraded"
 
 
-def test_lost_worker_error_names_the_logical_devices_whose_tensors_are_gone(h):
+def test_lost_worker_error_names_the_logical_devices_whose_tensors_are_gone(make_harness):
+    h = make_harness(snapshot_every_batches=0)  # recovery off: the loss is reported (test_core_recovery.py)
     w0, w1 = h.register("a:1"), h.register("b:1")
     sid = h.open_session()
     h.open_mesh(sid, 1, [0, 1, 2, 3])  # w0: 0, 2; w1: 1, 3

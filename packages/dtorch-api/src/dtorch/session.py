@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtorch._relocate import Moved, relocating
 from dtorch.errors import ClusterError, DTorchError, RemoteOpError
 from dtorch.layout import coords, gather_groups, holds_value, shard_box
 from dtorch.protocol import messages as m
@@ -214,15 +215,18 @@ class Session:
         return address
 
     def _pull(self, tid: int, device: int) -> torch.Tensor:
+        return relocating(self, device, lambda address: self._pull_from(address, tid, device))
+
+    def _pull_from(self, address: str, tid: int, device: int) -> torch.Tensor:
         parts: list[bytes] = []
         dtype, shape = "", []
-        for chunk in self._worker(self._address(device)).stream(
+        for chunk in self._worker(address).stream(
                 "Pull", m.PullRequest(session=self.id, tid=tid, device=device, timeout_s=self.timeout),
                 timeout=self.timeout + 10.0):
             if chunk.report is not None:
                 raise RemoteOpError(chunk.report.op, chunk.report.src, chunk.report.message)
             if chunk.error:
-                raise DTorchError(chunk.error)
+                raise (Moved if chunk.error.startswith("moved:") else DTorchError)(chunk.error)
             if chunk.dtype:
                 dtype, shape = chunk.dtype, chunk.shape
             parts.append(chunk.data)
@@ -271,9 +275,12 @@ class Session:
         return tid
 
     def _put(self, tid: int, device: int, local: torch.Tensor) -> None:
+        relocating(self, device, lambda address: self._put_to(address, tid, device, local))
+
+    def _put_to(self, address: str, tid: int, device: int, local: torch.Tensor) -> None:
         data = tensor_to_bytes(local)
         dtype, shape = dtype_name(local.dtype), list(local.shape)
-        self._worker(self._address(device)).send_stream(
+        self._worker(address).send_stream(
             "Put", (m.PutChunk(session=self.id, tid=tid, device=device, dtype=dtype, shape=shape, data=bytes(c))
                     for c in wire.chunks(data)), timeout=self.timeout)
 

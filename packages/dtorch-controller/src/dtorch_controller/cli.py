@@ -4,6 +4,8 @@
                       [--heartbeat-timeout S] [--session-timeout S] [--policy NAME]
                       [--policy-param K=V ...] [--parent-pid PID]
     dtorch-controller status [--controller HOST:PORT] [--json]
+    dtorch-controller drain WORKER [--controller HOST:PORT] [--timeout S]
+    dtorch-controller migrate SESSION --device N --to WORKER [--controller HOST:PORT] [--timeout S]
 
 The token comes from $DTORCH_TOKEN. The embedded local cluster starts the controller on port 0 with
 --port-file and --parent-pid, reads the address from the file, and relies on the watchdog to end the
@@ -66,6 +68,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         config = Config(heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
+                        snapshot_every_batches=args.snapshot_batches, snapshot_every_s=args.snapshot_interval,
                         session_timeout_s=args.session_timeout)
         policy = make_policy(args.policy, _policy_params(args.policy_param))
     except ValueError as e:
@@ -144,19 +147,71 @@ def build_parser() -> argparse.ArgumentParser:
                         help="scheduling policy: fifo, priority (default: classes, preemption, packing) or las")
     parser.add_argument("--policy-param", action="append", default=[], metavar="K=V",
                         help="a policy parameter, e.g. preempt=false or thresholds=[60,600] (repeatable)")
+    parser.add_argument("--snapshot-batches", type=int, metavar="N",
+                        default=int(os.environ.get("DTORCH_SNAPSHOT_BATCHES", "32")),
+                        help="copy each session's live tensors to another worker every N batches, so a lost "
+                             "worker's tensors are rebuilt (default 32, $DTORCH_SNAPSHOT_BATCHES; 0: no recovery)")
+    parser.add_argument("--snapshot-interval", type=float, metavar="S",
+                        default=float(os.environ.get("DTORCH_SNAPSHOT_INTERVAL", "30")),
+                        help="... or at the next batch once the last copy is this old (default 30)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process exits")
-    commands = parser.add_subparsers(dest="command", metavar="{status}")
+    commands = parser.add_subparsers(dest="command", metavar="{status,drain,migrate}")
     st = commands.add_parser("status", help="show workers, sessions and recent events of a running controller")
     st.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
     st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
     st.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
+    dr = commands.add_parser("drain", help="move everything off a worker (devices, copies), then release it")
+    dr.add_argument("worker", help="worker id, as `status` lists it (w3)")
+    mg = commands.add_parser("migrate", help="move one logical device of a running session to another worker")
+    mg.add_argument("session", help="session id (or a unique prefix of at least 4 characters)")
+    mg.add_argument("--device", type=int, required=True, metavar="N", help="the logical device to move")
+    mg.add_argument("--to", required=True, metavar="WORKER", help="the worker to move it to (w2)")
+    for sub in (dr, mg):
+        sub.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
+        sub.add_argument("--json", action="store_true", help="print the raw AdminReply as JSON")
+        sub.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                         help="answer after this long even if still in progress (default 300)")
     return parser
+
+
+def admin(args: argparse.Namespace) -> int:
+    """`drain` and `migrate`: one request, answered when the move is done; one line on refusal."""
+    from dtorch.protocol import messages as m
+    from dtorch_controller import status_view
+
+    if args.command == "drain":
+        method, request = "Drain", m.DrainRequest(worker=args.worker, timeout_s=args.timeout)
+    else:
+        method, request = "Migrate", m.MigrateRequest(session=args.session, device=args.device, to_worker=args.to,
+                                                      timeout_s=args.timeout)
+    target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
+    stub = wire.Stub("dtorch.Controller", target, wire.token_from_env())
+    try:
+        reply = stub.call(method, request, timeout=args.timeout + 30.0)
+    except (ConnectionError, TimeoutError, PermissionError, wire.ProtocolError, wire.RemoteError) as e:
+        text = str(e).replace(f"{method} on {target} failed: ", "")
+        print(f"dtorch-controller {args.command}: {text}".splitlines()[0], file=sys.stderr)
+        return 1
+    finally:
+        stub.close()
+    if args.json:
+        print(status_view.to_json(reply))
+        return 0 if reply.ok else 1
+    print(reply.message if reply.ok else f"dtorch-controller {args.command}: {reply.message}",
+          file=sys.stdout if reply.ok else sys.stderr)
+    for mv in reply.moves:
+        print(f"  session {mv.session[:8]} logical device{'s' if len(mv.devices) > 1 else ''} "
+              f"{', '.join(map(str, mv.devices))}: {mv.from_worker} -> {mv.to_worker}, {mv.tensors} shards, "
+              f"{status_view.human_bytes(mv.bytes)}, downtime {mv.downtime_s * 1000:.1f} ms")
+    return 0 if reply.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "status":
         return status(args)
+    if args.command in ("drain", "migrate"):
+        return admin(args)
     return serve(args)
 
 

@@ -48,7 +48,8 @@ class Simulation:
         self.env = simpy.Environment()
         self.rng = random.Random(f"sim-{sc.seed}")
         config = Config(heartbeat_interval_s=sc.heartbeat.interval_s, heartbeat_timeout_s=sc.heartbeat.timeout_s,
-                        max_sync_timeout_s=1e12, session_timeout_s=0.0)  # simulated clients never vanish
+                        max_sync_timeout_s=1e12, session_timeout_s=0.0,  # simulated clients never vanish
+                        snapshot_every_batches=0)  # fake workers hold no data: a job restarts after a loss
         self.core = ControllerCore(config, session_ids=counter_ids("s"), policy=make_policy(sc.policy.name,
                                                                                               sc.policy.params))
         self.events = 0  # events fed to the core

@@ -42,6 +42,7 @@ from dtorch.protocol.messages import (
     CmdRedistribute,
     CmdRun,
     CmdSendShards,
+    CmdStay,
     ErrorReport,
     Execute,
     Piece,
@@ -271,6 +272,8 @@ class Executor:
                 self.store.clear_moved(session)
             elif isinstance(cmd, CmdRebuilt):
                 self.store.rebuilt(session)
+            elif isinstance(cmd, CmdStay):
+                self.store.clear_moved(session, list(cmd.devices))
             else:
                 raise TypeError(f"unknown command {type(cmd).__name__}")
         except PoisonedInput as e:
@@ -404,6 +407,9 @@ class Executor:
         stream = shards.chunks(shards.pack(items), namespace=cmd.namespace, sender=self.address, host=cmd.host,
                                move=list(cmd.move))
         self.peers.put_shards(cmd.to, stream, session)
+        for tid, device, _shard in items:  # uploads not adopted yet have no readers here: they moved
+            if (tid, device) not in listed:
+                self.store.delete((session, tid, device))
 
     def _fetch_shards(self, session: str, cmd: CmdFetchShards) -> None:
         if self._is_local(cmd.address):

@@ -381,8 +381,14 @@ class CmdRebuilt(Struct, frozen=True, tag="rebuilt"):
     """The session's shards on this worker are rebuilt: client Pulls may read them again."""
 
 
+class CmdStay(Struct, frozen=True, tag="stay"):
+    """A move of these devices away from this worker was called off: clear their "moved" marks."""
+
+    devices: list[int]
+
+
 Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
-       | CmdFetchShards | CmdAbandon | CmdRebuilt)
+       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay)
 
 
 class Execute(Struct, frozen=True):

@@ -24,6 +24,11 @@ class Config:
     event_log_size: int = 200  # recent events kept for Status
     lost_workers_kept: int = 32  # lost workers still listed in Status once nothing refers to them
     max_sync_timeout_s: float = 3600.0  # clamp on a client's Sync timeout
+    # Recovery (recovery.py): every live shard of a session is copied (on its worker and in another worker's
+    # host memory) after this many batches, or at the next batch once this old; batches since then are
+    # replayed after a worker loss. 0 batches: no copies, a lost worker's tensors are lost.
+    snapshot_every_batches: int = 32
+    snapshot_every_s: float = 30.0
     session_timeout_s: float = 5.0  # a client silent this long is gone: its session closes (0: never)
     format_time: Callable[[float], str] = format_seconds  # renders `now` in event-log lines
 
@@ -35,6 +40,9 @@ class Config:
                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")
         if not self.session_timeout_s >= 0:
             raise ValueError(f"session_timeout_s must be >= 0, got {self.session_timeout_s}")
+        if self.snapshot_every_batches < 0 or not self.snapshot_every_s > 0:
+            raise ValueError(f"snapshot_every_batches must be >= 0 and snapshot_every_s > 0, got "
+                             f"{self.snapshot_every_batches} and {self.snapshot_every_s}")
         if self.event_log_size < 1:
             raise ValueError(f"event_log_size must be >= 1, got {self.event_log_size}")
 

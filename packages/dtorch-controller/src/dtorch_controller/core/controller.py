@@ -40,8 +40,8 @@ from dtorch_controller.core.eventlog import EventLog
 from dtorch_controller.core.ids import random_session_id
 from dtorch_controller.core.model import Mesh, PendingSync, Session, Worker
 from dtorch_controller.core.policies import Policy, make_policy
+from dtorch_controller.core.recovery import Faults
 from dtorch_controller.core.scheduler import Changes, Scheduler
-from dtorch_controller.core.translate import translate
 
 Effects = list[fx.Effect]
 
@@ -69,11 +69,13 @@ class ControllerCore:
         self._new_session_id = session_ids or random_session_id
         self._by_address: dict[str, str] = {}  # address -> id of the worker there that is not lost
         self._registrations = 0
+        self.faults = Faults(self)  # snapshots, recovery after worker loss, migration, drain (recovery.py)
         self._handlers: dict[type, Callable[[float, Any, Effects], None]] = {
             ev.OpenSession: self._open_session, ev.OpenMesh: self._open_mesh, ev.Submit: self._submit,
             ev.Sync: self._sync, ev.CloseSession: self._close_session, ev.Status: self._status,
             ev.Register: self._register, ev.Report: self._report, ev.TimerFired: self._timer,
-            ev.WorkerUnreachable: self._unreachable, ev.KeepAlive: self._keepalive,
+            ev.WorkerUnreachable: self._unreachable, ev.Drain: self.faults.mover.drain,
+            ev.Migrate: self.faults.mover.migrate, ev.KeepAlive: self._keepalive,
         }
 
     def handle(self, now: float, event: ev.Event) -> list[fx.Effect]:
@@ -82,6 +84,7 @@ class ControllerCore:
         if handler is None:
             raise TypeError(f"not a controller event: {event!r}")
         out: Effects = []
+        self.faults.now = now
         s = self.sessions.get(getattr(getattr(event, "msg", None), "session", None))  # type: ignore[arg-type]
         if s is not None:
             s.last_heard = now
@@ -197,15 +200,14 @@ class ControllerCore:
             return self._refuse(out, e.request_id, f"batch {msg.seq} out of order: session {_short(s.id)} "
                                                    f"expects batch {s.seq + 1}")
         s.seq = msg.seq
+        self.faults.submitted(s, msg.seq, msg.instrs)  # logged for replay after a worker loss
         if not self.sched.hold(s.id, msg.instrs):  # a frozen session's batches wait until it resumes
             self._dispatch(s, msg.instrs, out)
         self._reply(out, e.request_id, m.SubmitReply(accepted=msg.seq))
 
     def _dispatch(self, s: Session, instrs: list[m.Instr], out: Effects) -> None:
-        batch = translate(s, instrs, self.workers)
-        s.errors.extend(batch.errors)
-        s.deferred.extend(batch.deferred)
-        self._send(s, batch.cmds, out)
+        """Translate and send a batch (and any held before it), unless recovery or a move holds them."""
+        self.faults.dispatch(s, instrs, out)
 
     def _close_session(self, now: float, e: ev.CloseSession, out: Effects) -> None:
         s = self.sessions.get(e.msg.session)
@@ -225,6 +227,7 @@ class ControllerCore:
             w = self.workers[worker_id]
             w.bound -= 1
             w.sessions.discard(s.id)
+        self.faults.closed(s, out)
         s.state = st.step(st.SESSION_TABLE, s.state, st.CLOSE)
         del self.sessions[s.id]
         self.log.add(now, f"session {_short(s.id)} {reason}")
@@ -251,18 +254,23 @@ class ControllerCore:
         if msg.upto > s.seq:
             return self._refuse(out, e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted "
                                                    f"for session {_short(s.id)} is {s.seq}")
-        if not self._busy(s) and not self.sched.holding(s.id):
+        if not self._busy(s) and not self._held(s):
             return self._reply(out, e.request_id, self._done(s))
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)
         s.syncs[e.request_id] = PendingSync(e.request_id, msg.upto, timeout)
         out.append(fx.SetTimer(now + timeout, ("sync", s.id, e.request_id)))
 
+    def _held(self, s: Session) -> bool:
+        """Batches accepted but not sent yet: frozen by the scheduler, or held by recovery or a move."""
+        return self.sched.holding(s.id) or self.faults.holding(s)
+
     def _done(self, s: Session) -> m.SyncReply:
+        self.faults.delivered(s)
         errors, s.errors = s.errors, []
         return m.SyncReply(done=True, errors=errors, locations=self._locations(s))
 
     def _resolve_syncs(self, s: Session, out: Effects) -> None:
-        if s.syncs and not self._busy(s) and not self.sched.holding(s.id):
+        if s.syncs and not self._busy(s) and not self._held(s):
             for pending in s.syncs.values():
                 self._reply(out, pending.request_id, self._done(s))
             s.syncs.clear()
@@ -273,8 +281,13 @@ class ControllerCore:
         if s is None or pending is None:
             return  # answered already
         busy = self._busy(s)
-        if not busy and not self.sched.holding(s.id):
+        if not busy and not self._held(s):
             return self._reply(out, request_id, self._done(s))
+        if not busy and self.faults.holding(s):
+            return self._reply(out, request_id, m.SyncReply(
+                done=False, locations=self._locations(s),
+                message=f"sync upto batch {pending.upto} timed out after {pending.timeout_s:g}s; the session is "
+                        f"{s.state} with batches held"))
         if not busy:
             return self._reply(out, request_id, m.SyncReply(
                 done=False, locations=self._locations(s),
@@ -327,9 +340,10 @@ class ControllerCore:
         for session_id, errors in msg.errors.items():
             s = self.sessions.get(session_id)
             if s is not None:
-                s.errors.extend(errors)
+                s.errors.extend(self.faults.errors(s, w, errors))
         if msg.sessions:
             self._check_caps(now, w, msg.sessions)
+        self.faults.progress(now, w, msg, out)  # snapshots, rebuilds and moves waiting for this worker
         for session_id in sorted(w.sessions):
             s = self.sessions[session_id]
             self._flush_deferred(s, out)
@@ -342,6 +356,8 @@ class ControllerCore:
             self._check_heartbeat(now, key[1], out)
         elif isinstance(key, tuple) and len(key) == 3 and key[0] == "sync":
             self._sync_timeout(now, key[1], key[2], out)
+        elif self.faults.timer(key, out):
+            pass
         elif key == ("schedule",):
             self._apply(now, self.sched.tick(now), out)
         elif isinstance(key, tuple) and len(key) == 2 and key[0] == "session":
@@ -373,7 +389,10 @@ class ControllerCore:
         if self._by_address.get(w.address) == w.id:
             del self._by_address[w.address]
         self.log.add(now, f"worker {w.id} at {w.address} lost: {reason}")
+        taken = self.faults.losing(w, reason)  # sessions rebuilt from their copies instead (recovery.py)
         for session_id in sorted(w.sessions):
+            if session_id in taken:
+                continue
             s = self.sessions[session_id]
             devices = sorted(d for d, worker_id in s.devices.items() if worker_id == w.id)
             on_worker = {mesh.id for mesh in s.meshes.values() if any(s.devices[d] == w.id for d in mesh.devices)}
@@ -381,8 +400,8 @@ class ControllerCore:
             unfinished = s.sent.pop(w.id, 0) > w.completed
             s.state = st.step(st.SESSION_TABLE, s.state, st.WORKER_LOST)
             if lost or unfinished:
-                ids = ", ".join(map(str, lost[:8])) + (", ..." if len(lost) > 8 else "")
-                what = f"{len(lost)} tensors lost (ids {ids})" if lost else "unfinished commands lost"
+                what = f"{len(lost)} tensors lost: {self.faults.lost_detail(s, lost)}" if lost \
+                    else "unfinished commands lost"
                 s.errors.append(m.ErrorReport(
                     op="worker lost", src="", tid=lost[0] if lost else -1,
                     message=f"worker {w.id} at {w.address} was lost ({reason}); logical devices {devices} "
@@ -392,6 +411,7 @@ class ControllerCore:
             self._resolve_syncs(s, out)
         self._prune_lost()
         self._apply(now, self.sched.worker_changed(now, w), out)
+        self.faults.lost(w, taken, out)
 
     def _prune_lost(self) -> None:
         """Forget the oldest lost workers nothing refers to, keeping `lost_workers_kept` for Status."""
@@ -477,12 +497,14 @@ class ControllerCore:
                                   node=pool[w.id].node if w.id in pool else "",
                                   leases=dict(pool[w.id].leases) if w.id in pool else {})
                    for w in sorted(self.workers.values(), key=lambda w: w.order)]
+        workers = self.faults.worker_status(workers)
         sessions = [m.SessionStatus(session=s.id, name=s.name, priority=s.priority, state=s.state,
                                     devices=dict(sorted(s.devices.items())), tensors=len(s.tensors),
                                     queue_position=self.sched.position(s.id), kind=s.kind,
                                     schedule=self.sched.state(s.id), memory_cap=tenants[s.id].cap,
                                     attained_s=tenants[s.id].service(now))
                     for s in sorted(self.sessions.values(), key=lambda s: s.opened_at)]
+        sessions = self.faults.session_status(sessions)
         self._reply(out, e.request_id, m.StatusReply(workers=workers, sessions=sessions, events=self.log.lines(),
                                                      policy=self.policy.describe(), queued=self.sched.queued))
 

@@ -12,6 +12,11 @@ Rules (in the spirit of h11's `_state.py`):
    was merely slow harmless.
 4. Only `alive` workers receive new logical devices. `suspect` workers keep theirs and still get
    commands: one missed heartbeat is not a fault.
+5. A drained worker is released through `lost` (event `release`): fenced like a dead one, but only once
+   nothing of any session is left on it (recovery.py, migration.py).
+6. A session whose worker was lost is `recovering` while its shards are rebuilt (its batches are held);
+   one whose logical device is being moved is `migrating` (held too). `degraded` means data was lost for
+   good: the client was told at a sync point, and no later loss is recovered.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ TIMEOUT = "timeout"  # no report for Config.heartbeat_timeout_s
 UNREACHABLE = "unreachable"  # the adapter could not deliver a command batch
 REPLACED = "replaced"  # a new worker registered at the same address (the process restarted)
 DRAIN = "drain"  # an operator asked the worker to leave
+RELEASE = "release"  # a draining worker holds nothing any more: it leaves (fenced, it exits)
 
 _GONE = {TIMEOUT: LOST, UNREACHABLE: LOST, REPLACED: LOST}
 
 WORKER_TABLE: Mapping[str, Mapping[str, str]] = {
     ALIVE: {REPORT: ALIVE, SILENT: SUSPECT, DRAIN: DRAINING, **_GONE},
     SUSPECT: {REPORT: ALIVE, SILENT: SUSPECT, DRAIN: DRAINING, **_GONE},
-    DRAINING: {REPORT: DRAINING, SILENT: DRAINING, DRAIN: DRAINING, **_GONE},
+    DRAINING: {REPORT: DRAINING, SILENT: DRAINING, DRAIN: DRAINING, RELEASE: LOST, **_GONE},
     LOST: {},
 }
 
@@ -46,14 +52,22 @@ PLACEABLE = frozenset({ALIVE})  # states that may receive new logical devices
 # ---------------------------------------------------------------- sessions
 
 OPEN = "open"  # every logical device it uses sits on a worker that is not lost
-DEGRADED = "degraded"  # some logical device sat on a worker that was lost (recovery: a later issue)
+RECOVERING = "recovering"  # a worker it used was lost: shards are being rebuilt elsewhere, batches held
+MIGRATING = "migrating"  # a logical device is being copied to another worker, batches held
+DEGRADED = "degraded"  # some logical device's data was lost with its worker and could not be rebuilt
 CLOSED = "closed"
 
-WORKER_LOST = "worker_lost"
+WORKER_LOST = "worker_lost"  # ... and its shards cannot be rebuilt
+RECOVER = "recover"  # ... and they can: rebuild them
+RECOVERED = "recovered"
+MOVE = "move"
+MOVED = "moved"
 CLOSE = "close"
 
 SESSION_TABLE: Mapping[str, Mapping[str, str]] = {
-    OPEN: {WORKER_LOST: DEGRADED, CLOSE: CLOSED},
+    OPEN: {WORKER_LOST: DEGRADED, RECOVER: RECOVERING, MOVE: MIGRATING, CLOSE: CLOSED},
+    RECOVERING: {RECOVER: RECOVERING, RECOVERED: OPEN, WORKER_LOST: DEGRADED, CLOSE: CLOSED},
+    MIGRATING: {MOVED: OPEN, RECOVER: RECOVERING, WORKER_LOST: DEGRADED, CLOSE: CLOSED},
     DEGRADED: {WORKER_LOST: DEGRADED, CLOSE: CLOSED},
     CLOSED: {},
 }

@@ -1,0 +1,163 @@
+"""What the core keeps to rebuild a session after a worker loss: its instruction log and its copies.
+
+Rules:
+
+1. Lineage is kept per session as (snapshot, log): a *snapshot* is a complete set of copies of every
+   live shard at the end of one client batch, and the *log* holds every client batch accepted after it.
+   Replaying the log on top of the snapshot rebuilds every tensor exactly: ops are deterministic on
+   the same inputs and random ops carry their seeds.
+2. Each logical device's copies exist twice: on the worker that hosted it then (local, cheap to restore
+   from when that worker survives) and in host memory of another worker (survives the loss of the
+   first). A session is *protected* when it has a complete snapshot; with a single worker it is not.
+3. Uploads (InstrAdopt) have no lineage: their shards are copied (local + another worker) at the point of
+   the adopt in the stream, kept while the adopt is in the log.
+4. Copies live on workers under namespaces derived from the session id (`{session}#s{n}` for snapshot
+   n, `{session}#a{n}` for uploads adopted in window n); the log is truncated and older namespaces are
+   dropped when a newer snapshot is complete. Memory is bounded by two copies of the session's live
+   tensors plus its uploads of one window, and the log by the snapshot interval.
+5. Nothing here does I/O or reads a clock: `recovery.py` drives it from the core's events.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtorch.layout import shard_box
+from dtorch.protocol import messages as m
+from dtorch_controller.core.model import Mesh
+from dtorch_controller.core.redistribute import parse_placements
+
+ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
+            "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+            "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8}
+
+
+@dataclass
+class LoggedBatch:
+    """One accepted client batch."""
+
+    seq: int
+    instrs: list[m.Instr]
+    ready: bool = False  # the scheduler let it go (not held for a frozen session)
+    sent: bool = False  # translated and sent to workers
+
+
+@dataclass
+class Copies:
+    """Copies of shards in one namespace: a snapshot, or the uploads of one InstrAdopt."""
+
+    namespace: str
+    upto: int  # the client batch they follow (snapshot) or belong to (adopt)
+    tensors: dict[int, m.TensorSpec]  # snapshot: every live tensor then; adopt: the uploaded one
+    holders: dict[int, list[str]] = field(default_factory=dict)  # logical device -> workers with a copy
+    pending: dict[str, int] = field(default_factory=dict)  # worker -> Execute seq to complete (being made)
+    failed: str = ""  # why they cannot be used
+    started: float = 0.0
+    bytes: int = 0
+    first_seq: dict[str, int] = field(default_factory=dict)  # worker -> its first Execute seq after them
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending and not self.failed
+
+
+@dataclass
+class Lineage:
+    """Per session: the log since the last complete snapshot, the snapshot, uploads' copies."""
+
+    enabled: bool = True  # False once a loss was unrecoverable (or recovery is off): only the held tail is kept
+    why: str = ""  # why it was turned off
+    log: list[LoggedBatch] = field(default_factory=list)
+    snapshot: Copies | None = None  # complete
+    taking: Copies | None = None  # being made
+    adopts: dict[int, Copies] = field(default_factory=dict)  # tid -> copies of its upload
+    window: int = 0  # numbers namespaces: snapshot n opens window n
+    namespaces: dict[str, set[str]] = field(default_factory=dict)  # namespace -> workers holding some of it
+    origin: dict[int, tuple[str, str]] = field(default_factory=dict)  # tid -> (op, src) that made it
+    force: bool = False  # take a snapshot as soon as possible (copies were lost, a drain needs it)
+    last_snapshot_at: float = 0.0
+    sent_upto: int = 0  # the last batch sent to workers
+    delivered: int = 0  # highest batch whose errors reached the client (a Sync answered done)
+    window_errors: list[tuple[str, m.ErrorReport]] = field(default_factory=list)  # (worker, report) not delivered
+    replayed: dict[str, dict[int, int]] = field(default_factory=dict)  # worker -> Execute seq -> replayed batch
+    reset_seq: dict[str, int] = field(default_factory=dict)  # worker -> seq of its last CmdAbandon
+    recoveries: int = 0
+    migrations: int = 0
+
+    def sent_batches(self) -> Iterator[LoggedBatch]:
+        return (b for b in self.log if b.sent)
+
+    def find(self, instrs: list[m.Instr]) -> LoggedBatch | None:
+        for b in self.log:
+            if b.instrs is instrs:
+                return b
+        return None
+
+    def batches_since_snapshot(self) -> int:
+        upto = self.snapshot.upto if self.snapshot is not None else 0
+        return max(0, self.sent_upto - upto)
+
+
+def instr_tids(instr: m.Instr) -> set[int]:
+    """Every tensor id an instruction names (made, read, moved or deleted)."""
+    if isinstance(instr, (m.InstrCreate, m.InstrAdopt)):
+        return {instr.tid}
+    if isinstance(instr, m.InstrCall):
+        out = {o.tid for o in instr.outs if o is not None}
+        return out | {t for t in _refs([instr.args, instr.kwargs, instr.local or {}]) if isinstance(t, int)}
+    if isinstance(instr, m.InstrRedistribute):
+        return {instr.src, instr.dst}
+    if isinstance(instr, m.InstrDelete):
+        return set(instr.tids)
+    return set()
+
+
+def _refs(value: Any) -> Iterator[Any]:
+    if isinstance(value, dict):
+        if len(value) == 1 and "$t" in value:
+            yield value["$t"]
+            return
+        for v in value.values():
+            yield from _refs(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _refs(v)
+
+
+def note_origins(origin: dict[int, tuple[str, str]], instrs: list[m.Instr]) -> None:
+    """Remember which op made each tensor (for the message when it cannot be rebuilt)."""
+    for instr in instrs:
+        if isinstance(instr, m.InstrCreate):
+            origin[instr.tid] = (f"create:{instr.init}", instr.src)
+        elif isinstance(instr, m.InstrAdopt):
+            origin[instr.tid] = ("upload (distribute_tensor)", "")
+        elif isinstance(instr, m.InstrCall):
+            for o in instr.outs:
+                if o is not None:
+                    origin.setdefault(o.tid, (instr.op, instr.src))  # in-place ops keep the first maker
+        elif isinstance(instr, m.InstrRedistribute):
+            origin[instr.dst] = ("redistribute", instr.src_line)
+        elif isinstance(instr, m.InstrDelete):
+            for tid in instr.tids:
+                origin.pop(tid, None)
+
+
+def shard_bytes(spec: m.TensorSpec, mesh: Mesh, device: int) -> int:
+    """Logical bytes of `device`'s shard of a tensor (0 when the device is not in the mesh)."""
+    coord = mesh.coord.get(device)
+    if coord is None:
+        return 0
+    try:
+        box = shard_box(tuple(spec.shape), mesh.shape, parse_placements(tuple(spec.placements)), coord)
+    except (ValueError, IndexError):
+        return 0
+    return math.prod(n for _, n in box) * ITEMSIZE.get(spec.dtype, 4)
+
+
+def tensors_on(tensors: dict[int, m.TensorSpec], meshes: dict[int, Mesh], device: int) -> list[int]:
+    """Tensors (sorted ids) with a shard on logical `device`."""
+    return sorted(tid for tid, spec in tensors.items()
+                  if (mesh := meshes.get(spec.mesh)) is not None and device in mesh.coord)

@@ -1,0 +1,339 @@
+"""Recovery, snapshots, migration and drain in the core, on a fake clock (no processes)."""
+
+from __future__ import annotations
+
+from dtorch.protocol import messages as m
+from dtorch_controller.core import events as ev
+
+
+def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
+    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
+
+
+def create(tid, shape=(8,), src="train.py:3"):
+    return m.InstrCreate(tid=tid, spec=spec(shape), init="rand", seed=tid, src=src)
+
+
+def add_(tid, src="train.py:9"):
+    return m.InstrCall(op="aten.add_.Scalar", mesh=1, args=[{"$t": tid}, 1.0], kwargs={},
+                       outs=[m.OutSpec(tid=tid, spec=spec([8]))], src=src)
+
+
+def setup(make_harness, workers=3, **config):
+    h = make_harness(snapshot_every_batches=config.pop("every", 2), **config)
+    ids = [h.register(f"10.0.0.{i}:7000") for i in range(workers)]
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed
+    return h, ids, sid
+
+
+def cmds_of(sent, worker=None, kind=None):
+    return [c for e in sent if worker is None or e.worker_id == worker for c in e.execute.cmds
+            if kind is None or isinstance(c, kind)]
+
+
+def session(h, sid):
+    return h.core.sessions[sid]
+
+
+def test_snapshots_copy_every_device_locally_and_to_another_worker_then_truncate_the_log(make_harness):
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    assert not cmds_of(h.take_sent(), kind=m.CmdSendShards)
+    h.submit(sid, 2, [add_(1)])  # two batches since the (empty) first snapshot: copy
+    sends = cmds_of(h.take_sent(), kind=m.CmdSendShards)
+    assert len(sends) == 4  # per device: a local copy and one in another worker's host memory
+    for d in (0, 1):
+        local, remote = [c for c in sends if d in c.devices]
+        assert local.to == "" and remote.to and remote.host and local.devices[d] == [1]
+        assert remote.to != h.core.workers[s.devices[d]].address
+        assert local.namespace == remote.namespace == f"{sid}#s1"
+    rec = h.core.faults.recs[sid]
+    assert rec.taking is not None and len(rec.log) == 2
+    h.report_all()
+    assert rec.taking is None and rec.snapshot.upto == 2 and rec.log == []
+    status = h.status().sessions[0]
+    assert (status.snapshot_batch, status.replay_batches) == (2, 0)
+    h.submit(sid, 3, [add_(1)])
+    h.submit(sid, 4, [add_(1)])
+    h.take_sent()
+    h.report_all()  # the next snapshot replaces the first: its copies are dropped
+    drops = [e for e in h.take_sent() if e.execute.session == f"{sid}#s1"]
+    assert drops and all(e.execute.cmds == [m.CmdCloseSession()] for e in drops)
+
+
+def test_uploads_are_copied_at_the_adopt(make_harness):
+    h, ids, sid = setup(make_harness, every=100)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
+    sent = h.take_sent()
+    for e in sent:
+        kinds = [type(c).__name__ for c in e.execute.cmds]
+        assert kinds[:2] == ["CmdSendShards", "CmdSendShards"] and kinds[2] == "CmdRun"  # before the op writes it
+    rec = h.core.faults.recs[sid]
+    assert rec.adopts[5].pending
+    h.report_all()
+    assert rec.adopts[5].complete
+
+
+def lose_and_recover(h, sid, victim):
+    """The victim dies; the rest report until the session is open again. Returns what was sent meanwhile."""
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    s = session(h, sid)
+    assert s.state == "recovering"
+    sent = []
+    for _ in range(4):
+        sent += h.take_sent()
+        h.report_all()
+    sent += h.take_sent()
+    assert s.state == "open"
+    return sent
+
+
+def test_a_lost_worker_is_rebuilt_from_the_snapshot_and_the_log(make_harness):
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()  # snapshot after batch 2
+    h.submit(sid, 3, [add_(1)])
+    h.take_sent()
+    victim = s.devices[1]
+    survivor = s.devices[0]
+    rid, reply = h.sync(sid, 3)
+    assert reply is None
+    sent = lose_and_recover(h, sid, victim)
+    assert victim not in s.devices.values()
+    abandons = cmds_of(sent, kind=m.CmdAbandon)
+    assert abandons and all(c.tids == [1] and c.lost == ["10.0.0." + victim[1:] + ":7000"] for c in abandons)
+    fetches = cmds_of(sent, kind=m.CmdFetchShards)
+    holders = h.core.faults.recs[sid].snapshot.holders[1]  # device 1: from a surviving copy, local if it is there
+    assert {(tuple(c.devices), c.address == "") for c in fetches} == {((0,), True), ((1,), s.devices[1] in holders)}
+    assert all(c.namespace == f"{sid}#s1" and list(c.devices.values()) == [[1]] for c in fetches)
+    replayed = [c for c in cmds_of(sent, kind=m.CmdRun)]
+    assert [c.devices for c in replayed] == [[0], [1]] or sorted(d for c in replayed for d in c.devices) == [0, 1]
+    assert cmds_of(sent, survivor, m.CmdRebuilt)
+    reply = h.replies[rid]
+    assert reply.done and not reply.errors
+    assert reply.locations[1] == h.core.workers[s.devices[1]].address
+    assert any("recovered in" in line for line in h.status().events)
+    assert h.status().sessions[0].recoveries == 1
+
+
+def test_batches_arriving_during_recovery_are_held_then_sent_on_the_new_binding(make_harness):
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    victim = s.devices[1]
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    h.take_sent()
+    h.submit(sid, 2, [add_(1)])  # accepted, held
+    assert not cmds_of(h.take_sent(), kind=m.CmdRun)
+    rid, reply = h.sync(sid, 2)
+    assert reply is None
+    sent = []
+    for _ in range(4):
+        h.report_all()
+        sent += h.take_sent()
+    runs = cmds_of(sent, kind=m.CmdRun)
+    assert len(runs) == 2 and {w for e in sent for c in e.execute.cmds if isinstance(c, m.CmdRun)
+                               for w in [e.worker_id]} == set(s.devices.values())
+    h.report_all()
+    assert h.replies[rid].done
+
+
+def test_errors_of_abandoned_work_are_dropped_and_replayed_errors_not_repeated(make_harness):
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    rid, reply = h.sync(sid, 1)
+    assert reply.done
+    h.submit(sid, 2, [add_(1)])
+    sent = h.take_sent()
+    survivor, victim = s.devices[0], s.devices[1]
+    seq = next(e.execute.seq for e in sent if e.worker_id == survivor)
+    bug = m.ErrorReport(op="aten.add_.Scalar", src="train.py:9", message="boom", tid=1, seq=seq)
+    h.report(survivor, errors={sid: [bug]})  # a real error of batch 2, not seen by the client yet
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    late = m.ErrorReport(op="redistribute", src="", message="cannot reach the lost worker", seq=seq)
+    h.report(survivor, completed=h.core.workers[survivor].completed, errors={sid: [late]})
+    for _ in range(4):
+        sent = h.take_sent()
+        for e in sent:  # batch 2 fails again on replay: reported once, not twice
+            if any(isinstance(c, m.CmdRun) for c in e.execute.cmds) and e.worker_id == survivor:
+                h.report(survivor, completed=e.execute.seq,
+                         errors={sid: [m.ErrorReport(op="aten.add_.Scalar", src="train.py:9", message="boom", tid=1,
+                                                     seq=e.execute.seq)]})
+        h.report_all()
+    rid, reply = h.sync(sid, 2)
+    assert reply.done and [e.message for e in reply.errors] == ["boom"]
+
+
+def test_errors_the_client_saw_before_the_loss_are_not_repeated_by_the_replay(make_harness):
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1), add_(1)])
+    sent = h.take_sent()
+    survivor = s.devices[0]
+    seq = next(e.execute.seq for e in sent if e.worker_id == survivor)
+    h.report(survivor, errors={sid: [m.ErrorReport(op="aten.add_.Scalar", src="t.py:1", message="boom", seq=seq)]})
+    h.report_all()
+    rid, reply = h.sync(sid, 1)
+    assert [e.message for e in reply.errors] == ["boom"]
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    for _ in range(4):
+        for e in h.take_sent():
+            if e.worker_id == s.devices[0] and any(isinstance(c, m.CmdRun) for c in e.execute.cmds):
+                h.report(e.worker_id, completed=e.execute.seq, errors={sid: [m.ErrorReport(
+                    op="aten.add_.Scalar", src="t.py:1", message="boom", seq=e.execute.seq)]})
+        h.report_all()
+    rid, reply = h.sync(sid, 1)
+    assert reply.done and reply.errors == []
+
+
+def test_unrecoverable_loss_names_the_lost_tensors_and_their_ops_and_others_carry_on(make_harness):
+    h, ids, sid = setup(make_harness, workers=2, every=100)
+    other = h.open_session("other")
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1, src="model.py:7")])
+    h.report_all()
+    # the snapshot before batch 1 is empty and the log replays from scratch; lose the only other worker
+    # holding nothing... make it unrecoverable: both workers of the session die
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    h.take_sent()
+    h.handle(ev.WorkerUnreachable(s.devices[0], "", "killed"))
+    rid, reply = h.sync(sid, 1)
+    assert reply.done and reply.errors
+    text = " ".join(e.message for e in reply.errors)
+    assert "tensor 1" in text and "create:rand at model.py:7" in text
+    assert s.state == "degraded"
+    assert other in h.core.sessions and h.core.sessions[other].state == "open"
+
+
+def test_single_worker_sessions_report_the_loss(make_harness):
+    h = make_harness(snapshot_every_batches=2)
+    w = h.register("a:1")
+    sid = h.open_session()
+    h.open_mesh(sid, 1, [0])
+    h.submit(sid, 1, [create(1)])
+    h.handle(ev.WorkerUnreachable(w, "", "killed"))
+    rid, reply = h.sync(sid, 1)
+    assert reply.done and "tensor 1" in reply.errors[0].message and "no live worker" in reply.errors[0].message
+
+
+def test_a_worker_holding_only_copies_triggers_a_new_snapshot(make_harness):
+    h, ids, sid = setup(make_harness, every=2)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()
+    rec = h.core.faults.recs[sid]
+    holders = {w for hs in rec.snapshot.holders.values() for w in hs}
+    spare = next(w for w in holders if w not in s.devices.values())
+    h.take_sent()
+    h.handle(ev.WorkerUnreachable(spare, "", "killed"))
+    assert s.state == "open" and rec.taking is not None  # re-protected at once
+    assert all(spare not in hs for hs in rec.taking.holders.values())
+
+
+def test_a_failed_copy_is_not_a_snapshot_and_is_not_shown_to_the_client(make_harness):
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    sent = h.take_sent()
+    rec = h.core.faults.recs[sid]
+    w = s.devices[0]
+    seq = rec.taking.pending[w]
+    err = m.ErrorReport(op="copy shards to 10.0.0.9:1 (x#s1)", src="", message="unreachable", seq=seq)
+    h.report(w, errors={sid: [err]})
+    assert rec.taking is not None and rec.taking.namespace == f"{sid}#s2"  # dropped and taken again
+    assert any(e.execute.session == f"{sid}#s1" for e in h.take_sent())
+    assert rec.snapshot.upto == 0
+    h.report_all()
+    assert rec.snapshot.namespace == f"{sid}#s2" and rec.snapshot.upto == 2
+    rid, reply = h.sync(sid, 2)
+    assert reply.done and reply.errors == []
+    assert sent
+
+
+# ---------------------------------------------------------------- migration and drain
+
+
+def test_migrate_moves_one_device_holds_batches_and_reports_the_downtime(make_harness):
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    h.take_sent()
+    src = s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, reply = h.ask(ev.Migrate, m.MigrateRequest(session=sid[:6], device=1, to_worker=dst))
+    assert reply is None and s.state == "migrating"
+    (copy,) = cmds_of(h.take_sent(), src, m.CmdSendShards)
+    assert copy.move == [1] and copy.devices == {1: [1]} and copy.to == h.core.workers[dst].address
+    h.submit(sid, 2, [add_(1)])  # held
+    assert not h.take_sent()
+    h.advance(0.25)
+    h.report_all()
+    reply = h.replies[rid]
+    assert reply.ok and reply.moves[0].downtime_s >= 0.25 and reply.moves[0].bytes == 16
+    assert s.devices[1] == dst and s.state == "open"
+    sent = h.take_sent()
+    assert cmds_of(sent, src, m.CmdDelete) == [m.CmdDelete(tids=[1], devices=[1])]
+    assert [c.devices for c in cmds_of(sent, dst, m.CmdRun)] == [[1]]
+    assert any("moved" in line and "downtime" in line for line in h.status().events)
+    assert h.status().sessions[0].migrations == 1
+
+
+def test_migrate_refuses_unknown_ids_in_one_line(make_harness, refused):
+    h, ids, sid = setup(make_harness)
+    for msg, text in [(m.MigrateRequest(session="nope", device=0, to_worker=ids[0]), "unknown session"),
+                      (m.MigrateRequest(session=sid, device=9, to_worker=ids[0]), "no logical device 9"),
+                      (m.MigrateRequest(session=sid, device=0, to_worker="w99"), "unknown worker 'w99'")]:
+        reply = h.call(ev.Migrate, msg)
+        assert refused(reply) and text in reply.message and "\n" not in reply.message
+
+
+def test_a_failed_move_is_called_off_and_the_source_keeps_the_device(make_harness):
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    h.take_sent()
+    src = s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    (e,) = [e for e in h.take_sent() if e.worker_id == src]
+    h.report(src, errors={sid: [m.ErrorReport(op="copy shards to x (s)", src="", message="refused",
+                                              seq=e.execute.seq)]})
+    assert not h.replies[rid].ok and "refused" in h.replies[rid].message
+    assert s.devices[1] == src and s.state == "open"
+    assert cmds_of(h.take_sent(), src, m.CmdStay) == [m.CmdStay(devices=[1])]
+
+
+def test_drain_moves_devices_and_copies_then_releases_the_worker(make_harness):
+    h, ids, sid = setup(make_harness, every=1)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    victim = s.devices[1]
+    rid, reply = h.ask(ev.Drain, m.DrainRequest(worker=victim))
+    assert reply is None and h.core.workers[victim].state == "draining"
+    for _ in range(6):
+        h.report_all()
+    reply = h.replies[rid]
+    assert reply.ok and reply.moves and reply.moves[0].from_worker == victim
+    assert victim not in s.devices.values() and h.core.workers[victim].state == "lost"
+    rec = h.core.faults.recs[sid]
+    assert all(victim not in hs for hs in rec.snapshot.holders.values())
+    assert h.report(victim).ok is False  # released: fenced, it exits
+    assert any("released after draining" in line for line in h.status().events)
+
+
+def test_drain_of_an_unknown_worker_is_refused(make_harness, refused):
+    h, ids, sid = setup(make_harness)
+    reply = h.call(ev.Drain, m.DrainRequest(worker="w42"))
+    assert refused(reply) and "unknown worker 'w42'" in reply.message
