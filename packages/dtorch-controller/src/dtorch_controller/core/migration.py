@@ -168,18 +168,13 @@ class Mover:
             return f"worker {dst} has no room for session {_short(s.id)}'s memory cap"
         return None
 
-    def _swap_leases(self, s: Session, src: str, dst: str) -> None:
-        t = self._tenant(s)
-        if t is None:
-            return
-        pool = self.core.sched.pool
-        if dst not in t.workers and dst in pool:
-            pool.lease(dst, s.id, self._cap(t))
-            t.workers[dst] = None
-        if src not in s.devices.values() and src in t.workers:
-            if src in pool:
-                pool.release(src, s.id)
-            t.workers.pop(src, None)
+    def _swap_leases(self, s: Session, src: str, dst: str, out: Effects) -> None:
+        """The scheduler leases `dst` to the session and takes `src` back once it hosts nothing of it (and
+        re-runs its queue, so a worker a move emptied is used at once)."""
+        sched = getattr(self.core, "sched", None)
+        if sched is not None:
+            changes = sched.moved(self.now, s.id, src, dst, src_empty=src not in s.devices.values())
+            self.core._apply(self.now, changes, out)
 
     def target(self, s: Session, exclude: str) -> str | None:
         """Where a drain moves a session's devices: a free worker, else one it already uses."""
@@ -338,7 +333,7 @@ class Mover:
         for d in mv.devices:
             self.faults._unbind(s, d, mv.src)
             self.core._bind(s, d, mv.dst)
-        self._swap_leases(s, mv.src, mv.dst)
+        self._swap_leases(s, mv.src, mv.dst, out)
         tids = sorted({t for d in mv.devices for t in tensors_on(s.tensors, s.meshes, d)})
         waits = {}
         for tid in tids:
