@@ -331,3 +331,38 @@ def test_high_priority_freezes_low_priority_which_resumes_and_finishes_correctly
     events = cluster.status().events
     assert any("(low) frozen on 2 devices: preempted by session" in line and "(high)" in line for line in events)
     assert any("resumed on 2 devices" in line for line in events)
+
+
+# ---------------------------------------------------------------- an elastic session grows
+
+ELASTIC = """
+    dtorch.connect(name="elastic", min_devices=1)  # elastic: starts on one device, grows when more join
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    torch.manual_seed(0)
+    a = torch.randn(16, 8)
+    da = dtorch.distribute_tensor(a, mesh, [Shard(0)])
+    db = da * 2 + 1
+    assert torch.allclose(db.to_torch(), a * 2 + 1)
+    say("running")
+    wait_for("grown")
+    assert torch.allclose((db @ da.T).to_torch(), (a * 2 + 1) @ a.T, atol=1e-4)  # shards moved, values kept
+    say("ok")
+"""
+
+
+def test_an_elastic_session_grows_onto_a_worker_that_joins(make_cluster):
+    cluster = make_cluster(1)
+    proc = cluster.client("elastic", ELASTIC)
+    expect_line(proc, "running")
+    (s,) = cluster.status().sessions
+    assert len(set(s.devices.values())) == 1
+    cluster.add_worker()
+    joined = time.monotonic()
+    st = cluster.wait(lambda st: len({w for x in st.sessions for w in x.devices.values()}) == 2,
+                      "the session to spread onto the new worker", limit=30)
+    grew_s = time.monotonic() - joined
+    assert all(w.leases == {s.session: 0} for w in st.workers)
+    assert any("grows: logical [1]" in line for line in st.events)
+    cluster.signal("grown")
+    assert finish(proc, cluster, "elastic").split() == ["ok"]
+    print(f"grew onto the new worker {grew_s:.1f}s after it was started (includes the worker's start-up)")

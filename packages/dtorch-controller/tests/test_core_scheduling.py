@@ -469,3 +469,28 @@ def test_moves_swap_leases_and_free_the_source(h):
     assert leases(h, w0) == {a: 0} and leases(h, w1) == {a: 0}
     h.core.sched.moved(h.now, a, w0, w1, src_empty=True)  # nothing of a left on w0: it goes back to the pool
     assert leases(h, w0) == {} and h.core.sched.pool.is_free(w0)
+
+
+def test_growth_plan_takes_from_the_most_loaded_worker():
+    from dtorch_controller.core.elastic import plan
+
+    assert plan({0: "a", 1: "a", 2: "a", 3: "a"}, ["b"]) == [("a", "b", [2, 3])]
+    assert plan({0: "a", 1: "a", 2: "b", 3: "b", 4: "a", 5: "b"}, ["c"]) == [("b", "c", [5]), ("a", "c", [4])]
+    assert plan({0: "a"}, ["b"]) == []  # one logical device: nothing to spread
+
+
+def test_a_growing_session_moves_devices_through_the_mover_and_swaps_leases(h):
+    w0 = h.register("10.0.0.0:7000")
+    a = h.open_session()
+    assert h.open_mesh(a, 1, [0, 1], min_devices=1).placed
+    h.submit(a, 1, [create(1)])
+    h.report_all()
+    h.take_sent()
+    w1 = h.register("10.0.0.1:7000")  # a grows: logical device 1 moves to w1
+    sent = h.take_sent()
+    assert [(x.worker_id, type(x.execute.cmds[0]).__name__) for x in sent] == [(w0, "CmdSendShards")]
+    assert leases(h, w1) == {a: 0}
+    h.report_all()  # the copy is done: device 1 is rebound to w1
+    assert h.core.sessions[a].devices == {0: w0, 1: w1}
+    assert any("grows: logical [1] w0 -> w1" in line for line in h.core.log.lines())
+    assert any("moved w0 -> w1" in line for line in h.core.log.lines())

@@ -33,6 +33,7 @@ from dtorch.protocol import messages as m
 from dtorch.protocol.wire import ProtocolError, check_hello
 from dtorch_controller import __version__
 from dtorch_controller.core import effects as fx
+from dtorch_controller.core import elastic
 from dtorch_controller.core import events as ev
 from dtorch_controller.core import state as st
 from dtorch_controller.core.config import Config
@@ -70,6 +71,7 @@ class ControllerCore:
         self._by_address: dict[str, str] = {}  # address -> id of the worker there that is not lost
         self._registrations = 0
         self.faults = Faults(self)  # snapshots, recovery after worker loss, migration, drain (recovery.py)
+        self.sched.growth = True  # elastic sessions grow onto free workers: elastic.py moves their devices
         self._handlers: dict[type, Callable[[float, Any, Effects], None]] = {
             ev.OpenSession: self._open_session, ev.OpenMesh: self._open_mesh, ev.Submit: self._submit,
             ev.Sync: self._sync, ev.CloseSession: self._close_session, ev.Status: self._status,
@@ -457,6 +459,8 @@ class ControllerCore:
             for instrs in self.sched.take_backlog(session_id):
                 self._dispatch(s, instrs, out)
             self._resolve_syncs(s, out)
+        for session_id, workers in changes.grown:
+            elastic.grow(self, now, session_id, workers, out)
         if changes.wake is not None:
             out.append(fx.SetTimer(changes.wake, ("schedule",)))
 

@@ -1,0 +1,59 @@
+"""Elastic growth: a running elastic session spreads its logical devices onto workers the scheduler leased it.
+
+Rules:
+
+1. The scheduler decides who grows and onto which workers (`Changes.grown`, scheduler.py rule 5); this
+   module only decides which logical devices move there and hands the moves to the mover (migration.py),
+   which copies the shards worker to worker while the session's batches are held, then rebinds.
+2. Devices move from the session's most loaded worker (most bound devices of this session), highest
+   logical ids first, until each new worker hosts its share (the session's devices divided by its workers,
+   rounded down); a new worker that gets no device is given back at once (`Scheduler.shrink`).
+3. Pure planning (`plan`) is separate from effects, so it is tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dtorch_controller.core.controller import ControllerCore, Effects
+
+
+def plan(devices: Mapping[int, str], new: list[str]) -> list[tuple[str, str, list[int]]]:
+    """(src, dst, logical devices) moves spreading `devices` (logical -> worker) onto the `new` workers."""
+    by_worker: dict[str, list[int]] = {}
+    for d, w in sorted(devices.items()):
+        by_worker.setdefault(w, []).append(d)
+    workers = len(by_worker) + len(new)
+    share = len(devices) // workers if workers else 0
+    moves: dict[tuple[str, str], list[int]] = {}
+    for dst in new:
+        for _ in range(share):
+            src = max(by_worker, key=lambda w: (len(by_worker[w]), w))
+            if len(by_worker[src]) <= share:
+                break
+            moves.setdefault((src, dst), []).append(by_worker[src].pop())
+    return [(src, dst, sorted(ds)) for (src, dst), ds in moves.items()]
+
+
+def grow(core: ControllerCore, now: float, session: str, workers: list[str], out: Effects) -> None:
+    """Queue the moves that put some of `session`'s logical devices on `workers` (leased to it already)."""
+    from dtorch_controller.core.migration import Move
+
+    s = core.sessions.get(session)
+    mover = getattr(getattr(core, "faults", None), "mover", None)
+    moves = plan(s.devices, workers) if s is not None and mover is not None else []
+    used = {dst for _src, dst, _ds in moves}
+    unused = [w for w in workers if w not in used]
+    if unused:
+        core._apply(now, core.sched.shrink(now, session, unused), out)
+    if not moves:
+        return
+    for src, dst, devices in moves:
+        mover.queues.setdefault(session, []).append(Move(session=session, devices=devices, src=src, dst=dst,
+                                                         requested=now))
+    core.log.add(now, f"session {session[:8]} grows: " + "; ".join(f"logical {ds} {src} -> {dst}"
+                                                                  for src, dst, ds in moves))
+    core.faults.active.add(session)
+    mover.start_next(s, out)
