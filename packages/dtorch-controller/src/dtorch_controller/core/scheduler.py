@@ -159,6 +159,7 @@ class Scheduler:
         self._frozen: dict[int, dict[str, None]] = {}  # frozen tenants by rank, in freeze order
         self._wanted: dict[str, dict[str, None]] = {}  # worker -> frozen tenants missing it
         self._resumable: dict[str, None] = {}  # frozen tenants holding all their devices again
+        self._elastic: dict[str, None] = {}  # elastic tenants, oldest first (the ones that may grow)
         self._freed: list[str] = []  # workers released in the current step, offered to frozen tenants after it
         self._wakeups: list[tuple[float, int, str]] = []  # heap of (at, stamp, session)
         self._armed: float | None = None
@@ -217,6 +218,7 @@ class Scheduler:
         t.backlog.clear()
         self._step(t, CLOSE)
         del self.tenants[session]
+        self._elastic.pop(session, None)
         return self._pass(now, ch)
 
     def hold(self, session: str, batch: Any) -> bool:
@@ -303,7 +305,9 @@ class Scheduler:
         n = len(devices)
         need = min(min_devices, n) if min_devices > 0 else n
         t.request = Request(mesh, tuple(devices), max(1, min(need, len(self.pool))))
-        t.elastic = t.elastic or 0 < min_devices < n
+        if 0 < min_devices < n:
+            t.elastic = True
+            self._elastic[session] = None
         t.arrival = t.arrival or next(self._arrivals)
         if t.running:  # every device it leased was lost: it asks again
             self._stop(now, t)
@@ -432,25 +436,24 @@ class Scheduler:
     def _grow(self, now: float, ch: Changes) -> None:
         """Nobody waits and devices are free: running elastic tenants on fewer devices than logical ones take
         more (oldest first); the core moves some of their logical devices there."""
-        for bucket in [self._ranks[r] for r in sorted(self._ranks)]:
-            for session in list(bucket):
-                t = self.tenants[session]
-                short = t.logical - len(t.workers)
-                if not t.elastic or short <= 0:
-                    continue
-                grabbed = self._pick(t, short, t.workers)
-                if not grabbed:
-                    return
-                self._accrue(now, t)
-                cap = self._cap(t)
-                for w in grabbed:
-                    self.pool.lease(w, t.session, cap)
-                    t.workers[w] = None
-                self._watch(t, now)
-                self.decisions += 1
-                ch.grown.append((t.session, grabbed))
-                ch.notes.append(f"session {_short(t.session)} grows onto {_plural(len(grabbed), 'more device')} "
-                                f"({len(t.workers)} for {t.logical} logical)")
+        for session in list(self._elastic):
+            t = self.tenants[session]
+            short = t.logical - len(t.workers)
+            if not t.running or short <= 0:
+                continue
+            grabbed = self._pick(t, short, t.workers)
+            if not grabbed:
+                return
+            self._accrue(now, t)
+            cap = self._cap(t)
+            for w in grabbed:
+                self.pool.lease(w, t.session, cap)
+                t.workers[w] = None
+            self._watch(t, now)
+            self.decisions += 1
+            ch.grown.append((t.session, grabbed))
+            ch.notes.append(f"session {_short(t.session)} grows onto {_plural(len(grabbed), 'more device')} "
+                            f"({len(t.workers)} for {t.logical} logical)")
 
     def moved(self, now: float, session: str, src: str, dst: str, src_empty: bool) -> Changes:
         """Logical devices of `session` moved from `src` to `dst` (a migration, a drain, a growth): `dst` is
@@ -475,6 +478,7 @@ class Scheduler:
         if t is None:
             return self._finish(Changes())
         t.elastic = False
+        self._elastic.pop(session, None)
         self._accrue(now, t)
         for w in workers:
             if w in t.workers:
