@@ -14,6 +14,8 @@ Four routes, in order of preference:
   local     the op's output shape depends on the values (no meta kernel: `nonzero`, `unique`,
             `masked_select`, ...) or workers cannot run it (an op outside aten/prims): a sync point that
             fetches the inputs, runs the op on the client and uploads the outputs as Replicate
+  out       an out= op whose out tensors are laid out (or shaped) unlike its outputs, or are plain
+            tensors: the functional op runs, then each result is copied into its out tensor
 
 In-place ops keep the DTensor object; when they change its shape (`squeeze_`, `transpose_`, `resize_`)
 the wrapper's metadata follows. An op that would write into a plain torch.Tensor is refused.
@@ -78,7 +80,7 @@ def _key(v: Any, leaves: list) -> Any:
 @dataclass
 class Plan:
     op_name: str
-    route: str  # "sharded" | "replicate" | "sync" | "local"
+    route: str  # "sharded" | "replicate" | "sync" | "local" | "out"
     func: Any
     inputs: list[Spec | None]  # per DTensor leaf: layout to redistribute to, None if it stays
     args: list  # wire template: {"$t": leaf index} marks tensor slots
@@ -161,11 +163,58 @@ def _writes(func: Any) -> list[tuple[int, str]]:
             if a.alias_info is not None and a.alias_info.is_write]
 
 
+_out_names: dict[Any, tuple[str, ...]] = {}
+
+
+def _outs(func: Any) -> tuple[str, ...]:
+    """Names of `func`'s out= arguments (kwarg-only in aten schemas)."""
+    names = _out_names.get(func)
+    if names is None:
+        names = _out_names[func] = tuple(a.name for a in func._schema.arguments if a.is_out)
+    return names
+
+
+def _functional(func: Any) -> Any:
+    """The overload of `func`'s op that takes the same arguments without out= and writes nothing, or None."""
+    want = [(a.name, str(a.type)) for a in func._schema.arguments if not a.is_out]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        args = cand._schema.arguments
+        if not any(a.alias_info is not None and a.alias_info.is_write for a in args) and \
+                [(a.name, str(a.type)) for a in args] == want:
+            return cand
+    return None
+
+
+def _out_plan(func: Any, specs: list[Spec], why: str) -> Plan:
+    functional = _functional(func)
+    if functional is None:
+        raise NotImplementedError(f"dtorch: {func} {why}, and it has no functional overload to run instead, so "
+                                  f"it cannot run on DTensors with placements {_placements(specs)}")
+    return Plan(str(func), "out", functional, [], [], {}, None, None, [], False, False)
+
+
+def _out_mismatch(func: Any, spec_kwargs: dict, flat_outputs: list) -> bool:
+    """Do the out= tensors differ in layout or shape from what the op computes?"""
+    targets = [spec_kwargs.get(n) for n in _outs(func)]
+    if len(targets) != len(flat_outputs):
+        return True
+    for t, o in zip(targets, flat_outputs):
+        if isinstance(t, Spec) and o is not None and (t.placements != o.placements or t.shape != o.shape):
+            return True
+        if isinstance(t, (list, tuple)):
+            return True  # Tensor[] outs: always through the functional op
+    return False
+
+
 def _placements(specs: list[Spec]) -> list:
     return [s.placements for s in specs]
 
 
 def _local_plan(func: Any, specs: list[Spec], why: str, random: bool) -> Plan:
+    if _outs(func) and not _is_inplace(func):
+        return _out_plan(func, specs, why)
     if _writes(func):
         raise NotImplementedError(f"dtorch: {func} {why} and writes its arguments in place, so it cannot run on "
                                   f"DTensors with placements {_placements(specs)}")
@@ -223,6 +272,8 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
             return _local_plan(func, specs, "has no sharding rule and no meta kernel", random)
     inputs = [None if r.placements == s.placements else r for r, s in zip(required, specs)]
     flat_outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    if _outs(func) and _out_mismatch(func, spec_kwargs, flat_outputs):
+        return _out_plan(func, specs, "computes outputs laid out unlike its out= tensors")
     if not func._schema.returns:  # e.g. _linalg_check_errors: runs for its error only (dispatch returns None)
         outputs, flat_outputs = (), []
     wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
@@ -268,6 +319,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     try:
         key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
     except _Plain:
+        if _outs(func) and _plain_out(func, kwargs):
+            return _run_out(_out_plan(func, [], "writes plain torch.Tensors"), func, args, kwargs)
         args, kwargs = _lift_plain(func, args, kwargs)
         leaves = []
         key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
@@ -286,6 +339,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return _run_locally(func, args, kwargs, leaves)
     if plan.route == "local":
         return _run_and_upload(plan, args, kwargs, leaves)
+    if plan.route == "out":
+        return _run_out(plan, func, args, kwargs)
     if plan.inplace and _reshapes(plan, leaves[0]):
         return _emit_reshaping(plan, args, kwargs, leaves)
     result = _emit(plan, leaves)
@@ -406,6 +461,55 @@ def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) ->
         return v.to_torch() if isinstance(v, DTensor) else v
 
     return func(*pytree.tree_map(full, args), **pytree.tree_map(full, kwargs))
+
+
+def _plain_out(func: Any, kwargs: dict) -> bool:
+    return any(isinstance(v, torch.Tensor) and getattr(v, "_spec", None) is None
+               for n in _outs(func) for v in pytree.tree_leaves(kwargs.get(n)))
+
+
+def _run_out(plan: Plan, func: Any, args: tuple, kwargs: dict) -> Any:
+    """The out route: run the functional op, then write each result into its out= tensor (resizing it as torch
+    does); returns the out tensors. A plain out tensor receives the fetched values (a sync point)."""
+    names = _outs(func)
+    outs = [kwargs.get(n) for n in names]
+    result = plan.func(*args, **{k: v for k, v in kwargs.items() if k not in names})
+    results = list(result) if len(names) > 1 else [result]
+    for out, res in zip(outs, results):
+        for o, r in zip(*((out, res) if isinstance(out, (list, tuple)) else ([out], [res]))):
+            _write_out(plan, o, r)
+    if not func._schema.returns:
+        return None
+    return tuple(outs) if len(names) > 1 else outs[0]
+
+
+def _write_out(plan: Plan, out: torch.Tensor, res: Any) -> None:
+    from dtorch.dtensor import DTensor
+
+    if not isinstance(out, DTensor):
+        full = res.to_torch() if isinstance(res, DTensor) else res
+        with torch.no_grad():
+            if out.shape != full.shape:
+                out.resize_(full.shape)
+            out.copy_(full)
+        return
+    if not isinstance(res, DTensor):
+        raise NotImplementedError(f"dtorch: {plan.op_name} gave a {type(res).__name__} for a DTensor out=")
+    if out.shape == res.shape:
+        out.copy_(res)  # keeps out's layout and storage: its views see the values
+    elif out.dtype == res.dtype:
+        _adopt(out, res)  # torch resizes out here; out takes the result's shards and layout
+    else:
+        raise NotImplementedError(f"dtorch: {plan.op_name} would resize a {out.dtype} DTensor out= of shape "
+                                  f"{list(out.shape)} to a {res.dtype} result of shape {list(res.shape)}")
+
+
+def _adopt(dst: DTensor, src: DTensor) -> None:
+    """`dst` becomes `src`: its tensor id, layout and wrapper metadata (src's __del__ frees dst's old shards)."""
+    dst._tid, src._tid = src._tid, dst._tid
+    with no_dispatch():
+        dst.set_(src.untyped_storage(), 0, src.shape, src.stride())
+    dst._spec = src._spec
 
 
 def _run_and_upload(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Any:

@@ -94,6 +94,8 @@ class OpResult:
     values_checked: bool = True  # False for UNCOMPARABLE ops (shapes and dtypes only)
     seconds: float = 0.0
     failing_case: str = ""  # which sample/placements gave `error`
+    inplace: str = ""  # with --variants: "pass", or "fail: <error>" / "not-supported: <error>"; "" = not run
+    out: str = ""  # with --variants: the out= variant, likewise
 
 
 @dataclass
@@ -293,7 +295,63 @@ def run_case(op: Any, sample: Any, expected: Any, combo: tuple, mesh: Any, value
         del got, inputs
 
 
-def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partial: bool = False) -> OpResult:
+def run_variant(op: Any, kind: str, sample: Any, expected: torch.Tensor, combo: tuple, mesh: Any) -> _Outcome:
+    """The in-place variant (`kind="inplace"`: self must end up equal to torch's out-of-place result, and be
+    returned) or the out= variant (`kind="out"`: a DTensor of zeros laid out like the first input, where it
+    has that shape, else Replicate, must end up equal to it)."""
+    import dtorch
+
+    inputs = target = got = None
+    try:
+        torch.manual_seed(0)
+        dtorch.manual_seed(0)
+        inputs = _distribute(_clone((sample.input, sample.args, sample.kwargs)), combo, mesh)
+        if kind == "inplace":
+            target = inputs[0]
+            got = _call(op.inplace_variant, inputs)
+        else:
+            from dtorch.placement_types import Replicate
+
+            like = inputs[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].shape == expected.shape else None
+            placements = like.placements if like is not None else [Replicate()]
+            target = dtorch.distribute_tensor(torch.zeros_like(expected), mesh, placements)
+            got = _call(op, (inputs[0], inputs[1], {**inputs[2], "out": target}))
+        compare(target, expected)
+        if got is not target:
+            return _Outcome("fail", f"wrong result: the {kind} variant returned a new tensor, not its target")
+        return _Outcome("pass")
+    except _Unsupported as e:
+        return _Outcome("not-supported", str(e))
+    except _Mismatch as e:
+        return _Outcome("fail", f"wrong result: {e}")
+    except Exception as e:  # noqa: BLE001
+        return _Outcome("not-supported" if _refusal(e) else "fail", one_line(e))
+    finally:
+        del inputs, target, got
+
+
+def _variants(op: Any, sample: Any, expected: Any, combos: list[tuple], mesh: Any, res: OpResult) -> None:
+    """--variants: the in-place and out= variants on all-Replicate and the first sharded combination."""
+    if not isinstance(expected, torch.Tensor) or expected.layout != torch.strided:
+        return
+    kinds = []
+    if op.inplace_variant is not None and isinstance(sample.input, torch.Tensor) and \
+            sample.input.shape == expected.shape and sample.input.dtype == expected.dtype:
+        kinds.append("inplace")
+    if op.supports_out:
+        kinds.append("out")
+    for kind in kinds:
+        for combo in combos[:2]:
+            out = run_variant(op, kind, sample, expected, combo, mesh)
+            before = getattr(res, kind)
+            if out.status == "pass":
+                setattr(res, kind, before or "pass")
+            elif not before.startswith("fail") and not (out.status == "not-supported" and before.startswith("not")):
+                setattr(res, kind, f"{out.status}: {out.error} ({list(combo)})")
+
+
+def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partial: bool = False,
+           variants: bool = False) -> OpResult:
     """Every case of one OpInfo; see the module docstring for the rules."""
     start = time.perf_counter()
     name = op_key(op)
@@ -329,7 +387,10 @@ def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partia
         values = not probe.random and not UNCOMPARABLE.match(name)
         partial_at = next((i for i, t in enumerate(leaves) if t.is_floating_point() and t.numel()), None) \
             if partial else None
-        for combo in placement_combos([t.shape for t in leaves], max_combos, partial_at):
+        combos = placement_combos([t.shape for t in leaves], max_combos, partial_at)
+        if variants and values:
+            _variants(op, sample, expected, combos, mesh, res)
+        for combo in combos:
             out = run_case(op, sample, expected, combo, mesh, values)
             res.cases += 1
             if out.status == "pass":
@@ -363,11 +424,11 @@ def _cluster_broken(res: OpResult, mesh: Any) -> bool:
 
 
 def run(ops: Sequence, mesh: Any, max_samples: int = 3, max_combos: int = 3, reconnect: Any = None,
-        progress: Any = None, partial: bool = False) -> list[OpResult]:
+        progress: Any = None, partial: bool = False, variants: bool = False) -> list[OpResult]:
     """Run `ops` on `mesh`; `reconnect()` (optional) returns a fresh mesh after the cluster broke."""
     results = []
     for i, op in enumerate(ops):
-        res = run_op(op, mesh, max_samples, max_combos, partial)
+        res = run_op(op, mesh, max_samples, max_combos, partial, variants)
         results.append(res)
         if progress is not None:
             progress(i, len(ops), res)
@@ -429,6 +490,14 @@ def write_report(results: Sequence[OpResult], out_dir: str, meta: dict) -> tuple
         if chosen:
             lines += [f"## {status} ({len(chosen)})", "", "| OpInfo | first error | case |", "|---|---|---|"]
             lines += [f"| `{r.name}` | {_md(r.error)} | {_md(r.failing_case)} |" for r in chosen] + [""]
+    for kind in ("inplace", "out"):
+        ran = [r for r in results if getattr(r, kind)]
+        if ran:
+            bad = [r for r in ran if not getattr(r, kind).startswith("pass")]
+            lines += [f"## {kind} variants: {len(ran) - len(bad)} of {len(ran)} pass", ""]
+            if bad:
+                lines += ["| OpInfo | first error |", "|---|---|"]
+                lines += [f"| `{r.name}` | {_md(getattr(r, kind))} |" for r in bad] + [""]
     unchecked = [r.name for r in results if not r.values_checked and r.status == "pass"]
     if unchecked:
         lines += ["## Passing on shapes and dtypes only (random or uninitialised values)", "",
@@ -450,6 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-combos", type=int, default=3, help="sharded placement combinations per sample")
     parser.add_argument("--partial", action="store_true",
                         help="one more combination per sample: the first float input as Partial('sum')")
+    parser.add_argument("--variants", action="store_true",
+                        help="also the in-place and out= variants (reported apart; the status is the function's)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -471,6 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def progress(i: int, n: int, res: OpResult) -> None:
         if not args.quiet:
             err = f"  {res.error[:150]}" if res.status != "pass" else ""
+            for kind in ("inplace", "out"):
+                if getattr(res, kind) and not getattr(res, kind).startswith("pass"):
+                    err += f"  [{kind}: {getattr(res, kind)[:150]}]"
             print(f"[{i + 1}/{n}] {res.name}: {res.status} ({res.passed}/{res.cases}, {res.seconds:.1f}s){err}",
                   flush=True)
 
@@ -478,12 +552,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = connect()
     try:
         results = run(ops, mesh, args.max_samples, args.max_combos, reconnect=connect, progress=progress,
-                      partial=args.partial)
+                      partial=args.partial, variants=args.variants)
     finally:
         dtorch.shutdown()
     seconds = round(time.perf_counter() - start, 1)
     meta = {"torch": torch.__version__, "workers": args.workers, "mesh_devices": 4, "max_samples": args.max_samples,
-            "max_combos": args.max_combos, "partial": args.partial, "seconds": seconds}
+            "max_combos": args.max_combos, "partial": args.partial, "variants": args.variants,
+            "seconds": seconds}
     json_path, md_path = write_report(results, args.out_dir, meta)
     counts = summarize(results)
     print(f"{counts['pass']} pass, {counts['fail']} fail, {counts['not-supported']} not-supported of "
