@@ -33,6 +33,8 @@ _LAZY = {
     "connect": "dtorch.runtime",
     "shutdown": "dtorch.runtime",
     "status": "dtorch.runtime",
+    "drain": "dtorch.runtime",
+    "migrate": "dtorch.runtime",
 }
 
 __all__ = ["__version__", "Placement", "Shard", "Replicate", "Partial", *_LAZY]

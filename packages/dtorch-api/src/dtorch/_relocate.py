@@ -5,13 +5,18 @@ may since have moved (migration, drain: the old worker answers "moved:") or its 
 lost (recovery rebinds the device: the connection fails). Then the client asks the controller where
 the device is now (Status: session -> device -> worker -> address), waiting while the controller has
 not rebound it yet, and tries again there; bounded by the session's timeout.
+
+A worker that stopped (SIGSTOP, a hung host) neither answers nor refuses: a transfer to it would wait
+for its whole timeout. So a transfer still running after a second is watched: once the controller
+says the device is elsewhere (or its worker was lost), the call is cancelled and retried there.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dtorch.errors import ClusterError
 from dtorch.protocol import wire
@@ -52,9 +57,14 @@ def relocate(session: Session, device: int, stale: str, deadline: float) -> str:
     same_since: float | None = None
     while True:
         reply = session.status()
-        where = next((s.devices.get(device) for s in reply.sessions if s.session == session.id), None)
+        mine = next((s for s in reply.sessions if s.session == session.id), None)
+        where = mine.devices.get(device) if mine is not None else None
         worker = next((w for w in reply.workers if w.worker == where), None)
         now = time.monotonic()
+        if mine is not None and mine.state not in ("recovering", "migrating") and (
+                worker is None or worker.state not in LIVE):
+            # lost for good (not rebuilt): the loss error, naming the lost tensors, is waiting at the next sync
+            raise _loss_error(session, device, where)
         if worker is not None and worker.state in LIVE:
             if worker.address != stale:
                 session._locations[device] = worker.address
@@ -66,3 +76,62 @@ def relocate(session: Session, device: int, stale: str, deadline: float) -> str:
         if now >= deadline:
             raise ClusterError(f"logical device {device} has no live worker (it was on {stale})")
         time.sleep(POLL_S)
+
+
+_loss_lock = threading.Lock()
+
+
+def _loss_error(session: Session, device: int, worker: str | None) -> Exception:
+    """The error a sync raises about the loss; every transfer that hits it (uploads run in parallel) raises it."""
+    with _loss_lock:
+        known = getattr(session, "_loss_error", None)
+        if known is not None:
+            return known
+        try:
+            session.sync()
+        except Exception as e:  # noqa: BLE001 - that is the one
+            session._loss_error = e  # type: ignore[attr-defined]
+            return e
+        return ClusterError(f"logical device {device} was on worker {worker}, which was lost")
+
+
+class Watch:
+    """Cancel a call to `address` for `device` once the controller no longer has the device there."""
+
+    def __init__(self, session: Session, device: int, address: str, cancel: Callable[[], Any],
+                 every_s: float = 1.0) -> None:
+        self.session, self.device, self.address, self.cancel, self.every_s = session, device, address, cancel, every_s
+        self.fired = False
+        self._done = threading.Event()
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> Watch:
+        self._arm()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _arm(self) -> None:
+        if not self._done.is_set():
+            self._timer = threading.Timer(self.every_s, self._check)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _check(self) -> None:
+        if self._done.is_set():
+            return
+        try:
+            reply = self.session.status()
+        except Exception:  # noqa: BLE001 - the controller is busy or away: look again later
+            return self._arm()
+        mine = next((s for s in reply.sessions if s.session == self.session.id), None)
+        where = mine.devices.get(self.device) if mine is not None else None
+        worker = next((w for w in reply.workers if w.worker == where), None)
+        if worker is None or worker.state not in LIVE or worker.address != self.address:
+            self.fired = True
+            self.cancel()
+            return
+        self._arm()

@@ -11,8 +11,10 @@ import atexit
 import os
 import threading
 
+from dtorch.errors import ClusterError
 from dtorch.local_cluster import LocalCluster
 from dtorch.protocol import messages as m
+from dtorch.protocol import wire
 from dtorch.session import Session
 
 _lock = threading.RLock()
@@ -56,6 +58,29 @@ def get_session() -> Session:
 def status() -> m.StatusReply:
     """The controller's view: workers (state, live shards, bytes), sessions and recent events."""
     return get_session().status()
+
+
+def drain(worker: str, timeout_s: float = 300.0) -> m.AdminReply:
+    """Move everything off `worker` (logical devices, copies kept for recovery), then release it.
+
+    Blocks until done (or `timeout_s`); the reply lists each move with its bytes and downtime.
+    """
+    return _admin("Drain", m.DrainRequest(worker=worker, timeout_s=timeout_s))
+
+
+def migrate(device: int, to_worker: str, session: str | None = None, timeout_s: float = 300.0) -> m.AdminReply:
+    """Move logical `device` of `session` (default: this process's) to `to_worker`, while it runs."""
+    s = get_session()
+    return _admin("Migrate", m.MigrateRequest(session=session or s.id, device=device, to_worker=to_worker,
+                                              timeout_s=timeout_s))
+
+
+def _admin(method: str, request: m.DrainRequest | m.MigrateRequest) -> m.AdminReply:
+    s = get_session()
+    try:
+        return s.stub.call(method, request, timeout=request.timeout_s + 30.0)
+    except wire.RemoteError as e:
+        raise ClusterError(str(e).replace(f"{method} on {s.address} failed: ", "")) from None
 
 
 def shutdown() -> None:

@@ -17,9 +17,10 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import torch
 
-from dtorch._relocate import Moved, relocating
+from dtorch._relocate import Moved, Watch, relocating
 from dtorch.errors import ClusterError, DTorchError, RemoteOpError
 from dtorch.layout import coords, gather_groups, holds_value, shard_box
 from dtorch.protocol import messages as m
@@ -218,11 +219,22 @@ class Session:
         return relocating(self, device, lambda address: self._pull_from(address, tid, device))
 
     def _pull_from(self, address: str, tid: int, device: int) -> torch.Tensor:
+        call, replies = self._worker(address).open_stream(
+            "Pull", m.PullRequest(session=self.id, tid=tid, device=device, timeout_s=self.timeout),
+            timeout=self.timeout + 10.0)
+        with Watch(self, device, address, call.cancel) as watch:
+            try:
+                return self._receive(replies)
+            except (ConnectionError, wire.RemoteError):
+                if watch.fired:
+                    raise Moved(f"moved: logical device {device} left {address}") from None
+                raise
+
+    @staticmethod
+    def _receive(replies: Any) -> torch.Tensor:
         parts: list[bytes] = []
         dtype, shape = "", []
-        for chunk in self._worker(address).stream(
-                "Pull", m.PullRequest(session=self.id, tid=tid, device=device, timeout_s=self.timeout),
-                timeout=self.timeout + 10.0):
+        for chunk in replies:
             if chunk.report is not None:
                 raise RemoteOpError(chunk.report.op, chunk.report.src, chunk.report.message)
             if chunk.error:
@@ -280,9 +292,17 @@ class Session:
     def _put_to(self, address: str, tid: int, device: int, local: torch.Tensor) -> None:
         data = tensor_to_bytes(local)
         dtype, shape = dtype_name(local.dtype), list(local.shape)
-        self._worker(address).send_stream(
+        stub = self._worker(address)
+        future = stub.send_stream_future(
             "Put", (m.PutChunk(session=self.id, tid=tid, device=device, dtype=dtype, shape=shape, data=bytes(c))
                     for c in wire.chunks(data)), timeout=self.timeout)
+        with Watch(self, device, address, future.cancel) as watch:
+            try:
+                stub.decode_reply("Put", future)
+            except (ConnectionError, wire.RemoteError, grpc.FutureCancelledError):
+                if watch.fired:
+                    raise Moved(f"moved: logical device {device} left {address}") from None
+                raise
 
     # ------------------------------------------------------------------ admin and shutdown
     def status(self) -> m.StatusReply:

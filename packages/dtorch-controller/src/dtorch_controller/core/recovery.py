@@ -74,6 +74,7 @@ class Rebuild:
     waits: dict[str, int] = field(default_factory=dict)  # worker -> Execute seq that must complete
     extra: set[str] = field(default_factory=set)  # workers that got session shards without hosting a device
     before: dict[int, str] = field(default_factory=dict)  # logical device -> worker when it started
+    placed: bool = False  # lost devices were handed to the scheduler
     replayed: int = 0
 
 
@@ -191,8 +192,7 @@ class Faults:
         self.maybe_snapshot(s, out)
 
     def _send_batch(self, s: Session, rec: Lineage, b: LoggedBatch, out: Effects) -> None:
-        if rec.enabled:
-            note_origins(rec.origin, b.instrs)
+        note_origins(rec.origin, b.instrs)  # for loss messages, with or without recovery (bounded: live tensors)
         cmds, adopts, errors = self._translate(s, rec, b, replay=False)
         s.errors.extend(errors)
         seqs = self.send(s, cmds, out)
@@ -477,11 +477,15 @@ class Faults:
             if not uses:
                 continue
             why = self.unrecoverable(s)
+            r = self.rebuilds.get(sid)
             if why is None:
                 taken.add(sid)
                 self.rebuilds.setdefault(sid, Rebuild(started=self.now, reason=f"worker {w.id} lost: {reason}"))
+            elif r is not None:
+                taken.add(sid)  # an earlier loss is pending in the rebuild: this reports both
+                self._give_up(s, rec or self.rec(s), why)
             else:
-                self._disable(s, why)
+                self._disable(s, why)  # the core reports the lost devices' tensors
             self.mover.worker_lost(s, w, taken=sid in taken)
         self.mover.drain_worker_lost(w)
         return taken
@@ -565,6 +569,7 @@ class Faults:
             r.before = dict(s.devices)
         r.lost.add(lost.address)
         r.phase = "placing"
+        r.placed = False
         r.waits.clear()
         if s.state != st.RECOVERING:
             s.state = st.step(st.SESSION_TABLE, s.state, st.RECOVER)
@@ -573,19 +578,12 @@ class Faults:
             self._drop_namespaces(rec, {rec.taking.namespace}, out)
             rec.taking = None
         r.extra |= self.mover.abort(s, f"worker {lost.id} was lost", out)
-        devices = []
-        for d, wid in sorted(s.devices.items()):
-            if not self.alive(wid):
-                self._unbind(s, d, wid)
-                devices.append(d)
         for wid in [w for w in s.sent if not self.alive(w)]:
             del s.sent[wid]
         if first:
             self.core.log.add(self.now, f"session {_short(s.id)} recovering from {r.reason}: rewinding to "
                                         f"batch {rec.snapshot.upto if rec.snapshot else 0}, replaying "
                                         f"{rec.batches_since_snapshot()} batches")
-        if devices:
-            self.place(s, devices, out)
         self.active.add(s.id)
 
     def _unbind(self, s: Session, device: int, worker_id: str) -> None:
@@ -612,11 +610,22 @@ class Faults:
         if any(self.core.workers[w].completed < seq for w, seq in r.waits.items() if self.alive(w)):
             return
         if r.phase == "placing":
-            if self._devices(s) - set(s.devices):
-                return  # the scheduler has not bound them yet
             why = self.unrecoverable(s)
             if why is not None:
                 return self._give_up(s, rec, why, out)
+            if not r.placed:
+                if self._needs_a_suspect(s, rec):
+                    return  # a copy it needs is only on a silent worker: wait until it reports or is lost
+                devices = []
+                for d, wid in sorted(s.devices.items()):
+                    if not self.alive(wid):
+                        self._unbind(s, d, wid)
+                        devices.append(d)
+                r.placed = True
+                if devices:
+                    self.place(s, devices, out)
+            if self._devices(s) - set(s.devices):
+                return  # the scheduler has not bound them yet
             self._reset(s, rec, r, out)
         elif r.phase == "resetting":
             why = self.unrecoverable(s)
@@ -692,18 +701,51 @@ class Faults:
         self.unhold(s, "recovering", out)
         self.mover.start_next(s, out)
 
-    def _give_up(self, s: Session, rec: Lineage, why: str, out: Effects) -> None:
-        """A second loss during a rebuild took copies it needed: the session's data is gone."""
+    def _needs_a_suspect(self, s: Session, rec: Lineage) -> bool:
+        """Is some copy the rebuild needs only on workers that went silent (suspect), not on a live one?"""
+        ok = (st.ALIVE, st.DRAINING)
+        needed = []
+        if rec.snapshot is not None:
+            needed += [rec.snapshot.holders.get(d, []) for d in s.devices
+                       if tensors_on(rec.snapshot.tensors, s.meshes, d)]
+        for b in rec.sent_batches():
+            for instr in b.instrs:
+                copies = rec.adopts.get(instr.tid) if isinstance(instr, m.InstrAdopt) else None
+                if copies is not None and copies.tensors:
+                    needed += list(copies.holders.values())
+        return any(not any(self.core.workers[h].state in ok for h in holders if self.alive(h)) for holders in needed)
+
+    def _give_up(self, s: Session, rec: Lineage, why: str, out: Effects | None = None) -> None:
+        """The copies a rebuild needs are gone too: report what is lost (rule 4) and let the batches go on.
+
+        Logical devices stay (or go back) on their lost workers, so later instructions on them fail at once.
+        """
         r = self.rebuilds.pop(s.id, None)
         self._disable(s, why)
-        lost = sorted(s.tensors)
-        s.errors.append(m.ErrorReport(
-            op="worker lost", src="", tid=lost[0] if lost else -1,
-            message=f"the session could not be rebuilt after {r.reason if r else 'a worker loss'}: "
-                    f"{self.lost_detail(s, lost)}"))
+        self.released.add(s.id)
+        if r is not None:
+            for d, wid in sorted(r.before.items()):
+                if not self.alive(wid) and s.devices.get(d) != wid:
+                    if d in s.devices:
+                        self._unbind(s, d, s.devices[d])
+                    self.core._bind(s, d, wid)
+        if r is not None and r.phase != "placing":  # the session's workers dropped its shards already
+            lost = sorted(s.tensors)
+        else:
+            gone = {mesh.id for mesh in s.meshes.values() if any(not self.alive(s.devices[d]) for d in mesh.devices
+                                                                 if d in s.devices)}
+            lost = sorted(tid for tid, spec in s.tensors.items() if spec.mesh in gone)
+        if lost:
+            s.errors.append(m.ErrorReport(
+                op="worker lost", src="", tid=lost[0],
+                message=f"{r.reason if r else 'a worker was lost'}; {len(lost)} tensors lost: "
+                        f"{self.lost_detail(s, lost)}"))
         s.state = st.step(st.SESSION_TABLE, s.state, st.WORKER_LOST)
-        self.core.log.add(self.now, f"session {_short(s.id)} lost its data: {why}")
-        self.unhold(s, "recovering", out)
+        self.core.log.add(self.now, f"session {_short(s.id)} lost data: {why}")
+        if out is not None:
+            for reason in list(self.holds.get(s.id, ())):
+                self.unhold(s, reason, out)
+            self.released.discard(s.id)
 
     # ------------------------------------------------------------ sessions closing, timers, status
 
