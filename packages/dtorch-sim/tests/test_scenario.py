@@ -41,7 +41,7 @@ def test_cross_field_mistakes(base):
 
 def test_unknown_policy_and_missing_trace(base):
     base["policy"] = {"name": "srtf"}
-    assert errors(base) == ["policy.name: unknown policy 'srtf': known policies are fifo, las, priority"]
+    assert errors(base) == ["policy.name: unknown policy 'srtf': known policies are dtorch, fifo, las, priority"]
     base["policy"] = {"name": "las", "params": {"thresholds": [600, 60]}}
     assert errors(base) == ["policy.params: policy parameter 'thresholds' must be ascending positive device-seconds, "
                             "got [600, 60]"]

@@ -109,7 +109,7 @@ def test_cli_run_and_compare(base, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(path), "--policies", "fifo,srtf",
                           "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip() == ("--policies: unknown policy 'srtf': known policies are "
-                                                          "fifo, las, priority")
+                                                          "dtorch, fifo, las, priority")
     both = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(path), "--policies", "fifo,priority,las",
                            "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
     assert both.returncode == 0, both.stderr

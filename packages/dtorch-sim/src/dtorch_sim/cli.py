@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dtorch_sim import __version__
-from dtorch_sim.policies import POLICIES, known
+from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
 from dtorch_sim.scenario import Scenario, ScenarioError, load
 
 
@@ -58,10 +58,16 @@ def _table(rows: list[tuple[dict, float]]) -> Table:
         ("makespan (s)", lambda s, w: f(s["makespan_s"])),
         ("devices busy / allocated", lambda s, w: f"{f(s['utilization']['busy_mean'], '{:.1%}')} / "
                                                   f"{f(s['utilization']['allocated_mean'], '{:.1%}')}"),
+        ("unallocated (all / queued)", lambda s, w: " / ".join(
+            f(s["utilization"][k], "{:.1%}") for k in ("unallocated_share_mean", "unallocated_share_when_queued"))),
+        ("preemptions / migrations", lambda s, w: f"{s['scheduling']['preemptions']} / "
+                                                  f"{s['scheduling']['migrations']}"),
         ("failures detected/injected", lambda s, w: f"{s['failures']['detected']}/{s['failures']['injected']}"),
-        ("detection max (s)", lambda s, w: f(s["failures"]["detection_s"]["max"], "{:.2f}")),
+        ("detection / recovery max (s)", lambda s, w: f"{f(s['failures']['detection_s']['max'], '{:.2f}')} / "
+                                                      f"{f(s['failures']['recovery_s']['max'], '{:.2f}')}"),
+        ("device-s lost to failures", lambda s, w: f(s["failures"]["device_s_lost"], "{:,.0f}")),
         ("core events", lambda s, w: f"{s['events_handled']:,}"),
-        ("events/s (wall)", lambda s, w: f(s["events_handled"] / w if w > 0 else None, "{:,.0f}")),
+        ("simulated events/s (wall)", lambda s, w: f(s["events_handled"] / w if w > 0 else None, "{:,.0f}")),
         ("wall time (s)", lambda s, w: f(w, "{:.2f}")),
     ]
     for name, cell in lines:
@@ -104,15 +110,20 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"wrote {args.out}/metrics.json, jobs.csv, utilization.csv, failures.csv (+ plots)")
         return 0
     names = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
-    unknown = [p for p in names if p not in POLICIES]
+    unknown = [p for p in names if not is_known(p)]
     if unknown or not names:
         print(f"--policies: unknown policy {', '.join(map(repr, unknown)) or '(none given)'}: known policies are "
               f"{known()}", file=sys.stderr)
         return 1
+    for name in names:
+        try:
+            make_policy(name, sc.policy.for_name(name))
+        except UnknownPolicy as e:
+            print(f"policy.params_for.{name}: {e}", file=sys.stderr)
+            return 1
     rows = []
     for name in names:
-        variant = sc.model_copy(update={"policy": sc.policy.model_copy(update={"name": name})})
-        rows.append(_simulate(variant, Path(args.out) / name, err, args.quiet))
+        rows.append(_simulate(sc.with_policy(name), Path(args.out) / name, err, args.quiet))
     console.print(_table(rows))
     console.print(f"wrote one folder per policy under {args.out}")
     return 0

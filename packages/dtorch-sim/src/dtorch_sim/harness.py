@@ -1,45 +1,78 @@
 """The harness: one real `ControllerCore` on a simpy clock, fake workers and jobs around it.
 
 The harness is the core's adapter, like the gRPC server: it feeds events with `env.now` and performs the
-effects it gets back (a Reply wakes the process waiting for it, a SendExecute lands in a fake worker's
-inbox, a SetTimer becomes a simpy timeout). Nothing in the core knows it is being simulated.
+effects it gets back (a Reply wakes the process waiting for it, a SendExecute lands in a fake worker, a
+SetTimer becomes a simpy timeout with replace-by-key semantics). Nothing in the core knows it is simulated.
+
+What the harness observes, it observes from outside the core: the `Changes` the scheduler's public calls
+return (placements wake queued jobs, freezes count as preemptions), the core's table of rebuilds in
+progress (a session leaving it has recovered), the worker records (a failed worker turning `lost` is a
+detection), and the replies to admin requests (a drain's moves are the migrations).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import simpy
 
+from dtorch.protocol import messages as m
 from dtorch_controller.core import Config, ControllerCore, counter_ids
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
 from dtorch_controller.core import state as st
-from dtorch_sim.jobs import JobRecord, generate, job
+from dtorch_sim.jobs import GB, JobRecord, JobSpec, generate, job, node_groups
 from dtorch_sim.policies import make_policy
-from dtorch_sim.scenario import Fault, NodeGroup, Scenario
+from dtorch_sim.scenario import Elastic, Fault, NodeGroup, Scenario
 from dtorch_sim.workers import Worker
+
+_SYNC = object()  # a request whose reply the caller reads at once (workers: Register, Report)
+WAITING = "waiting"  # the scheduler's tenant state of a queued request
+SCHEDULER_CALLS = ("place", "close", "add_worker", "worker_changed", "tick", "moved", "shrink")
+FOREVER_S = 1e12
 
 
 @dataclass
 class FailureRecord:
-    kind: str  # worker_failure | node_failure | remove_nodes
+    """One worker that stopped: when, when the core noticed, and when the jobs it hurt ran again."""
+
+    kind: str  # worker_failure | node_failure | partition | remove_nodes
     worker: str  # address
     at: float
     detected: float | None = None
+    recovered: float | None = None  # every job it hit runs again (or ended); detection time when it hit none
+    jobs: list[str] = field(default_factory=list)  # ids of the jobs with devices on it
+    pending: set[str] = field(default_factory=set)  # jobs hit that do not run again yet
+    stalling: set[str] = field(default_factory=set)  # jobs hit that still hold their devices without progress
+    stalled_device_s: float = 0.0  # devices of the jobs it hit x time until each ran again or let them go
+
+
+@dataclass
+class Move:
+    """A logical-device move reported by a drain."""
+
+    at: float
+    session: str
+    devices: int
+    bytes: int
+    downtime_s: float
 
 
 @dataclass(frozen=True)
 class Sample:
     t: float
-    alive: int  # registered workers not failed
-    allocated: int  # alive workers with at least one logical device bound
-    bound: int  # logical devices bound on alive workers (above `alive` means oversubscribed)
+    alive: int  # registered workers that run
+    allocated: int  # alive workers leased to at least one session
+    bound: int  # logical devices bound on alive workers (above `alive`: virtual devices)
     busy: float  # mean fraction of the interval the alive workers spent executing
+    queued: int  # sessions waiting or frozen in the scheduler's queue
+    unallocated: float  # share of the alive devices' capacity no session leases (a packed lease: its cap)
+    requested: float  # share of capacity the running jobs asked for (a fractional job: its fraction)
 
 
 class Simulation:
@@ -47,36 +80,64 @@ class Simulation:
         self.scenario = sc = scenario
         self.env = simpy.Environment()
         self.rng = random.Random(f"sim-{sc.seed}")
-        config = Config(heartbeat_interval_s=sc.heartbeat.interval_s, heartbeat_timeout_s=sc.heartbeat.timeout_s,
-                        max_sync_timeout_s=1e12, session_timeout_s=0.0,  # simulated clients never vanish
-                        snapshot_every_batches=0)  # fake workers hold no data: a job restarts after a loss
-        self.core = ControllerCore(config, session_ids=counter_ids("s"), policy=make_policy(sc.policy.name,
-                                                                                              sc.policy.params))
+        config = {"heartbeat_interval_s": sc.heartbeat.interval_s, "heartbeat_timeout_s": sc.heartbeat.timeout_s,
+                  "max_sync_timeout_s": FOREVER_S, "session_timeout_s": 0.0,  # simulated clients never vanish
+                  "snapshot_every_batches": sc.recovery.snapshot_every_batches,
+                  "snapshot_every_s": sc.recovery.snapshot_every_s}
+        known = {f.name for f in dataclasses.fields(Config)}
+        self.core = ControllerCore(Config(**{k: v for k, v in config.items() if k in known}),
+                                   session_ids=counter_ids("s"), policy=make_policy(sc.policy.name, sc.policy.params))
+        self._faults = getattr(self.core, "faults", None)  # the core's recovery component, if it has one
+        self._watch_scheduler()
         self.events = 0  # events fed to the core
+        self.notes: list[str] = []  # harness remarks (refused drains, ...), in metrics.json
         self._request_ids = itertools.count()
-        self._waiting: dict[int, simpy.Event | None] = {}
+        self._waiting: dict[int, object] = {}
+        self._replies: dict[int, object] = {}
         self._timers: dict[Hashable, int] = {}  # key -> generation of the live timer
         self._timer_gen = itertools.count()
         self.workers: dict[str, Worker] = {}  # core id -> worker
-        self.all_workers: list[Worker] = []  # in creation order
-        self.nodes: dict[str, list[Worker]] = {}
+        self.by_address: dict[str, Worker] = {}  # address -> the worker process there now
+        self.all_workers: list[Worker] = []  # every worker process, in creation order
+        self.nodes: dict[str, list[Worker]] = {}  # node -> its workers now
+        self.node_groups: dict[str, NodeGroup] = {}
+        self.removed_nodes: set[str] = set()
         self.failures: list[FailureRecord] = []
         self._undetected: dict[str, FailureRecord] = {}  # core worker id -> its failure, until the core notices
+        self._hurt: dict[str, list[FailureRecord]] = {}  # job id -> failures waiting for it to run again
         self.samples: list[Sample] = []
-        self.fenced_workers = 0
+        self.alive_n = 0  # registered worker processes that run
+        self._busy_total = 0.0  # busy seconds of finished (or cut) batches, all workers
+        self._running_n = 0  # batches running now
+        self._running_since = 0.0  # sum of their start times
+        self.moves: list[Move] = []
+        self.fenced_workers = 0  # declared lost while alive (slow, partitioned) and told so
+        self.preemptions = 0
+        self.resumes = 0
+        self.recoveries = 0  # sessions the core rebuilt after a worker loss
+        self.redone_device_s = 0.0  # step work done again (replays, restarts) or cut short by a failure
+        self.session_jobs: dict[str, JobRecord] = {}  # open session -> its job
+        self._placing: dict[str, simpy.Event] = {}  # session -> event fired when the scheduler places it
+        self._rebuilding: set[str] = set()
+        self._high: dict[str, dict[int, int]] = {}  # job id -> logical device -> highest step finished
         self.specs = generate(sc)
         self.jobs = [JobRecord(spec) for spec in self.specs]
-        for group in sc.cluster.nodes:
-            self.add_nodes(group)
-        self._job_processes = [self.env.process(job(self, rec.spec, sc.workload, rec)) for rec in self.jobs]
-        self.all_jobs_done = self.env.all_of(self._job_processes)
+        self.jobs_done = 0
+        self.all_jobs_done = self.env.event()
         self.all_jobs_done.callbacks.append(simpy.core.StopSimulation.callback)  # stop right there
-        for fault in sc.faults:
-            self.env.process(self.inject(fault))
-        for change in sc.elastic:
-            self.env.process(self.elastic(change))
+        self._share_memory = min(dt.memory_gb for dt in sc.cluster.device_types.values())
         self.end_time = sc.duration_s if sc.duration_s is not None else self._default_end()
         self.sample_interval = sc.metrics.sample_interval_s or self.end_guess() / 200
+        for group in node_groups(sc):
+            self.add_nodes(group)
+        self.initial_devices = len(self.all_workers)
+        self.env.process(self.arrivals())
+        for i, fault in enumerate(sc.faults):
+            self.env.process(self.inject(fault, i))
+        for change in sc.elastic:
+            self.env.process(self.elastic(change))
+        if sc.autoscaler is not None:
+            self.env.process(self.autoscale())
         self.env.process(self.sampler())
 
     # ------------------------------------------------------------ the adapter
@@ -84,15 +145,18 @@ class Simulation:
     def request(self, make: Callable[[int], ev.Event]) -> simpy.Event:
         """Feed `make(request_id)` to the core; the returned event fires with the Reply's message."""
         rid = next(self._request_ids)
-        done = self._waiting[rid] = self.env.event()
+        done = self.env.event()
+        self._waiting[rid] = done
         self.handle(make(rid))
         return done
 
-    def tell(self, make: Callable[[int], ev.Event]) -> None:
-        """Like `request`, for callers that do not wait for the reply."""
+    def call(self, make: Callable[[int], ev.Event]) -> object:
+        """Feed a request the core answers at once (Register, Report) and return the answer (None if later)."""
         rid = next(self._request_ids)
-        self._waiting[rid] = None
+        self._waiting[rid] = _SYNC
         self.handle(make(rid))
+        self._waiting.pop(rid, None)
+        return self._replies.pop(rid, None)
 
     def handle(self, event: ev.Event) -> None:
         queue = deque([event])
@@ -100,100 +164,275 @@ class Simulation:
             event = queue.popleft()
             self.events += 1
             for effect in self.core.handle(self.env.now, event):
-                if isinstance(effect, fx.Reply):
-                    waiter = self._waiting.pop(effect.request_id)
-                    if waiter is not None:
-                        waiter.succeed(effect.message)
-                elif isinstance(effect, fx.SendExecute):
+                kind = type(effect)
+                if kind is fx.SendExecute:
                     failed = self.send(effect)
                     if failed is not None:
                         queue.append(failed)
-                elif isinstance(effect, fx.SetTimer):
+                elif kind is fx.Reply:
+                    waiter = self._waiting.pop(effect.request_id, None)
+                    if waiter is _SYNC:
+                        self._replies[effect.request_id] = effect.message
+                    elif waiter is not None:
+                        waiter.succeed(effect.message)  # type: ignore[attr-defined]
+                elif kind is fx.SetTimer:
                     self.set_timer(effect.at, effect.key)
-            if self._undetected and isinstance(event, (ev.TimerFired, ev.WorkerUnreachable, ev.Register)):
+            if self._undetected and type(event) in (ev.TimerFired, ev.WorkerUnreachable, ev.Register):
                 self._check_detected()
+            if self._faults is not None and (self._rebuilding or self._faults.rebuilds):
+                self._check_rebuilds()
 
     def send(self, effect: fx.SendExecute) -> ev.WorkerUnreachable | None:
-        worker = self.workers[effect.worker_id]
-        if not worker.alive:
-            if worker.crash:
+        worker = self.workers.get(effect.worker_id)
+        if worker is None or not worker.alive:
+            if worker is None or worker.crash:
                 return ev.WorkerUnreachable(effect.worker_id, effect.address, "connection refused")
-            return None  # a silent (hung, partitioned) worker swallows it
+            return None  # a silent (hung) worker swallows it
+        if worker.partitioned:
+            return ev.WorkerUnreachable(effect.worker_id, effect.address, "network partition: no route to worker")
         latency = self.scenario.cost.rpc_latency_s
         if latency:
-            self.env.timeout(latency).callbacks.append(lambda _e: worker.inbox.put(effect.execute))
+            self.env.timeout(latency).callbacks.append(lambda _e: worker.deliver(effect.execute)
+                                                       if worker.alive else None)
         else:
-            worker.inbox.put(effect.execute)
+            worker.deliver(effect.execute)
         return None
 
     def set_timer(self, at: float, key: Hashable) -> None:
         """A callback on a simpy timeout (not a process: there is one per worker per interval)."""
         gen = self._timers[key] = next(self._timer_gen)
+        if at > self.end_time:
+            return  # the run ends first (parked Syncs wait "forever"): keep it out of the event heap
+        self.env.timeout(max(0.0, at - self.env.now), (key, gen)).callbacks.append(self._fire)
 
-        def fire(_event, key=key, gen=gen):
-            if self._timers.get(key) == gen:  # not replaced by a later SetTimer with the same key
-                del self._timers[key]
-                self.handle(ev.TimerFired(key))
+    def _fire(self, event: simpy.Event) -> None:
+        key, gen = event.value
+        if self._timers.get(key) == gen:  # not replaced by a later SetTimer with the same key
+            del self._timers[key]
+            self.handle(ev.TimerFired(key))
 
-        self.env.timeout(max(0.0, at - self.env.now)).callbacks.append(fire)
+    # ------------------------------------------------------------ what the harness watches
+
+    def _watch_scheduler(self) -> None:
+        """Wrap the scheduler's public calls (rule: each returns the `Changes` it made) to see placements,
+        freezes and resumes as they happen, without polling and without touching the core's code."""
+        sched = self.core.sched
+        for name in SCHEDULER_CALLS:
+            call = getattr(sched, name, None)
+            if call is None:
+                continue
+
+            def watched(*args, _call=call, **kwargs):
+                out = _call(*args, **kwargs)
+                changes = out[0] if isinstance(out, tuple) else out
+                if changes.placed or changes.frozen or changes.resumed:
+                    self._changes(changes)
+                return out
+
+            setattr(sched, name, watched)
+
+    def _changes(self, changes) -> None:
+        for session, _assignment in changes.placed:
+            waiter = self._placing.pop(session, None)
+            if waiter is not None and not waiter.triggered:
+                waiter.succeed()
+        for session in changes.frozen:
+            self.preemptions += 1
+            rec = self.session_jobs.get(session)
+            if rec is not None:
+                rec.preemptions += 1
+        self.resumes += len(changes.resumed)
+
+    def placed_or_timeout(self, session: str, retry_s: float) -> simpy.Event:
+        """For a queued job: fires when the scheduler places its session, or after `retry_s` at the latest."""
+        tenant = self.core.sched.tenants.get(session)
+        if tenant is None or tenant.state != WAITING:
+            return self.env.timeout(0)
+        placed = self._placing[session] = self.env.event()
+        return placed | self.env.timeout(retry_s)
 
     def _check_detected(self) -> None:
         for worker_id in list(self._undetected):
             w = self.core.workers.get(worker_id)
             if w is None or w.state == st.LOST:
-                self._undetected.pop(worker_id).detected = self.env.now
+                record = self._undetected.pop(worker_id)
+                record.detected = self.env.now
+                if not record.pending:
+                    record.recovered = self.env.now
+
+    def _check_rebuilds(self) -> None:
+        now = set(self._faults.rebuilds)  # type: ignore[union-attr]
+        for session in sorted(self._rebuilding - now):
+            s = self.core.sessions.get(session)
+            rec = self.session_jobs.get(session)
+            if s is not None and s.state == st.OPEN and rec is not None:  # rebuilt (else: gave up, or closed)
+                self.recoveries += 1
+                rec.recoveries += 1
+                self.job_running(rec)
+        self._rebuilding = now
+
+    # ------------------------------------------------------------ jobs
+
+    def arrivals(self):
+        """Start each job's process at its arrival (one pending timeout for all of them, not one each)."""
+        for rec in self.jobs:
+            if rec.spec.arrival > self.env.now:
+                yield self.env.timeout(rec.spec.arrival - self.env.now)
+            self.env.process(job(self, rec))
+
+    def memory_cap(self, spec: JobSpec) -> int:
+        """A job asking for a share of a device declares that share of the smallest device memory as its cap
+        (packing policies then share devices; others give it a whole one)."""
+        return int(spec.share * self._share_memory * GB) if spec.share < 1 else 0
+
+    def state_bytes(self, spec: JobSpec, cap: int) -> int:
+        size = int(self.scenario.workload.state_gb * GB)
+        return min(size, cap // 4) if cap else size
+
+    def session_opened(self, session: str, rec: JobRecord) -> None:
+        self.session_jobs[session] = rec
+        rec.sessions.append(session)
+
+    def session_closed(self, session: str) -> None:
+        rec = self.session_jobs.pop(session, None)
+        self._placing.pop(session, None)
+        if rec is not None:
+            self._unstall(rec)
+
+    def _unstall(self, rec: JobRecord) -> None:
+        """The job lets its devices go (it closed its session to restart) or runs again: its stall ends."""
+        stalling = [r for r in self._hurt.get(rec.spec.id, ()) if rec.spec.id in r.stalling]
+        if stalling:  # several failures at once (a node) stall the job once, from the first of them
+            first = min(stalling, key=lambda r: r.at)
+            first.stalled_device_s += rec.spec.devices * (self.env.now - first.at)
+            for record in stalling:
+                record.stalling.discard(rec.spec.id)
+
+    def job_running(self, rec: JobRecord) -> None:
+        """The job's session runs (placed after a restart, or rebuilt): failures that hit it are recovered."""
+        self._unstall(rec)
+        records = self._hurt.pop(rec.spec.id, None)
+        for record in records or ():
+            record.pending.discard(rec.spec.id)
+            if not record.pending:
+                record.recovered = max(self.env.now, record.detected or self.env.now)
+
+    def job_ended(self, rec: JobRecord) -> None:
+        self.job_running(rec)
+        self.jobs_done += 1
+        if self.jobs_done == len(self.jobs):
+            self.all_jobs_done.succeed()
+
+    def work_done(self, rec: JobRecord, steps: dict[int, int], work: float) -> None:
+        """A worker finished step work of `rec` (device -> step index): new steps advance, others are redone."""
+        rec.work_s += work
+        if not steps:
+            return
+        high = self._high.setdefault(rec.spec.id, {})
+        per_device = work / len(steps)
+        for d, step in steps.items():
+            if step <= high.get(d, -1):
+                self.redone_device_s += per_device
+            else:
+                high[d] = step
+
+    def work_lost(self, rec: JobRecord | None, work: float) -> None:
+        """A failure cut a step short: what it had done is lost."""
+        if rec is not None:
+            rec.work_s += work
+        self.redone_device_s += work
 
     # ------------------------------------------------------------ workers coming and going
 
     def add_nodes(self, group: NodeGroup) -> list[str]:
-        dtype = self.scenario.cluster.device_types[group.device_type]
         names = []
         for _ in range(group.count):
             node = f"{group.name}{len(self.nodes)}"
             names.append(node)
-            self.nodes[node] = [
-                Worker(self, f"{node}/gpu{d}", node, group.device_type, dtype.speed, dtype.memory_gb,
-                       {**group.labels, "node": node})
-                for d in range(group.devices_per_node)]
-            self.all_workers.extend(self.nodes[node])
+            self.node_groups[node] = group
+            self.nodes[node] = [self._worker(f"{node}/gpu{d}", node, group) for d in range(group.devices_per_node)]
         return names
+
+    def _worker(self, address: str, node: str, group: NodeGroup) -> Worker:
+        dtype = self.scenario.cluster.device_types[group.device_type]
+        w = Worker(self, address, node, group.device_type, dtype.speed, dtype.memory_gb,
+                   {**group.labels, "node": node})
+        self.all_workers.append(w)
+        self.by_address[address] = w
+        w.start()
+        return w
+
+    def restart_worker(self, old: Worker) -> None:
+        """A new worker process at the same address (after a repair, or a fence): it registers anew."""
+        if old.node in self.removed_nodes or self.by_address.get(old.address) is not old:
+            return
+        group = self.node_groups[old.node]
+        new = self._worker(old.address, old.node, group)
+        self.nodes[old.node] = [new if w is old else w for w in self.nodes[old.node]]
 
     def registered(self, worker: Worker) -> None:
         self.workers[worker.id] = worker  # type: ignore[index]
+        self.alive_n += 1
 
     def fenced(self, worker: Worker) -> None:
-        self.fenced_workers += 1
-        worker.fail()
+        """The core answered a report with "fenced": released after a drain, or declared lost while alive."""
+        if not worker.draining:
+            self.fenced_workers += 1
+        worker.stop()
 
-    def stop_worker(self, worker: Worker, kind: str, crash: bool = False) -> None:
+    def note(self, text: str) -> None:
+        self.notes.append(f"{self.env.now:.3f} {text}")
+
+    def stop_worker(self, worker: Worker, kind: str, crash: bool = False) -> FailureRecord | None:
         if not worker.alive:
-            return
+            return None
         worker.crash = crash
-        worker.fail()
+        worker.stop()
+        return self._record_failure(worker, kind)
+
+    def _record_failure(self, worker: Worker, kind: str) -> FailureRecord:
         record = FailureRecord(kind, worker.address, self.env.now)
         self.failures.append(record)
-        if worker.id is not None:
-            self._undetected[worker.id] = record
+        core_worker = self.core.workers.get(worker.id) if worker.id is not None else None
+        if core_worker is not None and core_worker.state != st.LOST:
+            self._undetected[worker.id] = record  # type: ignore[index]
+            for session in sorted(core_worker.sessions):
+                rec = self.session_jobs.get(session)
+                if rec is not None and rec.spec.id not in record.pending:
+                    record.jobs.append(rec.spec.id)
+                    record.pending.add(rec.spec.id)
+                    record.stalling.add(rec.spec.id)
+                    self._hurt.setdefault(rec.spec.id, []).append(record)
+        else:
+            record.detected = record.recovered = self.env.now
+        return record
 
     def alive_workers(self) -> list[Worker]:
-        return [w for w in self.all_workers if w.alive]
+        return [w for ws in self.nodes.values() for w in ws if w.alive]
 
-    def inject(self, fault: Fault):
+    def inject(self, fault: Fault, index: int):
         """One fault at its time, or recurring ones with exponential gaps of mean `mtbf_s`."""
-        rng = random.Random(f"faults-{self.scenario.seed}-{self.scenario.faults.index(fault)}")
+        rng = random.Random(f"faults-{self.scenario.seed}-{index}")
         while True:
-            wait = fault.at if fault.at is not None else rng.expovariate(1.0 / fault.mtbf_s)  # type: ignore[operator]
-            yield self.env.timeout(max(0.0, wait - (self.env.now if fault.at is not None else 0.0)))
+            if fault.at is not None:
+                yield self.env.timeout(max(0.0, fault.at - self.env.now))
+            else:
+                yield self.env.timeout(rng.expovariate(1.0 / fault.mtbf_s))  # type: ignore[operator]
             for worker in self._targets(fault, rng):
                 if fault.kind == "slow_worker":
                     self.env.process(self.slow_down(worker, fault))
+                elif fault.kind == "partition":
+                    self.env.process(self.partition(worker, fault))
                 else:
                     self.stop_worker(worker, fault.kind, crash=fault.mode == "crash")
+                    if fault.repair_s is not None:
+                        self.env.timeout(fault.repair_s).callbacks.append(
+                            lambda _e, w=worker: self.restart_worker(w))
             if fault.at is not None:
                 return
 
     def _targets(self, fault: Fault, rng: random.Random) -> list[Worker]:
-        alive = self.alive_workers()
+        alive = [w for w in self.alive_workers() if w.id is not None and not w.partitioned]
         if fault.kind == "node_failure" or (fault.node and not fault.worker):
             nodes = sorted({w.node for w in alive})
             node = fault.node if fault.node else (rng.choice(nodes) if nodes else None)
@@ -202,43 +441,153 @@ class Simulation:
             return [w for w in alive if w.address == fault.worker]
         return [rng.choice(alive)] if alive else []
 
+    def _until(self, fault: Fault) -> float:
+        return fault.until if fault.until is not None else self.env.now + (fault.duration_s or 0.0)
+
     def slow_down(self, worker: Worker, fault: Fault):
         worker.slow = fault.factor
-        if fault.until is not None:
-            yield self.env.timeout(fault.until - self.env.now)
+        if fault.until is not None or fault.duration_s is not None:
+            yield self.env.timeout(max(0.0, self._until(fault) - self.env.now))
             worker.slow = 1.0
 
-    def elastic(self, change):
+    def partition(self, worker: Worker, fault: Fault):
+        """Cut the worker off from the controller: its reports are lost and sends to it fail; it keeps running
+        what it has. When the partition heals its next report gets through (or is answered "fenced")."""
+        worker.partitioned = True
+        record = self._record_failure(worker, "partition")
+        yield self.env.timeout(max(0.0, self._until(fault) - self.env.now))
+        worker.partitioned = False
+        if worker.alive:
+            worker.report()
+        if not worker.alive:  # fenced: it was declared lost meanwhile
+            if fault.repair_s is not None:
+                self.env.timeout(fault.repair_s).callbacks.append(lambda _e: self.restart_worker(worker))
+        elif record.detected is None:  # healed before the controller noticed: nothing was lost
+            self._undetected.pop(worker.id, None)  # type: ignore[arg-type]
+            for job_id in record.jobs:
+                self._hurt[job_id] = [r for r in self._hurt.get(job_id, []) if r is not record]
+            record.pending.clear()
+            record.stalling.clear()
+            record.recovered = self.env.now
+
+    def elastic(self, change: Elastic):
         yield self.env.timeout(change.at)
         if change.action == "add_nodes":
-            self.add_nodes(change.add)
+            self.add_nodes(change.add)  # type: ignore[arg-type]
             return
-        names = change.nodes or sorted((n for n, ws in self.nodes.items() if any(w.alive for w in ws)),
-                                       key=lambda n: self.nodes[n][0].address)
-        if not change.nodes:  # by count: the newest nodes leave
-            order = list(self.nodes)
-            names = sorted(names, key=order.index)[-change.count:]
+        live = [n for n in self.nodes if n not in self.removed_nodes]
+        names = [n for n in change.nodes if n in live] if change.nodes else live[-change.count:]  # type: ignore
         for node in names:
-            for worker in self.nodes.get(node, []):
+            self.remove_node(node, change.mode)
+
+    def remove_node(self, node: str, mode: str) -> None:
+        """Take a node out: drain its workers (their shards move first), or kill them (like a failure)."""
+        self.removed_nodes.add(node)
+        for worker in self.nodes.get(node, []):
+            if not worker.alive:
+                continue
+            if mode == "kill" or worker.id is None or worker.partitioned:
                 self.stop_worker(worker, "remove_nodes")
+                continue
+            worker.draining = True
+            reply = self.request(lambda r, w=worker: ev.Drain(r, m.DrainRequest(worker=w.id, timeout_s=FOREVER_S)))
+            reply.callbacks.append(lambda e, w=worker: self._drained(w, e.value))
+
+    def _drained(self, worker: Worker, reply: object) -> None:
+        if isinstance(reply, fx.Refusal) or not getattr(reply, "ok", False):
+            why = getattr(reply, "message", reply)
+            self.note(f"drain of {worker.address} refused ({why}): the worker is stopped instead")
+            worker.draining = False
+            self.stop_worker(worker, "remove_nodes")
+            return
+        for mv in reply.moves:  # type: ignore[attr-defined]
+            self.moves.append(Move(self.env.now, mv.session, len(mv.devices), mv.bytes, mv.downtime_s))
+        worker.stop()  # released by the core; its next report would be fenced
+
+    def autoscale(self):
+        """The autoscaler rule: add nodes while sessions wait, drain idle added ones when none do."""
+        rule = self.scenario.autoscaler
+        assert rule is not None
+        added: list[str] = []  # nodes it added, oldest first
+        provisioning = 0
+        idle_since: dict[str, float] = {}
+        pool = self.core.sched.pool
+
+        def arrive(_e) -> None:
+            nonlocal provisioning
+            provisioning -= 1
+            added.extend(self.add_nodes(rule.node.model_copy(update={"count": 1, "name": rule.node.name})))
+
+        while True:
+            yield self.env.timeout(rule.check_interval_s)
+            now = self.env.now
+            queued = self.core.sched.queued
+            live = [n for n in added if n not in self.removed_nodes]
+            if queued >= rule.scale_up_queued and len(live) + provisioning < rule.max_nodes:
+                for _ in range(min(rule.step, rule.max_nodes - len(live) - provisioning)):
+                    provisioning += 1
+                    self.env.timeout(rule.provision_s).callbacks.append(arrive)
+                continue
+            for node in live:
+                ids = [w.id for w in self.nodes[node] if w.alive and w.id is not None]
+                if all(not pool.holders(i) for i in ids):
+                    idle_since.setdefault(node, now)
+                else:
+                    idle_since.pop(node, None)
+            if queued == 0 and len(live) > rule.min_nodes:
+                idle = [n for n in live if n in idle_since and now - idle_since[n] >= rule.scale_down_idle_s]
+                if idle:
+                    self.remove_node(idle[-1], "drain")
+                    idle_since.pop(idle[-1], None)
 
     # ------------------------------------------------------------ measuring
 
+    def busy_start(self, at: float) -> None:
+        self._running_n += 1
+        self._running_since += at
+
+    def busy_end(self, started: float, elapsed: float) -> None:
+        self._running_n -= 1
+        self._running_since -= started
+        self._busy_total += elapsed
+
+    def busy_seconds(self) -> float:
+        """Seconds every worker ever spent executing, up to now (batches running now count so far)."""
+        return self._busy_total + self._running_n * self.env.now - self._running_since
+
     def sampler(self):
-        """Every sample interval: how many devices are alive, allocated, and how busy they were."""
-        seen: dict[int, float] = {}  # id(worker) -> its busy seconds at the previous sample
+        """Every sample interval: devices alive, allocated, busy; the queue; capacity unallocated and asked for.
+        One pass over the pool's slots per sample, nothing per worker per event (10,000 workers is normal)."""
+        pool = self.core.sched.pool
+        core_workers = self.core.workers
+        sessions = self.session_jobs
+        before = self.busy_seconds()
         while True:
             yield self.env.timeout(self.sample_interval)
-            alive = [w for w in self.all_workers if w.alive and w.id is not None]
-            busy_s = 0.0
-            for w in alive:  # only devices alive now: a failed one neither counts nor divides
-                now_busy = w.busy_until_now()
-                busy_s += now_busy - seen.get(id(w), 0.0)
-                seen[id(w)] = now_busy
-            core_workers = self.core.workers
-            bound = [core_workers[w.id].bound for w in alive if w.id in core_workers]  # type: ignore[index]
-            busy = min(1.0, busy_s / (self.sample_interval * len(alive))) if alive else 0.0
-            self.samples.append(Sample(self.env.now, len(alive), sum(b > 0 for b in bound), sum(bound), busy))
+            busy_s = self.busy_seconds()
+            n = self.alive_n
+            allocated = 0
+            leased = requested = 0.0
+            for slot in pool.slots.values():
+                leases = slot.leases
+                if not leases:
+                    continue
+                allocated += 1
+                if 0 in leases.values() or not slot.memory:
+                    leased += 1.0
+                else:
+                    leased += min(1.0, sum(leases.values()) / slot.memory)
+                asked = 0.0
+                for session, cap in leases.items():
+                    rec = sessions.get(session)
+                    asked += rec.spec.share if rec is not None else (cap / slot.memory if cap and slot.memory else 1.0)
+                requested += min(1.0, asked)
+            bound = sum(w.bound for w in core_workers.values() if w.state != st.LOST)
+            busy = min(1.0, (busy_s - before) / (self.sample_interval * n)) if n else 0.0
+            before = busy_s
+            allocated = min(allocated, n)
+            self.samples.append(Sample(self.env.now, n, allocated, bound, busy, self.core.sched.queued,
+                                       max(0.0, 1.0 - leased / n) if n else 0.0, min(1.0, requested / n) if n else 0.0))
 
     def _default_end(self) -> float:
         """Without duration_s: a generous cap, so a workload that cannot finish still ends."""
@@ -267,4 +616,4 @@ class Simulation:
             pass
 
     def jobs_ended(self) -> int:
-        return sum(r.finished is not None or r.failed is not None for r in self.jobs)
+        return self.jobs_done

@@ -1,24 +1,42 @@
-"""Jobs: where they come from (a synthetic process or a trace) and what one does, as a simpy process.
+"""Jobs: where they come from (a synthetic process or a trace CSV) and what one does, as a simpy process.
 
-A job is a client session: it opens a session, asks for a mesh of N devices, submits its steps (one
-matmul on the whole mesh per step), syncs every few steps, and closes. When a Sync reports that a
-worker was lost, the job restarts from its last synced step in a new session (or gives up).
+A job is a client session: it opens a session (with its priority, and a memory cap when it asks for a share of
+a device), asks for a mesh of N devices, waits in the scheduler's queue if it must, then runs its work as
+*steps*: each step is one batch with one simulated training step (`sim.step`: a declared number of flops per
+device, reading the job's state tensor and writing its next version), and every `sync_every` steps a Sync.
+A Sync that comes back done is the job's durable point: when a later Sync reports lost data (a worker was
+lost and the core could not rebuild the session), the job closes the session and starts again in a new one
+from its last durable point, so it loses exactly the steps since then. With the core's recovery on
+(`recovery.snapshot_every_batches`), the core itself rebuilds the session from its snapshot and replays the
+batches since, and the job only sees a slower Sync. A frozen (preempted) session keeps its state on its
+workers and loses nothing; a moved one pays for the copy of its state.
+
+Also here: reading node lists (the openb GPU nodes CSV) into node groups.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from dtorch.protocol import messages as m
+from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
 from dtorch_sim import __version__
-from dtorch_sim.scenario import Scenario, Workload
+from dtorch_sim.scenario import NodeGroup, Scenario, Workload
 
 HELLO = m.Hello(protocol_version=m.PROTOCOL_VERSION, package_version=__version__, role="client")
 SYNC_TIMEOUT_S = 1e12  # jobs wait for their workers; lost workers answer the Sync with errors
+STEP_OP = "sim.step"  # the simulated training step; fake workers price it by its `flops` kwarg
+STATE_COLS = 1024  # the state tensor is [devices * rows, 1024] float32, sharded by rows
+GB = 2**30
+
+
+class TraceError(ValueError):
+    """A trace or node list that cannot be read; the message starts with the scenario field path."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,7 @@ class JobSpec:
     arrival: float
     devices: int
     duration: float  # seconds of work on a speed-1.0 device, alone on its devices
+    share: float = 1.0  # < 1: a fraction of one device (packing policies may share the device)
     priority: str = "normal"
 
 
@@ -38,9 +57,17 @@ class JobRecord:
     placed: float | None = None  # first time its mesh was placed
     finished: float | None = None
     failed: float | None = None
+    error: str = ""
     restarts: int = 0
-    steps_done: int = 0
+    preemptions: int = 0
+    recoveries: int = 0  # core rebuilds of its session after a worker loss
+    steps_done: int = 0  # steps behind the last durable point (a Sync that came back done)
+    work_s: float = 0.0  # device-seconds of step work executed (speed-normalized), redone work included
     sessions: list[str] = field(default_factory=list)
+
+    @property
+    def useful_s(self) -> float:
+        return self.spec.duration * self.spec.devices
 
 
 # ---------------------------------------------------------------- where jobs come from
@@ -64,69 +91,189 @@ def _synthetic(sc: Scenario) -> Iterator[JobSpec]:
     for i in range(syn.jobs):
         t += rng.expovariate(syn.arrival.rate_per_s)
         size = rng.choices(syn.size.choices, weights=syn.size.weights)[0]
-        yield JobSpec(id=f"job{i}", arrival=t, devices=size, duration=max(syn.duration.sample(rng), 1e-3))
+        duration = max(syn.duration.sample(rng), 1e-3)
+        devices, share = (1, size) if size < 1 else (int(size), 1.0)
+        yield JobSpec(id=f"job{i}", arrival=t, devices=devices, duration=duration, share=share)
+
+
+def _columns(reader: csv.DictReader, cols: dict[str, str], needed: list[str], where: str) -> None:
+    header = reader.fieldnames or []
+    for role in needed:
+        if cols.get(role) not in header:
+            raise TraceError(f"{where}: column {cols.get(role)!r} (for {role}) is not in the CSV header {header}")
 
 
 def _trace(sc: Scenario) -> Iterator[JobSpec]:
     tr = sc.workload.trace
     assert tr is not None
     cols = tr.column_map()
+    prios = tr.priorities()
     rows = []
     with open(sc.trace_path(), newline="") as f:
-        for row in csv.DictReader(f):
-            submit = float(row[cols["submit"]])
-            if submit < tr.start_s:
-                continue
-            if "duration" in cols and cols["duration"] in row:
-                duration = float(row[cols["duration"]])
-            else:
-                duration = float(row[cols["end"]]) - submit
-            gpus = int(float(row[cols["num_gpu"]] or 0))
+        reader = csv.DictReader(f)
+        timing = ["duration"] if tr.format == "itp" and "duration" in cols else ["end"]
+        _columns(reader, cols, ["job_id", "submit", "num_gpu", *timing], "workload.trace.columns")
+        has = set(reader.fieldnames or [])
+        for n, row in enumerate(reader, start=2):
+            try:
+                submit = float(row[cols["submit"]])
+                if submit < tr.start_s:
+                    continue
+                if timing == ["duration"]:
+                    duration = float(row[cols["duration"]])
+                else:
+                    start = row.get(cols.get("start", ""), "") if cols.get("start") in has else None
+                    if start == "":
+                        if tr.unscheduled == "skip":
+                            continue
+                        start = None
+                    begin = float(start) if start is not None and tr.duration_from == "start" else submit
+                    duration = float(row[cols["end"]]) - begin
+                gpus = int(float(row[cols["num_gpu"]] or 0))
+            except (TypeError, ValueError) as e:
+                raise TraceError(f"workload.trace.path: line {n} of {sc.trace_path()}: {e}") from None
+            share = 1.0
             if gpus == 0:
                 if tr.zero_gpu == "skip":
                     continue
                 gpus = 1
-            milli = row.get(cols.get("gpu_milli", ""), "") or "1000"
-            if gpus == 1 and float(milli) < 1000 and tr.fractional == "skip":
-                continue
+            milli = row.get(cols["gpu_milli"], "") if cols.get("gpu_milli") in has else ""
+            if gpus == 1 and milli and float(milli) < 1000:
+                if tr.fractional == "skip":
+                    continue
+                if tr.fractional == "share" and float(milli) > 0:
+                    share = float(milli) / 1000
             if duration <= 0 or (tr.max_gpus is not None and gpus > tr.max_gpus):
                 continue
-            rows.append((submit, row[cols["job_id"]], gpus, duration))
+            if tr.max_duration_s is not None:
+                duration = min(duration, tr.max_duration_s)
+            prio = prios.get(row.get(cols["priority"], ""), "normal") if cols.get("priority") in has else "normal"
+            rows.append((submit, row[cols["job_id"]], gpus, duration, share, prio))
     rows.sort()
+    rows = rows[::tr.every]
     if tr.limit is not None:
         rows = rows[:tr.limit]
     t0 = rows[0][0] if rows else 0.0
-    for submit, job_id, gpus, duration in rows:
-        yield JobSpec(id=job_id, arrival=(submit - t0) * tr.time_scale, devices=gpus, duration=duration * tr.time_scale)
+    for submit, job_id, gpus, duration, share, prio in rows:
+        yield JobSpec(id=job_id, arrival=(submit - t0) * tr.time_scale, devices=gpus, duration=duration * tr.time_scale,
+                      share=share, priority=prio)
+
+
+def check_trace(sc: Scenario) -> None:
+    """Raise TraceError when the trace CSV lacks a mapped column or has a bad value (read once, cheaply)."""
+    if sc.workload.trace is not None:
+        for _ in _trace(sc):
+            pass
+
+
+def node_groups(sc: Scenario) -> list[NodeGroup]:
+    """The cluster's node groups: `cluster.nodes`, then the nodes of `cluster.node_list` (consecutive rows with
+    the same model and device count form one group)."""
+    groups = list(sc.cluster.nodes)
+    nl = sc.cluster.node_list
+    if nl is None:
+        return groups
+    cols = nl.column_map()
+    path = sc.resolve(nl.path)
+    rows: list[tuple[str, int]] = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        _columns(reader, cols, ["devices", "model"], "cluster.node_list.columns")
+        for n, row in enumerate(reader, start=2):
+            try:
+                devices = int(float(row[cols["devices"]] or 0))
+            except ValueError as e:
+                raise TraceError(f"cluster.node_list.path: line {n} of {path}: {e}") from None
+            if devices > 0:
+                rows.append((row[cols["model"]], devices))
+    rows = rows[::nl.every]
+    if nl.limit is not None:
+        rows = rows[:nl.limit]
+    unknown = sorted({model for model, _ in rows if model not in sc.cluster.device_types})
+    if unknown and nl.default_device_type is None:
+        raise TraceError(f"cluster.node_list: models {unknown} are not in cluster.device_types "
+                         f"{sorted(sc.cluster.device_types)} (add them, or set default_device_type)")
+    for model, devices in rows:
+        dtype = model if model in sc.cluster.device_types else nl.default_device_type
+        last = groups[-1] if groups and len(groups) > len(sc.cluster.nodes) else None
+        if last is not None and last.device_type == dtype and last.devices_per_node == devices \
+                and last.labels.get("model") == model:
+            groups[-1] = last.model_copy(update={"count": last.count + 1})
+        else:
+            groups.append(NodeGroup(count=1, devices_per_node=devices, device_type=dtype, labels={"model": model}))
+    return groups
 
 
 # ---------------------------------------------------------------- what a job does
 
 
-def job(sim, spec: JobSpec, wl: Workload, rec: JobRecord):
-    """One job's life: arrive, get a mesh, run its steps in synced chunks, close; restart after a lost worker."""
+class Steps:
+    """A job's instructions: its state tensor (`state_gb` per device, rows sharded over the mesh), and one
+    `sim.step` per step that reads the current state and writes the next one (then the old one is deleted).
+    A step declares `flops` per device: duration/steps seconds on a speed-1.0 device under the cost model."""
+
+    def __init__(self, spec: JobSpec, wl: Workload, reference_tflops: float, state_bytes: int) -> None:
+        if wl.step_s is not None:
+            self.steps = max(1, min(wl.max_steps, math.ceil(spec.duration / wl.step_s)))
+        else:
+            self.steps = wl.steps_per_job
+        self.step_s = spec.duration / self.steps
+        self.flops = self.step_s * reference_tflops * 1e12
+        rows = max(1, state_bytes // (4 * STATE_COLS))
+        n = spec.devices
+        self.spec = m.TensorSpec(shape=[n * rows, STATE_COLS], dtype="float32", mesh=0, placements=["S0"])
+        self.tid = 1  # the live state tensor of the current session
+
+    def setup(self) -> list[m.Instr]:
+        self.tid = 1
+        return [m.InstrCreate(tid=1, spec=self.spec, init="zeros")]
+
+    def step(self, i: int) -> list[m.Instr]:
+        prev, self.tid = self.tid, self.tid + 1
+        call = m.InstrCall(op=STEP_OP, mesh=0, args=[{"$t": prev}], kwargs={"flops": self.flops, "step": i},
+                           outs=[m.OutSpec(tid=self.tid, spec=self.spec)], src=f"train.py:{i}")
+        return [call, m.InstrDelete(tids=[prev])]
+
+
+def job(sim, rec: JobRecord):
+    """One job's life: arrive, get a mesh, run its steps in synced chunks, close; restart after lost data."""
     env = sim.env
+    spec = rec.spec
+    wl = sim.scenario.workload
     yield env.timeout(spec.arrival - env.now)
-    work = Steps(spec, wl.steps_per_job, sim.scenario.cost)
+    cap = sim.memory_cap(spec)
+    work = Steps(spec, wl, sim.scenario.cost.reference_tflops, sim.state_bytes(spec, cap))
     while True:
-        opened = yield sim.request(lambda r: ev.OpenSession(r, m.OpenSession(hello=HELLO, name=spec.id,
-                                                                             priority=spec.priority)))
+        opened = yield sim.request(lambda r: ev.OpenSession(r, m.OpenSession(
+            hello=HELLO, name=spec.id, priority=spec.priority, memory_cap=cap)))
+        if isinstance(opened, fx.Refusal):
+            rec.failed, rec.error = env.now, f"OpenSession refused: {opened.message}"
+            return
         session = opened.session
-        rec.sessions.append(session)
+        sim.session_opened(session, rec)
         mesh = m.OpenMesh(session=session, mesh=0, devices=list(range(spec.devices)), shape=[spec.devices])
         placed = yield sim.request(lambda r, mesh=mesh: ev.OpenMesh(r, mesh))
-        while not placed.placed:  # the core queues nothing yet: ask again later
-            yield env.timeout(wl.retry_s)
+        while not isinstance(placed, fx.Refusal) and not placed.placed:
+            yield sim.placed_or_timeout(session, wl.retry_s)
             placed = yield sim.request(lambda r, mesh=mesh: ev.OpenMesh(r, mesh))
+        if isinstance(placed, fx.Refusal):
+            rec.failed, rec.error = env.now, f"OpenMesh refused: {placed.message}"
+            yield sim.request(lambda r, s=session: ev.CloseSession(r, m.CloseSession(session=s)))
+            sim.session_closed(session)
+            return
         if rec.placed is None:
             rec.placed = env.now
+        sim.job_running(rec)
         ok = yield from run_steps(sim, session, work, wl.sync_every, rec)
         yield sim.request(lambda r, s=session: ev.CloseSession(r, m.CloseSession(session=s)))
+        sim.session_closed(session)
         if ok:
             rec.finished = env.now
+            sim.job_ended(rec)
             return
         if wl.on_failure == "fail":
             rec.failed = env.now
+            sim.job_ended(rec)
             return
         rec.restarts += 1
 
@@ -134,44 +281,18 @@ def job(sim, spec: JobSpec, wl: Workload, rec: JobRecord):
 def run_steps(sim, session: str, work: Steps, sync_every: int, rec: JobRecord):
     """Submit the remaining steps, syncing every `sync_every`; False when a Sync reports lost work."""
     seq = 0
-    setup = work.setup()
+    first = True
     while rec.steps_done < work.steps:
         chunk = min(sync_every, work.steps - rec.steps_done)
         for i in range(chunk):
             seq += 1
-            instrs = (setup if seq == 1 else []) + work.step(rec.steps_done + i)
+            instrs = (work.setup() if first else []) + work.step(rec.steps_done + i)
+            first = False
             yield sim.request(lambda r, seq=seq, instrs=instrs: ev.Submit(r, m.Submit(session, seq, instrs)))
         reply = yield sim.request(lambda r, seq=seq: ev.Sync(r, m.Sync(session, seq, SYNC_TIMEOUT_S)))
-        if not reply.done or reply.errors:
+        if isinstance(reply, fx.Refusal) or not reply.done or reply.errors:
+            if not isinstance(reply, fx.Refusal) and reply.errors:
+                rec.error = reply.errors[0].message
             return False
         rec.steps_done += chunk
     return True
-
-
-class Steps:
-    """The instructions of a job: A (rows sharded over the mesh) @ B (replicated), once per step.
-
-    Each device multiplies its [rows, k] shard by [k, k]: 2*rows*k*k flops, sized so that a step takes
-    duration/steps seconds on a speed-1.0 device under the scenario's cost model.
-    """
-
-    A, B = 1, 2
-
-    def __init__(self, spec: JobSpec, steps: int, cost) -> None:
-        self.steps = steps
-        self.k = cost.matrix_k
-        step_s = spec.duration / steps
-        rows = max(1, round(step_s * cost.reference_tflops * 1e12 / (2 * self.k * self.k)))
-        n = spec.devices
-        self.a = m.TensorSpec(shape=[n * rows, self.k], dtype="float32", mesh=0, placements=["S0"])
-        self.b = m.TensorSpec(shape=[self.k, self.k], dtype="float32", mesh=0, placements=["R"])
-
-    def setup(self) -> list[m.Instr]:
-        return [m.InstrCreate(tid=self.A, spec=self.a, init="randn", seed=1),
-                m.InstrCreate(tid=self.B, spec=self.b, init="randn", seed=2)]
-
-    def step(self, i: int) -> list[m.Instr]:
-        out = 3 + i
-        call = m.InstrCall(op="aten.mm.default", mesh=0, args=[{"$t": self.A}, {"$t": self.B}], kwargs={},
-                           outs=[m.OutSpec(tid=out, spec=self.a)], src=f"train.py:{i}")
-        return [call] + ([m.InstrDelete(tids=[out - 1])] if i > 0 else [])

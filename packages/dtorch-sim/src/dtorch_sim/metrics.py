@@ -2,6 +2,23 @@
 
 Everything here is a function of the simulated run only, so the same scenario and seed give the same
 bytes. Wall-clock numbers (events per second) belong to the CLI's printed summary, never to these files.
+
+Definitions (metrics.json):
+
+* `jct_s`: finish - arrival of finished jobs; `queueing_delay_s`: first placement - arrival (mean, p50, p99, max).
+* `makespan_s`: last finish - first arrival.
+* `utilization`: time averages over the samples, weighted by alive devices: `busy` (executing), `allocated`
+  (leased to a session), `unallocated_share` (capacity no session leases: a whole device, or the room left by
+  packed leases), also while sessions wait (`unallocated_share_when_queued`: capacity stranded although
+  there is demand, the fragmentation figure of packing studies), and `requested_share` (capacity the running
+  jobs asked for: a fractional job counts its fraction even when it got a whole device).
+* `failures`: injected, detected, `detection_s` (failure -> the core marks the worker lost), `recovery_s`
+  (failure -> every job with devices on it runs again: rebuilt by the core, or restarted and placed),
+  `device_s_lost` = `redone_device_s` (step work done again after a restart or replay, or cut short by the
+  failure) + `stalled_device_s` (devices of the jobs it hit x time from the failure until each job ran again,
+  or let its devices go to restart; a restarted job's wait in the queue is not counted: others use them).
+* `preemptions` (sessions frozen), `resumes`, `recoveries` (sessions rebuilt by the core), `migrations`
+  (logical-device moves by drains: count, bytes, downtime).
 """
 
 from __future__ import annotations
@@ -12,6 +29,8 @@ import math
 from pathlib import Path
 
 from dtorch_sim.harness import Simulation
+
+PRIORITIES = ("high", "normal", "low")
 
 
 def _r(x: float | None) -> float | None:
@@ -31,20 +50,30 @@ def _stats(values: list[float]) -> dict[str, float | None]:
             "p99": _r(percentile(values, 99)), "max": _r(max(values)) if values else None}
 
 
+def _weighted(samples, value) -> float:
+    alive = sum(s.alive for s in samples)
+    return _r(sum(value(s) * s.alive for s in samples) / alive) if alive else 0.0  # type: ignore[return-value]
+
+
 def summarize(sim: Simulation) -> dict:
     sc = sim.scenario
     done = [r for r in sim.jobs if r.finished is not None]
     jct = [r.finished - r.spec.arrival for r in done]  # type: ignore[operator]
     queued = [r.placed - r.spec.arrival for r in sim.jobs if r.placed is not None]
-    alive_time = sum(s.alive for s in sim.samples)
+    samples = sim.samples
+    waiting = [s for s in samples if s.queued]
     detections = [f.detected - f.at for f in sim.failures if f.detected is not None]
+    recoveries = [f.recovered - f.at for f in sim.failures if f.recovered is not None and f.kind != "remove_nodes"]
     injected = [f for f in sim.failures if f.kind != "remove_nodes"]
+    stalled = sum(f.stalled_device_s for f in sim.failures)
     return {
         "scenario": sc.name,
         "policy": sc.policy.name,
         "seed": sc.seed,
         "sim_end_s": _r(sim.env.now),
         "events_handled": sim.events,
+        "devices": {"initial": sim.initial_devices,
+                    "alive_at_end": sum(w.alive for ws in sim.nodes.values() for w in ws)},
         "jobs": {
             "submitted": len(sim.jobs),
             "finished": len(done),
@@ -54,26 +83,42 @@ def summarize(sim: Simulation) -> dict:
         },
         "jct_s": _stats(jct),
         "jct_s_by_priority": {p: _stats([r.finished - r.spec.arrival for r in done if r.spec.priority == p])
-                              for p in ("high", "normal", "low") if any(r.spec.priority == p for r in sim.jobs)},
+                              for p in PRIORITIES if any(r.spec.priority == p for r in sim.jobs)},
         "queueing_delay_s": _stats(queued),
         "makespan_s": _r(max((r.finished for r in done), default=0.0) - (sim.jobs[0].spec.arrival if sim.jobs else 0)),
         "utilization": {
-            "busy_mean": _r(sum(s.busy * s.alive for s in sim.samples) / alive_time) if alive_time else 0.0,
-            "allocated_mean": _r(sum(s.allocated for s in sim.samples) / alive_time) if alive_time else 0.0,
-            "bound_per_alive_device_mean": _r(sum(s.bound for s in sim.samples) / alive_time) if alive_time else 0.0,
+            "busy_mean": _weighted(samples, lambda s: s.busy),
+            "allocated_mean": _weighted(samples, lambda s: s.allocated / s.alive if s.alive else 0.0),
+            "bound_per_alive_device_mean": _weighted(samples, lambda s: s.bound / s.alive if s.alive else 0.0),
+            "unallocated_share_mean": _weighted(samples, lambda s: s.unallocated),
+            "unallocated_share_when_queued": _weighted(waiting, lambda s: s.unallocated) if waiting else None,
+            "requested_share_mean": _weighted(samples, lambda s: s.requested),
+            "queue_length_mean": _r(sum(s.queued for s in samples) / len(samples)) if samples else 0.0,
+            "queue_length_max": max((s.queued for s in samples), default=0),
             "sample_interval_s": _r(sim.sample_interval),
         },
+        "scheduling": {"preemptions": sim.preemptions, "resumes": sim.resumes, "recoveries": sim.recoveries,
+                       "migrations": len(sim.moves), "migrated_bytes": sum(mv.bytes for mv in sim.moves),
+                       "migration_downtime_s": _stats([mv.downtime_s for mv in sim.moves])},
         "failures": {
             "injected": len(injected),
             "nodes_removed_workers": len(sim.failures) - len(injected),
             "detected": len(detections),
             "heartbeat_timeout_s": sc.heartbeat.timeout_s,
             "detection_s": _stats(detections),
+            "recovery_s": _stats(recoveries),
+            "device_s_lost": _r(sim.redone_device_s + stalled),
+            "redone_device_s": _r(sim.redone_device_s),
+            "stalled_device_s": _r(stalled),
+            "workers_fenced": sim.fenced_workers,
             "events": [{"kind": f.kind, "worker": f.worker, "at": _r(f.at), "detected_at": _r(f.detected),
-                        "detection_s": _r(f.detected - f.at) if f.detected is not None else None}
+                        "detection_s": _r(f.detected - f.at) if f.detected is not None else None,
+                        "recovered_at": _r(f.recovered),
+                        "recovery_s": _r(f.recovered - f.at) if f.recovered is not None else None,
+                        "jobs_hit": len(f.jobs), "stalled_device_s": _r(f.stalled_device_s)}
                        for f in sim.failures],
         },
-        "workers_fenced": sim.fenced_workers,
+        "notes": list(sim.notes),
     }
 
 
@@ -85,32 +130,36 @@ def write(sim: Simulation, out: str | Path, plots: bool = True) -> dict:
     (out / "metrics.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     with open(out / "jobs.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(["job_id", "arrival_s", "devices", "duration_s", "placed_s", "finished_s", "failed_s", "jct_s",
-                    "queueing_delay_s", "restarts", "steps_done", "priority"])
+        w.writerow(["job_id", "arrival_s", "devices", "share", "priority", "duration_s", "placed_s", "finished_s",
+                    "failed_s", "jct_s", "queueing_delay_s", "restarts", "preemptions", "recoveries", "steps_done",
+                    "work_device_s"])
         for r in sim.jobs:
             s = r.spec
-            w.writerow([s.id, _r(s.arrival), s.devices, _r(s.duration), _r(r.placed), _r(r.finished), _r(r.failed),
-                        _r(r.finished - s.arrival) if r.finished is not None else None,
-                        _r(r.placed - s.arrival) if r.placed is not None else None, r.restarts, r.steps_done,
-                        s.priority])
+            w.writerow([s.id, _r(s.arrival), s.devices, _r(s.share), s.priority, _r(s.duration), _r(r.placed),
+                        _r(r.finished), _r(r.failed), _r(r.finished - s.arrival) if r.finished is not None else None,
+                        _r(r.placed - s.arrival) if r.placed is not None else None, r.restarts, r.preemptions,
+                        r.recoveries, r.steps_done, _r(r.work_s)])
     with open(out / "utilization.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(["t_s", "alive", "allocated", "bound", "allocated_frac", "busy_frac"])
+        w.writerow(["t_s", "alive", "allocated", "bound", "allocated_frac", "busy_frac", "queued",
+                    "unallocated_share", "requested_share"])
         for s in sim.samples:
             w.writerow([_r(s.t), s.alive, s.allocated, s.bound, _r(s.allocated / s.alive if s.alive else 0.0),
-                        _r(s.busy)])
+                        _r(s.busy), s.queued, _r(s.unallocated), _r(s.requested)])
     with open(out / "failures.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(["kind", "worker", "at_s", "detected_at_s", "detection_s"])
+        w.writerow(["kind", "worker", "at_s", "detected_at_s", "detection_s", "recovered_at_s", "recovery_s",
+                    "jobs_hit", "stalled_device_s"])
         for e in summary["failures"]["events"]:
-            w.writerow([e["kind"], e["worker"], e["at"], e["detected_at"], e["detection_s"]])
+            w.writerow([e["kind"], e["worker"], e["at"], e["detected_at"], e["detection_s"], e["recovered_at"],
+                        e["recovery_s"], e["jobs_hit"], e["stalled_device_s"]])
     if plots:
         plot(sim, out)
     return summary
 
 
 def plot(sim: Simulation, out: Path) -> list[Path]:
-    """utilization.png and jct_cdf.png; nothing (and no error) without matplotlib."""
+    """utilization.png, jct_cdf.png and queue.png; nothing (and no error) without matplotlib."""
     try:
         import matplotlib
 
@@ -118,13 +167,16 @@ def plot(sim: Simulation, out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
+    name, policy = sim.scenario.name, sim.scenario.policy.name
     paths = []
-    fig, ax = plt.subplots(figsize=(8, 3.5))
     t = [s.t for s in sim.samples]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot(t, [s.allocated / s.alive if s.alive else 0 for s in sim.samples], label="allocated")
     ax.plot(t, [s.busy for s in sim.samples], label="busy")
+    if any(s.requested < (s.allocated / s.alive if s.alive else 0) - 1e-9 for s in sim.samples):
+        ax.plot(t, [s.requested for s in sim.samples], label="requested", lw=0.8)
     ax.set(xlabel="simulated time (s)", ylabel="fraction of alive devices", ylim=(0, 1.05),
-           title=f"{sim.scenario.name}: device utilization ({sim.scenario.policy.name})")
+           title=f"{name}: device utilization ({policy})")
     for f in sim.failures:
         ax.axvline(f.at, color="red", alpha=0.3, lw=0.8)
     ax.legend(loc="lower right")
@@ -137,10 +189,16 @@ def plot(sim: Simulation, out: Path) -> list[Path]:
     if jct:
         ax.step(jct, [(i + 1) / len(jct) for i in range(len(jct))], where="post")
         ax.set_xscale("log")
-    ax.set(xlabel="job completion time (s)", ylabel="fraction of finished jobs",
-           title=f"JCT CDF ({sim.scenario.policy.name})")
+    ax.set(xlabel="job completion time (s)", ylabel="fraction of finished jobs", title=f"JCT CDF ({policy})")
     fig.tight_layout()
     paths.append(out / "jct_cdf.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 3))
+    ax.step(t, [s.queued for s in sim.samples], where="post")
+    ax.set(xlabel="simulated time (s)", ylabel="sessions queued", title=f"{name}: queue length ({policy})")
+    fig.tight_layout()
+    paths.append(out / "queue.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     return paths

@@ -1,12 +1,12 @@
 """What a simulation runs: the scenario YAML, as pydantic models.
 
-A scenario names a cluster (node groups of devices of a few types), a workload (synthetic or a real
-trace), the placement policy, faults, elastic events, heartbeat settings, a seed and a time limit.
-`load(path)` returns a `Scenario` or raises `ScenarioError` whose lines each name one field path and
-what was expected there.
+A scenario names a cluster (node groups of devices of a few types, or a node-list CSV), a workload
+(synthetic or a real trace), the scheduling policy, faults, elastic events and an autoscaler, heartbeat
+and recovery settings, the cost model, a seed and a time limit. `load(path)` returns a `Scenario` or
+raises `ScenarioError` whose lines each name one field path and what was expected there.
 
-Relative trace paths are resolved against the folder of the scenario file first, then against the
-current directory; the first that exists wins (`Scenario.trace_path()`).
+Relative CSV paths (traces, node lists) are resolved against the folder of the scenario file first,
+then against the current directory; the first that exists wins (`Scenario.resolve()`).
 """
 
 from __future__ import annotations
@@ -47,16 +47,38 @@ class NodeGroup(_Model):
     name: str = "node"  # nodes are named "{name}{index}", the index counting over the whole cluster
 
 
+class NodeList(_Model):
+    """Nodes from a CSV, one row per node: the openb node list (`sn, gpu, model`) or any CSV with a device
+    count and a model column. Rows with 0 devices are skipped; `every` keeps every k-th node (a smaller
+    cluster with the same mix), `limit` the first n of those."""
+
+    path: str
+    columns: dict[Literal["name", "devices", "model"], str] = {}
+    every: int = Field(1, ge=1)
+    limit: int | None = Field(None, ge=1)
+    default_device_type: str | None = None  # for models missing from cluster.device_types (else an error)
+
+    def column_map(self) -> dict[str, str]:
+        return {"name": "sn", "devices": "gpu", "model": "model", **self.columns}
+
+
 class Cluster(_Model):
     device_types: dict[str, DeviceType] = Field(min_length=1)
-    nodes: list[NodeGroup] = Field(min_length=1)
+    nodes: list[NodeGroup] = []
+    node_list: NodeList | None = None
 
     @model_validator(mode="after")
     def _types_known(self) -> Cluster:
+        if not self.nodes and self.node_list is None:
+            raise ValueError("give nodes (a list of node groups) or node_list (a CSV of nodes)")
         for group in self.nodes:
             if group.device_type not in self.device_types:
                 raise ValueError(f"node group device_type {group.device_type!r} is not one of device_types "
                                  f"{sorted(self.device_types)}")
+        nl = self.node_list
+        if nl is not None and nl.default_device_type is not None and nl.default_device_type not in self.device_types:
+            raise ValueError(f"node_list.default_device_type {nl.default_device_type!r} is not one of device_types "
+                             f"{sorted(self.device_types)}")
         return self
 
 
@@ -100,16 +122,17 @@ class Arrival(_Model):
 
 
 class Sizes(_Model):
-    """Devices per job: drawn from `choices` with `weights` (equal when omitted)."""
+    """Devices per job, drawn from `choices` with `weights` (equal when omitted). A choice below 1 is a
+    fraction of one device (0.5: half a GPU), which packing policies may share."""
 
-    choices: list[int] = Field(min_length=1)
+    choices: list[float] = Field(min_length=1)
     weights: list[float] | None = None
 
     @field_validator("choices")
     @classmethod
-    def _positive(cls, v: list[int]) -> list[int]:
-        if any(c < 1 for c in v):
-            raise ValueError("every job size must be >= 1 device")
+    def _positive(cls, v: list[float]) -> list[float]:
+        if any(not (0 < c < 1 or (c >= 1 and float(c).is_integer())) for c in v):
+            raise ValueError("every job size must be a whole number of devices >= 1, or a fraction in (0, 1)")
         return v
 
     @model_validator(mode="after")
@@ -118,6 +141,9 @@ class Sizes(_Model):
                                          or not sum(self.weights) > 0):
             raise ValueError(f"weights must be {len(self.choices)} non-negative numbers, not all zero")
         return self
+
+
+Priority = Literal["high", "normal", "low"]
 
 
 class Synthetic(_Model):
@@ -129,36 +155,57 @@ class Synthetic(_Model):
 
 
 ITP_COLUMNS = {"job_id": "job_id", "submit": "submission_time", "duration": "duration", "num_gpu": "num_gpu"}
-OPENB_COLUMNS = {"job_id": "name", "submit": "creation_time", "end": "deletion_time", "num_gpu": "num_gpu",
-                 "gpu_milli": "gpu_milli"}
+OPENB_COLUMNS = {"job_id": "name", "submit": "creation_time", "end": "deletion_time", "start": "scheduled_time",
+                 "num_gpu": "num_gpu", "gpu_milli": "gpu_milli", "priority": "qos"}
+OPENB_PRIORITIES = {"LS": "high", "Guaranteed": "high", "Burstable": "normal", "BE": "low"}
+Column = Literal["job_id", "submit", "duration", "start", "end", "num_gpu", "gpu_milli", "priority"]
 
 
 class Trace(_Model):
-    """Jobs from a CSV: ITP (`job_id, submission_time, duration, num_gpu`) or openb pods
-    (`name, creation_time, deletion_time, num_gpu, gpu_milli`). `columns` overrides the default names."""
+    """Jobs from a CSV: ITP (`job_id, submission_time, duration, num_gpu`) or openb pods (`name, creation_time,
+    scheduled_time, deletion_time, num_gpu, gpu_milli, qos`). `columns` maps these roles to other column names,
+    so any CSV with an id, a submit time, a duration (or an end time) and a device count can be replayed."""
 
     format: Literal["itp", "openb"]
     path: str
-    columns: dict[Literal["job_id", "submit", "duration", "end", "num_gpu", "gpu_milli"], str] = {}
+    columns: dict[Column, str] = {}
     start_s: float = Field(0.0, ge=0)  # skip jobs submitted before this trace time
+    every: int = Field(1, ge=1)  # keep every k-th job (a lighter load over the same time span)
     limit: int | None = Field(None, ge=1)  # at most this many jobs (after start_s and filtering)
     time_scale: float = Field(1.0, gt=0)  # multiply submit times and durations (0.01: 100x faster)
     max_gpus: int | None = Field(None, ge=1)  # drop jobs asking for more devices
-    zero_gpu: Literal["skip", "one"] = "skip"  # openb pods with num_gpu 0
-    fractional: Literal["whole", "skip"] = "whole"  # openb pods with gpu_milli < 1000: one whole device, or skip
+    max_duration_s: float | None = Field(None, gt=0)  # cap durations (trace seconds, before time_scale)
+    zero_gpu: Literal["skip", "one"] = "skip"  # jobs with num_gpu 0
+    # openb pods with gpu_milli < 1000: a whole device, skipped, or that share of a device (packing policies
+    # then put several on one device, others still give each a whole device)
+    fractional: Literal["whole", "skip", "share"] = "whole"
+    duration_from: Literal["start", "submit"] = "start"  # openb: duration = end - scheduled (or - creation) time
+    unscheduled: Literal["skip", "keep"] = "skip"  # openb pods never scheduled in production (no scheduled_time)
+    priority_map: dict[str, Priority] | None = None  # column value -> priority (openb default: LS high, BE low)
 
     def column_map(self) -> dict[str, str]:
         return {**(ITP_COLUMNS if self.format == "itp" else OPENB_COLUMNS), **self.columns}
+
+    def priorities(self) -> dict[str, str]:
+        if self.priority_map is not None:
+            return dict(self.priority_map)
+        return dict(OPENB_PRIORITIES) if self.format == "openb" else {}
 
 
 class Workload(_Model):
     synthetic: Synthetic | None = None
     trace: Trace | None = None
-    steps_per_job: int = Field(10, ge=1)  # step batches a job submits (each: one matmul on its whole mesh)
-    sync_every: int = Field(5, ge=1)  # steps between Syncs; a Sync is a checkpoint for restarts
-    on_failure: Literal["restart", "fail"] = "restart"  # a job whose worker was lost: resume elsewhere, or give up
-    retry_s: float = Field(10.0, gt=0)  # wait before asking again when a mesh is not placed
-    priorities: dict[Literal["high", "normal", "low"], float] = {}  # weights of each job's class (empty: normal)
+    # A job is a session that runs its work as steps (one simulated training step per batch on its whole mesh):
+    # `steps_per_job` steps each, or steps of about `step_s` seconds of work (at most `max_steps`).
+    steps_per_job: int = Field(10, ge=1)
+    step_s: float | None = Field(None, gt=0)
+    max_steps: int = Field(100, ge=1)
+    sync_every: int = Field(5, ge=1)  # steps between Syncs; a Sync is the job's durable point for restarts
+    state_gb: float = Field(2.0, gt=0)  # live state (weights, optimizer) per device: what snapshots and moves copy
+    on_failure: Literal["restart", "fail"] = "restart"  # a job whose data was lost: resume elsewhere, or give up
+    retry_s: float = Field(60.0, gt=0)  # a queued job asks again at least this often (it is also woken when placed)
+    # weights of each job's priority class, drawn per job (empty: "normal", or the trace's own classes)
+    priorities: dict[Priority, float] = {}
 
     @model_validator(mode="after")
     def _one_source(self) -> Workload:
@@ -174,16 +221,20 @@ class Workload(_Model):
 
 class Fault(_Model):
     """A worker or node failure (`at` a time, or recurring with mean time between failures `mtbf_s` over the
-    whole cluster), or a slow worker. Without a target, a random alive worker/node is hit."""
+    whole cluster), a slow worker, or a network partition between workers and the controller. Without a
+    target, a random alive worker/node is hit. `repair_s`: the failed workers (or, for a partition, workers
+    the controller fenced) start again after this long and register anew."""
 
-    kind: Literal["worker_failure", "node_failure", "slow_worker"]
+    kind: Literal["worker_failure", "node_failure", "slow_worker", "partition"]
     at: float | None = Field(None, ge=0)
     mtbf_s: float | None = Field(None, gt=0)
     worker: str | None = None  # "node3/gpu1"
     node: str | None = None  # "node3"
     mode: Literal["silent", "crash"] = "silent"  # silent: only heartbeats notice; crash: sends fail at once
     factor: float = Field(0.5, gt=0)  # slow_worker: speed multiplier
-    until: float | None = Field(None, gt=0)  # slow_worker: back to normal speed at this time
+    until: float | None = Field(None, gt=0)  # slow_worker / partition: back to normal at this time
+    duration_s: float | None = Field(None, gt=0)  # slow_worker / partition: back to normal after this long
+    repair_s: float | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _when(self) -> Fault:
@@ -193,19 +244,30 @@ class Fault(_Model):
             raise ValueError("a node_failure names a node, not a worker")
         if self.kind != "node_failure" and self.node is not None and self.worker is not None:
             raise ValueError("name a worker or a node, not both")
-        if self.until is not None and (self.kind != "slow_worker" or self.at is None or self.until <= self.at):
-            raise ValueError("until is for slow_worker faults with at, and must be later than at")
+        timed = self.kind in ("slow_worker", "partition")
+        if (self.until is not None or self.duration_s is not None) and not timed:
+            raise ValueError("until and duration_s are for slow_worker and partition faults")
+        if self.until is not None and self.duration_s is not None:
+            raise ValueError("give until or duration_s, not both")
+        if self.until is not None and (self.at is None or self.until <= self.at):
+            raise ValueError("until needs at, and must be later than at (use duration_s with mtbf_s)")
+        if self.kind == "partition" and self.until is None and self.duration_s is None:
+            raise ValueError("a partition needs until or duration_s (when it heals)")
+        if self.repair_s is not None and self.kind == "slow_worker":
+            raise ValueError("repair_s is for failures and partitions")
         return self
 
 
 class Elastic(_Model):
-    """Nodes joining (`add_nodes`, a group like the cluster's) or leaving (`remove_nodes`, by name or count)."""
+    """Nodes joining (`add_nodes`, a group like the cluster's) or leaving (`remove_nodes`, by name or count).
+    Leaving nodes are drained (their devices' shards move to other workers first) or killed (like a failure)."""
 
     at: float = Field(ge=0)
     action: Literal["add_nodes", "remove_nodes"]
     add: NodeGroup | None = None
     nodes: list[str] = []
     count: int | None = Field(None, ge=1)
+    mode: Literal["drain", "kill"] = "drain"
 
     @model_validator(mode="after")
     def _what(self) -> Elastic:
@@ -216,10 +278,34 @@ class Elastic(_Model):
         return self
 
 
+class Autoscaler(_Model):
+    """Every `check_interval_s`: when at least `scale_up_queued` sessions wait, ask for `step` more nodes of
+    `node` (they join after `provision_s`), up to `max_nodes` added; when nothing waits, drain one added node
+    whose devices were all unleased for `scale_down_idle_s`, down to `min_nodes` added."""
+
+    node: NodeGroup  # count is ignored: one node per step
+    check_interval_s: float = Field(60.0, gt=0)
+    scale_up_queued: int = Field(1, ge=1)
+    step: int = Field(1, ge=1)
+    provision_s: float = Field(0.0, ge=0)
+    max_nodes: int = Field(ge=0)
+    min_nodes: int = Field(0, ge=0)
+    scale_down_idle_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaler:
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) must not exceed max_nodes ({self.max_nodes})")
+        return self
+
+
 # ---------------------------------------------------------------- the rest
 
 
 class Heartbeat(_Model):
+    """How often workers report when they have nothing else to say (a report after a batch counts too), and
+    when the controller declares a silent one lost. Large clusters in long runs can use long intervals."""
+
     interval_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(5.0, gt=0)
 
@@ -230,22 +316,38 @@ class Heartbeat(_Model):
         return self
 
 
+class Recovery(_Model):
+    """The core's own fault tolerance: snapshot every live shard after this many batches (or once this old)
+    and replay the log after a loss. 0 batches: off, a job whose worker is lost restarts from its last Sync."""
+
+    snapshot_every_batches: int = Field(0, ge=0)
+    snapshot_every_s: float = Field(1e12, gt=0)
+
+
 class Policy(_Model):
     name: str = "fifo"
     params: dict[str, object] = {}
+    params_for: dict[str, dict[str, object]] = {}  # per-policy parameters for `compare` (name -> params)
+
+    def for_name(self, name: str) -> dict[str, object]:
+        if name in self.params_for:
+            return dict(self.params_for[name])
+        return dict(self.params) if name == self.name else {}
 
 
 class CostModel(_Model):
-    """Seconds for a command = flops / (reference_tflops * 1e12 * device speed) + launch_s."""
+    """Seconds for a command: flops / (reference_tflops * 1e12 * device speed) + launch_s; a copy of shards
+    takes bytes / bandwidth: `network_gbps` between workers, `host_gbps` to or from this worker's host memory."""
 
     reference_tflops: float = Field(100.0, gt=0)
     launch_s: float = Field(0.0, ge=0)
-    matrix_k: int = Field(1024, ge=1)  # inner size of the jobs' matmuls
     rpc_latency_s: float = Field(0.0, ge=0)  # controller -> worker delivery delay
+    network_gbps: float = Field(100.0, gt=0)  # gigabits per second, worker to worker
+    host_gbps: float = Field(200.0, gt=0)  # gigabits per second, device <-> host memory
 
 
 class Metrics(_Model):
-    sample_interval_s: float | None = Field(None, gt=0)  # utilization timeline step (default: 1/200 of the run)
+    sample_interval_s: float | None = Field(None, gt=0)  # timeline step (default: 1/200 of the run)
 
 
 class Scenario(_Model):
@@ -256,20 +358,30 @@ class Scenario(_Model):
     workload: Workload
     policy: Policy = Policy()
     heartbeat: Heartbeat = Heartbeat()
+    recovery: Recovery = Recovery()
     faults: list[Fault] = []
     elastic: list[Elastic] = []
+    autoscaler: Autoscaler | None = None
     cost: CostModel = CostModel()
     metrics: Metrics = Metrics()
     base_dir: str = Field(".", exclude=True)  # folder of the scenario file, for relative paths
 
-    def trace_path(self) -> Path:
-        """The trace CSV: relative to the scenario file's folder, else to the current directory."""
-        assert self.workload.trace is not None
-        p = Path(self.workload.trace.path).expanduser()
+    def resolve(self, path: str) -> Path:
+        """A CSV path: relative to the scenario file's folder, else to the current directory."""
+        p = Path(path).expanduser()
         if p.is_absolute():
             return p
         here = Path(self.base_dir) / p
         return here if here.exists() or not p.exists() else p
+
+    def trace_path(self) -> Path:
+        assert self.workload.trace is not None
+        return self.resolve(self.workload.trace.path)
+
+    def with_policy(self, name: str) -> Scenario:
+        """The same scenario under another policy (its parameters from `policy.params_for`)."""
+        return self.model_copy(update={"policy": self.policy.model_copy(update={"name": name,
+                                                                                "params": self.policy.for_name(name)})})
 
 
 def format_errors(err: ValidationError, prefix: str = "") -> list[str]:
@@ -296,17 +408,39 @@ def parse(data: object, base_dir: str = ".", source: str = "") -> Scenario:
         sc = Scenario.model_validate({**data, "base_dir": base_dir})
     except ValidationError as e:
         raise ScenarioError(format_errors(e, prefix)) from None
-    from dtorch_sim.policies import POLICIES, UnknownPolicy, known, make_policy
+    from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
 
-    if sc.policy.name not in POLICIES:
-        raise ScenarioError([f"{prefix}policy.name: unknown policy {sc.policy.name!r}: known policies are {known()}"])
-    try:
-        make_policy(sc.policy.name, sc.policy.params)
-    except UnknownPolicy as e:
-        raise ScenarioError([f"{prefix}policy.params: {e}"]) from None
+    lines = []
+    if not is_known(sc.policy.name):
+        lines.append(f"{prefix}policy.name: unknown policy {sc.policy.name!r}: known policies are {known()}")
+    else:
+        try:
+            make_policy(sc.policy.name, sc.policy.params)
+        except UnknownPolicy as e:
+            lines.append(f"{prefix}policy.params: {e}")
+    for name, params in sc.policy.params_for.items():
+        if not is_known(name):
+            lines.append(f"{prefix}policy.params_for.{name}: unknown policy {name!r}: known policies are {known()}")
+            continue
+        try:
+            make_policy(name, params)
+        except UnknownPolicy as e:
+            lines.append(f"{prefix}policy.params_for.{name}: {e}")
     if sc.workload.trace is not None and not sc.trace_path().exists():
-        raise ScenarioError([f"{prefix}workload.trace.path: file {sc.workload.trace.path!r} not found (looked in "
-                             f"{base_dir} and in the current directory)"])
+        lines.append(f"{prefix}workload.trace.path: file {sc.workload.trace.path!r} not found (looked in "
+                     f"{base_dir} and in the current directory)")
+    if sc.cluster.node_list is not None and not sc.resolve(sc.cluster.node_list.path).exists():
+        lines.append(f"{prefix}cluster.node_list.path: file {sc.cluster.node_list.path!r} not found (looked in "
+                     f"{base_dir} and in the current directory)")
+    if lines:
+        raise ScenarioError(lines)
+    from dtorch_sim.jobs import TraceError, check_trace, node_groups
+
+    try:
+        node_groups(sc)
+        check_trace(sc)
+    except TraceError as e:
+        raise ScenarioError([f"{prefix}{e}"]) from None
     return sc
 
 

@@ -1,26 +1,44 @@
-"""Fake workers: register, heartbeat, run command batches in seq order for as long as the cost model says.
+"""Fake workers: register, report, run command batches in seq order for as long as the cost model says.
 
-A worker keeps only the local shard shapes it needs to price a command (a matmul costs 2*m*k*n flops on
-each device it hosts). It reports after every batch and every heartbeat interval, like the real one. When
-it fails it just stops: no more reports, no more work (and in "crash" mode sends to it fail at once).
+Like the real worker (dtorch_worker.executor and agent), a fake worker
+
+* registers, then reports: after every batch it finishes, and when it said nothing for a heartbeat interval
+  (a report after a batch counts as a heartbeat: idle workers beat, busy ones report anyway);
+* runs Execute batches strictly in seq order; a batch with a CmdAbandon acts on arrival (the session's earlier
+  batches are skipped);
+* reports completions, errors, the live shards and bytes of each session it holds (memory), and the fraction
+  of the time since its last report it spent executing (utilization);
+* stops when it fails or is fenced (a report answered "fenced": it was declared lost, or released after a drain).
+
+It holds no tensor data: only the byte size of every shard, by (session or namespace, tid, logical device), so it
+can price commands and report memory. Cost model (`scenario.cost`): a `sim.step` costs its declared flops per
+device / (reference_tflops * speed * slow factor); other ops one flop per output element; copying shards
+(snapshots, moves, restores: CmdSendShards / CmdFetchShards) costs bytes / bandwidth, `host_gbps` for local and
+host-memory copies and `network_gbps` between workers; every command adds `launch_s`.
+
+Everything is driven by simpy timeouts with callbacks, not processes: 10,000 workers cost no generators, and
+an idle worker costs one timeout per heartbeat interval.
 """
 
 from __future__ import annotations
 
 import math
 
-import simpy
-
 from dtorch.protocol import messages as m
 from dtorch_controller.core import events as ev
 from dtorch_sim import __version__
-from dtorch_sim.scenario import CostModel
+from dtorch_sim.jobs import STEP_OP
 
 HELLO = m.Hello(protocol_version=m.PROTOCOL_VERSION, package_version=__version__, role="worker")
-MATMULS = {"aten.mm.default", "aten.matmul.default", "aten.bmm.default", "aten.addmm.default"}
+ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
+            "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
+COPY_OP = "copy shards"  # op name of a failed CmdSendShards in reports (the core reads it: recovery.COPY_OP)
+FETCH_OP = "fetch shards"
 
 
 class Worker:
+    """One simulated device (one worker process). `sim` is the Simulation that owns it."""
+
     def __init__(self, sim, address: str, node: str, device_type: str, speed: float, memory_gb: float,
                  labels: dict[str, str]) -> None:
         self.sim, self.env = sim, sim.env
@@ -28,103 +46,258 @@ class Worker:
         self.speed, self.memory_gb, self.labels = speed, memory_gb, labels
         self.slow = 1.0  # slow_worker faults scale the speed
         self.id: str | None = None  # the core's id, once registered
-        self.alive = True
+        self.alive = True  # the process runs (False: failed, fenced or removed)
         self.crash = False  # when failed: sends to it fail at once (else they vanish)
+        self.partitioned = False  # cut off from the controller: its reports are lost, sends to it fail
+        self.draining = False  # a drain was asked: "fenced" then means released, not a fault
+        self.interval = 1.0
         self.completed = 0
-        self.inbox = simpy.Store(self.env)
-        self.shapes: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {}  # session -> (tid, device) -> shape
-        self.busy_since: float | None = None
+        self.pending: dict[int, m.Execute] = {}  # seq -> batch received, not started
+        self.skip_below: dict[str, int] = {}  # session -> batches below this seq were abandoned
+        self.current: m.Execute | None = None
+        self.started = 0.0  # when `current` started
+        self.seconds = 0.0  # how long `current` takes
+        self.work: tuple | None = None  # `current`'s step work: (job record, {device: step}, device-seconds)
+        self.token = 0  # bumps when the worker stops: scheduled completions of the old life are ignored
+        self.store: dict[str, dict[tuple[int, int], int]] = {}  # session/namespace -> (tid, device) -> bytes
+        self.totals: dict[str, int] = {}  # session/namespace -> bytes
+        self.errors: dict[str, list[m.ErrorReport]] = {}
         self.busy_s = 0.0  # finished busy time
-        self.process = self.env.process(self.life())
-        self.heart: simpy.Process | None = None
+        self.last_report = 0.0
+        self.reported_at: float | None = None  # when the controller last got a report (utilization span)
+        self.busy_at_report = 0.0
+        self.beat_armed = False
 
-    # ------------------------------------------------------------ the story
+    # ------------------------------------------------------------ life
 
-    def life(self):
-        """Register, start heartbeating, then run batches in order until failed."""
-        try:
-            reg = yield self.sim.request(lambda r: ev.Register(r, m.RegisterWorker(
-                hello=HELLO, address=self.address, device_type=self.device_type,
-                memory_bytes=int(self.memory_gb * 2**30), labels=self.labels)))
-            self.id = reg.worker
-            self.sim.registered(self)
-            self.heart = self.env.process(self.heartbeat(reg.heartbeat_interval_s))
-            while True:
-                batch = yield self.inbox.get()
-                self.busy_since = self.env.now
-                yield self.env.timeout(self.cost(batch))
-                self.idle()
-                self.completed = batch.seq
-                self.sim.tell(lambda r: ev.Report(r, m.WorkerReport(worker=self.id, completed=self.completed)))
-        except simpy.Interrupt:
-            self.idle()
+    def start(self) -> None:
+        """Register now; then report every heartbeat interval (the first at a seeded offset)."""
+        reply = self.sim.call(lambda r: ev.Register(r, m.RegisterWorker(
+            hello=HELLO, address=self.address, device_type=self.device_type,
+            memory_bytes=int(self.memory_gb * 2**30), labels=self.labels)))
+        if not isinstance(reply, m.Registered):
+            self.alive = False
+            self.sim.note(f"worker {self.address} could not register: {getattr(reply, 'message', reply)}")
+            return
+        self.id = reply.worker
+        self.interval = reply.heartbeat_interval_s
+        self.last_report = self.env.now - self.interval + self.sim.rng.uniform(0, self.interval)
+        self.sim.registered(self)
+        self._arm(self.last_report + self.interval - self.env.now)
 
-    def heartbeat(self, interval: float):
-        """Report every `interval` seconds (first one at a seeded offset, so workers do not beat in step)."""
-        try:
-            yield self.env.timeout(self.sim.rng.uniform(0, interval))
-            while True:
-                reply = yield self.sim.request(lambda r: ev.Report(r, m.WorkerReport(worker=self.id,
-                                                                                     completed=self.completed)))
-                if not reply.ok:  # fenced: declared lost while merely slow; a real worker would re-register
-                    self.sim.fenced(self)
-                    return
-                yield self.env.timeout(interval)
-        except simpy.Interrupt:
-            pass
-
-    def fail(self) -> None:
-        """Stop everything at once: no reports, no more work."""
+    def stop(self) -> None:
+        """Stop everything at once: no more reports, no more work (the batch running now is cut short)."""
         if not self.alive:
             return
         self.alive = False
-        for p in (self.process, self.heart):
-            if p is not None and p.is_alive:
-                p.interrupt()
+        self.token += 1
+        if self.id is not None:
+            self.sim.alive_n -= 1
+        if self.current is not None:
+            elapsed = self.env.now - self.started
+            self.busy_s += elapsed
+            self.sim.busy_end(self.started, elapsed)
+            if self.work is not None and self.seconds > 0:
+                rec, _steps, work = self.work
+                self.sim.work_lost(rec, work * min(1.0, elapsed / self.seconds))
+            self.current = self.work = None
+        self.pending.clear()
 
-    def idle(self) -> None:
-        if self.busy_since is not None:
-            self.busy_s += self.env.now - self.busy_since
-            self.busy_since = None
+    # ------------------------------------------------------------ reports
+
+    def _arm(self, delay: float) -> None:
+        if not self.beat_armed:
+            self.beat_armed = True
+            self.env.timeout(max(0.0, delay), self.token).callbacks.append(self._beat)
+
+    def _beat(self, event) -> None:
+        self.beat_armed = False
+        if not self.alive or event.value != self.token:
+            return
+        due = self.last_report + self.interval
+        if self.env.now < due - 1e-9:  # it reported since: the next heartbeat is an interval after that
+            self._arm(due - self.env.now)
+            return
+        self.report()
+
+    def report(self) -> None:
+        now = self.env.now
+        self.last_report = now
+        self._arm(self.interval)
+        if self.partitioned:
+            return  # lost on the way; the completions and errors ride along with a later report
+        busy = self.busy_until_now()
+        span = now - self.reported_at if self.reported_at is not None else 0.0
+        utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
+        self.reported_at, self.busy_at_report = now, busy
+        errors, self.errors = self.errors, {}
+        sessions = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b) for k, b in self.totals.items() if b}
+        reply = self.sim.call(lambda r: ev.Report(r, m.WorkerReport(
+            worker=self.id, completed=self.completed, errors=errors, sessions=sessions,  # type: ignore[arg-type]
+            utilization=utilization)))
+        if isinstance(reply, m.ReportReply) and not reply.ok:
+            self.sim.fenced(self)
 
     def busy_until_now(self) -> float:
-        return self.busy_s + (self.env.now - self.busy_since if self.busy_since is not None else 0.0)
+        return self.busy_s + (self.env.now - self.started if self.current is not None else 0.0)
+
+    # ------------------------------------------------------------ execution
+
+    def deliver(self, batch: m.Execute) -> None:
+        """A batch arrived (the harness checked that it can): queue it; a CmdAbandon acts now."""
+        if batch.seq <= self.completed or batch.seq in self.pending:
+            return
+        if any(type(c) is m.CmdAbandon for c in batch.cmds):
+            self.skip_below[batch.session] = max(self.skip_below.get(batch.session, 0), batch.seq)
+            self.errors.pop(batch.session, None)  # reports of abandoned work: nobody wants them
+        self.pending[batch.seq] = batch
+        if self.current is None:
+            self._next()
+
+    def _next(self) -> None:
+        """Start the next batch in seq order, if it is here (a gap waits, as on a real worker)."""
+        batch = self.pending.pop(self.completed + 1, None)
+        if batch is None:
+            return
+        self.current, self.started = batch, self.env.now
+        self.sim.busy_start(self.started)
+        if batch.seq < self.skip_below.get(batch.session, 0):
+            self.seconds, self.work = 0.0, None
+        else:
+            self.seconds = self._run(batch)
+        self.env.timeout(self.seconds, self.token).callbacks.append(self._done)
+
+    def _done(self, event) -> None:
+        if event.value != self.token or not self.alive:
+            return
+        batch = self.current
+        assert batch is not None
+        elapsed = self.env.now - self.started
+        self.busy_s += elapsed
+        self.sim.busy_end(self.started, elapsed)
+        if self.work is not None:
+            rec, steps, work = self.work
+            self.sim.work_done(rec, steps, work)
+        self.current = self.work = None
+        self.completed = batch.seq
+        self.report()
+        if self.alive and self.current is None:
+            self._next()
 
     # ------------------------------------------------------------ the cost model
 
-    def cost(self, batch: m.Execute) -> float:
-        """Seconds to run one batch; also tracks the shard shapes later commands are priced by."""
-        cost: CostModel = self.sim.scenario.cost
-        flops_per_s = cost.reference_tflops * 1e12 * self.speed * self.slow
-        shapes = self.shapes.setdefault(batch.session, {})
+    def _put(self, key: str, shard: tuple[int, int], nbytes: int) -> None:
+        store = self.store.get(key)
+        if store is None:
+            store = self.store[key] = {}
+            self.totals[key] = 0
+        self.totals[key] += nbytes - store.get(shard, 0)
+        store[shard] = nbytes
+
+    def _drop(self, key: str, shard: tuple[int, int]) -> None:
+        store = self.store.get(key)
+        if store is not None and shard in store:
+            self.totals[key] -= store.pop(shard)
+
+    def _error(self, session: str, seq: int, op: str, message: str) -> None:
+        self.errors.setdefault(session, []).append(m.ErrorReport(op=op, src="", message=message, seq=seq))
+
+    def _run(self, batch: m.Execute) -> float:
+        """Apply a batch to the shard sizes and price it; notes its step work for the job's accounting."""
+        sim = self.sim
+        cost = sim.scenario.cost
+        ref_flops = cost.reference_tflops * 1e12
+        rate = ref_flops * self.speed * self.slow
+        session = batch.session
         seconds = 0.0
+        work = 0.0
+        steps: dict[int, int] = {}
         for cmd in batch.cmds:
             seconds += cost.launch_s
-            if isinstance(cmd, m.CmdRun):
-                seconds += sum(self._run(cmd, d, shapes) for d in cmd.devices) / flops_per_s
-            elif isinstance(cmd, m.CmdCreate):
-                for device, box in cmd.boxes.items():
-                    shapes[(cmd.tid, device)] = tuple(length for _start, length in box)
-            elif isinstance(cmd, m.CmdDelete):
+            kind = type(cmd)
+            if kind is m.CmdRun:
+                store = self.store.get(session, {})
+                inputs = [a["$t"] for a in cmd.args if type(a) is dict and "$t" in a]
+                if cmd.op == STEP_OP:
+                    flops = float(cmd.kwargs.get("flops", 0.0)) * len(cmd.devices)
+                    step = cmd.kwargs.get("step")
+                    if step is not None:
+                        steps.update((d, step) for d in cmd.devices)
+                    work += flops / ref_flops
+                else:
+                    flops = 0.0
+                for d in cmd.devices:
+                    nbytes = store.get((inputs[0], d), 0) if inputs else 0
+                    if cmd.op != STEP_OP:
+                        flops += nbytes / 4
+                    for tid in cmd.outs:
+                        if tid is not None:
+                            self._put(session, (tid, d), nbytes)
+                seconds += flops / rate
+            elif kind is m.CmdCreate:
+                size = ITEMSIZE.get(cmd.dtype, 4)
+                for d, box in cmd.boxes.items():
+                    self._put(session, (cmd.tid, d), size * math.prod(length for _start, length in box))
+            elif kind is m.CmdDelete:
                 for tid in cmd.tids:
-                    for device in cmd.devices:
-                        shapes.pop((tid, device), None)
-            elif isinstance(cmd, m.CmdCloseSession):
-                self.shapes.pop(batch.session, None)
+                    for d in cmd.devices:
+                        self._drop(session, (tid, d))
+            elif kind is m.CmdCloseSession:
+                self.store.pop(session, None)
+                self.totals.pop(session, None)
+            elif kind is m.CmdSendShards:
+                seconds += self._send_shards(batch, cmd)
+            elif kind is m.CmdFetchShards:
+                seconds += self._fetch_shards(batch, cmd)
+            elif kind is m.CmdAbandon:
+                drop = set(cmd.tids)
+                for shard in [s for s in self.store.get(session, {}) if s[0] in drop]:
+                    self._drop(session, shard)
+            elif kind is m.CmdRedistribute:
+                size = ITEMSIZE.get(cmd.dtype, 4)
+                moved = 0
+                for d, plan in cmd.plans.items():
+                    nbytes = size * math.prod(plan.shape)
+                    self._put(session, (cmd.dst, d), nbytes)
+                    moved += nbytes
+                seconds += moved * 8 / (cost.network_gbps * 1e9)
+            # CmdExpectReads, CmdRebuilt, CmdStay: bookkeeping only
+        rec = sim.session_jobs.get(session)
+        self.work = (rec, steps, work) if rec is not None and work else None
         return seconds
 
-    @staticmethod
-    def _run(cmd: m.CmdRun, device: int, shapes: dict[tuple[int, int], tuple[int, ...]]) -> float:
-        """Flops of `cmd` on one device: 2*m*k*n for a matmul, one per element otherwise."""
-        inputs = [shapes.get((a["$t"], device), ()) for a in cmd.args if isinstance(a, dict) and "$t" in a]
-        if cmd.op in MATMULS and len(inputs) >= 2 and len(inputs[-2]) >= 2 and len(inputs[-1]) >= 2:
-            a, b = inputs[-2], inputs[-1]
-            out = (*a[:-1], b[-1])
-            flops = 2.0 * math.prod(a) * b[-1]
-        else:
-            out = inputs[0] if inputs else ()
-            flops = float(math.prod(out)) if out else 0.0
-        for tid in cmd.outs:
-            if tid is not None:
-                shapes[(tid, device)] = out
-        return flops
+    def _send_shards(self, batch: m.Execute, cmd: m.CmdSendShards) -> float:
+        cost = self.sim.scenario.cost
+        store = self.store.get(batch.session, {})
+        shards = [((tid, d), store[(tid, d)]) for d, tids in cmd.devices.items() for tid in tids if (tid, d) in store]
+        nbytes = sum(b for _s, b in shards)
+        remote = bool(cmd.to) and cmd.to != self.address
+        dest = self.sim.by_address.get(cmd.to) if remote else self
+        if dest is None or not dest.alive:
+            self._error(batch.session, batch.seq, COPY_OP, f"copy to {cmd.to} failed: worker unreachable")
+            return 0.0
+        for shard, b in shards:
+            dest._put(cmd.namespace, shard, b)
+        gbps = cost.network_gbps if remote else cost.host_gbps
+        return nbytes * 8 / (gbps * 1e9)
+
+    def _fetch_shards(self, batch: m.Execute, cmd: m.CmdFetchShards) -> float:
+        cost = self.sim.scenario.cost
+        remote = bool(cmd.address) and cmd.address != self.address
+        source = self.sim.by_address.get(cmd.address) if remote else self
+        if source is None or not source.alive:
+            self._error(batch.session, batch.seq, FETCH_OP, f"fetch from {cmd.address} failed: worker unreachable")
+            return 0.0
+        store = source.store.get(cmd.namespace, {})
+        nbytes = 0
+        for d, tids in cmd.devices.items():
+            for tid in tids:
+                b = store.get((tid, d))
+                if b is None:
+                    self._error(batch.session, batch.seq, FETCH_OP, f"shard of tensor {tid} on device {d} is not "
+                                                                    f"in {cmd.namespace} at {source.address}")
+                    continue
+                self._put(batch.session, (tid, d), b)
+                nbytes += b
+        gbps = cost.network_gbps if remote else cost.host_gbps
+        return nbytes * 8 / (gbps * 1e9)
