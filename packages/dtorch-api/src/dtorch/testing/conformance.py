@@ -31,6 +31,11 @@ Rules (the report states them too):
              quantized tensors; no CPU dtype). A case that fails outranks a refusal.
   Samples on which torch itself raises are skipped; an OpInfo with no usable sample is not-supported.
 
+Options: `--partial` adds one combination per sample, the first float input as Partial("sum");
+`--variants` also runs each OpInfo's in-place variant (where the result has self's shape and dtype) and
+out= variant (into a DTensor of zeros laid out like the first input, unless Partial), on all-Replicate and the first
+sharded combination; they are reported apart, the OpInfo's status stays its function variant's.
+
 The module imports no cluster; `run()` takes a mesh. The CLI (`main`) starts ONE embedded cluster
 (`dtorch.connect(workers=2)`) for the whole run and reconnects only if the cluster breaks.
 """
@@ -313,7 +318,8 @@ def run_variant(op: Any, kind: str, sample: Any, expected: torch.Tensor, combo: 
             from dtorch.placement_types import Replicate
 
             like = inputs[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].shape == expected.shape else None
-            placements = like.placements if like is not None else [Replicate()]
+            placements = like.placements if like is not None and not any(p.is_partial() for p in like.placements) \
+                else [Replicate()]
             target = dtorch.distribute_tensor(torch.zeros_like(expected), mesh, placements)
             got = _call(op, (inputs[0], inputs[1], {**inputs[2], "out": target}))
         compare(target, expected)
