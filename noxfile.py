@@ -43,6 +43,7 @@ def bench(session: nox.Session) -> None:
     install(session)
     session.run("python", "benchmarks/bench_foundation.py", *session.posargs)
     session.run("python", "benchmarks/bench_scheduler.py")  # 10,000 fake workers, 1,000 queued sessions
+    session.run("python", "benchmarks/bench_recovery.py")  # SIGKILL detection and recovery, migration downtime
 
 
 @nox.session

@@ -18,6 +18,7 @@ from dtorch.protocol.messages import (
     CmdRebuilt,
     CmdRun,
     CmdSendShards,
+    CmdStay,
     ErrorReport,
     Execute,
     PullRequest,
@@ -138,6 +139,7 @@ def test_moving_a_device_sends_everything_and_redirects_clients(pair):
     wait(a, send(a, s, CmdSendShards(devices={0: [1]}, namespace=s, to=b.address, move=[0])))
     assert torch.equal(b.store.get((s, 1, 0)), torch.arange(12.0).reshape(4, 3))
     assert torch.equal(b.store.get((s, 5, 0)), torch.full((2,), 7.0))
+    assert (s, 5, 0) not in a.store and (s, 1, 0) in a.store  # the upload moved; known shards wait for readers
     with pytest.raises(wire.RemoteError, match="moved"):
         client.send_stream("Put", put_chunks(s, 6, 0, torch.ones(1)))
     client.send_stream("Put", put_chunks(s, 6, 1, torch.ones(1)))  # device 1 stays here
@@ -148,6 +150,9 @@ def test_moving_a_device_sends_everything_and_redirects_clients(pair):
     # coming back clears the mark
     wait(b, send(b, s, CmdSendShards(devices={0: [1]}, namespace=s, to=a.address, move=[0])))
     assert not a.store.is_moved(s, 0) and b.store.is_moved(s, 0)
+    # a move called off: the device stays
+    wait(b, send(b, s, CmdStay(devices=[0])))
+    assert not b.store.is_moved(s, 0)
 
 
 # ---------------------------------------------------------------- abandon / rebuilt

@@ -26,20 +26,27 @@ def render(reply: m.StatusReply, console: Console | None = None, events: int = 2
     """Workers, sessions and the last `events` events, as tables."""
     console = console or Console()
     workers = Table(title=f"workers ({len(reply.workers)})", title_justify="left")
-    for column in ("worker", "state", "address", "node", "device", "tensors", "bytes", "leased by", "devices bound"):
-        workers.add_column(column, justify="right" if column in ("tensors", "bytes") else "left")
+    numeric = ("memory", "util", "tensors", "bytes", "copies")
+    for column in ("worker", "state", "address", "node", "device", "memory", "util", "tensors", "bytes", "copies",
+                   "leased by", "devices bound"):
+        workers.add_column(column, justify="right" if column in numeric else "left")
     for w in reply.workers:
         leased = ", ".join(f"{s[:8]}" + (f" ({human_bytes(cap)})" if cap else "") for s, cap in w.leases.items())
-        workers.add_row(w.worker, w.state, w.address, w.node or "-", w.device_type, str(w.tensors),
-                        human_bytes(w.bytes), leased or "-", ", ".join(w.devices) or "-")
+        util = f"{w.utilization:.0%}" if w.utilization >= 0 else "-"
+        workers.add_row(w.worker, w.state, w.address, w.node or "-", w.device_type, human_bytes(w.memory_bytes), util,
+                        str(w.tensors), human_bytes(w.bytes), human_bytes(w.backup_bytes), leased or "-",
+                        ", ".join(w.devices) or "-")
     title = f"sessions ({len(reply.sessions)}, {reply.queued} queued; policy {reply.policy or '?'})"
     sessions = Table(title=title, title_justify="left")
-    for column in ("session", "name", "priority", "kind", "schedule", "queue", "state", "devices", "tensors"):
-        sessions.add_column(column, justify="right" if column in ("tensors", "queue") else "left")
+    for column in ("session", "name", "priority", "kind", "schedule", "queue", "state", "devices", "tensors",
+                   "snapshot", "recovered", "moved"):
+        sessions.add_column(column, justify="right" if column in ("tensors", "queue", "recovered", "moved") else "left")
     for s in reply.sessions:
         devices = ", ".join(f"{d}->{w}" for d, w in sorted(s.devices.items())) or "-"
+        snapshot = f"batch {s.snapshot_batch} +{s.replay_batches}" if s.snapshot_batch >= 0 else "none"
         sessions.add_row(s.session[:8], s.name or "-", s.priority, s.kind or "-", s.schedule or "-",
-                         str(s.queue_position) if s.queue_position else "-", s.state, devices, str(s.tensors))
+                         str(s.queue_position) if s.queue_position else "-", s.state, devices, str(s.tensors),
+                         snapshot, str(s.recoveries), str(s.migrations))
     console.print(workers)
     console.print(sessions)
     console.print(f"recent events ({min(events, len(reply.events))} of {len(reply.events)})", style="bold")

@@ -195,7 +195,7 @@ class WorkerStatus(Struct, frozen=True):
     bytes: int  # bytes held by live shards
     devices: list[str] = []  # "session:logical" bound here
     utilization: float = -1.0  # fraction of the last report interval spent executing (-1: not reported)
-    backup_bytes: int = 0  # of `bytes`: snapshot and upload copies kept for other workers' recovery
+    backup_bytes: int = 0  # host memory held by copies for recovery (snapshots, uploads), not in `bytes`
     node: str = ""
     leases: dict[str, int] = {}  # session -> memory cap leased here (0: the whole device)
 

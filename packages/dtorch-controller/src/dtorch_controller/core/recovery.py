@@ -769,9 +769,11 @@ class Faults:
         out = []
         for ws in workers:
             w = self.core.workers.get(ws.worker)
-            backup = sum(v.bytes for k, v in w.stats.items() if "#" in k) if w is not None else 0
-            out.append(msgspec.structs.replace(ws, utilization=self.utilization.get(ws.worker, -1.0),
-                                               backup_bytes=backup))
+            stats = w.stats if w is not None else {}
+            copies = [v for k, v in stats.items() if "#" in k]  # namespaces derived from a session: its copies
+            out.append(msgspec.structs.replace(
+                ws, utilization=self.utilization.get(ws.worker, -1.0), backup_bytes=sum(v.bytes for v in copies),
+                tensors=ws.tensors - sum(v.tensors for v in copies), bytes=ws.bytes - sum(v.bytes for v in copies)))
         return out
 
     def session_status(self, sessions: list[m.SessionStatus]) -> list[m.SessionStatus]:
