@@ -23,7 +23,7 @@ from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
 from dtorch_sim.scenario import Scenario, ScenarioError, load
 
 
-def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool) -> tuple[dict, float]:
+def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: bool = True) -> tuple[dict, float]:
     from dtorch_sim import metrics
     from dtorch_sim.harness import Simulation
 
@@ -36,7 +36,7 @@ def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool) -> tuple[d
         for now in sim.run():
             progress.update(task, completed=sim.jobs_ended(), now=now)
     wall = time.perf_counter() - started
-    summary = metrics.write(sim, out)
+    summary = metrics.write(sim, out, plots=plots)
     return summary, wall
 
 
@@ -86,11 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("scenario")
     r.add_argument("--out", default="sim-out", help="output folder (default: sim-out)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     c = sub.add_parser("compare", help="run a scenario once per policy, one output folder each")
     c.add_argument("scenario")
     c.add_argument("--policies", required=True, help=f"comma-separated, known: {known()}")
     c.add_argument("--out", default="sim-compare", help="output folder; one subfolder per policy")
     c.add_argument("--quiet", action="store_true")
+    c.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     console = Console(highlight=False)
     if args.command == "run":
-        summary, wall = _simulate(sc, Path(args.out), err, args.quiet)
+        summary, wall = _simulate(sc, Path(args.out), err, args.quiet, not args.no_plots)
         console.print(_table([(summary, wall)]))
         console.print(f"wrote {args.out}/metrics.json, jobs.csv, utilization.csv, failures.csv (+ plots)")
         return 0
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     rows = []
     for name in names:
-        rows.append(_simulate(sc.with_policy(name), Path(args.out) / name, err, args.quiet))
+        rows.append(_simulate(sc.with_policy(name), Path(args.out) / name, err, args.quiet, not args.no_plots))
     console.print(_table(rows))
     console.print(f"wrote one folder per policy under {args.out}")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
@@ -35,6 +36,7 @@ _SYNC = object()  # a request whose reply the caller reads at once (workers: Reg
 WAITING = "waiting"  # the scheduler's tenant state of a queued request
 SCHEDULER_CALLS = ("place", "close", "add_worker", "worker_changed", "tick", "moved", "shrink")
 FOREVER_S = 1e12
+DRAIN_RETRY_S = 30.0  # a refused drain (nowhere to move a session yet) is asked again this often
 
 
 @dataclass
@@ -96,6 +98,8 @@ class Simulation:
         self._replies: dict[int, object] = {}
         self._timers: dict[Hashable, int] = {}  # key -> generation of the live timer
         self._timer_gen = itertools.count()
+        self._slots: dict[float, list] = {}  # time -> calls due then (see `later`)
+        self._slot = sc.heartbeat.interval_s / sc.heartbeat.batch_slots if sc.heartbeat.batch_slots else 0.0
         self.workers: dict[str, Worker] = {}  # core id -> worker
         self.by_address: dict[str, Worker] = {}  # address -> the worker process there now
         self.all_workers: list[Worker] = []  # every worker process, in creation order
@@ -112,6 +116,7 @@ class Simulation:
         self._running_since = 0.0  # sum of their start times
         self.moves: list[Move] = []
         self.fenced_workers = 0  # declared lost while alive (slow, partitioned) and told so
+        self.drains_refused = 0  # drain requests the core refused (asked again later)
         self.preemptions = 0
         self.resumes = 0
         self.recoveries = 0  # sessions the core rebuilt after a worker loss
@@ -159,28 +164,52 @@ class Simulation:
         return self._replies.pop(rid, None)
 
     def handle(self, event: ev.Event) -> None:
-        queue = deque([event])
-        while queue:
-            event = queue.popleft()
-            self.events += 1
-            for effect in self.core.handle(self.env.now, event):
-                kind = type(effect)
-                if kind is fx.SendExecute:
-                    failed = self.send(effect)
-                    if failed is not None:
-                        queue.append(failed)
-                elif kind is fx.Reply:
-                    waiter = self._waiting.pop(effect.request_id, None)
-                    if waiter is _SYNC:
-                        self._replies[effect.request_id] = effect.message
-                    elif waiter is not None:
-                        waiter.succeed(effect.message)  # type: ignore[attr-defined]
-                elif kind is fx.SetTimer:
-                    self.set_timer(effect.at, effect.key)
-            if self._undetected and type(event) in (ev.TimerFired, ev.WorkerUnreachable, ev.Register):
-                self._check_detected()
-            if self._faults is not None and (self._rebuilding or self._faults.rebuilds):
-                self._check_rebuilds()
+        """Feed one event and perform its effects in order; failed sends come back as events, fed next."""
+        more = self._handle(event)
+        while more:
+            follow = more.popleft()
+            more.extend(self._handle(follow) or ())
+
+    def _handle(self, event: ev.Event) -> deque | None:
+        self.events += 1
+        more = None
+        for effect in self.core.handle(self.env.now, event):
+            kind = type(effect)
+            if kind is fx.SendExecute:
+                failed = self.send(effect)
+                if failed is not None:
+                    more = more or deque()
+                    more.append(failed)
+            elif kind is fx.Reply:
+                waiter = self._waiting.pop(effect.request_id, None)
+                if waiter is _SYNC:
+                    self._replies[effect.request_id] = effect.message
+                elif waiter is not None:
+                    waiter.succeed(effect.message)  # type: ignore[attr-defined]
+            elif kind is fx.SetTimer:
+                self.set_timer(effect.at, effect.key)
+        if self._undetected and type(event) in (ev.TimerFired, ev.WorkerUnreachable, ev.Register):
+            self._check_detected()
+        if self._faults is not None and (self._rebuilding or self._faults.rebuilds):
+            self._check_rebuilds()
+        return more
+
+    def later(self, at: float, fn: Callable[[object], None], arg: object) -> None:
+        """Call `fn(arg)` at time `at`; calls due at the same time share one simpy event (heartbeat slots)."""
+        bucket = self._slots.get(at)
+        if bucket is None:
+            bucket = self._slots[at] = []
+            self.env.timeout(max(0.0, at - self.env.now), at).callbacks.append(self._run_slot)
+        bucket.append((fn, arg))
+
+    def _run_slot(self, event: simpy.Event) -> None:
+        for fn, arg in self._slots.pop(event.value):
+            fn(arg)
+
+    def slot_after(self, at: float) -> float:
+        """`at`, rounded up to the next heartbeat slot (exact when the scenario asks for exact timing)."""
+        q = self._slot
+        return math.ceil(at / q - 1e-9) * q if q else at
 
     def send(self, effect: fx.SendExecute) -> ev.WorkerUnreachable | None:
         worker = self.workers.get(effect.worker_id)
@@ -199,14 +228,22 @@ class Simulation:
         return None
 
     def set_timer(self, at: float, key: Hashable) -> None:
-        """A callback on a simpy timeout (not a process: there is one per worker per interval)."""
+        """A callback on a simpy timeout (not a process: there is one per worker per interval). The core's
+        heartbeat deadlines share the workers' heartbeat slots: they fire at most one slot late, which the core
+        allows (its timers may fire late; each firing rechecks the state)."""
         gen = self._timers[key] = next(self._timer_gen)
         if at > self.end_time:
             return  # the run ends first (parked Syncs wait "forever"): keep it out of the event heap
-        self.env.timeout(max(0.0, at - self.env.now), (key, gen)).callbacks.append(self._fire)
+        if self._slot and type(key) is tuple and key and key[0] == "heartbeat":
+            self.later(self.slot_after(at), self._fire_key, (key, gen))
+        else:
+            self.env.timeout(max(0.0, at - self.env.now), (key, gen)).callbacks.append(self._fire)
 
     def _fire(self, event: simpy.Event) -> None:
-        key, gen = event.value
+        self._fire_key(event.value)
+
+    def _fire_key(self, key_gen: tuple) -> None:
+        key, gen = key_gen
         if self._timers.get(key) == gen:  # not replaced by a later SetTimer with the same key
             del self._timers[key]
             self.handle(ev.TimerFired(key))
@@ -478,11 +515,14 @@ class Simulation:
         live = [n for n in self.nodes if n not in self.removed_nodes]
         names = [n for n in change.nodes if n in live] if change.nodes else live[-change.count:]  # type: ignore
         for node in names:
-            self.remove_node(node, change.mode)
+            self.remove_node(node, change.mode, change.drain_timeout_s)
 
-    def remove_node(self, node: str, mode: str) -> None:
-        """Take a node out: drain its workers (their shards move first), or kill them (like a failure)."""
+    def remove_node(self, node: str, mode: str, drain_timeout_s: float = 3600.0) -> None:
+        """Take a node out: drain its workers (their shards move to other workers first), or kill them (like a
+        failure). A drain the core refuses (nowhere to move a session's devices yet) is asked again every
+        DRAIN_RETRY_S; a worker still there after `drain_timeout_s` is stopped."""
         self.removed_nodes.add(node)
+        deadline = self.env.now + drain_timeout_s
         for worker in self.nodes.get(node, []):
             if not worker.alive:
                 continue
@@ -490,13 +530,25 @@ class Simulation:
                 self.stop_worker(worker, "remove_nodes")
                 continue
             worker.draining = True
-            reply = self.request(lambda r, w=worker: ev.Drain(r, m.DrainRequest(worker=w.id, timeout_s=FOREVER_S)))
-            reply.callbacks.append(lambda e, w=worker: self._drained(w, e.value))
+            self._ask_drain(worker, deadline)
 
-    def _drained(self, worker: Worker, reply: object) -> None:
+    def _ask_drain(self, worker: Worker, deadline: float) -> None:
+        if not worker.alive:
+            return
+        request = m.DrainRequest(worker=worker.id, timeout_s=FOREVER_S)  # type: ignore[arg-type]
+        reply = self.request(lambda r: ev.Drain(r, request))
+        reply.callbacks.append(lambda e: self._drained(worker, e.value, deadline))
+
+    def _drained(self, worker: Worker, reply: object, deadline: float) -> None:
         if isinstance(reply, fx.Refusal) or not getattr(reply, "ok", False):
+            if not worker.alive:
+                return
             why = getattr(reply, "message", reply)
-            self.note(f"drain of {worker.address} refused ({why}): the worker is stopped instead")
+            if isinstance(reply, fx.Refusal) and self.env.now + DRAIN_RETRY_S <= deadline:
+                self.drains_refused += 1
+                self.env.timeout(DRAIN_RETRY_S).callbacks.append(lambda _e: self._ask_drain(worker, deadline))
+                return
+            self.note(f"drain of {worker.address} failed ({why}): the worker is stopped instead")
             worker.draining = False
             self.stop_worker(worker, "remove_nodes")
             return

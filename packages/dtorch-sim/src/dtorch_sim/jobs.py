@@ -218,7 +218,11 @@ class Steps:
         else:
             self.steps = wl.steps_per_job
         self.step_s = spec.duration / self.steps
-        self.flops = self.step_s * reference_tflops * 1e12
+        # A job asking for a share f < 1 of a device keeps it busy f of the time: each step is f * step_s of
+        # device work, then (1 - f) * step_s of the job's own time (waiting for input, serving requests). Alone on
+        # a device it runs as fast as on a whole one; sharing a device with others, the busy parts interleave.
+        self.flops = self.step_s * spec.share * reference_tflops * 1e12
+        self.think_s = self.step_s * (1 - spec.share)
         rows = max(1, state_bytes // (4 * STATE_COLS))
         n = spec.devices
         self.spec = m.TensorSpec(shape=[n * rows, STATE_COLS], dtype="float32", mesh=0, placements=["S0"])
@@ -282,6 +286,8 @@ def run_steps(sim, session: str, work: Steps, sync_every: int, rec: JobRecord):
     """Submit the remaining steps, syncing every `sync_every`; False when a Sync reports lost work."""
     seq = 0
     first = True
+    if work.think_s:
+        sync_every = 1  # a fractional job paces itself step by step
     while rec.steps_done < work.steps:
         chunk = min(sync_every, work.steps - rec.steps_done)
         for i in range(chunk):
@@ -295,4 +301,6 @@ def run_steps(sim, session: str, work: Steps, sync_every: int, rec: JobRecord):
                 rec.error = reply.errors[0].message
             return False
         rec.steps_done += chunk
+        if work.think_s:
+            yield sim.env.timeout(work.think_s)
     return True

@@ -99,6 +99,7 @@ def summarize(sim: Simulation) -> dict:
         },
         "scheduling": {"preemptions": sim.preemptions, "resumes": sim.resumes, "recoveries": sim.recoveries,
                        "migrations": len(sim.moves), "migrated_bytes": sum(mv.bytes for mv in sim.moves),
+                       "drains_refused": sim.drains_refused,
                        "migration_downtime_s": _stats([mv.downtime_s for mv in sim.moves])},
         "failures": {
             "injected": len(injected),

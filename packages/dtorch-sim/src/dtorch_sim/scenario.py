@@ -260,7 +260,8 @@ class Fault(_Model):
 
 class Elastic(_Model):
     """Nodes joining (`add_nodes`, a group like the cluster's) or leaving (`remove_nodes`, by name or count).
-    Leaving nodes are drained (their devices' shards move to other workers first) or killed (like a failure)."""
+    Leaving nodes are drained (their devices' shards move to other workers first; a drain the core refuses for
+    lack of room is asked again every 30 s) or killed (like a failure)."""
 
     at: float = Field(ge=0)
     action: Literal["add_nodes", "remove_nodes"]
@@ -268,6 +269,7 @@ class Elastic(_Model):
     nodes: list[str] = []
     count: int | None = Field(None, ge=1)
     mode: Literal["drain", "kill"] = "drain"
+    drain_timeout_s: float = Field(3600.0, gt=0)  # a worker not drained by then (nowhere to move to) is stopped
 
     @model_validator(mode="after")
     def _what(self) -> Elastic:
@@ -308,6 +310,9 @@ class Heartbeat(_Model):
 
     interval_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(5.0, gt=0)
+    # Heartbeats (and the core's heartbeat deadlines) are due on a grid of interval_s / batch_slots and share one
+    # simulator event per grid point: a report is at most that much later than exact timing. 0: exact timing.
+    batch_slots: int = Field(64, ge=0)
 
     @model_validator(mode="after")
     def _order(self) -> Heartbeat:

@@ -108,11 +108,11 @@ class Worker:
     def _arm(self, delay: float) -> None:
         if not self.beat_armed:
             self.beat_armed = True
-            self.env.timeout(max(0.0, delay), self.token).callbacks.append(self._beat)
+            self.sim.later(self.sim.slot_after(self.env.now + max(0.0, delay)), self._beat, self.token)
 
-    def _beat(self, event) -> None:
+    def _beat(self, token: int) -> None:
         self.beat_armed = False
-        if not self.alive or event.value != self.token:
+        if not self.alive or token != self.token:
             return
         due = self.last_report + self.interval
         if self.env.now < due - 1e-9:  # it reported since: the next heartbeat is an interval after that
@@ -132,9 +132,9 @@ class Worker:
         self.reported_at, self.busy_at_report = now, busy
         errors, self.errors = self.errors, {}
         sessions = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b) for k, b in self.totals.items() if b}
-        reply = self.sim.call(lambda r: ev.Report(r, m.WorkerReport(
-            worker=self.id, completed=self.completed, errors=errors, sessions=sessions,  # type: ignore[arg-type]
-            utilization=utilization)))
+        report = m.WorkerReport(worker=self.id, completed=self.completed, errors=errors,  # type: ignore[arg-type]
+                                sessions=sessions, utilization=utilization)
+        reply = self.sim.call(lambda r: ev.Report(r, report))
         if isinstance(reply, m.ReportReply) and not reply.ok:
             self.sim.fenced(self)
 
