@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 from rich.console import Console
 from rich.table import Table
@@ -24,12 +26,13 @@ def to_json(reply: m.StatusReply) -> str:
 
 def render(reply: m.StatusReply, console: Console | None = None, events: int = 20) -> None:
     """Workers, sessions and the last `events` events, as tables."""
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 200)  # piped: do not cut columns to 80
     workers = Table(title=f"workers ({len(reply.workers)})", title_justify="left")
     numeric = ("memory", "util", "tensors", "bytes", "copies")
     for column in ("worker", "state", "address", "node", "device", "memory", "util", "tensors", "bytes", "copies",
                    "leased by", "devices bound"):
-        workers.add_column(column, justify="right" if column in numeric else "left")
+        workers.add_column(column, justify="right" if column in numeric else "left",
+                           no_wrap=column in ("worker", "state"), min_width=8 if column == "state" else None)
     for w in reply.workers:
         leased = ", ".join(f"{s[:8]}" + (f" ({human_bytes(cap)})" if cap else "") for s, cap in w.leases.items())
         util = f"{w.utilization:.0%}" if w.utilization >= 0 else "-"
