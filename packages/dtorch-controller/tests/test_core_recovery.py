@@ -337,3 +337,39 @@ def test_drain_of_an_unknown_worker_is_refused(make_harness, refused):
     h, ids, sid = setup(make_harness)
     reply = h.call(ev.Drain, m.DrainRequest(worker="w42"))
     assert refused(reply) and "unknown worker 'w42'" in reply.message
+
+
+def test_a_loss_while_a_snapshot_is_taken_rebuilds_from_the_previous_one(make_harness):
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()  # snapshot 1 after batch 2
+    h.submit(sid, 3, [add_(1)])
+    h.submit(sid, 4, [add_(1)])  # snapshot 2 starts: not complete when the worker dies
+    rec = h.core.faults.recs[sid]
+    assert rec.taking is not None and rec.snapshot.upto == 2
+    h.take_sent()
+    sent = lose_and_recover(h, sid, s.devices[1])
+    fetches = cmds_of(sent, kind=m.CmdFetchShards)
+    assert fetches and all(c.namespace == f"{sid}#s1" for c in fetches)
+    assert len(cmds_of(sent, kind=m.CmdRun)) == 4  # batches 3 and 4 replayed on both devices
+    assert rec.recoveries == 1
+
+
+def test_losing_the_source_of_a_move_mid_copy_rebuilds_the_session_and_fails_the_move(make_harness):
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    src = s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    h.take_sent()
+    h.submit(sid, 2, [add_(1)])  # held by the move
+    lose_and_recover(h, sid, src)
+    assert not h.replies[rid].ok and "lost" in h.replies[rid].message
+    assert src not in s.devices.values()
+    rid, reply = h.sync(sid, 2)
+    h.report_all()
+    assert h.replies[rid].done and not h.replies[rid].errors
