@@ -90,10 +90,12 @@ class Plan:
     flat_outputs: list[Spec | None]
     inplace: bool
     random: bool
+    mutated: frozenset[int] = frozenset()  # DTensor leaves the op writes in place (schema alias_info.is_write)
     fast: tuple | None = None  # (top-level arg slots, output spec): the common case, emitted without walking
 
     def __post_init__(self) -> None:
-        simple = (self.route != "sync" and not self.inplace and not self.random and self.local is None
+        simple = (self.route != "sync" and not self.inplace and not self.mutated and not self.random
+                  and self.local is None
                   and not any(self.inputs) and not isinstance(self.outputs, (list, tuple))
                   and self.outputs is not None and not _has_slot(self.kwargs))
         slots = [(pos, a["$t"]) for pos, a in enumerate(self.args) if type(a) is dict and "$t" in a]
@@ -155,6 +157,21 @@ def _is_inplace(func: Any) -> bool:
     return bool(schema.returns) and schema.returns[0].alias_info is not None and \
         schema.returns[0].alias_info.is_write and bool(schema.arguments) and \
         schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+
+
+def _written_leaves(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
+    """Indices (in DTensor-leaf order) of the tensors `func` writes: `add_`'s self, `out=`, `_foreach_*_` lists."""
+    schema = {a.name: a for a in func._schema.arguments}
+    positional = func._schema.arguments
+    written, index = set(), 0
+    named = [(positional[i] if i < len(positional) else None, v) for i, v in enumerate(args)]
+    named += [(schema.get(k), v) for k, v in kwargs.items()]
+    for arg, value in named:
+        n = sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(value))
+        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
+            written.update(range(index, index + n))
+        index += n
+    return frozenset(written)
 
 
 def _writes(func: Any) -> list[tuple[int, str]]:
@@ -277,9 +294,8 @@ def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> P
     if not func._schema.returns:  # e.g. _linalg_check_errors: runs for its error only (dispatch returns None)
         outputs, flat_outputs = (), []
     wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
-    # in-place ops whose self must move first: the result replaces self's shards and self takes its layout
     return Plan(_WIRE_NAME.get(run_func, str(run_func)), route, run_func, inputs, wire_args, wire_kwargs, local,
-                outputs, flat_outputs, inplace, random)
+                outputs, flat_outputs, inplace, random, _written_leaves(func, args, kwargs))
 
 
 def _non_sum_partial(outputs: Any) -> bool:
@@ -388,7 +404,7 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
             temps.append(tmp)
     outs = plan.flat_outputs
     if plan.inplace:
-        out_tids = [leaves[0]._tid] + [session.new_tid() if s is not None else None for s in outs[1:]]
+        out_tids = [tids[0]] + [session.new_tid() if s is not None else None for s in outs[1:]]
     else:
         out_tids = [session.new_tid() if s is not None else None for s in outs]
     local = None if plan.local is None else {dev: [_fill(a, tids), _fill(k, tids)]
@@ -397,19 +413,19 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
                              kwargs=_fill(plan.kwargs, tids),
                              outs=[None if t is None else m.OutSpec(t, s.wire) for t, s in zip(out_tids, outs)],
                              local=local, src=src, seed=session.next_seed() if plan.random else None))
+    # a written input that had to move was written in its moved copy: copy it back in place (keeps aliasing)
+    written_back = []
+    for i in plan.mutated:
+        target = plan.inputs[i]
+        if target is not None:
+            temps.remove(tids[i])
+            written_back.append((leaves[i], DTensor(target, tids[i], session)))
     if temps:
         session.emit(m.InstrDelete(tids=temps))
-    results = []
-    for i, (t, s) in enumerate(zip(out_tids, outs)):
-        if s is None:
-            results.append(None)
-        elif plan.inplace and i == 0:
-            self = leaves[0]
-            if s.placements != self._spec.placements:
-                self._spec = self._spec.with_placements(s.placements)
-            results.append(self)
-        else:
-            results.append(DTensor(s, t, session))
+    for dst, moved in written_back:
+        torch.ops.aten.copy_.default(dst, moved)
+    results = [None if s is None else leaves[0] if plan.inplace and i == 0 else DTensor(s, t, session)
+               for i, (t, s) in enumerate(zip(out_tids, outs))]
     if isinstance(plan.outputs, (list, tuple)):
         return type(plan.outputs)(results)
     return results[0]
