@@ -9,12 +9,11 @@ import argparse
 import copy
 
 import torch
-from tp_llama_inference import TP_PLAN
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dtorch
 from dtorch import Replicate, Shard
-from dtorch.nn import parallelize_module
+from dtorch.nn import llama_tp_plan, parallelize_module
 
 
 def main() -> None:
@@ -28,7 +27,7 @@ def main() -> None:
     model = copy.deepcopy(reference)
 
     mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh, TP_PLAN, tp_mesh_dim="tp")
+    parallelize_module(model, mesh, llama_tp_plan(), tp_mesh_dim="tp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(1)

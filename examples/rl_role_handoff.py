@@ -7,12 +7,11 @@ inference mesh with one redistribute per parameter; generation there uses the ne
 from __future__ import annotations
 
 import torch
-from tp_llama_inference import TP_PLAN
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dtorch
 from dtorch import Replicate, Shard
-from dtorch.nn import copy_weights, parallelize_module
+from dtorch.nn import copy_weights, llama_tp_plan, parallelize_module
 
 
 def main() -> None:
@@ -21,8 +20,8 @@ def main() -> None:
     torch.manual_seed(0)
     trainer_mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
     inference_mesh = dtorch.DeviceMesh("cpu", [4, 5])  # other logical devices, 2-way TP
-    policy = parallelize_module(LlamaForCausalLM(config), trainer_mesh, TP_PLAN, tp_mesh_dim="tp")
-    sampler = parallelize_module(LlamaForCausalLM(config).eval(), inference_mesh, TP_PLAN)
+    policy = parallelize_module(LlamaForCausalLM(config), trainer_mesh, llama_tp_plan(), tp_mesh_dim="tp")
+    sampler = parallelize_module(LlamaForCausalLM(config).eval(), inference_mesh, llama_tp_plan())
 
     prompt = torch.randint(0, 128, (1, 5))
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)

@@ -12,19 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import dtorch
 from dtorch import Replicate
-from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
-
-TP_PLAN = {
-    "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-    "model.layers.*.mlp.up_proj": ColwiseParallel(),
-    "model.layers.*.mlp.down_proj": RowwiseParallel(),
-    "lm_head": ColwiseParallel(output_layouts=Replicate()),
-}
+from dtorch.nn import llama_tp_plan, parallelize_module
 
 
 def main() -> None:
@@ -42,7 +30,7 @@ def main() -> None:
     expected = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
 
     mesh = dtorch.DeviceMesh("cpu", list(range(args.devices)))
-    parallelize_module(model, mesh, TP_PLAN)
+    parallelize_module(model, mesh, llama_tp_plan())  # a plan is data: name patterns -> styles
     tokens = model.generate(dtorch.distribute_tensor(prompt, mesh, [Replicate()]),
                             max_new_tokens=args.new_tokens, do_sample=False).to_torch()
     print(f"mesh: {mesh}")

@@ -13,6 +13,7 @@ from dtorch.nn import (
     RowwiseParallel,
     copy_weights,
     fully_shard,
+    llama_tp_plan,
     microbatch_forward,
     parallelize_module,
     place_on_mesh,
@@ -21,17 +22,7 @@ from dtorch.nn import (
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA_TP_PLAN = {
-    "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-    "model.layers.*.mlp.up_proj": ColwiseParallel(),
-    "model.layers.*.mlp.down_proj": RowwiseParallel(),
-    "lm_head": ColwiseParallel(output_layouts=Replicate()),
-}
+LLAMA_TP_PLAN = llama_tp_plan()
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
