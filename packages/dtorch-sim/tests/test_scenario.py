@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dtorch_sim.jobs import generate
 from dtorch_sim.scenario import ScenarioError, load, parse
 
 REPO = Path(__file__).resolve().parents[3]
@@ -80,3 +81,47 @@ def test_trace_paths_resolve_against_the_scenario_file_then_cwd(tmp_path, monkey
     data["workload"]["trace"]["path"] = "../shared/traces/msft-itp-cluster04.csv"  # relative to the repo root
     monkeypatch.chdir(REPO)
     assert parse(data, base_dir=str(tmp_path)).trace_path().exists()
+
+
+def test_new_sections_are_validated_with_field_paths(base):
+    base["faults"] = [{"kind": "partition", "at": 5, "worker": "node0/gpu0"},
+                      {"kind": "slow_worker", "at": 5, "repair_s": 3}]
+    base["autoscaler"] = {"node": {"count": 1, "device_type": "a100"}, "max_nodes": 1, "min_nodes": 2}
+    base["elastic"] = [{"at": 1, "action": "remove_nodes", "mode": "unplug", "count": 1}]
+    base["recovery"] = {"snapshot_every_batches": -1}
+    base["workload"]["synthetic"]["size"] = {"choices": [1.5]}
+    lines = errors(base)
+    assert "faults.0: a partition needs until or duration_s (when it heals)" in lines
+    assert "faults.1: repair_s is for failures and partitions" in lines
+    assert "autoscaler: min_nodes (2) must not exceed max_nodes (1)" in lines
+    assert any(ln.startswith("elastic.0.mode: ") and "'drain' or 'kill'" in ln for ln in lines)
+    assert any(ln.startswith("recovery.snapshot_every_batches: ") for ln in lines)
+    assert any(ln.startswith("workload.synthetic.size.choices: ") and "fraction in (0, 1)" in ln for ln in lines)
+    assert len(lines) == 6
+
+
+def test_trace_columns_and_node_lists_are_checked_against_the_csv(base, tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("id,t,len,gpus\na,0,10,1\nb,5,x,2\n")
+    base["workload"] = {"trace": {"format": "itp", "path": str(trace)}}
+    assert errors(base) == ["workload.trace.columns: column 'job_id' (for job_id) is not in the CSV header "
+                            "['id', 't', 'len', 'gpus']"]
+    base["workload"]["trace"]["columns"] = {"job_id": "id", "submit": "t", "duration": "len", "num_gpu": "gpus"}
+    (line,) = errors(base)
+    assert line.startswith("workload.trace.path: line 3 of ") and "could not convert string to float: 'x'" in line
+    trace.write_text("id,t,len,gpus\na,0,10,1\nb,5,7,2\n")
+    assert [(j.id, j.devices) for j in generate(parse(base))] == [("a", 1), ("b", 2)]
+    nodes = tmp_path / "n.csv"
+    nodes.write_text("sn,gpu,model\nn0,8,H800\n")
+    base["cluster"] = {"device_types": {"a100": {}}, "node_list": {"path": str(nodes)}}
+    assert errors(base) == ["cluster.node_list: models ['H800'] are not in cluster.device_types ['a100'] (add them, "
+                            "or set default_device_type)"]
+    base["cluster"]["node_list"]["path"] = "missing.csv"
+    assert errors(base)[0].startswith("cluster.node_list.path: file 'missing.csv' not found")
+
+
+def test_compare_params_for_unknown_policies_are_reported(base):
+    base["policy"] = {"name": "fifo", "params_for": {"srtf": {}, "las": {"thresholds": [5, 1]}}}
+    assert errors(base) == [
+        "policy.params_for.srtf: unknown policy 'srtf': known policies are dtorch, fifo, las, priority",
+        "policy.params_for.las: policy parameter 'thresholds' must be ascending positive device-seconds, got [5, 1]"]

@@ -91,9 +91,11 @@ def test_slow_worker_takes_longer(base):
 def test_traces_load():
     itp = load(REPO / "scenarios" / "itp-cluster04.yaml")
     jobs = generate(itp)
-    assert len(jobs) == 300 and jobs[0].arrival == 0 and all(j.devices >= 1 for j in jobs)
+    assert len(jobs) == 2000 and jobs[0].arrival == 0 and all(j.devices >= 1 for j in jobs)
+    assert {j.devices for j in jobs} == {1, 4, 8, 16, 32}
     openb = generate(load(REPO / "scenarios" / "openb.yaml"))
-    assert len(openb) == 400 and all(1 <= j.devices <= 8 for j in openb)
+    assert len(openb) > 6000 and all(1 <= j.devices <= 8 for j in openb)
+    assert any(j.share < 1 for j in openb) and {j.priority for j in openb} == {"high", "normal", "low"}
 
 
 def test_cli_run_and_compare(base, tmp_path):

@@ -519,42 +519,43 @@ class Simulation:
 
     def remove_node(self, node: str, mode: str, drain_timeout_s: float = 3600.0) -> None:
         """Take a node out: drain its workers (their shards move to other workers first), or kill them (like a
-        failure). A drain the core refuses (nowhere to move a session's devices yet) is asked again every
-        DRAIN_RETRY_S; a worker still there after `drain_timeout_s` is stopped."""
+        failure)."""
         self.removed_nodes.add(node)
-        deadline = self.env.now + drain_timeout_s
-        for worker in self.nodes.get(node, []):
-            if not worker.alive:
-                continue
-            if mode == "kill" or worker.id is None or worker.partitioned:
-                self.stop_worker(worker, "remove_nodes")
-                continue
-            worker.draining = True
-            self._ask_drain(worker, deadline)
-
-    def _ask_drain(self, worker: Worker, deadline: float) -> None:
-        if not worker.alive:
-            return
-        request = m.DrainRequest(worker=worker.id, timeout_s=FOREVER_S)  # type: ignore[arg-type]
-        reply = self.request(lambda r: ev.Drain(r, request))
-        reply.callbacks.append(lambda e: self._drained(worker, e.value, deadline))
-
-    def _drained(self, worker: Worker, reply: object, deadline: float) -> None:
-        if isinstance(reply, fx.Refusal) or not getattr(reply, "ok", False):
-            if not worker.alive:
-                return
-            why = getattr(reply, "message", reply)
-            if isinstance(reply, fx.Refusal) and self.env.now + DRAIN_RETRY_S <= deadline:
-                self.drains_refused += 1
-                self.env.timeout(DRAIN_RETRY_S).callbacks.append(lambda _e: self._ask_drain(worker, deadline))
-                return
-            self.note(f"drain of {worker.address} failed ({why}): the worker is stopped instead")
-            worker.draining = False
+        workers = [w for w in self.nodes.get(node, []) if w.alive]
+        if mode == "drain":
+            drained = [w for w in workers if w.id is not None and not w.partitioned]
+            for w in drained:
+                w.draining = True
+            self.env.process(self._drain_node(drained, self.env.now + drain_timeout_s))
+            workers = [w for w in workers if w not in drained]
+        for worker in workers:
             self.stop_worker(worker, "remove_nodes")
-            return
-        for mv in reply.moves:  # type: ignore[attr-defined]
-            self.moves.append(Move(self.env.now, mv.session, len(mv.devices), mv.bytes, mv.downtime_s))
-        worker.stop()  # released by the core; its next report would be fenced
+
+    def _drain_node(self, workers: list[Worker], deadline: float):
+        """Drain a node's workers: the ones hosting nothing first, then the others one at a time, so that the
+        core never moves a session onto a worker of the node that is drained away under it (it picks a free
+        worker, else one the session already uses). A refused or failed drain (nowhere to move a session yet)
+        is asked again after DRAIN_RETRY_S; a worker not drained by the deadline is stopped."""
+        hosting = {w.id for w in workers if self.core.workers[w.id].sessions}  # type: ignore[index]
+        for w in sorted(workers, key=lambda w: (w.id in hosting, w.address)):
+            while w.alive:
+                request = m.DrainRequest(worker=w.id, timeout_s=FOREVER_S)  # type: ignore[arg-type]
+                reply = yield self.request(lambda r, request=request: ev.Drain(r, request))
+                if not isinstance(reply, fx.Refusal) and reply.ok:
+                    for mv in reply.moves:
+                        self.moves.append(Move(self.env.now, mv.session, len(mv.devices), mv.bytes, mv.downtime_s))
+                    w.stop()  # released by the core; its next report would be fenced
+                    break
+                if not w.alive:
+                    break
+                why = reply.message
+                if self.env.now + DRAIN_RETRY_S > deadline:
+                    self.note(f"drain of {w.address} failed ({why}): the worker is stopped instead")
+                    w.draining = False
+                    self.stop_worker(w, "remove_nodes")
+                    break
+                self.drains_refused += 1
+                yield self.env.timeout(DRAIN_RETRY_S)
 
     def autoscale(self):
         """The autoscaler rule: add nodes while sessions wait, drain idle added ones when none do."""

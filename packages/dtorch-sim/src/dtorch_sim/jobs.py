@@ -154,8 +154,9 @@ def _trace(sc: Scenario) -> Iterator[JobSpec]:
     if tr.limit is not None:
         rows = rows[:tr.limit]
     t0 = rows[0][0] if rows else 0.0
+    arrival_scale = tr.arrival_scale if tr.arrival_scale is not None else tr.time_scale
     for submit, job_id, gpus, duration, share, prio in rows:
-        yield JobSpec(id=job_id, arrival=(submit - t0) * tr.time_scale, devices=gpus, duration=duration * tr.time_scale,
+        yield JobSpec(id=job_id, arrival=(submit - t0) * arrival_scale, devices=gpus, duration=duration * tr.time_scale,
                       share=share, priority=prio)
 
 

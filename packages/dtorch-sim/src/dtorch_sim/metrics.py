@@ -11,7 +11,9 @@ Definitions (metrics.json):
   (leased to a session), `unallocated_share` (capacity no session leases: a whole device, or the room left by
   packed leases), also while sessions wait (`unallocated_share_when_queued`: capacity stranded although
   there is demand, the fragmentation figure of packing studies), and `requested_share` (capacity the running
-  jobs asked for: a fractional job counts its fraction even when it got a whole device).
+  jobs asked for: a fractional job counts its fraction even when it got a whole device), also while sessions
+  wait (1 - `requested_share_when_queued` is the capacity not granted to any request although there is
+  demand: unallocated, or stranded by giving a fractional job a whole device).
 * `failures`: injected, detected, `detection_s` (failure -> the core marks the worker lost), `recovery_s`
   (failure -> every job with devices on it runs again: rebuilt by the core, or restarted and placed),
   `device_s_lost` = `redone_device_s` (step work done again after a restart or replay, or cut short by the
@@ -93,6 +95,7 @@ def summarize(sim: Simulation) -> dict:
             "unallocated_share_mean": _weighted(samples, lambda s: s.unallocated),
             "unallocated_share_when_queued": _weighted(waiting, lambda s: s.unallocated) if waiting else None,
             "requested_share_mean": _weighted(samples, lambda s: s.requested),
+            "requested_share_when_queued": _weighted(waiting, lambda s: s.requested) if waiting else None,
             "queue_length_mean": _r(sum(s.queued for s in samples) / len(samples)) if samples else 0.0,
             "queue_length_max": max((s.queued for s in samples), default=0),
             "sample_interval_s": _r(sim.sample_interval),

@@ -173,6 +173,7 @@ class Trace(_Model):
     every: int = Field(1, ge=1)  # keep every k-th job (a lighter load over the same time span)
     limit: int | None = Field(None, ge=1)  # at most this many jobs (after start_s and filtering)
     time_scale: float = Field(1.0, gt=0)  # multiply submit times and durations (0.01: 100x faster)
+    arrival_scale: float | None = Field(None, gt=0)  # multiply submit times by this instead (more load: "inflation")
     max_gpus: int | None = Field(None, ge=1)  # drop jobs asking for more devices
     max_duration_s: float | None = Field(None, gt=0)  # cap durations (trace seconds, before time_scale)
     zero_gpu: Literal["skip", "one"] = "skip"  # jobs with num_gpu 0
