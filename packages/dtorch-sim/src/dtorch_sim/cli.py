@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dtorch_sim import __version__
+from dtorch_sim.jobs import node_groups
 from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
 from dtorch_sim.scenario import Scenario, ScenarioError, load
 
@@ -82,13 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check a scenario file; one line per mistake")
     v.add_argument("scenario")
+    v.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a scenario field, e.g. --set cluster.nodes.0.count=48 (repeatable)")
     r = sub.add_parser("run", help="run a scenario, write metrics into --out")
     r.add_argument("scenario")
+    r.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a scenario field, e.g. --set cluster.nodes.0.count=48 (repeatable)")
     r.add_argument("--out", default="sim-out", help="output folder (default: sim-out)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     c = sub.add_parser("compare", help="run a scenario once per policy, one output folder each")
     c.add_argument("scenario")
+    c.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a scenario field, e.g. --set cluster.nodes.0.count=48 (repeatable)")
     c.add_argument("--policies", required=True, help=f"comma-separated, known: {known()}")
     c.add_argument("--out", default="sim-compare", help="output folder; one subfolder per policy")
     c.add_argument("--quiet", action="store_true")
@@ -96,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        sc = load(args.scenario)
+        sc = load(args.scenario, args.set)
     except ScenarioError as e:
         for line in e.lines:
             print(line, file=sys.stderr)
         return 1
     if args.command == "validate":
-        print(f"{args.scenario}: ok ({sum(g.count * g.devices_per_node for g in sc.cluster.nodes)} devices, "
+        print(f"{args.scenario}: ok ({sum(g.count * g.devices_per_node for g in node_groups(sc))} devices, "
               f"policy {sc.policy.name})")
         return 0
     console = Console(highlight=False)

@@ -72,7 +72,8 @@ class Sample:
     allocated: int  # alive workers leased to at least one session
     bound: int  # logical devices bound on alive workers (above `alive`: virtual devices)
     busy: float  # mean fraction of the interval the alive workers spent executing
-    queued: int  # sessions waiting or frozen in the scheduler's queue
+    queued: int  # sessions waiting to be placed (the scheduler's queue)
+    frozen: int  # sessions frozen (preempted), waiting to resume on their devices
     unallocated: float  # share of the alive devices' capacity no session leases (a packed lease: its cap)
     requested: float  # share of capacity the running jobs asked for (a fractional job: its fraction)
 
@@ -124,6 +125,7 @@ class Simulation:
         self.session_jobs: dict[str, JobRecord] = {}  # open session -> its job
         self._placing: dict[str, simpy.Event] = {}  # session -> event fired when the scheduler places it
         self._rebuilding: set[str] = set()
+        self._frozen_now: set[str] = set()  # sessions frozen now (from the scheduler's Changes)
         self._high: dict[str, dict[int, int]] = {}  # job id -> logical device -> highest step finished
         self.specs = generate(sc)
         self.jobs = [JobRecord(spec) for spec in self.specs]
@@ -279,6 +281,8 @@ class Simulation:
             if rec is not None:
                 rec.preemptions += 1
         self.resumes += len(changes.resumed)
+        self._frozen_now.update(changes.frozen)
+        self._frozen_now.difference_update(changes.resumed)
 
     def placed_or_timeout(self, session: str, retry_s: float) -> simpy.Event:
         """For a queued job: fires when the scheduler places its session, or after `retry_s` at the latest."""
@@ -333,6 +337,7 @@ class Simulation:
     def session_closed(self, session: str) -> None:
         rec = self.session_jobs.pop(session, None)
         self._placing.pop(session, None)
+        self._frozen_now.discard(session)
         if rec is not None:
             self._unstall(rec)
 
@@ -640,6 +645,7 @@ class Simulation:
             before = busy_s
             allocated = min(allocated, n)
             self.samples.append(Sample(self.env.now, n, allocated, bound, busy, self.core.sched.queued,
+                                       len(self._frozen_now),
                                        max(0.0, 1.0 - leased / n) if n else 0.0, min(1.0, requested / n) if n else 0.0))
 
     def _default_end(self) -> float:

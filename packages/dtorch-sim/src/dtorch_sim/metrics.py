@@ -19,6 +19,8 @@ Definitions (metrics.json):
   `device_s_lost` = `redone_device_s` (step work done again after a restart or replay, or cut short by the
   failure) + `stalled_device_s` (devices of the jobs it hit x time from the failure until each job ran again,
   or let its devices go to restart; a restarted job's wait in the queue is not counted: others use them).
+* `queue_length` (sessions waiting to be placed), `frozen` (sessions preempted, waiting to resume on their own
+  devices: a frozen session's state stays there), per sample.
 * `preemptions` (sessions frozen), `resumes`, `recoveries` (sessions rebuilt by the core), `migrations`
   (logical-device moves by drains: count, bytes, downtime).
 """
@@ -98,6 +100,8 @@ def summarize(sim: Simulation) -> dict:
             "requested_share_when_queued": _weighted(waiting, lambda s: s.requested) if waiting else None,
             "queue_length_mean": _r(sum(s.queued for s in samples) / len(samples)) if samples else 0.0,
             "queue_length_max": max((s.queued for s in samples), default=0),
+            "frozen_mean": _r(sum(s.frozen for s in samples) / len(samples)) if samples else 0.0,
+            "frozen_max": max((s.frozen for s in samples), default=0),
             "sample_interval_s": _r(sim.sample_interval),
         },
         "scheduling": {"preemptions": sim.preemptions, "resumes": sim.resumes, "recoveries": sim.recoveries,
@@ -145,11 +149,11 @@ def write(sim: Simulation, out: str | Path, plots: bool = True) -> dict:
                         r.recoveries, r.steps_done, _r(r.work_s)])
     with open(out / "utilization.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(["t_s", "alive", "allocated", "bound", "allocated_frac", "busy_frac", "queued",
+        w.writerow(["t_s", "alive", "allocated", "bound", "allocated_frac", "busy_frac", "queued", "frozen",
                     "unallocated_share", "requested_share"])
         for s in sim.samples:
             w.writerow([_r(s.t), s.alive, s.allocated, s.bound, _r(s.allocated / s.alive if s.alive else 0.0),
-                        _r(s.busy), s.queued, _r(s.unallocated), _r(s.requested)])
+                        _r(s.busy), s.queued, s.frozen, _r(s.unallocated), _r(s.requested)])
     with open(out / "failures.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["kind", "worker", "at_s", "detected_at_s", "detection_s", "recovered_at_s", "recovery_s",
@@ -199,8 +203,11 @@ def plot(sim: Simulation, out: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(8, 3))
-    ax.step(t, [s.queued for s in sim.samples], where="post")
-    ax.set(xlabel="simulated time (s)", ylabel="sessions queued", title=f"{name}: queue length ({policy})")
+    ax.step(t, [s.queued for s in sim.samples], where="post", label="waiting to be placed")
+    if any(s.frozen for s in sim.samples):
+        ax.step(t, [s.frozen for s in sim.samples], where="post", label="frozen (preempted)")
+    ax.legend(loc="upper right")
+    ax.set(xlabel="simulated time (s)", ylabel="sessions", title=f"{name}: queue length ({policy})")
     fig.tight_layout()
     paths.append(out / "queue.png")
     fig.savefig(paths[-1], dpi=100)

@@ -450,7 +450,40 @@ def parse(data: object, base_dir: str = ".", source: str = "") -> Scenario:
     return sc
 
 
-def load(path: str | Path) -> Scenario:
+def override(data: object, assignment: str) -> object:
+    """Apply one `dotted.path=value` (value in YAML: `48`, `fifo`, `{high: 1, low: 3}`) to scenario data; list
+    items by index (`cluster.nodes.0.count=48`). Raises ScenarioError naming the assignment."""
+    path, sep, text = assignment.partition("=")
+    if not sep or not path:
+        raise ScenarioError([f"--set {assignment}: expected path=value, e.g. cluster.nodes.0.count=48"])
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ScenarioError([f"--set {assignment}: the value is not valid YAML: {getattr(e, 'problem', None) or e}"]) \
+            from None
+    keys = path.split(".")
+    node = data
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ScenarioError([f"--set {assignment}: {'.'.join(keys[:i]) or '(top)'} has no item {key!r} "
+                                     f"(a list of {len(node)})"])
+            if last:
+                node[int(key)] = value
+            node = node[int(key)]
+        elif isinstance(node, dict):
+            if last:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+        else:
+            raise ScenarioError([f"--set {assignment}: {'.'.join(keys[:i])} is not a mapping or a list"])
+    return data
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Scenario:  # type: ignore[assignment]
+    """Read a scenario file, apply `--set path=value` overrides, validate."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -462,4 +495,6 @@ def load(path: str | Path) -> Scenario:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ScenarioError([f"{path}:{where} not valid YAML: {getattr(e, 'problem', None) or e}"]) from None
+    for assignment in overrides:
+        data = override(data, assignment)
     return parse(data, str(path.parent), str(path))
