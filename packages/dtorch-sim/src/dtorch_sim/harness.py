@@ -619,6 +619,7 @@ class Simulation:
         pool = self.core.sched.pool
         core_workers = self.core.workers
         sessions = self.session_jobs
+        frozen = self._frozen_now
         before = self.busy_seconds()
         while True:
             yield self.env.timeout(self.sample_interval)
@@ -637,6 +638,8 @@ class Simulation:
                     leased += min(1.0, sum(leases.values()) / slot.memory)
                 asked = 0.0
                 for session, cap in leases.items():
+                    if session in frozen:
+                        continue  # a reservation: the frozen session asks for nothing while frozen
                     rec = sessions.get(session)
                     asked += rec.spec.share if rec is not None else (cap / slot.memory if cap and slot.memory else 1.0)
                 requested += min(1.0, asked)
