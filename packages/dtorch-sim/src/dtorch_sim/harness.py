@@ -443,7 +443,8 @@ class Simulation:
                 if rec is not None and rec.spec.id not in record.pending:
                     record.jobs.append(rec.spec.id)
                     record.pending.add(rec.spec.id)
-                    record.stalling.add(rec.spec.id)
+                    if session not in self._frozen_now:  # a frozen job was not running: the failure stalls nothing
+                        record.stalling.add(rec.spec.id)
                     self._hurt.setdefault(rec.spec.id, []).append(record)
         else:
             record.detected = record.recovered = self.env.now

@@ -65,10 +65,6 @@ class JobRecord:
     work_s: float = 0.0  # device-seconds of step work executed (speed-normalized), redone work included
     sessions: list[str] = field(default_factory=list)
 
-    @property
-    def useful_s(self) -> float:
-        return self.spec.duration * self.spec.devices
-
 
 # ---------------------------------------------------------------- where jobs come from
 
