@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -118,6 +119,8 @@ def main() -> None:
     one_ms = timed(one, args.repeats)
     dtorch.shutdown()
 
+    # 1 GiB copies keep a 2-core machine so busy that a worker can miss the default 1 s heartbeat deadline
+    os.environ.setdefault("DTORCH_HEARTBEAT_TIMEOUT", "10")
     dtorch.connect(workers=2)
     issued_us, total_us, plain_us = per_op_loop(args.iters)
     tp = dtorch_mlp(weights, inp, dtorch.DeviceMesh("cpu", [0, 1]), tensor_parallel=True)

@@ -139,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port-file", help="write the address actually served on to this file")
     parser.add_argument("--heartbeat-interval", type=float, default=0.2, metavar="S",
                         help="how often workers report (default 0.2)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=1.0, metavar="S",
-                        help="a worker silent this long is lost (default 1.0)")
+    parser.add_argument("--heartbeat-timeout", type=float, metavar="S",
+                        default=float(os.environ.get("DTORCH_HEARTBEAT_TIMEOUT", "1.0")),
+                        help="a worker silent this long is lost (default 1.0, $DTORCH_HEARTBEAT_TIMEOUT)")
     parser.add_argument("--session-timeout", type=float, default=5.0, metavar="S",
                         help="close a client session silent this long, freeing its shards (default 5.0; 0: never)")
     parser.add_argument("--policy", default="priority",
