@@ -47,11 +47,12 @@ def test_bad_placements_and_meshes_are_one_line_errors(mesh1):
         dtorch.Partial("prod")
 
 
-def test_mixing_meshes_is_refused(mesh1, mesh4):
-    a = dtorch.zeros(4, device_mesh=mesh1)
-    b = dtorch.zeros(4, device_mesh=mesh4)
-    with pytest.raises(ValueError, match="different meshes"):
-        a + b
+def test_mixing_meshes_moves_to_the_first_operands_mesh(mesh1, mesh4):
+    a = dtorch.arange(4, device_mesh=mesh1, placements=[Shard(0)])
+    b = dtorch.ones(4, device_mesh=mesh4, dtype=torch.int64, placements=[Shard(0)])
+    c = a + b
+    assert c.device_mesh == mesh1
+    assert torch.equal(c.to_torch(), torch.arange(4) + 1)
 
 
 def test_wrong_token_is_refused(cluster):

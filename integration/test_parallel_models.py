@@ -74,6 +74,10 @@ def test_llama_dp_and_dp_x_tp(reference, mesh4, mesh2d):
         out = dptp(dtorch.distribute_tensor(ids, mesh2d, [Shard(0), Replicate()])).logits
     torch.testing.assert_close(out.to_torch(), logits, **TOL)
     assert out.to_torch().argmax(-1).tolist() == logits.argmax(-1).tolist()
+    expected = model.generate(ids[:2], max_new_tokens=4, do_sample=False)
+    got = dptp.generate(dtorch.distribute_tensor(ids[:2], mesh2d, [Shard(0), Replicate()]), max_new_tokens=4,
+                        do_sample=False)
+    assert got.to_torch().tolist() == expected.tolist()
 
 
 def test_llama_pipeline_stages_with_microbatches(reference, cluster):
@@ -87,6 +91,9 @@ def test_llama_pipeline_stages_with_microbatches(reference, cluster):
         out = microbatch_forward(pp, dtorch.distribute_tensor(ids, stage0, [Replicate()]), microbatches=2)
     assert out.device_mesh == stage1
     torch.testing.assert_close(out.to_torch(), logits, **TOL)
+    expected = model.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    got = pp.generate(dtorch.distribute_tensor(ids[:1], stage0, [Replicate()]), max_new_tokens=4, do_sample=False)
+    assert got.to_torch().tolist() == expected.tolist()
 
 
 def test_another_architecture_gpt2_tensor_parallel(mesh1):

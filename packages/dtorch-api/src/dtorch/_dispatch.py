@@ -248,10 +248,8 @@ def _returns_tensors(func: Any) -> bool:
 
 def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Plan:
     specs = [d._spec for d in leaves]
-    meshes = {s.mesh for s in specs}
-    if len(meshes) > 1:
-        raise ValueError(f"{func} got DTensors on different meshes {sorted(map(repr, meshes))}; "
-                         "move them with .redistribute(device_mesh=...) first")
+    if len({s.mesh for s in specs}) > 1:
+        raise _MixedMeshes
     mesh = specs[0].mesh
     it = iter(specs)
     spec_args = pytree.tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, args)
@@ -308,6 +306,29 @@ def _has_empty_shard(spec: Spec) -> bool:
                for (_, n), full in zip(shard_box(spec.shape, spec.mesh.shape, spec.placements, c), spec.shape))
 
 
+class _MixedMeshes(Exception):
+    """DTensors of one op live on different meshes (pipeline stages, roles)."""
+
+
+def _to_mesh(tree: Any, first: DTensor) -> Any:
+    """Move DTensors on other meshes onto `first`'s mesh, replicated: the op then runs there.
+
+    This is how unmodified code crosses pipeline stages, e.g. `generate` appending a token computed
+    on the last stage to input ids held by the first.
+    """
+    from dtorch.dtensor import redistribute_to
+
+    mesh = first.device_mesh
+    replicate = (Replicate(),) * mesh.ndim
+
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and hasattr(v, "_spec") and v.device_mesh != mesh:
+            return redistribute_to(v, mesh, replicate, user_src(4))
+        return v
+
+    return pytree.tree_map(move, tree)
+
+
 def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Plain tensors mixed into an op become Replicate DTensors on the op's mesh (never ones it writes)."""
     from dtorch.dtensor import DTensor
@@ -344,7 +365,10 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         key, leaves = None, [v for v in pytree.tree_leaves((args, kwargs)) if hasattr(v, "_spec")]
     plan = _plans.get(key) if key is not None else None
     if plan is None:
-        plan = _make_plan(func, args, kwargs, leaves)
+        try:
+            plan = _make_plan(func, args, kwargs, leaves)
+        except _MixedMeshes:
+            return func(*_to_mesh(args, leaves[0]), **_to_mesh(kwargs, leaves[0]))
         if key is not None:
             _plans[key] = plan
     if plan.fast is not None:
