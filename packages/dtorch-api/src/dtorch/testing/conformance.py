@@ -132,7 +132,11 @@ class _RandomProbe(TorchDispatchMode):
 
 # The op runs from a frame whose file is outside dtorch and torch, so DTorch's error reports name a source
 # line ("<conformance>:1") and op errors surface as RemoteOpError naming the op.
-_call = eval(compile("lambda op, a: op(a[0], *a[1], **a[2])", "<conformance>", "eval"))
+def _call(op: Any, a: tuple) -> Any:
+    return op(a[0], *a[1], **a[2])
+
+
+_call.__code__ = _call.__code__.replace(co_filename="<conformance>")
 
 
 def op_key(op: Any) -> str:
