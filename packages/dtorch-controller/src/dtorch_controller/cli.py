@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from dtorch.local_cluster import watch_parent
 from dtorch.protocol import wire
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -44,21 +45,9 @@ def _write_port_file(path: str, address: str) -> None:
     os.replace(tmp, target)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _watch_parent(pid: int, stop: threading.Event) -> None:
-    while not stop.wait(WATCHDOG_INTERVAL_S):
-        if not _alive(pid):
-            print(f"dtorch-controller: parent process {pid} exited, stopping", file=sys.stderr, flush=True)
-            stop.set()
+def _parent_gone(pid: int, stop: threading.Event) -> None:
+    print(f"dtorch-controller: parent process {pid} exited, stopping", file=sys.stderr, flush=True)
+    stop.set()
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -83,8 +72,7 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop), daemon=True,
-                         name="dtorch-controller-watchdog").start()
+        watch_parent(args.parent_pid, lambda: _parent_gone(args.parent_pid, stop), WATCHDOG_INTERVAL_S)
     try:
         print(f"dtorch-controller listening on {address}", flush=True)
         if args.port_file:
@@ -112,19 +100,27 @@ def _policy_params(items: Sequence[str]) -> dict[str, object]:
     return params
 
 
+def _ask(args: argparse.Namespace, method: str, request: object, timeout: float) -> object | None:
+    """One call to the controller named by --controller / $DTORCH_CONTROLLER; None after a one-line error."""
+    target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
+    stub = wire.Stub("dtorch.Controller", target, wire.token_from_env())
+    try:
+        return stub.call(method, request, timeout=timeout)
+    except (ConnectionError, TimeoutError, PermissionError, wire.ProtocolError, wire.RemoteError) as e:
+        text = str(e).replace(f"{method} on {target} failed: ", "")
+        print(f"dtorch-controller {args.command}: {text}".splitlines()[0], file=sys.stderr)
+        return None
+    finally:
+        stub.close()
+
+
 def status(args: argparse.Namespace) -> int:
     from dtorch.protocol import messages as m
     from dtorch_controller import status_view
 
-    target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
-    stub = wire.Stub("dtorch.Controller", target, wire.token_from_env())
-    try:
-        reply = stub.call("Status", m.StatusRequest(), timeout=args.timeout)
-    except (ConnectionError, TimeoutError, PermissionError, wire.ProtocolError, wire.RemoteError) as e:
-        print(f"dtorch-controller status: {e}".splitlines()[0], file=sys.stderr)
+    reply = _ask(args, "Status", m.StatusRequest(), args.timeout)
+    if reply is None:
         return 1
-    finally:
-        stub.close()
     if args.json:
         print(status_view.to_json(reply))
     else:
@@ -185,16 +181,9 @@ def admin(args: argparse.Namespace) -> int:
     else:
         method, request = "Migrate", m.MigrateRequest(session=args.session, device=args.device, to_worker=args.to,
                                                       timeout_s=args.timeout)
-    target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
-    stub = wire.Stub("dtorch.Controller", target, wire.token_from_env())
-    try:
-        reply = stub.call(method, request, timeout=args.timeout + 30.0)
-    except (ConnectionError, TimeoutError, PermissionError, wire.ProtocolError, wire.RemoteError) as e:
-        text = str(e).replace(f"{method} on {target} failed: ", "")
-        print(f"dtorch-controller {args.command}: {text}".splitlines()[0], file=sys.stderr)
+    reply = _ask(args, method, request, args.timeout + 30.0)
+    if reply is None:
         return 1
-    finally:
-        stub.close()
     if args.json:
         print(status_view.to_json(reply))
         return 0 if reply.ok else 1

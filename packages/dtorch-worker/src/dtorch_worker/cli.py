@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dtorch.local_cluster import watch_parent
 from dtorch.protocol import wire
 from dtorch_worker.agent import Agent, ControllerUnreachable, device_memory_bytes
 from dtorch_worker.server import start_worker
@@ -84,29 +85,6 @@ def advertised(bound: str, advertise: str) -> str:
     return f"{host}:{port}"
 
 
-def _watch_parent(pid: int, stop: threading.Event, exit_code: list[int]) -> None:
-    """Poll the parent: gone (or we were re-parented away from it) -> stop."""
-    while not stop.wait(0.5):
-        gone = os.getppid() != pid if pid == _ORIGINAL_PPID else not _alive(pid)
-        if gone:
-            exit_code[0] = 0
-            stop.set()
-            return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-_ORIGINAL_PPID = os.getppid()
-
-
 def run(argv: Sequence[str] | None = None) -> int:
     """Start a worker and serve until a signal, parent death, fencing or controller loss; returns the exit code."""
     args = parse_args(argv)
@@ -130,8 +108,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, stop, exit_code), name="dtorch-parent-watch",
-                         daemon=True).start()
+        watch_parent(args.parent_pid, lambda: request_exit(0, f"parent process {args.parent_pid} exited"))
 
     worker = start_worker(token=token, listen=args.listen, device=device)
     address = advertised(worker.address, args.advertise)
