@@ -3,6 +3,7 @@ clients as separate Python processes. Every wait is bounded; the order of events
 nothing depends on timing luck.
 
 * two clients at once, packed onto the same devices, each with correct results;
+* a packed session going over its memory cap: the workers refuse it, with a one-line error;
 * a SIGKILLed client: the controller closes its silent session and every worker frees its shards;
 * a mesh that waits in the queue (the client shows its position) and is placed as soon as a worker joins;
 * a high-priority session freezes a low-priority one, which resumes afterwards and finishes correctly.
@@ -193,6 +194,42 @@ def test_two_clients_at_once_share_the_devices_and_get_correct_results(make_clus
     cluster.signal("both-running")
     for name, proc in procs.items():
         assert finish(proc, cluster, name).split() == ["ok"]
+
+
+# ---------------------------------------------------------------- the workers enforce a packed session's cap
+
+CAPPED = """
+    dtorch.connect(name="capped", memory_cap=1 << 20)  # 1 MiB per device: packed, the workers enforce it
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    da = dtorch.distribute_tensor(a, mesh, [Shard(0)])
+    db = dtorch.distribute_tensor(b, mesh, [Replicate()])
+    assert torch.allclose((da @ db).to_torch(), a @ b, atol=1e-5)  # under the cap: plain torch's values
+    big = dtorch.zeros(1024, 512, device_mesh=mesh, placements=[Replicate()])  # 2 MiB on each device
+    try:
+        big.to_torch()
+    except dtorch.DTorchError as e:
+        say("error: " + str(e))
+    try:
+        dtorch.distribute_tensor(torch.ones(1024, 512), mesh, [Replicate()])
+    except Exception as e:
+        say("upload: " + str(e))
+    assert torch.allclose(((da @ db) * 2).to_torch(), (a @ b) * 2, atol=1e-5)  # the session goes on
+    say("ok")
+"""
+
+
+def test_a_capped_session_going_over_its_cap_gets_a_one_line_error_and_goes_on(make_cluster):
+    cluster = make_cluster(2)
+    proc = cluster.client("capped", CAPPED)
+    out = finish(proc, cluster, "capped").splitlines()
+    assert len(out) == 3 and out[-1] == "ok", out
+    assert out[0].startswith("error: create failed on a worker at ") and "big = dtorch.zeros(" in out[0], out
+    assert out[0].endswith(": memory cap exceeded: session holds 2.0 MiB on this worker, over its cap of "
+                           "1.0 MiB per device"), out
+    assert out[1].startswith("upload: Put on ") and out[1].endswith(
+        "failed: memory cap exceeded: session holds 2.0 MiB on this worker, over its cap of 1.0 MiB per device"), out
 
 
 # ---------------------------------------------------------------- a killed client leaks nothing

@@ -315,6 +315,26 @@ def test_going_over_the_memory_cap_is_reported_at_the_next_sync(h):
     assert "over its memory cap of 100 bytes" in reply.errors[0].message
 
 
+def test_packed_sessions_tell_workers_their_cap_and_exclusive_ones_send_none(h):
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    w1 = h.register("10.0.0.1:7000", memory=1000)
+    a, b = h.open_session(memory_cap=400), h.open_session(memory_cap=400)
+    whole = h.open_session()
+    rt = h.open_session(memory_cap=300, kind="realtime")  # never packed: whole devices, no cap
+    for s in (a, b, whole):
+        assert h.open_mesh(s, 1, [0]).placed
+    assert leases(h, w0) == {a: 400, b: 400} and leases(h, w1) == {whole: 0}
+    h.take_sent()
+    for s in (a, b, whole):
+        h.submit(s, 1, [create(1)])
+    caps = {(x.worker_id, x.execute.session): x.execute.memory_cap for x in h.take_sent()}
+    assert caps == {(w0, a): 400, (w0, b): 400, (w1, whole): 0}
+    close(h, whole)
+    assert h.open_mesh(rt, 1, [0]).placed
+    h.submit(rt, 1, [create(1)])
+    assert [(x.worker_id, x.execute.memory_cap) for x in h.take_sent() if x.execute.session == rt] == [(w1, 0)]
+
+
 # ---------------------------------------------------------------- least attained service
 
 

@@ -14,6 +14,11 @@ CmdExpectReads in this worker's stream, and the reader only waits for things tha
 come before the redistribution in the client's instruction order, so every wait
 points back in that one total order and no cycle can form. The wait is still
 bounded (a reader may have been lost): then the write goes ahead with a warning.
+
+Memory caps: a session packed with others onto this device carries its cap on every Execute. A command that
+makes a capped session hold more than its cap here (created or grown shards: runs, creates, redistributions,
+restores) fails like any other: its outputs become Poison with a "memory cap exceeded" report, which frees
+them. Peaks inside one command (temporaries, all devices' results before they are stored) are not bounded.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from dtorch.protocol.messages import (
 from dtorch.protocol.values import decode_value, dtype_from_name
 from dtorch_worker import shards
 from dtorch_worker.ops import resolve_op
-from dtorch_worker.store import Poison, ShardMissing, TensorStore, describe
+from dtorch_worker.store import Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
 
 log = logging.getLogger("dtorch_worker.executor")
@@ -97,6 +102,10 @@ def narrow_box(t: torch.Tensor, box: Sequence[Sequence[int]]) -> torch.Tensor:
     for d, (start, length) in enumerate(box):
         t = t.narrow(d, start, length)
     return t
+
+
+class MemoryCapExceeded(Exception):
+    """A command took its session over its memory cap on this worker; str() is the one-line report."""
 
 
 class Executor:
@@ -156,6 +165,7 @@ class Executor:
             self._cond.notify_all()
         if abandon is not None:
             self._abandon_now(batch.session, abandon)
+        self.store.set_cap(batch.session, batch.memory_cap)  # known at once: client uploads are checked too
         return True
 
     def _abandon_now(self, session: str, cmd: CmdAbandon) -> None:
@@ -241,11 +251,20 @@ class Executor:
     def run_batch(self, batch: Execute) -> None:
         """Run every command of a batch now, in order, on the calling thread."""
         self._seq = batch.seq
+        self.store.set_cap(batch.session, batch.memory_cap)
         for cmd in batch.cmds:
             self.run_command(batch.session, cmd)
 
     def run_command(self, session: str, cmd: Cmd) -> None:
-        """Run one command; failures poison its outputs instead of raising."""
+        """Run one command; failures poison its outputs instead of raising.
+
+        A command with outputs that takes a capped session over its memory cap here fails too (one that
+        adds nothing, e.g. an in-place op or a view, never does).
+        """
+        outputs = _outputs(cmd)
+        cap = self.store.cap(session) if outputs else 0
+        # what its outputs' keys held before: the session's bytes before the command, counted only if needed
+        before = self.store.storages([(session, tid, device) for tid, device in outputs]) if cap else {}
         try:
             if isinstance(cmd, CmdRun):
                 self._run(session, cmd)
@@ -276,11 +295,15 @@ class Executor:
                 self.store.clear_moved(session, list(cmd.devices))
             else:
                 raise TypeError(f"unknown command {type(cmd).__name__}")
+            if cap and (held := self.store.session_bytes(session)) > cap \
+                    and held > self.store.session_bytes(session, before):
+                raise MemoryCapExceeded(cap_message(held, cap))
         except PoisonedInput as e:
             self._poison(session, cmd, e.report)
         except Exception as e:  # noqa: BLE001 (any failure becomes the user's error report)
             op, src, outs = _describe(cmd)
-            report = ErrorReport(op=op, src=src, message=one_line(e), tid=outs[0] if outs else -1, seq=self._seq)
+            message = str(e) if isinstance(e, MemoryCapExceeded) else one_line(e)
+            report = ErrorReport(op=op, src=src, message=message, tid=outs[0] if outs else -1, seq=self._seq)
             log.debug("command %s failed: %s", op, report.message)
             self._poison(session, cmd, report)
             self._record(session, report)

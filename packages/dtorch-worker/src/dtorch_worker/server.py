@@ -1,5 +1,8 @@
 """The `dtorch.Worker` gRPC service: Execute (enqueue), Pull (serve a shard box), Put (upload a shard).
 
+A Put that would take a capped session over its memory cap on this worker is refused with a one-line
+reason (the client raises it); so is one for a device that moved away ("moved:", the client retries).
+
 Execute never waits for execution, and Pull runs on the server's own threads:
 a peer that is redistributing must always be able to read our shards, or two
 workers pulling from each other would deadlock.
@@ -100,8 +103,9 @@ class WorkerService:
                 tensor = tensor.to(self.executor.device)
         except (ValueError, TypeError) as e:
             raise wire.ProtocolError(one_line(e)) from None
-        if not self.store.put_unless_moved(key, tensor):
-            raise wire.RemoteError(f"moved: logical device {key[2]} of session {key[0][:8]} moved to another worker")
+        refused = self.store.put_upload(key, tensor)  # "moved: ..." or "memory cap exceeded: ..."
+        if refused:
+            raise wire.RemoteError(refused)
         return Ack()
 
     def PullShards(self, request: ShardsRequest) -> Iterator[ShardsChunk]:

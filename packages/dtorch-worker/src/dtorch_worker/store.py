@@ -8,6 +8,11 @@ peers may ask for a shard before this worker's executor has produced it.
 The store also counts the peers' planned reads of each shard (CmdExpectReads adds
 the expected ones, the Pull handler marks them served), so the executor can hold an
 in-place write to a shard's storage until the reads announced before it are done.
+
+Memory caps: the store keeps each session's cap on this worker (the latest Execute's `memory_cap`, set for
+packed leases only) and counts the bytes a session's shards hold here, a storage shared by views once (as
+`stats` does), so the executor can fail commands, and the Put handler refuse uploads, that would take a
+capped session over its cap. Keys are indexed by session: that count never scans other sessions' shards.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from dtorch.protocol.messages import ErrorReport, ShardStats
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
+Storage = tuple[tuple[str, int], int]  # (identity: device and address, byte size) of a shard's storage
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,42 @@ def describe(key: Key) -> str:
     return f"tensor {tid} on logical device {device} (session {session[:8]})"
 
 
+def format_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'; below 1 KiB, '512 bytes'."""
+    if abs(n) < 1024:
+        return f"{n} bytes"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def cap_message(held: int, cap: int) -> str:
+    """The one-line reason a capped session is refused memory: held bytes against its cap."""
+    a, b = format_bytes(held), format_bytes(cap)
+    if a == b:  # rounding hid the difference
+        a, b = f"{held} bytes", f"{cap} bytes"
+    return f"memory cap exceeded: session holds {a} on this worker, over its cap of {b} per device"
+
+
+def _storage(value: Shard) -> Storage | None:
+    """(identity, byte size) of a shard's storage, or None for a poisoned one; views of one storage share it."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    storage = value.untyped_storage()
+    ptr = storage.data_ptr()
+    return (str(value.device), ptr if ptr else id(storage)), storage.nbytes()
+
+
 class TensorStore:
     """Thread-safe map of shards with a condition variable for bounded waits."""
 
     def __init__(self) -> None:
         self._data: dict[Key, Shard] = {}
+        self._by_session: dict[str, dict[Key, None]] = {}  # session -> its keys in `_data` (per-session bytes)
+        self._caps: dict[str, int] = {}  # session -> memory cap on this worker in bytes (absent: none)
         self._reads: dict[Key, int] = {}  # expected - served planned reads; only keys where that is not 0
         self._announced: dict[Key, set[int]] = {}  # redistributions (dst tids) whose reads of a key were announced
         self._cond = threading.Condition()
@@ -58,9 +95,23 @@ class TensorStore:
         self._moved: set[tuple[str, int]] = set()  # (session, device) that moved away from this worker
         self._rebuilding: set[str] = set()  # sessions whose shards are being rebuilt: client reads wait
 
+    def _set(self, key: Key, value: Shard) -> None:
+        self._data[key] = value
+        self._by_session.setdefault(key[0], {})[key] = None
+
+    def _pop(self, key: Key) -> Shard | None:
+        value = self._data.pop(key, None)
+        if value is not None:
+            keys = self._by_session.get(key[0])
+            if keys is not None:
+                keys.pop(key, None)
+                if not keys:
+                    del self._by_session[key[0]]
+        return value
+
     def put(self, key: Key, value: Shard) -> None:
         with self._cond:
-            self._data[key] = value
+            self._set(key, value)
             self._cond.notify_all()
 
     def peek(self, key: Key) -> Shard | None:
@@ -98,7 +149,7 @@ class TensorStore:
             self._reads.pop(key, None)  # reads of a lost reader: nothing may wait for them any more
             self._announced.pop(key, None)
             self._cond.notify_all()
-            return self._data.pop(key, None) is not None
+            return self._pop(key) is not None
 
     def drop_session(self, session: str) -> int:
         """Forget every shard of a session; returns how many were dropped."""
@@ -107,11 +158,12 @@ class TensorStore:
                 del self._reads[k]
             for k in [k for k in self._announced if k[0] == session]:
                 del self._announced[k]
-            keys = [k for k in self._data if k[0] == session]
+            keys = list(self._by_session.pop(session, {}))
             for k in keys:
                 del self._data[k]
             self._moved = {m for m in self._moved if m[0] != session}
             self._rebuilding.discard(session)
+            self._caps.pop(session, None)
             self._cond.notify_all()
             return len(keys)
 
@@ -121,7 +173,7 @@ class TensorStore:
         with self._cond:
             keys = [k for k in self._data if k[0].startswith(prefix)]
             for k in keys:
-                del self._data[k]
+                self._pop(k)
             self._cond.notify_all()
             return len(keys)
 
@@ -129,7 +181,7 @@ class TensorStore:
         """Forget the shards of `tids` on every logical device of `session`."""
         wanted = set(tids)
         with self._cond:
-            keys = [k for k in self._data if k[0] == session and k[1] in wanted]
+            keys = [k for k in self._by_session.get(session, ()) if k[1] in wanted]
         for k in keys:
             self.delete(k)
         return len(keys)
@@ -137,7 +189,7 @@ class TensorStore:
     def device_keys(self, session: str, devices: list[int]) -> list[Key]:
         wanted = set(devices)
         with self._cond:
-            return [k for k in self._data if k[0] == session and k[2] in wanted]
+            return [k for k in self._by_session.get(session, ()) if k[2] in wanted]
 
     # ------------------------------------------------------------ recovery and migration
 
@@ -178,14 +230,58 @@ class TensorStore:
         with self._cond:
             return (session, device) in self._moved
 
-    def put_unless_moved(self, key: Key, value: Shard) -> bool:
-        """A client upload: stored unless its device moved away from this worker (then False)."""
+    def put_upload(self, key: Key, value: Shard) -> str:
+        """A client upload: stored unless its device moved away ("moved: ...") or it would take the session
+        over its memory cap here ("memory cap exceeded: ..."); returns "" when stored, else the reason."""
         with self._cond:
             if (key[0], key[2]) in self._moved:
-                return False
-            self._data[key] = value
+                return f"moved: logical device {key[2]} of session {key[0][:8]} moved to another worker"
+            cap = self._caps.get(key[0], 0)
+            if cap > 0 and "#" not in key[0]:
+                held = self._session_bytes(key[0], {key: _storage(value)})
+                if held > cap:
+                    return cap_message(held, cap)
+            self._set(key, value)
             self._cond.notify_all()
-            return True
+            return ""
+
+    # ------------------------------------------------------------ memory caps
+
+    def set_cap(self, session: str, cap: int) -> None:
+        """The session's memory cap on this worker (0: none); the latest Execute's value holds."""
+        with self._cond:
+            if cap > 0:
+                self._caps[session] = cap
+            else:
+                self._caps.pop(session, None)
+
+    def cap(self, session: str) -> int:
+        with self._cond:
+            return self._caps.get(session, 0)
+
+    def storages(self, keys: list[Key]) -> dict[Key, Storage | None]:
+        """The storage each key's shard holds now (None: none, or poisoned), for `session_bytes(instead=...)`."""
+        with self._cond:
+            return {k: _storage(v) if (v := self._data.get(k)) is not None else None for k in keys}
+
+    def session_bytes(self, session: str, instead: dict[Key, Storage | None] | None = None) -> int:
+        """Bytes the session's live shards hold here; storage shared by views counts once (as in `stats`).
+
+        `instead` counts those keys as holding the given storages (None: nothing) whatever they hold now:
+        what the session held before a command that wrote them, or would hold after an upload.
+        """
+        with self._cond:
+            return self._session_bytes(session, instead)
+
+    def _session_bytes(self, session: str, instead: dict[Key, Storage | None] | None = None) -> int:
+        seen: dict[tuple[str, int], int] = {}
+        for k in self._by_session.get(session, ()):
+            if (instead is None or k not in instead) and (st := _storage(self._data[k])) is not None:
+                seen[st[0]] = st[1]
+        for st in (instead or {}).values():
+            if st is not None:
+                seen[st[0]] = st[1]
+        return sum(seen.values())
 
     # ------------------------------------------------------------ planned reads by peers
 
@@ -261,7 +357,7 @@ class TensorStore:
 
     def keys(self, session: str | None = None) -> list[Key]:
         with self._cond:
-            return [k for k in self._data if session is None or k[0] == session]
+            return list(self._data) if session is None else list(self._by_session.get(session, ()))
 
     def stats(self) -> dict[str, ShardStats]:
         """Live shards and bytes per session; views sharing storage count its bytes once."""
@@ -272,9 +368,6 @@ class TensorStore:
         for (session, _tid, _dev), value in items:
             counts[session] = counts.get(session, 0) + 1
             seen = storages.setdefault(session, {})
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                ptr = storage.data_ptr()
-                ident = (str(value.device), ptr if ptr else id(storage))
-                seen[ident] = storage.nbytes()
+            if (st := _storage(value)) is not None:
+                seen[st[0]] = st[1]
         return {s: ShardStats(tensors=n, bytes=sum(storages[s].values())) for s, n in counts.items()}

@@ -23,7 +23,8 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-PROTOCOL_VERSION = "1.2"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields
+PROTOCOL_VERSION = "1.3"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+# 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps)
 
 
 class Hello(Struct, frozen=True):
@@ -397,6 +398,7 @@ class Execute(Struct, frozen=True):
     seq: int
     session: str
     cmds: list[Cmd]
+    memory_cap: int = 0  # bytes the session may hold on this worker (0: no cap; the latest Execute's value holds)
 
 
 class Ack(Struct, frozen=True):

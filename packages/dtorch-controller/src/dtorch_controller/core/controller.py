@@ -118,14 +118,21 @@ class ControllerCore:
         return None
 
     def _send(self, s: Session, cmds: dict[str, list[m.Cmd]], out: Effects) -> None:
-        """One Execute per worker with commands, numbered with the worker's next seq."""
+        """One Execute per worker with commands, numbered with the worker's next seq.
+
+        Each carries the session's memory cap when its leases are packed (0: whole devices, no cap), which
+        the worker enforces on the session's shards there.
+        """
+        t = self.sched.tenants.get(s.id)
+        cap = self.sched._cap(t) if t is not None else 0
         for worker_id, batch in cmds.items():
             if not batch:
                 continue
             w = self.workers[worker_id]
             w.sent += 1
             s.sent[worker_id] = w.sent
-            out.append(fx.SendExecute(worker_id, w.address, m.Execute(seq=w.sent, session=s.id, cmds=batch)))
+            out.append(fx.SendExecute(worker_id, w.address, m.Execute(seq=w.sent, session=s.id, cmds=batch,
+                                                                      memory_cap=cap)))
 
     def _locations(self, s: Session) -> dict[int, str]:
         return {d: self.workers[w].address for d, w in sorted(s.devices.items())}

@@ -1,0 +1,128 @@
+"""Memory caps of packed sessions, enforced by the worker: the Execute's `memory_cap` bounds the bytes the
+session's shards hold on this worker; a command or an upload that would go over it fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtorch.protocol import wire
+from dtorch.protocol.messages import CmdCloseSession, CmdCreate, CmdRun, Execute, PutChunk, ShardStats
+from dtorch.protocol.values import tensor_to_bytes
+from dtorch_worker.executor import Executor
+from dtorch_worker.server import WorkerService
+from dtorch_worker.store import Poison, TensorStore, cap_message, format_bytes
+
+S = "capped-session"
+CAP = 1000  # bytes
+
+
+@pytest.fixture
+def ex() -> Executor:
+    executor = Executor(TensorStore(), input_timeout_s=0.05)
+    yield executor
+    executor.stop()
+
+
+def run(ex: Executor, *cmds: object, cap: int = CAP, session: str = S) -> None:
+    ex.run_batch(Execute(seq=1, session=session, cmds=list(cmds), memory_cap=cap))  # type: ignore[arg-type]
+
+
+def zeros(tid: int, n: int, devices: tuple[int, ...] = (0,), src: str = "train.py:7") -> CmdCreate:
+    """A float32 vector of n elements, replicated on `devices` (4 * n bytes each)."""
+    return CmdCreate(tid=tid, dtype="float32", shape=[n], init="zeros", boxes={d: [[0, n]] for d in devices},
+                     src=src)
+
+
+def t(tid: int) -> dict[str, int]:
+    return {"$t": tid}
+
+
+def test_a_command_over_the_cap_is_poisoned_its_memory_freed_and_later_readers_get_its_error(ex: Executor) -> None:
+    run(ex, zeros(1, 100))  # 400 bytes: under the cap
+    assert ex.store.session_bytes(S) == 400 and ex.take_errors() == {}
+    run(ex, zeros(2, 200, src="train.py:9"))  # 400 + 800 > 1000
+    shard = ex.store.get((S, 2, 0))
+    assert isinstance(shard, Poison)
+    report = shard.report
+    assert (report.op, report.src, report.tid) == ("create", "train.py:9", 2)
+    assert report.message == ("memory cap exceeded: session holds 1.2 KiB on this worker, over its cap of "
+                              "1000 bytes per device")
+    assert ex.store.session_bytes(S) == 400  # the new shard is gone, the old one stays
+    assert ex.store.stats()[S] == ShardStats(tensors=2, bytes=400)
+    assert isinstance(ex.store.get((S, 1, 0)), torch.Tensor)
+    assert ex.take_errors() == {S: [report]}
+    # an op reading it fails with the original error, reported once
+    run(ex, CmdRun(op="aten.add.Tensor", devices=[0], args=[t(2), t(1)], kwargs={}, outs=[3], src="train.py:11"))
+    assert ex.store.get((S, 3, 0)) == Poison(report)
+    assert ex.take_errors() == {}
+
+
+def test_an_op_over_the_cap_is_poisoned_on_every_device_and_an_op_under_it_runs(ex: Executor) -> None:
+    run(ex, zeros(1, 50, devices=(0, 1)), CmdCreate(tid=2, dtype="float32", shape=[50], init="arange",
+                                                  arange=[0, 50, 1], boxes={0: [[0, 50]], 1: [[0, 50]]}))
+    assert ex.store.session_bytes(S) == 800  # two logical devices on this worker, 200 bytes each per tensor
+    run(ex, CmdRun(op="aten.add.Tensor", devices=[0, 1], args=[t(2), 1.5], kwargs={}, outs=[3]))  # 1200 bytes
+    assert all(isinstance(ex.store.get((S, 3, d)), Poison) for d in (0, 1))  # a tensor is whole or poisoned
+    assert ex.store.session_bytes(S) == 800  # its shards were dropped: room for one more
+    run(ex, CmdRun(op="aten.add.Tensor", devices=[0], args=[t(2), 1.5], kwargs={}, outs=[4]))
+    assert ex.store.session_bytes(S) == 1000  # exactly the cap is fine
+    assert torch.equal(ex.store.get((S, 4, 0)), torch.arange(50, dtype=torch.float32) + 1.5)  # type: ignore[arg-type]
+    assert [r.op for r in ex.take_errors()[S]] == ["aten.add.Tensor"]
+
+
+def test_views_count_their_storage_once_and_uncapped_sessions_are_not_limited(ex: Executor) -> None:
+    run(ex, zeros(1, 200))  # 800 bytes
+    run(ex, CmdRun(op="aten.view.default", devices=[0], args=[t(1), [20, 10]], kwargs={}, outs=[2]))
+    assert isinstance(ex.store.get((S, 2, 0)), torch.Tensor)  # a view: no new bytes
+    assert ex.store.session_bytes(S) == 800
+    run(ex, zeros(1, 2000), cap=0, session="whole-device")  # no cap: whole devices
+    run(ex, zeros(1, 2000), cap=0, session=S + "#s1")  # backups are never capped
+    assert isinstance(ex.store.get(("whole-device", 1, 0)), torch.Tensor)
+    assert isinstance(ex.store.get((S + "#s1", 1, 0)), torch.Tensor)
+    assert ex.take_errors() == {}
+
+
+def test_commands_that_add_no_memory_run_even_over_the_cap(ex: Executor) -> None:
+    ex.store.put((S, 1, 0), torch.zeros(300))  # 1200 bytes uploaded before this worker knew the cap
+    run(ex, CmdRun(op="aten.add_.Tensor", devices=[0], args=[t(1), 1.0], kwargs={}, outs=[1]))  # in place
+    run(ex, CmdRun(op="aten.view.default", devices=[0], args=[t(1), [3, 100]], kwargs={}, outs=[2]))
+    assert torch.equal(ex.store.get((S, 2, 0)), torch.ones(3, 100))  # type: ignore[arg-type]
+    assert ex.take_errors() == {}
+    run(ex, zeros(3, 1))  # but no new bytes
+    assert isinstance(ex.store.get((S, 3, 0)), Poison) and "holds 1.2 KiB" in ex.take_errors()[S][0].message
+
+
+def test_the_latest_execute_sets_the_cap_and_closing_forgets_it(ex: Executor) -> None:
+    run(ex, zeros(1, 200))
+    run(ex, zeros(2, 200), cap=2000)  # a larger cap: 1600 fits
+    assert isinstance(ex.store.get((S, 2, 0)), torch.Tensor) and ex.store.cap(S) == 2000
+    run(ex, CmdCloseSession())
+    assert ex.store.cap(S) == 0 and ex.store.session_bytes(S) == 0
+
+
+def put(service: WorkerService, session: str, tid: int, n: int) -> None:
+    value = torch.zeros(n)
+    service.Put(iter([PutChunk(session=session, tid=tid, device=0, dtype="float32", shape=[n],
+                               data=tensor_to_bytes(value))]))
+
+
+def test_uploads_over_the_cap_are_refused_with_a_one_line_reason(ex: Executor) -> None:
+    service = WorkerService(ex.store, ex)
+    assert ex.submit(Execute(seq=1, session=S, cmds=[zeros(1, 100)], memory_cap=CAP))  # the cap is known at once
+    put(service, S, 5, 100)  # 400 bytes (the create is not run: the executor thread is not started)
+    put(service, S, 5, 150)  # replacing it: 600 bytes
+    with pytest.raises(wire.RemoteError) as err:
+        put(service, S, 6, 150)
+    assert str(err.value) == "memory cap exceeded: session holds 1.2 KiB on this worker, over its cap of " \
+                             "1000 bytes per device"
+    assert ex.store.peek((S, 6, 0)) is None and ex.store.session_bytes(S) == 600
+    put(service, S + "#u1", 6, 1000)  # a backup namespace: not capped
+
+
+def test_byte_sizes_read_well() -> None:
+    assert format_bytes(512) == "512 bytes" and format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 << 20) == "3.0 MiB" and format_bytes(5 << 30) == "5.0 GiB"
+    assert cap_message(1_258_291, 1 << 20) == ("memory cap exceeded: session holds 1.2 MiB on this worker, over "
+                                               "its cap of 1.0 MiB per device")
+    assert "holds 1048577 bytes" in cap_message((1 << 20) + 1, 1 << 20)  # rounding would hide the difference
