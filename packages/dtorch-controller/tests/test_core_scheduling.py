@@ -267,6 +267,74 @@ def test_a_frozen_session_reserves_its_free_devices(h):
     assert sched_state(h, low) == "running" and sched_state(h, other) == "waiting"
 
 
+def test_a_frozen_session_relocates_onto_a_free_device_and_resumes_after_the_move(h):
+    w0, w1, w2 = workers(h, 3)
+    low, other = h.open_session(priority="low"), h.open_session()
+    assert h.open_mesh(low, 1, [0, 1]).placed and h.open_mesh(other, 1, [0]).placed
+    assert h.core.sessions[low].devices == {0: w0, 1: w1} and leases(h, w2) == {other: 0}
+    h.submit(low, 1, [create(1)])
+    h.report_all()
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed  # freezes low; takes w0, w1 stays reserved for low
+    assert sched_state(h, low) == "frozen" and leases(h, w0) == {high: 0} and leases(h, w1) == {low: 0}
+    h.submit(low, 2, [create(2)])  # held while frozen
+    rid, _ = h.sync(low, 2, timeout_s=30)
+    h.take_sent()
+    close(h, other)  # w2 comes free: low need not wait for w0, it takes w2 in its place
+    assert sched_state(h, low) == "running" and leases(h, w2) == {low: 0} and leases(h, w0) == {high: 0}
+    sent = h.take_sent()
+    # the move goes first, from the device high now holds; low's held batch waits for it
+    assert [(x.worker_id, x.execute.session, type(x.execute.cmds[0]).__name__) for x in sent
+            if x.execute.session == low] == [(w0, low, "CmdSendShards")]
+    assert sent[-1].execute.cmds[0].move == [0] and sent[-1].execute.cmds[0].to == "10.0.0.2:7000"
+    assert rid not in h.replies
+    h.report_all()  # the copy is done: device 0 is rebound to w2, the held batch goes out there
+    assert h.core.sessions[low].devices == {0: w2, 1: w1}
+    creates = [(x.worker_id, x.execute.cmds[0].tid) for x in h.take_sent()
+               if isinstance(x.execute.cmds[0], m.CmdCreate)]
+    assert creates == [(w2, 2), (w1, 2)]
+    h.report_all()
+    assert h.replies[rid].done
+    assert h.core.sched.relocations == 1
+    assert any("relocates 1 device off the devices it was preempted from: w0 -> w2" in line
+               for line in h.core.log.lines())
+
+
+def test_a_placed_mesh_uses_every_leased_device_despite_a_frozen_sessions_bindings(h):
+    h.core.sched.relocation = False
+    w0 = h.register("10.0.0.0:7000")
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0, 1]).placed  # two virtual devices on w0
+    w1 = h.register("10.0.0.1:7000")
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1]).placed  # w1 is free, w0 is low's: low is frozen, its devices stay bound
+    assert sorted(h.core.sessions[high].devices.values()) == [w0, w1]  # one each, not both on w1
+
+
+def test_a_waiting_request_of_a_better_rank_gets_a_free_device_before_a_frozen_session(h):
+    w0 = h.register("10.0.0.0:7000")
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0]).placed
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0]).placed  # freezes low
+    normal = h.open_session()
+    assert not h.open_mesh(normal, 1, [0]).placed
+    w1 = h.register("10.0.0.1:7000")
+    assert leases(h, w1) == {normal: 0} and sched_state(h, low) == "frozen"
+    w2 = h.register("10.0.0.2:7000")
+    assert leases(h, w2) == {low: 0} and sched_state(h, low) == "running"
+    assert leases(h, w0) != {low: 0}
+
+
+def test_a_frozen_session_waits_for_its_own_devices_when_the_policy_does_not_relocate(make_harness):
+    h = make_harness(policy=PriorityPolicy({"relocate": False}))
+    workers(h, 1)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0]).placed
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0]).placed
+    w9 = h.register("10.0.0.9:7000")
+    assert sched_state(h, low) == "frozen" and h.core.sched.pool.is_free(w9)
+
+
 def test_preemption_can_be_turned_off():
     policy = make_policy("priority", {"preempt": False})
     assert isinstance(policy, PriorityPolicy) and not policy.preempts

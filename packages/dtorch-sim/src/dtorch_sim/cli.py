@@ -61,8 +61,9 @@ def _table(rows: list[tuple[dict, float]]) -> Table:
                                                   f"{f(s['utilization']['allocated_mean'], '{:.1%}')}"),
         ("unallocated (all / queued)", lambda s, w: " / ".join(
             f(s["utilization"][k], "{:.1%}") for k in ("unallocated_share_mean", "unallocated_share_when_queued"))),
-        ("preemptions / migrations", lambda s, w: f"{s['scheduling']['preemptions']} / "
-                                                  f"{s['scheduling']['migrations']}"),
+        ("preemptions / relocations / migrations", lambda s, w: f"{s['scheduling']['preemptions']} / "
+                                                                f"{s['scheduling'].get('relocations', 0)} / "
+                                                                f"{s['scheduling']['migrations']}"),
         ("failures detected/injected", lambda s, w: f"{s['failures']['detected']}/{s['failures']['injected']}"),
         ("detection / recovery max (s)", lambda s, w: f"{f(s['failures']['detection_s']['max'], '{:.2f}')} / "
                                                       f"{f(s['failures']['recovery_s']['max'], '{:.2f}')}"),

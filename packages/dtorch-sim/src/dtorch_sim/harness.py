@@ -120,6 +120,7 @@ class Simulation:
         self.drains_refused = 0  # drain requests the core refused (asked again later)
         self.preemptions = 0
         self.resumes = 0
+        self.relocations = 0  # frozen sessions resumed on free devices (their state moved there)
         self.recoveries = 0  # sessions the core rebuilt after a worker loss
         self.redone_device_s = 0.0  # step work done again (replays, restarts) or cut short by a failure
         self.session_jobs: dict[str, JobRecord] = {}  # open session -> its job
@@ -281,6 +282,7 @@ class Simulation:
             if rec is not None:
                 rec.preemptions += 1
         self.resumes += len(changes.resumed)
+        self.relocations += len(changes.relocated)
         self._frozen_now.update(changes.frozen)
         self._frozen_now.difference_update(changes.resumed)
 

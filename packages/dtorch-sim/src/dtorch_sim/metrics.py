@@ -19,10 +19,11 @@ Definitions (metrics.json):
   `device_s_lost` = `redone_device_s` (step work done again after a restart or replay, or cut short by the
   failure) + `stalled_device_s` (devices of the jobs it hit x time from the failure until each job ran again,
   or let its devices go to restart; a restarted job's wait in the queue is not counted: others use them).
-* `queue_length` (sessions waiting to be placed), `frozen` (sessions preempted, waiting to resume on their own
-  devices: a frozen session's state stays there), per sample.
-* `preemptions` (sessions frozen), `resumes`, `recoveries` (sessions rebuilt by the core), `migrations`
-  (logical-device moves by drains: count, bytes, downtime).
+* `queue_length` (sessions waiting to be placed), `frozen` (sessions preempted, waiting to resume: on their own
+  devices, or on free ones their state is moved to), per sample.
+* `preemptions` (sessions frozen), `resumes`, `relocations` (resumes on free devices the session's state was
+  moved to, rather than on its own), `recoveries` (sessions rebuilt by the core), `migrations` (logical-device
+  moves by drains: count, bytes, downtime).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def summarize(sim: Simulation) -> dict:
             "frozen_max": max((s.frozen for s in samples), default=0),
             "sample_interval_s": _r(sim.sample_interval),
         },
-        "scheduling": {"preemptions": sim.preemptions, "resumes": sim.resumes, "recoveries": sim.recoveries,
+        "scheduling": {"preemptions": sim.preemptions, "resumes": sim.resumes,
+                       "relocations": sim.relocations, "recoveries": sim.recoveries,
                        "migrations": len(sim.moves), "migrated_bytes": sum(mv.bytes for mv in sim.moves),
                        "drains_refused": sim.drains_refused,
                        "migration_downtime_s": _stats([mv.downtime_s for mv in sim.moves])},

@@ -72,6 +72,7 @@ class ControllerCore:
         self._registrations = 0
         self.faults = Faults(self)  # snapshots, recovery after worker loss, migration, drain (recovery.py)
         self.sched.growth = True  # elastic sessions grow onto free workers: elastic.py moves their devices
+        self.sched.relocation = True  # frozen sessions resume on free workers: elastic.py moves their devices
         self._handlers: dict[type, Callable[[float, Any, Effects], None]] = {
             ev.OpenSession: self._open_session, ev.OpenMesh: self._open_mesh, ev.Submit: self._submit,
             ev.Sync: self._sync, ev.CloseSession: self._close_session, ev.Status: self._status,
@@ -461,6 +462,8 @@ class ControllerCore:
                 self._bind(s, device, worker_id)
         for line in changes.notes:
             self.log.add(now, line)
+        for session_id, swap in changes.relocated:  # moves first: they hold the batches the resume flushes
+            elastic.relocate(self, now, session_id, swap, out)
         for session_id in changes.resumed:
             s = self.sessions[session_id]
             for instrs in self.sched.take_backlog(session_id):

@@ -1,4 +1,4 @@
-"""Elastic growth: a running elastic session spreads its logical devices onto workers the scheduler leased it.
+"""Moves the scheduler asks for: elastic growth, and relocation of a frozen session onto substitute devices.
 
 Rules:
 
@@ -8,7 +8,10 @@ Rules:
 2. Devices move from the session's most loaded worker (most bound devices of this session), highest
    logical ids first, until each new worker hosts its share (the session's devices divided by its workers,
    rounded down); a new worker that gets no device is given back at once (`Scheduler.shrink`).
-3. Pure planning (`plan`) is separate from effects, so it is tested on its own.
+3. Relocation (scheduler.py rule 6, `Changes.relocated`): a frozen session resumes on substitutes for the
+   devices its preemptor took; every logical device bound to such a device moves to its substitute, one
+   move per device pair. Its held batches go out once the moves are done (the mover holds them).
+4. Pure planning (`plan`) is separate from effects, so it is tested on its own.
 """
 
 from __future__ import annotations
@@ -39,21 +42,44 @@ def plan(devices: Mapping[int, str], new: list[str]) -> list[tuple[str, str, lis
 
 def grow(core: ControllerCore, now: float, session: str, workers: list[str], out: Effects) -> None:
     """Queue the moves that put some of `session`'s logical devices on `workers` (leased to it already)."""
-    from dtorch_controller.core.migration import Move
-
     s = core.sessions.get(session)
-    mover = getattr(getattr(core, "faults", None), "mover", None)
-    moves = plan(s.devices, workers) if s is not None and mover is not None else []
+    moves = plan(s.devices, workers) if s is not None and _mover(core) is not None else []
     used = {dst for _src, dst, _ds in moves}
     unused = [w for w in workers if w not in used]
     if unused:
         core._apply(now, core.sched.shrink(now, session, unused), out)
-    if not moves:
+    _queue(core, now, session, moves, "grows", out)
+
+
+def relocate(core: ControllerCore, now: float, session: str, swap: Mapping[str, str], out: Effects) -> None:
+    """Queue the moves of `session`'s logical devices off the workers in `swap` onto their substitutes."""
+    s = core.sessions.get(session)
+    if s is None:
+        return
+    moves = []
+    for src, dst in swap.items():
+        devices = sorted(d for d, w in s.devices.items() if w == src)
+        if devices:
+            moves.append((src, dst, devices))
+    _queue(core, now, session, moves, "relocates", out)
+
+
+def _mover(core: ControllerCore):  # noqa: ANN202 - the core's Mover, when it has one
+    return getattr(getattr(core, "faults", None), "mover", None)
+
+
+def _queue(core: ControllerCore, now: float, session: str, moves: list[tuple[str, str, list[int]]], verb: str,
+           out: Effects) -> None:
+    from dtorch_controller.core.migration import Move
+
+    mover = _mover(core)
+    s = core.sessions.get(session)
+    if not moves or mover is None or s is None:
         return
     for src, dst, devices in moves:
         mover.queues.setdefault(session, []).append(Move(session=session, devices=devices, src=src, dst=dst,
                                                          requested=now))
-    core.log.add(now, f"session {session[:8]} grows: " + "; ".join(f"logical {ds} {src} -> {dst}"
-                                                                  for src, dst, ds in moves))
+    core.log.add(now, f"session {session[:8]} {verb}: " + "; ".join(f"logical {ds} {src} -> {dst}"
+                                                                   for src, dst, ds in moves))
     core.faults.active.add(session)
     mover.start_next(s, out)

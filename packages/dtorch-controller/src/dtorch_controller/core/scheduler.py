@@ -28,6 +28,12 @@ Rules:
    flushed in order, once it holds all of them again. A higher-ranked request may take reserved devices
    (before freezing running work). With ranks that change over time (LAS), a frozen tenant that comes to
    outrank the holders of its devices takes them back at the next tick.
+   *Relocation* (the core sets `relocation` when it can move logical devices; the policy's `relocates`): a
+   frozen tenant need not wait for the devices it lost. When as many free devices as it misses are free (and
+   no better-ranked request waits for them), it leases them as substitutes and resumes at once; the core
+   moves its logical devices from the lost devices to the substitutes (`Changes.relocated`), worker to
+   worker, before its held batches go out. Frozen tenants get free devices in rank order, interleaved with
+   the queue. (A move that fails leaves its devices where they were, on the preemptor's device.)
 7. Attained service (device-seconds) accrues while running, with the number of devices leased.
 8. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
@@ -123,6 +129,7 @@ class Tenant:
 class Changes:
     placed: list[tuple[str, dict[int, str]]] = field(default_factory=list)  # session -> devices to bind
     grown: list[tuple[str, list[str]]] = field(default_factory=list)  # session -> workers leased to grow onto
+    relocated: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # session -> {lost worker: substitute}
     frozen: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # event-log lines
@@ -166,6 +173,8 @@ class Scheduler:
         self._arrivals = itertools.count(1)
         self.decisions = 0  # placements, queueings, freezes, resumes (for benchmarks)
         self.growth = False  # the core can move logical devices: elastic tenants may grow (see _grow)
+        self.relocation = False  # ... and frozen tenants may resume on substitutes (see _relocate)
+        self.relocations = 0  # frozen tenants resumed on substitutes (for status and the simulator)
 
     # ------------------------------------------------------------ queries
 
@@ -344,14 +353,16 @@ class Scheduler:
         return self._spread(devices, workers)
 
     def _spread(self, devices: tuple[int, ...], workers: list[str]) -> dict[int, str]:
-        """Each logical device to the worker with the fewest bound devices (ties: registration order)."""
-        load = {w: (self.workers[w].bound, self.workers[w].order) for w in workers}
+        """Each logical device to the worker given the fewest of them so far, then the fewest bound devices (a
+        frozen session's devices stay bound where they were: they must not push two onto one worker), then
+        registration order."""
+        load = {w: (0, self.workers[w].bound, self.workers[w].order) for w in workers}
         assignment = {}
         for d in devices:
             w = min(load, key=load.__getitem__)
             assignment[d] = w
-            bound, order = load[w]
-            load[w] = (bound + 1, order)
+            given, bound, order = load[w]
+            load[w] = (given + 1, bound, order)
         return assignment
 
     # ------------------------------------------------------------ timers
@@ -412,10 +423,11 @@ class Scheduler:
     # ------------------------------------------------------------ the pass
 
     def _pass(self, now: float, ch: Changes) -> Changes:
-        """Resume the frozen tenants that hold all their devices again, then walk the queue in order."""
+        """Resume the frozen tenants that hold all their devices again (or get substitutes), then walk the
+        queue in order; frozen tenants get free devices before queued requests of a worse rank."""
         self._offer()
-        for session in list(self._resumable):
-            self._resume(now, self.tenants[session], ch)
+        self._relocate(now, ch, self._queue[0][0] if self._queue else None)
+        self._resume_ready(now, ch)
         entries = list(self._queue)
         i = 0
         while i < len(entries):
@@ -425,13 +437,59 @@ class Scheduler:
                 if not self.policy.preempts:
                     break  # nobody may overtake a blocked request
                 i = bisect.bisect_left(entries, (entry[0] + 1,), i + 1)  # only a lower rank may go ahead
+                if i < len(entries):
+                    self._relocate(now, ch, entries[i][0])
                 continue
             i += 1
-            for session in list(self._resumable):  # an admission may have handed devices back
-                self._resume(now, self.tenants[session], ch)
+            self._resume_ready(now, ch)  # an admission may have handed devices back
+        self._relocate(now, ch, None)
+        self._resume_ready(now, ch)
         if self.growth and not self._queue and self.pool.free_total:
             self._grow(now, ch)
         return self._finish(ch)
+
+    def _resume_ready(self, now: float, ch: Changes) -> None:
+        for session in list(self._resumable):
+            self._resume(now, self.tenants[session], ch)
+
+    def _relocate(self, now: float, ch: Changes, upto: int | None) -> None:
+        """Frozen tenants of rank <= `upto` (all when None), best first, that miss devices lease free devices
+        as substitutes when there are enough for all they miss (rule 6)."""
+        if not self.relocation or not self._frozen or not getattr(self.policy, "relocates", False):
+            return
+        for rank in sorted(self._frozen):
+            if upto is not None and rank > upto:
+                return
+            for session in list(self._frozen.get(rank, ())):
+                t = self.tenants[session]
+                if not t.missing or session in self._resumable:
+                    continue
+                if not self.pool.free_total and not (self._packs(t) and self.pool.shared_room()):
+                    return
+                if len(t.missing) > self.pool.free_total and not self._packs(t):
+                    continue
+                subs = self._pick(t, len(t.missing), t.workers)
+                if len(subs) < len(t.missing):
+                    continue
+                self._substitute(t, subs, ch)
+
+    def _substitute(self, t: Tenant, subs: list[str], ch: Changes) -> None:
+        lost = sorted(t.missing, key=lambda w: self.workers[w].order)
+        cap = self._cap(t)
+        for w in subs:
+            self.pool.lease(w, t.session, cap)
+        swap = dict(zip(lost, subs))
+        workers = {}
+        for w in t.workers:
+            workers[swap.get(w, w)] = None
+        t.workers = workers
+        self._unfreeze_wants(t)
+        self._resumable[t.session] = None
+        self.relocations += 1
+        self.decisions += 1
+        ch.relocated.append((t.session, swap))
+        ch.notes.append(f"session {_short(t.session)} relocates {_plural(len(swap), 'device')} off the devices it "
+                        "was preempted from: " + ", ".join(f"{a} -> {b}" for a, b in swap.items()))
 
     def _grow(self, now: float, ch: Changes) -> None:
         """Nobody waits and devices are free: running elastic tenants on fewer devices than logical ones take
@@ -606,6 +664,11 @@ class Scheduler:
 
     def _unfreeze(self, t: Tenant) -> None:
         """Forget a frozen tenant's wants (it resumes or closes)."""
+        self._unfreeze_wants(t)
+        self._unbucket(t, self._frozen)
+        self._resumable.pop(t.session, None)
+
+    def _unfreeze_wants(self, t: Tenant) -> None:
         for w in t.missing:
             wanting = self._wanted.get(w)
             if wanting is not None:
@@ -613,8 +676,6 @@ class Scheduler:
                 if not wanting:
                     del self._wanted[w]
         t.missing.clear()
-        self._unbucket(t, self._frozen)
-        self._resumable.pop(t.session, None)
 
     def _release(self, worker: str, session: str) -> None:
         self.pool.release(worker, session)

@@ -13,7 +13,9 @@ Rules:
 3. `key(t, now)` orders the queue within a rank (the scheduler appends the arrival number as the last tie-break).
 4. `packs`: sessions that declare a memory cap (and are not realtime) may share a device with other such
    sessions while their caps fit in its memory. Otherwise every device is leased to one session at a time.
-5. `next_change(t, now)`: when `rank` or `key` of `t` may change by itself (attained service crossing a
+5. `relocates`: a frozen session may resume on free devices instead of waiting for its own (its state is moved;
+   scheduler.py rule 6). Only meaningful for policies that preempt.
+6. `next_change(t, now)`: when `rank` or `key` of `t` may change by itself (attained service crossing a
    threshold, a starvation promotion), or None. The scheduler sets a timer for the earliest one.
 """
 
@@ -32,6 +34,7 @@ class Policy(Protocol):
     name: str
     preempts: bool
     packs: bool
+    relocates: bool
 
     def rank(self, t: Tenant, now: float) -> int: ...
 
@@ -52,6 +55,7 @@ class BasePolicy:
     name = "base"
     preempts = False
     packs = False
+    relocates = False
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         params = dict(params or {})

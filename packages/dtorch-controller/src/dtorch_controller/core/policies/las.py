@@ -8,7 +8,8 @@ sessions of a higher level. Within a level: arrival order. A waiting or frozen s
 counted service restarts from zero (Tiresias's starvation limit); starve_factor 0 turns promotion off.
 
 Parameters: `thresholds` (device-seconds, ascending; default [60, 600, 3600]), `starve_factor` (default 0),
-`starve_min_s` (default 60), `preempt` (default true).
+`starve_min_s` (default 60), `preempt` (default true), `relocate` (default true: a frozen session may resume on
+free devices its state is moved to, scheduler.py rule 6).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class LasPolicy(BasePolicy):
         self.starve_factor = number(self.params, "starve_factor", 0.0)
         self.starve_min_s = number(self.params, "starve_min_s", 60.0)
         self.preempts = flag(self.params, "preempt", True)
+        self.relocates = flag(self.params, "relocate", True)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("thresholds", "starve_factor", "starve_min_s", "preempt")
+        return ("thresholds", "starve_factor", "starve_min_s", "preempt", "relocate")
 
     def rank(self, t: Tenant, now: float) -> int:
         return bisect.bisect_right(self.thresholds, t.counted(now) + _SLACK)

@@ -2,12 +2,13 @@
 
 * rank: high 0, normal 1, low 2; within a class realtime sessions queue ahead of batch ones, then arrival.
 * A request that cannot be placed freezes running sessions of lower classes (lowest class first, most
-  recently started first) when that frees enough devices; frozen sessions resume when their devices free up.
+  recently started first) when that frees enough devices; frozen sessions resume when their devices free up,
+  or on free devices their state is moved to (relocation, scheduler.py rule 6).
 * A request of a lower class may be placed ahead of a blocked higher-class one (it can be preempted later);
   within a class the order is strict.
 * Packing: batch sessions that declare a memory cap share devices while the caps fit in a device's memory.
 
-Parameters: `preempt` (default true), `pack` (default true).
+Parameters: `preempt` (default true), `pack` (default true), `relocate` (default true).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class PriorityPolicy(BasePolicy):
         super().__init__(params)
         self.preempts = flag(self.params, "preempt", True)
         self.packs = flag(self.params, "pack", True)
+        self.relocates = flag(self.params, "relocate", True)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("preempt", "pack")
+        return ("preempt", "pack", "relocate")
 
     def rank(self, t: Tenant, now: float) -> int:
         return PRIORITY_RANK[t.priority]
