@@ -6,7 +6,8 @@ nothing depends on timing luck.
 * a packed session going over its memory cap: the workers refuse it, with a one-line error;
 * a SIGKILLed client: the controller closes its silent session and every worker frees its shards;
 * a mesh that waits in the queue (the client shows its position) and is placed as soon as a worker joins;
-* a high-priority session freezes a low-priority one, which resumes afterwards and finishes correctly.
+* a high-priority session freezes a low-priority one, which resumes afterwards and finishes correctly;
+* a frozen session relocates onto workers that join (its shards move there) and finishes while its preemptor runs.
 """
 
 from __future__ import annotations
@@ -368,6 +369,34 @@ def test_high_priority_freezes_low_priority_which_resumes_and_finishes_correctly
     events = cluster.status().events
     assert any("(low) frozen on 2 devices: preempted by session" in line and "(high)" in line for line in events)
     assert any("resumed on 2 devices" in line for line in events)
+
+
+def test_a_frozen_session_relocates_onto_workers_that_join_and_finishes_correctly(make_cluster):
+    cluster = make_cluster(2, "--policy", "priority")
+    low = cluster.client("low", LOW)
+    expect_line(low, "phase1")
+    high = cluster.client("high", HIGH)
+    expect_line(high, "placed")
+    cluster.signal("low-phase2")  # low's next batches are held while it is frozen
+    time.sleep(0.5)
+    assert {s.name: s.schedule for s in cluster.status().sessions}["low"] == "frozen"
+    cluster.add_worker()
+    cluster.add_worker()  # two free workers: low need not wait for high, its shards move there
+    out = finish(low, cluster, "low").split()  # values equal plain torch after the move
+    assert out[:2] == ["ok", "waited"], out
+    assert high.poll() is None  # high still holds low's old devices
+    st = cluster.status()
+    high_workers = {w.worker for w in st.workers if any(s for s in w.leases if s.startswith(_session(st, "high")))}
+    events = st.events
+    assert any("relocates 2 devices off the devices it was preempted from" in line for line in events), events
+    assert any("resumed on 2 devices" in line for line in events)
+    assert len(high_workers) == 2
+    cluster.signal("high-finish")
+    assert finish(high, cluster, "high").split() == ["ok"]
+
+
+def _session(st: m.StatusReply, name: str) -> str:
+    return next(s.session for s in st.sessions if s.name == name)
 
 
 # ---------------------------------------------------------------- an elastic session grows
