@@ -155,6 +155,27 @@ def test_moving_a_device_sends_everything_and_redirects_clients(pair):
     assert not b.store.is_moved(s, 0)
 
 
+def test_pulling_a_device_over_moves_it_without_waiting_for_the_sources_stream(pair):
+    a, b = pair
+    s = "sess-pull-move"
+    wait(a, send(a, s, ones(1, [0, 1])))
+    client = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    client.send_stream("Put", put_chunks(s, 5, 0, torch.full((2,), 7.0)))  # not adopted yet: it goes along
+    # a's stream is busy from here on: another session's op waits for an input that is not there yet
+    busy = send(a, "other", CmdRun(op="aten.clone.default", devices=[0], args=[{"$t": 9}], kwargs={}, outs=[10]))
+    seq = send(b, s, CmdFetchShards(devices={0: [1]}, namespace=s, address=a.address, move=[0]))
+    wait(b, seq)  # served by a's server at once, while a's executor still waits for tensor 9
+    assert a.executor.completed < busy
+    assert torch.equal(b.store.get((s, 1, 0)), torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(b.store.get((s, 5, 0)), torch.full((2,), 7.0))
+    assert (s, 5, 0) not in a.store and (s, 1, 0) in a.store  # the upload moved; known shards wait for readers
+    with pytest.raises(wire.RemoteError, match="moved"):
+        client.send_stream("Put", put_chunks(s, 6, 0, torch.ones(1)))
+    client.close()
+    a.store.put(("other", 9, 0), torch.ones(1))
+    wait(a, busy)
+
+
 # ---------------------------------------------------------------- abandon / rebuilt
 
 

@@ -442,9 +442,12 @@ class Executor:
         else:
             # copies are complete before the controller names them: nothing to wait for
             got = self.peers.pull_shards(cmd.address, ShardsRequest(session=cmd.namespace, devices=cmd.devices,
-                                                                    timeout_s=0.0), session, self.device)
+                                                                    timeout_s=0.0, move=list(cmd.move)),
+                                         session, self.device)
         for tid, dev, shard in got:
             self.store.put((session, tid, dev), shard)
+        if cmd.move:  # the devices are here again (they may have left this worker before)
+            self.store.clear_moved(session, list(cmd.move))
 
     # redistribute ----------------------------------------------------------
 

@@ -109,16 +109,27 @@ class WorkerService:
         return Ack()
 
     def PullShards(self, request: ShardsRequest) -> Iterator[ShardsChunk]:
-        """Whole shards with their aliasing (restores and copies between workers); waits for missing ones."""
+        """Whole shards with their aliasing (restores and copies between workers); waits for missing ones.
+
+        With `move`, those devices are leaving for the puller: uploads for them are refused from now on, and
+        the ones not adopted yet go along (and are dropped here once sent)."""
         wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
+        listed = {(tid, device) for device, tids in request.devices.items() for tid in tids}
+        extra = []
+        if request.move:
+            self.store.mark_moved(request.session, list(request.move))
+            extra = [k for k in self.store.device_keys(request.session, list(request.move)) if k[1:] not in listed]
         try:
             items = [(tid, device, self.store.get((request.session, tid, device), wait))
                      for device, tids in request.devices.items() for tid in tids]
+            items += [(k[1], k[2], v) for k in extra if (v := self.store.peek(k)) is not None]
             packed = shards.pack(items)
         except (ShardMissing, TypeError) as e:
             yield ShardsChunk(error=one_line(e) if not isinstance(e, ShardMissing) else str(e))
             return
         yield from shards.chunks(packed)
+        for k in extra:
+            self.store.delete(k)
 
     def PutShards(self, requests: Iterable[ShardsChunk]) -> Ack:
         """Store whole shards a peer sends (CmdSendShards), under the namespace its first message names."""

@@ -24,7 +24,8 @@ import msgspec
 from msgspec import Struct
 
 PROTOCOL_VERSION = "1.3"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
-# 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps)
+# 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
+# ShardsRequest.move (a frozen session's devices are pulled by their new worker)
 
 
 class Hello(Struct, frozen=True):
@@ -358,11 +359,17 @@ class CmdSendShards(Struct, frozen=True, tag="send"):
 
 
 class CmdFetchShards(Struct, frozen=True, tag="fetch"):
-    """Copy whole shards from `namespace` on `address` ("" = this worker) into this batch's session."""
+    """Copy whole shards from `namespace` on `address` ("" = this worker) into this batch's session.
+
+    With `move`, those logical devices move here from `address` (a frozen session relocating: its work on
+    `address` is done, and pulling is served at once, not after the other work queued there): the source
+    refuses client uploads for them from then on and hands over its uploads not adopted yet too.
+    """
 
     devices: dict[int, list[int]]  # logical device -> tids
     namespace: str
     address: str = ""
+    move: list[int] = []
 
 
 class CmdAbandon(Struct, frozen=True, tag="abandon"):
@@ -460,6 +467,7 @@ class ShardsRequest(Struct, frozen=True):
     session: str
     devices: dict[int, list[int]]  # logical device -> tids
     timeout_s: float = 60.0
+    move: list[int] = []  # devices moving to the puller (CmdFetchShards.move)
 
 
 class ShardsChunk(Struct, frozen=True):

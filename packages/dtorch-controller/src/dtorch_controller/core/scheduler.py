@@ -32,8 +32,9 @@ Rules:
    frozen tenant need not wait for the devices it lost. When as many free devices as it misses are free (and
    no better-ranked request waits for them), it leases them as substitutes and resumes at once; the core
    moves its logical devices from the lost devices to the substitutes (`Changes.relocated`), worker to
-   worker, before its held batches go out. Frozen tenants get free devices in rank order, interleaved with
-   the queue. (A move that fails leaves its devices where they were, on the preemptor's device.)
+   worker, before its held batches go out. Frozen tenants get free devices in rank order, before queued
+   requests of a worse rank, and not while a request of a better rank is blocked (it would freeze them again
+   as soon as it fits). (A move that fails leaves its devices where they were, on the preemptor's device.)
 7. Attained service (device-seconds) accrues while running, with the number of devices leased.
 8. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
@@ -424,25 +425,26 @@ class Scheduler:
 
     def _pass(self, now: float, ch: Changes) -> Changes:
         """Resume the frozen tenants that hold all their devices again (or get substitutes), then walk the
-        queue in order; frozen tenants get free devices before queued requests of a worse rank."""
+        queue in order. Frozen tenants get free devices before queued requests of a worse rank, and never
+        while a request of a better rank is blocked (it would freeze them again as soon as it fits)."""
         self._offer()
         self._relocate(now, ch, self._queue[0][0] if self._queue else None)
         self._resume_ready(now, ch)
         entries = list(self._queue)
+        blocked: int | None = None  # rank of the first request that could not be placed
         i = 0
         while i < len(entries):
             entry = entries[i]
             t = self.tenants[entry[-1]]
             if t.key == entry and not self._admit(now, t, ch):
+                blocked = entry[0] if blocked is None else blocked
                 if not self.policy.preempts:
                     break  # nobody may overtake a blocked request
                 i = bisect.bisect_left(entries, (entry[0] + 1,), i + 1)  # only a lower rank may go ahead
-                if i < len(entries):
-                    self._relocate(now, ch, entries[i][0])
                 continue
             i += 1
             self._resume_ready(now, ch)  # an admission may have handed devices back
-        self._relocate(now, ch, None)
+        self._relocate(now, ch, blocked)
         self._resume_ready(now, ch)
         if self.growth and not self._queue and self.pool.free_total:
             self._grow(now, ch)
