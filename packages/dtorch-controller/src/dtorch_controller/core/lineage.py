@@ -7,8 +7,9 @@ Rules:
    Replaying the log on top of the snapshot rebuilds every tensor exactly: ops are deterministic on
    the same inputs and random ops carry their seeds.
 2. Each logical device's copies exist twice: on the worker that hosted it then (local, cheap to restore
-   from when that worker survives) and in host memory of another worker (survives the loss of the
-   first). A session is *protected* when it has a complete snapshot; with a single worker it is not.
+   from when that worker survives) and in host memory of another worker, on another node whenever the
+   cluster has one (survives the loss of the first, and of its whole node). A session is *protected* when
+   it has a complete snapshot; with a single worker it is not.
 3. Uploads (InstrAdopt) have no lineage: their shards are copied (local + another worker) at the point of
    the adopt in the stream, kept while the adopt is in the log.
 4. Copies live on workers under namespaces derived from the session id (`{session}#s{n}` for snapshot

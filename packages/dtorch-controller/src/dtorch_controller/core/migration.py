@@ -15,9 +15,11 @@ Rules:
 4. A move that fails (the copy failed, B was lost) is called off: A keeps the devices (CmdStay) and the
    batches go on. If A is lost, recovery.py rebuilds the session instead (or reports the loss).
 5. Drain: the worker turns `draining` (no new devices); each session's devices on it move to a free
-   worker, else to one the session already uses; then every session whose copies (snapshots,
-   uploads) sat on it takes a new snapshot elsewhere; then it is released (fenced: it exits). Nothing
-   is lost.
+   worker on another node (a worker is drained because its node is going away, usually), else a free one
+   on its node, else one the session already uses (other nodes first); then every session whose copies
+   (snapshots, uploads) sat on it takes a new snapshot elsewhere; then it is released (fenced: it exits).
+   Nothing is lost. Targets come from the pool's free index, never a scan of every worker; two moves
+   never head for the same free worker, and a drain move whose target was taken meanwhile picks again.
 6. Admin requests get exactly one reply: when done, or at their timeout (the work goes on). Unknown
    sessions, devices and workers are refused in one line; sessions may be named by a unique prefix.
 """
@@ -34,6 +36,7 @@ from dtorch_controller.core import events as ev
 from dtorch_controller.core import state as st
 from dtorch_controller.core.lineage import shard_bytes, tensors_on
 from dtorch_controller.core.model import Session, Worker
+from dtorch_controller.core.pool import node_of
 
 if TYPE_CHECKING:
     from dtorch_controller.core.recovery import Faults
@@ -74,6 +77,8 @@ class DrainJob:
     moves: list[m.MoveReport] = field(default_factory=list)
     phase: str = "moving"  # moving -> protecting -> released
     failed: str = ""
+    sessions: set[str] = field(default_factory=set)  # sessions with moves off the worker
+    protect: set[str] | None = None  # protecting: sessions that still keep copies on the worker
 
 
 @dataclass
@@ -117,6 +122,24 @@ class Mover:
     def busy(self, sid: str) -> bool:
         return bool(self.queues.get(sid)) or any(d.session == sid for d in self.drops)
 
+    def awaits(self, sid: str) -> list[tuple[str, int]] | None:
+        """(worker, Execute seq) pairs the session's move and drops wait on; None when they may go on without a
+        report (a queued move waiting for the session, a failed copy, a drop ready to go): recovery.py rule 8."""
+        waits: list[tuple[str, int]] = []
+        q = self.queues.get(sid)
+        if q:
+            mv = q[0]
+            if not mv.seq or mv.failed:
+                return None
+            waits.append((mv.src, mv.seq))
+        for drop in self.drops:
+            if drop.session == sid:
+                pending = [(w, seq) for w, seq in drop.waits.items() if self.faults._waits_for(w, seq)]
+                if not pending:
+                    return None
+                waits += pending
+        return waits
+
     def involves(self, sid: str, worker_id: str) -> bool:
         mv = self.active(sid)
         return mv is not None and worker_id in (mv.src, mv.dst)
@@ -140,8 +163,11 @@ class Mover:
     # leases: the scheduler's pool says which worker a session may use (exclusive devices unless packed)
 
     def _tenant(self, s: Session) -> Any:
+        return self._tenant_of(s.id)
+
+    def _tenant_of(self, sid: str) -> Any:
         sched = getattr(self.core, "sched", None)
-        return None if sched is None else sched.tenants.get(s.id)
+        return None if sched is None else sched.tenants.get(sid)
 
     def _cap(self, t: Any) -> int:
         sched = self.core.sched
@@ -168,6 +194,11 @@ class Mover:
             return f"worker {dst} has no room for session {_short(s.id)}'s memory cap"
         return None
 
+    def _taken(self, s: Session, dst: str) -> bool:
+        """Is `dst` leased to others so that the session cannot have it (any more)?"""
+        t = self._tenant(s)
+        return t is not None and dst not in t.workers and not self.core.sched.pool.fits(dst, self._cap(t))
+
     def _swap_leases(self, s: Session, src: str, dst: str, out: Effects) -> None:
         """The scheduler leases `dst` to the session and takes `src` back once it hosts nothing of it (and
         re-runs its queue, so a worker a move emptied is used at once)."""
@@ -176,22 +207,45 @@ class Mover:
             changes = sched.moved(self.now, s.id, src, dst, src_empty=src not in s.devices.values())
             self.core._apply(self.now, changes, out)
 
-    def target(self, s: Session, exclude: str) -> str | None:
-        """Where a drain moves a session's devices: a free worker, else one it already uses."""
-        cands = [w for w in sorted(self.core.workers.values(), key=lambda w: w.order)
-                 if w.state in st.PLACEABLE and w.id != exclude]
+    def incoming(self) -> set[str]:
+        """Targets of queued moves not leased to their session yet (drains, migrations): taken for other moves."""
+        out = set()
+        for sid, q in self.queues.items():
+            t = self._tenant_of(sid)
+            out |= {mv.dst for mv in q if t is None or mv.dst not in t.workers}
+        return out
+
+    def target(self, s: Session, exclude: str, skip: set[str] | None = None) -> str | None:
+        """Where a drain moves a session's devices off `exclude` (rule 5): a free worker on another node (one
+        of a node the session uses first, else best fit), a free worker on the same node, one of the session's
+        own workers on another node, then on the same node, then (packed sessions) a shared worker with room.
+        `skip`: workers other moves head for (default: `incoming()`). O(free index + the session's workers)."""
+        skip = self.incoming() if skip is None else skip
+        workers = self.core.workers
+        drained = workers.get(exclude)
         t = self._tenant(s)
-        if t is None:
-            return min(cands, key=lambda w: (w.bound, w.order)).id if cands else None
+        if t is None:  # a core without a scheduler (test harnesses): the least loaded live worker, other nodes first
+            node = node_of(drained.address, drained.labels) if drained is not None else ""
+            cands = [w for w in workers.values() if w.state in st.PLACEABLE and w.id != exclude and w.id not in skip]
+            return min(cands, key=lambda w: (node_of(w.address, w.labels) == node, w.bound, w.order)).id \
+                if cands else None
         pool = self.core.sched.pool
-        free = [w for w in cands if pool.is_free(w.id)]
-        if free:
-            return free[0].id
-        own = [w for w in cands if w.id in t.workers]
+        slot = pool.slots.get(exclude)
+        node = slot.node if slot is not None else ""
+        own = [pool.slots[w] for w in t.workers if w != exclude and w in pool.slots and pool.slots[w].placeable]
+        prefer = sorted({o.node for o in own if o.node != node})
+        dst = pool.free_off(node, prefer=prefer, skip=skip) or pool.free_on(node, skip=skip)
+        if dst is not None:
+            return dst
+        own.sort(key=lambda o: (o.node == node, workers[o.worker].bound, o.order))
         if own:
-            return min(own, key=lambda w: (w.bound, w.order)).id
-        fits = [w for w in cands if self.lease_problem(s, w.id) is None]
-        return fits[0].id if fits else None
+            return own[0].worker
+        cap = self._cap(t)
+        if cap:
+            shared = [w for w in pool.shared(cap, skip) if w != exclude]
+            shared.sort(key=lambda w: pool.slots[w].node == node)  # stable: least room first within each
+            return next((w for w in shared if self.lease_problem(s, w) is None), None)
+        return None
 
     # ------------------------------------------------------------ requests
 
@@ -238,15 +292,18 @@ class Mover:
             job.requests.append(e.request_id)
             self.requests[e.request_id] = ("drain", job)
             return
-        hosted = [s for s in self.core.sessions.values() if w.id in s.devices.values()]
+        hosted = [self.core.sessions[sid] for sid in sorted(w.sessions) if sid in self.core.sessions]
         targets = {}
+        skip = self.incoming()
         for s in hosted:
-            dst = self.target(s, w.id)
+            dst = self.target(s, w.id, skip)
             if dst is None:
                 return self._refuse(out, e.request_id, f"no other worker can take session {_short(s.id)}'s "
                                                        f"devices from {w.id}")
             targets[s.id] = dst
-        job = self.drains[w.id] = DrainJob(worker=w.id, requested=now, requests=[e.request_id])
+            skip.add(dst)  # one target per session (a worker it uses is not another's to take anyway)
+        job = self.drains[w.id] = DrainJob(worker=w.id, requested=now, requests=[e.request_id],
+                                           sessions={s.id for s in hosted})
         self.requests[e.request_id] = ("drain", job)
         if w.state != st.DRAINING:
             w.state = st.step(st.WORKER_TABLE, w.state, st.DRAIN)
@@ -291,6 +348,11 @@ class Mover:
             if not mv.drain:
                 mv.failed = f"logical device {', '.join(map(str, mv.devices))} is no longer on {mv.src}"
             return self._done(s, mv, out)
+        if mv.drain and (dst is None or dst.state not in st.PLACEABLE or self._taken(s, mv.dst)):
+            # the target was taken meanwhile (the queue placed a session on it, it went away): pick again
+            again = self.target(s, mv.drain, self.incoming() - {mv.dst})
+            if again is not None:
+                mv.dst, dst = again, self.core.workers[again]
         if dst is None or dst.state not in st.PLACEABLE:
             mv.failed = f"worker {mv.dst} can no longer take devices"
             q.pop(0)
@@ -455,20 +517,24 @@ class Mover:
                                                                f"{job.failed or 'the worker is gone'}")
                 continue
             if job.phase == "moving":
-                if any(mv.drain == worker_id for q in self.queues.values() for mv in q):
+                if any(mv.drain == worker_id for sid in job.sessions for mv in self.queues.get(sid, ())):
                     continue
                 job.phase = "protecting"
             if job.phase == "protecting":
-                if self._copies_on(worker_id, out):
+                if job.protect is None:  # once: later copies never go to a draining worker (not placeable)
+                    job.protect = set(self.faults.recs)
+                job.protect = self._copies_on(worker_id, job.protect, out)
+                if job.protect:
                     continue
                 self._release(w, job, out)
 
-    def _copies_on(self, worker_id: str, out: Effects) -> bool:
-        """Do sessions still keep copies on the worker? Starts the snapshots that move them."""
-        waiting = False
-        for sid, rec in self.faults.recs.items():
+    def _copies_on(self, worker_id: str, sids: set[str], out: Effects) -> set[str]:
+        """Which of `sids` still keep copies (or devices) on the worker? Starts the snapshots that move them."""
+        waiting = set()
+        for sid in sorted(sids):
+            rec = self.faults.recs.get(sid)
             s = self.core.sessions.get(sid)
-            if s is None:
+            if s is None or rec is None:
                 continue
             if not rec.enabled:
                 self.faults._drop_namespaces(rec, {ns for ns, ws in rec.namespaces.items() if worker_id in ws}, out)
@@ -476,7 +542,7 @@ class Mover:
             copies = [c for c in (rec.snapshot, rec.taking, *rec.adopts.values()) if c is not None]
             if any(worker_id in holders for c in copies for holders in c.holders.values()) \
                     or any(worker_id in ws for ws in rec.namespaces.values()) or worker_id in s.devices.values():
-                waiting = True
+                waiting.add(sid)
                 if rec.taking is None:
                     rec.force = True
                     self.faults.active.add(sid)

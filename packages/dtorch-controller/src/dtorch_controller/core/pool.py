@@ -14,11 +14,17 @@ Rules:
 4. No query scans every worker: free workers are indexed by node and nodes by their free count, so picking
    costs O(distinct free counts + nodes used), whatever the cluster size (10,000 workers is normal).
 5. The pool holds no session logic. The scheduler decides who leases what; the pool keeps the counts right.
+6. Fault protection asks two things (recovery.py, migration.py): `backup_for` (where a worker's remote copies
+   go: a placeable worker on *another* node, so that losing a whole node never takes both copies; its own node
+   only when no other node has one) and `free_off`/`free_on` (a free worker off or on a given node, for drains).
+   Workers are also kept in registration order (`_ring`), so `backup_for` steps over the primary's node in
+   O(1) when nodes register one after another (the usual case), O(workers skipped) otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from bisect import bisect_left, insort
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -57,6 +63,9 @@ class Pool:
         self._buckets: dict[int, dict[str, None]] = {}  # free count -> nodes with that many free workers
         self._shared: dict[str, None] = {}  # placeable workers carrying only packed leases
         self.free_total = 0
+        self._ring: list[tuple[int, str]] = []  # (order, worker) of every worker in the pool, sorted
+        self._node_size: dict[str, int] = {}  # node -> its workers in the pool
+        self._placeable: dict[str, dict[str, None]] = {}  # node -> its placeable workers
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -68,6 +77,8 @@ class Pool:
 
     def add(self, worker: str, node: str, memory: int, order: int, placeable: bool = True) -> None:
         slot = self.slots[worker] = Slot(worker, node, memory, order, placeable)
+        insort(self._ring, (order, worker))
+        self._node_size[node] = self._node_size.get(node, 0) + 1
         self._refresh(slot)
 
     def remove(self, worker: str) -> dict[str, int]:
@@ -78,6 +89,14 @@ class Pool:
         slot.placeable = False
         self._refresh(slot)
         del self.slots[worker]
+        i = bisect_left(self._ring, (slot.order, worker))
+        if i < len(self._ring) and self._ring[i][1] == worker:
+            del self._ring[i]
+        left = self._node_size[slot.node] - 1
+        if left:
+            self._node_size[slot.node] = left
+        else:
+            del self._node_size[slot.node]
         return slot.leases
 
     def set_placeable(self, worker: str, placeable: bool) -> bool:
@@ -183,10 +202,73 @@ class Pool:
         chosen = [s.worker for s in shared[:k]]
         return chosen + self.pick(k - len(chosen), exclude)
 
+    # ------------------------------------------------------------ fault protection (pure queries)
+
+    def backup_for(self, worker: str) -> str | None:
+        """Where `worker`'s remote copies go (rule 6): a placeable worker on another node, else (no other node
+        has one: a one-machine cluster) the next placeable one after it in registration order; None when there
+        is no other placeable worker. Deterministic. When nodes register one after another, a node's workers
+        map onto the next node's at the same offset (worker i of node A -> worker i of node B), so a node's
+        copies spread over the next node instead of piling up on its first worker."""
+        ring = self._ring
+        n = len(ring)
+        slot = self.slots.get(worker)
+        if slot is None:  # not in the pool (lost): any placeable worker
+            return next((w for _o, w in ring if self.slots[w].placeable), None)
+        mine = self._placeable.get(slot.node, {})
+        elsewhere = len(self._placeable) > (1 if mine else 0)
+        i = bisect_left(ring, (slot.order, worker))
+        start = i + (self._node_size[slot.node] if elsewhere else 1)
+        for k in range(n):
+            other = ring[(start + k) % n][1]
+            cand = self.slots[other]
+            if cand.placeable and other != worker and (cand.node != slot.node or not elsewhere):
+                return other
+        return None
+
+    def free_off(self, node: str, prefer: Iterable[str] = (), skip: Collection[str] = ()) -> str | None:
+        """A free worker on another node than `node`: on the first node of `prefer` that has one, else on the
+        node with the fewest free workers (best fit for one device: whole free nodes stay whole). O(distinct
+        free counts + len(prefer) + len(skip))."""
+        for other in prefer:
+            if other != node:
+                w = self._first_free(other, skip)
+                if w is not None:
+                    return w
+        for count in sorted(self._buckets):
+            for other in self._buckets[count]:
+                if other != node:
+                    w = self._first_free(other, skip)
+                    if w is not None:
+                        return w
+        return None
+
+    def free_on(self, node: str, skip: Collection[str] = ()) -> str | None:
+        """A free worker on `node`."""
+        return self._first_free(node, skip)
+
+    def _first_free(self, node: str, skip: Collection[str]) -> str | None:
+        """The first registered of `node`'s free workers not in `skip` (O(free workers on the node))."""
+        return min((w for w in self._free.get(node, ()) if w not in skip), key=lambda w: self.slots[w].order,
+                   default=None)
+
+    def shared(self, cap: int, skip: Collection[str] = ()) -> list[str]:
+        """Placeable workers carrying only packed leases with room for `cap` more bytes, least room first."""
+        slots = (self.slots[w] for w in self._shared if w not in skip)
+        return [s.worker for s in sorted((s for s in slots if s.room >= cap), key=lambda s: (s.room, s.order))]
+
     # ------------------------------------------------------------ the indexes
 
     def _refresh(self, slot: Slot) -> None:
         live = slot.worker in self.slots and slot.placeable
+        if live:
+            self._placeable.setdefault(slot.node, {})[slot.worker] = None
+        else:
+            on_node = self._placeable.get(slot.node)
+            if on_node is not None:
+                on_node.pop(slot.worker, None)
+                if not on_node:
+                    del self._placeable[slot.node]
         self._set_free(slot, live and not slot.leases)
         if live and slot.leases and not slot.exclusive:
             self._shared[slot.worker] = None

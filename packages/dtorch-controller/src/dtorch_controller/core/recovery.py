@@ -27,10 +27,18 @@ Rules:
 5. A worker that only held copies takes the session's protection with it: a new snapshot is taken at
    once (a drain relies on this too).
 6. Recovery may restart from the top at any phase (another loss): every phase can be done again.
+7. Remote copies go to another node than the primary's (`Pool.backup_for`): losing a whole node leaves a
+   copy of every device it hosted. Only a one-node cluster keeps both copies on one node.
+8. A worker's report advances only the sessions that wait for it: each active session is filed under the
+   (worker, Execute seq) pairs it waits on (copies, rebuild phases, a move's copy, a move's drop), and
+   sessions waiting on something else (the scheduler placing devices, a snapshot that could not start yet)
+   are looked at on every report; any other event (a loss) looks at them all. So a report costs
+   O(sessions waiting on it), not O(sessions with copies), with thousands of sessions snapshotting.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +58,7 @@ from dtorch_controller.core.lineage import (
     tensors_on,
 )
 from dtorch_controller.core.model import Session, Worker
+from dtorch_controller.core.pool import node_of
 from dtorch_controller.core.translate import Batch, translate
 
 if TYPE_CHECKING:
@@ -63,6 +72,20 @@ def _short(session_id: str) -> str:
     return session_id[:8]
 
 
+class Active(set):
+    """`Faults.active`: sessions with copies, a rebuild or a move in flight. `add` also marks the session to be
+    looked at (and filed under what it waits for) by the next `advance` (rule 8): whoever starts something a
+    session must wait for adds it here (elastic.py too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: set[str] = set()
+
+    def add(self, sid: str) -> None:  # type: ignore[override]
+        super().add(sid)
+        self.fresh.add(sid)
+
+
 @dataclass
 class Rebuild:
     """A recovery in progress (rule 3)."""
@@ -70,6 +93,7 @@ class Rebuild:
     started: float
     reason: str
     lost: set[str] = field(default_factory=set)  # addresses of the lost workers (fenced on the others)
+    gone: dict[str, Worker] = field(default_factory=dict)  # the lost workers' records (the core may forget them)
     phase: str = "placing"  # placing -> resetting -> replaying
     waits: dict[str, int] = field(default_factory=dict)  # worker -> Execute seq that must complete
     extra: set[str] = field(default_factory=set)  # workers that got session shards without hosting a device
@@ -89,7 +113,11 @@ class Faults:
         self.recs: dict[str, Lineage] = {}
         self.rebuilds: dict[str, Rebuild] = {}
         self.holds: dict[str, set[str]] = {}  # session -> why its batches are held
-        self.active: set[str] = set()  # sessions with copies, a rebuild or a move in flight
+        self.active = Active()  # sessions with copies, a rebuild or a move in flight
+        self._wakes: dict[str, list[tuple[int, str]]] = {}  # worker -> heap of (Execute seq, session) waiting
+        self._filed: set[tuple[str, int, str]] = set()  # (worker, seq, session) in `_wakes`
+        self._poll: set[str] = set()  # active sessions waiting on no worker seq: looked at on every report
+        self._walking_all = False  # `advance` is looking at every active session (not after a report)
         self.utilization: dict[str, float] = {}
         self.released: set[str] = set()  # sessions whose rebuild was given up in `losing`: unhold in `lost`
         self.mover = Mover(self)
@@ -142,17 +170,21 @@ class Faults:
         return bool(self.holds.get(s.id))
 
     def backup_holder(self, primary: str) -> str | None:
-        """Where the remote copies of `primary`'s devices go: the next live, placeable worker after it."""
+        """Where the remote copies of `primary`'s devices go (rule 7): a live, placeable worker on another node,
+        on its own node only when no other node has one. The pool answers in O(1) for nodes that registered
+        contiguously; a core without a scheduler (test harnesses) scans."""
+        pool = getattr(getattr(self.core, "sched", None), "pool", None)
+        if pool is not None:
+            return pool.backup_for(primary)
         ring = sorted((w for w in self.core.workers.values() if w.state in st.PLACEABLE or w.id == primary),
                       key=lambda w: w.order)
         ids = [w.id for w in ring]
         if primary not in ids:
             return next((i for i in ids), None)
         k = ids.index(primary)
-        for other in ids[k + 1:] + ids[:k]:
-            if other != primary:
-                return other
-        return None
+        others = ids[k + 1:] + ids[:k]
+        node = {w.id: node_of(w.address, w.labels) for w in ring}
+        return next((o for o in others if node[o] != node[primary]), None) or next(iter(others), None)
 
     def address(self, worker_id: str) -> str:
         return self.core.workers[worker_id].address
@@ -309,8 +341,10 @@ class Faults:
         rec.window += 1
         namespace = f"{s.id}#s{rec.window}"
         tensors = dict(s.tensors)
+        # errors of the session come only from workers it sent to: one not among them sends errors of later work
+        workers = set(s.sent) | set(s.devices.values())
         copies = Copies(namespace=namespace, upto=upto, tensors=tensors, started=self.now,
-                        first_seq={w.id: w.sent + 1 for w in self.core.workers.values()})
+                        first_seq={w: self.core.workers[w].sent + 1 for w in workers if w in self.core.workers})
         cmds: dict[str, list[m.Cmd]] = {}
         for primary in primaries:
             devices = {d: tensors_on(tensors, s.meshes, d) for d, w in sorted(s.devices.items()) if w == primary}
@@ -367,7 +401,8 @@ class Faults:
             self._commit(s, rec, taking, out)
         if any(c.failed for c in rec.adopts.values()):
             rec.force = True  # a snapshot after the adopt covers the upload
-        if not self._busy(rec) and s.id not in self.rebuilds and not self.mover.busy(s.id) and not rec.force:
+        if not self._busy(rec) and s.id not in self.rebuilds and not self.mover.busy(s.id) \
+                and not (rec.force and rec.enabled):  # without lineage a forced snapshot never comes
             self.active.discard(s.id)
 
     @staticmethod
@@ -428,17 +463,26 @@ class Faults:
             rec.window_errors.clear()
 
     def progress(self, now: float, w: Worker, msg: m.WorkerReport, out: Effects) -> None:
-        """A worker reported: advance copies, rebuilds and moves that wait for it."""
+        """A worker reported: advance copies, rebuilds and moves that wait for it (rule 8)."""
         if msg.utilization >= 0:
             self.utilization[w.id] = msg.utilization
-        self.advance(out)
+        self.advance(out, w)
 
-    def advance(self, out: Effects) -> None:
-        for sid in sorted(self.active):
+    def advance(self, out: Effects, reporter: Worker | None = None) -> None:
+        """Advance the active sessions: all of them, or after `reporter`'s report only those that may move on
+        from it (rule 8)."""
+        if reporter is None:
+            sids = set(self.active)
+        else:
+            sids = self._due(reporter) | self._poll | self.active.fresh
+        self._walking_all = reporter is None
+        for sid in sorted(sids):
             s = self.core.sessions.get(sid)
             if s is None:
                 self.active.discard(sid)
                 continue
+            if sid not in self.active:
+                continue  # a stale wake-up
             rec = self.rec(s)
             self._advance_copies(s, rec, out)
             if sid in self.rebuilds:
@@ -446,7 +490,66 @@ class Faults:
             self.mover.advance(s, out)
             if rec.force and rec.taking is None:
                 self.maybe_snapshot(s, out)
+        self._walking_all = False
         self.mover.advance_drains(out)
+        for sid in sids | self.active.fresh:
+            self._file(sid)
+
+    def _due(self, w: Worker) -> set[str]:
+        """Sessions filed under an Execute seq `w` has now completed."""
+        heap = self._wakes.get(w.id)
+        due: set[str] = set()
+        while heap and heap[0][0] <= w.completed:
+            seq, sid = heapq.heappop(heap)
+            self._filed.discard((w.id, seq, sid))
+            due.add(sid)
+        if heap is not None and not heap:
+            del self._wakes[w.id]
+        return due
+
+    def _file(self, sid: str) -> None:
+        """File an active session under the (worker, seq) pairs it waits on, or in `_poll` (rule 8)."""
+        self.active.fresh.discard(sid)
+        s = self.core.sessions.get(sid)
+        if s is None or sid not in self.active:
+            self._poll.discard(sid)
+            return
+        waits = self._awaits(s)
+        if not waits:  # None (waits on something else) or nothing left: look at it on every report
+            self._poll.add(sid)
+            return
+        self._poll.discard(sid)
+        for w, seq in waits:
+            if (w, seq, sid) not in self._filed:
+                self._filed.add((w, seq, sid))
+                heapq.heappush(self._wakes.setdefault(w, []), (seq, sid))
+
+    def _awaits(self, s: Session) -> list[tuple[str, int]] | None:
+        """The (worker, Execute seq) pairs whose completion may let the session move on; None when it may move
+        on without one (it must be looked at on every report)."""
+        waits: list[tuple[str, int]] = []
+        r = self.rebuilds.get(s.id)
+        if r is not None:
+            if r.phase == "placing":
+                return None  # waits for the scheduler, or for a suspect worker to report
+            waits += [(w, seq) for w, seq in r.waits.items() if self._waits_for(w, seq)]
+            if not waits:
+                return None
+        rec = self.recs.get(s.id)
+        if rec is not None:
+            if rec.force and rec.enabled and rec.taking is None:
+                return None  # a snapshot that could not start yet
+            for copies in (rec.taking, *rec.adopts.values()):
+                for w, seq in copies.pending.items() if copies is not None else ():
+                    if not seq:
+                        return None
+                    waits.append((w, seq))
+        more = self.mover.awaits(s.id)
+        return None if more is None else waits + more
+
+    def _waits_for(self, worker_id: str, seq: int) -> bool:
+        w = self.core.workers.get(worker_id)
+        return w is not None and w.state != st.LOST and w.completed < seq
 
     # ------------------------------------------------------------ worker loss
 
@@ -502,6 +605,8 @@ class Faults:
             s = self.core.sessions.get(sid)
             if s is not None:
                 self._start_rebuild(s, w, out)
+        for _seq, sid in self._wakes.pop(w.id, []):
+            self._filed.discard((w.id, _seq, sid))
         self.advance(out)
 
     def unrecoverable(self, s: Session) -> str | None:
@@ -514,7 +619,7 @@ class Faults:
             return "no complete snapshot of its tensors (copies need a second worker)"
         if not any(w.state in st.PLACEABLE for w in self.core.workers.values()):
             return "no live worker left to rebuild it on"
-        for d in sorted(s.devices):
+        for d in sorted(self._devices(s)):  # bound or not (a rebuild may be waiting to place some)
             if tensors_on(snap.tensors, s.meshes, d) and not any(self.alive(h) for h in snap.holders.get(d, [])):
                 return f"every copy of logical device {d}'s shards was on lost workers"
         for b in rec.sent_batches():
@@ -568,6 +673,7 @@ class Faults:
         if first:
             r.before = dict(s.devices)
         r.lost.add(lost.address)
+        r.gone[lost.id] = lost
         r.phase = "placing"
         r.placed = False
         r.waits.clear()
@@ -610,6 +716,8 @@ class Faults:
         if any(self.core.workers[w].completed < seq for w, seq in r.waits.items() if self.alive(w)):
             return
         if r.phase == "placing":
+            if r.placed and not self._walking_all and self._devices(s) - set(s.devices):
+                return  # still waiting for the scheduler (copies only go with a loss, which looks at all)
             why = self.unrecoverable(s)
             if why is not None:
                 return self._give_up(s, rec, why, out)
@@ -706,7 +814,7 @@ class Faults:
         ok = (st.ALIVE, st.DRAINING)
         needed = []
         if rec.snapshot is not None:
-            needed += [rec.snapshot.holders.get(d, []) for d in s.devices
+            needed += [rec.snapshot.holders.get(d, []) for d in self._devices(s)
                        if tensors_on(rec.snapshot.tensors, s.meshes, d)]
         for b in rec.sent_batches():
             for instr in b.instrs:
@@ -726,6 +834,10 @@ class Faults:
         if r is not None:
             for d, wid in sorted(r.before.items()):
                 if not self.alive(wid) and s.devices.get(d) != wid:
+                    if wid not in self.core.workers:  # forgotten meanwhile (nothing was bound to it): recall it
+                        if wid not in r.gone:
+                            continue
+                        self.core.workers[wid] = r.gone[wid]
                     if d in s.devices:
                         self._unbind(s, d, s.devices[d])
                     self.core._bind(s, d, wid)
@@ -756,6 +868,8 @@ class Faults:
         self.rebuilds.pop(s.id, None)
         self.holds.pop(s.id, None)
         self.active.discard(s.id)
+        self.active.fresh.discard(s.id)
+        self._poll.discard(s.id)
         self.mover.closed(s, out)
 
     def timer(self, key: Any, out: Effects) -> bool:
