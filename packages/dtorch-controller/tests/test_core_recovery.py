@@ -373,3 +373,22 @@ def test_losing_the_source_of_a_move_mid_copy_rebuilds_the_session_and_fails_the
     rid, reply = h.sync(sid, 2)
     h.report_all()
     assert h.replies[rid].done and not h.replies[rid].errors
+
+
+def test_a_worker_a_move_emptied_can_be_lost_and_forgotten_and_syncs_still_answer(make_harness):
+    h, ids, sid = setup(make_harness, lost_workers_kept=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    src = s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    for _ in range(3):
+        h.report_all()
+    assert h.replies[rid].ok and src in s.sent  # the source got the copy and the drop of its shards
+    h.handle(ev.WorkerUnreachable(src, "", "killed"))  # it hosts nothing of the session: forgotten at once
+    assert src not in h.core.workers and s.state == "open"
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()
+    rid, reply = h.sync(sid, 2)
+    assert reply.done and not reply.errors

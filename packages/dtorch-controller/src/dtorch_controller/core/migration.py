@@ -552,6 +552,8 @@ class Mover:
     def _release(self, w: Worker, job: DrainJob, out: Effects) -> None:
         del self.drains[w.id]
         w.state = st.step(st.WORKER_TABLE, w.state, st.RELEASE)
+        for s in self.core.sessions.values():  # nothing is bound there: no Sync waits for it (the core forgets it)
+            s.sent.pop(w.id, None)
         by_address = self.core._by_address
         if by_address.get(w.address) == w.id:
             del by_address[w.address]

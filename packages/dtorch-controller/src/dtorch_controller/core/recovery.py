@@ -560,7 +560,10 @@ class Faults:
         for sid in sorted(self.core.sessions):
             s = self.core.sessions[sid]
             rec = self.recs.get(sid)
-            uses = w.id in s.devices.values() or self.mover.involves(sid, w.id)
+            bound = w.id in s.devices.values()
+            uses = bound or self.mover.involves(sid, w.id)
+            if not bound:  # what it sent there (a move's source) is not waited for; the core may forget `w`
+                s.sent.pop(w.id, None)
             if rec is not None:
                 held = False
                 for copies in (rec.snapshot, rec.taking, *rec.adopts.values()):
