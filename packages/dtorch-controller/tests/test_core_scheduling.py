@@ -273,7 +273,7 @@ def test_a_frozen_session_relocates_onto_a_free_device_and_resumes_after_the_mov
     assert h.open_mesh(low, 1, [0, 1]).placed and h.open_mesh(other, 1, [0]).placed
     assert h.core.sessions[low].devices == {0: w0, 1: w1} and leases(h, w2) == {other: 0}
     h.submit(low, 1, [create(1)])
-    h.report_all()
+    h.report(w1)  # w0 has not run low's batch yet
     high = h.open_session(priority="high")
     assert h.open_mesh(high, 1, [0]).placed  # freezes low; takes w0, w1 stays reserved for low
     assert sched_state(h, low) == "frozen" and leases(h, w0) == {high: 0} and leases(h, w1) == {low: 0}
@@ -282,11 +282,13 @@ def test_a_frozen_session_relocates_onto_a_free_device_and_resumes_after_the_mov
     h.take_sent()
     close(h, other)  # w2 comes free: low need not wait for w0, it takes w2 in its place
     assert sched_state(h, low) == "running" and leases(h, w2) == {low: 0} and leases(h, w0) == {high: 0}
+    assert [x for x in h.take_sent() if x.execute.session == low] == []  # w0 must finish low's batch 1 first
+    h.report(w0)
     sent = h.take_sent()
-    # the move goes first, from the device high now holds; low's held batch waits for it
-    assert [(x.worker_id, x.execute.session, type(x.execute.cmds[0]).__name__) for x in sent
-            if x.execute.session == low] == [(w0, low, "CmdSendShards")]
-    assert sent[-1].execute.cmds[0].move == [0] and sent[-1].execute.cmds[0].to == "10.0.0.2:7000"
+    # w2 pulls device 0 from w0's server (not behind high's work queued on w0); low's held batch waits
+    assert [(x.worker_id, type(x.execute.cmds[0]).__name__) for x in sent] == [(w2, "CmdFetchShards")]
+    fetch = sent[0].execute.cmds[0]
+    assert (fetch.address, fetch.move, fetch.devices) == ("10.0.0.0:7000", [0], {0: [1]})
     assert rid not in h.replies
     h.report_all()  # the copy is done: device 0 is rebound to w2, the held batch goes out there
     assert h.core.sessions[low].devices == {0: w2, 1: w1}
@@ -298,6 +300,27 @@ def test_a_frozen_session_relocates_onto_a_free_device_and_resumes_after_the_mov
     assert h.core.sched.relocations == 1
     assert any("relocates 1 device off the devices it was preempted from: w0 -> w2" in line
                for line in h.core.log.lines())
+
+
+def test_a_relocation_whose_pull_fails_is_called_off_and_the_device_stays(h):
+    w0, w1 = workers(h, 2)
+    low, other = h.open_session(priority="low"), h.open_session()
+    assert h.open_mesh(low, 1, [0]).placed and h.open_mesh(other, 1, [0]).placed
+    h.submit(low, 1, [create(1)])
+    h.report_all()
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0]).placed  # freezes low, takes w0
+    h.submit(low, 2, [create(2)])
+    h.take_sent()
+    close(h, other)  # w1 free: low relocates there
+    fetch = h.take_sent()[-1]
+    assert fetch.worker_id == w1 and isinstance(fetch.execute.cmds[0], m.CmdFetchShards)
+    error = m.ErrorReport(op="copy shards from 10.0.0.0:7000 (moving devices [0])", src="", message="boom",
+                          seq=fetch.execute.seq)
+    h.report(w1, errors={low: [error]})
+    assert h.core.sessions[low].devices == {0: w0}
+    sent = [(x.worker_id, type(x.execute.cmds[0]).__name__) for x in h.take_sent() if x.execute.session == low]
+    assert (w0, "CmdStay") in sent and (w0, "CmdCreate") in sent  # the held batch goes on where the device is
+    assert any("called off" in line for line in h.core.log.lines())
 
 
 def test_a_placed_mesh_uses_every_leased_device_despite_a_frozen_sessions_bindings(h):

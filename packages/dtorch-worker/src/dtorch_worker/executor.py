@@ -571,6 +571,8 @@ def _describe(cmd: Cmd) -> tuple[str, str, list[int]]:
         return "redistribute", cmd.src_line, [cmd.dst]
     if isinstance(cmd, CmdSendShards):
         return f"copy shards to {cmd.to or 'this worker'} ({cmd.namespace})", "", []
+    if isinstance(cmd, CmdFetchShards) and cmd.move:  # a move: its failure calls the move off (internal)
+        return f"copy shards from {cmd.address} (moving devices {cmd.move})", "", []
     if isinstance(cmd, CmdFetchShards):
         return (f"restore shards from {cmd.address or 'this worker'} ({cmd.namespace})", "",
                 sorted({t for tids in cmd.devices.values() for t in tids}))

@@ -10,7 +10,8 @@ Rules:
    rounded down); a new worker that gets no device is given back at once (`Scheduler.shrink`).
 3. Relocation (scheduler.py rule 6, `Changes.relocated`): a frozen session resumes on substitutes for the
    devices its preemptor took; every logical device bound to such a device moves to its substitute, one
-   move per device pair. Its held batches go out once the moves are done (the mover holds them).
+   move per device pair, pulled by the substitute from the lost device's server (migration.py rule 3: not
+   behind the preemptor's work queued there). Its held batches go out once the moves are done.
 4. Pure planning (`plan`) is separate from effects, so it is tested on its own.
 """
 
@@ -61,7 +62,7 @@ def relocate(core: ControllerCore, now: float, session: str, swap: Mapping[str, 
         devices = sorted(d for d, w in s.devices.items() if w == src)
         if devices:
             moves.append((src, dst, devices))
-    _queue(core, now, session, moves, "relocates", out)
+    _queue(core, now, session, moves, "relocates", out, pull=True)
 
 
 def _mover(core: ControllerCore):  # noqa: ANN202 - the core's Mover, when it has one
@@ -69,7 +70,7 @@ def _mover(core: ControllerCore):  # noqa: ANN202 - the core's Mover, when it ha
 
 
 def _queue(core: ControllerCore, now: float, session: str, moves: list[tuple[str, str, list[int]]], verb: str,
-           out: Effects) -> None:
+           out: Effects, pull: bool = False) -> None:
     from dtorch_controller.core.migration import Move
 
     mover = _mover(core)
@@ -78,7 +79,7 @@ def _queue(core: ControllerCore, now: float, session: str, moves: list[tuple[str
         return
     for src, dst, devices in moves:
         mover.queues.setdefault(session, []).append(Move(session=session, devices=devices, src=src, dst=dst,
-                                                         requested=now))
+                                                         requested=now, pull=pull))
     core.log.add(now, f"session {session[:8]} {verb}: " + "; ".join(f"logical {ds} {src} -> {dst}"
                                                                    for src, dst, ds in moves))
     core.faults.active.add(session)

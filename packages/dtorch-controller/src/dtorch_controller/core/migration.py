@@ -12,6 +12,10 @@ Rules:
    uploads that arrived before it travel with them. The client asks the controller where the device
    went and uploads again (session.py).
 3. One move per session at a time; later ones queue, and none starts while the session is recovering.
+   A *pull* move (a frozen session relocating off its preemptor's worker, elastic.py) holds the session's
+   batches at once, waits until A finished the session's work, then has B pull the shards from A's server
+   (CmdFetchShards(move=...)): not at A's place in its stream, which runs another session's work and
+   may be far behind. A then refuses uploads for the devices and hands over the ones not adopted yet.
 4. A move that fails (the copy failed, B was lost) is called off: A keeps the devices (CmdStay) and the
    batches go on. If A is lost, recovery.py rebuilds the session instead (or reports the loss).
 5. Drain: the worker turns `draining` (no new devices); each session's devices on it move to a free
@@ -57,11 +61,17 @@ class Move:
     requested: float
     requests: list[Hashable] = field(default_factory=list)  # Migrate requests to answer
     drain: str = ""  # the worker being drained, when part of a drain
-    seq: int = 0  # Execute seq of the copy on `src` (0: not started)
+    pull: bool = False  # `dst` pulls once `src` finished the session's work (rule 3)
+    seq: int = 0  # Execute seq of the copy on `src` (`dst` when pulling; 0: not started)
     started: float = 0.0
     tensors: int = 0
     bytes: int = 0
     failed: str = ""
+
+    @property
+    def copier(self) -> str:
+        """The worker that runs the copy."""
+        return self.dst if self.pull else self.src
 
     def report(self, now: float) -> m.MoveReport:
         return m.MoveReport(session=self.session, devices=list(self.devices), from_worker=self.src,
@@ -129,9 +139,14 @@ class Mover:
         q = self.queues.get(sid)
         if q:
             mv = q[0]
-            if not mv.seq or mv.failed:
+            s = self.core.sessions.get(sid)
+            before = s.sent.get(mv.src, 0) if s is not None and mv.pull and not mv.seq else 0
+            if before and self.faults._waits_for(mv.src, before):
+                waits.append((mv.src, before))  # a pull waiting for the session's work on its source
+            elif not mv.seq or mv.failed:
                 return None
-            waits.append((mv.src, mv.seq))
+            else:
+                waits.append((mv.copier, mv.seq))
         for drop in self.drops:
             if drop.session == sid:
                 pending = [(w, seq) for w, seq in drop.waits.items() if self.faults._waits_for(w, seq)]
@@ -357,6 +372,11 @@ class Mover:
             mv.failed = f"worker {mv.dst} can no longer take devices"
             q.pop(0)
             return self._done(s, mv, out)
+        src = self.core.workers[mv.src]
+        if mv.pull:
+            self.faults.hold(s, "migrating")
+            if src.state != st.LOST and src.completed < s.sent.get(mv.src, 0):
+                return  # the session's work there is not done yet: a report of `src` brings us back
         mv.devices = devices
         shards = {d: tensors_on(s.tensors, s.meshes, d) for d in devices}
         mv.tensors = sum(len(t) for t in shards.values())
@@ -365,14 +385,16 @@ class Mover:
         self.faults.hold(s, "migrating")
         s.state = st.step(st.SESSION_TABLE, s.state, st.MOVE)
         mv.started = self.now
-        seqs = self.faults.send(s, {mv.src: [m.CmdSendShards(devices=shards, namespace=s.id, to=dst.address,
-                                                             move=devices)]}, out)
-        mv.seq = seqs[mv.src]
+        if mv.pull:
+            cmd: m.Cmd = m.CmdFetchShards(devices=shards, namespace=s.id, address=src.address, move=devices)
+        else:
+            cmd = m.CmdSendShards(devices=shards, namespace=s.id, to=dst.address, move=devices)
+        mv.seq = self.faults.send(s, {mv.copier: [cmd]}, out)[mv.copier]
         self.faults.active.add(s.id)
 
     def copy_failed(self, s: Session, w: Worker, e: m.ErrorReport) -> None:
         mv = self.active(s.id)
-        if mv is not None and mv.src == w.id and mv.seq == e.seq:
+        if mv is not None and mv.copier == w.id and mv.seq == e.seq:
             mv.failed = f"the copy to {mv.dst} failed: {e.message}"
 
     def advance(self, s: Session, out: Effects) -> None:
@@ -381,8 +403,7 @@ class Mover:
         if mv is None:
             self.start_next(s, out)
             return
-        src = self.core.workers[mv.src]
-        if src.completed < mv.seq and not mv.failed:
+        if self.core.workers[mv.copier].completed < mv.seq and not mv.failed:
             return
         self.queues[s.id].pop(0)
         if mv.failed:

@@ -22,7 +22,8 @@ Rules:
    logical devices grow onto free devices when nobody waits (`growth`, set by the core when it can move
    logical devices): the core moves some of their logical devices there and reports it with `moved`.
 6. Preemption freezes running tenants of a strictly higher rank, least important and most recently started
-   first, only when that frees enough devices. A frozen tenant *reserves* its devices: the ones the
+   first (but within a rank the smallest recent one that frees enough by itself goes first), only when that
+   frees enough devices. A frozen tenant *reserves* its devices: the ones the
    preemptor did not take, and each one that comes free later, are leased back to it (reservation leases;
    several frozen tenants wanting one device: the best ranked gets it). It resumes, with its batches
    flushed in order, once it holds all of them again. A higher-ranked request may take reserved devices
@@ -45,7 +46,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,7 @@ TENANT_TABLE: Mapping[str, Mapping[str, str]] = {
 }
 
 _EPS = 1e-9
+_FIT_WINDOW = 64  # preemption looks this far among a rank's most recent running sessions for a best fit
 _MIN_WAKE_S = 1e-3  # a policy deadline is never sooner than this after now (no busy timer loops)
 
 
@@ -621,7 +623,7 @@ class Scheduler:
             if rank <= mine:
                 break
             frozen = (self.tenants[s] for s in reversed(self._frozen.get(rank, {})))
-            running = (self.tenants[s] for s in reversed(self._ranks.get(rank, {})))
+            running = self._best_fit_first(self._ranks.get(rank, {}), short - len(freed))
             for v in itertools.chain(frozen, running):
                 held = [w for w in v.workers if w not in v.missing] if v.state == FROZEN else list(v.workers)
                 if not held:
@@ -639,6 +641,19 @@ class Scheduler:
                 if len(freed) >= short:
                     return victims
         return None
+
+    def _best_fit_first(self, bucket: Mapping[str, None], left: int) -> Iterator[Tenant]:
+        """Running tenants of one rank, most recent first, except that the smallest one among the most recent
+        `_FIT_WINDOW` that frees `left` devices by itself goes first: a 1-device request should not freeze an
+        8-device session when a 1-device one would do (the 7 others would sit reserved and idle)."""
+        recent = [self.tenants[s] for s in itertools.islice(reversed(bucket), _FIT_WINDOW)]
+        fits = [v for v in recent if len(v.workers) >= left]
+        if fits:
+            best = min(fits, key=lambda v: len(v.workers))  # min keeps the most recent of equal sizes
+            recent.remove(best)
+            recent.insert(0, best)
+        rest = (self.tenants[s] for s in itertools.islice(reversed(bucket), _FIT_WINDOW, None))
+        return itertools.chain(recent, rest)
 
     def _freeze(self, now: float, v: Tenant, by: Tenant, ch: Changes) -> None:
         """Stop dispatching `v`: its devices go back to the pool (it gets back the ones left over)."""
