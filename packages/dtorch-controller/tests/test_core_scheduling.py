@@ -246,6 +246,14 @@ def test_preemption_victims_are_lowest_class_then_most_recent(h):
     assert [sched_state(h, s) for s in (n1, l1, l2)] == ["running", "running", "frozen"]
 
 
+def test_preemption_freezes_the_smallest_session_that_frees_enough_before_a_larger_more_recent_one(h):
+    workers(h, 5)
+    small, big = h.open_session(priority="low"), h.open_session(priority="low")
+    assert h.open_mesh(small, 1, [0]).placed and h.open_mesh(big, 1, [0, 1, 2, 3]).placed
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0]).placed
+    assert sched_state(h, small) == "frozen" and sched_state(h, big) == "running"  # big was the most recent
+
+
 def test_same_class_never_preempts(h):
     workers(h, 1)
     a, b = h.open_session(), h.open_session(kind="realtime")
