@@ -372,7 +372,7 @@ def test_high_priority_freezes_low_priority_which_resumes_and_finishes_correctly
 
 
 def test_a_frozen_session_relocates_onto_workers_that_join_and_finishes_correctly(make_cluster):
-    cluster = make_cluster(2, "--policy", "priority")
+    cluster = make_cluster(2, "--policy", "priority", "--policy-param", "relocate_after=0")
     low = cluster.client("low", LOW)
     expect_line(low, "phase1")
     high = cluster.client("high", HIGH)

@@ -275,7 +275,8 @@ def test_a_frozen_session_reserves_its_free_devices(h):
     assert sched_state(h, low) == "running" and sched_state(h, other) == "waiting"
 
 
-def test_a_frozen_session_relocates_onto_a_free_device_and_resumes_after_the_move(h):
+def test_a_frozen_session_relocates_onto_a_free_device_and_resumes_after_the_move(make_harness):
+    h = make_harness(policy=PriorityPolicy({"relocate_after": 0}))
     w0, w1, w2 = workers(h, 3)
     low, other = h.open_session(priority="low"), h.open_session()
     assert h.open_mesh(low, 1, [0, 1]).placed and h.open_mesh(other, 1, [0]).placed
@@ -310,7 +311,8 @@ def test_a_frozen_session_relocates_onto_a_free_device_and_resumes_after_the_mov
                for line in h.core.log.lines())
 
 
-def test_a_relocation_whose_pull_fails_is_called_off_and_the_device_stays(h):
+def test_a_relocation_whose_pull_fails_is_called_off_and_the_device_stays(make_harness):
+    h = make_harness(policy=PriorityPolicy({"relocate_after": 0}))
     w0, w1 = workers(h, 2)
     low, other = h.open_session(priority="low"), h.open_session()
     assert h.open_mesh(low, 1, [0]).placed and h.open_mesh(other, 1, [0]).placed
@@ -342,7 +344,8 @@ def test_a_placed_mesh_uses_every_leased_device_despite_a_frozen_sessions_bindin
     assert sorted(h.core.sessions[high].devices.values()) == [w0, w1]  # one each, not both on w1
 
 
-def test_a_waiting_request_of_a_better_rank_gets_a_free_device_before_a_frozen_session(h):
+def test_a_waiting_request_of_a_better_rank_gets_a_free_device_before_a_frozen_session(make_harness):
+    h = make_harness(policy=PriorityPolicy({"relocate_after": 0}))
     w0 = h.register("10.0.0.0:7000")
     low = h.open_session(priority="low")
     assert h.open_mesh(low, 1, [0]).placed
@@ -533,6 +536,16 @@ def test_a_frozen_session_whose_workers_are_lost_resumes_with_what_is_left(make_
     assert h.open_mesh(high, 1, [0]).placed  # low frozen; w1 reserved for it
     h.handle(ev.WorkerUnreachable(w0))  # high's (and low's) device dies: low can resume on w1 alone
     assert sched_state(h, low) == "running" and leases(h, w1) == {low: 0}
+
+
+def test_a_rebuilt_session_takes_a_free_worker_for_its_lost_device_even_when_others_queue(h):
+    w0, w1, w2 = workers(h, 3)
+    a, b = h.open_session(), h.open_session()
+    assert h.open_mesh(a, 1, [0, 1]).placed
+    assert not h.open_mesh(b, 1, [0, 1]).placed  # only w2 is free: b waits
+    h.handle(ev.WorkerUnreachable(w1))  # a is rebuilt: its device 1 goes to w2, not squeezed onto w0
+    assert h.core.sessions[a].devices == {0: w0, 1: w2}
+    assert sched_state(h, b) == "waiting"
 
 
 def test_status_shows_schedule_queue_and_leases(h):

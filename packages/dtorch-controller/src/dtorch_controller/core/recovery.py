@@ -708,7 +708,7 @@ class Faults:
         sched = getattr(self.core, "sched", None)
         if sched is None or mesh is None:
             return
-        changes, _answer = sched.place(self.now, s.id, mesh.id, tuple(devices))
+        changes, _answer = sched.place(self.now, s.id, mesh.id, tuple(devices), restore=True)
         self.core._apply(self.now, changes, out)
 
     def _devices(self, s: Session) -> set[int]:

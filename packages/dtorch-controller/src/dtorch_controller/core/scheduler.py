@@ -13,6 +13,7 @@ Rules:
 3. Across sessions devices are exclusive, unless the policy packs: then batch sessions that declared a memory
    cap share devices while the caps fit (pool.py). A running or frozen tenant's later meshes never wait:
    their new logical devices go to free devices when nobody is queued, else onto the tenant's own devices.
+   Logical devices a rebuild places again (their worker was lost) take free devices even when others queue.
 4. The queue holds waiting requests, ordered by (policy rank, policy key, arrival). A *pass* runs whenever
    capacity may have grown (worker registered or alive again, session closed, worker lost, timer) and on
    every new request: first every frozen tenant that got all its devices back resumes, then the queue is
@@ -30,12 +31,14 @@ Rules:
    (before freezing running work). With ranks that change over time (LAS), a frozen tenant that comes to
    outrank the holders of its devices takes them back at the next tick.
    *Relocation* (the core sets `relocation` when it can move logical devices; the policy's `relocates`): a
-   frozen tenant need not wait for the devices it lost. When as many free devices as it misses are free (and
-   no better-ranked request waits for them), it leases them as substitutes and resumes at once; the core
-   moves its logical devices from the lost devices to the substitutes (`Changes.relocated`), worker to
-   worker, before its held batches go out. Frozen tenants get free devices in rank order, before queued
-   requests of a worse rank, and not while a request of a better rank is blocked (it would freeze them again
-   as soon as it fits). (A move that fails leaves its devices where they were, on the preemptor's device.)
+   frozen tenant need not wait for the devices it lost. Once it has been frozen `relocate_after` seconds
+   (most preemptions end sooner: moving would cost more than waiting), when as many free devices as it
+   misses are free (and no better-ranked request waits for them), it leases them as substitutes and resumes
+   at once; the core moves its logical devices from the lost devices to the substitutes
+   (`Changes.relocated`), worker to worker, before its held batches go out. Frozen tenants get free devices
+   in rank order, before queued requests of a worse rank, and not while a request of a better rank is
+   blocked (it would freeze them again as soon as it fits). (A move that fails leaves its devices where
+   they were, on the preemptor's device.)
 7. Attained service (device-seconds) accrues while running, with the number of devices leased.
 8. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
@@ -295,14 +298,15 @@ class Scheduler:
     # ------------------------------------------------------------ meshes
 
     def place(self, now: float, session: str, mesh: int, devices: tuple[int, ...], min_devices: int = 0,
-              ) -> tuple[Changes, Answer]:
-        """Place `devices` (not yet bound) of `mesh` for `session`: at once, or queue it."""
+              restore: bool = False) -> tuple[Changes, Answer]:
+        """Place `devices` (not yet bound) of `mesh` for `session`: at once, or queue it. `restore`: they were
+        bound before and their worker was lost (a rebuild): they take free devices even when others queue."""
         t = self.tenants[session]
         ch = Changes()
         own = [w for w in t.workers if w in self.pool]
         if t.state in (RUNNING, FROZEN) and own:
             t.logical += len(devices)
-            ch.placed.append((session, self._extra(now, t, devices, own)))
+            ch.placed.append((session, self._extra(now, t, devices, own, restore)))
             self.decisions += 1
             return self._finish(ch), Answer(True)
         if t.state == FROZEN:  # every device it had was lost: it resumes (with nothing) in a pass
@@ -340,10 +344,12 @@ class Scheduler:
         need = max(1, min(t.request.need if t.request else 1, len(self.pool)))
         return f"needs {_plural(need, 'physical device')}, {self.pool.free_total} of {len(self.pool)} free"
 
-    def _extra(self, now: float, t: Tenant, devices: tuple[int, ...], own: list[str]) -> dict[int, str]:
-        """New logical devices of a running or frozen tenant: free devices if nobody waits, else its own."""
+    def _extra(self, now: float, t: Tenant, devices: tuple[int, ...], own: list[str], restore: bool = False,
+               ) -> dict[int, str]:
+        """New logical devices of a running or frozen tenant: free devices if nobody waits (or they replace
+        devices it lost: a worker loss must not squeeze it onto fewer devices), else its own."""
         workers = list(own)
-        if t.running and not self._queue:
+        if t.running and (restore or not self._queue):
             grabbed = self._pick(t, len(devices), own)
             if grabbed:
                 self._accrue(now, t)
@@ -461,12 +467,13 @@ class Scheduler:
         as substitutes when there are enough for all they miss (rule 6)."""
         if not self.relocation or not self._frozen or not getattr(self.policy, "relocates", False):
             return
+        patience = getattr(self.policy, "relocate_after", 0.0) - _EPS
         for rank in sorted(self._frozen):
             if upto is not None and rank > upto:
                 return
             for session in list(self._frozen.get(rank, ())):
                 t = self.tenants[session]
-                if not t.missing or session in self._resumable:
+                if not t.missing or session in self._resumable or now < (t.waiting_since or now) + patience:
                     continue
                 if not self.pool.free_total and not (self._packs(t) and self.pool.shared_room()):
                     return
@@ -780,5 +787,9 @@ class Scheduler:
         """(Re)schedule the policy's next look at `t`; older wake-ups for it become stale."""
         t.stamp += 1
         at = self.policy.next_change(t, now)
+        if t.state == FROZEN and self.relocation and getattr(self.policy, "relocates", False):
+            patient = (t.waiting_since or now) + getattr(self.policy, "relocate_after", 0.0)
+            if patient > now:  # look again when its patience runs out: it may relocate then
+                at = patient if at is None else min(at, patient)
         if at is not None:
             heapq.heappush(self._wakeups, (max(at, now + _MIN_WAKE_S), t.stamp, t.session))

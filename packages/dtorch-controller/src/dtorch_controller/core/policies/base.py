@@ -14,7 +14,8 @@ Rules:
 4. `packs`: sessions that declare a memory cap (and are not realtime) may share a device with other such
    sessions while their caps fit in its memory. Otherwise every device is leased to one session at a time.
 5. `relocates`: a frozen session may resume on free devices instead of waiting for its own (its state is moved;
-   scheduler.py rule 6). Only meaningful for policies that preempt.
+   scheduler.py rule 6), once it has been frozen `relocate_after` seconds. Only meaningful for policies that
+   preempt.
 6. `next_change(t, now)`: when `rank` or `key` of `t` may change by itself (attained service crossing a
    threshold, a starvation promotion), or None. The scheduler sets a timer for the earliest one.
 """
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from dtorch_controller.core.scheduler import Tenant
 
 PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
+RELOCATE_AFTER_S = 60.0  # a frozen session waits this long for its own devices before it may move elsewhere
 
 
 class Policy(Protocol):
@@ -35,6 +37,7 @@ class Policy(Protocol):
     preempts: bool
     packs: bool
     relocates: bool
+    relocate_after: float
 
     def rank(self, t: Tenant, now: float) -> int: ...
 
@@ -56,6 +59,7 @@ class BasePolicy:
     preempts = False
     packs = False
     relocates = False
+    relocate_after = 0.0
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         params = dict(params or {})
@@ -79,6 +83,12 @@ class BasePolicy:
 
     def describe(self) -> str:
         return self.name
+
+
+def relocation(policy: BasePolicy, default_after: float) -> None:
+    """The `relocate` and `relocate_after` parameters of a preempting policy."""
+    policy.relocates = flag(policy.params, "relocate", True)
+    policy.relocate_after = number(policy.params, "relocate_after", default_after)
 
 
 def flag(params: Mapping[str, Any], name: str, default: bool) -> bool:

@@ -18,7 +18,7 @@ import bisect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dtorch_controller.core.policies.base import BasePolicy, PolicyError, flag, number
+from dtorch_controller.core.policies.base import RELOCATE_AFTER_S, BasePolicy, PolicyError, flag, number, relocation
 
 if TYPE_CHECKING:
     from dtorch_controller.core.scheduler import Tenant
@@ -41,10 +41,10 @@ class LasPolicy(BasePolicy):
         self.starve_factor = number(self.params, "starve_factor", 0.0)
         self.starve_min_s = number(self.params, "starve_min_s", 60.0)
         self.preempts = flag(self.params, "preempt", True)
-        self.relocates = flag(self.params, "relocate", True)
+        relocation(self, RELOCATE_AFTER_S)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("thresholds", "starve_factor", "starve_min_s", "preempt", "relocate")
+        return ("thresholds", "starve_factor", "starve_min_s", "preempt", "relocate", "relocate_after")
 
     def rank(self, t: Tenant, now: float) -> int:
         return bisect.bisect_right(self.thresholds, t.counted(now) + _SLACK)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dtorch_controller.core.policies.base import PRIORITY_RANK, BasePolicy, flag
+from dtorch_controller.core.policies.base import PRIORITY_RANK, RELOCATE_AFTER_S, BasePolicy, flag, relocation
 
 if TYPE_CHECKING:
     from dtorch_controller.core.scheduler import Tenant
@@ -29,10 +29,10 @@ class PriorityPolicy(BasePolicy):
         super().__init__(params)
         self.preempts = flag(self.params, "preempt", True)
         self.packs = flag(self.params, "pack", True)
-        self.relocates = flag(self.params, "relocate", True)
+        relocation(self, RELOCATE_AFTER_S)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("preempt", "pack", "relocate")
+        return ("preempt", "pack", "relocate", "relocate_after")
 
     def rank(self, t: Tenant, now: float) -> int:
         return PRIORITY_RANK[t.priority]
