@@ -251,8 +251,8 @@ class ControllerCore:
         """Workers that have not finished the session's batches yet (lost ones are reported, not waited for)."""
         busy = []
         for worker_id, seq in s.sent.items():
-            w = self.workers[worker_id]
-            if w.state != st.LOST and w.completed < seq:
+            w = self.workers.get(worker_id)  # a forgotten worker was lost: nothing to wait for
+            if w is not None and w.state != st.LOST and w.completed < seq:
                 busy.append(w)
         return busy
 
