@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from dtorch_controller.core.scheduler import Tenant
 
 PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
-RELOCATE_AFTER_S = 60.0  # a frozen session waits this long for its own devices before it may move elsewhere
+RELOCATE_AFTER_S = 600.0  # a frozen session waits this long for its own devices before it may move elsewhere
 
 
 class Policy(Protocol):

@@ -9,7 +9,7 @@ counted service restarts from zero (Tiresias's starvation limit); starve_factor 
 
 Parameters: `thresholds` (device-seconds, ascending; default [60, 600, 3600]), `starve_factor` (default 0),
 `starve_min_s` (default 60), `preempt` (default true), `relocate` (default true: a frozen session may resume on
-free devices its state is moved to, scheduler.py rule 6).
+free devices its state is moved to, scheduler.py rule 6) and `relocate_after` (seconds frozen first; default 600).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
   within a class the order is strict.
 * Packing: batch sessions that declare a memory cap share devices while the caps fit in a device's memory.
 
-Parameters: `preempt` (default true), `pack` (default true), `relocate` (default true).
+Parameters: `preempt` (default true), `pack` (default true), `relocate` (default true), `relocate_after` (600 s).
 """
 
 from __future__ import annotations
