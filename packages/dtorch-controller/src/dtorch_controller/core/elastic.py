@@ -57,11 +57,15 @@ def relocate(core: ControllerCore, now: float, session: str, swap: Mapping[str, 
     s = core.sessions.get(session)
     if s is None:
         return
-    moves = []
+    moves, unused = [], []
     for src, dst in swap.items():
         devices = sorted(d for d, w in s.devices.items() if w == src)
         if devices:
             moves.append((src, dst, devices))
+        else:
+            unused.append(dst)  # its lease on `src` held none of its devices: the substitute is not needed
+    if unused:
+        core._apply(now, core.sched.shrink(now, session, unused, stop_growing=False), out)
     _queue(core, now, session, moves, "relocates", out, pull=True)
 
 

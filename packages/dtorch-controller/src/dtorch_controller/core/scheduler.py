@@ -540,14 +540,15 @@ class Scheduler:
         self._watch(t, now)
         return self._pass(now, Changes())
 
-    def shrink(self, now: float, session: str, workers: list[str]) -> Changes:
+    def shrink(self, now: float, session: str, workers: list[str], stop_growing: bool = True) -> Changes:
         """Give back workers leased to `session` that hold none of its devices (a growth that could not be
-        used: the tenant is not offered more)."""
+        used: the tenant is not offered more, unless `stop_growing` is False)."""
         t = self.tenants.get(session)
         if t is None:
             return self._finish(Changes())
-        t.elastic = False
-        self._elastic.pop(session, None)
+        if stop_growing:
+            t.elastic = False
+            self._elastic.pop(session, None)
         self._accrue(now, t)
         for w in workers:
             if w in t.workers:
