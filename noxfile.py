@@ -44,6 +44,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_foundation.py", *session.posargs)
     session.run("python", "benchmarks/bench_scheduler.py")  # 10,000 fake workers, 1,000 queued sessions
     session.run("python", "benchmarks/bench_recovery.py")  # SIGKILL detection and recovery, migration downtime
+    session.run("python", "benchmarks/bench_recovery.py", "--core")  # the same core at 10,000 workers
     session.run("python", "benchmarks/bench_sim.py")  # simulator: 10,000 fake workers, 20,000 jobs; events/s
 
 
