@@ -36,6 +36,15 @@ def test_newer_minor_is_accepted(h):
     assert isinstance(reply, m.Registered)
 
 
+def test_an_older_minor_worker_is_refused_but_an_older_client_is_not(h, refused):
+    older = m.Hello(protocol_version="1.2", package_version="0.1.0", role="worker")
+    reply = h.call(ev.Register, m.RegisterWorker(hello=older, address="a:1", device_type="cpu", memory_bytes=0))
+    assert refused(reply, "protocol") and "upgrade dtorch-worker" in reply.message and "1.2" in reply.message
+    assert not h.core.workers
+    client = m.Hello(protocol_version="1.0", package_version="0.1.0", role="client")
+    assert isinstance(h.call(ev.OpenSession, m.OpenSession(hello=client, name="old")), m.SessionOpened)
+
+
 def test_wrong_role_and_empty_address_are_refused(h, refused):
     reply = h.call(ev.Register, m.RegisterWorker(hello=hello("client"), address="a:1", device_type="cpu",
                                                  memory_bytes=0))

@@ -116,6 +116,10 @@ class ControllerCore:
             return str(e)
         if hello.role != role:
             return f"expected a {role} hello, got role {hello.role!r}"
+        if role == "worker" and _minor(hello.protocol_version) < _minor(m.PROTOCOL_VERSION):
+            # an older worker would decode newer commands and silently ignore their new fields (memory caps)
+            return (f"worker speaks protocol {hello.protocol_version} (dtorch {hello.package_version}), this "
+                    f"controller needs {m.PROTOCOL_VERSION} or newer from workers: upgrade dtorch-worker")
         return None
 
     def _send(self, s: Session, cmds: dict[str, list[m.Cmd]], out: Effects) -> None:
