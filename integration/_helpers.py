@@ -1,6 +1,12 @@
-"""Shared assertions for the integration tests."""
+"""Shared assertions for the integration tests, and starting/stopping a controller and workers with their CLIs."""
 
 from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,3 +19,59 @@ def assert_same(dt, expected, exact=True):
         assert torch.equal(got, expected), (got, expected)
     else:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _popen(argv: Sequence[str], env: dict[str, str], log: Path | None, popen: dict[str, Any]) -> subprocess.Popen:
+    """Output to `log` (stderr too), or to a pipe when there is none; the file is closed here, the child keeps it."""
+    if log is None:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, **popen)
+
+
+def start_controller(port_file: Path, env: dict[str, str], *args: str, log: Path | None = None,
+                     limit: float = 60.0, command: Sequence[str] = ("dtorch-controller",),
+                     **popen: Any) -> tuple[subprocess.Popen, str]:
+    """Start a controller on a free port and return it with its address, read from `port_file`.
+
+    The wait is bounded: a controller that exits or does not write the file within `limit` seconds is killed
+    and the error carries the end of its output, so that a failed start says why instead of hanging a test.
+    """
+    argv = [*command, "--listen", "127.0.0.1:0", "--port-file", str(port_file), *args]
+    proc = _popen(argv, env, log, popen)
+    deadline = time.monotonic() + limit
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            why = f"exited with {proc.returncode}" if proc.poll() is not None else f"no address within {limit:g}s"
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                out, _ = proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                out = ""
+            if log is not None:
+                out = log.read_bytes().decode(errors="replace")
+            raise RuntimeError(f"the controller did not start ({why}): {' '.join(argv)}\n{(out or '')[-3000:]}")
+        time.sleep(0.05)
+    return proc, port_file.read_text().strip()
+
+
+def start_worker(address: str, env: dict[str, str], *args: str, log: Path | None = None,
+                 command: Sequence[str] = ("dtorch-worker",), **popen: Any) -> subprocess.Popen:
+    """Start a worker that registers with the controller at `address`."""
+    return _popen([*command, "--controller", address, *args], env, log, popen)
+
+
+def stop_all(procs: Iterable[subprocess.Popen], grace: float = 10.0) -> None:
+    """Terminate the processes still running, in the order given, then kill those not gone after `grace` seconds:
+    a teardown that neither hangs nor leaves processes behind."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)

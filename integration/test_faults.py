@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import start_controller, start_worker, stop_all
+
 HERE = Path(__file__).parent
 ENV = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
 ENV["DTORCH_SNAPSHOT_BATCHES"] = "4"  # a few snapshots per run: both copies and the replayed log are used
@@ -92,9 +94,9 @@ def test_losing_every_copy_is_one_clear_error_naming_the_lost_tensors_and_their_
 # ---------------------------------------------------------------- processes started with the CLIs
 
 
-def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+# The controller and workers get a session of their own, so that signals sent to the test run (Ctrl-C) do not
+# reach them and only the fixture's teardown stops them.
+_DETACHED = {"stdin": subprocess.DEVNULL, "start_new_session": True}
 
 
 def _cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -106,19 +108,16 @@ def _cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.Co
 def cli_cluster(tmp_path):
     """A controller and 4 workers started with their CLIs, as an operator would."""
     env = {**ENV, "DTORCH_TOKEN": "fault-token"}
-    port_file = tmp_path / "addr"
-    procs = [_start([sys.executable, "-m", "dtorch_controller", "--listen", "127.0.0.1:0", "--port-file",
-                     str(port_file)], env, tmp_path / "controller.log")]
+    deadline = time.monotonic() + 60  # one bound for the controller, the workers registering and their logs
+    controller, address = start_controller(tmp_path / "addr", env, log=tmp_path / "controller.log",
+                                           limit=deadline - time.monotonic(),
+                                           command=[sys.executable, "-m", "dtorch_controller"], **_DETACHED)
+    procs = [controller]
     try:
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text()):
-            assert time.monotonic() < deadline and procs[0].poll() is None, "controller did not start"
-            time.sleep(0.05)
-        address = port_file.read_text()
         env["DTORCH_CONTROLLER"] = address
         for i in range(4):
-            procs.append(_start([sys.executable, "-m", "dtorch_worker", "--controller", address], env,
-                                tmp_path / f"worker{i}.log"))
+            procs.append(start_worker(address, env, log=tmp_path / f"worker{i}.log",
+                                      command=[sys.executable, "-m", "dtorch_worker"], **_DETACHED))
         while True:
             status = json.loads(_cli("status", "--json", env=env).stdout)
             if sum(w["state"] == "alive" for w in status["workers"]) == 4:
@@ -134,15 +133,10 @@ def cli_cluster(tmp_path):
             pids[log.read_text().split("dtorch-worker ", 1)[1].split()[0]] = p
         yield env, pids, tmp_path
     finally:
-        for p in procs:
+        for p in procs:  # a worker a test left stopped would not act on SIGTERM
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def test_a_sigstopped_worker_is_declared_lost_within_the_timeout_and_fenced_when_it_resumes(cli_cluster):

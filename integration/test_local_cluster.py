@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import start_controller, start_worker, stop_all
+
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.py"
 
@@ -57,27 +59,14 @@ def test_embedded_cluster_dies_with_a_killed_client():
 @pytest.fixture
 def standalone_cluster(tmp_path):
     env = {**os.environ, "DTORCH_TOKEN": "standalone-secret"}
-    port_file = tmp_path / "addr"
-    procs = [subprocess.Popen(["dtorch-controller", "--listen", "127.0.0.1:0", "--port-file", str(port_file)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    controller, address = start_controller(tmp_path / "addr", env, limit=30)
+    procs = [controller]
     try:
-        deadline = time.monotonic() + 30
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert time.monotonic() < deadline and procs[0].poll() is None, "controller did not start"
-            time.sleep(0.05)
-        address = port_file.read_text().strip()
         for _ in range(2):
-            procs.append(subprocess.Popen(["dtorch-worker", "--controller", address], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            procs.append(start_worker(address, env))
         yield address, env, procs
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def test_quickstart_against_running_controller(standalone_cluster):

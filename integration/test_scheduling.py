@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import start_controller, start_worker, stop_all
 from dtorch.protocol import messages as m
 from dtorch.protocol import wire
 
@@ -59,28 +60,21 @@ class Cluster:
         self.env.pop("DTORCH_CONTROLLER", None)
         self.procs: list[subprocess.Popen] = []
         self.workers: list[subprocess.Popen] = []
-        port_file = tmp / "controller.addr"
-        self.controller = self._start("controller", ["dtorch-controller", "--listen", "127.0.0.1:0",
-                                                     "--port-file", str(port_file), *controller_args])
-        deadline = time.monotonic() + WAIT_S
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert time.monotonic() < deadline and self.controller.poll() is None, "the controller did not start"
-            time.sleep(0.05)
-        self.address = port_file.read_text().strip()
+        self.controller, self.address = start_controller(tmp / "controller.addr", self.env, *controller_args,
+                                                         log=self._log("controller"), limit=WAIT_S)
+        self.procs.append(self.controller)
         self.stub = wire.Stub("dtorch.Controller", self.address, TOKEN)
         for _ in range(workers):
             self.add_worker()
         self.wait(lambda st: sum(w.state == "alive" for w in st.workers) == workers, "workers to register")
 
-    def _start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}-{len(self.procs)}.log", "w")
-        proc = subprocess.Popen(argv, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        log.close()
-        self.procs.append(proc)
-        return proc
+    def _log(self, name: str) -> Path:
+        """One log per process, numbered in the order they were started."""
+        return self.tmp / f"{name}-{len(self.procs)}.log"
 
     def add_worker(self) -> subprocess.Popen:
-        proc = self._start("worker", ["dtorch-worker", "--controller", self.address])
+        proc = start_worker(self.address, self.env, log=self._log("worker"))
+        self.procs.append(proc)
         self.workers.append(proc)
         return proc
 
@@ -115,15 +109,7 @@ class Cluster:
 
     def close(self) -> None:
         self.stub.close()
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_all(self.procs[::-1])  # the newest first: clients, then workers, then the controller
 
 
 def expect_line(proc: subprocess.Popen, line: str, limit: float = WAIT_S) -> None:
