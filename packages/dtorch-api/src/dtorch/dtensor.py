@@ -62,8 +62,11 @@ class DTensor(torch.Tensor):
     full_tensor = to_torch
 
     def to_torch_async(self) -> Future:
-        """Like `to_torch()`, but returns at once with a Future of the tensor."""
-        return self._session.fetch_async(self)
+        """Like `to_torch()`, but returns at once with a Future of the tensor as it is now: later in-place
+        writes do not show (the workers copy it first, as torch's non-blocking copies read the source now)."""
+        with torch.no_grad():
+            now = torch.ops.aten.clone.default(self)
+        return self._session.fetch_async(now)
 
     def tolist(self) -> Any:
         return self.to_torch().tolist()

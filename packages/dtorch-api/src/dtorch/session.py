@@ -86,6 +86,8 @@ class Session:
         self._placed: set[int] = set()
         self._workers: dict[str, wire.Stub] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dtorch-io")
+        # async fetches wait on pulls in `_pool`: they must not occupy its threads (a pool waiting on itself)
+        self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-fetch")
         self._seed, self._rng_counter = 0, 0
         self._wake = threading.Event()
         self._closed = False
@@ -267,7 +269,9 @@ class Session:
         return stacked.amax(0) if op == "max" else stacked.amin(0)
 
     def fetch_async(self, dt: DTensor) -> Future:
-        return self._pool.submit(self.fetch, dt)
+        """`fetch` in the background, in call order (`dt` should not change meanwhile: DTensor.to_torch_async
+        passes a copy)."""
+        return self._fetches.submit(self.fetch, dt)
 
     # ------------------------------------------------------------------ uploads
     def upload(self, tensor: torch.Tensor, spec: Spec) -> int:
@@ -320,6 +324,7 @@ class Session:
         self._closed = True
         self._wake.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fetches.shutdown(wait=False, cancel_futures=True)
         for stub in self._workers.values():
             stub.close()
         self.stub.close()
