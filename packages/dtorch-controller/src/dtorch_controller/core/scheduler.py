@@ -467,6 +467,8 @@ class Scheduler:
         as substitutes when there are enough for all they miss (rule 6)."""
         if not self.relocation or not self._frozen or not getattr(self.policy, "relocates", False):
             return
+        if not self.pool.free_total and not self.pool.shared_room():
+            return  # nothing to take (the usual case in a busy cluster): no walk over the frozen
         patience = getattr(self.policy, "relocate_after", 0.0) - _EPS
         for rank in sorted(self._frozen):
             if upto is not None and rank > upto:
