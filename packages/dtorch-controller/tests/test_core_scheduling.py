@@ -360,7 +360,7 @@ def test_a_waiting_request_of_a_better_rank_gets_a_free_device_before_a_frozen_s
 
 
 def test_a_frozen_session_waits_for_its_own_devices_when_the_policy_does_not_relocate(make_harness):
-    h = make_harness(policy=PriorityPolicy({"relocate": False}))
+    h = make_harness(policy=PriorityPolicy({"relocate": False, "relocate_after": 0}))  # only the flag keeps it frozen
     workers(h, 1)
     low = h.open_session(priority="low")
     assert h.open_mesh(low, 1, [0]).placed

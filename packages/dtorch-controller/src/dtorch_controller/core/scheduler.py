@@ -180,7 +180,7 @@ class Scheduler:
         self.decisions = 0  # placements, queueings, freezes, resumes (for benchmarks)
         self.growth = False  # the core can move logical devices: elastic tenants may grow (see _grow)
         self.relocation = False  # ... and frozen tenants may resume on substitutes (see _relocate)
-        self.relocations = 0  # frozen tenants resumed on substitutes (for status and the simulator)
+        self.relocations = 0  # frozen tenants resumed on substitutes (for tests and benchmarks, like `decisions`)
 
     # ------------------------------------------------------------ queries
 
