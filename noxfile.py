@@ -7,7 +7,13 @@ import nox
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-PACKAGES = ["packages/dtorch-api", "packages/dtorch-controller", "packages/dtorch-worker", "packages/dtorch-sim"]
+PACKAGES = [
+    "packages/dtorch-protocol",
+    "packages/dtorch-api",
+    "packages/dtorch-controller",
+    "packages/dtorch-worker",
+    "packages/dtorch-sim",
+]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
 TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest", "transformers"]
 

@@ -133,10 +133,10 @@ class CoreBench:
     """The controller core alone, on a fake clock: fake workers that report whatever they were sent as done."""
 
     def __init__(self, workers: int, per_node: int) -> None:
-        from dtorch.protocol import messages as m
-        from dtorch.protocol.wire import hello
         from dtorch_controller.core import Config, ControllerCore, counter_ids
         from dtorch_controller.core import events as ev
+        from dtorch_protocol import messages as m
+        from dtorch_protocol.wire import hello
 
         self.m, self.ev, self.hello = m, ev, hello
         config = Config(heartbeat_interval_s=1e6, heartbeat_timeout_s=1e7, session_timeout_s=0.0,

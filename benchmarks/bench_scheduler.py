@@ -21,10 +21,10 @@ import random
 import time
 from collections.abc import Callable
 
-from dtorch.protocol import messages as m
-from dtorch.protocol.wire import hello
 from dtorch_controller.core import Config, ControllerCore, counter_ids, make_policy
 from dtorch_controller.core import events as ev
+from dtorch_protocol import messages as m
+from dtorch_protocol.wire import hello
 
 SIZES = (1, 1, 2, 2, 4, 4, 8, 8, 16)
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from _helpers import start_controller, start_worker, stop_all
-from dtorch.protocol import messages as m
-from dtorch.protocol import wire
+from dtorch_protocol import messages as m
+from dtorch_protocol import wire
 
 TOKEN = "scheduling-secret"
 WAIT_S = 60.0  # bound on every wait in these tests

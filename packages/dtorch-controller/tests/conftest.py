@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from dtorch.protocol import messages as m
-from dtorch.protocol.wire import hello
 from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer, counter_ids
 from dtorch_controller.core import events as ev
+from dtorch_protocol import messages as m
+from dtorch_protocol.wire import hello
 
 
 class Harness:

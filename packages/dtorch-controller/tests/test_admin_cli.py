@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from dtorch.protocol import messages as m
-from dtorch.protocol import wire
 from dtorch_controller import cli, status_view
 from dtorch_controller.server import run_server
+from dtorch_protocol import messages as m
+from dtorch_protocol import wire
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ drain targets off the drained node, and a report advancing only the sessions tha
 
 from __future__ import annotations
 
-from dtorch.protocol import messages as m
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.pool import Pool
+from dtorch_protocol import messages as m
 
 
 def spec(shape, mesh=1, placements=("S0",), dtype="float32"):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dtorch.protocol import messages as m
 from dtorch_controller.core import events as ev
+from dtorch_protocol import messages as m
 
 
 def spec(shape, mesh=1, placements=("S0",), dtype="float32"):

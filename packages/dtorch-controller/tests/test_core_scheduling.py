@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dtorch.protocol import messages as m
-from dtorch.protocol.wire import hello
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.policies import FifoPolicy, LasPolicy, PolicyError, PriorityPolicy, make_policy
 from dtorch_controller.core.pool import Pool
 from dtorch_controller.core.scheduler import TENANT_TABLE, IllegalTenantTransition
+from dtorch_protocol import messages as m
+from dtorch_protocol.wire import hello
 
 QUIET = dict(heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6)  # workers never go suspect on their own
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dtorch.protocol import messages as m
-from dtorch.protocol.wire import hello
 from dtorch_controller.core import Config, ControllerCore, Refusal
 from dtorch_controller.core import events as ev
+from dtorch_protocol import messages as m
+from dtorch_protocol.wire import hello
 
 
 def spec(shape, mesh=1, placements=("S0",), dtype="float32"):

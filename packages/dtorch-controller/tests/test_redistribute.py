@@ -7,10 +7,10 @@ from functools import reduce
 
 import pytest
 
-from dtorch.layout import box_shape, coords, shard_box
-from dtorch.placement_types import Partial, Replicate, Shard
-from dtorch.protocol.messages import Piece, ShardPlan
 from dtorch_controller.core.redistribute import PlanError, parse_placements, plan_redistribute
+from dtorch_protocol.layout import box_shape, coords, shard_box
+from dtorch_protocol.messages import Piece, ShardPlan
+from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
 R, S0, S1, PSUM, PMAX = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")
 OPS = {"sum": sum, "max": max, "min": min, "avg": lambda xs: sum(xs) / len(xs)}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dtorch.protocol import messages as m
-from dtorch.protocol import wire
 from dtorch_controller.core import Config
 from dtorch_controller.server import run_server
+from dtorch_protocol import messages as m
+from dtorch_protocol import wire
 
 TOKEN = "s3cret"
 

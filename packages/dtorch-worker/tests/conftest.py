@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dtorch.layout import coords, shard_box
-from dtorch.placement_types import Placement
+from dtorch_protocol.layout import coords, shard_box
+from dtorch_protocol.placement_types import Placement
 from dtorch_worker.store import TensorStore
 
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dtorch.protocol import wire
-from dtorch.protocol.messages import (
+from dtorch_protocol import wire
+from dtorch_protocol.messages import (
     CmdCreate,
     CmdRun,
     Execute,

@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dtorch.placement_types import Replicate, Shard
-from dtorch.protocol.messages import (
+from dtorch_protocol.messages import (
     CmdCloseSession,
     CmdCreate,
     CmdDelete,
@@ -23,6 +22,7 @@ from dtorch.protocol.messages import (
     Piece,
     ShardPlan,
 )
+from dtorch_protocol.placement_types import Replicate, Shard
 from dtorch_worker.executor import Executor
 from dtorch_worker.store import Poison, TensorStore
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtorch.protocol import wire
-from dtorch.protocol.messages import CmdCloseSession, CmdCreate, CmdRun, Execute, PutChunk, ShardStats
-from dtorch.protocol.values import tensor_to_bytes
+from dtorch_protocol import wire
+from dtorch_protocol.messages import CmdCloseSession, CmdCreate, CmdRun, Execute, PutChunk, ShardStats
+from dtorch_protocol.values import tensor_to_bytes
 from dtorch_worker.executor import Executor
 from dtorch_worker.server import WorkerService
 from dtorch_worker.store import Poison, TensorStore, cap_message, format_bytes

@@ -9,9 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dtorch.placement_types import Shard
-from dtorch.protocol import wire
-from dtorch.protocol.messages import (
+from dtorch_protocol import wire
+from dtorch_protocol.messages import (
     CmdCreate,
     CmdExpectReads,
     CmdRedistribute,
@@ -22,6 +21,7 @@ from dtorch.protocol.messages import (
     PullRequest,
     ShardPlan,
 )
+from dtorch_protocol.placement_types import Shard
 from dtorch_worker.server import WorkerHandle, start_worker
 from dtorch_worker.store import Poison
 from dtorch_worker.transfer import put_chunks, receive_chunks

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dtorch.protocol import wire
-from dtorch.protocol.messages import (
+from dtorch_protocol import wire
+from dtorch_protocol.messages import (
     CmdAbandon,
     CmdCreate,
     CmdFetchShards,

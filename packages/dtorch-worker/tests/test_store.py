@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dtorch.protocol.messages import ErrorReport, ShardStats
+from dtorch_protocol.messages import ErrorReport, ShardStats
 from dtorch_worker.store import Poison, ShardMissing, TensorStore
 
 

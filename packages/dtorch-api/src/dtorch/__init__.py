@@ -4,8 +4,8 @@
     mesh = dtorch.DeviceMesh("cpu", [0, 1])
     x = dtorch.rand((4, 3), device_mesh=mesh, placements=[dtorch.Shard(0)])
 
-Names follow `torch.distributed.tensor`. Heavy modules load on first use, so
-`import dtorch.protocol` (the controller's view of dtorch) never imports torch.
+Names follow `torch.distributed.tensor`. Heavy modules load on first use; the wire protocol lives in the
+torch-free `dtorch_protocol` package.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 from dtorch._version import __version__
-from dtorch.placement_types import Partial, Placement, Replicate, Shard
+from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 _LAZY = {
     "DeviceMesh": "dtorch.device_mesh",

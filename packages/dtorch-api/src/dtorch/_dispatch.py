@@ -33,10 +33,10 @@ from torch.utils._mode_utils import no_dispatch
 from dtorch import _rules, _sharding
 from dtorch._source import user_src
 from dtorch._spec import Spec
-from dtorch.layout import coords, shard_box
-from dtorch.placement_types import Partial, Replicate
-from dtorch.protocol import messages as m
-from dtorch.protocol.values import encode_value
+from dtorch_protocol import messages as m
+from dtorch_protocol.layout import coords, shard_box
+from dtorch_protocol.placement_types import Partial, Replicate
+from dtorch_protocol.values import encode_value
 
 if TYPE_CHECKING:
     from dtorch.dtensor import DTensor

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dtorch.errors import ClusterError
-from dtorch.protocol import wire
+from dtorch_protocol import wire
 
 if TYPE_CHECKING:
     from dtorch.session import Session

@@ -19,8 +19,8 @@ import torch
 from dtorch._sharding import NoRule, Propagation, meta_specs
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
-from dtorch.layout import coords, shard_box
-from dtorch.placement_types import Partial, Placement, Replicate, Shard
+from dtorch_protocol.layout import coords, shard_box
+from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
 _R = Replicate()

@@ -22,8 +22,8 @@ from torch.distributed.tensor._op_schema import OpSchema
 
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
-from dtorch.layout import box_shape, coords, shard_box
-from dtorch.placement_types import Partial, Placement, Replicate, Shard
+from dtorch_protocol.layout import box_shape, coords, shard_box
+from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 _prop = _TorchDTensor._op_dispatcher.sharding_propagator
 

@@ -9,9 +9,9 @@ from functools import cached_property
 import torch
 
 from dtorch.device_mesh import DeviceMesh
-from dtorch.placement_types import Partial, Placement, Replicate, Shard
-from dtorch.protocol import messages as m
-from dtorch.protocol.values import dtype_name
+from dtorch_protocol import messages as m
+from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
+from dtorch_protocol.values import dtype_name
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

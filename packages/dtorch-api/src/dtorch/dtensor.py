@@ -17,9 +17,9 @@ from dtorch import _dispatch
 from dtorch._source import user_src
 from dtorch._spec import Spec, normalize_placements
 from dtorch.device_mesh import DeviceMesh
-from dtorch.placement_types import Partial, Placement, Replicate
-from dtorch.protocol import messages as m
 from dtorch.session import Session
+from dtorch_protocol import messages as m
+from dtorch_protocol.placement_types import Partial, Placement, Replicate
 
 
 class DTensor(torch.Tensor):

@@ -15,10 +15,10 @@ from dtorch._source import user_src
 from dtorch._spec import Spec, contiguous_stride, normalize_placements
 from dtorch.device_mesh import DeviceMesh
 from dtorch.dtensor import DTensor
-from dtorch.placement_types import Placement, Replicate
-from dtorch.protocol import messages as m
-from dtorch.protocol.values import dtype_name, tensor_to_bytes
 from dtorch.runtime import get_session
+from dtorch_protocol import messages as m
+from dtorch_protocol.placement_types import Placement, Replicate
+from dtorch_protocol.values import dtype_name, tensor_to_bytes
 
 _RANDOM = ("rand", "randn")
 

@@ -13,9 +13,9 @@ import threading
 
 from dtorch.errors import ClusterError
 from dtorch.local_cluster import LocalCluster
-from dtorch.protocol import messages as m
-from dtorch.protocol import wire
 from dtorch.session import Session
+from dtorch_protocol import messages as m
+from dtorch_protocol import wire
 
 _lock = threading.RLock()
 _session: Session | None = None

@@ -21,11 +21,12 @@ import grpc
 import torch
 
 from dtorch._relocate import Moved, Watch, relocating
+from dtorch._version import __version__
 from dtorch.errors import ClusterError, DTorchError, RemoteOpError
-from dtorch.layout import coords, gather_groups, holds_value, shard_box
-from dtorch.protocol import messages as m
-from dtorch.protocol import wire
-from dtorch.protocol.values import dtype_name, tensor_from_bytes, tensor_to_bytes
+from dtorch_protocol import messages as m
+from dtorch_protocol import wire
+from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
+from dtorch_protocol.values import dtype_name, tensor_from_bytes, tensor_to_bytes
 
 if TYPE_CHECKING:
     from dtorch._spec import Spec
@@ -65,7 +66,7 @@ class Session:
         self.timeout = _env_float("DTORCH_TIMEOUT", 300.0)  # bound on any single wait for workers
         self.stub = wire.Stub("dtorch.Controller", controller, self.token)
         try:
-            opened = self.stub.call("OpenSession", m.OpenSession(hello=wire.hello("client"), name=name,
+            opened = self.stub.call("OpenSession", m.OpenSession(hello=wire.hello("client", __version__), name=name,
                                                                   priority=priority, kind=kind, memory_cap=memory_cap),
                                     timeout=10.0)
         except ConnectionError:

@@ -22,8 +22,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtorch.local_cluster import watch_parent
-from dtorch.protocol import wire
+from dtorch_protocol import wire
+from dtorch_protocol.process import watch_parent
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 WATCHDOG_INTERVAL_S = 0.5
@@ -115,8 +115,8 @@ def _ask(args: argparse.Namespace, method: str, request: object, timeout: float)
 
 
 def status(args: argparse.Namespace) -> int:
-    from dtorch.protocol import messages as m
     from dtorch_controller import status_view
+    from dtorch_protocol import messages as m
 
     reply = _ask(args, "Status", m.StatusRequest(), args.timeout)
     if reply is None:
@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def admin(args: argparse.Namespace) -> int:
     """`drain` and `migrate`: one request, answered when the move is done; one line on refusal."""
-    from dtorch.protocol import messages as m
     from dtorch_controller import status_view
+    from dtorch_protocol import messages as m
 
     if args.command == "drain":
         method, request = "Drain", m.DrainRequest(worker=args.worker, timeout_s=args.timeout)

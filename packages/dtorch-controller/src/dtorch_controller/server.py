@@ -20,13 +20,13 @@ from typing import Any
 
 import grpc
 
-from dtorch.protocol import messages as m
-from dtorch.protocol import wire
 from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.config import format_seconds
 from dtorch_controller.core.policies import Policy
 from dtorch_controller.timers import TimerThread
+from dtorch_protocol import messages as m
+from dtorch_protocol import wire
 
 log = logging.getLogger("dtorch_controller.server")
 

@@ -8,7 +8,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from dtorch.protocol import messages as m
+from dtorch_protocol import messages as m
 
 
 def human_bytes(n: int) -> str:

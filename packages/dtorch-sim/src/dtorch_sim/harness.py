@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from dtorch.protocol import messages as m
 from dtorch_controller.core import Config, ControllerCore, counter_ids
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
 from dtorch_controller.core import state as st
+from dtorch_protocol import messages as m
 from dtorch_sim.jobs import GB, JobRecord, JobSpec, generate, job, node_groups
 from dtorch_sim.policies import make_policy
 from dtorch_sim.scenario import Elastic, Fault, NodeGroup, Scenario

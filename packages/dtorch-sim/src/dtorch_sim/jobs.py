@@ -22,9 +22,9 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from dtorch.protocol import messages as m
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
+from dtorch_protocol import messages as m
 from dtorch_sim import __version__
 from dtorch_sim.scenario import NodeGroup, Scenario, Workload
 

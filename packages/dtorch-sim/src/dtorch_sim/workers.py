@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 
-from dtorch.protocol import messages as m
 from dtorch_controller.core import events as ev
+from dtorch_protocol import messages as m
 from dtorch_sim import __version__
 from dtorch_sim.jobs import STEP_OP
 

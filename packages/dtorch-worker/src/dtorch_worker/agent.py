@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from dtorch.protocol import wire
-from dtorch.protocol.messages import Registered, RegisterWorker, ReportReply, WorkerReport
+from dtorch_protocol import wire
+from dtorch_protocol.messages import Registered, RegisterWorker, ReportReply, WorkerReport
+from dtorch_worker import __version__
 from dtorch_worker.executor import Executor
 from dtorch_worker.store import TensorStore
 
@@ -67,7 +68,7 @@ class Agent:
     def register(self, address: str, device_type: str, memory_bytes: int, labels: dict[str, str],
                  attempts: int = 10, delay_s: float = 0.25) -> Registered:
         """Register, retrying while the controller is unreachable; raises ControllerUnreachable at the end."""
-        request = RegisterWorker(hello=wire.hello("worker"), address=address, device_type=device_type,
+        request = RegisterWorker(hello=wire.hello("worker", __version__), address=address, device_type=device_type,
                                  memory_bytes=memory_bytes, labels=dict(labels))
         last: Exception | None = None
         for attempt in range(max(attempts, 1)):

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dtorch.local_cluster import watch_parent
-from dtorch.protocol import wire
+from dtorch_protocol import wire
+from dtorch_protocol.process import watch_parent
 from dtorch_worker.agent import Agent, ControllerUnreachable, device_memory_bytes
 from dtorch_worker.server import start_worker
 

@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 import torch
 
-from dtorch.protocol.messages import (
+from dtorch_protocol.messages import (
     Cmd,
     CmdAbandon,
     CmdCloseSession,
@@ -55,7 +55,7 @@ from dtorch.protocol.messages import (
     ShardPlan,
     ShardsRequest,
 )
-from dtorch.protocol.values import decode_value, dtype_from_name
+from dtorch_protocol.values import decode_value, dtype_from_name
 from dtorch_worker import shards
 from dtorch_worker.ops import resolve_op
 from dtorch_worker.store import Poison, ShardMissing, TensorStore, cap_message, describe

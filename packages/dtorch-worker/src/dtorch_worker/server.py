@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from dtorch.protocol import wire
-from dtorch.protocol.messages import Ack, Chunk, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol import wire
+from dtorch_protocol.messages import Ack, Chunk, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_worker import shards
 from dtorch_worker.executor import Executor, one_line
 from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from dtorch.protocol import wire
-from dtorch.protocol.messages import ShardsChunk, ShardView
-from dtorch.protocol.values import dtype_from_name, dtype_name
+from dtorch_protocol import wire
+from dtorch_protocol.messages import ShardsChunk, ShardView
+from dtorch_protocol.values import dtype_from_name, dtype_name
 from dtorch_worker.store import Poison, Shard
 
 Item = tuple[int, int, Shard]  # (tid, logical device, shard)

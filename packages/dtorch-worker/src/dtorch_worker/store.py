@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtorch.protocol.messages import ErrorReport, ShardStats
+from dtorch_protocol.messages import ErrorReport, ShardStats
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
 Storage = tuple[tuple[str, int], int]  # (identity: device and address, byte size) of a shard's storage

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from dtorch.protocol import wire
-from dtorch.protocol.messages import Chunk, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
-from dtorch.protocol.values import dtype_from_name, dtype_name, tensor_from_bytes
+from dtorch_protocol import wire
+from dtorch_protocol.messages import Chunk, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol.values import dtype_from_name, dtype_name, tensor_from_bytes
 from dtorch_worker import shards
 from dtorch_worker.store import Poison
 

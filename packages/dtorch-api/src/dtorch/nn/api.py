@@ -27,7 +27,7 @@ from dtorch.device_mesh import DeviceMesh
 from dtorch.dtensor import DTensor
 from dtorch.factories import distribute_tensor
 from dtorch.nn.style import ParallelStyle
-from dtorch.placement_types import Placement, Replicate, Shard
+from dtorch_protocol.placement_types import Placement, Replicate, Shard
 
 
 def _mesh_dim(mesh: DeviceMesh, dim: int | str) -> int:

@@ -6,7 +6,7 @@ Works for any model whose module names follow transformers' Llama layout (Llama,
 from __future__ import annotations
 
 from dtorch.nn.style import ColwiseParallel, ParallelStyle, RowwiseParallel
-from dtorch.placement_types import Replicate
+from dtorch_protocol.placement_types import Replicate
 
 
 def llama_tp_plan() -> dict[str, ParallelStyle]:

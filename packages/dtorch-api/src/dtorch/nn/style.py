@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtorch.placement_types import Placement, Replicate, Shard
+from dtorch_protocol.placement_types import Placement, Replicate, Shard
 
 
 @dataclass(frozen=True)

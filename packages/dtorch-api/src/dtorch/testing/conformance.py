@@ -189,7 +189,7 @@ def placement_combos(shapes: Sequence[torch.Size], max_combos: int = 3, partial_
     its size is > 1 (sizes below the mesh size give empty shards, which is part of the test).
     With `partial_at` (the `--partial` option), one more: that tensor as Partial("sum"), others Replicate.
     """
-    from dtorch.placement_types import Partial, Replicate, Shard
+    from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
     dims = [[d for d, n in enumerate(s) if n > 1] for s in shapes]
     rep = tuple(Replicate() for _ in shapes)
@@ -319,7 +319,7 @@ def run_variant(op: Any, kind: str, sample: Any, expected: torch.Tensor, combo: 
             target = inputs[0]
             got = _call(op.inplace_variant, inputs)
         else:
-            from dtorch.placement_types import Replicate
+            from dtorch_protocol.placement_types import Replicate
 
             like = inputs[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].shape == expected.shape else None
             placements = like.placements if like is not None and not any(p.is_partial() for p in like.placements) \

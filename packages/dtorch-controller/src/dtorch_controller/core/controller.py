@@ -29,8 +29,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from dtorch.protocol import messages as m
-from dtorch.protocol.wire import ProtocolError, check_hello
 from dtorch_controller import __version__
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import elastic
@@ -43,6 +41,8 @@ from dtorch_controller.core.model import Mesh, PendingSync, Session, Worker
 from dtorch_controller.core.policies import Policy, make_policy
 from dtorch_controller.core.recovery import Faults
 from dtorch_controller.core.scheduler import Changes, Scheduler
+from dtorch_protocol import messages as m
+from dtorch_protocol.wire import ProtocolError, check_hello
 
 Effects = list[fx.Effect]
 

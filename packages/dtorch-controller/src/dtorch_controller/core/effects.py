@@ -10,7 +10,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dtorch.protocol import messages as m
+from dtorch_protocol import messages as m
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from dtorch.protocol import messages as m
+from dtorch_protocol import messages as m
 
 RequestId = Hashable
 

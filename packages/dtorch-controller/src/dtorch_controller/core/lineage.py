@@ -26,10 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtorch.layout import shard_box
-from dtorch.protocol import messages as m
 from dtorch_controller.core.model import Mesh
 from dtorch_controller.core.redistribute import parse_placements
+from dtorch_protocol import messages as m
+from dtorch_protocol.layout import shard_box
 
 ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
             "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,

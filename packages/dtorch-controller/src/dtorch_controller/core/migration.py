@@ -34,13 +34,13 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dtorch.protocol import messages as m
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
 from dtorch_controller.core import state as st
 from dtorch_controller.core.lineage import shard_bytes, tensors_on
 from dtorch_controller.core.model import Session, Worker
 from dtorch_controller.core.pool import node_of
+from dtorch_protocol import messages as m
 
 if TYPE_CHECKING:
     from dtorch_controller.core.recovery import Faults

@@ -6,9 +6,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from dtorch.layout import coords
-from dtorch.protocol import messages as m
 from dtorch_controller.core import state as st
+from dtorch_protocol import messages as m
+from dtorch_protocol.layout import coords
 
 
 @dataclass(frozen=True)

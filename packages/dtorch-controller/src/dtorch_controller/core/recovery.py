@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dtorch.protocol import messages as m
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import state as st
 from dtorch_controller.core.lineage import (
@@ -60,6 +59,7 @@ from dtorch_controller.core.lineage import (
 from dtorch_controller.core.model import Session, Worker
 from dtorch_controller.core.pool import node_of
 from dtorch_controller.core.translate import Batch, translate
+from dtorch_protocol import messages as m
 
 if TYPE_CHECKING:
     from dtorch_controller.core.controller import ControllerCore

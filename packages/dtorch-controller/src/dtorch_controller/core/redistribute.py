@@ -24,9 +24,9 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
-from dtorch.layout import Box, box_shape, coords, intersect, shard_box
-from dtorch.placement_types import Partial, Placement, placement_from_wire
-from dtorch.protocol.messages import Piece, ShardPlan
+from dtorch_protocol.layout import Box, box_shape, coords, intersect, shard_box
+from dtorch_protocol.messages import Piece, ShardPlan
+from dtorch_protocol.placement_types import Partial, Placement, placement_from_wire
 
 MeshKey = tuple[tuple[int, ...], tuple[int, ...]]  # (logical devices row-major, mesh shape)
 Where = tuple[tuple[int, str, str], ...]  # (logical device, worker id, worker address), sorted by device

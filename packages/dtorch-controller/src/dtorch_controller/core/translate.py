@@ -13,12 +13,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtorch.layout import holds_value, shard_box
-from dtorch.placement_types import Placement
-from dtorch.protocol import messages as m
 from dtorch_controller.core import state as st
 from dtorch_controller.core.model import DeferredDelete, Mesh, Session, Worker
 from dtorch_controller.core.redistribute import PlanError, check_layout, parse_placements, plan_redistribute
+from dtorch_protocol import messages as m
+from dtorch_protocol.layout import holds_value, shard_box
+from dtorch_protocol.placement_types import Placement
 
 
 class InstrError(Exception):

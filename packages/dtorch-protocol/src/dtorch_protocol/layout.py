@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from itertools import product
 
-from dtorch.placement_types import Placement
+from dtorch_protocol.placement_types import Placement
 
 Box = tuple[tuple[int, int], ...]
 

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from dtorch.layout import chunk_range, coords, gather_groups, holds_value, intersect, shard_box
-from dtorch.placement_types import Partial, Replicate, Shard, placement_from_wire
+from dtorch_protocol.layout import chunk_range, coords, gather_groups, holds_value, intersect, shard_box
+from dtorch_protocol.placement_types import Partial, Replicate, Shard, placement_from_wire
 
 
 @pytest.mark.parametrize("n,parts", [(0, 3), (3, 4), (5, 4), (8, 4), (7, 2), (1, 1)])

@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 import msgspec
 
-from dtorch.protocol import messages as m
+from dtorch_protocol import messages as m
+from dtorch_protocol._version import __version__
 
 TOKEN_HEADER = "dtorch-token"
 CHUNK_BYTES = 4 << 20  # tensor payloads move in 4 MiB pieces, far below the message limit
@@ -82,14 +83,9 @@ def decode(kind: type, data: bytes) -> Any:
 # ---------------------------------------------------------------- versions and tokens
 
 
-def package_version() -> str:
-    from dtorch import __version__
-
-    return __version__
-
-
-def hello(role: str) -> m.Hello:
-    return m.Hello(protocol_version=m.PROTOCOL_VERSION, package_version=package_version(), role=role)
+def hello(role: str, package_version: str = __version__) -> m.Hello:
+    """The Hello a `role` ("client" | "worker") opens with; `package_version` is the sender's own package."""
+    return m.Hello(protocol_version=m.PROTOCOL_VERSION, package_version=package_version, role=role)
 
 
 def check_hello(h: m.Hello, ours: str = m.PROTOCOL_VERSION) -> None:
@@ -98,7 +94,7 @@ def check_hello(h: m.Hello, ours: str = m.PROTOCOL_VERSION) -> None:
     if theirs_major != ours.split(".", 1)[0]:
         raise ProtocolError(
             f"protocol version mismatch: {h.role} speaks {h.protocol_version} "
-            f"(dtorch {h.package_version}), this side speaks {ours} (dtorch {package_version()})")
+            f"(package {h.package_version}), this side speaks {ours}")
 
 
 def token_from_env() -> str:

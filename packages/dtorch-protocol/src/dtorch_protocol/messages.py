@@ -1,6 +1,6 @@
 """Every message DTorch sends, in one place: the single source of truth for the wire.
 
-Messages are msgspec Structs encoded as msgpack maps. `dtorch.protocol.wire.decode`
+Messages are msgspec Structs encoded as msgpack maps. `dtorch_protocol.wire.decode`
 validates each one on receipt against these types, so a malformed message is
 refused with the field path that was wrong. Nothing here imports torch.
 
@@ -10,7 +10,7 @@ client and unique within its session; a shard on a worker is keyed by
 `(session, tid, device)` where `device` is the logical device id.
 
 Op arguments (`args`, `kwargs`) are plain msgpack values in which a few map forms
-stand for torch values (see `dtorch.protocol.values`): `{"$t": tid}` a DTensor's
+stand for torch values (see `dtorch_protocol.values`): `{"$t": tid}` a DTensor's
 local shard, `{"$dtype": "float32"}`, `{"$device": "cpu"}`, `{"$layout": ...}`,
 `{"$mf": ...}` (memory format), `{"$lit": [dtype, shape, bytes]}` a small plain
 tensor, `{"$c": [re, im]}` a complex number.
