@@ -15,7 +15,7 @@ PACKAGES = [
     "packages/dtorch-sim",
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest", "transformers"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest", "transformers", "import-linter"]
 
 
 def install(session: nox.Session, *extra: str) -> None:
@@ -39,8 +39,12 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    """ruff, and the import contracts of `.importlinter` (the packages are installed without their dependencies:
+    lint-imports reads their source)."""
+    session.install("ruff", "import-linter")
+    session.install("--no-deps", *[arg for p in PACKAGES for arg in ("-e", p)])
     session.run("ruff", "check", ".")
+    session.run("lint-imports")
 
 
 @nox.session

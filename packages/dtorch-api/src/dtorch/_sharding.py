@@ -5,12 +5,12 @@ alone, with process-group-free meshes. Everything private we touch is in this fi
 `ShardingPropagator`, `OpSchema`, `DTensorSpec`, `TensorMeta`. When torch has no rule, or
 answers with private placements (`_StridedShard`, `_MaskPartial`), we raise `NoRule` and
 the caller falls back to running the op on replicated inputs, which is always correct.
+Rules DTorch writes itself are registered in `_registry` and read here before torch's.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,16 +20,13 @@ from torch.distributed.tensor import placement_types as tp
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
+from dtorch._registry import NoRule, Propagation, rule_for
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.layout import box_shape, coords, shard_box
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 _prop = _TorchDTensor._op_dispatcher.sharding_propagator
-
-
-class NoRule(Exception):
-    """torch has no usable sharding rule for this op and these placements."""
 
 
 def _to_torch(p: Placement) -> Any:
@@ -67,17 +64,6 @@ def _convert(tree: Any, fn: Any) -> Any:
     return pytree.tree_map(lambda v: fn(v) if isinstance(v, (Spec, DTensorSpec)) else v, tree)
 
 
-@dataclass
-class Propagation:
-    """torch's answer, in our types: what to run, on which input layouts, giving which outputs."""
-
-    op: Any  # OpOverload to run (torch may rewrite it, e.g. squeeze -> squeeze.dims)
-    args: tuple  # Specs (required input layouts) and non-tensor values, as for device 0
-    kwargs: dict
-    rank_args: list[tuple[tuple, dict]] | None  # per mesh position, where non-tensor args differ by device
-    outputs: Any  # Spec | None | list/tuple of (Spec | None), mirroring the op's return
-
-
 def _schema(func: Any, args: tuple, kwargs: dict, rank: int) -> OpSchema:
     info = _prop.op_to_schema_info.get(func) or _prop.op_to_schema_info_for_single_dim_strategy.get(func)
     to_torch = lambda s: _torch_spec(s, rank)  # noqa: E731
@@ -109,9 +95,7 @@ def _apply_suggestion(func: Any, args: tuple, kwargs: dict, out: Any, mesh: Devi
 
 def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     """Sharding propagation for `func` on args whose DTensors are replaced by their Specs."""
-    from dtorch._rules import RULES  # our own rules where torch has none
-
-    rule = RULES.get(func)
+    rule = rule_for(func)  # our own rules (registered in `_registry`) where torch has none
     if rule is not None:
         return rule(func, args, kwargs, mesh)
     if func is _aten.fill_.Scalar and isinstance(args[0], Spec) and args[0].has_partial():
