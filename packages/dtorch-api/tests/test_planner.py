@@ -8,7 +8,7 @@ import torch
 
 from dtorch import _planner, _registry
 from dtorch._planner import MixedMeshes, Planner, plan
-from dtorch._registry import NoRule, Propagation
+from dtorch._registry import NoRule, Propagation, Refused
 from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
@@ -22,7 +22,7 @@ def test_a_sharded_add_moves_nothing_and_takes_the_fast_path(spec, mesh2):
     assert p.inputs == [None, None]
     assert p.outputs.placements == (Shard(0),) and p.outputs.shape == (4, 3)
     assert p.args == [{"$t": 0}, {"$t": 1}] and p.kwargs == {}
-    assert p.fast == ([(0, 0), (1, 1)], p.outputs)
+    assert p.encode is not None
 
 
 def test_inputs_that_must_move_are_named_with_their_target_layout(spec, mesh2):
@@ -32,7 +32,7 @@ def test_inputs_that_must_move_are_named_with_their_target_layout(spec, mesh2):
     assert len(moved) == 1
     target = p.inputs[moved[0]]
     assert target.placements == p.outputs.placements and target.shape == (4, 3)
-    assert p.fast is None  # moves go through the general path
+    assert p.encode is None  # moves go through the general path
 
 
 def test_matmul_of_a_contracted_shard_gives_a_partial_sum(spec, mesh2):
@@ -65,7 +65,7 @@ def test_random_ops_run_replicated_under_a_seed(spec, mesh2):
 def test_in_place_ops_name_the_leaves_they_write(spec, mesh2):
     a, b = spec((4,), [Shard(0)], mesh2), spec((4,), [Shard(0)], mesh2)
     p = plan(aten.add_.Tensor, (a, b), {})
-    assert p.inplace and p.mutated == frozenset({0}) and p.fast is None
+    assert p.inplace and p.mutated == frozenset({0}) and p.encode is None
 
 
 def test_out_tensors_shaped_unlike_the_result_take_the_out_route(spec, mesh2):
@@ -127,3 +127,38 @@ def test_dtorchs_own_attention_rules_are_registered():
     assert _registry.rule_for(aten._scaled_dot_product_flash_attention_for_cpu.default) is not None
     assert _registry.rule_for(aten._scaled_dot_product_flash_attention_for_cpu_backward.default) is not None
     assert _planner.WORKER_NAMESPACES == ("aten", "prims")
+
+
+# The ops docs/architecture.md lists under "Ops that run on the client": each takes the route it says.
+def _client_ops(spec, mesh):
+    f, i, b = (spec((8,), [Shard(0)], mesh, dtype) for dtype in (torch.float32, torch.int64, torch.bool))
+    return [
+        (aten._local_scalar_dense.default, (spec((), None, mesh),), {}, "sync"),
+        (aten.is_nonzero.default, (spec((), None, mesh),), {}, "sync"),
+        (aten.equal.default, (f, f), {}, "sync"),
+        (aten.nonzero.default, (f,), {}, "local"),
+        (aten._unique2.default, (f,), {}, "local"),
+        (aten.unique_consecutive.default, (f,), {}, "local"),
+        (aten.unique_dim.default, (spec((4, 2), None, mesh), 0), {}, "local"),
+        (aten.masked_select.default, (f, b), {}, "local"),
+        (aten.bincount.default, (i,), {}, "local"),
+        (aten.repeat_interleave.Tensor, (i,), {}, "local"),
+        (aten.index.Tensor, (f, [b]), {}, "local"),  # x[mask]
+    ]
+
+
+def test_the_documented_client_side_ops_take_the_sync_or_local_route(spec, mesh2):
+    for op, args, kwargs, route in _client_ops(spec, mesh2):
+        p = plan(op, args, kwargs)
+        assert (p.route, p.why) == (route, _planner.PYTHON_VALUE if route == "sync" else _planner.VALUE_DEPENDENT), op
+
+
+def test_shapes_or_dtypes_torch_refuses_are_refused_with_torchs_own_error(spec, mesh2):
+    with pytest.raises(Refused) as info:
+        plan(aten.mm.default, (spec((4, 3), [Shard(0)], mesh2), spec((5, 2), [Replicate()], mesh2)), {})
+    assert info.value.error_type is RuntimeError
+    assert info.value.message == "a and b must have same reduction dim, but got [4, 3] X [5, 2]."
+    with pytest.raises(Refused):
+        plan(aten.linalg_inv.default, (spec((3, 3), None, mesh2, torch.int64),), {})
+    with pytest.raises(Refused):
+        plan(aten.add.Tensor, (spec((4, 3), [Shard(0)], mesh2), spec((4, 5), [Shard(0)], mesh2)), {})

@@ -129,3 +129,21 @@ def test_close_stops_the_sender_thread(controller):
     s.close()
     s._sender.join(5.0)
     assert not s._sender.is_alive()
+
+
+def test_records_are_encoded_by_the_flushing_thread_in_queue_order(stream, controller):
+    stream.emit(create(1))
+    stream.emit((lambda r: create(r[1] * 10), 2))
+    stream.emit(create(3))
+    stream.flush()
+    assert sent(controller) == [create(1), create(20), create(3)]
+
+
+def test_a_record_that_cannot_be_encoded_breaks_the_stream(stream, controller):
+    def broken(record):
+        raise ValueError("no")
+
+    stream.emit((broken,))
+    with pytest.raises(ClusterError, match="could not encode an instruction for the controller: ValueError"):
+        stream.flush()
+    assert stream.broken

@@ -15,16 +15,20 @@ This module and `dtensor` are the one pair of client modules that import each ot
 
 from __future__ import annotations
 
+import math
+from sys import _getframe
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
-from dtorch import _planner, dtensor
+from dtorch import _planner
 from dtorch._planner import MixedMeshes, Plan, out_plan, outs, writes
-from dtorch._source import user_src
+from dtorch._registry import Refused
+from dtorch._source import SKIP, caller, user_src
 from dtorch._spec import Spec, contiguous_stride
+from dtorch.errors import DTorchError, describe_src, env_int
 from dtorch_protocol import messages as m
 from dtorch_protocol.placement_types import Replicate
 from dtorch_protocol.values import dtype_name, tensor_to_bytes
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
 LITERAL_MAX_NUMEL = 1 << 16  # plain tensors up to this size travel inside the instruction
 
 planner = _planner.Planner()
+_cached = planner.get
 
 
 class _Plain(Exception):
@@ -52,7 +57,7 @@ def _key(v: Any, leaves: list) -> Any:
         return t, v
     if t is dtensor.DTensor:
         leaves.append(v)
-        return v._spec.key
+        return v._spec.sid
     if t is list or t is tuple or t is torch.Size:
         return t, tuple([_key(x, leaves) for x in v])
     if t is dict:
@@ -62,7 +67,7 @@ def _key(v: Any, leaves: list) -> Any:
         if spec is None:
             raise _Plain
         leaves.append(v)
-        return spec.key
+        return spec.sid
     raise TypeError(f"DTorch cannot pass a {t.__name__} to an op")
 
 
@@ -145,32 +150,107 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return pytree.tree_map(lift, args), pytree.tree_map(lift, kwargs)
 
 
-def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+_FLAT = (int, float, bool, type(None))
+_TORCH_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)  # what torch raises about shapes and dtypes
+LOCAL_MAX_BYTES = 64 << 20  # default bound on what one op may fetch to run on the client (DTORCH_LOCAL_MAX_BYTES)
+
+
+def _check_local_size(func: Any, why: str, leaves: list[DTensor]) -> None:
+    """Refuse to fetch more than DTORCH_LOCAL_MAX_BYTES to run one op on the client."""
+    specs = {d._tid: d._spec for d in leaves}.values()
+    size = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
+    limit = env_int("DTORCH_LOCAL_MAX_BYTES", LOCAL_MAX_BYTES)
+    if size > limit:
+        raise DTorchError(f"dtorch: {func} {why}, so it runs on the client on its fetched inputs, {_mib(size)}: "
+                          f"above the local-route limit of {_mib(limit)} (set DTORCH_LOCAL_MAX_BYTES to allow it)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
+
+
+def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """`DTensor.__torch_dispatch__`. The hot path, for an op whose arguments are DTensors and numbers and whose
+    plan is cached and fast: key (the op, each DTensor's spec id, each number with its type), a tensor id, the
+    user's line, one record queued (the sender thread encodes it), the output wrapper. Nothing else.
+    (Keys hold the op's id, not the op: OpOverload's `__hash__` is Python; the plan holds the op, so the id
+    stays its own while the key is cached.)"""
+    if kwargs:
+        return dispatch(func, args, kwargs)
+    if len(args) == 2 and type(args[0]) is cls and type(args[1]) is cls:  # binary ops: most of a model's
+        a, b = args
+        key: Any = (id(func), a._spec.sid, b._spec.sid)
+        tids: Any = (a._tid, b._tid)
+    else:
+        key, tids = [id(func)], []
+        for a in args:
+            t = type(a)
+            if t is cls:
+                key.append(a._spec.sid)
+                tids.append(a._tid)
+            elif t in _FLAT:
+                key.append((t, a))
+            else:
+                return dispatch(func, args, {})
+        key = tuple(key)
+    plan = _cached(key)
+    if plan is None or plan.encode is None:
+        return dispatch(func, args, {}, key)
+    session = (args[0] if type(args[0]) is cls else next(a for a in args if type(a) is cls))._session
+    tid = session.new_tid()
+    f = _getframe(1)  # the user's line: `_source.caller`, inlined (a call costs a tenth of this path)
+    while f is not None and f.f_code.co_filename.startswith(SKIP):
+        f = f.f_back
+    session.emit((plan.encode, *tids, tid, *((f.f_code.co_filename, f.f_lineno) if f is not None else ("", 0))))
+    out = plan.outputs
+    if out.contiguous:
+        r = _make_wrapper(cls, out.shape, dtype=out.dtype, device=out.mesh.torch_device)
+    else:
+        r = _make_wrapper(cls, out.shape, strides=out.stride, dtype=out.dtype, device=out.mesh.torch_device)
+    r._spec, r._tid, r._session = out, tid, session
+    return r
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
+    """Every op: plan (cached under `key`, the flat key when the arguments are DTensors and numbers only, else
+    a nested one), then carry the plan out by its route."""
     if func is _SET_SOURCE and args[0] is args[1]:
         return args[0]  # x.set_(x), as torch.nn.utils.parametrize does: nothing to move
     leaves: list = []
-    try:
-        key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
-    except _Plain:
-        if outs(func) and _plain_out(func, kwargs):
-            return _run_out(out_plan(func, [], "writes plain torch.Tensors"), func, args, kwargs)
-        args, kwargs = _lift_plain(func, args, kwargs)
-        leaves = []
-        key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
-    except TypeError:  # unhashable or exotic argument: plan without caching
-        key, leaves = None, [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, dtensor.DTensor)]
+    if key is not None:
+        leaves = [a for a in args if type(a) is dtensor.DTensor]
+    else:
+        try:
+            key = (id(func), None, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
+        except _Plain:
+            if outs(func) and _plain_out(func, kwargs):
+                return _run_out(out_plan(func, [], "writes plain torch.Tensors"), func, args, kwargs)
+            args, kwargs = _lift_plain(func, args, kwargs)
+            leaves = []
+            key = (id(func), None, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
+        except TypeError:  # unhashable or exotic argument: plan without caching
+            key, leaves = None, [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, dtensor.DTensor)]
     plan = planner.get(key) if key is not None else None
     if plan is None:
         try:
             plan = planner.plan(key, func, _specs(args), _specs(kwargs))
         except MixedMeshes:
             return func(*_to_mesh(args, leaves[0]), **_to_mesh(kwargs, leaves[0]))
-    if plan.fast is not None:
-        return _emit_fast(plan, leaves)
+        except Refused as e:  # torch refuses these shapes or dtypes: say so now, where the user wrote the op
+            kind = e.error_type if e.error_type in _TORCH_ERRORS else RuntimeError
+            raise kind(f"{func} at {describe_src(user_src(2))}: {e.message}") from None
+    if plan.encode is not None:
+        session: Session = leaves[0]._session
+        tid = session.new_tid()
+        session.emit((plan.encode, *[d._tid for d in leaves], tid, *caller(2)))
+        return dtensor.DTensor(plan.outputs, tid, session)
     if plan.random and plan.inplace:
         return _random_in_place(plan, leaves)
     if plan.route == "sync":
-        return _run_locally(func, args, kwargs, leaves)
+        return _run_locally(func, args, kwargs, leaves, plan.why)
     if plan.route == "local":
         return _run_and_upload(plan, args, kwargs, leaves)
     if plan.route == "out":
@@ -190,19 +270,6 @@ def _random_in_place(plan: Plan, leaves: list[DTensor]) -> Any:
     fresh = torch.ops.aten.clone.default(self)
     _emit(plan, [fresh, *leaves[1:]])
     return torch.ops.aten.copy_.default(self, fresh)
-
-
-def _emit_fast(plan: Plan, leaves: list[DTensor]) -> DTensor:
-    """The hot path: no moves, one output, tensor slots only at the top level of args."""
-    slots, out = plan.fast  # type: ignore[misc]
-    session: Session = leaves[0]._session
-    args = plan.args.copy()
-    for pos, i in slots:
-        args[pos] = {"$t": leaves[i]._tid}
-    tid = session.new_tid()
-    session.emit(m.InstrCall(plan.op_name, out.mesh.id, args, plan.kwargs, [m.OutSpec(tid, out.wire)], None,
-                             user_src(3)))
-    return dtensor.DTensor(out, tid, session)
 
 
 def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
@@ -283,8 +350,10 @@ def _check_room(plan: Plan, self: DTensor, out: Spec) -> None:
                                   f"{list(out.shape)}; make a new DTensor instead")
 
 
-def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Any:
-    """A sync point: ops that return Python values run on the fetched full tensors."""
+def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor], why: str) -> Any:
+    """A sync point: ops that return Python values run on the fetched full tensors, bounded in bytes."""
+    _check_local_size(func, why, leaves)
+
     def full(v: Any) -> Any:
         return v.to_torch() if isinstance(v, dtensor.DTensor) else v
 
@@ -344,9 +413,9 @@ def _run_and_upload(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]
     if plan.random:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(ref._session.next_seed())
-            result = _run_locally(plan.func, args, kwargs, leaves)
+            result = _run_locally(plan.func, args, kwargs, leaves, plan.why)
     else:
-        result = _run_locally(plan.func, args, kwargs, leaves)
+        result = _run_locally(plan.func, args, kwargs, leaves, plan.why)
 
     def upload(v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
@@ -357,3 +426,8 @@ def _run_and_upload(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]
         return replicate_plain(v, ref)
 
     return pytree.tree_map(upload, result)
+
+
+# Last: `dtensor` takes `torch_dispatch` from this module while its class is made, whichever module is imported
+# first (the one pair of client modules that import each other).
+from dtorch import dtensor  # noqa: E402

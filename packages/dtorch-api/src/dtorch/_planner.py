@@ -21,6 +21,7 @@ Routes, in order of preference:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +29,20 @@ import torch
 import torch.utils._pytree as pytree
 
 from dtorch import _rules, _sharding  # noqa: F401 (_rules: registers DTorch's own sharding rules)
-from dtorch._registry import NoRule, rule_for
+from dtorch._registry import NoRule, ValueDependent, rule_for
+from dtorch._source import src_text
 from dtorch._spec import Spec
+from dtorch._templates import SRC_HOLE, Template, sentinel
+from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords, shard_box
 from dtorch_protocol.placement_types import Partial, Replicate
 from dtorch_protocol.values import encode_value
 
 WORKER_NAMESPACES = ("aten", "prims")  # what workers run (dtorch_worker.ops); other ops take the local route
+# Why an op runs on the client (the sync and local routes; docs/architecture.md has the table of such ops):
+PYTHON_VALUE = "returns a Python value"
+VALUE_DEPENDENT = "has output shapes that depend on the values (or no kernel that can tell them without the values)"
+NOT_ATEN = "is not an aten/prims op (workers run only those)"
 CACHE_SIZE = 8192  # plans kept; the oldest goes first
 
 
@@ -56,7 +64,11 @@ class Plan:
     inplace: bool
     random: bool
     mutated: frozenset[int] = frozenset()  # DTensor leaves the op writes in place (schema alias_info.is_write)
-    fast: tuple | None = None  # (top-level arg slots, output spec): the common case, emitted without walking
+    op: Any = None  # the op as dispatched (`func` may be torch's rewrite of it)
+    why: str = ""  # sync and local routes: why the op runs on the client (one of the reasons below)
+    # the common case (no moves, one output, tensor slots only at the top level of args): `encode` turns the
+    # record (encode, tid of each DTensor leaf..., output tid, file, line) into the wire instruction
+    encode: Callable[[tuple], Any] | None = None
 
     def __post_init__(self) -> None:
         simple = (self.route != "sync" and not self.inplace and not self.mutated and not self.random
@@ -65,7 +77,27 @@ class Plan:
                   and self.outputs is not None and not _has_slot(self.kwargs))
         slots = [(pos, a["$t"]) for pos, a in enumerate(self.args) if type(a) is dict and "$t" in a]
         if simple and all(not _has_slot(a) for a in self.args if not (type(a) is dict and "$t" in a)):
-            self.fast = (slots, self.outputs)
+            self.encode = _fast_encoder(self, slots)
+
+
+def _fast_encoder(plan: Plan, slots: list[tuple[int, int]]) -> Callable[[tuple], Any]:
+    """The encoder of a fast plan's records: its InstrCall as a wire template (`_templates`), filled on the
+    sender thread; the message built field by field where the template cannot be cut."""
+    out: Spec = plan.outputs
+    n = len(slots)
+
+    def call(tids: Sequence[int], out_tid: int, src: str) -> m.InstrCall:
+        args = plan.args.copy()
+        for pos, leaf in slots:
+            args[pos] = {"$t": tids[leaf]}
+        return m.InstrCall(plan.op_name, out.mesh.id, args, plan.kwargs, [m.OutSpec(out_tid, out.wire)], None, src)
+
+    template = Template.of(call([sentinel(i) for i in range(n)], sentinel(n), SRC_HOLE),
+                           [*(sentinel(i) for i in range(n)), sentinel(n), SRC_HOLE])
+    if template is None:
+        return lambda r: call(r[1:n + 1], r[n + 1], src_text(r[n + 2], r[n + 3]))
+    fill = template.fill
+    return lambda r: fill((*r[1:n + 2], src_text(r[n + 2], r[n + 3])))
 
 
 def _has_slot(t: Any) -> bool:
@@ -186,7 +218,7 @@ def _local_plan(func: Any, specs: list[Spec], why: str, random: bool) -> Plan:
     if writes(func):
         raise NotImplementedError(f"dtorch: {func} {why} and writes its arguments in place, so it cannot run on "
                                   f"DTensors with placements {_placements(specs)}")
-    return Plan(str(func), "local", func, [], [], {}, None, None, [], False, random)
+    return Plan(str(func), "local", func, [], [], {}, None, None, [], False, random, why=why)
 
 
 def _returns_tensors(func: Any) -> bool:
@@ -207,11 +239,11 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
     op_name = str(func)
     inplace = is_inplace(func)
     if not _returns_tensors(func):
-        return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False)
+        return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False, why=PYTHON_VALUE)
     # seeded ops run replicated under a shared seed, unless one of our rules covers them (it refuses dropout)
     random = torch.Tag.nondeterministic_seeded in func.tags and rule_for(func) is None
     if func.namespace not in WORKER_NAMESPACES:
-        return _local_plan(func, specs, "is not an aten/prims op (workers run only those)", random)
+        return _local_plan(func, specs, NOT_ATEN, random)
     route, local = "sharded", None
     try:
         if random:
@@ -229,12 +261,12 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
         replicate = (Replicate(),) * mesh.ndim
         required = [s.with_placements(replicate) for s in specs]
         try:
-            outputs = _sharding.meta_outputs(func, spec_args, spec_kwargs, mesh)
+            outputs = _sharding.meta_outputs(func, spec_args, spec_kwargs, mesh)  # Refused: the caller's error
         except NoRule as e:
             raise NotImplementedError(f"dtorch: {func} is not supported on DTensors with placements "
                                       f"{_placements(specs)} ({e})") from None
-        except Exception:  # noqa: BLE001 (no meta kernel: the output shape depends on the values)
-            return _local_plan(func, specs, "has no sharding rule and no meta kernel", random)
+        except ValueDependent:
+            return _local_plan(func, specs, VALUE_DEPENDENT, random)
     inputs = [None if r.placements == s.placements else r for r, s in zip(required, specs)]
     flat_outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     if outs(func) and _out_mismatch(func, spec_kwargs, flat_outputs):
@@ -262,13 +294,13 @@ class Planner:
     def __init__(self, size: int = CACHE_SIZE) -> None:
         self.size = size
         self._plans: dict[Any, Plan] = {}
-
-    def get(self, key: Any) -> Plan | None:
-        return self._plans.get(key)
+        self.get: Callable[[Any], Plan | None] = self._plans.get  # the cached plan of a key, or None
 
     def plan(self, key: Any, func: Any, args: tuple, kwargs: dict) -> Plan:
-        """`plan(func, args, kwargs)`, kept under `key` (None: not kept)."""
+        """`plan(func, args, kwargs)`, kept under `key` (None: not kept). A key may hold `id(func)`: the plan
+        holds `func` (`Plan.op`), so the id cannot go to another object while the key is kept."""
         p = plan(func, args, kwargs)
+        p.op = func
         if key is not None:
             plans = self._plans
             if len(plans) >= self.size:

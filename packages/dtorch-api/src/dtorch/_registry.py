@@ -27,6 +27,19 @@ class NoRule(Exception):
     """No usable sharding rule for this op and these placements (the op runs replicated instead)."""
 
 
+class ValueDependent(Exception):
+    """The op's output shapes depend on the values (`nonzero`, `unique`, ...), or no meta kernel can tell them:
+    only running it on the values can (the local route)."""
+
+
+class Refused(Exception):
+    """torch's meta kernel refuses these shapes or dtypes: the op cannot run on any values (a user error)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error_type, self.message = type(error), str(error)
+        super().__init__(f"{type(error).__name__}: {error}")
+
+
 @dataclass
 class Propagation:
     """A rule's answer: what to run, on which input layouts, giving which outputs."""

@@ -1,16 +1,20 @@
 """The instruction stream of one session: a queue the user thread appends to, a sender thread that ships it
 to the controller in numbered `Submit` batches, `Sync`, and the keep-alive.
 
-It speaks wire instructions and tensor ids only; it knows nothing of DTensors, plans or workers.
+It speaks wire instructions and tensor ids only; it knows nothing of DTensors, plans or workers. An item of
+the queue is a wire instruction, or a record `(encode, ...)` that the flushing thread (normally the sender)
+turns into one with `encode(record)`: the user thread only queues what cannot wait (ids, the source line).
 
 Rules:
-  1. `emit` and `release` only append to a queue: the user thread never waits on the cluster there.
+  1. `emit` and `release` only append to a queue (they are the deques' own `append`): the user thread never
+     waits on the cluster there, and pays for no Python call of ours.
   2. Batches are numbered from 1 and sent in order, at most MAX_BATCH instructions each. A failed Submit
      breaks the stream: the controller's view of it is unknown, so every later flush or sync raises that error.
   3. Released tensor ids go out as one InstrDelete after every instruction queued before the flush that takes
      them (a tensor's uses are all queued before its release).
-  4. The sender flushes every POLL_S, at once when WAKE_AT instructions or DEAD_AT releases wait, and sends
-     a KeepAlive every `keepalive_s` when the controller asks for one (0: never).
+  4. The sender flushes every POLL_S when instructions or more than DEAD_AT releases wait (a user thread
+     issuing an op every few microseconds fills batches of about a thousand), and sends a KeepAlive every
+     `keepalive_s` when the controller asks for one (0: never).
   5. `sync` flushes, then asks the controller until every worker executed everything sent (bounded); op
      errors of the session are raised there, the first one with the op and the user's source line.
 """
@@ -28,7 +32,6 @@ from dtorch_protocol import messages as m
 
 MAX_BATCH = 4096  # instructions per Submit
 POLL_S = 0.005
-WAKE_AT = 512
 DEAD_AT = 64
 
 Call = Callable[[str, Any, float], Any]  # (method, request, timeout) -> reply: the controller stub's `call`
@@ -51,6 +54,8 @@ class Stream:
         self._keepalive_s, self._keepalive_at = keepalive_s, time.monotonic()
         self._queue: deque = deque()
         self._dead: deque = deque()
+        self.emit: Callable[[Any], None] = self._queue.append  # queue an instruction or a record (rule 1)
+        self.release: Callable[[int], None] = self._dead.append  # a tensor id to free after its uses (rule 3)
         self._send_lock = threading.Lock()
         self.seq = 0  # the last batch sent
         self._broken: Exception | None = None
@@ -58,16 +63,6 @@ class Stream:
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, name="dtorch-sender", daemon=True)
         self._sender.start()
-
-    # ------------------------------------------------------------------ the user thread (rule 1)
-    def emit(self, instr: Any) -> None:
-        q = self._queue
-        q.append(instr)
-        if len(q) >= WAKE_AT:
-            self._wake.set()
-
-    def release(self, tid: int) -> None:
-        self._dead.append(tid)
 
     # ------------------------------------------------------------------ sending (rules 2-4)
     def _send_loop(self) -> None:
@@ -92,7 +87,11 @@ class Stream:
             if self._broken is not None:
                 raise self._broken
             dead = _drain(self._dead)  # before the queue: every use of a dead tid is already queued
-            instrs = _drain(self._queue)
+            try:
+                instrs = [i if type(i) is not tuple else i[0](i) for i in _drain(self._queue)]
+            except Exception as e:  # a bug, but the stream lost instructions: it cannot go on
+                self._broken = ClusterError(f"could not encode an instruction for the controller: {e!r}")
+                raise self._broken from e
             if dead:
                 instrs.append(m.InstrDelete(tids=dead))
             for start in range(0, len(instrs), MAX_BATCH):

@@ -31,15 +31,13 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, spec: Spec, tid: int, session: Session, requires_grad: bool = False) -> DTensor:
         r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
-                                                device=spec.mesh.device_type, requires_grad=requires_grad)
+                                                device=spec.mesh.torch_device, requires_grad=requires_grad)
         r._spec, r._tid, r._session = spec, tid, session
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _dispatch.dispatch(func, args, kwargs or {})
+    __torch_dispatch__ = classmethod(_dispatch.torch_dispatch)  # no frame of its own: the hot path counts
 
     def __del__(self) -> None:
         session = self.__dict__.get("_session")

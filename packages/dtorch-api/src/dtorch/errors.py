@@ -49,3 +49,11 @@ def env_float(name: str, default: float) -> float:
         return float(os.environ.get(name, default))
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, got {os.environ[name]!r}") from None
+
+
+def env_int(name: str, default: int) -> int:
+    """A whole number (bytes, counts) from the environment, or a one-line error naming the variable."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, got {os.environ[name]!r}") from None

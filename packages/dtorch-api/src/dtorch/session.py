@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,10 @@ class Session:
         self._lost: Exception | None = None  # the loss error, once a transfer met a device lost for good
         self._lost_lock = threading.Lock()
         self._stream = Stream(self._call, self.id, controller, opened.keepalive_s)
+        # the user thread's per-op calls, bound once (the hot path counts every call):
+        self.new_tid: Callable[[], int] = self._tids.__next__  # a fresh tensor id
+        self.emit: Callable[[Any], None] = self._stream.emit  # queue an instruction (or a record); never blocks
+        self.release: Callable[[int], None] = self._stream.release  # a DTensor's last reference is gone (batched)
         self._data = DataPlane(self.id, self.token, self.timeout, self.status)
         # async fetches wait on pulls in the data plane's pool: they must not occupy its threads
         self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-fetch")
@@ -69,17 +74,6 @@ class Session:
         return self.stub.call(method, request, timeout=timeout)
 
     # ------------------------------------------------------------------ the instruction stream
-    def new_tid(self) -> int:
-        return next(self._tids)
-
-    def emit(self, instr: Any) -> None:
-        """Queue an instruction; never blocks on the cluster."""
-        self._stream.emit(instr)
-
-    def release(self, tid: int) -> None:
-        """The last reference to a DTensor is gone: free its shards (batched)."""
-        self._stream.release(tid)
-
     def flush(self) -> None:
         """Send everything queued so far, in order."""
         self._stream.flush()
