@@ -1,7 +1,7 @@
 """Where did a logical device go? What the data plane asks the controller when a worker stops serving it.
 
 The client talks to workers directly (Put, Pull) at the addresses it last heard of. A logical device
-may since have moved (migration, drain: the old worker answers "moved:") or its worker may have been
+may since have moved (migration, drain: the old worker answers with kind MOVED) or its worker may have been
 lost (recovery rebinds the device: the connection fails). Then the client asks the controller where
 the device is now (Status: session -> device -> worker -> address), waiting while the controller has
 not rebound it yet, and tries again there; bounded by the session's timeout.
@@ -49,7 +49,7 @@ class DeviceLost(ClusterError):
 
 
 def moved_error(e: BaseException) -> bool:
-    return "moved:" in str(e)
+    return getattr(e, "kind", None) == m.ErrorKind.MOVED
 
 
 @dataclass(frozen=True)
