@@ -1,11 +1,14 @@
 """What `DTensor.__torch_dispatch__` does: look the op's plan up (or have `_planner` make it), then carry it
 out: emit its instructions to the session and return new DTensors at once.
 
-The plan cache is keyed on cheap identities: the op, each DTensor's spec key and the other arguments, so a
-training loop plans each op once. Carrying a plan out by route (see `_planner` for the routes):
+The plan cache is keyed on cheap identities: the op's id, each DTensor's interned spec id and the other
+arguments, so a training loop plans each op once (`torch_dispatch` is the hot path). Carrying a plan out by
+route (see `_planner` for the routes):
   sharded, replicate  redistribute the inputs that must move, InstrCall, delete the temporaries
-  sync, local         fetch the inputs (a sync point), run the op here; local uploads its outputs as Replicate
+  sync, local         fetch the inputs (a sync point, at most DTORCH_LOCAL_MAX_BYTES), run the op here; local
+                      uploads its outputs as Replicate
   out                 run the functional op, then copy each result into its out= tensor
+An op whose shapes or dtypes torch refuses raises here, at once, with torch's error, the op and the user's line.
 
 In-place ops keep the DTensor object; when they change its shape (`squeeze_`, `transpose_`, `resize_`)
 the wrapper's metadata follows. An op that would write into a plain torch.Tensor is refused.

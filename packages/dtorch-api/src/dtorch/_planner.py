@@ -12,9 +12,10 @@ Routes, in order of preference:
   replicate no rule: gather inputs to Replicate, run everywhere, output Replicate (always correct);
             random ops take this route with a shared seed so values never depend on the plan
   sync      the op returns a Python value (`item`, `is_nonzero`, `equal`): fetch and run locally
-  local     the op's output shape depends on the values (no meta kernel: `nonzero`, `unique`,
+  local     the op's output shape depends on the values (torch's fake tensors say so: `nonzero`, `unique`,
             `masked_select`, ...) or workers cannot run it (an op outside aten/prims): a sync point that
             fetches the inputs, runs the op on the client and uploads the outputs as Replicate
+Shapes or dtypes torch's meta kernel refuses raise `Refused` (from `_sharding`), for the caller to report.
   out       an out= op whose out tensors are laid out (or shaped) unlike its outputs, or are plain
             tensors: the functional op runs, then each result is copied into its out tensor
 """
