@@ -1,9 +1,13 @@
-"""Redistribution plans, verified by executing them on a fake tensor of ints with plain index arithmetic."""
+"""Redistribution plans, verified by executing them on a fake tensor of ints with plain index arithmetic.
+
+Values are signed and drawn at random per element and per partial share, so that the reduce ops tell
+each other apart (a share of zeros is not the identity of max, min or avg, and max differs from min and sum).
+"""
 
 from __future__ import annotations
 
 import itertools
-from functools import reduce
+import random
 
 import pytest
 
@@ -14,6 +18,7 @@ from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
 R, S0, S1, PSUM, PMAX = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")
 OPS = {"sum": sum, "max": max, "min": min, "avg": lambda xs: sum(xs) / len(xs)}
+PARTIALS = [Partial(op) for op in OPS]
 
 
 def indices(shape):
@@ -43,8 +48,8 @@ def source_shards(shape, mesh, placements):
 
 
 def value(idx, share):
-    base = 1 + sum((i + 1) * 10 ** (2 * k) for k, i in enumerate(idx))
-    return base * 7 + sum((j + 1) * 31 * (k + 1) for k, j in enumerate(share))
+    """A signed random integer, fixed per (element, share): shares of one element differ, and so do elements."""
+    return random.Random(repr((idx, share))).randint(-1000, 1000)
 
 
 def global_value(shape, mesh, placements):
@@ -110,13 +115,24 @@ MESH4 = ((0, 1, 2, 3), (4,))
 MESH2x2 = ((0, 1, 2, 3), (2, 2))
 
 
+ONE_DIM = [R, S0, S1, *PARTIALS]
+
+
 @pytest.mark.parametrize("shape", [(8, 3), (3, 2), (5, 4), (0, 2)])
-@pytest.mark.parametrize("src,dst", [
-    ([S0], [R]), ([S0], [S1]), ([PSUM], [R]), ([PSUM], [S0]), ([R], [PSUM]), ([PMAX], [R]), ([PMAX], [S1]),
-    ([R], [S0]), ([S1], [S0]), ([PSUM], [PSUM]), ([S0], [PSUM]), ([PSUM], [PMAX]),
-])
+@pytest.mark.parametrize("src,dst", [([a], [b]) for a in ONE_DIM for b in ONE_DIM], ids=str)
 def test_one_dim_mesh(shape, src, dst):
+    """Every pair, every Partial op as a source and as a destination."""
     check(shape, MESH4, src, MESH4, dst)
+
+
+def test_the_values_tell_the_reduce_ops_apart():
+    """The checker's shares: signed, and every reduce op gives another answer (else a wrong op would pass)."""
+    mesh = MESH4
+    for idx in indices((3, 2)):
+        shares = [value(idx, (c,)) for c in range(4)]
+        assert min(shares) < 0 < max(shares) or len(set(shares)) == 4
+        assert len({OPS[op](shares) for op in OPS}) == 4, shares
+    assert global_value((3, 2), mesh, [PMAX]) != global_value((3, 2), mesh, [Partial("min")])
 
 
 def test_shard0_to_replicate_reads_its_own_piece_locally():
@@ -157,6 +173,22 @@ def test_every_pair_of_layouts_on_a_2x2_mesh(shape):
     for src in itertools.product(ALL, repeat=2):
         for dst in itertools.product(ALL, repeat=2):
             check(shape, MESH2x2, src, MESH2x2, dst, workers=3)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_every_pair_with_each_partial_op_on_a_2x2_mesh(op):
+    layouts = [R, S0, Partial(op)]
+    for src in itertools.product(layouts, repeat=2):
+        for dst in itertools.product(layouts, repeat=2):
+            check((5, 3), MESH2x2, src, MESH2x2, dst, workers=3)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_replicate_to_a_partial_destination_keeps_a_value_its_op_reduces_back(op):
+    """Only sum puts zeros off coordinate 0; max, min and avg keep the whole value on every device."""
+    plans = check((4, 2), MESH4, [R], MESH4, [Partial(op)])
+    holding = [d for d in MESH4[0] if plans[d].groups]
+    assert holding == ([0] if op == "sum" else [0, 1, 2, 3])
 
 
 def test_nested_sharding_of_one_tensor_dim_and_max_partials():
@@ -200,7 +232,3 @@ def test_bad_layouts_raise_plan_errors():
         plan_redistribute((4,), MESH2x2, (PSUM, PMAX), MESH2x2, (R, R), where)
     with pytest.raises(ValueError):
         parse_placements(("X",))
-
-
-def test_reduce_helper_sanity():
-    assert reduce(lambda a, b: a + b, [1, 2, 3]) == OPS["sum"]([1, 2, 3])

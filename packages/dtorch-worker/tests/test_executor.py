@@ -210,6 +210,26 @@ def test_local_partial_to_replicate(ex: Executor, reduce: str, combine: object, 
     assert ex.store.get((S, 2, 0)).data_ptr() != ex.store.get((S, 2, 1)).data_ptr()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+@pytest.mark.parametrize("reduce,reference", [
+    ("sum", lambda s: s.sum(0)), ("max", lambda s: s.amax(0)), ("min", lambda s: s.amin(0)),
+    ("avg", lambda s: s.mean(0) if s.is_floating_point() else torch.div(s.sum(0), len(s), rounding_mode="trunc")),
+])
+def test_groups_of_signed_shares_reduce_like_torch(ex: Executor, reduce: str, reference: object,
+                                                   dtype: torch.dtype) -> None:
+    """Three groups (one per share) of signed values: each reduce op gives torch's reduction of the stacked shares,
+    which sets every op apart from the others (sum, avg, max and min of these shares all differ)."""
+    shares = torch.tensor([[[5, -7]], [[-3, 2]], [[-6, 9]]], dtype=dtype)  # 3 shares of a [1, 2] tensor
+    for dev, share in enumerate(shares):
+        ex.store.put((S, 1, dev), share.clone())
+    whole = [0, 0], [0, 0], [1, 2]
+    plan = ShardPlan(shape=[1, 2], groups=[[Piece("", dev, *whole)] for dev in range(3)], reduce=reduce)
+    run(ex, CmdRedistribute(src=1, dst=2, dtype=str(dtype).removeprefix("torch."), plans={0: plan}))
+    got, want = ex.store.get((S, 2, 0)), reference(shares)  # type: ignore[operator]
+    assert got.dtype == dtype and torch.equal(got, want), (got, want)
+    assert all(torch.equal(ex.store.get((S, 1, dev)), share) for dev, share in enumerate(shares))  # sources kept
+
+
 def test_local_shard_to_shard_and_empty_plan(ex: Executor, h: SimpleNamespace) -> None:
     shape = [5, 4]
     src_boxes = h.boxes_for(shape, [2], [Shard(0)])  # rows 0-2, 3-4
