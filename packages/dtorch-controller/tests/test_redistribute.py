@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from dtorch_controller.core.redistribute import PlanError, parse_placements, plan_redistribute
+from dtorch_controller.core.redistribute import PlanError, _tile, parse_placements, plan_redistribute
 from dtorch_protocol.layout import box_shape, coords, shard_box
 from dtorch_protocol.messages import Piece, ShardPlan
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
@@ -220,15 +220,41 @@ def test_plans_are_cached():
         plan_redistribute((4,), MESH4, (S0,), MESH4, (R,), where)
 
 
+def test_a_device_holding_a_replica_reads_it_itself_else_one_on_its_worker():
+    """Replicate -> Shard(0) onto other devices: each reads a replica on its own worker (its index picks which)."""
+    where = where_for(range(8), 2)  # even devices on w0, odd ones on w1
+    plans = dict(plan_redistribute((8,), MESH4, (R,), ((4, 5, 6, 7), (4,)), (S0,), where))
+    sources = {d: [p.device for g in plans[d].groups for p in g] for d in (4, 5, 6, 7)}
+    assert sources == {4: [0], 5: [3], 6: [0], 7: [3]}  # w0 holds replicas 0 and 2, w1 holds 1 and 3
+    assert all(p.address == "" for plan in plans.values() for g in plan.groups for p in g)
+    same = dict(plan_redistribute((8,), MESH4, (R,), MESH4, (S0,), where))
+    assert [[p.device for g in same[d].groups for p in g] for d in MESH4[0]] == [[0], [1], [2], [3]]
+
+
+def test_parse_placements_reads_the_wire_form():
+    assert parse_placements(("S1", "R", "Pmax")) == (Shard(1), Replicate(), Partial("max"))
+
+
 def test_bad_layouts_raise_plan_errors():
     where = where_for(range(4), 2)
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match=r"Shard\(dim=1\) is out of range for a tensor with 1 dims"):
         plan_redistribute((4,), MESH4, (S1,), MESH4, (R,), where)
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match="2 placements for a 1-d mesh"):
         plan_redistribute((4,), MESH4, (S0, R), MESH4, (R,), where)
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match=r"negative size in shape \[4, -1\]"):
+        plan_redistribute((4, -1), MESH4, (S0,), MESH4, (R,), where)
+    with pytest.raises(PlanError, match=r"logical devices \[2, 3\] are not placed on any worker"):
         plan_redistribute((4,), MESH4, (S0,), MESH4, (R,), where[:2])
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match=r"logical devices \[5\] are not placed on any worker"):
+        plan_redistribute((4,), MESH4, (S0,), ((4, 5), (2,)), (R,), where_for(range(5), 2))  # a destination
+    with pytest.raises(PlanError, match=r"cannot reduce different Partial ops \['max', 'sum'\] in one"):
         plan_redistribute((4,), MESH2x2, (PSUM, PMAX), MESH2x2, (R, R), where)
     with pytest.raises(ValueError):
         parse_placements(("X",))
+
+
+def test_sources_that_do_not_tile_the_target_are_refused():
+    """The last guard of _tile: a group missing a shard (inconsistent specs) is an error, not a hole of garbage."""
+    members = [(0, (0,)), (1, (1,)), (2, (2,))]  # Shard(0) over 4 devices, device 3 missing
+    with pytest.raises(PlanError, match=r"source shards do not tile the target box \(\(0, 8\),\) exactly once"):
+        _tile((8,), (4,), (S0,), ((0, 8),), members, 0, 0, dict.fromkeys(range(4), ("w0", "a")))
