@@ -154,7 +154,7 @@ def stage(targets: dict[str, list[str]]) -> dict[str, list[str]]:
 
         [tool.pytest.ini_options]
         addopts = "--import-mode=importlib"
-        markers = ["gpu: needs a CUDA device", "slow: longer tests"]
+        markers = ["gpu: needs a CUDA device"]
         timeout = 120
         """))
     return files
