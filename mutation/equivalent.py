@@ -21,6 +21,18 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
     ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE: without LOST"):
         "LOST has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[SUSPECT]: SILENT -> DRAINING"):
+        "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[SUSPECT]: without SILENT"):
+        "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: SILENT -> LOST"):
+        "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: without SILENT"):
+        "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: DRAIN -> LOST"):
+        "unreachable: a drain of a draining worker does not step its state (migration.py, `if w.state != DRAINING`)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: without DRAIN"):
+        "unreachable: a drain of a draining worker does not step its state (migration.py, `if w.state != DRAINING`)",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
 }
