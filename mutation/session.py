@@ -195,7 +195,10 @@ def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
             if code not in (0, 1):  # mutmut exits 1 when mutants survived
                 raise SystemExit(f"mutation: mutmut failed (exit code {code}); see its output above")
         stats_path = STAGE / "mutants" / "mutmut-stats.json"
-        if cap and stats_path.exists():
+        if not stats_path.exists():
+            raise SystemExit("mutation: mutmut collected no coverage: a test fails on the unmutated stage (run the "
+                             "selection of mutation/targets.py in .mutation/mutants to see which)")
+        if cap:
             stats = json.loads(stats_path.read_text())
             durations = stats["duration_by_test"]
             stats["tests_by_mangled_function_name"] = {
