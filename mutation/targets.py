@@ -18,7 +18,7 @@ TARGETS: dict[str, list[str]] = {
     "recovery and lineage": ["dtorch_controller/core/recovery.py", "dtorch_controller/core/lineage.py"],
     "wire authentication and validation": ["dtorch_protocol/wire.py"],
     "scenario validation": ["dtorch_sim/scenario.py"],
-    "client planner": ["dtorch/_sharding.py", "dtorch/_spec.py"],
+    "client planner": ["dtorch/_planner.py", "dtorch/_sharding.py", "dtorch/_spec.py"],
 }
 
 # packages whose `src/` is copied into the mutation stage (everything a mutated module imports from this repo
