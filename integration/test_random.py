@@ -55,3 +55,17 @@ def test_rand_like_and_factories_follow_the_seed(mesh4):
     b2 = torch.rand_like(a2)
     assert torch.equal(a.to_torch(), a2.to_torch()) and torch.equal(b.to_torch(), b2.to_torch())
     assert not torch.equal(a.to_torch(), b.to_torch())
+
+
+def test_factories_give_the_same_values_on_every_layout(mesh1, mesh4, mesh2d):
+    """1-D, 2-D, uneven (7 rows on 4 devices) and replicated: each device draws only its shard (counter-based)."""
+    layouts = [(mesh1, [Replicate()]), (mesh4, [Shard(0)]), (mesh4, [Shard(1)]), (mesh4, [Replicate()]),
+               (mesh2d, [Shard(0), Shard(1)]), (mesh2d, [Shard(1), Replicate()])]
+    for make in (dtorch.rand, dtorch.randn):
+        values = []
+        for mesh, placements in layouts:
+            dtorch.manual_seed(5)
+            values.append(make(7, 5, device_mesh=mesh, placements=placements).to_torch())
+        for other in values[1:]:
+            assert torch.equal(values[0], other)
+        assert values[0].unique().numel() == 35

@@ -1,7 +1,8 @@
 """Creating DTensors: random and constant factories, `distribute_tensor`, and the session RNG seed.
 
-Random factories give the same values whatever the mesh and placements: each worker draws
-the whole tensor from a generator seeded by the session's random stream and keeps its box.
+Random factories give the same values whatever the mesh and placements: each worker draws only its
+own box, each element from a counter-based generator keyed by the session's random stream and the element's
+global index (`dtorch_worker.counter_rng`), so generation costs O(shard) per device.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from dtorch_protocol.messages import (
     ShardsRequest,
 )
 from dtorch_protocol.values import decode_value, dtype_from_name
-from dtorch_worker import shards
+from dtorch_worker import counter_rng, shards
 from dtorch_worker.ops import resolve_op
 from dtorch_worker.store import Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
@@ -330,12 +330,8 @@ class Executor:
         boxes = {dev: (box, check_box(shape, box)) for dev, box in cmd.boxes.items()}
         zero = set(cmd.zero)
         full: torch.Tensor | None = None
-        if cmd.init in RANDOM_INITS and any(dev not in zero for dev in boxes):
-            # The whole tensor from the seed, then each box: values never depend on mesh or placements.
-            g = torch.Generator().manual_seed(cmd.seed)
-            maker = torch.rand if cmd.init == "rand" else torch.randn
-            full = maker(shape, generator=g, dtype=dtype)
-        elif cmd.init == "arange":
+        drawn: dict[str, torch.Tensor] = {}  # a random box drawn once per worker (replicas clone it)
+        if cmd.init == "arange":
             if not cmd.arange or len(cmd.arange) != 3:
                 raise ValueError(f"arange needs [start, end, step], got {cmd.arange!r}")
             start, end, step = cmd.arange
@@ -352,9 +348,16 @@ class Executor:
                 if cmd.value is None:
                     raise ValueError("full needs a value")
                 t = torch.full(bshape, cmd.value, dtype=dtype, device=self.device)
+            elif cmd.init in RANDOM_INITS:
+                # only this box's values, by their global indices: O(shard), independent of the layout
+                key = repr(box)
+                if key not in drawn:
+                    drawn[key] = counter_rng.draw(cmd.init, cmd.seed, shape, box, dtype, self.device)
+                    t = drawn[key]
+                else:  # devices must never share storage (an in-place op on one would change another)
+                    t = drawn[key].clone()
             else:
                 assert full is not None
-                # clone: devices must never share storage (an in-place op on one would change another)
                 t = narrow_box(full, box).clone(memory_format=torch.contiguous_format).to(self.device)
             made[dev] = t
         for dev, t in made.items():
