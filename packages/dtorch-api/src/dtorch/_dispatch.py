@@ -94,6 +94,9 @@ def _specs(tree: Any) -> Any:
 
 def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
     """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
+    if step_hook is not None:
+        return step_hook.run(("redistribute", x._spec.sid, mesh.id, tuple(placements)), [x],
+                             lambda: redistribute_to(x, mesh, placements, src))
     session = x._session
     if mesh != x.device_mesh:
         session.ensure_mesh(mesh)
@@ -178,6 +181,13 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     user's line, one record queued (the sender thread encodes it), the output wrapper. Nothing else.
     (Keys hold the op's id, not the op: OpOverload's `__hash__` is Python; the plan holds the op, so the id
     stays its own while the key is cached.)"""
+    if step_hook is not None:  # a compiled step is being recorded or replayed (dtorch.steps)
+        try:
+            key, leaves = op_key(func, args, kwargs)
+        except (_Plain, TypeError):
+            step_hook.interrupt("it mixes a plain torch.Tensor (or an argument DTorch cannot key) into an op")
+        else:
+            return step_hook.run(key, leaves, lambda: torch_dispatch(cls, func, types, args, kwargs))
     if kwargs:
         return dispatch(func, args, kwargs)
     if len(args) == 2 and type(args[0]) is cls and type(args[1]) is cls:  # binary ops: most of a model's
@@ -212,6 +222,30 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
                       out.mesh.torch_device)
     r._spec, r._tid, r._session = out, tid, session
     return r
+
+
+def op_key(func: Any, args: tuple, kwargs: dict | None) -> tuple[Any, list]:
+    """(key, DTensor leaves) of an op: the plan cache's key (the op's id, each DTensor's spec id, every other
+    argument); raises _Plain or TypeError where the cache has no key."""
+    leaves: list = []
+    if not kwargs:
+        key = [id(func)]
+        for a in args:
+            t = type(a)
+            if t is dtensor.DTensor:
+                key.append(a._spec.sid)
+                leaves.append(a)
+            elif t in _FLAT:
+                key.append((t, a))
+            else:
+                break
+        else:
+            return tuple(key), leaves
+        leaves = []
+    return (id(func), None, _key(args, leaves), _key(kwargs, leaves) if kwargs else None), leaves
+
+
+step_hook: Any = None  # the compiled step recording or replaying now (`dtorch.steps`), else None
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass

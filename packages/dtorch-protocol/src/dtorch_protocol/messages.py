@@ -202,7 +202,31 @@ class InstrDelete(Struct, frozen=True, tag="delete"):
     tids: list[int]
 
 
-Instr = InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete
+StepInstr = InstrCreate | InstrCall | InstrRedistribute | InstrDelete  # what a captured program holds
+
+
+class InstrDefine(Struct, frozen=True, tag="define"):
+    """Keep `instrs` as program `program` of this session: a captured step (`dtorch.compile`), replayed later.
+
+    Its tensor ids are *slots*: tid n stands for `tids[n]` of each `InstrReplay`; the seed of a random op or
+    factory is an index into the replay's `seeds` (`dtorch_protocol.programs` fills and checks them).
+    """
+
+    program: int
+    instrs: list[StepInstr]
+    ntids: int  # every replay names this many tensor ids
+    nseeds: int = 0  # and this many seeds
+
+
+class InstrReplay(Struct, frozen=True, tag="replay"):
+    """Run program `program` again with these tensor ids and seeds (the only per-step data)."""
+
+    program: int
+    tids: list[int]
+    seeds: list[int] = []
+
+
+Instr = InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete | InstrDefine | InstrReplay
 
 
 class Submit(Struct, frozen=True):
@@ -578,4 +602,4 @@ def all_message_types() -> list[type]:
 
 
 __all__ = [name for name, v in globals().items() if isinstance(v, type) and issubclass(v, msgspec.Struct)] + [
-    "Instr", "Cmd", "PROTOCOL_VERSION", "ErrorKind", "TENSOR_SLOT", "tensor_slot", "slot_tid", "tensor_refs"]
+    "Instr", "StepInstr", "Cmd", "PROTOCOL_VERSION", "ErrorKind", "TENSOR_SLOT", "tensor_slot", "slot_tid", "tensor_refs"]

@@ -33,6 +33,7 @@ from dtorch_controller import __version__
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import elastic
 from dtorch_controller.core import events as ev
+from dtorch_controller.core import programs
 from dtorch_controller.core import state as st
 from dtorch_controller.core.config import Config
 from dtorch_controller.core.eventlog import EventLog
@@ -214,9 +215,11 @@ class ControllerCore:
             return self._refuse(out, e.request_id, f"batch {msg.seq} out of order: session {_short(s.id)} "
                                                    f"expects batch {s.seq + 1}")
         s.seq = msg.seq
-        self.faults.submitted(s, msg.seq, msg.instrs)  # logged for replay after a worker loss
-        if not self.sched.hold(s.id, msg.instrs):  # a frozen session's batches wait until it resumes
-            self._dispatch(s, msg.instrs, out)
+        instrs, refused = programs.expand(s.programs, msg.instrs)  # captured steps: kept, replays filled in
+        s.errors.extend(refused)
+        self.faults.submitted(s, msg.seq, instrs)  # logged for replay after a worker loss
+        if not self.sched.hold(s.id, instrs):  # a frozen session's batches wait until it resumes
+            self._dispatch(s, instrs, out)
         self._reply(out, e.request_id, m.SubmitReply(accepted=msg.seq))
 
     def _dispatch(self, s: Session, instrs: list[m.Instr], out: Effects) -> None:

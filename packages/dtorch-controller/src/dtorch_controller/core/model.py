@@ -92,3 +92,4 @@ class Session:
     syncs: dict[Hashable, PendingSync] = field(default_factory=dict)
     readers: dict[int, dict[str, int]] = field(default_factory=dict)  # tid -> remote reader worker -> Execute seq
     deferred: list[DeferredDelete] = field(default_factory=list)
+    programs: dict[int, m.InstrDefine] = field(default_factory=dict)  # captured steps by id (core/programs.py)

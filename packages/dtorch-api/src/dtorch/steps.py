@@ -1,0 +1,416 @@
+"""Step capture and replay (issue #12 item 2): `dtorch.compile(step)` runs a repeated step as a program.
+
+    @dtorch.compile
+    def train_step(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+The first call runs eagerly (warm-up: optimizers make their state, autograd its gradients). The second runs
+eagerly too and is recorded, then defined at the controller as a program (`InstrDefine`). From the third on,
+the user's Python still runs (autograd, modules, optimizers keep their Python state), but each DTorch
+operation is only *matched* against the program: nothing is planned, encoded or emitted, and the step ends
+with one `InstrReplay(program, tensor ids, seeds)`.
+
+Rules:
+  1. An *operation* is a top-level aten op (`__torch_dispatch__`), a redistribution or a factory; what it
+     does inside (nested ops, temporaries) belongs to it. Recording one keeps its key (the op, the spec id of
+     each DTensor, every other argument), the slot of each DTensor it reads, how many tensor ids it makes and
+     seeds it draws, its instructions in slot form (`dtorch_protocol.programs`) and how its result is built.
+  2. Slots are numbered in order of first use: a DTensor from outside the step the first time an operation
+     reads it, a tensor id when an operation makes it. A replayed operation matches when its key is equal and
+     each DTensor sits in the recorded slot (a new outside tensor where the recording had one); it then makes
+     its tensor ids, draws its seeds from the session's stream (so later random values are those of an eager
+     run) and builds its result.
+  3. A mismatch (other shapes, placements, dtypes, mesh, scalars or ops; a sync point, an upload or any other
+     instruction) ends the replay for this step: the instructions of the operations matched so far are
+     filled in and emitted, and the step goes on eagerly. The next call records again. Either way the same
+     instructions run in the same order with the same seeds, so results are identical to an eager run.
+  4. Deletes. A tensor made and dropped by one operation is deleted where it was. A tensor made in the step
+     and dropped by the user's code is deleted at its place in the program only if the replay dropped it
+     too (else the step falls back at its end, rule 3); dropped tensors the program does not delete, and
+     tensors from outside the step dropped during it, are released after the step's instructions.
+  5. A recording that holds what a replay cannot reproduce (a sync point, an upload, a plain tensor mixed
+     into an op, an operation that changes a DTensor's id or layout in place, another session's tensors)
+     makes the step run eagerly from then on, with one warning saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+import torch.utils._pytree as pytree
+
+from dtorch import _dispatch
+from dtorch.dtensor import DTensor
+from dtorch.runtime import get_session
+from dtorch.session import Session
+from dtorch_protocol import messages as m
+from dtorch_protocol import programs
+
+_decode_instr = msgspec.msgpack.Decoder(m.Instr).decode
+
+
+class Unreplayable(Exception):
+    """The recording holds something a replay cannot reproduce (rule 5); str() says what."""
+
+
+@dataclass
+class _Op:
+    key: Any
+    leaf_slots: tuple[int, ...]  # the slot of each DTensor read (== slots so far: a new outside tensor)
+    made: int  # tensor ids made (the next slots)
+    seeds: int
+    start: int  # its first instruction in the program
+    result: Any  # (treespec, [("in", i) | ("new", slot, spec, requires_grad) | ("val", v)])
+
+
+@dataclass
+class Program:
+    id: int
+    ops: list[_Op] = field(default_factory=list)
+    instrs: list[m.StepInstr] = field(default_factory=list)  # slot form
+    ntids: int = 0
+    nseeds: int = 0
+    user_deletes: dict[int, int] = field(default_factory=dict)  # instruction index -> slot (rule 4)
+
+
+class _Mode:
+    """What a step installs on its session while it runs: the step hook and the session's three per-op calls."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.emit, self.new_tid, self.release = session.emit, session.new_tid, session.release  # the eager ones
+        self.slot_of: dict[int, int] = {}
+        self.tids: list[int] = []
+        self.held: list[int] = []  # outside tensors dropped during the step (rule 4)
+        self.active = False
+
+    def install(self) -> None:
+        s = self.session
+        s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
+        s.step = self
+        _dispatch.step_hook = self
+        self.active = True
+
+    def uninstall(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        s = self.session
+        s.emit, s.new_tid, s.release = self.emit, self.new_tid, self.release
+        s.step = None
+        _dispatch.step_hook = None
+        for tid in self.held:
+            self.release(tid)
+        self.held.clear()
+
+    # overridden
+    def _emit(self, item: Any) -> None: ...
+    def _new_tid(self) -> int: ...
+    def _release(self, tid: int) -> None: ...
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any]) -> Any: ...
+    def interrupt(self, why: str) -> None: ...
+
+
+class _Recorder(_Mode):
+    """Runs a step eagerly and records it (rules 1, 2, 4, 5)."""
+
+    def __init__(self, session: Session, program_id: int) -> None:
+        super().__init__(session)
+        self.program = Program(program_id)
+        self.op: _Op | None = None  # the operation running now
+        self.op_made: set[int] = set()
+        self.seeds: list[int] = []
+        self.broken: str | None = None
+        self.external: set[int] = set()  # slots of tensors from outside the step
+
+    def abandon(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+        self.uninstall()
+
+    def interrupt(self, why: str) -> None:
+        self.abandon(why)
+
+    def _new_tid(self) -> int:
+        tid = self.new_tid()
+        self.slot_of[tid] = len(self.tids)
+        self.tids.append(tid)
+        if self.op is not None:
+            self.op_made.add(tid)
+        return tid
+
+    def _emit(self, item: Any) -> None:
+        self.emit(item)
+        if self.op is None:
+            return self.abandon("it issues an instruction outside DTorch's ops (an upload?)")
+        instr = item
+        if type(item) is tuple:  # a fast-path record: its wire instruction (encoded by its plan)
+            instr = item[0](item)
+            if type(instr) is msgspec.Raw:
+                instr = _decode_instr(instr)
+        try:
+            self.program.instrs.append(programs.map_ids(instr, self._slot, self._seed))
+        except (TypeError, Unreplayable) as e:
+            self.abandon(str(e))
+
+    def _slot(self, tid: int) -> int:
+        slot = self.slot_of.get(tid)
+        if slot is None:
+            raise Unreplayable(f"an op reads tensor {tid}, which is not among its arguments")
+        return slot
+
+    def _seed(self, seed: int) -> int:
+        self.seeds.append(seed)
+        return len(self.seeds) - 1
+
+    def _release(self, tid: int) -> None:
+        slot = self.slot_of.get(tid)
+        if slot is None or slot in self.external:
+            self.held.append(tid)  # from outside the step: released after it
+            return
+        self.emit(m.InstrDelete(tids=[tid]))
+        if self.op is None or tid not in self.op_made:
+            self.program.user_deletes[len(self.program.instrs)] = slot
+        self.program.instrs.append(m.InstrDelete(tids=[slot]))
+
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any]) -> Any:
+        if any(leaf._session is not self.session for leaf in leaves):
+            self.abandon("it mixes DTensors of another session")
+            return thunk()
+        slots = []
+        for leaf in leaves:
+            slot = self.slot_of.get(leaf._tid)
+            if slot is None:
+                slot = self.slot_of[leaf._tid] = len(self.tids)
+                self.tids.append(leaf._tid)
+                self.external.add(slot)
+            slots.append(slot)
+        before = [(leaf._tid, leaf._spec) for leaf in leaves]
+        first_tid, first_seed = len(self.tids), len(self.seeds)
+        self.op = op = _Op(key, tuple(slots), 0, 0, len(self.program.instrs), None)
+        _dispatch.step_hook = None  # nested ops are part of this one
+        try:
+            result = thunk()
+        finally:
+            if self.active:
+                _dispatch.step_hook = self
+            self.op = None
+        if not self.active:
+            return result
+        op.made, op.seeds = len(self.tids) - first_tid, len(self.seeds) - first_seed
+        self.op_made.clear()
+        if [(leaf._tid, leaf._spec) for leaf in leaves] != before:
+            self.abandon(f"{key[0] if isinstance(key[0], str) else 'an op'} changes a DTensor's id or layout in place")
+            return result
+        try:
+            op.result = self._recipe(result, leaves, first_tid)
+        except Unreplayable as e:
+            self.abandon(str(e))
+            return result
+        self.program.ops.append(op)
+        return result
+
+    def _recipe(self, result: Any, leaves: list, first_tid: int) -> Any:
+        flat, spec = pytree.tree_flatten(result)
+        out = []
+        for v in flat:
+            if isinstance(v, DTensor):
+                index = next((i for i, leaf in enumerate(leaves) if leaf is v), None)
+                slot = self.slot_of.get(v._tid, -1)
+                if index is not None:
+                    out.append(("in", index))
+                elif slot >= first_tid and slot not in self.external:
+                    out.append(("new", slot, v._spec, v.requires_grad))
+                else:
+                    raise Unreplayable("an op returns a DTensor that is neither an argument nor new")
+            elif isinstance(v, torch.Tensor):
+                raise Unreplayable("an op returns a plain torch.Tensor")
+            else:
+                out.append(("val", v))
+        return spec, out
+
+    def finish(self) -> Program | None:
+        """The recorded program, or None when the recording is unreplayable (`broken` says why)."""
+        self.uninstall()
+        if self.broken is not None:
+            return None
+        self.program.ntids, self.program.nseeds = len(self.tids), len(self.seeds)
+        return self.program
+
+
+class _Replayer(_Mode):
+    """Matches a step against its program and sends one InstrReplay (rules 2-4)."""
+
+    def __init__(self, session: Session, program: Program) -> None:
+        super().__init__(session)
+        self.program = program
+        self.pos = 0
+        self.seeds: list[int] = []
+        self.internal: dict[int, int] = {}  # tensor id made in the step -> slot
+        self.dropped: set[int] = set()  # tensor ids made in the step and dropped by the user's code
+        self.fell_back = False
+
+    def _new_tid(self) -> int:  # only outside our operations (an upload): the step goes eager first
+        self.interrupt("an upload")
+        return self.new_tid()
+
+    def _emit(self, item: Any) -> None:
+        self.interrupt("another instruction")
+        self.emit(item)
+
+    def _release(self, tid: int) -> None:
+        if tid in self.internal:
+            self.dropped.add(tid)
+        else:
+            self.held.append(tid)
+
+    def interrupt(self, why: str) -> None:
+        if self.active:
+            self.fall_back()
+
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any]) -> Any:
+        ops = self.program.ops
+        op = ops[self.pos] if self.pos < len(ops) else None
+        if op is None or op.key != key or not self._bind(op, leaves):
+            self.fall_back()
+            return thunk()
+        tids, new = self.tids, self.new_tid
+        for _ in range(op.made):
+            tid = new()
+            self.internal[tid] = len(tids)
+            tids.append(tid)
+        next_seed = self.session.next_seed
+        for _ in range(op.seeds):
+            self.seeds.append(next_seed())
+        self.pos += 1
+        spec, recipe = op.result
+        out = []
+        for how in recipe:
+            if how[0] == "new":
+                out.append(DTensor(how[2], tids[how[1]], self.session, how[3]))
+            elif how[0] == "in":
+                out.append(leaves[how[1]])
+            else:
+                out.append(how[1])
+        return pytree.tree_unflatten(out, spec)
+
+    def _bind(self, op: _Op, leaves: list) -> bool:
+        tids = self.tids
+        if len(leaves) != len(op.leaf_slots):
+            return False
+        for leaf, slot in zip(leaves, op.leaf_slots):
+            tid = leaf._tid
+            if slot == len(tids):
+                if tid in self.internal or leaf._session is not self.session:
+                    return False
+                tids.append(tid)
+            elif tids[slot] != tid:
+                return False
+        return True
+
+    def finish(self) -> None:
+        """The step ended: one InstrReplay, or the instructions of what ran (rule 3)."""
+        if not self.active:
+            return
+        p = self.program
+        slots_dropped = {self.internal[t] for t in self.dropped}
+        if self.pos < len(p.ops) or not set(p.user_deletes.values()) <= slots_dropped:
+            return self.fall_back()
+        self.emit(m.InstrReplay(program=p.id, tids=self.tids, seeds=self.seeds))
+        deleted = {self.tids[s] for s in p.user_deletes.values()}
+        self.held.extend(t for t in self.dropped if t not in deleted)
+        self.uninstall()
+
+    def fall_back(self) -> None:
+        """Emit the filled-in instructions of the operations matched so far, then go eager (rule 3)."""
+        if not self.active:
+            return
+        self.fell_back = True
+        p = self.program
+        end = p.ops[self.pos].start if self.pos < len(p.ops) else len(p.instrs)
+        dropped = {self.internal[t] for t in self.dropped}
+        tids, seeds = self.tids, self.seeds
+        deleted = set()
+        for index in range(end):
+            slot = p.user_deletes.get(index)
+            if slot is not None:
+                if slot not in dropped:
+                    continue  # the user's code still holds it
+                deleted.add(tids[slot])
+            self.emit(programs.map_ids(p.instrs[index], tids.__getitem__, seeds.__getitem__))
+        self.held.extend(t for t in self.dropped if t not in deleted)
+        self.uninstall()
+
+
+class Compiled:
+    """A step function run as a captured program from its third call on (see the module docstring)."""
+
+    def __init__(self, fn: Callable[..., Any], warmup: int = 1) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.warmup = fn, warmup
+        self.calls = 0
+        self.program: Program | None = None
+        self.unreplayable: str | None = None  # why the step always runs eagerly (rule 5)
+        self.replays = 0  # calls that ran as one InstrReplay
+        self.fallbacks = 0  # replays that fell back to eager (rule 3)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        session = get_session()
+        if self.unreplayable is not None or self.calls <= self.warmup or _dispatch.step_hook is not None \
+                or session.step is not None:
+            return self.fn(*args, **kwargs)
+        if self.program is None:
+            return self._record(session, args, kwargs)
+        mode = _Replayer(session, self.program)
+        mode.install()
+        try:
+            result = self.fn(*args, **kwargs)
+        except BaseException:
+            mode.fall_back()
+            raise
+        mode.finish()
+        if mode.fell_back:
+            self.fallbacks += 1
+            self.program = None  # record again next time
+        else:
+            self.replays += 1
+        return result
+
+    def _record(self, session: Session, args: tuple, kwargs: dict) -> Any:
+        mode = _Recorder(session, session.new_program_id())
+        mode.install()
+        try:
+            result = self.fn(*args, **kwargs)
+        except BaseException:
+            mode.abandon("it raised")
+            raise
+        program = mode.finish()
+        if program is None:
+            self.unreplayable = mode.broken
+            warnings.warn(f"dtorch.compile: {getattr(self.fn, '__qualname__', self.fn)} runs eagerly: "
+                          f"{mode.broken}", stacklevel=3)
+        else:
+            self.program = program
+            session.emit(m.InstrDefine(program=program.id, instrs=program.instrs, ntids=program.ntids,
+                                       nseeds=program.nseeds))
+        return result
+
+
+def compile(fn: Callable[..., Any] | None = None, *, warmup: int = 1) -> Any:  # noqa: A001 - torch's name
+    """Run `fn` (a training or inference step over DTensors) as a captured program: call 1..`warmup` eagerly,
+    the next one recorded, later ones replayed with only (program id, tensor ids, seeds) sent. Use as
+    `@dtorch.compile` or `dtorch.compile(fn, warmup=2)`."""
+    if fn is None:
+        return lambda f: Compiled(f, warmup)
+    return Compiled(fn, warmup)
