@@ -35,11 +35,15 @@ def _batches(n, rows=8):
     return [(torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)) for _ in range(n)]
 
 
-def _train(mesh2d, batches, compiled, dropout=0.0):
-    """A TP x DP MLP trained with SGD (momentum) by `dtorch.compile`d steps or plain calls; losses, parameters."""
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+              "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}  # AdamW: step sizes change every step
+
+
+def _train(mesh2d, batches, compiled, dropout=0.0, optimizer="sgd"):
+    """A TP x DP MLP trained by `dtorch.compile`d steps or plain calls; losses, parameters."""
     model = _mlp()
     parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     step = dtorch.compile(lambda x, y: _step(model, opt, x, y, dropout))
     run = step if compiled else step.fn
     dtorch.manual_seed(3)
@@ -50,14 +54,17 @@ def _train(mesh2d, batches, compiled, dropout=0.0):
     return [loss.item() for loss in losses], [p.to_torch() for p in model.parameters()], step
 
 
-def test_replayed_training_matches_eager_bit_for_bit_and_plain_torch(mesh2d):
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_replayed_training_matches_eager_bit_for_bit_and_plain_torch(mesh2d, optimizer):
     batches = _batches(6)
-    losses, params, step = _train(mesh2d, batches, compiled=True)
-    eager_losses, eager_params, _ = _train(mesh2d, batches, compiled=False)
+    losses, params, step = _train(mesh2d, batches, compiled=True, optimizer=optimizer)
+    eager_losses, eager_params, _ = _train(mesh2d, batches, compiled=False, optimizer=optimizer)
     assert (step.replays, step.fallbacks, step.unreplayable) == (4, 0, None)  # call 1 warms up, call 2 records
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
+    if optimizer == "adamw":
+        assert step.program.nscalars > 0  # its step sizes are the replay's numbers
     ref = _mlp()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = OPTIMIZERS[optimizer](ref.parameters())
     expected = [_step(ref, opt, x, y).item() for x, y in batches]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     for got, want in zip(params, ref.parameters()):

@@ -39,6 +39,17 @@ def test_a_replay_becomes_its_program_with_the_tensor_ids_and_seeds_filled_in():
     assert (out[0].tid, out[0].seed, out[1].outs[0].tid, out[2].tids) == (51, 5, 52, [51])
 
 
+def test_number_holes_take_the_replays_numbers():
+    call = m.InstrCall(op="aten._foreach_add_.ScalarList", mesh=1, args=[[{"$t": 0}], [{"$s": 1}, 2.0]],
+                       kwargs={"alpha": {"$s": 0}}, outs=[])
+    store: dict = {}
+    out, refused = programs.expand(store, [m.InstrDefine(program=1, instrs=[call], ntids=1, nscalars=2),
+                                           m.InstrReplay(program=1, tids=[9], scalars=[0.5, -3.0])])
+    assert refused == [] and out[0].args == [[{"$t": 9}], [-3.0, 2.0]] and out[0].kwargs == {"alpha": 0.5}
+    _, refused = programs.expand(store, [m.InstrDefine(program=2, instrs=[call], ntids=1, nscalars=1)])
+    assert "number slot 1 is outside 0..0" in refused[0].message
+
+
 def test_batches_without_programs_pass_through_untouched():
     instrs = [m.InstrDelete(tids=[1])]
     assert programs.expand({}, instrs) == (instrs, [])
@@ -56,8 +67,9 @@ def test_bad_definitions_and_replays_are_refused_and_run_nothing():
     assert out == [m.InstrDelete(tids=[5])] and set(store) == {4}
     text = [r.message for r in refused]
     assert "tensor slot 3 is outside 0..2" in text[0] and "seed slot 1 is outside 0..0" in text[1]
-    assert "ntids and nseeds must be >= 0" in text[2] and text[3] == "unknown program 9"
-    assert "names 2 tensors and 1 seeds; it was defined with 3 and 1" in text[4] and "0 seeds" in text[5]
+    assert "must be >= 0" in text[2] and text[3] == "unknown program 9"
+    assert "names 2 tensors, 1 seeds and 0 numbers; it was defined with 3, 1 and 0" in text[4]
+    assert "0 seeds" in text[5]
     assert all(r.kind == m.ErrorKind.REFUSED for r in refused)
 
 

@@ -12,7 +12,7 @@ The first call runs eagerly (warm-up: optimizers make their state, autograd its 
 eagerly too and is recorded, then defined at the controller as a program (`InstrDefine`). From the third on,
 the user's Python still runs (autograd, modules, optimizers keep their Python state), but each DTorch
 operation is only *matched* against the program: nothing is planned, encoded or emitted, and the step ends
-with one `InstrReplay(program, tensor ids, seeds)`.
+with one `InstrReplay(program, tensor ids, seeds, numbers)`.
 
 Rules:
   1. An *operation* is a top-level aten op (`__torch_dispatch__`), a redistribution or a factory; what it
@@ -24,8 +24,8 @@ Rules:
      each DTensor sits in the recorded slot (a new outside tensor where the recording had one); it then makes
      its tensor ids, draws its seeds from the session's stream (so later random values are those of an eager
      run) and builds its result.
-  3. A mismatch (other shapes, placements, dtypes, mesh, scalars or ops; a sync point, an upload or any other
-     instruction) ends the replay for this step: the instructions of the operations matched so far are
+  3. A mismatch (other shapes, placements, dtypes, mesh, ops or non-float arguments; a sync point, an upload
+     or any other instruction) ends the replay for this step: the instructions of the operations matched so far are
      filled in and emitted, and the step goes on eagerly. The next call records again. Either way the same
      instructions run in the same order with the same seeds, so results are identical to an eager run.
   4. Deletes. A tensor made and dropped by one operation is deleted where it was. A tensor made in the step
@@ -35,6 +35,10 @@ Rules:
   5. A recording that holds what a replay cannot reproduce (a sync point, an upload, a plain tensor mixed
      into an op, an operation that changes a DTensor's id or layout in place, another session's tensors)
      makes the step run eagerly from then on, with one warning saying why.
+  6. Numbers. An op whose float arguments changed (an optimizer's step size, a learning rate schedule) is
+     planned again, into a list: when its instructions are the program's but for numbers in the op's
+     arguments, those numbers become holes of the program (`{"$s": k}`, defined again once) and the replay
+     sends their values; that op is planned again in each later replay, every other op only matched.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class _Op:
     made: int  # tensor ids made (the next slots)
     seeds: int
     start: int  # its first instruction in the program
+    end: int  # past its last one
     result: Any  # (treespec, [("in", i) | ("new", slot, spec, requires_grad) | ("val", v)])
 
 
@@ -80,6 +85,10 @@ class Program:
     instrs: list[m.StepInstr] = field(default_factory=list)  # slot form
     ntids: int = 0
     nseeds: int = 0
+    nscalars: int = 0
+    external: set[int] = field(default_factory=set)  # slots of tensors from outside the step
+    holes: set[int] = field(default_factory=set)  # ops whose numbers are holes (planned again each step)
+    redefine: bool = False  # holes were added since the controller got the definition
     user_deletes: dict[int, int] = field(default_factory=dict)  # instruction index -> slot (rule 4)
 
 
@@ -153,13 +162,8 @@ class _Recorder(_Mode):
         self.emit(item)
         if self.op is None:
             return self.abandon("it issues an instruction outside DTorch's ops (an upload?)")
-        instr = item
-        if type(item) is tuple:  # a fast-path record: its wire instruction (encoded by its plan)
-            instr = item[0](item)
-            if type(instr) is msgspec.Raw:
-                instr = _decode_instr(instr)
         try:
-            self.program.instrs.append(programs.map_ids(instr, self._slot, self._seed))
+            self.program.instrs.append(programs.map_ids(_instruction(item), self._slot, self._seed))
         except (TypeError, Unreplayable) as e:
             self.abandon(str(e))
 
@@ -197,7 +201,7 @@ class _Recorder(_Mode):
             slots.append(slot)
         before = [(leaf._tid, leaf._spec) for leaf in leaves]
         first_tid, first_seed = len(self.tids), len(self.seeds)
-        self.op = op = _Op(key, tuple(slots), 0, 0, len(self.program.instrs), None)
+        self.op = op = _Op(key, tuple(slots), 0, 0, len(self.program.instrs), 0, None)
         _dispatch.step_hook = None  # nested ops are part of this one
         try:
             result = thunk()
@@ -208,6 +212,7 @@ class _Recorder(_Mode):
         if not self.active:
             return result
         op.made, op.seeds = len(self.tids) - first_tid, len(self.seeds) - first_seed
+        op.end = len(self.program.instrs)
         self.op_made.clear()
         if [(leaf._tid, leaf._spec) for leaf in leaves] != before:
             self.abandon(f"{key[0] if isinstance(key[0], str) else 'an op'} changes a DTensor's id or layout in place")
@@ -245,18 +250,19 @@ class _Recorder(_Mode):
         if self.broken is not None:
             return None
         self.program.ntids, self.program.nseeds = len(self.tids), len(self.seeds)
+        self.program.external = self.external
         return self.program
 
 
 class _Replayer(_Mode):
-    """Matches a step against its program and sends one InstrReplay (rules 2-4)."""
+    """Matches a step against its program and sends one InstrReplay (rules 2-4, 6)."""
 
     def __init__(self, session: Session, program: Program) -> None:
         super().__init__(session)
         self.program = program
         self.pos = 0
         self.seeds: list[int] = []
-        self.internal: dict[int, int] = {}  # tensor id made in the step -> slot
+        self.scalars: list[Any] = [None] * program.nscalars
         self.dropped: set[int] = set()  # tensor ids made in the step and dropped by the user's code
         self.fell_back = False
 
@@ -269,7 +275,8 @@ class _Replayer(_Mode):
         self.emit(item)
 
     def _release(self, tid: int) -> None:
-        if tid in self.internal:
+        slot = self.slot_of.get(tid)
+        if slot is not None and slot not in self.program.external:
             self.dropped.add(tid)
         else:
             self.held.append(tid)
@@ -281,13 +288,15 @@ class _Replayer(_Mode):
     def run(self, key: Any, leaves: list, thunk: Callable[[], Any]) -> Any:
         ops = self.program.ops
         op = ops[self.pos] if self.pos < len(ops) else None
-        if op is None or op.key != key or not self._bind(op, leaves):
+        if op is None or not (op.key == key or _numbers_differ(op.key, key)) or not self._bind(op, leaves):
             self.fall_back()
             return thunk()
-        tids, new = self.tids, self.new_tid
+        if op.key != key or self.pos in self.program.holes:
+            return self._plan_again(op, leaves, thunk)
+        tids, slot_of, new = self.tids, self.slot_of, self.new_tid
         for _ in range(op.made):
             tid = new()
-            self.internal[tid] = len(tids)
+            slot_of[tid] = len(tids)
             tids.append(tid)
         next_seed = self.session.next_seed
         for _ in range(op.seeds):
@@ -311,35 +320,104 @@ class _Replayer(_Mode):
         for leaf, slot in zip(leaves, op.leaf_slots):
             tid = leaf._tid
             if slot == len(tids):
-                if tid in self.internal or leaf._session is not self.session:
+                if tid in self.slot_of or leaf._session is not self.session:
                     return False
+                self.slot_of[tid] = slot
                 tids.append(tid)
             elif tids[slot] != tid:
                 return False
         return True
+
+    def _plan_again(self, op: _Op, leaves: list, thunk: Callable[[], Any]) -> Any:
+        """An op whose numbers changed (an optimizer's step size): run it eagerly into a list, and when its
+        instructions are the program's but for numbers in its arguments, those become holes (rule 6)."""
+        s, made, items = self.session, [], []
+
+        def new_tid() -> int:
+            tid = self.new_tid()
+            self.slot_of[tid] = len(self.tids)
+            self.tids.append(tid)
+            made.append(tid)
+            return tid
+
+        def release(tid: int) -> None:
+            if tid not in made:  # the op's own temporaries are deleted by its instructions
+                self._release(tid)
+
+        s.emit, s.new_tid, s.release = items.append, new_tid, release
+        _dispatch.step_hook = None
+        try:
+            result = thunk()
+        finally:
+            s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
+            _dispatch.step_hook = self
+        if not self._adopt_numbers(op, items, made, result, leaves):
+            self.fall_back(items)
+            return result
+        self.pos += 1
+        return result
+
+    def _adopt_numbers(self, op: _Op, items: list, made: list, result: Any, leaves: list) -> bool:
+        p = self.program
+        if len(made) != op.made:
+            return False
+        try:
+            new = [programs.map_ids(_instruction(i), self._slot, self._seed) for i in items]
+        except (KeyError, TypeError):
+            return False
+        if len(new) != op.end - op.start or not _same_result(op, result, leaves, self.tids):
+            return False
+        found: list[tuple[int, list, Any]] = []  # (instruction, path, number) of new holes
+        numbers: dict[int, Any] = {}
+        for index, (old, now) in enumerate(zip(p.instrs[op.start:op.end], new)):
+            if not _match(_plain(old), _plain(now), [], lambda path, v, i=index: found.append((i, path, v)),
+                          numbers):
+                return False
+        for index, path, value in found:  # the program learns its holes (sent again before the replay)
+            plain = _plain(p.instrs[op.start + index])
+            _set(plain, path, {programs.SCALAR_HOLE: p.nscalars})
+            p.instrs[op.start + index] = _decode_step(msgspec.msgpack.encode(plain))
+            numbers[p.nscalars] = value
+            p.nscalars += 1
+            self.scalars.append(None)
+            p.redefine = True
+        for k, value in numbers.items():
+            self.scalars[k] = value
+        p.holes.add(self.pos)
+        return True
+
+    def _slot(self, tid: int) -> int:
+        return self.slot_of[tid]
+
+    def _seed(self, seed: int) -> int:
+        self.seeds.append(seed)
+        return len(self.seeds) - 1
 
     def finish(self) -> None:
         """The step ended: one InstrReplay, or the instructions of what ran (rule 3)."""
         if not self.active:
             return
         p = self.program
-        slots_dropped = {self.internal[t] for t in self.dropped}
+        slots_dropped = {self.slot_of[t] for t in self.dropped}
         if self.pos < len(p.ops) or not set(p.user_deletes.values()) <= slots_dropped:
             return self.fall_back()
-        self.emit(m.InstrReplay(program=p.id, tids=self.tids, seeds=self.seeds))
+        if p.redefine:
+            self.emit(_definition(p))
+            p.redefine = False
+        self.emit(m.InstrReplay(program=p.id, tids=self.tids, seeds=self.seeds, scalars=self.scalars))
         deleted = {self.tids[s] for s in p.user_deletes.values()}
         self.held.extend(t for t in self.dropped if t not in deleted)
         self.uninstall()
 
-    def fall_back(self) -> None:
-        """Emit the filled-in instructions of the operations matched so far, then go eager (rule 3)."""
+    def fall_back(self, then: list = ()) -> None:
+        """Emit the filled-in instructions of the operations matched so far (and `then`), then go eager (rule 3)."""
         if not self.active:
             return
         self.fell_back = True
         p = self.program
         end = p.ops[self.pos].start if self.pos < len(p.ops) else len(p.instrs)
-        dropped = {self.internal[t] for t in self.dropped}
-        tids, seeds = self.tids, self.seeds
+        dropped = {self.slot_of[t] for t in self.dropped}
+        tids, seeds, scalars = self.tids, self.seeds, self.scalars
         deleted = set()
         for index in range(end):
             slot = p.user_deletes.get(index)
@@ -347,9 +425,84 @@ class _Replayer(_Mode):
                 if slot not in dropped:
                     continue  # the user's code still holds it
                 deleted.add(tids[slot])
-            self.emit(programs.map_ids(p.instrs[index], tids.__getitem__, seeds.__getitem__))
+            self.emit(programs.map_ids(p.instrs[index], tids.__getitem__, seeds.__getitem__, scalars.__getitem__))
+        for item in then:
+            self.emit(item)
         self.held.extend(t for t in self.dropped if t not in deleted)
         self.uninstall()
+
+
+_decode_step = msgspec.msgpack.Decoder(m.StepInstr).decode
+_NUMBER_FIELDS = ("args", "kwargs", "local")  # where a number may become a hole (rule 6)
+
+
+def _instruction(item: Any) -> Any:
+    """The wire instruction of an emitted item (a fast-path record is encoded by its plan)."""
+    if type(item) is tuple:
+        item = item[0](item)
+        if type(item) is msgspec.Raw:
+            return _decode_instr(item)
+    return item
+
+
+def _plain(instr: Any) -> Any:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(instr))
+
+
+def _numbers_differ(a: Any, b: Any) -> bool:
+    """Do two op keys differ only in float arguments?"""
+    if type(a) is tuple and type(b) is tuple and len(a) == len(b):
+        if len(a) == 2 and a[0] is float and b[0] is float:
+            return True
+        return all(x == y or _numbers_differ(x, y) for x, y in zip(a, b))
+    return False
+
+
+def _match(old: Any, new: Any, path: list, hole: Callable[[list, Any], None], numbers: dict[int, Any]) -> bool:
+    """Is `new` the instruction `old` but for numbers in its arguments? Reports each new hole to `hole` and the
+    value of each existing hole in `numbers`."""
+    if type(old) is dict and len(old) == 1 and programs.SCALAR_HOLE in old:
+        if type(new) is not float:
+            return False
+        numbers[old[programs.SCALAR_HOLE]] = new
+        return True
+    if type(old) is float and type(new) is float and path and path[0] in _NUMBER_FIELDS:
+        if not (old == new):  # nan too
+            hole(list(path), new)
+        return True
+    if type(old) is dict and type(new) is dict:
+        return old.keys() == new.keys() and all(_match(v, new[k], [*path, k], hole, numbers) for k, v in old.items())
+    if type(old) is list and type(new) is list:
+        return len(old) == len(new) and all(_match(v, w, [*path, i], hole, numbers)
+                                            for i, (v, w) in enumerate(zip(old, new)))
+    return type(old) is type(new) and old == new
+
+
+def _set(tree: Any, path: list, value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def _same_result(op: _Op, result: Any, leaves: list, tids: list[int]) -> bool:
+    flat, spec = pytree.tree_flatten(result)
+    recipe_spec, recipe = op.result
+    if spec != recipe_spec or len(flat) != len(recipe):
+        return False
+    for v, how in zip(flat, recipe):
+        if how[0] == "new":
+            if not (isinstance(v, DTensor) and v._tid == tids[how[1]] and v._spec == how[2]):
+                return False
+        elif how[0] == "in":
+            if v is not leaves[how[1]]:
+                return False
+        elif isinstance(v, torch.Tensor) or v != how[1]:
+            return False
+    return True
+
+
+def _definition(p: Program) -> m.InstrDefine:
+    return m.InstrDefine(program=p.id, instrs=p.instrs, ntids=p.ntids, nseeds=p.nseeds, nscalars=p.nscalars)
 
 
 class Compiled:
@@ -402,8 +555,7 @@ class Compiled:
                           f"{mode.broken}", stacklevel=3)
         else:
             self.program = program
-            session.emit(m.InstrDefine(program=program.id, instrs=program.instrs, ntids=program.ntids,
-                                       nseeds=program.nseeds))
+            session.emit(_definition(program))
         return result
 
 

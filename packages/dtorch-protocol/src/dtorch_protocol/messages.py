@@ -216,14 +216,16 @@ class InstrDefine(Struct, frozen=True, tag="define"):
     instrs: list[StepInstr]
     ntids: int  # every replay names this many tensor ids
     nseeds: int = 0  # and this many seeds
+    nscalars: int = 0  # and this many numbers for the `{"$s": k}` holes in op arguments
 
 
 class InstrReplay(Struct, frozen=True, tag="replay"):
-    """Run program `program` again with these tensor ids and seeds (the only per-step data)."""
+    """Run program `program` again with these tensor ids, seeds and numbers (the only per-step data)."""
 
     program: int
     tids: list[int]
     seeds: list[int] = []
+    scalars: list[float] = []
 
 
 Instr = InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete | InstrDefine | InstrReplay

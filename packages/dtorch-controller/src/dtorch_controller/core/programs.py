@@ -9,7 +9,7 @@ translated for the binding of the moment, never from a stale translation.
 Rules:
   1. A definition is checked (`dtorch_protocol.programs.check`) and kept under its id, replacing one of the
      same id; a session holds at most MAX_PROGRAMS (a definition beyond them is refused).
-  2. A replay of an unknown program, or naming the wrong number of tensor ids or seeds, is refused: it runs
+  2. A replay of an unknown program, or naming the wrong number of tensor ids, seeds or numbers, is refused: it runs
      nothing and its error is raised at the session's next Sync (the instructions after it go on, as for any
      refused instruction).
 Not done yet: keeping the translated per-worker batches of a program (replays are translated again).
@@ -46,7 +46,7 @@ def expand(store: dict[int, m.InstrDefine], instrs: list[m.Instr]) -> tuple[list
             if problem is not None:
                 refused.append(_refusal(instr.program, problem))
             else:
-                out.extend(p.fill(d.instrs, instr.tids, instr.seeds))
+                out.extend(p.fill(d.instrs, instr.tids, instr.seeds, instr.scalars))
         else:
             out.append(instr)
     return out, refused
