@@ -75,7 +75,12 @@ class _Op:
     seeds: int
     start: int  # its first instruction in the program
     end: int  # past its last one
-    result: Any  # (treespec, [("in", i) | ("new", slot, spec, requires_grad) | ("val", v)])
+    result: Any
+    # an elementwise op with number holes: (position among the key's floats, hole) of each hole, the floats
+    # baked into its instructions (position, value), how many floats its key holds (rule 6)
+    numbers: list[tuple[int, int]] | None = None
+    fixed: list[tuple[int, Any]] = field(default_factory=list)
+    nfloats: int = 0  # (treespec, [("in", i) | ("new", slot, spec, requires_grad) | ("val", v)])
 
 
 @dataclass
@@ -126,7 +131,7 @@ class _Mode:
     def _emit(self, item: Any) -> None: ...
     def _new_tid(self) -> int: ...
     def _release(self, tid: int) -> None: ...
-    def run(self, key: Any, leaves: list, thunk: Callable[[], Any]) -> Any: ...
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any: ...
     def interrupt(self, why: str) -> None: ...
 
 
@@ -187,7 +192,7 @@ class _Recorder(_Mode):
             self.program.user_deletes[len(self.program.instrs)] = slot
         self.program.instrs.append(m.InstrDelete(tids=[slot]))
 
-    def run(self, key: Any, leaves: list, thunk: Callable[[], Any]) -> Any:
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any:
         if any(leaf._session is not self.session for leaf in leaves):
             self.abandon("it mixes DTensors of another session")
             return thunk()
@@ -285,14 +290,14 @@ class _Replayer(_Mode):
         if self.active:
             self.fall_back()
 
-    def run(self, key: Any, leaves: list, thunk: Callable[[], Any]) -> Any:
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any:
         ops = self.program.ops
         op = ops[self.pos] if self.pos < len(ops) else None
         if op is None or not (op.key == key or _numbers_differ(op.key, key)) or not self._bind(op, leaves):
             self.fall_back()
             return thunk()
-        if op.key != key or self.pos in self.program.holes:
-            return self._plan_again(op, leaves, thunk)
+        if (op.key != key or self.pos in self.program.holes) and not self._read_numbers(op, key):
+            return self._plan_again(op, key, leaves, thunk, func)
         tids, slot_of, new = self.tids, self.slot_of, self.new_tid
         for _ in range(op.made):
             tid = new()
@@ -328,7 +333,19 @@ class _Replayer(_Mode):
                 return False
         return True
 
-    def _plan_again(self, op: _Op, leaves: list, thunk: Callable[[], Any]) -> Any:
+    def _read_numbers(self, op: _Op, key: Any) -> bool:
+        """An elementwise op whose holes are known takes their values from its key, unplanned (rule 6)."""
+        if op.numbers is None:
+            return False
+        floats: list = []
+        _floats(key, floats)
+        if len(floats) != op.nfloats or any(floats[j] != v for j, v in op.fixed):
+            return False
+        for j, k in op.numbers:
+            self.scalars[k] = floats[j]
+        return True
+
+    def _plan_again(self, op: _Op, key: Any, leaves: list, thunk: Callable[[], Any], func: Any) -> Any:
         """An op whose numbers changed (an optimizer's step size): run it eagerly into a list, and when its
         instructions are the program's but for numbers in its arguments, those become holes (rule 6)."""
         s, made, items = self.session, [], []
@@ -351,28 +368,33 @@ class _Replayer(_Mode):
         finally:
             s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
             _dispatch.step_hook = self
-        if not self._adopt_numbers(op, items, made, result, leaves):
+        numbers = self._adopt_numbers(op, items, made, result, leaves)
+        if numbers is None:
             self.fall_back(items)
             return result
+        if func is not None and (torch.Tag.pointwise in func.tags or func.__name__.startswith("_foreach_")):
+            _learn_positions(op, key, numbers)  # its output shapes cannot depend on the numbers
         self.pos += 1
         return result
 
-    def _adopt_numbers(self, op: _Op, items: list, made: list, result: Any, leaves: list) -> bool:
+    def _adopt_numbers(self, op: _Op, items: list, made: list, result: Any, leaves: list) -> dict | None:
+        """The op's numbers by hole, when its instructions are the program's but for numbers (new holes are added
+        to the program); None when they are not."""
         p = self.program
         if len(made) != op.made:
-            return False
+            return None
         try:
             new = [programs.map_ids(_instruction(i), self._slot, self._seed) for i in items]
         except (KeyError, TypeError):
-            return False
+            return None
         if len(new) != op.end - op.start or not _same_result(op, result, leaves, self.tids):
-            return False
+            return None
         found: list[tuple[int, list, Any]] = []  # (instruction, path, number) of new holes
         numbers: dict[int, Any] = {}
         for index, (old, now) in enumerate(zip(p.instrs[op.start:op.end], new)):
             if not _match(_plain(old), _plain(now), [], lambda path, v, i=index: found.append((i, path, v)),
                           numbers):
-                return False
+                return None
         for index, path, value in found:  # the program learns its holes (sent again before the replay)
             plain = _plain(p.instrs[op.start + index])
             _set(plain, path, {programs.SCALAR_HOLE: p.nscalars})
@@ -384,7 +406,7 @@ class _Replayer(_Mode):
         for k, value in numbers.items():
             self.scalars[k] = value
         p.holes.add(self.pos)
-        return True
+        return numbers
 
     def _slot(self, tid: int) -> int:
         return self.slot_of[tid]
@@ -456,6 +478,32 @@ def _numbers_differ(a: Any, b: Any) -> bool:
             return True
         return all(x == y or _numbers_differ(x, y) for x, y in zip(a, b))
     return False
+
+
+def _floats(key: Any, out: list) -> None:
+    """The float arguments in an op key, in order."""
+    if type(key) is tuple:
+        if len(key) == 2 and key[0] is float:
+            out.append(key[1])
+        else:
+            for x in key:
+                _floats(x, out)
+
+
+def _learn_positions(op: _Op, key: Any, numbers: dict[int, Any]) -> None:
+    """Where each hole's value sits among the floats of the op's `key`, when each sits at exactly one place."""
+    floats: list = []
+    _floats(key, floats)
+    op.numbers = None
+    places = []
+    for k, value in numbers.items():
+        at = [j for j, v in enumerate(floats) if v == value]
+        if len(at) != 1:
+            return
+        places.append((at[0], k))
+    taken = {j for j, _ in places}
+    op.numbers, op.nfloats = places, len(floats)
+    op.fixed = [(j, v) for j, v in enumerate(floats) if j not in taken]
 
 
 def _match(old: Any, new: Any, path: list, hole: Callable[[list, Any], None], numbers: dict[int, Any]) -> bool:
