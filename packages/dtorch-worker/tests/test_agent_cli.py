@@ -178,3 +178,29 @@ def test_worker_process_refuses_to_start_without_a_controller() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_health_is_alive_at_once_and_ready_once_registered(controller: tuple) -> None:
+    """The standard gRPC health service, asked without a token (Kubernetes probes and load balancers)."""
+    from dtorch_protocol.health import check
+    from dtorch_worker.server import start_worker
+
+    handle = start_worker(token=TOKEN)
+    try:
+        assert check(handle.address, "liveness") == "SERVING"
+        assert check(handle.address) == "NOT_SERVING"  # not registered with a controller yet
+    finally:
+        handle.stop(0.0)
+    _fake, address, _ = controller
+    proc = spawn(address)
+    try:
+        line = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        worker_address = line.rsplit(" ", 1)[1]
+        deadline = time.monotonic() + 10
+        while check(worker_address) != "SERVING":  # registered: the worker is ready
+            assert time.monotonic() < deadline, line
+            time.sleep(0.05)
+        assert check(worker_address, "dtorch.Worker") == "SERVING"
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -27,6 +27,7 @@ from dtorch_controller.core.policies import Policy
 from dtorch_controller.timers import TimerThread
 from dtorch_protocol import messages as m
 from dtorch_protocol import wire
+from dtorch_protocol.health import Health
 
 log = logging.getLogger("dtorch_controller.server")
 
@@ -190,10 +191,12 @@ class ControllerService:
 class ControllerServer:
     """A running controller: the gRPC server and the service that drives the core."""
 
-    def __init__(self, grpc_server: grpc.Server, service: ControllerService, address: str) -> None:
+    def __init__(self, grpc_server: grpc.Server, service: ControllerService, address: str,
+                 health: Health | None = None) -> None:
         self.grpc_server = grpc_server
         self.service = service
         self.address = address
+        self.health = health
 
     @property
     def core(self) -> ControllerCore:
@@ -201,6 +204,8 @@ class ControllerServer:
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving: calls in flight get `grace` seconds, then parked ones are answered and timers stop."""
+        if self.health is not None:
+            self.health.stop()
         stopped = self.grpc_server.stop(grace)
         stopped.wait((grace or 0) + 0.1)
         self.service.close()
@@ -219,10 +224,11 @@ def run_server(listen: str = "127.0.0.1:0", token: str = "", config: Config | No
             config = replace(config, format_time=wall_clock_formatter())
         core = ControllerCore(config, policy=policy)
     service = ControllerService(core, token)
+    health = Health("dtorch.Controller", ready=True)
     try:
         grpc_server, address = wire.serve("dtorch.Controller", service, token, listen=listen,
-                                          max_workers=SERVER_THREADS)
+                                          max_workers=SERVER_THREADS, health=health)
     except BaseException:
         service.close()
         raise
-    return ControllerServer(grpc_server, service, address), address
+    return ControllerServer(grpc_server, service, address, health), address

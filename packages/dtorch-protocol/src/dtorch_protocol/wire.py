@@ -18,6 +18,7 @@ import msgspec
 
 from dtorch_protocol import messages as m
 from dtorch_protocol._version import __version__
+from dtorch_protocol.health import Health
 
 TOKEN_HEADER = "dtorch-token"
 KIND_HEADER = "dtorch-error-kind"  # trailing metadata of a refused call: its `messages.ErrorKind`
@@ -173,13 +174,17 @@ def service_handler(service: str, impl: Any, token: str) -> grpc.GenericRpcHandl
 
 
 def serve(service: str, impl: Any, token: str, listen: str = "127.0.0.1:0", max_workers: int = 32,
-          ) -> tuple[grpc.Server, str]:
-    """Start a gRPC server for `service`; returns it with the address it actually listens on."""
+          health: Health | None = None) -> tuple[grpc.Server, str]:
+    """Start a gRPC server for `service`; returns it with the address it actually listens on.
+
+    With `health`, the server also answers the standard gRPC health service (no token: see health.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
                          options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers((service_handler(service, impl, token),))
+    if health is not None:
+        health.attach(server)
     host, _, port = listen.rpartition(":")
     bound = server.add_insecure_port(listen)
     if bound == 0:

@@ -20,6 +20,7 @@ import torch
 
 from dtorch_protocol import wire
 from dtorch_protocol.process import watch_parent
+from dtorch_worker import node
 from dtorch_worker.agent import Agent, ControllerUnreachable, device_memory_bytes
 from dtorch_worker.server import start_worker
 
@@ -35,7 +36,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--listen", default="127.0.0.1:0", help="address to serve on (default 127.0.0.1:0)")
     p.add_argument("--advertise", default="", help="address peers use to reach this worker (default: --listen, "
                                                    "with a wildcard host replaced by this host's name)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu | cuda | cuda:N (default cpu); cuda:all or a list (cuda:0,cuda:1): one worker per "
+                        "device, the i-th on --listen's port + i (node.py)")
     p.add_argument("--label", action="append", default=[], metavar="K=V", help="scheduling label (repeatable)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     p.add_argument("--threads", type=int, default=0,
@@ -89,6 +92,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     """Start a worker and serve until a signal, parent death, fencing or controller loss; returns the exit code."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="dtorch-worker %(levelname)s %(message)s")
+    devices = node.expand(args.device, torch.cuda.device_count() if args.device.startswith("cuda") else 0)
+    if devices is not None:
+        return node.run_node(sys.argv[1:] if argv is None else argv, devices, args.listen, args.advertise, 0)
     device = parse_device(args.device)
     labels = parse_labels(args.label)
     threads = args.threads or (1 if device.type == "cpu" else 0)
@@ -128,9 +134,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         worker.stop(0.0)
         return EXIT_USAGE
     print(f"dtorch-worker {reg.worker} on {device} listening on {address}", flush=True)
+    worker.health.set_ready(True)
     agent.start()
     while not stop.wait(0.5):  # wake regularly so the main thread can run signal handlers
         pass
+    worker.health.set_ready(False)
     for reason in reasons:
         print(f"dtorch-worker {reg.worker}: exiting: {reason}", file=sys.stderr, flush=True)
     agent.stop(timeout=1.0)

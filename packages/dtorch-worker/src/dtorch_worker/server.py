@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from dtorch_protocol import wire
+from dtorch_protocol.health import Health
 from dtorch_protocol.messages import Ack, Chunk, ErrorKind, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_worker import shards
 from dtorch_worker.executor import Executor, one_line
@@ -160,8 +161,10 @@ class WorkerHandle:
     executor: Executor
     server: grpc.Server
     service: WorkerService = field(repr=False)
+    health: Health = field(default_factory=lambda: Health("dtorch.Worker"), repr=False)
 
     def stop(self, grace: float = 1.0) -> None:
+        self.health.stop()
         self.executor.stop()
         self.server.stop(grace).wait(grace + 1.0)
 
@@ -172,7 +175,10 @@ def start_worker(token: str = "", listen: str = "127.0.0.1:0", device: str | tor
     store = TensorStore()
     executor = Executor(store, device=device, token=token, **executor_options)  # type: ignore[arg-type]
     service = WorkerService(store, executor)
-    server, address = wire.serve("dtorch.Worker", service, token, listen=listen, max_workers=SERVER_THREADS)
+    health = Health("dtorch.Worker", ready=False)  # ready once registered with a controller (cli.py)
+    server, address = wire.serve("dtorch.Worker", service, token, listen=listen, max_workers=SERVER_THREADS,
+                                 health=health)
     executor.address = address
     executor.start()
-    return WorkerHandle(address=address, store=store, executor=executor, server=server, service=service)
+    return WorkerHandle(address=address, store=store, executor=executor, server=server, service=service,
+                        health=health)
