@@ -204,3 +204,16 @@ def test_health_is_alive_at_once_and_ready_once_registered(controller: tuple) ->
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_node_of_several_devices_gives_each_worker_its_device_and_ports() -> None:
+    from dtorch_worker import node
+
+    assert node.expand("cuda:all", 3) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert node.expand("cpu,cpu", 0) == ["cpu", "cpu"] and node.expand("cuda:1", 2) is None
+    with pytest.raises(SystemExit, match="torch sees no CUDA device"):
+        node.expand("cuda:all", 0)
+    argv = node.child_argv(["--controller", "c:1", "--device", "cuda:all"], "cuda:2", 2, "0.0.0.0:50061",
+                           "10.0.0.5:50061", 9400)
+    assert argv[-8:] == ["--device", "cuda:2", "--listen", "0.0.0.0:50063", "--advertise", "10.0.0.5:50063",
+                          "--metrics-port", "9402"]
