@@ -11,12 +11,9 @@ A worker that cannot reach the controller for `lost_after_s` exits too.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-
-import torch
 
 from dtorch_protocol import wire
 from dtorch_protocol.messages import Registered, RegisterWorker, ReportReply, WorkerReport
@@ -32,16 +29,6 @@ EXIT_LOST = 4
 
 class ControllerUnreachable(ConnectionError):
     """Registration failed after every retry."""
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    """Memory the controller may plan with: the GPU's total, or the host's RAM for CPU workers."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device.index or 0).total_memory)
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 class Agent:

@@ -20,7 +20,8 @@ import torch
 
 from dtorch_protocol import wire
 from dtorch_protocol.process import watch_parent
-from dtorch_worker.agent import Agent, ControllerUnreachable, device_memory_bytes
+from dtorch_worker.agent import Agent, ControllerUnreachable
+from dtorch_worker.device import DeviceBackend, backend_for
 from dtorch_worker.server import start_worker
 
 log = logging.getLogger("dtorch_worker")
@@ -35,7 +36,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--listen", default="127.0.0.1:0", help="address to serve on (default 127.0.0.1:0)")
     p.add_argument("--advertise", default="", help="address peers use to reach this worker (default: --listen, "
                                                    "with a wildcard host replaced by this host's name)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu); other device types plug in "
+                                                   "through dtorch_worker.device.register")
     p.add_argument("--label", action="append", default=[], metavar="K=V", help="scheduling label (repeatable)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     p.add_argument("--threads", type=int, default=0,
@@ -47,22 +49,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_device(text: str) -> torch.device:
+def parse_device(text: str) -> DeviceBackend:
+    """The backend of `--device`, checked usable here (SystemExit with one line when it is not)."""
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise SystemExit(f"dtorch-worker: bad --device {text!r} (expected cpu, cuda or cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"dtorch-worker: bad --device {text!r} (expected cpu, cuda or cuda:N)")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("dtorch-worker: --device cuda requested but torch sees no CUDA device")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise SystemExit(f"dtorch-worker: --device {text}: only {torch.cuda.device_count()} CUDA devices")
-        torch.cuda.set_device(index)
-        device = torch.device("cuda", index)
-    return device
+        backend = backend_for(text)
+        backend.check()
+    except ValueError as e:
+        raise SystemExit(f"dtorch-worker: bad --device {text!r}: {e}") from None
+    backend.activate()
+    return backend
 
 
 def parse_labels(items: Sequence[str]) -> dict[str, str]:
@@ -89,7 +84,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     """Start a worker and serve until a signal, parent death, fencing or controller loss; returns the exit code."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="dtorch-worker %(levelname)s %(message)s")
-    device = parse_device(args.device)
+    backend = parse_device(args.device)
+    device = backend.device
     labels = parse_labels(args.label)
     threads = args.threads or (1 if device.type == "cpu" else 0)
     if threads:
@@ -117,7 +113,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                   lost_after_s=args.lost_after)
     worker.executor.on_complete = agent.poke
     try:
-        reg = agent.register(address, device.type, device_memory_bytes(device), labels,
+        reg = agent.register(address, device.type, backend.memory_bytes(), labels,
                              attempts=args.register_attempts)
     except ControllerUnreachable as e:
         print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)

@@ -57,6 +57,7 @@ from dtorch_protocol.messages import (
 )
 from dtorch_protocol.values import decode_value, dtype_from_name
 from dtorch_worker import shards
+from dtorch_worker.device import backend_for
 from dtorch_worker.ops import resolve_op
 from dtorch_worker.store import Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
@@ -116,13 +117,14 @@ class Executor:
                  pull_timeout_s: float = 60.0, fetch_threads: int = 8, first_seq: int = 1,
                  reads_timeout_s: float = 60.0) -> None:
         self.store = store
-        self.device = torch.device(device)
+        self.backend = backend_for(device)  # the only door to the hardware (device.py)
+        self.device = self.backend.device
         self.on_complete = on_complete
         self.input_timeout_s = input_timeout_s
         self.pull_timeout_s = pull_timeout_s
         self.reads_timeout_s = reads_timeout_s  # bound on holding an in-place write for peers' reads
         self.address = ""  # our own server address: pieces naming it are read locally
-        self.peers = PeerPool(token)
+        self.peers = PeerPool(token, self.backend)
         self._fetch_pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="dtorch-fetch")
         self._cond = threading.Condition()
         self._pending: dict[int, Execute] = {}
@@ -202,8 +204,7 @@ class Executor:
             return self._stopped
 
     def _loop(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current CUDA device is per thread
+        self.backend.activate()  # the current device is per thread
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopped or self._completed + 1 in self._pending)
@@ -326,7 +327,7 @@ class Executor:
         full: torch.Tensor | None = None
         if cmd.init in RANDOM_INITS and any(dev not in zero for dev in boxes):
             # The whole tensor from the seed, then each box: values never depend on mesh or placements.
-            g = torch.Generator().manual_seed(cmd.seed)
+            g = self.backend.generator(cmd.seed)
             maker = torch.rand if cmd.init == "rand" else torch.randn
             full = maker(shape, generator=g, dtype=dtype)
         elif cmd.init == "arange":
@@ -357,10 +358,7 @@ class Executor:
     # run -------------------------------------------------------------------
 
     def _rng(self, seed: int | None) -> Any:
-        if seed is None:
-            return nullcontext()
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        return _Seeded(seed, devices)
+        return nullcontext() if seed is None else self.backend.seeded(seed)
 
     def _run(self, session: str, cmd: CmdRun) -> None:
         op = resolve_op(cmd.op)
@@ -427,8 +425,8 @@ class Executor:
             for tid, dev, shard in shards.clone(items, device):
                 self.store.put((cmd.namespace, tid, dev), shard)
             return
-        stream = shards.chunks(shards.pack(items), namespace=cmd.namespace, sender=self.address, host=cmd.host,
-                               move=list(cmd.move))
+        stream = shards.chunks(shards.pack(items), backend=self.backend, namespace=cmd.namespace,
+                               sender=self.address, host=cmd.host, move=list(cmd.move))
         self.peers.put_shards(cmd.to, stream, session)
         for tid, device, _shard in items:  # uploads not adopted yet have no readers here: they moved
             if (tid, device) not in listed:
@@ -443,7 +441,7 @@ class Executor:
             # copies are complete before the controller names them: nothing to wait for
             got = self.peers.pull_shards(cmd.address, ShardsRequest(session=cmd.namespace, devices=cmd.devices,
                                                                     timeout_s=0.0, move=list(cmd.move)),
-                                         session, self.device)
+                                         session)
         for tid, dev, shard in got:
             self.store.put((session, tid, dev), shard)
         if cmd.move:  # the devices are here again (they may have left this worker before)
@@ -501,21 +499,6 @@ class Executor:
                 first = err
         if first is not None:
             raise first
-
-
-class _Seeded:
-    """Run under torch.manual_seed(seed) and restore the global RNG state afterwards."""
-
-    def __init__(self, seed: int, cuda_devices: list[int]) -> None:
-        self._fork = torch.random.fork_rng(devices=cuda_devices)
-        self.seed = seed
-
-    def __enter__(self) -> None:
-        self._fork.__enter__()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc: object) -> None:
-        self._fork.__exit__(*exc)
 
 
 def _volume(size: Sequence[int]) -> int:
