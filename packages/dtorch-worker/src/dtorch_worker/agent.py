@@ -53,10 +53,10 @@ class Agent:
         self._thread: threading.Thread | None = None
 
     def register(self, address: str, device_type: str, memory_bytes: int, labels: dict[str, str],
-                 attempts: int = 10, delay_s: float = 0.25) -> Registered:
+                 attempts: int = 10, delay_s: float = 0.25, rendezvous: str = "") -> Registered:
         """Register, retrying while the controller is unreachable; raises ControllerUnreachable at the end."""
         request = RegisterWorker(hello=wire.hello("worker", __version__), address=address, device_type=device_type,
-                                 memory_bytes=memory_bytes, labels=dict(labels))
+                                 memory_bytes=memory_bytes, labels=dict(labels), rendezvous=rendezvous)
         last: Exception | None = None
         for attempt in range(max(attempts, 1)):
             try:
@@ -97,7 +97,7 @@ class Agent:
         then, busy_then = self._busy_mark
         utilization = min(1.0, max(0.0, (busy - busy_then) / (now - then))) if now > then else 0.0
         report = WorkerReport(worker=self.worker_id, completed=completed, errors=errors, sessions=self.store.stats(),
-                              utilization=utilization)
+                              utilization=utilization, received_bytes=self.executor.received_bytes)
         try:
             reply: ReportReply = self.stub.call("Report", report, timeout=self.report_timeout_s)
         except Exception:

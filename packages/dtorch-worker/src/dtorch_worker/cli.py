@@ -45,6 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--register-attempts", type=int, default=10,
                    help="tries to reach the controller at start (with backoff up to 2 s) before giving up")
     p.add_argument("--lost-after", type=float, default=10.0, help="exit after the controller is unreachable this long")
+    p.add_argument("--no-collectives", action="store_true",
+                   help="join no process groups (redistributions with this worker use point-to-point pieces)")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
@@ -109,12 +111,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     worker = start_worker(token=token, listen=args.listen, device=device)
     address = advertised(worker.address, args.advertise)
     worker.executor.address = address
+    worker.executor.groups.host = address.rpartition(":")[0]  # peers reach its rendezvous store on the same host
     agent = Agent(args.controller, token, worker.executor, worker.store, on_exit=request_exit,
                   lost_after_s=args.lost_after)
     worker.executor.on_complete = agent.poke
     try:
         reg = agent.register(address, device.type, backend.memory_bytes(), labels,
-                             attempts=args.register_attempts)
+                             attempts=args.register_attempts,
+                             rendezvous="" if args.no_collectives else worker.executor.groups.rendezvous)
     except ControllerUnreachable as e:
         print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)
         worker.stop(0.0)

@@ -30,6 +30,7 @@ class Config:
     snapshot_every_batches: int = 32
     snapshot_every_s: float = 30.0
     session_timeout_s: float = 5.0  # a client silent this long is gone: its session closes (0: never)
+    collective_timeout_s: float = 60.0  # bound on a process group's rendezvous and on each of its collectives
     format_time: Callable[[float], str] = format_seconds  # renders `now` in event-log lines
 
     def __post_init__(self) -> None:

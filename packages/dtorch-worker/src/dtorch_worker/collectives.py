@@ -1,0 +1,319 @@
+"""A worker's part of a redistribution lowered to collectives (CmdCollective), step by step.
+
+Rules:
+
+1. Each step kind (table KINDS) is prepared on the executor thread when the command runs: its inputs are copied
+   into a send buffer then (so later in-place writes to them cannot race the transfer). What is left (the
+   transfer, then unpacking and reducing into fresh output tensors) is a `Finish` run on the group's lane
+   (groups.py), or at once for a group entirely on this worker (`GroupOp.group == ""`, a local exchange).
+2. Collectives move bytes only (uint8 views: every dtype travels, bool and complex too). Reductions are done
+   here with torch, by the rank that receives each piece, over the positions in mesh order: the same order and
+   the same function (`reduce_in_order`) as the point-to-point plan, so both paths give identical values.
+3. Uneven shards: an all_gather pads every rank's contribution to the most positions times the longest length;
+   exchanges (all_to_all, reduce_scatter, the first half of all_reduce) send exact byte counts per rank
+   (all_to_all with splits). The padding never leaves this module.
+4. Virtual devices: a rank hosting several positions sends them together in position order and unpacks each.
+5. Poison travels in-band: each rank's contribution to each peer ends with one flag element, set when an input it
+   packed was poisoned (an earlier op failed there). The poisoned rank still takes part (with zeros), so its
+   peers never wait for it, and puts the original report in the group's store first; an output built from a
+   flagged contribution is poisoned with that report. Every device gets its own output tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dtorch_protocol.messages import CollectiveStep, ErrorReport, GroupOp
+
+Reports = dict[int, ErrorReport]  # logical device -> why its value is poisoned
+
+
+@dataclass
+class Result:
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # logical device -> its new shard
+    poisoned: Reports = field(default_factory=dict)  # logical device -> the report its output carries
+
+
+Finish = Callable[[Any], Result]  # run on the lane with a groups.Ctx, or with a LocalCtx
+
+
+class LocalCtx:
+    """The exchange of a group whose every position is on this worker: copies, nothing moves."""
+
+    rank, size, received = 0, 1, 0
+
+    def __init__(self, reports: Reports | None = None) -> None:
+        self.reports = reports or {}
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        out.copy_(inp)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        out.copy_(inp)
+
+    def publish(self, report: ErrorReport) -> None:
+        pass
+
+    def report_of(self, rank: int) -> ErrorReport | None:
+        return next(iter(self.reports.values()), None)
+
+
+def reduce_in_order(bufs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Combine partial values in the given (mesh) order: sum, avg, max or min. The point-to-point plan uses it too."""
+    acc = bufs[0]
+    if op in ("sum", "avg"):
+        for b in bufs[1:]:
+            acc.add_(b)
+        if op == "avg" and len(bufs) > 1:
+            if acc.is_floating_point() or acc.is_complex():
+                acc.div_(len(bufs))
+            else:
+                acc = torch.div(acc, len(bufs), rounding_mode="trunc")
+        return acc
+    if op in ("max", "min"):
+        fn = torch.maximum if op == "max" else torch.minimum
+        for b in bufs[1:]:
+            acc = fn(acc, b)
+        return acc
+    raise ValueError(f"unknown reduce op {op!r}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (what travels)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, pos = [], 0
+    for s in sizes:
+        out.append(pos)
+        pos += s
+    return out
+
+
+def _flagged(buf: torch.Tensor, at: int) -> bool:
+    """Is the flag element at `at` (an element index of `buf`) set? One host read per contribution."""
+    return bool(_bytes(buf[at: at + 1])[0].item())
+
+
+def _set_flag(buf: torch.Tensor, at: int, on: bool) -> None:
+    flag = _bytes(buf[at: at + 1])
+    flag.zero_()
+    if on:
+        flag[0] = 1
+
+
+class _Packing:
+    """What `prepare` leaves for the lane: the op, this rank's positions and whether it contributes poison."""
+
+    def __init__(self, step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
+                 dtype: torch.dtype) -> None:
+        if not 0 <= op.rank < len(op.layout):
+            raise ValueError(f"rank {op.rank} is outside a layout of {len(op.layout)} ranks")
+        self.mine = list(op.layout[op.rank])
+        if sorted(self.mine) != sorted(op.devices) or any(op.devices[p] not in inputs for p in self.mine):
+            raise ValueError(f"positions {self.mine} of rank {op.rank} do not match the devices "
+                             f"{dict(op.devices)} here")
+        self.step, self.op, self.dtype = step, op, dtype
+        self.inputs = {p: inputs[op.devices[p]] for p in self.mine}
+        self.template = self.inputs[self.mine[0]]
+        self.device = self.template.device
+        self.own = next((poisoned[op.devices[p]] for p in self.mine if op.devices[p] in poisoned), None)
+        self.w = len(op.layout)
+        self.n = sum(len(ps) for ps in op.layout)
+
+    def owner(self) -> dict[int, int]:
+        return {p: r for r, ps in enumerate(self.op.layout) for p in ps}
+
+    def report(self, ctx: Any, flags: list[bool]) -> ErrorReport | None:
+        """Our own poison, else the report of the first rank whose contribution was flagged."""
+        if self.own is not None:
+            return self.own
+        return next((ctx.report_of(r) for r, f in enumerate(flags) if f), None)
+
+    def finish(self, ctx: Any, flags: list[bool], outputs: dict[int, torch.Tensor]) -> Result:
+        """The outputs, poisoned when built from a flagged contribution."""
+        report = self.report(ctx, flags)
+        return Result(outputs, {d: report for d in outputs} if report is not None else {})
+
+
+def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
+              recv_shapes: Callable[[int], list[list[int]]]) -> Callable[[Any], tuple[list[list[torch.Tensor]],
+                                                                                        list[bool]]]:
+    """Pack, for every rank r, `send_pieces(r)` plus a flag element; return what the lane runs: the all_to_all,
+    giving per source rank the pieces shaped `recv_shapes(r)` and its flag."""
+    dtype, w = pk.dtype, pk.w
+    counts_in = [sum(t.numel() for t in send_pieces(r)) + 1 for r in range(w)]
+    counts_out = [sum(math.prod(s) for s in recv_shapes(r)) + 1 for r in range(w)]
+    send = torch.empty(sum(counts_in), dtype=dtype, device=pk.device)
+    pos = 0
+    for r in range(w):
+        for t in send_pieces(r):
+            send[pos: pos + t.numel()].view(t.shape).copy_(t)
+            pos += t.numel()
+        _set_flag(send, pos, pk.own is not None)
+        pos += 1
+    itemsize = send.element_size()
+
+    def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
+        if pk.own is not None:
+            ctx.publish(pk.own)
+        out = torch.empty(sum(counts_out), dtype=dtype, device=pk.device)
+        ctx.all_to_all(_bytes(out), _bytes(send), [c * itemsize for c in counts_out],
+                       [c * itemsize for c in counts_in])
+        got, flags, at = [], [], 0
+        for r in range(w):
+            pieces = []
+            for s in recv_shapes(r):
+                k = math.prod(s)
+                pieces.append(out[at: at + k].view(s))
+                at += k
+            got.append(pieces)
+            flags.append(_flagged(out, at))
+            at += 1
+        return got, flags
+
+    return run
+
+
+def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int, own: ErrorReport | None
+            ) -> Callable[[Any], tuple[list[list[torch.Tensor]], list[bool]]]:
+    """Pack `parts` (this rank's positions, each flat, at most `slot` elements) into `slots` padded slots and a
+    flag element (set with `own`); return what the lane runs: the all_gather, giving every rank's slots and
+    flag."""
+    size = slots * slot + 1
+    send = torch.empty(size, dtype=pk.dtype, device=pk.device)
+    for s, t in enumerate(parts):
+        send[s * slot: s * slot + t.numel()].copy_(t.reshape(-1))
+    _set_flag(send, slots * slot, own is not None)
+
+    def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
+        if own is not None:
+            ctx.publish(own)
+        out = torch.empty(pk.w * size, dtype=pk.dtype, device=pk.device)
+        ctx.all_gather(_bytes(out), _bytes(send))
+        got = [[out[r * size + s * slot: r * size + (s + 1) * slot] for s in range(slots)] for r in range(pk.w)]
+        return got, [_flagged(out, r * size + slots * slot) for r in range(pk.w)]
+
+    return run
+
+
+# ---------------------------------------------------------------------------- kinds
+
+
+def _all_gather(pk: _Packing) -> Finish:
+    op, i = pk.op, pk.step.dim
+    sizes = list(op.sizes)
+    rest = [n for d, n in enumerate(pk.template.shape) if d != i]
+    unit = math.prod(rest)  # elements per unit of length along dim i
+    slots = max(len(ps) for ps in op.layout)
+    slot = max(sizes) * unit
+    run = _gather(pk, [pk.inputs[p].movedim(i, 0).contiguous() for p in pk.mine], slot, slots, pk.own)
+
+    def finish(ctx: Any) -> Result:
+        got, flags = run(ctx)
+        parts = {p: got[r][s][: sizes[p] * unit].view([sizes[p], *rest]).movedim(0, i)
+                 for r, ps in enumerate(op.layout) for s, p in enumerate(ps)}
+        full = torch.cat([parts[p] for p in range(pk.n)], dim=i).contiguous()
+        return pk.finish(ctx, flags, {op.devices[p]: full if k == 0 else full.clone()
+                                      for k, p in enumerate(pk.mine)})
+
+    return finish
+
+
+def _exchanges(pk: _Packing) -> Finish:
+    """all_to_all and reduce_scatter: position p sends position q its slice q along dim; q combines the slices
+    (concatenated along src_dim for all_to_all, reduced in position order for reduce_scatter)."""
+    op, j, i = pk.op, pk.step.dim, pk.step.src_dim
+    sizes, offs = list(op.sizes), _offsets(list(op.sizes))
+    a2a = pk.step.kind == "all_to_all"
+
+    def shape(p: int, q: int) -> list[int]:
+        s = list(pk.template.shape)
+        s[j] = sizes[q]
+        if a2a:
+            s[i] = op.src_sizes[p]
+        return s
+
+    run = _exchange(pk, lambda r: [pk.inputs[p].narrow(j, offs[q], sizes[q]) for q in op.layout[r] for p in pk.mine],
+                    lambda r: [shape(p, q) for q in pk.mine for p in op.layout[r]])
+
+    def finish(ctx: Any) -> Result:
+        got, flags = run(ctx)
+        pieces: dict[tuple[int, int], torch.Tensor] = {}
+        for r, ps in enumerate(op.layout):
+            for k, (q, p) in enumerate((q, p) for q in pk.mine for p in ps):
+                pieces[(p, q)] = got[r][k]
+        outputs = {}
+        for q in pk.mine:
+            ordered = [pieces[(p, q)] for p in range(pk.n)]
+            if a2a:
+                outputs[op.devices[q]] = torch.cat(ordered, dim=i)
+            else:
+                outputs[op.devices[q]] = reduce_in_order([ordered[0].clone()] + ordered[1:],
+                                                         pk.step.reduce).contiguous()
+        return pk.finish(ctx, flags, outputs)
+
+    return finish
+
+
+def _all_reduce(pk: _Packing) -> Finish:
+    """A reduce-scatter of flat chunks (one per rank, reduced in position order by its owner), then an all_gather
+    of the reduced chunks."""
+    op, w = pk.op, pk.w
+    shape, total = list(pk.template.shape), pk.template.numel()
+    chunk = -(-total // w) if total else 0
+    bounds = [(min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(w)]
+    flats = {p: pk.inputs[p].reshape(-1) for p in pk.mine}
+    lo_r, hi_r = bounds[op.rank]
+    run = _exchange(pk, lambda r: [flats[p][bounds[r][0]: bounds[r][1]] for p in pk.mine],
+                    lambda r: [[hi_r - lo_r] for _p in op.layout[r]])
+
+    def finish(ctx: Any) -> Result:
+        got, flags = run(ctx)
+        by_pos = {p: got[r][k] for r, ps in enumerate(op.layout) for k, p in enumerate(ps)}
+        reduced = reduce_in_order([by_pos[p] for p in range(pk.n)], pk.step.reduce)
+        own = pk.report(ctx, flags)  # the chunk this rank reduced carries poison
+        parts, gflags = _gather(pk, [reduced], chunk, 1, own)(ctx)
+        full = torch.cat([parts[r][0][: bounds[r][1] - bounds[r][0]] for r in range(w)]).reshape(shape)
+        outputs = {op.devices[p]: full if k == 0 else full.clone() for k, p in enumerate(pk.mine)}
+        report = own or next((ctx.report_of(r) for r, f in enumerate(gflags) if f), None)
+        return Result(outputs, {d: report for d in outputs} if report is not None else {})
+
+    return finish
+
+
+def _slice(pk: _Packing) -> Finish:
+    offs = _offsets(list(pk.op.sizes))
+    result = Result({pk.op.devices[p]: pk.inputs[p].narrow(pk.step.dim, offs[p], pk.op.sizes[p]).clone(
+        memory_format=torch.contiguous_format) for p in pk.mine})
+    if pk.own is not None:
+        result.poisoned = {d: pk.own for d in result.outputs}
+    return lambda _ctx: result
+
+
+KINDS: dict[str, Callable[[_Packing], Finish]] = {
+    "all_gather": _all_gather,
+    "all_to_all": _exchanges,
+    "reduce_scatter": _exchanges,
+    "all_reduce": _all_reduce,
+    "slice": _slice,
+}
+REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
+
+
+def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
+            dtype: torch.dtype) -> Finish:
+    """Pack this rank's inputs for `op` now (poisoned ones as they are: zeros); the result finishes on the lane."""
+    make = KINDS.get(step.kind)
+    if make is None:
+        raise ValueError(f"unknown collective step {step.kind!r}")
+    if step.kind in ("reduce_scatter", "all_reduce") and step.reduce not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {step.reduce!r}")
+    inputs = {d: t if t.dtype == dtype else t.to(dtype) for d, t in inputs.items()}
+    return make(_Packing(step, op, inputs, poisoned, dtype))
