@@ -44,6 +44,8 @@ class Config:
         if self.snapshot_every_batches < 0 or not self.snapshot_every_s > 0:
             raise ValueError(f"snapshot_every_batches must be >= 0 and snapshot_every_s > 0, got "
                              f"{self.snapshot_every_batches} and {self.snapshot_every_s}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.event_log_size < 1:
             raise ValueError(f"event_log_size must be >= 1, got {self.event_log_size}")
 
