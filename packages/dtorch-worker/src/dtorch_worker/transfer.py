@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dtorch_protocol import wire
-from dtorch_protocol.messages import Chunk, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol.messages import Chunk, ErrorKind, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_protocol.values import dtype_from_name, dtype_name
 from dtorch_worker import shards
 from dtorch_worker.device import CPU, DeviceBackend, host_bytes, typed
@@ -76,7 +76,7 @@ def put_chunks(session: str, tid: int, device: int, t: torch.Tensor,
 
 def poison_chunk(report: ErrorReport) -> Chunk:
     return Chunk(data=b"", error=f"{report.op} failed ({report.src or 'unknown line'}): {report.message}",
-                 report=report)
+                 report=report, kind=ErrorKind.POISONED)
 
 
 def _nbytes(dtype: str, shape: Sequence[int]) -> int:
