@@ -18,7 +18,11 @@ Items (those of issue #11):
 (d) all_reduce (Partial -> Replicate) and all_gather (Shard(0) -> Replicate) bandwidth from 4 KiB to 256 MiB on
     2 devices, against raw `torch.distributed` collectives on 2 gloo ranks;
 (e) bytes received per device for a `Partial -> Replicate` of a 4 MiB tensor on 2 and 4 devices, from the
-    workers' own counters (`WorkerStatus.received_bytes`).
+    workers' own counters (`WorkerStatus.received_bytes`);
+(f) overlap: a data-parallel training step (DP=2, the MLP above, batch 256 sharded) with collectives in flight
+    while the workers compute (the default) against the same step with each collective waited for where it is
+    issued (workers started with DTORCH_SYNC_COLLECTIVES=1): each gradient's all-reduce is issued as soon as
+    autograd accumulated it, so with overlap it runs during the rest of the backward pass.
 
 Figures are medians of `--repeats` runs; ratios are DTorch / peer (below 1.0x: DTorch is faster).
 Each worker and each torch rank uses one intra-op thread; plain torch uses as many as there are ranks.
@@ -303,7 +307,38 @@ def run_dtorch(args: argparse.Namespace) -> dict:
 
     if "e" in args.only:
         out["e"] = {n: received_per_device(n) for n in (2, 4)}
+    if "f" in args.only:
+        out["f"] = {mode: dp_step_ms(args, sync=(mode == "waited")) for mode in ("overlapped", "waited")}
     return out
+
+
+def dp_step_ms(args: argparse.Namespace, sync: bool) -> float:
+    """Median time of a DP=2 training step; with `sync`, workers wait for each collective where it is issued."""
+    import dtorch
+    from dtorch import Shard
+    from dtorch.nn import parallelize_module
+
+    os.environ["DTORCH_SYNC_COLLECTIVES"] = "1" if sync else "0"
+    try:
+        dtorch.connect(workers=2)
+        mesh = dtorch.DeviceMesh(args.device, [0, 1], mesh_dim_names=("dp",))
+        model = parallelize_module(make_mlp(), mesh, {})
+        g = torch.Generator().manual_seed(3)
+        inp = dtorch.distribute_tensor(torch.randn(256, HIDDEN, generator=g), mesh, [Shard(0)])
+        target = dtorch.distribute_tensor(torch.randn(256, HIDDEN, generator=g), mesh, [Shard(0)])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step() -> float:
+            loss = ((model(inp) - target) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        return median_ms(step, args.repeats)
+    finally:
+        dtorch.shutdown()
+        os.environ.pop("DTORCH_SYNC_COLLECTIVES", None)
 
 
 def received_per_device(devices: int, nbytes: int = 4 << 20) -> dict[str, float]:
@@ -349,7 +384,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--iters", type=int, default=5000, help="(a): loop length")
     p.add_argument("--quick", action="store_true", help="(d): 4 sizes up to 16 MiB")
-    p.add_argument("--only", default="a,b,c,d,e", help="comma-separated items to run")
+    p.add_argument("--only", default="a,b,c,d,e,f", help="comma-separated items to run")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
     args.only = set(args.only.split(","))
@@ -398,6 +433,12 @@ def main() -> None:
             how = "measured" if e["measured"] else "from the point-to-point plan (workers count nothing)"
             print(f"    {n} devices: max {e['max'] / (4 << 20):5.2f}x the tensor, mean "
                   f"{e['mean'] / (4 << 20):5.2f}x  ({how})")
+    if "f" in args.only:
+        f = dt["f"]
+        print("(f) overlap: DP=2 training step of the MLP, batch 256, gradients all-reduced as they are accumulated")
+        print(f"    collectives in flight while computing  {f['overlapped']:9.2f} ms")
+        print(f"    each collective waited for at issue    {f['waited']:9.2f} ms   "
+              f"(overlapped / waited {ratio(f['overlapped'], f['waited'])})")
 
 
 if __name__ == "__main__":

@@ -27,17 +27,17 @@ def create(tid, placements, shape=(8, 4), mesh=1):
     return m.InstrCreate(tid=tid, spec=spec(shape, placements, mesh), init="ones")
 
 
-def register(h, address, device_type="cpu", rendezvous=True):
+def register(h, address, device_type="cpu", rendezvous=True, device_id=""):
     reply = h.call(ev.Register, m.RegisterWorker(
         hello=hello("worker"), address=address, device_type=device_type, memory_bytes=1 << 30,
-        rendezvous=f"{address.split(':')[0]}:2900{address[-1]}" if rendezvous else ""))
+        rendezvous=f"{address.split(':')[0]}:2900{address[-1]}" if rendezvous else "", device_id=device_id))
     return reply.worker
 
 
-def setup(make_harness, n=2, types=None, rendezvous=None, devices=None, **config):
+def setup(make_harness, n=2, types=None, rendezvous=None, devices=None, device_ids=None, **config):
     h = make_harness(**config)
-    ids = [register(h, f"10.0.0.{i}:700{i}", (types or ["cpu"] * n)[i], (rendezvous or [True] * n)[i])
-           for i in range(n)]
+    ids = [register(h, f"10.0.0.{i}:700{i}", (types or ["cpu"] * n)[i], (rendezvous or [True] * n)[i],
+                    (device_ids or [""] * n)[i]) for i in range(n)]
     sid = h.open_session()
     assert h.open_mesh(sid, 1, devices or list(range(n))).placed
     return h, ids, sid
@@ -143,12 +143,14 @@ def test_a_partial_to_replicate_becomes_a_group_then_numbered_ops(make_harness):
     assert {c.steps[0].ops[0].seq for c in cmds_of(sent, None, m.CmdCollective)} == {3}
 
 
-@pytest.mark.parametrize("case", ["no rendezvous", "mixed device types", "cross-mesh"])
+@pytest.mark.parametrize("case", ["no rendezvous", "mixed device types", "one GPU", "cross-mesh"])
 def test_fallbacks_to_point_to_point(make_harness, case):
     if case == "no rendezvous":
         h, ids, sid = setup(make_harness, rendezvous=[True, False])
     elif case == "mixed device types":
         h, ids, sid = setup(make_harness, types=["cuda", "cpu"])
+    elif case == "one GPU":  # two workers on one GPU: NCCL allows one rank per device
+        h, ids, sid = setup(make_harness, types=["cuda", "cuda"], device_ids=["node/GPU-1", "node/GPU-1"])
     else:
         h, ids, sid = setup(make_harness)
         assert h.open_mesh(sid, 2, [1, 0]).placed

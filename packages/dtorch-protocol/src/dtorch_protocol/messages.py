@@ -34,7 +34,8 @@ PROTOCOL_VERSION = "1.5"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
-# collectives (CmdGroup, CmdCollective, RegisterWorker.rendezvous) and WorkerReport/WorkerStatus.received_bytes
+# collectives (CmdGroup, CmdCollective, RegisterWorker.rendezvous and .device_id) and
+# WorkerReport/WorkerStatus.received_bytes
 
 
 class ErrorKind(str, enum.Enum):
@@ -292,6 +293,7 @@ class RegisterWorker(Struct, frozen=True):
     memory_bytes: int
     labels: dict[str, str] = {}
     rendezvous: str = ""  # host:port of this worker's TCPStore for process groups ("": it joins no collectives)
+    device_id: str = ""  # the physical device ("host/GPU-uuid"; "" for CPUs): workers sharing one join no group
 
 
 class Registered(Struct, frozen=True):

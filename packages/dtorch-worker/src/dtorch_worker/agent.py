@@ -53,10 +53,11 @@ class Agent:
         self._thread: threading.Thread | None = None
 
     def register(self, address: str, device_type: str, memory_bytes: int, labels: dict[str, str],
-                 attempts: int = 10, delay_s: float = 0.25, rendezvous: str = "") -> Registered:
+                 attempts: int = 10, delay_s: float = 0.25, rendezvous: str = "", device_id: str = "") -> Registered:
         """Register, retrying while the controller is unreachable; raises ControllerUnreachable at the end."""
         request = RegisterWorker(hello=wire.hello("worker", __version__), address=address, device_type=device_type,
-                                 memory_bytes=memory_bytes, labels=dict(labels), rendezvous=rendezvous)
+                                 memory_bytes=memory_bytes, labels=dict(labels), rendezvous=rendezvous,
+                                 device_id=device_id)
         last: Exception | None = None
         for attempt in range(max(attempts, 1)):
             try:

@@ -118,7 +118,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         reg = agent.register(address, device.type, backend.memory_bytes(), labels,
                              attempts=args.register_attempts,
-                             rendezvous="" if args.no_collectives else worker.executor.groups.rendezvous)
+                             rendezvous="" if args.no_collectives else worker.executor.groups.rendezvous,
+                             device_id=backend.identity())
     except ControllerUnreachable as e:
         print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)
         worker.stop(0.0)

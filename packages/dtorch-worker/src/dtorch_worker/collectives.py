@@ -96,9 +96,10 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def _flagged(buf: torch.Tensor, at: int) -> bool:
-    """Is the flag element at `at` (an element index of `buf`) set? One host read per contribution."""
-    return bool(_bytes(buf[at: at + 1])[0].item())
+def _flagged(buf: torch.Tensor, at: list[int]) -> list[bool]:
+    """Are the flag elements at `at` (element indices of `buf`) set? One read from the device for all of them."""
+    index = torch.tensor([k * buf.element_size() for k in at], dtype=torch.long, device=buf.device)
+    return [bool(b) for b in _bytes(buf)[index].tolist()]
 
 
 def _set_flag(buf: torch.Tensor, at: int, on: bool) -> None:
@@ -166,7 +167,7 @@ def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
         out = torch.empty(sum(counts_out), dtype=dtype, device=pk.device)
         ctx.all_to_all(_bytes(out), _bytes(send), [c * itemsize for c in counts_out],
                        [c * itemsize for c in counts_in])
-        got, flags, at = [], [], 0
+        got, marks, at = [], [], 0
         for r in range(w):
             pieces = []
             for s in recv_shapes(r):
@@ -174,9 +175,9 @@ def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
                 pieces.append(out[at: at + k].view(s))
                 at += k
             got.append(pieces)
-            flags.append(_flagged(out, at))
+            marks.append(at)
             at += 1
-        return got, flags
+        return got, _flagged(out, marks)
 
     return run
 
@@ -198,7 +199,7 @@ def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int, own:
         out = torch.empty(pk.w * size, dtype=pk.dtype, device=pk.device)
         ctx.all_gather(_bytes(out), _bytes(send))
         got = [[out[r * size + s * slot: r * size + (s + 1) * slot] for s in range(slots)] for r in range(pk.w)]
-        return got, [_flagged(out, r * size + slots * slot) for r in range(pk.w)]
+        return got, _flagged(out, [r * size + slots * slot for r in range(pk.w)])
 
     return run
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -59,6 +60,10 @@ class DeviceBackend:
 
     def activate(self) -> None:
         """Make this the current device of the calling thread (each worker thread that runs ops calls it)."""
+
+    def identity(self) -> str:
+        """The physical device, for the controller ("" for the host CPU, which any number of workers share)."""
+        return ""
 
     def memory_bytes(self) -> int:
         """Memory the controller may plan with: the host's RAM for the CPU."""
@@ -143,6 +148,11 @@ class AcceleratorBackend(DeviceBackend):
 
     def memory_bytes(self) -> int:
         return int(self.module.get_device_properties(self.device.index or 0).total_memory)
+
+    def identity(self) -> str:
+        """host/uuid of the device: two workers on one GPU must not form an NCCL group (one rank per device)."""
+        props = self.module.get_device_properties(self.device.index or 0)
+        return f"{socket.gethostname()}/{getattr(props, 'uuid', self.device.index or 0)}"
 
     def synchronize(self) -> None:
         self.module.synchronize(self.device)

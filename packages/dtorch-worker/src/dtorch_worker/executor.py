@@ -30,6 +30,7 @@ them. Peaks inside one command (temporaries, all devices' results before they ar
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -149,6 +150,8 @@ class Executor:
         self._seq = 0  # the batch running now
         self.busy_s = 0.0  # seconds spent running batches (utilization)
         self.groups = Groups(self.backend)  # process groups with other workers (CmdGroup)
+        # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
+        self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
         self.pulled_bytes = 0  # tensor bytes pulled from peers (pieces)
 
     # ------------------------------------------------------------ ordering
@@ -575,6 +578,9 @@ class Executor:
             with self._cond:
                 self._inflight[seq] = self._inflight.get(seq, 0) + 1
             future.add_done_callback(lambda f, pendings=pendings: self._landed(session, seq, cmd, what, pendings, f))
+            if self.sync_collectives:
+                for pending in pendings.values():
+                    pending.done.wait(max(deadline - time.monotonic(), 0.0))
 
     def _landed(self, session: str, seq: int, cmd: CmdCollective, what: str, pendings: dict, future: Future) -> None:
         """A collective in flight finished (or failed, or was cancelled): its outputs, its errors, then progress."""

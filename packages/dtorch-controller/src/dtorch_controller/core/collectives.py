@@ -21,11 +21,11 @@ Rules:
 4. A worker is one rank. The ranks of a mesh group are its distinct workers in the order of their first
    position; a worker hosting several positions (virtual devices) packs them into one contribution and
    unpacks after. A group on one worker moves nothing (it runs locally, without a process group).
-5. Cost rule (`lower`): the collective path is taken when the source and destination are the same mesh, every
+5. Cost rule (`route`): the collective path is taken when the source and destination are the same mesh, every
    group of two or more workers has members of one device type that all registered a rendezvous store, none is
-   lost, and the busiest worker receives at most COST_FACTOR times the bytes the point-to-point plan would make
-   it pull (padding of uneven shards can make a collective move more). Cross-mesh moves, recovery, migration,
-   client Pull and Put stay point-to-point.
+   lost, no two share a physical device (NCCL allows one rank per GPU), and the busiest worker receives at most
+   COST_FACTOR times the bytes the point-to-point plan would make it pull (padding of uneven shards can make a
+   collective move more). Cross-mesh moves, recovery, migration, client Pull and Put stay point-to-point.
 6. Groups (`CommGroups`, one table per session): a group is identified by its ranks' workers; it carries the
    session's current generation. Any change of where the session's devices are bound (loss and rebuild,
    migration, relocation, elastic growth, drain) bumps the generation (`CommGroups.bump`): later steps name
@@ -46,7 +46,7 @@ from dtorch_protocol.placement_types import Placement, Replicate
 
 MeshKey = tuple[tuple[int, ...], tuple[int, ...]]  # (logical devices row-major, mesh shape)
 Binding = tuple[tuple[int, str], ...]  # (logical device, worker id), sorted by device
-Workers = tuple[tuple[str, str, bool], ...]  # (worker id, device type, can join collectives), sorted by id
+Workers = tuple[tuple[str, str, bool], ...]  # (worker id, device kind, can join collectives), sorted by id
 
 # (kind of the source placement, kind of the destination placement) on one mesh dim -> step kind
 MOVES: dict[tuple[str, str], str] = {
@@ -315,7 +315,7 @@ def lower(shape: tuple[int, ...], dtype: str, mesh: MeshKey, src: tuple[Placemen
             if len(b.ranks) < 2:
                 continue
             if not all(info[w][1] for w in b.ranks) or len({info[w][0] for w in b.ranks}) > 1:
-                return None  # a rank cannot join collectives, or the group mixes device types: pieces
+                return None  # a rank cannot join collectives, or the group mixes device kinds: pieces
             for r, w in enumerate(b.ranks):
                 received[w] = received.get(w, 0) + _received(step.kind, b.geom, b.layout, r) * itemsize
         bound_steps.append((step, bound))
@@ -378,10 +378,12 @@ class CommGroups:
 
 @dataclass(frozen=True)
 class Member:
-    """What the commands need to know about a worker: its address (for messages) and its rendezvous store."""
+    """What the commands need to know about a worker: its address (for messages), its rendezvous store and
+    its physical device ("" for CPUs)."""
 
     address: str
     rendezvous: str
+    device_id: str = ""
 
 
 def commands(lowering: Lowering, groups: CommGroups, members: dict[str, Member], src: int, dst: int, dtype: str,
@@ -428,7 +430,10 @@ def route(groups: CommGroups, shape: tuple[int, ...], dtype: str, mesh: MeshKey,
     """The translator's entry: the commands of the collective path for a same-mesh redistribution, or None when
     the pieces' path is the one to take (rule 5). `info`: worker -> (device type, can join collectives, Member)."""
     binding = tuple(sorted((d, worker_of[d]) for d in mesh[0]))
-    workers = tuple(sorted((w, info[w][0], info[w][1]) for w in {w for _d, w in binding}))
+    used = {w for _d, w in binding}
+    shared = {w for w in used if info[w][2].device_id and
+              any(v != w and info[v][2].device_id == info[w][2].device_id for v in used)}
+    workers = tuple(sorted((w, info[w][0], info[w][1] and w not in shared) for w in used))
     low = lower(shape, dtype, mesh, src, dst, binding, workers)
     if low is None or not cheaper(low, piece_bytes(plans, dtype, worker_of)):
         return None

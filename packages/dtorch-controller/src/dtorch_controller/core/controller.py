@@ -330,7 +330,8 @@ class ControllerCore:
         self._registrations += 1
         self.workers[worker_id] = Worker(
             id=worker_id, address=msg.address, device_type=msg.device_type, memory_bytes=msg.memory_bytes,
-            labels=dict(msg.labels), order=self._registrations, last_seen=now, rendezvous=msg.rendezvous)
+            labels=dict(msg.labels), order=self._registrations, last_seen=now, rendezvous=msg.rendezvous,
+            device_id=msg.device_id)
         self._by_address[msg.address] = worker_id
         self.log.add(now, f"worker {worker_id} registered at {msg.address} ({msg.device_type})")
         out.append(fx.SetTimer(now + self.config.suspect_after_s, ("heartbeat", worker_id)))

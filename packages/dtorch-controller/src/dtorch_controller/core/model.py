@@ -47,6 +47,7 @@ class Worker:
     sessions: set[str] = field(default_factory=set)  # sessions with logical devices bound here
     bound: int = 0  # logical devices bound here, all sessions together
     rendezvous: str = ""  # host:port of its TCPStore for process groups ("": no collectives with it)
+    device_id: str = ""  # its physical device ("" for CPUs): workers sharing one form no process group
     received_bytes: int = 0  # tensor bytes it received from peers (from its last report)
 
     @property

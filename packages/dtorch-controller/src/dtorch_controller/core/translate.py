@@ -191,11 +191,11 @@ class _Translator:
         self.s.tensors[instr.dst] = instr.dst_spec
 
     def _collective(self, instr: m.InstrRedistribute, mesh: Mesh, src_pl: tuple[Placement, ...],
-                    dst_pl: tuple[Placement, ...], plans: Any) -> bool:
+                    dst_pl: tuple[Placement, ...], plans: tuple[tuple[int, m.ShardPlan], ...]) -> bool:
         """The redistribution on collectives when the cost rule picks them (collectives.py); False: pieces."""
         worker_of = {d: self.s.devices[d] for d in mesh.devices}
         info = {w: (self.workers[w].device_type, self.workers[w].state != st.LOST and bool(self.workers[w].rendezvous),
-                    collectives.Member(self.workers[w].address, self.workers[w].rendezvous))
+                    collectives.Member(self.workers[w].address, self.workers[w].rendezvous, self.workers[w].device_id))
                 for w in set(worker_of.values())}
         cmds = collectives.route(self.s.comm, tuple(instr.src_spec.shape), instr.dst_spec.dtype, mesh.key, src_pl,
                                  dst_pl, worker_of, info, plans, (instr.src, instr.dst), instr.src_line)
