@@ -602,6 +602,7 @@ class Executor:
                                  else one_line(e), tid=cmd.dst, seq=seq)
             for key, pending in pendings.items():
                 self.store.resolve(key, pending, Poison(report))
+            log.warning("session %s: %s", session[:8], report.message)
             self._record(session, report, seq)
         finally:
             for pending in pendings.values():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -336,6 +337,11 @@ def _missing(g: Group, what: str, seq: int) -> str:
     return ", ".join(out)
 
 
+_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")  # gloo's "[.../pair.cc:537] " prefix
+
+
 def _first_line(e: BaseException) -> str:
+    """The backend's error as one short line: its source location and its advice dropped."""
     text = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    text = _SOURCE.sub("", text).split(". This is typically caused by")[0]
     return text if len(text) <= 300 else text[:297] + "..."
