@@ -66,6 +66,20 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, HIDDEN, generator=g), torch.randn(BATCH, HIDDEN, generator=g)
 
 
+def sgd_step(model: nn.Module, inp: torch.Tensor, target: torch.Tensor) -> Callable[[], float]:
+    """One training step (forward, MSE loss, backward, SGD) with the loss back on the caller: what (c) and (f) time."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        loss = ((model(inp) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2, before: Callable[[], object] | None = None
               ) -> float:
     for _ in range(warmup):
@@ -149,15 +163,7 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
                 value = forward()
             out["b_value"] = value.cpu() if rank == 0 else None
         if "c" in args.only:
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-            def step() -> float:
-                loss = ((model(inp) - target) ** 2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                return loss.item()
-
+            step = sgd_step(model, inp, target)
             out["c"] = median_ms(step, args.repeats, before=dist.barrier)
 
     if "d" in args.only:
@@ -223,15 +229,7 @@ def run_plain(args: argparse.Namespace) -> dict:
         out["b"] = median_ms(lambda: (model(inp), sync()), args.repeats)
         out["b_value"] = model(inp).detach().cpu()
     if "c" in args.only:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step() -> float:
-            loss = ((model(inp) - target) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            return loss.item()
-
+        step = sgd_step(model, inp, target)
         out["c"] = median_ms(step, args.repeats)
     return out
 
@@ -274,15 +272,7 @@ def run_dtorch(args: argparse.Namespace) -> dict:
                 out["b"] = median_ms(lambda: model(inp).to_torch(), args.repeats)
                 out["b_value"] = model(inp).to_torch()
         if "c" in args.only:
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-            def step() -> float:
-                loss = ((model(inp) - target) ** 2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                return loss.item()
-
+            step = sgd_step(model, inp, target)
             out["c"] = median_ms(step, args.repeats)
 
     if "d" in args.only:
@@ -326,15 +316,7 @@ def dp_step_ms(args: argparse.Namespace, sync: bool) -> float:
         g = torch.Generator().manual_seed(3)
         inp = dtorch.distribute_tensor(torch.randn(256, HIDDEN, generator=g), mesh, [Shard(0)])
         target = dtorch.distribute_tensor(torch.randn(256, HIDDEN, generator=g), mesh, [Shard(0)])
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step() -> float:
-            loss = ((model(inp) - target) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            return loss.item()
-
+        step = sgd_step(model, inp, target)
         return median_ms(step, args.repeats)
     finally:
         dtorch.shutdown()
