@@ -63,9 +63,10 @@ class LocalCtx:
         return next(iter(self.reports.values()), None)
 
 
-def reduce_in_order(bufs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """Combine partial values in the given (mesh) order: sum, avg, max or min. The point-to-point plan uses it too."""
-    acc = bufs[0]
+def reduce_in_order(bufs: list[torch.Tensor], op: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Combine partial values in the given (mesh) order: sum, avg, max or min, into `out` (default: into the
+    first buffer). The point-to-point plan uses it too, so both paths round alike."""
+    acc = bufs[0] if out is None else out.copy_(bufs[0])
     if op in ("sum", "avg"):
         for b in bufs[1:]:
             acc.add_(b)
@@ -73,12 +74,12 @@ def reduce_in_order(bufs: list[torch.Tensor], op: str) -> torch.Tensor:
             if acc.is_floating_point() or acc.is_complex():
                 acc.div_(len(bufs))
             else:
-                acc = torch.div(acc, len(bufs), rounding_mode="trunc")
+                acc.div_(len(bufs), rounding_mode="trunc")
         return acc
     if op in ("max", "min"):
         fn = torch.maximum if op == "max" else torch.minimum
         for b in bufs[1:]:
-            acc = fn(acc, b)
+            fn(acc, b, out=acc)
         return acc
     raise ValueError(f"unknown reduce op {op!r}")
 
@@ -184,13 +185,13 @@ def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
 
 def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int, own: ErrorReport | None
             ) -> Callable[[Any], tuple[list[list[torch.Tensor]], list[bool]]]:
-    """Pack `parts` (this rank's positions, each flat, at most `slot` elements) into `slots` padded slots and a
+    """Pack `parts` (this rank's positions, at most `slot` elements each) into `slots` padded slots and a
     flag element (set with `own`); return what the lane runs: the all_gather, giving every rank's slots and
     flag."""
     size = slots * slot + 1
     send = torch.empty(size, dtype=pk.dtype, device=pk.device)
     for s, t in enumerate(parts):
-        send[s * slot: s * slot + t.numel()].copy_(t.reshape(-1))
+        send[s * slot: s * slot + t.numel()].view(t.shape).copy_(t)  # one copy, whatever the strides
     _set_flag(send, slots * slot, own is not None)
 
     def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
@@ -214,7 +215,7 @@ def _all_gather(pk: _Packing) -> Finish:
     unit = math.prod(rest)  # elements per unit of length along dim i
     slots = max(len(ps) for ps in op.layout)
     slot = max(sizes) * unit
-    run = _gather(pk, [pk.inputs[p].movedim(i, 0).contiguous() for p in pk.mine], slot, slots, pk.own)
+    run = _gather(pk, [pk.inputs[p].movedim(i, 0) for p in pk.mine], slot, slots, pk.own)
 
     def finish(ctx: Any) -> Result:
         got, flags = run(ctx)
@@ -265,7 +266,8 @@ def _exchanges(pk: _Packing) -> Finish:
 
 def _all_reduce(pk: _Packing) -> Finish:
     """A reduce-scatter of flat chunks (one per rank, reduced in position order by its owner), then an all_gather
-    of the reduced chunks."""
+    of the reduced chunks. The first exchange carries every rank's poison flag to every rank, so the all_gather
+    needs none and its output is the value itself (no copy)."""
     op, w = pk.op, pk.w
     shape, total = list(pk.template.shape), pk.template.numel()
     chunk = -(-total // w) if total else 0
@@ -277,13 +279,15 @@ def _all_reduce(pk: _Packing) -> Finish:
 
     def finish(ctx: Any) -> Result:
         got, flags = run(ctx)
+        report = pk.report(ctx, flags)  # a poisoned contribution poisons every chunk, on every rank
         by_pos = {p: got[r][k] for r, ps in enumerate(op.layout) for k, p in enumerate(ps)}
-        reduced = reduce_in_order([by_pos[p] for p in range(pk.n)], pk.step.reduce)
-        own = pk.report(ctx, flags)  # the chunk this rank reduced carries poison
-        parts, gflags = _gather(pk, [reduced], chunk, 1, own)(ctx)
-        full = torch.cat([parts[r][0][: bounds[r][1] - bounds[r][0]] for r in range(w)]).reshape(shape)
+        mine = torch.empty(chunk, dtype=pk.dtype, device=pk.device)
+        reduce_in_order([by_pos[p] for p in range(pk.n)], pk.step.reduce, out=mine[: hi_r - lo_r])
+        out = torch.empty(w * chunk, dtype=pk.dtype, device=pk.device)
+        if total:
+            ctx.all_gather(_bytes(out), _bytes(mine))
+        full = out[:total].view(shape)
         outputs = {op.devices[p]: full if k == 0 else full.clone() for k, p in enumerate(pk.mine)}
-        report = own or next((ctx.report_of(r) for r, f in enumerate(gflags) if f), None)
         return Result(outputs, {d: report for d in outputs} if report is not None else {})
 
     return finish
