@@ -161,6 +161,7 @@ class Groups:
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, str], Group] = {}  # (session, group id) -> group
         self._fenced: dict[tuple[str, str], str] = {}  # (session, group id) -> why (bounded: sessions close)
+        self._reapers: list[threading.Thread] = []
         self.received = 0  # bytes received from other workers by collectives
 
     @property
@@ -271,7 +272,10 @@ class Groups:
         if g.pg is not None:
             owned = [g.pg]  # the reaper holds the last reference: the destructor runs there, never here
             g.pg = None
-            threading.Thread(target=_reap, args=(owned,), name="dtorch-group-reaper", daemon=True).start()
+            reaper = threading.Thread(target=_reap, args=(owned,), name="dtorch-group-reaper", daemon=True)
+            reaper.start()
+            with self._lock:
+                self._reapers = [t for t in self._reapers if t.is_alive()] + [reaper]
         g.store = None
 
     def abort(self, session: str) -> None:
@@ -299,9 +303,16 @@ class Groups:
         with self._lock:
             return {s for s, _i in self._groups}
 
-    def stop(self) -> None:
+    def stop(self, reap_s: float = 0.0) -> None:
+        """Abort every group; wait up to `reap_s` for their process groups to be dropped (a test process that
+        exits while a reaper is inside gloo's destructor may be killed by an exception there)."""
         for session in self.sessions():
             self.abort(session)
+        deadline = time.monotonic() + reap_s
+        with self._lock:
+            reapers = list(self._reapers)
+        for t in reapers:
+            t.join(max(deadline - time.monotonic(), 0.0))
 
 
 def _reap(owned: list[Any]) -> None:
