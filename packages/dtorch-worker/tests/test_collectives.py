@@ -318,3 +318,38 @@ def test_outputs_are_waited_for_at_their_first_use_not_at_the_issue(workers):
     threading.Timer(0.2, lambda: cluster.send({"w1": late})).start()
     cluster.wait(seqs)
     assert torch.equal(workers[0].store.get(("sess-overlap", 53, 0)), torch.tensor([2.0, 2.0, 3.0, 3.0]))
+
+
+def test_scratch_buffers_are_reused_and_never_shared_with_outputs(workers):
+    """Large ops reuse the pool's buffers; an output of one op is not overwritten by the next ones."""
+    cluster = Cluster(workers)
+    binding = {0: "w0", 1: "w1", 2: "w2"}
+    first, expected, _ = redistribute(cluster, (300, 1000), (3,), binding, [Partial("sum")], [Replicate()], seed=11,
+                                      tid=(60, 61))
+    kept = {d: t.clone() for d, t in first.items()}
+    for i, (src, dst) in enumerate([([Shard(0)], [Replicate()]), ([Partial("max")], [Shard(1)]),
+                                    ([Shard(1)], [Shard(0)])]):
+        got, exp, _ = redistribute(cluster, (300, 1000), (3,), binding, src, dst, seed=12 + i, tid=(62 + 2 * i,
+                                                                                                      63 + 2 * i))
+        check(got, exp)
+    check(first, kept)
+    check(first, expected)
+    assert workers[0].executor.buffers._kept > 0  # buffers of 1 MiB and more went back to the pool
+
+
+def test_the_pool_bounds_what_it_keeps_and_hands_out_fitting_buffers():
+    from dtorch_worker.collectives import BufferPool
+
+    pool = BufferPool(limit=5 << 20)
+    cpu = torch.device("cpu")
+    a, b = pool.take(2 << 20, cpu), pool.take(3 << 20, cpu)
+    pool.give(a)
+    pool.give(b)
+    assert pool._kept == 5 << 20
+    assert pool.take(1200 << 10, cpu) is a  # the smallest that fits, at most twice the size
+    assert pool.take(100, cpu).numel() == 100 and pool._kept == 3 << 20  # small ones are never pooled
+    pool.give(a)
+    big = pool.take(4 << 20, cpu)
+    assert big is not b
+    pool.give(big)  # over the limit: the oldest kept (b, then a) go
+    assert pool._kept == 4 << 20 and pool.take(4 << 20, cpu) is big

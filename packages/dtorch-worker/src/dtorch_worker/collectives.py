@@ -13,7 +13,9 @@ Rules:
    exchanges (all_to_all, reduce_scatter, the first half of all_reduce) send exact byte counts per rank
    (all_to_all with splits). The padding never leaves this module.
 4. Virtual devices: a rank hosting several positions sends them together in position order and unpacks each.
-5. Poison travels in-band: each rank's contribution to each peer ends with one flag element, set when an input it
+5. Scratch buffers (send and receive buffers, reduced chunks) come from the worker's `BufferPool` and go back
+   once the outputs are built: a fresh large host buffer costs a page fault per 4 KiB, about as much as moving it.
+6. Poison travels in-band: each rank's contribution to each peer ends with one flag element, set when an input it
    packed was poisoned (an earlier op failed there). The poisoned rank still takes part (with zeros), so its
    peers never wait for it, and puts the original report in the group's store first; an output built from a
    flagged contribution is poisoned with that report. Every device gets its own output tensor.
@@ -22,6 +24,7 @@ Rules:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +43,44 @@ class Result:
 
 
 Finish = Callable[[Any], Result]  # run on the lane with a groups.Ctx, or with a LocalCtx
+
+
+class BufferPool:
+    """Reusable host scratch buffers of at least 1 MiB, up to `limit` bytes kept (device buffers come from torch's
+    caching allocator, which pools them already)."""
+
+    SMALLEST = 1 << 20
+
+    def __init__(self, limit: int = 1 << 30) -> None:
+        self.limit = limit
+        self._free: list[torch.Tensor] = []
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes` (at most twice as large when reused)."""
+        if device.type == "cpu" and nbytes >= self.SMALLEST:
+            with self._lock:
+                fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
+                if fits:
+                    best = min(fits, key=lambda b: b.numel())
+                    self._free = [b for b in self._free if b is not best]
+                    self._kept -= best.numel()
+                    return best
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if buf.device.type != "cpu" or buf.numel() < self.SMALLEST:
+            return
+        with self._lock:
+            while self._free and self._kept + buf.numel() > self.limit:
+                self._kept -= self._free.pop(0).numel()  # the oldest go first
+            if self._kept + buf.numel() <= self.limit:
+                self._free.append(buf)
+                self._kept += buf.numel()
+
+
+NO_POOL = BufferPool(limit=0)
 
 
 class LocalCtx:
@@ -114,7 +155,7 @@ class _Packing:
     """What `prepare` leaves for the lane: the op, this rank's positions and whether it contributes poison."""
 
     def __init__(self, step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, pool: BufferPool) -> None:
         if not 0 <= op.rank < len(op.layout):
             raise ValueError(f"rank {op.rank} is outside a layout of {len(op.layout)} ranks")
         self.mine = list(op.layout[op.rank])
@@ -128,6 +169,20 @@ class _Packing:
         self.own = next((poisoned[op.devices[p]] for p in self.mine if op.devices[p] in poisoned), None)
         self.w = len(op.layout)
         self.n = sum(len(ps) for ps in op.layout)
+        self.pool = pool
+        self._taken: list[torch.Tensor] = []
+
+    def scratch(self, elements: int) -> torch.Tensor:
+        """A flat buffer of `elements` of the op's dtype, returned to the pool by `release`."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        buf = self.pool.take(elements * itemsize, self.device)
+        self._taken.append(buf)
+        return buf[: elements * itemsize].view(self.dtype)
+
+    def release(self) -> None:
+        taken, self._taken = self._taken, []
+        for buf in taken:
+            self.pool.give(buf)
 
     def owner(self) -> dict[int, int]:
         return {p: r for r, ps in enumerate(self.op.layout) for p in ps}
@@ -152,7 +207,7 @@ def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
     dtype, w = pk.dtype, pk.w
     counts_in = [sum(t.numel() for t in send_pieces(r)) + 1 for r in range(w)]
     counts_out = [sum(math.prod(s) for s in recv_shapes(r)) + 1 for r in range(w)]
-    send = torch.empty(sum(counts_in), dtype=dtype, device=pk.device)
+    send = pk.scratch(sum(counts_in))
     pos = 0
     for r in range(w):
         for t in send_pieces(r):
@@ -165,7 +220,7 @@ def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
     def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
         if pk.own is not None:
             ctx.publish(pk.own)
-        out = torch.empty(sum(counts_out), dtype=dtype, device=pk.device)
+        out = pk.scratch(sum(counts_out))
         ctx.all_to_all(_bytes(out), _bytes(send), [c * itemsize for c in counts_out],
                        [c * itemsize for c in counts_in])
         got, marks, at = [], [], 0
@@ -189,7 +244,7 @@ def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int, own:
     flag element (set with `own`); return what the lane runs: the all_gather, giving every rank's slots and
     flag."""
     size = slots * slot + 1
-    send = torch.empty(size, dtype=pk.dtype, device=pk.device)
+    send = pk.scratch(size)
     for s, t in enumerate(parts):
         send[s * slot: s * slot + t.numel()].view(t.shape).copy_(t)  # one copy, whatever the strides
     _set_flag(send, slots * slot, own is not None)
@@ -197,7 +252,7 @@ def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int, own:
     def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
         if own is not None:
             ctx.publish(own)
-        out = torch.empty(pk.w * size, dtype=pk.dtype, device=pk.device)
+        out = pk.scratch(pk.w * size)
         ctx.all_gather(_bytes(out), _bytes(send))
         got = [[out[r * size + s * slot: r * size + (s + 1) * slot] for s in range(slots)] for r in range(pk.w)]
         return got, _flagged(out, [r * size + slots * slot for r in range(pk.w)])
@@ -281,7 +336,7 @@ def _all_reduce(pk: _Packing) -> Finish:
         got, flags = run(ctx)
         report = pk.report(ctx, flags)  # a poisoned contribution poisons every chunk, on every rank
         by_pos = {p: got[r][k] for r, ps in enumerate(op.layout) for k, p in enumerate(ps)}
-        mine = torch.empty(chunk, dtype=pk.dtype, device=pk.device)
+        mine = pk.scratch(chunk)
         reduce_in_order([by_pos[p] for p in range(pk.n)], pk.step.reduce, out=mine[: hi_r - lo_r])
         out = torch.empty(w * chunk, dtype=pk.dtype, device=pk.device)
         if total:
@@ -313,7 +368,7 @@ REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
 
 
 def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
-            dtype: torch.dtype) -> Finish:
+            dtype: torch.dtype, pool: BufferPool = NO_POOL) -> Finish:
     """Pack this rank's inputs for `op` now (poisoned ones as they are: zeros); the result finishes on the lane."""
     make = KINDS.get(step.kind)
     if make is None:
@@ -321,4 +376,13 @@ def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], 
     if step.kind in ("reduce_scatter", "all_reduce") and step.reduce not in REDUCE_OPS:
         raise ValueError(f"unknown reduce op {step.reduce!r}")
     inputs = {d: t if t.dtype == dtype else t.to(dtype) for d, t in inputs.items()}
-    return make(_Packing(step, op, inputs, poisoned, dtype))
+    pk = _Packing(step, op, inputs, poisoned, dtype, pool)
+    finish = make(pk)
+
+    def finish_and_release(ctx: Any) -> Result:
+        try:
+            return finish(ctx)
+        finally:
+            pk.release()  # the outputs share nothing with the scratch buffers
+
+    return finish_and_release

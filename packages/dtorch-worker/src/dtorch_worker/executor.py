@@ -150,6 +150,7 @@ class Executor:
         self._seq = 0  # the batch running now
         self.busy_s = 0.0  # seconds spent running batches (utilization)
         self.groups = Groups(self.backend)  # process groups with other workers (CmdGroup)
+        self.buffers = collectives.BufferPool()  # scratch buffers of collectives, reused
         # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
         self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
         self.pulled_bytes = 0  # tensor bytes pulled from peers (pieces)
@@ -551,7 +552,7 @@ class Executor:
             done = collectives.Result()
             flying = []
             for op in step.ops:
-                finish = collectives.prepare(step, op, current, poisoned, dtype)
+                finish = collectives.prepare(step, op, current, poisoned, dtype, self.buffers)
                 if op.group:
                     flying.append((op, self.groups.submit(session, op, what, finish)))
                 else:
