@@ -184,9 +184,6 @@ class _Packing:
         for buf in taken:
             self.pool.give(buf)
 
-    def owner(self) -> dict[int, int]:
-        return {p: r for r, ps in enumerate(self.op.layout) for p in ps}
-
     def report(self, ctx: Any, flags: list[bool]) -> ErrorReport | None:
         """Our own poison, else the report of the first rank whose contribution was flagged."""
         if self.own is not None:
@@ -204,7 +201,7 @@ def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
                                                                                         list[bool]]]:
     """Pack, for every rank r, `send_pieces(r)` plus a flag element; return what the lane runs: the all_to_all,
     giving per source rank the pieces shaped `recv_shapes(r)` and its flag."""
-    dtype, w = pk.dtype, pk.w
+    w = pk.w
     counts_in = [sum(t.numel() for t in send_pieces(r)) + 1 for r in range(w)]
     counts_out = [sum(math.prod(s) for s in recv_shapes(r)) + 1 for r in range(w)]
     send = pk.scratch(sum(counts_in))
@@ -238,20 +235,19 @@ def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
     return run
 
 
-def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int, own: ErrorReport | None
+def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int
             ) -> Callable[[Any], tuple[list[list[torch.Tensor]], list[bool]]]:
     """Pack `parts` (this rank's positions, at most `slot` elements each) into `slots` padded slots and a
-    flag element (set with `own`); return what the lane runs: the all_gather, giving every rank's slots and
-    flag."""
+    flag element; return what the lane runs: the all_gather, giving every rank's slots and flag."""
     size = slots * slot + 1
     send = pk.scratch(size)
     for s, t in enumerate(parts):
         send[s * slot: s * slot + t.numel()].view(t.shape).copy_(t)  # one copy, whatever the strides
-    _set_flag(send, slots * slot, own is not None)
+    _set_flag(send, slots * slot, pk.own is not None)
 
     def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
-        if own is not None:
-            ctx.publish(own)
+        if pk.own is not None:
+            ctx.publish(pk.own)
         out = pk.scratch(pk.w * size)
         ctx.all_gather(_bytes(out), _bytes(send))
         got = [[out[r * size + s * slot: r * size + (s + 1) * slot] for s in range(slots)] for r in range(pk.w)]
@@ -270,7 +266,7 @@ def _all_gather(pk: _Packing) -> Finish:
     unit = math.prod(rest)  # elements per unit of length along dim i
     slots = max(len(ps) for ps in op.layout)
     slot = max(sizes) * unit
-    run = _gather(pk, [pk.inputs[p].movedim(i, 0) for p in pk.mine], slot, slots, pk.own)
+    run = _gather(pk, [pk.inputs[p].movedim(i, 0) for p in pk.mine], slot, slots)
 
     def finish(ctx: Any) -> Result:
         got, flags = run(ctx)
