@@ -120,12 +120,19 @@ class DeviceBackend:
 
     # ------------------------------------------------------------ collectives
 
-    def new_group(self, store: Any, rank: int, size: int, timeout_s: float) -> Any:
+    def new_group(self, store: Any, rank: int, size: int, timeout_s: float, host: str = "") -> Any:
         """A process group object of its own (not the default group) over `store`; blocks until every rank joined
-        (gloo) or returns at once and connects at the first collective (NCCL)."""
+        (gloo) or returns at once and connects at the first collective (NCCL). gloo listens on `host`, the host the
+        worker is reached at (not whatever the machine's name resolves to), with one thread: a group runs one op
+        at a time (groups.py)."""
         import torch.distributed as dist
 
-        return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        options._threads = 1
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
+                            else dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 class AcceleratorBackend(DeviceBackend):
@@ -186,7 +193,7 @@ class CudaBackend(AcceleratorBackend):
     comm = "nccl"
     module = torch.cuda
 
-    def new_group(self, store: Any, rank: int, size: int, timeout_s: float) -> Any:
+    def new_group(self, store: Any, rank: int, size: int, timeout_s: float, host: str = "") -> Any:
         import torch.distributed as dist
 
         # On a timeout NCCL's watchdog aborts the communicators and the wait raises; the default (3) would

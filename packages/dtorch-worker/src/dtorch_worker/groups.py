@@ -209,7 +209,7 @@ class Groups:
             g.store = PrefixStore(f"dtorch/{g.session}/{g.id}/{g.generation}", client)
             g.store.set(f"joined/{g.rank}", "1")
             # the backend's own bound a little longer than ours, so our line (naming who is missing) comes first
-            g.pg = self.backend.new_group(g.store, g.rank, g.size, g.timeout_s + 5.0)
+            g.pg = self.backend.new_group(g.store, g.rank, g.size, g.timeout_s + 5.0, self.host)
         except Exception as e:  # noqa: BLE001 - any failure to meet: the group is broken, its ops say why
             missing = _missing(g, "joined", 1) if g.store is not None else ""
             why = f"timed out after {g.timeout_s:g}s waiting for {missing}" if missing else _first_line(e)
