@@ -166,7 +166,7 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
             with torch.no_grad():
                 out["b"] = median_ms(forward, args.repeats, before=dist.barrier)
                 value = forward()
-            out["b_value"] = value.cpu() if rank == 0 else None
+            out["b_value"] = value.cpu().tolist() if rank == 0 else None  # tensors through a queue need the sender alive
         if "c" in args.only:
             step = sgd_step(model, inp, target)
             out["c"] = median_ms(step, args.repeats, before=dist.barrier)
@@ -403,7 +403,7 @@ def main() -> None:
               "   (target <= 1.0x)")
         print(f"    plain torch       {plain['b']:9.2f} ms   dtorch/plain   {ratio(dt['b'], plain['b'])}")
         err = (dt["b_value"] - plain["b_value"]).abs().max().item()
-        err_t = (torch_dt["b_value"] - plain["b_value"]).abs().max().item()
+        err_t = (torch.tensor(torch_dt["b_value"]) - plain["b_value"]).abs().max().item()
         print(f"    max |difference| from plain torch: dtorch {err:.2e}, DTensor {err_t:.2e}")
     if "c" in args.only:
         print("(c) the same MLP, forward + backward + SGD step, TP=2, loss on the client")
