@@ -166,7 +166,7 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
             with torch.no_grad():
                 out["b"] = median_ms(forward, args.repeats, before=dist.barrier)
                 value = forward()
-            out["b_value"] = value.cpu().tolist() if rank == 0 else None  # tensors through a queue need the sender alive
+            out["b_value"] = value.cpu().tolist() if rank == 0 else None  # a tensor in a queue needs its sender
         if "c" in args.only:
             step = sgd_step(model, inp, target)
             out["c"] = median_ms(step, args.repeats, before=dist.barrier)
