@@ -353,3 +353,43 @@ def test_the_pool_bounds_what_it_keeps_and_hands_out_fitting_buffers():
     assert big is not b
     pool.give(big)  # over the limit: the oldest kept (b, then a) go
     assert pool._kept == 4 << 20 and pool.take(4 << 20, cpu) is big
+
+
+@pytest.mark.parametrize("dtype,binding,native", [
+    (torch.float32, {0: "w0", 1: "w1"}, True),  # two values: one addition, the backend's all_reduce
+    (torch.float64, {0: "w0", 1: "w1", 2: "w2"}, False),  # three: in mesh order, by hand
+    (torch.int64, {0: "w0", 1: "w1", 2: "w0", 3: "w1"}, True),  # integers: any order is exact
+    (torch.float32, {0: "w0", 1: "w1", 2: "w0", 3: "w1"}, False),  # virtual devices: a local pre-sum would reorder
+])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_the_backends_all_reduce_only_where_it_equals_mesh_order(workers, dtype, binding, native, op):
+    from dtorch_worker import collectives
+
+    cluster = Cluster(workers)
+    n = len(binding)
+    calls = []
+    real = collectives._native_all_reduce
+    collectives._native_all_reduce = lambda pk: calls.append(pk) or real(pk)
+    try:
+        got, expected, _ = redistribute(cluster, (5, 3), (n,), binding, [Partial(op)], [Replicate()], dtype=dtype)
+    finally:
+        collectives._native_all_reduce = real
+    check(got, expected)
+    assert bool(calls) == native
+
+
+def test_poison_reaches_every_rank_through_the_backends_all_reduce(workers):
+    cluster = Cluster(workers, session="sess-native-poison")
+    binding = {0: "w0", 1: "w1"}
+    report = __import__("dtorch_protocol.messages", fromlist=["ErrorReport"]).ErrorReport(
+        op="aten.mul.Tensor", src="user.py:3", message="bad", tid=70)
+    workers[0].store.put(("sess-native-poison", 70, 0), torch.ones(4))
+    workers[1].store.put(("sess-native-poison", 70, 1), Poison(report))
+    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Partial("sum"),), (Replicate(),),
+                         tuple(sorted(binding.items())), (("w0", "cpu", True), ("w1", "cpu", True)))
+    cmds = lowering.commands(low, cluster.groups, cluster.members, 70, 71, "float32",
+                             ({0: [4], 1: [4]}, {0: [4], 1: [4]}))
+    cluster.wait(cluster.send(cmds))
+    for d in range(2):
+        value = cluster.worker[binding[d]].store.get(("sess-native-poison", 71, d))
+        assert isinstance(value, Poison) and value.report == report, value

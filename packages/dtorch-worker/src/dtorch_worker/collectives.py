@@ -6,9 +6,12 @@ Rules:
    into a send buffer then (so later in-place writes to them cannot race the transfer). What is left (the
    transfer, then unpacking and reducing into fresh output tensors) is a `Finish` run on the group's lane
    (groups.py), or at once for a group entirely on this worker (`GroupOp.group == ""`, a local exchange).
-2. Collectives move bytes only (uint8 views: every dtype travels, bool and complex too). Reductions are done
+2. Collectives move bytes (uint8 views: every dtype travels, bool and complex too), and reductions are done
    here with torch, by the rank that receives each piece, over the positions in mesh order: the same order and
    the same function (`reduce_in_order`) as the point-to-point plan, so both paths give identical values.
+   Exception (table NATIVE_SUM): the backend's own all_reduce, where its result cannot differ from that order's:
+   integer sums (exact in any order), and float32/float64 sums of exactly two values (one addition, and a + b
+   is b + a in IEEE arithmetic): two ranks holding one position each. gloo and NCCL optimize that one best.
 3. Uneven shards: an all_gather pads every rank's contribution to the most positions times the longest length;
    exchanges (all_to_all, reduce_scatter, the first half of all_reduce) send exact byte counts per rank
    (all_to_all with splits). The padding never leaves this module.
@@ -97,6 +100,12 @@ class LocalCtx:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         out.copy_(inp)
 
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        pass
+
+    def published(self, rank: int) -> bool:
+        return bool(self.reports)
+
     def publish(self, report: ErrorReport) -> None:
         pass
 
@@ -112,10 +121,7 @@ def reduce_in_order(bufs: list[torch.Tensor], op: str, out: torch.Tensor | None 
         for b in bufs[1:]:
             acc.add_(b)
         if op == "avg" and len(bufs) > 1:
-            if acc.is_floating_point() or acc.is_complex():
-                acc.div_(len(bufs))
-            else:
-                acc.div_(len(bufs), rounding_mode="trunc")
+            _divide(acc, len(bufs))
         return acc
     if op in ("max", "min"):
         fn = torch.maximum if op == "max" else torch.minimum
@@ -315,10 +321,54 @@ def _exchanges(pk: _Packing) -> Finish:
     return finish
 
 
+NATIVE_SUM: dict[torch.dtype, str] = {  # dtype -> when the backend's sum equals the sum in mesh order
+    **{t: "any" for t in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)},
+    torch.float32: "two", torch.float64: "two",
+}
+
+
+def _native(pk: _Packing) -> bool:
+    when = NATIVE_SUM.get(pk.dtype)
+    return pk.step.reduce in ("sum", "avg") and pk.w > 1 and (
+        when == "any" or when == "two" and pk.n == 2 and all(len(ps) == 1 for ps in pk.op.layout))
+
+
+def _native_all_reduce(pk: _Packing) -> Finish:
+    """The backend's all_reduce, in place on this rank's (locally summed) value and a trailing poison count."""
+    shape, total = list(pk.template.shape), pk.template.numel()
+    buf = torch.empty(total + 1, dtype=pk.dtype, device=pk.device)  # becomes the output: not scratch
+    reduce_in_order([pk.inputs[p].reshape(-1) for p in pk.mine], "sum", out=buf[:total])
+    buf[total] = 1 if pk.own is not None else 0
+
+    def finish(ctx: Any) -> Result:
+        if pk.own is not None:
+            ctx.publish(pk.own)
+        ctx.all_reduce(buf)
+        value = buf[:total].view(shape)
+        if pk.step.reduce == "avg":
+            _divide(value, pk.n)
+        report = None
+        if buf[total].item():  # how many ranks contributed poison: find whose report to carry
+            report = pk.own or ctx.report_of(next((r for r in range(pk.w) if ctx.published(r)), 0))
+        outputs = {pk.op.devices[p]: value if k == 0 else value.clone() for k, p in enumerate(pk.mine)}
+        return Result(outputs, {d: report for d in outputs} if report is not None else {})
+
+    return finish
+
+
+def _divide(acc: torch.Tensor, n: int) -> torch.Tensor:
+    """avg after the sum, as `reduce_in_order` does it."""
+    if acc.is_floating_point() or acc.is_complex():
+        return acc.div_(n)
+    return acc.div_(n, rounding_mode="trunc")
+
+
 def _all_reduce(pk: _Packing) -> Finish:
     """A reduce-scatter of flat chunks (one per rank, reduced in position order by its owner), then an all_gather
     of the reduced chunks. The first exchange carries every rank's poison flag to every rank, so the all_gather
     needs none and its output is the value itself (no copy)."""
+    if _native(pk):
+        return _native_all_reduce(pk)
     op, w = pk.op, pk.w
     shape, total = list(pk.template.shape), pk.template.numel()
     chunk = -(-total // w) if total else 0

@@ -132,18 +132,32 @@ class Ctx:
         """This rank contributes poison to this op: leave the original report where the peers read it."""
         self.group.store.set(f"poison/{self.seq}/{self.rank}", wire.encode(report))
 
-    def report_of(self, rank: int) -> ErrorReport:
-        """The report rank `rank` published for this op (its contribution was flagged as poisoned)."""
+    def published(self, rank: int) -> bool:
+        """Did rank `rank` publish a report for this op?"""
         try:
-            return wire.decode(ErrorReport, bytes(self.group.store.get(f"poison/{self.seq}/{rank}")))
+            return bool(self.group.store.check([f"poison/{self.seq}/{rank}"]))
+        except Exception:  # noqa: BLE001 - an unreachable store: the generic report will do
+            return False
+
+    def report_of(self, rank: int) -> ErrorReport:
+        """The report rank `rank` published for this op (its contribution was flagged as poisoned); never waits."""
+        try:
+            if self.published(rank):
+                return wire.decode(ErrorReport, bytes(self.group.store.get(f"poison/{self.seq}/{rank}")))
         except Exception:  # noqa: BLE001 - the flag is enough to poison; the report is a courtesy
-            return ErrorReport(op=self.op, src="", message=f"an input of {self.op} was poisoned on "
+            pass
+        return ErrorReport(op=self.op, src="", message=f"an input of {self.op} was poisoned on "
                                                            f"{self.group.members[rank]}")
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         """Exchange byte pieces: `in_splits[r]` bytes of `inp` go to rank r, `out_splits[r]` come from it."""
         self.wait(self.group.pg.alltoall_base(out, inp, out_splits, in_splits))
         self.received += sum(n for r, n in enumerate(out_splits) if r != self.rank)
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        """The backend's sum of `buf` over the ranks, in place (only where it equals the sum in mesh order)."""
+        self.wait(self.group.pg.allreduce([buf]))
+        self.received += buf.numel() * buf.element_size() * 2 * (self.size - 1) // self.size  # a ring's share
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Every rank's `inp` (the same size everywhere), concatenated in rank order, into `out`."""
