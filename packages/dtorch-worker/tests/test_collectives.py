@@ -393,3 +393,14 @@ def test_poison_reaches_every_rank_through_the_backends_all_reduce(workers):
     for d in range(2):
         value = cluster.worker[binding[d]].store.get(("sess-native-poison", 71, d))
         assert isinstance(value, Poison) and value.report == report, value
+
+
+@pytest.mark.parametrize("by_all_to_all", [True, False], ids=["all_to_all of copies", "all_gather"])
+def test_both_gather_primitives_give_the_same_values(workers, monkeypatch, by_all_to_all):
+    from dtorch_worker.device import DeviceBackend
+
+    monkeypatch.setattr(DeviceBackend, "gather_by_all_to_all", lambda self, ranks: by_all_to_all)
+    cluster = Cluster(workers)
+    for src, binding in [([Shard(0)], {0: "w0", 1: "w1", 2: "w2"}), ([Shard(1)], {0: "w0", 1: "w1", 2: "w0"})]:
+        got, expected, _ = redistribute(cluster, (7, 5), (3,), binding, src, [Replicate()], seed=21)
+        check(got, expected)

@@ -58,7 +58,7 @@ def parse_device(text: str) -> DeviceBackend:
         backend.check()
     except ValueError as e:
         raise SystemExit(f"dtorch-worker: bad --device {text!r}: {e}") from None
-    backend.activate()
+    backend.start()
     return backend
 
 

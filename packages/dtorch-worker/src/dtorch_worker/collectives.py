@@ -12,9 +12,10 @@ Rules:
    Exception (table NATIVE_SUM): the backend's own all_reduce, where its result cannot differ from that order's:
    integer sums (exact in any order), and float32/float64 sums of exactly two values (one addition, and a + b
    is b + a in IEEE arithmetic): two ranks holding one position each. gloo and NCCL optimize that one best.
-3. Uneven shards: an all_gather pads every rank's contribution to the most positions times the longest length;
-   exchanges (all_to_all, reduce_scatter, the first half of all_reduce) send exact byte counts per rank
-   (all_to_all with splits). The padding never leaves this module.
+3. Uneven shards: an all_gather (or an all_to_all of copies, where the backend prefers it) pads every rank's
+   contribution to the most positions times the longest length; exchanges (all_to_all, reduce_scatter, the
+   first half of all_reduce) send exact byte counts per rank (all_to_all with splits). The padding never
+   leaves this module.
 4. Virtual devices: a rank hosting several positions sends them together in position order and unpacks each.
 5. Scratch buffers (send and receive buffers, reduced chunks) come from the worker's `BufferPool` and go back
    once the outputs are built: a fresh large host buffer costs a page fault per 4 KiB, about as much as moving it.
@@ -161,7 +162,7 @@ class _Packing:
     """What `prepare` leaves for the lane: the op, this rank's positions and whether it contributes poison."""
 
     def __init__(self, step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
-                 dtype: torch.dtype, pool: BufferPool) -> None:
+                 dtype: torch.dtype, pool: BufferPool, gather_by_all_to_all: bool) -> None:
         if not 0 <= op.rank < len(op.layout):
             raise ValueError(f"rank {op.rank} is outside a layout of {len(op.layout)} ranks")
         self.mine = list(op.layout[op.rank])
@@ -176,6 +177,7 @@ class _Packing:
         self.w = len(op.layout)
         self.n = sum(len(ps) for ps in op.layout)
         self.pool = pool
+        self.gather_by_all_to_all = gather_by_all_to_all
         self._taken: list[torch.Tensor] = []
 
     def scratch(self, elements: int) -> torch.Tensor:
@@ -246,16 +248,23 @@ def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int
     """Pack `parts` (this rank's positions, at most `slot` elements each) into `slots` padded slots and a
     flag element; return what the lane runs: the all_gather, giving every rank's slots and flag."""
     size = slots * slot + 1
-    send = pk.scratch(size)
+    copies = pk.w if pk.gather_by_all_to_all else 1  # an all_to_all sends every rank its own copy
+    send = pk.scratch(copies * size)
     for s, t in enumerate(parts):
         send[s * slot: s * slot + t.numel()].view(t.shape).copy_(t)  # one copy, whatever the strides
     _set_flag(send, slots * slot, pk.own is not None)
+    for c in range(1, copies):
+        send[c * size: (c + 1) * size].copy_(send[:size])
 
     def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
         if pk.own is not None:
             ctx.publish(pk.own)
         out = pk.scratch(pk.w * size)
-        ctx.all_gather(_bytes(out), _bytes(send))
+        if copies > 1:
+            nbytes = size * out.element_size()
+            ctx.all_to_all(_bytes(out), _bytes(send), [nbytes] * pk.w, [nbytes] * pk.w)
+        else:
+            ctx.all_gather(_bytes(out), _bytes(send))
         got = [[out[r * size + s * slot: r * size + (s + 1) * slot] for s in range(slots)] for r in range(pk.w)]
         return got, _flagged(out, [r * size + slots * slot for r in range(pk.w)])
 
@@ -414,7 +423,7 @@ REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
 
 
 def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
-            dtype: torch.dtype, pool: BufferPool = NO_POOL) -> Finish:
+            dtype: torch.dtype, pool: BufferPool = NO_POOL, gather_by_all_to_all: bool = False) -> Finish:
     """Pack this rank's inputs for `op` now (poisoned ones as they are: zeros); the result finishes on the lane."""
     make = KINDS.get(step.kind)
     if make is None:
@@ -422,7 +431,7 @@ def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], 
     if step.kind in ("reduce_scatter", "all_reduce") and step.reduce not in REDUCE_OPS:
         raise ValueError(f"unknown reduce op {step.reduce!r}")
     inputs = {d: t if t.dtype == dtype else t.to(dtype) for d, t in inputs.items()}
-    pk = _Packing(step, op, inputs, poisoned, dtype, pool)
+    pk = _Packing(step, op, inputs, poisoned, dtype, pool, gather_by_all_to_all)
     finish = make(pk)
 
     def finish_and_release(ctx: Any) -> Result:

@@ -552,7 +552,8 @@ class Executor:
             done = collectives.Result()
             flying = []
             for op in step.ops:
-                finish = collectives.prepare(step, op, current, poisoned, dtype, self.buffers)
+                finish = collectives.prepare(step, op, current, poisoned, dtype, self.buffers,
+                                             self.backend.gather_by_all_to_all(len(op.layout)))
                 if op.group:
                     flying.append((op, self.groups.submit(session, op, what, finish)))
                 else:
