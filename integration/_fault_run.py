@@ -178,9 +178,10 @@ def main() -> None:
             info["exit_code"] = None
     status = dtorch.status()
     info["events"] = status.events
-    info["worker_warnings"] = [line for i in range(len(runtime._cluster.procs) - 1)
-                               for line in (runtime._cluster.dir / f"worker{i}.log").read_text(errors="replace")
-                               .splitlines() if "WARNING" in line]
+    cluster = runtime._cluster  # None with --controller: the workers' logs are not ours to read
+    info["worker_warnings"] = [line for i in range(len(cluster.procs) - 1)
+                               for line in (cluster.dir / f"worker{i}.log").read_text(errors="replace")
+                               .splitlines() if "WARNING" in line] if cluster is not None else []
     info["workers"] = {w.worker: w.state for w in status.workers}
     info["devices"] = next((s.devices for s in status.sessions if s.session == dtorch.runtime.get_session().id), {})
     print(json.dumps({"clean": [clean_losses, clean_weights], "run": [losses, weights], "info": info}))
