@@ -15,9 +15,10 @@ Rules:
    backend: `new_group` builds one group of its own (never the global default group: one worker serves many
    sessions), and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is
    several times slower than its all_to_all; NCCL's is its best).
-5. `start` tunes the process for the device once, at worker start: on the CPU, large host buffers are kept by
-   the C allocator for reuse instead of being mapped fresh for every allocation (every fresh 4 KiB page costs a
-   fault, as much as moving it), so freed tensor memory stays with the worker process.
+5. `start` tunes the process for the device once, at worker start: on the CPU, glibc's allocator keeps freed
+   memory for reuse (one arena, no per-allocation mappings, up to 1 GiB kept at the top of the heap) instead of
+   mapping large buffers fresh each time (every fresh 4 KiB page costs a fault and zeroing: as much as moving
+   it). The cost: a CPU worker's memory stays near its peak rather than shrinking back.
 
 Plugging in another vendor's device (xpu, npu, a PrivateUse1 backend such as `torch.utils.
 rename_privateuse1_backend("npu")`): subclass `DeviceBackend` (usually `AcceleratorBackend` with a module
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 _Factory = Callable[[torch.device], "DeviceBackend"]
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc mallopt parameters
 _REGISTRY: dict[str, _Factory] = {}
 
 
@@ -64,8 +65,9 @@ class DeviceBackend:
             libc = ctypes.CDLL("libc.so.6")
         except OSError:  # not glibc: nothing to tune
             return
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)  # allocations below 1 GiB come from the heap...
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB freed for reuse
+        libc.mallopt(_M_ARENA_MAX, 1)  # every thread (executor, lanes, servers) shares the tuned heap
+        libc.mallopt(_M_MMAP_MAX, 0)  # no buffer is mapped (and faulted in) fresh: all come from the heap...
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB freed at its top for reuse
 
     def gather_by_all_to_all(self, ranks: int) -> bool:
         """Gather with an all_to_all of copies of the contribution rather than an all_gather (rule 4)."""
