@@ -50,6 +50,19 @@ def test_sigkill_mid_training_is_rebuilt_and_the_results_equal_the_fault_free_ru
     assert any("recovered in" in line for line in info["events"]), info["events"]
 
 
+def test_sigkill_in_the_middle_of_an_all_reduce_neither_hangs_the_survivors_nor_changes_the_results():
+    """The tensor-parallel all-reduces run on gloo groups: the survivors are waiting in one for the (stopped)
+    victim when it is killed; their op fails (connection closed), the rebuild aborts the groups and replays."""
+    result = run("kill_in_collective")
+    assert_same_as_fault_free(result)
+    info = result["info"]
+    assert any("all_reduce" in line and ("by peer" in line or "aborted" in line)
+               for line in info["worker_warnings"]), info["worker_warnings"]  # it was in flight, and it ended
+    assert info["workers"][info["victim"]] == "lost"
+    assert info["victim"] not in info["devices"].values()
+    assert any("recovered in" in line for line in info["events"]), info["events"]
+
+
 def test_a_sigstopped_worker_is_treated_the_same_and_exits_when_it_wakes():
     result = run("stop")
     assert_same_as_fault_free(result)

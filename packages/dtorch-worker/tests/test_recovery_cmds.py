@@ -92,7 +92,7 @@ def test_stream_round_trip_in_small_pieces():
     msgs = [wire.decode(ShardsChunk, wire.encode(c)) for c in shards.chunks(shards.pack(items), chunk_bytes=1000,
                                                                             namespace="ns")]
     assert msgs[0].namespace == "ns" and len(msgs) > 10
-    header, got = shards.receive(msgs, "cpu")
+    header, got = shards.receive(msgs)
     got_map = {(tid, d): t for tid, d, t in got}
     assert torch.equal(got_map[(1, 7)], base) and torch.equal(got_map[(2, 7)], base[3:9, 1:])
     assert got_map[(2, 7)].untyped_storage().data_ptr() == got_map[(1, 7)].untyped_storage().data_ptr()

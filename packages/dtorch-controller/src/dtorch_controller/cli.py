@@ -58,7 +58,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = Config(heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                         snapshot_every_batches=args.snapshot_batches, snapshot_every_s=args.snapshot_interval,
-                        session_timeout_s=args.session_timeout)
+                        session_timeout_s=args.session_timeout, collective_timeout_s=args.collective_timeout)
         policy = make_policy(args.policy, _policy_params(args.policy_param))
     except ValueError as e:
         print(f"dtorch-controller: {e}", file=sys.stderr)
@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a worker silent this long is lost (default 1.0, $DTORCH_HEARTBEAT_TIMEOUT)")
     parser.add_argument("--session-timeout", type=float, default=5.0, metavar="S",
                         help="close a client session silent this long, freeing its shards (default 5.0; 0: never)")
+    parser.add_argument("--collective-timeout", type=float, metavar="S",
+                        default=float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60")),
+                        help="bound on a process group's rendezvous and on each collective: past it the op fails "
+                             "naming the workers that never arrived (default 60, $DTORCH_COLLECTIVE_TIMEOUT)")
     parser.add_argument("--policy", default="priority",
                         help="scheduling policy: fifo, priority (default: classes, preemption, packing) or las")
     parser.add_argument("--policy-param", action="append", default=[], metavar="K=V",

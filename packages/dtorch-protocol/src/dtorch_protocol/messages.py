@@ -30,10 +30,12 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-PROTOCOL_VERSION = "1.4"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.5"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
-# (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata)
+# (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
+# collectives (CmdGroup, CmdCollective, RegisterWorker.rendezvous and .device_id) and
+# WorkerReport/WorkerStatus.received_bytes
 
 
 class ErrorKind(str, enum.Enum):
@@ -251,6 +253,7 @@ class WorkerStatus(Struct, frozen=True):
     utilization: float = -1.0  # fraction of the last report interval spent executing (-1: not reported)
     backup_bytes: int = 0  # host memory held by copies for recovery (snapshots, uploads), not in `bytes`
     node: str = ""
+    received_bytes: int = 0  # tensor bytes received from peer workers so far (pieces and collectives)
     leases: dict[str, int] = {}  # session -> memory cap leased here (0: the whole device)
 
 
@@ -289,6 +292,8 @@ class RegisterWorker(Struct, frozen=True):
     device_type: str
     memory_bytes: int
     labels: dict[str, str] = {}
+    rendezvous: str = ""  # host:port of this worker's TCPStore for process groups ("": it joins no collectives)
+    device_id: str = ""  # the physical device ("host/GPU-uuid"; "" for CPUs): workers sharing one join no group
 
 
 class Registered(Struct, frozen=True):
@@ -309,6 +314,7 @@ class WorkerReport(Struct, frozen=True):
     errors: dict[str, list[ErrorReport]] = {}  # session -> new op failures
     sessions: dict[str, ShardStats] = {}  # live shards per session
     utilization: float = -1.0  # fraction of the time since the last report spent executing (-1: unknown)
+    received_bytes: int = 0  # tensor bytes received from peer workers since it started (pieces and collectives)
 
 
 class ReportReply(Struct, frozen=True):
@@ -383,6 +389,60 @@ class CmdExpectReads(Struct, frozen=True, tag="expect_reads"):
 
 
 
+class CmdGroup(Struct, frozen=True, tag="group"):
+    """Join communication group `group` of this batch's session as `rank` (sent before its first op).
+
+    The worker builds the process group in the background (rendezvous on the TCPStore at `store`, under a
+    prefix naming the session, the group and the generation), so the batch goes on; the group's first op waits
+    for it. A CmdGroup of a newer generation fences the session's groups of older ones on this worker (their ops
+    in flight finish first, then they are shut down and later ops naming them are refused).
+    """
+
+    group: str  # unique within the session
+    generation: int  # bumped whenever the session's devices move: older generations are fenced
+    rank: int
+    members: list[str]  # each rank's worker, "w3 at host:port", for messages naming a missing one
+    store: str  # host:port of rank 0's worker's TCPStore
+    timeout_s: float = 60.0  # bound on the rendezvous and on each op: past it the op fails naming who is missing
+
+
+class GroupOp(Struct, frozen=True, array_like=True):
+    """This worker's part of one collective: one mesh group of a step (docs: Redistribution on collectives)."""
+
+    group: str  # "" when every position is on this worker (nothing moves)
+    generation: int
+    seq: int  # the op's number in the group: members issue a group's ops in this order
+    rank: int  # this worker's rank in the group
+    layout: list[list[int]]  # positions hosted by each rank, in rank order
+    devices: dict[int, int]  # position -> this worker's logical device
+    sizes: list[int]  # per position: length along the step's dim (all_gather: input; others: output)
+    src_sizes: list[int] = []  # all_to_all: per position, input length along src_dim
+
+
+class CollectiveStep(Struct, frozen=True, array_like=True):
+    kind: str  # "all_gather" | "all_to_all" | "reduce_scatter" | "all_reduce" | "slice"
+    dim: int  # tensor dim gathered (all_gather) or scattered to; -1 for all_reduce
+    src_dim: int  # all_to_all: the tensor dim that was sharded; else -1
+    reduce: str  # "sum" | "avg" | "max" | "min": how Partial values combine (in position order)
+    ops: list[GroupOp]  # one per mesh group this worker takes part in, in mesh-group order
+
+
+class CmdCollective(Struct, frozen=True, tag="collective"):
+    """Redistribute `src` into `dst` on this worker's devices of one mesh through collective steps, in order.
+
+    Only the last step may still be in flight when the next command runs: its outputs are waited for at their
+    first use (or before the batch counts as completed).
+    """
+
+    src: int
+    dst: int
+    dtype: str
+    steps: list[CollectiveStep]
+    in_shapes: dict[int, list[int]]  # this worker's logical device -> shape of its shard of `src`
+    out_shapes: dict[int, list[int]]  # this worker's logical device -> shape of its shard of `dst`
+    src_line: str = ""
+
+
 class CmdDelete(Struct, frozen=True, tag="delete"):
     tids: list[int]
     devices: list[int]
@@ -448,7 +508,7 @@ class CmdStay(Struct, frozen=True, tag="stay"):
 
 
 Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
-       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay)
+       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective)
 
 
 class Execute(Struct, frozen=True):

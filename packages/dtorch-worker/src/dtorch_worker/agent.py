@@ -11,12 +11,9 @@ A worker that cannot reach the controller for `lost_after_s` exits too.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-
-import torch
 
 from dtorch_protocol import wire
 from dtorch_protocol.messages import Registered, RegisterWorker, ReportReply, WorkerReport
@@ -32,16 +29,6 @@ EXIT_LOST = 4
 
 class ControllerUnreachable(ConnectionError):
     """Registration failed after every retry."""
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    """Memory the controller may plan with: the GPU's total, or the host's RAM for CPU workers."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device.index or 0).total_memory)
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 class Agent:
@@ -66,10 +53,11 @@ class Agent:
         self._thread: threading.Thread | None = None
 
     def register(self, address: str, device_type: str, memory_bytes: int, labels: dict[str, str],
-                 attempts: int = 10, delay_s: float = 0.25) -> Registered:
+                 attempts: int = 10, delay_s: float = 0.25, rendezvous: str = "", device_id: str = "") -> Registered:
         """Register, retrying while the controller is unreachable; raises ControllerUnreachable at the end."""
         request = RegisterWorker(hello=wire.hello("worker", __version__), address=address, device_type=device_type,
-                                 memory_bytes=memory_bytes, labels=dict(labels))
+                                 memory_bytes=memory_bytes, labels=dict(labels), rendezvous=rendezvous,
+                                 device_id=device_id)
         last: Exception | None = None
         for attempt in range(max(attempts, 1)):
             try:
@@ -110,7 +98,7 @@ class Agent:
         then, busy_then = self._busy_mark
         utilization = min(1.0, max(0.0, (busy - busy_then) / (now - then))) if now > then else 0.0
         report = WorkerReport(worker=self.worker_id, completed=completed, errors=errors, sessions=self.store.stats(),
-                              utilization=utilization)
+                              utilization=utilization, received_bytes=self.executor.received_bytes)
         try:
             reply: ReportReply = self.stub.call("Report", report, timeout=self.report_timeout_s)
         except Exception:

@@ -21,7 +21,8 @@ import torch
 from dtorch_protocol import wire
 from dtorch_protocol.process import watch_parent
 from dtorch_worker import node
-from dtorch_worker.agent import Agent, ControllerUnreachable, device_memory_bytes
+from dtorch_worker.agent import Agent, ControllerUnreachable
+from dtorch_worker.device import DeviceBackend, backend_for
 from dtorch_worker.server import start_worker
 
 log = logging.getLogger("dtorch_worker")
@@ -38,7 +39,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                    "with a wildcard host replaced by this host's name)")
     p.add_argument("--device", default="cpu",
                    help="cpu | cuda | cuda:N (default cpu); cuda:all or a list (cuda:0,cuda:1): one worker per "
-                        "device, the i-th on --listen's port + i (node.py)")
+                        "device, the i-th on --listen's port + i (node.py); other device types plug in through "
+                        "dtorch_worker.device.register")
     p.add_argument("--label", action="append", default=[], metavar="K=V", help="scheduling label (repeatable)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     p.add_argument("--threads", type=int, default=0,
@@ -46,26 +48,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--register-attempts", type=int, default=10,
                    help="tries to reach the controller at start (with backoff up to 2 s) before giving up")
     p.add_argument("--lost-after", type=float, default=10.0, help="exit after the controller is unreachable this long")
+    p.add_argument("--no-collectives", action="store_true",
+                   help="join no process groups (redistributions with this worker use point-to-point pieces)")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
 
-def parse_device(text: str) -> torch.device:
+def parse_device(text: str) -> DeviceBackend:
+    """The backend of `--device`, checked usable here (SystemExit with one line when it is not)."""
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise SystemExit(f"dtorch-worker: bad --device {text!r} (expected cpu, cuda or cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"dtorch-worker: bad --device {text!r} (expected cpu, cuda or cuda:N)")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("dtorch-worker: --device cuda requested but torch sees no CUDA device")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise SystemExit(f"dtorch-worker: --device {text}: only {torch.cuda.device_count()} CUDA devices")
-        torch.cuda.set_device(index)
-        device = torch.device("cuda", index)
-    return device
+        backend = backend_for(text)
+        backend.check()
+    except ValueError as e:
+        raise SystemExit(f"dtorch-worker: bad --device {text!r}: {e}") from None
+    backend.start()
+    return backend
 
 
 def parse_labels(items: Sequence[str]) -> dict[str, str]:
@@ -95,7 +92,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     devices = node.expand(args.device, torch.cuda.device_count() if args.device.startswith("cuda") else 0)
     if devices is not None:
         return node.run_node(sys.argv[1:] if argv is None else argv, devices, args.listen, args.advertise, 0)
-    device = parse_device(args.device)
+    backend = parse_device(args.device)
+    device = backend.device
     labels = parse_labels(args.label)
     threads = args.threads or (1 if device.type == "cpu" else 0)
     if threads:
@@ -119,12 +117,15 @@ def run(argv: Sequence[str] | None = None) -> int:
     worker = start_worker(token=token, listen=args.listen, device=device)
     address = advertised(worker.address, args.advertise)
     worker.executor.address = address
+    worker.executor.groups.host = address.rpartition(":")[0]  # peers reach its rendezvous store on the same host
     agent = Agent(args.controller, token, worker.executor, worker.store, on_exit=request_exit,
                   lost_after_s=args.lost_after)
     worker.executor.on_complete = agent.poke
     try:
-        reg = agent.register(address, device.type, device_memory_bytes(device), labels,
-                             attempts=args.register_attempts)
+        reg = agent.register(address, device.type, backend.memory_bytes(), labels,
+                             attempts=args.register_attempts,
+                             rendezvous="" if args.no_collectives else worker.executor.groups.rendezvous,
+                             device_id=backend.identity())
     except ControllerUnreachable as e:
         print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)
         worker.stop(0.0)

@@ -76,7 +76,8 @@ class WorkerService:
             return
         try:
             # Chunks hold views of one contiguous copy at most, so building the list up front is cheap.
-            chunks = list(tensor_chunks(take_box(value, request.offset, request.size)))
+            chunks = list(tensor_chunks(take_box(value, request.offset, request.size),
+                                        backend=self.executor.backend))
         except (ValueError, TypeError, RuntimeError) as e:
             yield Chunk(data=b"", error=one_line(e), kind=ErrorKind.REFUSED)
             return
@@ -99,9 +100,7 @@ class WorkerService:
 
     def Put(self, requests: Iterable[PutChunk]) -> Ack:
         try:
-            key, tensor = receive_put(requests)
-            if tensor.device != self.executor.device:
-                tensor = tensor.to(self.executor.device)
+            key, tensor = receive_put(requests, self.executor.backend)
         except (ValueError, TypeError) as e:
             raise wire.ProtocolError(one_line(e)) from None
         refused = self.store.put_upload(key, tensor)  # (MOVED or MEMORY_CAP, reason)
@@ -129,18 +128,17 @@ class WorkerService:
         except (ShardMissing, TypeError) as e:
             yield ShardsChunk(error=one_line(e) if not isinstance(e, ShardMissing) else str(e))
             return
-        yield from shards.chunks(packed)
+        yield from shards.chunks(packed, backend=self.executor.backend)
         for k in extra:
             self.store.delete(k)
 
     def PutShards(self, requests: Iterable[ShardsChunk]) -> Ack:
         """Store whole shards a peer sends (CmdSendShards), under the namespace its first message names."""
-        receiver = shards.Receiver()
+        receiver = shards.Receiver(self.executor.backend)
         try:
             for chunk in requests:
                 receiver.add(chunk)
-            host = receiver.header is not None and receiver.header.host
-            header, items = receiver.finish("cpu" if host else self.executor.device)
+            header, items = receiver.finish(host=receiver.header is not None and receiver.header.host)
         except (ValueError, TypeError, RuntimeError) as e:
             return Ack(ok=False, message=one_line(e))
         if header.sender and self.executor.peers.fenced(header.sender):

@@ -9,6 +9,10 @@ The store also counts the peers' planned reads of each shard (CmdExpectReads add
 the expected ones, the Pull handler marks them served), so the executor can hold an
 in-place write to a shard's storage until the reads announced before it are done.
 
+A shard a collective is still writing (the last step of a CmdCollective, in flight on a group's lane) is a
+`Pending`: `get` waits for it (its first use), bounded, then returns the tensor or its Poison; `peek` sees
+nothing there yet.
+
 Memory caps: the store keeps each session's cap on this worker (the latest Execute's `memory_cap`, set for
 packed leases only) and counts the bytes a session's shards hold here, a storage shared by views once (as
 `stats` does), so the executor can fail commands, and the Put handler refuse uploads, that would take a
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +38,16 @@ class Poison:
     """Stands in for a shard whose producing op failed; carries the original report."""
 
     report: ErrorReport
+
+
+@dataclass(eq=False)
+class Pending:
+    """A shard a collective still writes; `done` is set once the entry holds the tensor or its Poison."""
+
+    nbytes: int  # what it will hold (memory caps count it from the start)
+    deadline: float  # monotonic time after which readers stop waiting (the op is bounded well before)
+    what: str  # the op, for messages
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 Shard = torch.Tensor | Poison
@@ -80,8 +94,10 @@ def cap_message(held: int, cap: int) -> str:
     return f"memory cap exceeded: session holds {a} on this worker, over its cap of {b} per device"
 
 
-def _storage(value: Shard) -> Storage | None:
+def _storage(value: Shard | Pending) -> Storage | None:
     """(identity, byte size) of a shard's storage, or None for a poisoned one; views of one storage share it."""
+    if isinstance(value, Pending):
+        return ("pending", id(value)), value.nbytes
     if not isinstance(value, torch.Tensor):
         return None
     storage = value.untyped_storage()
@@ -124,13 +140,30 @@ class TensorStore:
             self._cond.notify_all()
 
     def peek(self, key: Key) -> Shard | None:
-        """The shard now, or None; never waits."""
+        """The shard now, or None (also while a collective still writes it); never waits."""
         with self._cond:
-            return self._data.get(key)
+            value = self._data.get(key)
+            return None if isinstance(value, Pending) else value
+
+    def resolve(self, key: Key, pending: Pending, value: Shard) -> None:
+        """A collective finished `key`: store its tensor or Poison, unless the entry was deleted or replaced."""
+        with self._cond:
+            if self._data.get(key) is pending:
+                self._set(key, value)
+                self._cond.notify_all()
 
     def get(self, key: Key, timeout: float = 0.0) -> Shard:
-        """The shard, waiting up to `timeout` seconds for it to appear; raises ShardMissing."""
+        """The shard, waiting up to `timeout` seconds for it to appear, and for a collective still writing it
+        (bounded by the op's own deadline); raises ShardMissing."""
         deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            value = self._get(key, deadline, timeout)
+            if not isinstance(value, Pending):
+                return value
+            if not value.done.wait(max(value.deadline - time.monotonic(), 0.0)):
+                raise ShardMissing(f"{describe(key)} is still being written by {value.what} past its deadline")
+
+    def _get(self, key: Key, deadline: float, timeout: float) -> Shard | Pending:
         with self._cond:
             gen = self._gen.get(key[0], 0)
             while True:

@@ -3,7 +3,9 @@
 Payloads travel as raw little-endian bytes in wire.CHUNK_BYTES pieces, so a
 tensor of any size stays far below gRPC's message limit. Both ends avoid
 whole-payload copies where they can: the sender slices a byte view of the
-(contiguous) tensor, the receiver fills one preallocated buffer.
+(contiguous) host tensor, the receiver fills one preallocated host buffer. Host
+copies of device tensors go through the device backend (`device.py`): pinned
+buffers and one DMA on CUDA, no numpy anywhere.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch
 
 from dtorch_protocol import wire
 from dtorch_protocol.messages import Chunk, ErrorKind, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
-from dtorch_protocol.values import dtype_from_name, dtype_name, tensor_from_bytes
+from dtorch_protocol.values import dtype_from_name, dtype_name
 from dtorch_worker import shards
+from dtorch_worker.device import CPU, DeviceBackend, host_bytes, typed
 from dtorch_worker.store import Poison
 
 
@@ -45,29 +48,15 @@ def take_box(t: torch.Tensor, offset: Sequence[int] | None, size: Sequence[int] 
     return t
 
 
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A flat byte view of a CPU copy of `t` (no copy when it is already contiguous on the CPU)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    flat = t.reshape(-1)
-    if flat.stride(0) != 1:  # contiguous() keeps any stride on size-1 dims (an expand or a row of a shard)
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+def byte_view(t: torch.Tensor, backend: DeviceBackend = CPU) -> memoryview:
+    """A flat byte view of a host copy of `t` (no copy when it is already a contiguous host tensor)."""
+    return host_bytes(backend.to_host(t))
 
 
-def tensor_chunks(t: torch.Tensor, chunk_bytes: int = wire.CHUNK_BYTES) -> Iterator[Chunk]:
+def tensor_chunks(t: torch.Tensor, chunk_bytes: int = wire.CHUNK_BYTES, backend: DeviceBackend = CPU,
+                  ) -> Iterator[Chunk]:
     """A tensor as a Chunk stream: dtype and shape on the first chunk, then raw bytes."""
-    view = byte_view(t)
+    view = byte_view(t, backend)
     dtype, shape = dtype_name(t.dtype), list(t.shape)
     for i, piece in enumerate(wire.chunks(view, chunk_bytes)):
         if i == 0:
@@ -98,12 +87,14 @@ def _nbytes(dtype: str, shape: Sequence[int]) -> int:
 
 
 class _Assembler:
-    """Collects payload pieces into one preallocated buffer and checks the total size."""
+    """Collects payload pieces into one preallocated host buffer (pinned for a GPU) and checks the total size."""
 
-    def __init__(self, dtype: str, shape: Sequence[int], what: str) -> None:
+    def __init__(self, dtype: str, shape: Sequence[int], what: str, backend: DeviceBackend = CPU) -> None:
         self.dtype, self.shape, self.what = dtype, list(shape), what
         self.size = _nbytes(dtype, shape)
-        self.buf = bytearray(self.size)
+        self.backend = backend
+        self.host = backend.host_buffer(self.size)
+        self.buf = host_bytes(self.host)
         self.pos = 0
 
     def add(self, data: bytes) -> None:
@@ -114,13 +105,15 @@ class _Assembler:
         self.pos = end
 
     def tensor(self) -> torch.Tensor:
+        """The payload as a tensor on the backend's device (one host-to-device copy for a GPU)."""
         if self.pos != self.size:
             raise ValueError(f"{self.what}: got {self.pos} of {self.size} bytes")
-        return tensor_from_bytes(self.buf, self.dtype, self.shape)
+        return self.backend.to_device(typed(self.host, dtype_from_name(self.dtype), self.shape))
 
 
-def receive_chunks(stream: Iterable[Chunk], what: str) -> torch.Tensor:
-    """Rebuild a tensor from a Pull reply; raises PoisonedInput or RuntimeError when the peer reports an error."""
+def receive_chunks(stream: Iterable[Chunk], what: str, backend: DeviceBackend = CPU) -> torch.Tensor:
+    """Rebuild a tensor (on the backend's device) from a Pull reply; raises PoisonedInput or RuntimeError when
+    the peer reports an error."""
     asm: _Assembler | None = None
     for chunk in stream:
         if chunk.report is not None:
@@ -128,22 +121,24 @@ def receive_chunks(stream: Iterable[Chunk], what: str) -> torch.Tensor:
         if chunk.error:
             raise RuntimeError(chunk.error)
         if asm is None:
-            asm = _Assembler(chunk.dtype, chunk.shape, what)
+            asm = _Assembler(chunk.dtype, chunk.shape, what, backend)
         asm.add(chunk.data)
     if asm is None:
         raise RuntimeError(f"{what}: the peer sent no data")
     return asm.tensor()
 
 
-def receive_put(stream: Iterable[PutChunk]) -> tuple[tuple[str, int, int], torch.Tensor]:
-    """Assemble a Put upload; every chunk names the same shard, the first fixes dtype and shape."""
+def receive_put(stream: Iterable[PutChunk], backend: DeviceBackend = CPU,
+                ) -> tuple[tuple[str, int, int], torch.Tensor]:
+    """Assemble a Put upload on the backend's device; every chunk names the same shard, the first fixes dtype
+    and shape."""
     asm: _Assembler | None = None
     key: tuple[str, int, int] | None = None
     for chunk in stream:
         k = (chunk.session, chunk.tid, chunk.device)
         if asm is None:
             key = k
-            asm = _Assembler(chunk.dtype, chunk.shape, f"Put of tensor {chunk.tid} on device {chunk.device}")
+            asm = _Assembler(chunk.dtype, chunk.shape, f"Put of tensor {chunk.tid} on device {chunk.device}", backend)
         elif k != key:
             raise ValueError(f"Put stream mixes shards {key[1:] if key else None} and {k[1:]}")
         asm.add(chunk.data)
@@ -159,8 +154,9 @@ class PeerPool:
     the controller declared lost are fenced: calls to them fail at once, calls in flight end.
     """
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, backend: DeviceBackend = CPU) -> None:
         self.token = token
+        self.backend = backend
         self._stubs: dict[str, wire.Stub] = {}
         self._lock = threading.Lock()
         self._fenced: set[str] = set()
@@ -216,15 +212,16 @@ class PeerPool:
         what = f"pull of tensor {request.tid} on device {request.device} from {address}"
         call, stream = self.stub(address).open_stream("Pull", request, timeout=request.timeout_s + transfer_timeout_s)
         with self._tracked(request.session, call):
-            return receive_chunks(stream, what)
+            return receive_chunks(stream, what, self.backend)
 
-    def pull_shards(self, address: str, request: ShardsRequest, session: str, device: torch.device,
+    def pull_shards(self, address: str, request: ShardsRequest, session: str,
                     transfer_timeout_s: float = 600.0) -> list[tuple[int, int, Any]]:
-        """Whole shards (aliasing kept) from a peer's store; `session` is the one to cancel them with."""
+        """Whole shards (aliasing kept) from a peer's store, on this worker's device; `session` is the one to
+        cancel them with."""
         call, stream = self.stub(address).open_stream("PullShards", request,
                                                       timeout=request.timeout_s + transfer_timeout_s)
         with self._tracked(session, call):
-            return shards.receive(stream, device)[1]
+            return shards.receive(stream, self.backend)[1]
 
     def put_shards(self, address: str, stream: Iterable[ShardsChunk], session: str,
                    timeout_s: float = 600.0) -> None:

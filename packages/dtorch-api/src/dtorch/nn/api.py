@@ -3,7 +3,9 @@
 * `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names);
   every parameter and buffer not named by the plan is replicated, so the whole model runs on the mesh.
 * data parallelism: no plan (all replicated) and inputs `Shard(0)` on the `dp` mesh dim; gradients come
-  out `Partial` over `dp` and the optimizer's first use of them all-reduces.
+  out `Partial` over `dp` and are reduced as soon as autograd has accumulated each one (a post-accumulate-grad
+  hook on every parameter placed here issues the redistribution to the parameter's placements), so the
+  all-reduce of one layer's gradient runs on the workers while the rest of the backward pass computes.
 * `fully_shard(module, mesh)`: FSDP/ZeRO-style, parameters stored `Shard(0)` over a mesh dim and gathered
   on use; the gather's backward reduce-scatters the gradient.
 * `place_on_mesh(module, {submodule: mesh})`: pipeline stages on sub-meshes; activations move between
@@ -49,7 +51,19 @@ def _with(placements: tuple[Placement, ...], dim: int, p: Placement, ndim: int) 
 
 
 def _set_param(module: nn.Module, name: str, value: torch.Tensor, requires_grad: bool) -> None:
-    module.register_parameter(name, nn.Parameter(value, requires_grad=requires_grad))
+    param = nn.Parameter(value, requires_grad=requires_grad)
+    if requires_grad and isinstance(value, DTensor):
+        param.register_post_accumulate_grad_hook(_reduce_early)
+    module.register_parameter(name, param)
+
+
+def _reduce_early(param: torch.Tensor) -> None:
+    """A gradient autograd just accumulated that is still Partial is reduced now, to the parameter's placements
+    (what the optimizer's first use would do later): issued here, the collective overlaps the rest of backward."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.device_mesh == param.device_mesh \
+            and any(p.is_partial() for p in grad.placements) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
 
 
 def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:

@@ -160,6 +160,7 @@ class ControllerCore:
             return self._refuse(out, e.request_id, f"bad memory_cap {msg.memory_cap}: expected bytes >= 0")
         self.sessions[sid] = Session(id=sid, name=msg.name, priority=msg.priority, kind=msg.kind, opened_at=now,
                                      last_heard=now)
+        self.sessions[sid].comm.timeout_s = self.config.collective_timeout_s
         self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap)
         self.log.add(now, f"session {_short(sid)} opened ({msg.name or 'unnamed'}, {msg.priority}, {msg.kind})")
         timeout = self.config.session_timeout_s
@@ -329,7 +330,8 @@ class ControllerCore:
         self._registrations += 1
         self.workers[worker_id] = Worker(
             id=worker_id, address=msg.address, device_type=msg.device_type, memory_bytes=msg.memory_bytes,
-            labels=dict(msg.labels), order=self._registrations, last_seen=now)
+            labels=dict(msg.labels), order=self._registrations, last_seen=now, rendezvous=msg.rendezvous,
+            device_id=msg.device_id)
         self._by_address[msg.address] = worker_id
         self.log.add(now, f"worker {worker_id} registered at {msg.address} ({msg.device_type})")
         out.append(fx.SetTimer(now + self.config.suspect_after_s, ("heartbeat", worker_id)))
@@ -351,6 +353,7 @@ class ControllerCore:
             self._apply(now, self.sched.worker_changed(now, w), out)
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = dict(msg.sessions)
+        w.received_bytes = msg.received_bytes
         for session_id, errors in msg.errors.items():
             s = self.sessions.get(session_id)
             if s is not None:
@@ -512,7 +515,7 @@ class ControllerCore:
         workers = [m.WorkerStatus(worker=w.id, address=w.address, state=w.state, device_type=w.device_type,
                                   memory_bytes=w.memory_bytes, labels=dict(w.labels), tensors=w.tensors,
                                   bytes=w.bytes, devices=bound.get(w.id, []),
-                                  node=pool[w.id].node if w.id in pool else "",
+                                  node=pool[w.id].node if w.id in pool else "", received_bytes=w.received_bytes,
                                   leases=dict(pool[w.id].leases) if w.id in pool else {})
                    for w in sorted(self.workers.values(), key=lambda w: w.order)]
         workers = self.faults.worker_status(workers)
