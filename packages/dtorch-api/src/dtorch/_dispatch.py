@@ -352,6 +352,9 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if func is _SET_SOURCE and args[0] is args[1]:
         return args[0]  # x.set_(x), as torch.nn.utils.parametrize does: nothing to move
+    decompose = _rules.DECOMPOSITIONS.get(func)
+    if decompose is not None and (out := decompose(args, kwargs)) is not NotImplemented:
+        return out  # e.g. expert-parallel grouped matmuls: several ops, some with per-device layouts
     leaves: list = []
     try:
         key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)

@@ -1,4 +1,5 @@
-"""Sharding rules DTorch writes itself, where torch has none: CPU flash attention (forward and backward).
+"""Sharding rules DTorch writes itself, where torch has none: CPU flash attention (forward and backward) here;
+grouped matmuls and expert parallelism in `_experts`, the layout it produces in `_disjoint`.
 
 Per mesh dim, the query's placement picks the layout of the whole op:
   Shard(0) batch / Shard(1) heads   every input and output sharded the same way (heads need q and kv
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dtorch import _experts
 from dtorch._sharding import NoRule, Propagation, meta_specs
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
@@ -124,4 +126,8 @@ def flash_attention_cpu_backward(func: Any, args: tuple, kwargs: dict, mesh: Dev
 RULES = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: flash_attention_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: flash_attention_cpu_backward,
+    **_experts.RULES,  # grouped matmuls of MoE experts
 }
+# Ops `_dispatch` hands to a function of the DTensors instead of planning them as one op (it may return
+# NotImplemented to decline): grouped matmuls with expert-sharded operands (expert parallelism, `_experts`).
+DECOMPOSITIONS = dict(_experts.DECOMPOSITIONS)

@@ -109,8 +109,11 @@ def _apply_suggestion(func: Any, args: tuple, kwargs: dict, out: Any, mesh: Devi
 
 def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     """Sharding propagation for `func` on args whose DTensors are replaced by their Specs."""
+    from dtorch import _disjoint
     from dtorch._rules import RULES  # our own rules where torch has none
 
+    if _disjoint.has_disjoint(args, kwargs):  # expert-parallel intermediates (see _disjoint)
+        return _disjoint.propagate(func, args, kwargs, mesh, propagate)
     rule = RULES.get(func)
     if rule is not None:
         return rule(func, args, kwargs, mesh)

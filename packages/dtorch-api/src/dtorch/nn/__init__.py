@@ -12,6 +12,7 @@ from dtorch.nn.api import (
 from dtorch.nn.plans import llama_tp_plan
 from dtorch.nn.style import (
     ColwiseParallel,
+    ExpertParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
@@ -21,4 +22,4 @@ from dtorch.nn.style import (
 
 __all__ = ["parallelize_module", "replicate_module", "fully_shard", "place_on_mesh", "microbatch_forward",
            "copy_weights", "to_layout", "llama_tp_plan", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
-           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]
+           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ExpertParallel"]

@@ -70,7 +70,8 @@ def to_layout(x: Any, mesh: DeviceMesh, dim: int, layout: Placement | None) -> A
     return x if target == x.placements else x.redistribute(placements=target)
 
 
-def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim: int) -> None:
+def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim: int, name: str = "") -> None:
+    style.prepare(module, name or type(module).__name__, mesh, dim)
     replicate = (Replicate(),) * mesh.ndim
     for name, p in list(module.named_parameters(recurse=False)):
         placement = style.param_placements(module, name)
@@ -139,7 +140,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
                 raise ValueError(f"parallelize_plan key {pattern!r} matches no submodule of "
                                  f"{type(module).__name__}")
             for name in matched:
-                _apply_style(module.get_submodule(name), style, device_mesh, dim)
+                _apply_style(module.get_submodule(name), style, device_mesh, dim, name)
     return replicate_module(module, device_mesh)
 
 
