@@ -53,7 +53,9 @@ class Spec:
     key: tuple = field(init=False, repr=False)  # hashable identity, part of every plan-cache key
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", (self.mesh.id, self.placements, self.shape, self.stride, self.dtype))
+        # the mesh's dim names too: a cached plan must not give outputs a same-device mesh under other names
+        object.__setattr__(self, "key", (self.mesh.id, self.mesh.mesh_dim_names, self.placements, self.shape,
+                                         self.stride, self.dtype))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Spec) and other.key == self.key
