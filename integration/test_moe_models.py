@@ -14,8 +14,8 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard, _dispatch
-from dtorch_protocol import messages as m
 from dtorch.nn import ExpertParallel, llama_tp_plan, moe_ep_plan, parallelize_module
+from dtorch_protocol import messages as m
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,7 +20,7 @@ Rules, by operands (S = rows, E = experts, n = devices on the expert mesh dim m,
      DisjointPartial on m
 The per-device bounds, indices and offsets come from the offsets tensor by ordinary DTensor ops on `[n, ...]`
 tensors sharded on m (`_Compaction`, once per offsets tensor); the three ops that use them on each device's own
-rows are emitted directly with their layouts (`_local`).
+rows are emitted directly with their layouts (`_local.emit`).
 
 The token exchange is therefore the rows gather itself: `hidden[perm // top_k]` with tokens sharded gathers them
 (one all-gather on m), and the combine is the first op that needs the DisjointPartial result's values (one
@@ -43,16 +43,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from dtorch._disjoint import DisjointPartial
+from dtorch._local import emit, on_dim, to
 from dtorch._sharding import NoRule, Propagation
-from dtorch._source import user_src
 from dtorch._spec import Spec, contiguous_stride
 from dtorch.device_mesh import DeviceMesh
-from dtorch_protocol import messages as m
 from dtorch_protocol.placement_types import Placement, Replicate, Shard
-from dtorch_protocol.values import encode_value
 
 aten = torch.ops.aten
 GROUPED_MM = aten._grouped_mm.default
@@ -101,35 +98,14 @@ def _routing(offs: Any) -> int:
 
 
 def _with(mesh: DeviceMesh, m: int, p: Placement) -> tuple[Placement, ...]:
-    return tuple(p if i == m else _R for i in range(mesh.ndim))
-
-
-def _local(op: Any, args: tuple, shape: tuple[int, ...], placements: tuple[Placement, ...],
-           dtype: torch.dtype) -> Any:
-    """Emit `op` on each device's own tensors; the caller declares the global layout of what they produce."""
-    from dtorch.dtensor import DTensor
-
-    ref = next(a for a in pytree.tree_leaves(args) if isinstance(a, DTensor))
-    session, mesh = ref._session, ref.device_mesh
-    spec = Spec(mesh, placements, shape, contiguous_stride(shape), dtype)
-    tid = session.new_tid()
-    wire = encode_value(list(args), lambda t: {"$t": t._tid} if isinstance(t, DTensor) else None)
-    session.emit(m.InstrCall(op=str(op), mesh=mesh.id, args=wire, kwargs={}, outs=[m.OutSpec(tid, spec.wire)],
-                             src=user_src(3)))
-    return DTensor(spec, tid, session)
-
-
-def _to(t: Any, placements: tuple[Placement, ...]) -> Any:
-    from dtorch.dtensor import redistribute_to
-
-    return t if t.placements == placements else redistribute_to(t, t.device_mesh, placements, user_src(3))
+    return on_dim(mesh.ndim, m, p)
 
 
 def _operand(t: Any, m: int, routing: int, owned: int) -> Any:
     """Rows the decomposition reads: Replicate, or DisjointPartial of this routing along the rows dim `owned`."""
     p = t.placements[m]
     keep = p if isinstance(p, DisjointPartial) and p.routing == routing and p.dim == owned else _R
-    return _to(t, _with(t.device_mesh, m, keep))
+    return to(t, _with(t.device_mesh, m, keep))
 
 
 @dataclass(frozen=True)
@@ -151,13 +127,13 @@ def _compaction(offs: Any, m: int, rows: int) -> _Compaction:
     if key in cache:
         return cache[key]
     routing = _routing(offs)
-    offs = _to(offs, (_R,) * mesh.ndim)
+    offs = to(offs, (_R,) * mesh.ndim)
     n, experts = mesh.shape[m], offs.shape[0]
     per = experts // n
     sharded = _with(mesh, m, Shard(0))
     bounds = torch.cat([offs.new_zeros(1), offs])  # [E+1]: expert e's rows are [bounds[e], bounds[e+1])
-    lo = _to(bounds[0:experts:per], sharded)
-    hi = _to(bounds[per:experts + 1:per], sharded)
+    lo = to(bounds[0:experts:per], sharded)
+    hi = to(bounds[per:experts + 1:per], sharded)
     pos = dtorch.arange(rows, device_mesh=mesh).unsqueeze(0)
     idx = (pos + lo.unsqueeze(1)).clamp(max=max(rows - 1, 0)).reshape(-1)
     valid = (pos < (hi - lo).unsqueeze(1)).reshape(-1, 1)
@@ -217,12 +193,12 @@ def _rows_at_experts(x: Any, w: Any, offs: Any, m: int, dtype: torch.dtype) -> A
     c = _compaction(offs, m, rows)
     x = _operand(x, m, c.routing, owned=0)
     sharded = _with(mesh, m, Shard(0))
-    gathered = _local(aten.index_select.default, (x, 0, c.idx), (n * rows, x.shape[1]), sharded, x.dtype)
-    local = _local(GROUPED_MM, (gathered, w, c.offs, None, dtype), (n * rows, out), sharded, dtype)
-    local = _local(aten.where.ScalarOther, (c.valid, local, 0.0), (n * rows, out), sharded, dtype)  # rows past the
+    gathered = emit(aten.index_select.default, (x, 0, c.idx), (n * rows, x.shape[1]), sharded, x.dtype)
+    local = emit(GROUPED_MM, (gathered, w, c.offs, None, dtype), (n * rows, out), sharded, dtype)
+    local = emit(aten.where.ScalarOther, (c.valid, local, 0.0), (n * rows, out), sharded, dtype)  # rows past the
     # device's count were never written
     zeros = offs.new_zeros((rows, out), dtype=dtype)
-    return _local(aten.index_add.default, (zeros, 0, c.idx, local), (rows, out),
+    return emit(aten.index_add.default, (zeros, 0, c.idx, local), (rows, out),
                   _with(mesh, m, DisjointPartial(routing=c.routing, dim=0)), dtype)
 
 
@@ -234,9 +210,9 @@ def _expert_gradient(a: Any, b: Any, offs: Any, m: int, dtype: torch.dtype) -> A
     b = _operand(b, m, c.routing, owned=0)
     sharded = _with(mesh, m, Shard(0))
     # gathered as [rows, K] and used transposed: the kernel wants 16-byte strides, which rows (any count) lack
-    at = _local(aten.index_select.default, (a.t(), 0, c.idx), (n * rows, a.shape[0]), sharded, a.dtype).t()
-    bc = _local(aten.index_select.default, (b, 0, c.idx), (n * rows, b.shape[1]), sharded, b.dtype)
-    return _local(GROUPED_MM, (at, bc, c.offs, None, dtype), (offs.shape[0], a.shape[0], b.shape[1]), sharded, dtype)
+    at = emit(aten.index_select.default, (a.t(), 0, c.idx), (n * rows, a.shape[0]), sharded, a.dtype).t()
+    bc = emit(aten.index_select.default, (b, 0, c.idx), (n * rows, b.shape[1]), sharded, b.dtype)
+    return emit(GROUPED_MM, (at, bc, c.offs, None, dtype), (offs.shape[0], a.shape[0], b.shape[1]), sharded, dtype)
 
 
 # ------------------------------------------------------------------------------------------------ rule 1

@@ -21,5 +21,5 @@ from dtorch.nn.style import (
 )
 
 __all__ = ["parallelize_module", "replicate_module", "fully_shard", "place_on_mesh", "microbatch_forward",
-           "copy_weights", "to_layout", "llama_tp_plan", "moe_ep_plan", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
-           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ExpertParallel"]
+           "copy_weights", "to_layout", "llama_tp_plan", "moe_ep_plan", "ParallelStyle", "ColwiseParallel",
+           "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ExpertParallel"]

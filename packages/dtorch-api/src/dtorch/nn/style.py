@@ -154,9 +154,9 @@ class ExpertParallel(ParallelStyle):
                              f"cannot split evenly; use a mesh dim whose size divides {experts}")
         impl = getattr(getattr(module, "config", None), "_experts_implementation", "grouped_mm")
         if impl not in (None, "grouped_mm"):
-            raise ValueError(f"ExpertParallel: {name!r} runs transformers' {impl!r} experts, whose per-expert loop reads "
-                             "the routing on the client; build the model with experts_implementation='grouped_mm' "
-                             "(transformers' default)")
+            raise ValueError(f"ExpertParallel: {name!r} runs transformers' {impl!r} experts, whose per-expert loop "
+                             "reads the routing on the client; build the model with "
+                             "experts_implementation='grouped_mm' (transformers' default)")
         from dtorch._experts import new_routing_tag, routing_scope
 
         tag, scopes = new_routing_tag(), []
@@ -187,12 +187,13 @@ def _expert_count(module: Any, name: str) -> int:
     stacked = {p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3}
     count = getattr(module, "num_experts", None)
     if not stacked or (isinstance(count, int) and count not in stacked):
-        raise ValueError(f"ExpertParallel: {name!r} ({type(module).__name__}) has no stacked expert weights: expected "
-                         "parameters of shape [num_experts, out, in] such as transformers' MixtralExperts.gate_up_proj; "
-                         "apply it to the experts module, e.g. 'model.layers.*.mlp.experts'")
+        raise ValueError(f"ExpertParallel: {name!r} ({type(module).__name__}) has no stacked expert weights: "
+                         "expected parameters of shape [num_experts, out, in] such as transformers' "
+                         "MixtralExperts.gate_up_proj; apply it to the experts module, e.g. "
+                         "'model.layers.*.mlp.experts'")
     if isinstance(count, int):
         return count
     if len(stacked) != 1:
-        raise ValueError(f"ExpertParallel: {name!r} has 3-d parameters of leading sizes {sorted(stacked)}; expected one "
-                         "expert count")
+        raise ValueError(f"ExpertParallel: {name!r} has 3-d parameters of leading sizes {sorted(stacked)}; expected "
+                         "one expert count")
     return stacked.pop()

@@ -1,0 +1,51 @@
+"""Emitting an op on each device's own shards, for decompositions that know the layout of what it produces.
+
+A decomposition (`_rules.DECOMPOSITIONS`) runs several ops in place of one; the ops whose per-device work is not
+what torch's rules would derive from the inputs' layouts (each device gathering its own rows, say) are emitted
+here with the layout the decomposition declares. Arguments may differ per device (`per_device`: mesh position ->
+args, in the mesh's row-major order), as for ops planned with per-device args.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from dtorch._source import user_src
+from dtorch._spec import Spec, contiguous_stride
+from dtorch_protocol import messages as m
+from dtorch_protocol.placement_types import Placement, Replicate
+from dtorch_protocol.values import encode_value
+
+_R = Replicate()
+
+
+def on_dim(ndim: int, dim: int, p: Placement, others: tuple[Placement, ...] | None = None) -> tuple[Placement, ...]:
+    """Placements with `p` on mesh dim `dim` and `others` (default Replicate) elsewhere."""
+    base = others or (_R,) * ndim
+    return tuple(p if i == dim else q for i, q in enumerate(base))
+
+
+def emit(op: Any, args: tuple, shape: tuple[int, ...], placements: tuple[Placement, ...], dtype: torch.dtype,
+         per_device: list[tuple] | None = None) -> Any:
+    """Run `op` on every device's shards of the DTensors in `args`; the result has the declared global layout."""
+    from dtorch.dtensor import DTensor
+
+    ref = next(a for a in pytree.tree_leaves((args, per_device)) if isinstance(a, DTensor))
+    session, mesh = ref._session, ref.device_mesh
+    spec = Spec(mesh, placements, shape, contiguous_stride(shape), dtype)
+    encode = lambda v: encode_value(list(v), lambda t: {"$t": t._tid} if isinstance(t, DTensor) else None)  # noqa: E731
+    local = None if per_device is None else {dev: [encode(a), {}] for dev, a in zip(mesh.devices, per_device)}
+    tid = session.new_tid()
+    session.emit(m.InstrCall(op=str(op), mesh=mesh.id, args=encode(args), kwargs={}, outs=[m.OutSpec(tid, spec.wire)],
+                             local=local, src=user_src(3)))
+    return DTensor(spec, tid, session)
+
+
+def to(t: Any, placements: tuple[Placement, ...]) -> Any:
+    """`t` redistributed to `placements` on its mesh (no autograd: for use inside decompositions)."""
+    from dtorch.dtensor import redistribute_to
+
+    return t if t.placements == placements else redistribute_to(t, t.device_mesh, placements, user_src(3))
