@@ -42,9 +42,12 @@ _R = Replicate()
 
 @dataclass(frozen=True, repr=False)
 class DisjointPartial(Partial):
-    """Partial("sum") in which each index of tensor dim `dim` is nonzero on one device at most (client-side only)."""
+    """Partial("sum") in which each index of tensor dim `dim` is nonzero on one device at most (client-side only).
 
-    routing: int = 0
+    `routing` names the partition: an int for an expert routing (`_experts`), `("segments", ...)` for a joint
+    sequence (`_joint`)."""
+
+    routing: Any = 0
     dim: int = 0
 
     def __repr__(self) -> str:
@@ -276,6 +279,22 @@ def _view(func: Any, args: tuple, kwargs: dict) -> int | None:
     return next((k for k in range(len(size)) if math.prod(size[:k]) == before and size[k] == shape[own]), None)
 
 
+def _unbind(func: Any, args: tuple, kwargs: dict) -> int | None:
+    own, dim = _owner(args[0]), _norm(_dim_arg(args, kwargs, 1, "dim"), len(args[0].shape))
+    if own is None or dim == own:
+        return None
+    return own - 1 if dim < own else own
+
+
+def _stack(func: Any, args: tuple, kwargs: dict) -> int | None:
+    owns = {_owner(t) for t in args[0]}
+    if len(owns) != 1 or None in owns:
+        return None
+    own = owns.pop()
+    dim = _norm(_dim_arg(args, kwargs, 1, "dim"), len(args[0][0].shape) + 1)
+    return own + 1 if dim <= own else own
+
+
 def _cat(func: Any, args: tuple, kwargs: dict) -> int | None:
     tensors = [t for t in args[0] if len(t.shape) > 1 or t.shape[0] > 0]  # legacy empty 1-d tensors are skipped
     owns = {_owner(t) for t in tensors}
@@ -322,6 +341,8 @@ _OWNED: dict[Any, Callable] = {
     aten._unsafe_view.default: _view,
     aten.reshape.default: _view,
     aten.cat.default: _cat,
+    aten.stack.default: _stack,
+    aten.unbind.int: _unbind,
     aten.sum.dim_IntList: _reduce,
     aten.mean.dim: _reduce,
 }

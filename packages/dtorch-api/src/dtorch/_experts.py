@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from dtorch._disjoint import DisjointPartial
-from dtorch._local import emit, on_dim, to
+from dtorch._local import emit, on_dim, spec, to
 from dtorch._sharding import NoRule, Propagation
 from dtorch._spec import Spec, contiguous_stride
 from dtorch.device_mesh import DeviceMesh
@@ -193,13 +193,13 @@ def _rows_at_experts(x: Any, w: Any, offs: Any, m: int, dtype: torch.dtype) -> A
     c = _compaction(offs, m, rows)
     x = _operand(x, m, c.routing, owned=0)
     sharded = _with(mesh, m, Shard(0))
-    gathered = emit(aten.index_select.default, (x, 0, c.idx), (n * rows, x.shape[1]), sharded, x.dtype)
-    local = emit(GROUPED_MM, (gathered, w, c.offs, None, dtype), (n * rows, out), sharded, dtype)
-    local = emit(aten.where.ScalarOther, (c.valid, local, 0.0), (n * rows, out), sharded, dtype)  # rows past the
-    # device's count were never written
+    gathered = emit(aten.index_select.default, (x, 0, c.idx), spec(mesh, sharded, (n * rows, x.shape[1]), x.dtype))
+    local = emit(GROUPED_MM, (gathered, w, c.offs, None, dtype), spec(mesh, sharded, (n * rows, out), dtype))
+    # rows past the device's count were never written
+    local = emit(aten.where.ScalarOther, (c.valid, local, 0.0), spec(mesh, sharded, (n * rows, out), dtype))
     zeros = offs.new_zeros((rows, out), dtype=dtype)
-    return emit(aten.index_add.default, (zeros, 0, c.idx, local), (rows, out),
-                  _with(mesh, m, DisjointPartial(routing=c.routing, dim=0)), dtype)
+    disjoint = _with(mesh, m, DisjointPartial(routing=c.routing, dim=0))
+    return emit(aten.index_add.default, (zeros, 0, c.idx, local), spec(mesh, disjoint, (rows, out), dtype))
 
 
 def _expert_gradient(a: Any, b: Any, offs: Any, m: int, dtype: torch.dtype) -> Any:
@@ -210,9 +210,10 @@ def _expert_gradient(a: Any, b: Any, offs: Any, m: int, dtype: torch.dtype) -> A
     b = _operand(b, m, c.routing, owned=0)
     sharded = _with(mesh, m, Shard(0))
     # gathered as [rows, K] and used transposed: the kernel wants 16-byte strides, which rows (any count) lack
-    at = emit(aten.index_select.default, (a.t(), 0, c.idx), (n * rows, a.shape[0]), sharded, a.dtype).t()
-    bc = emit(aten.index_select.default, (b, 0, c.idx), (n * rows, b.shape[1]), sharded, b.dtype)
-    return emit(GROUPED_MM, (at, bc, c.offs, None, dtype), (offs.shape[0], a.shape[0], b.shape[1]), sharded, dtype)
+    at = emit(aten.index_select.default, (a.t(), 0, c.idx), spec(mesh, sharded, (n * rows, a.shape[0]), a.dtype)).t()
+    bc = emit(aten.index_select.default, (b, 0, c.idx), spec(mesh, sharded, (n * rows, b.shape[1]), b.dtype))
+    return emit(GROUPED_MM, (at, bc, c.offs, None, dtype),
+                spec(mesh, sharded, (offs.shape[0], a.shape[0], b.shape[1]), dtype))
 
 
 # ------------------------------------------------------------------------------------------------ rule 1

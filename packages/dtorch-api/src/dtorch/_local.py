@@ -28,20 +28,30 @@ def on_dim(ndim: int, dim: int, p: Placement, others: tuple[Placement, ...] | No
     return tuple(p if i == dim else q for i, q in enumerate(base))
 
 
-def emit(op: Any, args: tuple, shape: tuple[int, ...], placements: tuple[Placement, ...], dtype: torch.dtype,
-         per_device: list[tuple] | None = None) -> Any:
-    """Run `op` on every device's shards of the DTensors in `args`; the result has the declared global layout."""
+def spec(mesh: Any, placements: tuple[Placement, ...], shape: tuple[int, ...], dtype: torch.dtype) -> Spec:
+    return Spec(mesh, placements, tuple(shape), contiguous_stride(shape), dtype)
+
+
+def emit(op: Any, args: tuple, out: Spec | list[Spec | None], per_device: list[tuple] | None = None,
+         kwargs: dict | None = None) -> Any:
+    """Run `op` on every device's shards of the DTensors in `args` (or in `per_device[i]` on the i-th device of the
+    mesh); `out` declares the global layout of what it gives (a list for ops with several outputs, None to drop one).
+    """
     from dtorch.dtensor import DTensor
 
     ref = next(a for a in pytree.tree_leaves((args, per_device)) if isinstance(a, DTensor))
     session, mesh = ref._session, ref.device_mesh
-    spec = Spec(mesh, placements, shape, contiguous_stride(shape), dtype)
-    encode = lambda v: encode_value(list(v), lambda t: {"$t": t._tid} if isinstance(t, DTensor) else None)  # noqa: E731
-    local = None if per_device is None else {dev: [encode(a), {}] for dev, a in zip(mesh.devices, per_device)}
-    tid = session.new_tid()
-    session.emit(m.InstrCall(op=str(op), mesh=mesh.id, args=encode(args), kwargs={}, outs=[m.OutSpec(tid, spec.wire)],
+    ref_of = lambda t: {"$t": t._tid} if isinstance(t, DTensor) else None  # noqa: E731
+    encode = lambda v: encode_value(v, ref_of)  # noqa: E731
+    kw = {k: encode(v) for k, v in (kwargs or {}).items()}
+    local = None if per_device is None else {dev: [encode(list(a)), kw] for dev, a in zip(mesh.devices, per_device)}
+    specs = out if isinstance(out, list) else [out]
+    tids = [None if s is None else session.new_tid() for s in specs]
+    session.emit(m.InstrCall(op=str(op), mesh=mesh.id, args=encode(list(args)), kwargs=kw,
+                             outs=[None if s is None else m.OutSpec(t, s.wire) for t, s in zip(tids, specs)],
                              local=local, src=user_src(3)))
-    return DTensor(spec, tid, session)
+    results = [None if s is None else DTensor(s, t, session) for t, s in zip(tids, specs)]
+    return results if isinstance(out, list) else results[0]
 
 
 def to(t: Any, placements: tuple[Placement, ...]) -> Any:

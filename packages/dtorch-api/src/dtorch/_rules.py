@@ -1,5 +1,6 @@
 """Sharding rules DTorch writes itself, where torch has none: CPU flash attention (forward and backward) here;
-grouped matmuls and expert parallelism in `_experts`, the layout it produces in `_disjoint`.
+grouped matmuls and expert parallelism in `_experts`, sequence-parallel joint attention in `_joint`, and the
+layout both produce in `_disjoint`.
 
 Per mesh dim, the query's placement picks the layout of the whole op:
   Shard(0) batch / Shard(1) heads   every input and output sharded the same way (heads need q and kv
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dtorch import _experts
+from dtorch import _experts, _joint
 from dtorch._sharding import NoRule, Propagation, meta_specs
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
@@ -129,5 +130,6 @@ RULES = {
     **_experts.RULES,  # grouped matmuls of MoE experts
 }
 # Ops `_dispatch` hands to a function of the DTensors instead of planning them as one op (it may return
-# NotImplemented to decline): grouped matmuls with expert-sharded operands (expert parallelism, `_experts`).
-DECOMPOSITIONS = dict(_experts.DECOMPOSITIONS)
+# NotImplemented to decline): grouped matmuls with expert-sharded operands (expert parallelism, `_experts`), and
+# the concatenation, attention and split of sequence-parallel joint sequences (`_joint`).
+DECOMPOSITIONS = {**_experts.DECOMPOSITIONS, **_joint.DECOMPOSITIONS}

@@ -32,7 +32,19 @@ class NoRule(Exception):
     """torch has no usable sharding rule for this op and these placements."""
 
 
+@dataclass(frozen=True, repr=False)
+class NestedShard(Shard):
+    """torch's `_StridedShard(dim, split_factor=1)`: the plain nested chunking of a flattened dim, e.g. `[B, S] ->
+    [B*S]` with the batch split B ways on one mesh dim and the sequence on the next. The same boxes as Shard(dim)
+    (on the wire it is one); kept apart so that torch's view rule can unflatten it back to Shard(1)."""
+
+    def __repr__(self) -> str:
+        return f"NestedShard(dim={self.dim})"
+
+
 def _to_torch(p: Placement) -> Any:
+    if isinstance(p, NestedShard):
+        return tp._StridedShard(p.dim, split_factor=1)
     if isinstance(p, Shard):
         return tp.Shard(p.dim)
     if isinstance(p, Partial):
@@ -48,6 +60,8 @@ def _from_torch(p: Any) -> Placement:
         return Replicate()
     if kind is tp.Partial and p.reduce_op in ("sum", "avg", "max", "min"):
         return Partial(p.reduce_op)
+    if kind is tp._StridedShard and p.split_factor == 1:
+        return NestedShard(p.dim)
     raise NoRule(f"torch chose the private placement {p}")
 
 
