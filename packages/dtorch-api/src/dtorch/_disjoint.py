@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from dtorch._registry import NoRule
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.placement_types import Partial, Placement, Replicate
@@ -124,8 +125,6 @@ def _keep(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, torch_rule: Ca
     routing = disjoint[0].placements[m].routing
     # torch's rule with the DisjointPartial dim seen as Replicate: every device runs the op on what it holds
     swap = lambda v: v.with_placements(tuple(_R if i == m else p for i, p in enumerate(v.placements)))  # noqa: E731
-    from dtorch._sharding import NoRule
-
     try:
         prop = torch_rule(func, *_map_specs((args, kwargs), swap), mesh)
     except NoRule:

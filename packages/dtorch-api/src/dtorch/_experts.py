@@ -5,7 +5,8 @@ gathers the tokens' rows in that order (`hidden[perm // top_k]`), runs `_grouped
 twice with the activation between, weights the rows, puts them back in slot order (`rows[inv_perm]`) and sums
 each token's choices. Every shape is static (no `nonzero`), so none of it needs a sync point.
 
-Rules, by operands (S = rows, E = experts, n = devices on the expert mesh dim m, G = E / n per device):
+Rules, by operands (S = rows, E = experts, n = devices on the expert mesh dim m, G = E / n per device; rule 1 is
+registered in `_registry` as a sharding rule, rules 2 and 3 as a decomposition):
   1. no expert-sharded operand          the op runs replicated; DTorch gives the output shape itself (the meta
                                         kernel takes only bfloat16, which would send it to the client's local route)
   2. rows @ experts, experts Shard(0)   decomposed: device d owns experts [dG, dG+G), i.e. the sorted rows
@@ -45,8 +46,8 @@ from typing import Any
 import torch
 
 from dtorch._disjoint import DisjointPartial
-from dtorch._local import emit, on_dim, spec, to
-from dtorch._sharding import NoRule, Propagation
+from dtorch._local import emit, is_dtensor, on_dim, spec, to
+from dtorch._registry import NoRule, Propagation, register, register_decomposition
 from dtorch._spec import Spec, contiguous_stride
 from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.placement_types import Placement, Replicate, Shard
@@ -119,8 +120,6 @@ class _Compaction:
 
 
 def _compaction(offs: Any, m: int, rows: int) -> _Compaction:
-    import dtorch
-
     mesh = offs.device_mesh
     cache = offs.__dict__.setdefault("_dtorch_compactions", {})
     key = (mesh.id, m, rows)
@@ -134,7 +133,7 @@ def _compaction(offs: Any, m: int, rows: int) -> _Compaction:
     bounds = torch.cat([offs.new_zeros(1), offs])  # [E+1]: expert e's rows are [bounds[e], bounds[e+1])
     lo = to(bounds[0:experts:per], sharded)
     hi = to(bounds[per:experts + 1:per], sharded)
-    pos = dtorch.arange(rows, device_mesh=mesh).unsqueeze(0)
+    pos = (offs.new_ones(rows, dtype=torch.long).cumsum(0) - 1).unsqueeze(0)  # arange(rows), replicated
     idx = (pos + lo.unsqueeze(1)).clamp(max=max(rows - 1, 0)).reshape(-1)
     valid = (pos < (hi - lo).unsqueeze(1)).reshape(-1, 1)
     local_offs = (offs.view(n, per) - lo.unsqueeze(1)).reshape(-1).to(offs.dtype)
@@ -165,12 +164,11 @@ def _disjoint_dim(*ts: Any) -> int | None:
 # ------------------------------------------------------------------------------------------------ rule 2 and 3
 
 
+@register_decomposition(GROUPED_MM)
 def decompose(args: tuple, kwargs: dict) -> Any:
     """`_grouped_mm` with expert-sharded operands (rules 2 and 3), or NotImplemented for the ordinary route."""
-    from dtorch.dtensor import DTensor
-
     x, w, offs, bias, out_dtype = _unpack(args, kwargs)
-    if not (isinstance(x, DTensor) and isinstance(w, DTensor) and isinstance(offs, DTensor)) or bias is not None \
+    if not (is_dtensor(x) and is_dtensor(w) and is_dtensor(offs)) or bias is not None \
             or x.device_mesh != w.device_mesh or offs.device_mesh != w.device_mesh or offs.ndim != 1:
         return NotImplemented
     dtype = out_dtype or x.dtype
@@ -232,6 +230,7 @@ def _out_shape(x: Spec, w: Spec, offs: Any) -> tuple[int, ...]:
     raise NoRule(f"_grouped_mm of {len(a)}-d and {len(b)}-d operands")
 
 
+@register(GROUPED_MM)
 def grouped_mm_replicated(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     """Rule 1: every operand replicated, the output replicated, its shape computed here."""
     x, w, offs, _bias, out_dtype = _unpack(args, kwargs)
@@ -241,6 +240,3 @@ def grouped_mm_replicated(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh
     out = Spec(mesh, replicate, shape, contiguous_stride(shape), out_dtype or x.dtype)
     return Propagation(func, tuple(rep(a) for a in args), {k: rep(v) for k, v in kwargs.items()}, None, out)
 
-
-RULES = {GROUPED_MM: grouped_mm_replicated}
-DECOMPOSITIONS = {GROUPED_MM: decompose}

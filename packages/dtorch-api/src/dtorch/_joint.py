@@ -11,7 +11,7 @@ Layout: the concatenation is a `DisjointPartial` (see `_disjoint`) whose routing
 position and zeros elsewhere: its own shard of a sharded segment, the d-th chunk of a replicated one (the text
 queries are split too). The partition depends only on the lengths, so tensors of equal routing agree exactly.
 
-Rules (decompositions, `_rules.DECOMPOSITIONS`), on one mesh dim m:
+Rules (decompositions registered in `_registry`), on one mesh dim m:
   cat         Shard(dim) and Replicate inputs on m (at least one of each, nothing else sharding dim): each input
               goes to Shard(dim) (a replicated one is sliced locally), each device pads its chunks into place
               (constant_pad_nd) and adds them: the layout above, no communication
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from dtorch._disjoint import DisjointPartial
-from dtorch._local import emit, on_dim, spec, to
+from dtorch._local import emit, is_dtensor, on_dim, spec, to
+from dtorch._registry import register_decomposition
 from dtorch_protocol.layout import chunk_range, coords
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
@@ -67,14 +68,13 @@ def _chunks(segments: tuple[tuple[int, str], ...], n: int, c: int) -> list[tuple
 
 
 def _dtensors(ts: Any) -> bool:
-    from dtorch.dtensor import DTensor
-
-    return all(isinstance(t, DTensor) for t in ts)
+    return all(is_dtensor(t) for t in ts)
 
 
 # ------------------------------------------------------------------------------------------------ cat
 
 
+@register_decomposition(aten.cat.default)
 def cat(args: tuple, kwargs: dict) -> Any:
     tensors = list(args[0])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
@@ -127,6 +127,7 @@ def _mesh_dim(tensors: list, dim: int) -> int | None:
 # ------------------------------------------------------------------------------------------------ attention
 
 
+@register_decomposition(FLASH_CPU)
 def attention(args: tuple, kwargs: dict) -> Any:
     q, k, v = args[:3]
     dropout = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
@@ -177,6 +178,7 @@ def _rows(segments: tuple[tuple[int, str], ...], n: int, c: int) -> list[int]:
 # ------------------------------------------------------------------------------------------------ slice, split
 
 
+@register_decomposition(aten.slice.Tensor)
 def slice_(args: tuple, kwargs: dict) -> Any:
     x = args[0]
     if not _dtensors((x,)):
@@ -196,6 +198,7 @@ def slice_(args: tuple, kwargs: dict) -> Any:
     return _leave(x, joint[0], joint[1], segment)
 
 
+@register_decomposition(aten.split_with_sizes.default, aten.split.Tensor)
 def split(args: tuple, kwargs: dict) -> Any:
     x = args[0]
     if not _dtensors((x,)):
@@ -243,11 +246,3 @@ def _leave(x: Any, m: int, segments: tuple[tuple[int, str], ...], s: int) -> Any
     out = emit(aten.slice_copy.Tensor, per_device[0], spec(mesh, sharded, shape, x.dtype), per_device=per_device)
     return to(out, on_dim(mesh.ndim, m, _R, x.placements)) if kind == "R" else out
 
-
-DECOMPOSITIONS = {
-    aten.cat.default: cat,
-    FLASH_CPU: attention,
-    aten.slice.Tensor: slice_,
-    aten.split_with_sizes.default: split,
-    aten.split.Tensor: split,
-}
