@@ -52,8 +52,9 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks print their figures; nothing here is a pass/fail timing."""
-    install(session)
+    install(session, "transformers", "diffusers")
     session.run("python", "benchmarks/bench_foundation.py", *session.posargs)
+    session.run("python", "benchmarks/bench_models.py")  # SD3 transformer step (TP, SP), MoE layer (EP) vs torch
     session.run("python", "benchmarks/bench_scheduler.py")  # 10,000 fake workers, 1,000 queued sessions
     session.run("python", "benchmarks/bench_recovery.py")  # SIGKILL detection and recovery, migration downtime
     session.run("python", "benchmarks/bench_recovery.py", "--core")  # the same core at 10,000 workers
