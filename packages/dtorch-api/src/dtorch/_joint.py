@@ -178,14 +178,18 @@ def _rows(segments: tuple[tuple[int, str], ...], n: int, c: int) -> list[int]:
 # ------------------------------------------------------------------------------------------------ slice, split
 
 
+def _joint_input(args: tuple) -> tuple[Any, tuple[int, tuple[tuple[int, str], ...]]] | None:
+    x = args[0]
+    joint = _joint_dim(x) if _dtensors((x,)) else None
+    return None if joint is None else (x, joint)
+
+
 @register_decomposition(aten.slice.Tensor)
 def slice_(args: tuple, kwargs: dict) -> Any:
-    x = args[0]
-    if not _dtensors((x,)):
+    found = _joint_input(args)
+    if found is None:
         return NotImplemented
-    joint = _joint_dim(x)
-    if joint is None:
-        return NotImplemented
+    x, joint = found
     dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.ndim
     start = args[2] if len(args) > 2 else kwargs.get("start")
     end = args[3] if len(args) > 3 else kwargs.get("end")
@@ -200,12 +204,10 @@ def slice_(args: tuple, kwargs: dict) -> Any:
 
 @register_decomposition(aten.split_with_sizes.default, aten.split.Tensor)
 def split(args: tuple, kwargs: dict) -> Any:
-    x = args[0]
-    if not _dtensors((x,)):
+    found = _joint_input(args)
+    if found is None:
         return NotImplemented
-    joint = _joint_dim(x)
-    if joint is None:
-        return NotImplemented
+    x, joint = found
     sizes = args[1] if len(args) > 1 else kwargs.get("split_sizes", kwargs.get("split_size"))
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
     length = x.shape[dim]

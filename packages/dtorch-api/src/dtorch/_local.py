@@ -2,8 +2,8 @@
 
 A decomposition (`_registry.register_decomposition`) runs several ops in place of one; the ops whose per-device
 work is not what torch's rules would derive from the inputs' layouts (each device gathering its own rows, say)
-are emitted here with the layout the decomposition declares. Arguments may differ per device (`per_device`: mesh position ->
-args, in the mesh's row-major order), as for ops planned with per-device args.
+are emitted here with the layout the decomposition declares. Arguments may differ per device (`per_device`: the
+args of each mesh position, in the mesh's row-major order), as for ops planned with per-device args.
 """
 
 from __future__ import annotations

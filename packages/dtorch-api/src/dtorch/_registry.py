@@ -56,18 +56,21 @@ Rule = Callable[[Any, tuple, dict, DeviceMesh], Propagation]
 _RULES: dict[Any, Rule] = {}
 
 
-def register(*ops: Any) -> Callable[[Rule], Rule]:
-    """Decorator: `rule` plans each of `ops` (OpOverloads). An op has at most one rule."""
-
-    def add(rule: Rule) -> Rule:
+def _adder(table: dict, kind: str, ops: tuple) -> Callable:
+    def add(fn: Callable) -> Callable:
         for op in ops:
-            known = _RULES.get(op)
-            if known is not None and known is not rule:
-                raise ValueError(f"{op} already has the rule {known.__module__}.{known.__qualname__}")
-            _RULES[op] = rule
-        return rule
+            known = table.get(op)
+            if known is not None and known is not fn:
+                raise ValueError(f"{op} already has the {kind} {known.__module__}.{known.__qualname__}")
+            table[op] = fn
+        return fn
 
     return add
+
+
+def register(*ops: Any) -> Callable[[Rule], Rule]:
+    """Decorator: `rule` plans each of `ops` (OpOverloads). An op has at most one rule."""
+    return _adder(_RULES, "rule", ops)
 
 
 def rule_for(op: Any) -> Rule | None:
@@ -86,17 +89,9 @@ _DECOMPOSITIONS: dict[Any, Decomposition] = {}
 
 def register_decomposition(*ops: Any) -> Callable[[Decomposition], Decomposition]:
     """Decorator: `fn` may carry out each of `ops` (OpOverloads). An op has at most one decomposition."""
-
-    def add(fn: Decomposition) -> Decomposition:
-        for op in ops:
-            known = _DECOMPOSITIONS.get(op)
-            if known is not None and known is not fn:
-                raise ValueError(f"{op} already has the decomposition {known.__module__}.{known.__qualname__}")
-            _DECOMPOSITIONS[op] = fn
-        return fn
-
-    return add
+    return _adder(_DECOMPOSITIONS, "decomposition", ops)
 
 
 def decomposition_for(op: Any) -> Decomposition | None:
+    """The registered decomposition of `op`, or None."""
     return _DECOMPOSITIONS.get(op)
