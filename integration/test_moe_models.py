@@ -163,7 +163,7 @@ def test_twenty_adamw_steps_of_dp_x_ep_match_torch_including_the_aux_loss(cluste
     ref = tiny("mixtral", num_hidden_layers=1, output_router_logits=True, router_aux_loss_coef=0.05).train()
     mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "ep"))
     model = parallelize_module(copy.deepcopy(ref), mesh, EP_PLAN, tp_mesh_dim="ep")
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (model, ref))
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 96, (4, 8), generator=gen) for _ in range(4)]
     expected, got = [], []

@@ -1,10 +1,11 @@
 """`DisjointPartial`: a Partial("sum") whose per-device terms never overlap, and the ops that keep it.
 
-Expert parallelism produces it (`dtorch._experts`): each device computes the rows routed to its own experts
-and holds zeros in every other row, so the tensor is the sum of the devices' terms (on the wire it is plain
-`Partial("sum")`: the controller, redistributions and fetches treat it so), and each row is nonzero on at
-most one device. Which device owns which index of tensor dim `dim` depends only on `routing` (one routing
-per MoE layer call) and the index, so two tensors with the same routing and owned-dim size agree.
+Two decompositions produce it. Expert parallelism (`_experts`): each device computes the rows routed to its own
+experts and holds zeros in every other row. Joint sequences (`_joint`): each device holds its chunk of each
+concatenated segment in place. The tensor is the sum of the devices' terms (on the wire it is plain
+`Partial("sum")`: the controller, redistributions and fetches treat it so), and each index of tensor dim `dim` is
+nonzero on one device at most. Which device owns which index depends only on `routing` (an expert routing, or a
+segment partition) and the index, so two tensors with the same routing and owned-dim size agree.
 
 Because of that, an elementwise f distributes over the devices' terms whenever f(0, ..., 0) == 0: silu,
 gelu, mul of two such tensors, mul by a replicated tensor, casts. torch's rules would gather a Partial
@@ -13,9 +14,10 @@ before any of them; the rules below keep the tensor where it is instead (table, 
   pointwise (torch.Tag.pointwise)  every DisjointPartial input has the same routing and (right-aligned) owned
                                    dim, unbroadcast; other inputs Replicate; f gives 0 where the
                                    DisjointPartial inputs are 0 (checked once per plan on small values)
-  view / copy ops                  the owned dim survives as a whole dim: split, slice, narrow, select on other
-                                   dims; transpose, t, permute, unsqueeze, squeeze, expand, view that keeps it
-  cat                              along another dim, every input with the same routing and owned dim
+  view / copy ops                  the owned dim survives as a whole dim: split, chunk, slice, narrow, select,
+                                   index_select, unbind on other dims; transpose, t, permute, unsqueeze,
+                                   squeeze, expand, view that keeps it; clone, detach, casts
+  cat, stack                       along another dim, every input with the same routing and owned dim
   sum, mean                        over other dims (over the owned dim the result is an ordinary Partial)
 
 Any other op sees an ordinary Partial("sum") (always correct): torch's own rule decides, e.g. a gather of
