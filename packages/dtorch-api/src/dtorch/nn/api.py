@@ -1,7 +1,8 @@
 """Parallelism as configuration: lay out an unmodified nn.Module's parameters and activations on a mesh.
 
-* `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names);
-  every parameter and buffer not named by the plan is replicated, so the whole model runs on the mesh.
+* `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names), expert
+  parallelism by `ExpertParallel`; every parameter and buffer not named by the plan is replicated, so the
+  whole model runs on the mesh. One plan per mesh dim: call it once per dim (`tp_mesh_dim`).
 * data parallelism: no plan (all replicated) and inputs `Shard(0)` on the `dp` mesh dim; gradients come
   out `Partial` over `dp` and the optimizer's first use of them all-reduces.
 * `fully_shard(module, mesh)`: FSDP/ZeRO-style, parameters stored `Shard(0)` over a mesh dim and gathered
