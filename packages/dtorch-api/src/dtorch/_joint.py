@@ -79,7 +79,8 @@ def cat(args: tuple, kwargs: dict) -> Any:
     tensors = list(args[0])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if len(tensors) < 2 or not _dtensors(tensors) or len({t.device_mesh for t in tensors}) != 1 or \
-            len({t.ndim for t in tensors}) != 1:
+            len({t.ndim for t in tensors}) != 1 or len({t.dtype for t in tensors}) != 1 or \
+            not tensors[0].dtype.is_floating_point:  # activations; a sum of boolean terms is no "or"
         return NotImplemented
     ndim, mesh = tensors[0].ndim, tensors[0].device_mesh
     dim %= max(ndim, 1)
