@@ -57,6 +57,17 @@ def denoise(model, inputs: dict, steps: int, fetch) -> tuple[float, float]:
     return issued / steps, total / steps
 
 
+def plain_rows(run, repeats: int) -> list[tuple[str, float, float]]:
+    """Plain torch with all of this process's threads, and with one (what each CPU worker uses)."""
+    threads, rows = torch.get_num_threads(), []
+    for n in (threads, 1):
+        torch.set_num_threads(n)
+        run()  # warm
+        rows.append((f"plain torch eager, {n} thread{'s' if n > 1 else ''}", *best([run() for _ in range(repeats)])))
+    torch.set_num_threads(threads)
+    return rows
+
+
 def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
     return min(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
@@ -64,8 +75,7 @@ def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
 def bench_sd3(steps: int, layers: int, repeats: int) -> list[tuple[str, float, float]]:
     ref = sd3(layers)
     inputs = step_inputs(torch.Generator().manual_seed(1))
-    denoise(ref, inputs, 1, lambda t: t)  # warm
-    rows = [("plain torch eager", *best([denoise(ref, inputs, steps, lambda t: t) for _ in range(repeats)]))]
+    rows = plain_rows(lambda: denoise(ref, inputs, steps, lambda t: t), repeats)
     tp = dtorch.DeviceMesh("cpu", [0, 1], mesh_dim_names=("tp",))
     cfg_sp = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("cfg", "sp"))
     for name, mesh, plans in (("DTorch TP=2", tp, [(sd3_tp_plan(), "tp")]),
@@ -93,8 +103,7 @@ def bench_moe(tokens: int, repeats: int, iters: int) -> list[tuple[str, float, f
 
     cfg._experts_implementation = "grouped_mm"
     x = torch.randn(1, tokens, 512, generator=torch.Generator().manual_seed(2))
-    denoise_moe(ref, x, 1, lambda t: t)  # warm
-    rows = [("plain torch eager", *best([denoise_moe(ref, x, iters, lambda t: t) for _ in range(repeats)]))]
+    rows = plain_rows(lambda: denoise_moe(ref, x, iters, lambda t: t), repeats)
     mesh = dtorch.DeviceMesh("cpu", [0, 1], mesh_dim_names=("ep",))
     block = parallelize_module(copy.deepcopy(ref), mesh, {"experts": ExpertParallel()}, tp_mesh_dim="ep")
     dx = dtorch.distribute_tensor(x, mesh, [Shard(1)])
@@ -118,7 +127,7 @@ def denoise_moe(block, x, iters: int, fetch) -> tuple[float, float]:
 
 def show(title: str, rows: list[tuple[str, float, float]]) -> None:
     print(title)
-    base = rows[0][2]
+    base = rows[0][2]  # plain torch with all threads
     for name, issued, total in rows:
         print(f"  {name:48s} user thread {issued * 1e3:8.1f} ms   end to end {total * 1e3:8.1f} ms "
               f"({total / base:5.2f}x plain torch)")
@@ -131,9 +140,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    os.environ.setdefault("DTORCH_HEARTBEAT_TIMEOUT", "10")  # a busy 2-core machine can starve a heartbeat
     dtorch.connect(workers=int(os.environ.get("DTORCH_LOCAL_WORKERS", "2")))
     threads = torch.get_num_threads()
-    print(f"bench_models: torch {torch.__version__}, {os.cpu_count()} CPUs, {threads} torch threads in this process")
+    print(f"bench_models: torch {torch.__version__}, {os.cpu_count()} CPUs, {threads} torch threads in this process, "
+          "CPU workers 1 thread each")
     show(f"(a) SD3 transformer, one denoising step ({args.layers} blocks, 256 image + 64 text tokens, CFG batch 2)",
          bench_sd3(args.steps, args.layers, args.repeats))
     show(f"(b) one Mixtral MoE layer forward (8 experts, top-2, {args.tokens} tokens, hidden 512)",
