@@ -93,6 +93,7 @@ def test_routing_runs_on_the_workers_and_exchanges_tokens_once(cluster, mesh1):
     ref = tiny("mixtral").model.layers[0].mlp
     block = parallelize_module(copy.deepcopy(ref), mesh1, {"experts": ExpertParallel()})
     x = torch.randn(2, 5, 32)
+    before = {id(p) for p in _dispatch.planner.plans()}
     sent: list = []
     session = cluster
     emit = session.emit
@@ -108,8 +109,8 @@ def test_routing_runs_on_the_workers_and_exchanges_tokens_once(cluster, mesh1):
     token_moves = [i for i in moved if i.src_spec.shape == [10, 32]]
     assert [(i.src_spec.placements, i.dst_spec.placements) for i in token_moves] == [(["S0"], ["R"])]
     assert not any(i.src_spec.shape[0] == 4 and len(i.src_spec.shape) == 3 for i in moved)  # expert weights stay
-    plans = [p for p in _dispatch.planner.plans() if p.route in ("local", "sync")]
-    assert not [p.op_name for p in plans if "grouped_mm" in p.op_name or "nonzero" in p.op_name]
+    made = [p for p in _dispatch.planner.plans() if id(p) not in before]
+    assert not [p.op_name for p in made if p.route in ("local", "sync")]  # nothing ran on the client
     with torch.no_grad():
         torch.testing.assert_close(out.to_torch(), ref(x), **TOL)
 
