@@ -18,8 +18,8 @@ PACKAGES = [
     "packages/dtorch-sim",
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "numpy", "expecttest", "transformers", "import-linter",
-             "kubernetes-validate", "pyyaml"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "numpy", "expecttest", "transformers", "diffusers",
+             "import-linter", "kubernetes-validate", "pyyaml"]
 
 
 def install(session: nox.Session, *extra: str) -> None:
@@ -64,8 +64,9 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks print their figures; nothing here is a pass/fail timing."""
-    install(session)
+    install(session, "transformers", "diffusers")
     session.run("python", "benchmarks/bench_foundation.py", *session.posargs)
+    session.run("python", "benchmarks/bench_models.py")  # SD3 transformer step (TP, SP), MoE layer (EP) vs torch
     session.run("python", "benchmarks/bench_scheduler.py")  # 10,000 fake workers, 1,000 queued sessions
     session.run("python", "benchmarks/bench_recovery.py")  # SIGKILL detection and recovery, migration downtime
     session.run("python", "benchmarks/bench_recovery.py", "--core")  # the same core at 10,000 workers

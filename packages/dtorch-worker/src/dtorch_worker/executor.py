@@ -70,7 +70,7 @@ from dtorch_protocol.values import decode_value, dtype_from_name
 from dtorch_worker import collectives, shards
 from dtorch_worker.device import backend_for
 from dtorch_worker.groups import GroupError, Groups
-from dtorch_worker.ops import resolve_op
+from dtorch_worker.ops import prepare_args, resolve_op
 from dtorch_worker.store import Pending, Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
 
@@ -413,7 +413,7 @@ class Executor:
             def resolve(tid: int, device: int = device) -> torch.Tensor:
                 return self._input(session, tid, device)
 
-            a = decode_value(list(args), resolve, self.device)
+            a = prepare_args(cmd.op, decode_value(list(args), resolve, self.device))
             k = {key: decode_value(v, resolve, self.device) for key, v in (kwargs or {}).items()}
             self._wait_reads(cmd.op, [t for i, name in written_args(op) for t in _tensors(
                 a[i] if i < len(a) else k.get(name))])
