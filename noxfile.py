@@ -15,7 +15,7 @@ PACKAGES = [
     "packages/dtorch-sim",
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest", "transformers"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest", "transformers", "cryptography", "hypothesis"]
 
 
 def install(session: nox.Session, *extra: str) -> None:

@@ -34,7 +34,8 @@ def test_bad_message_names_the_field():
 
 
 def test_version_check_refuses_other_major_and_accepts_newer_minor():
-    with pytest.raises(wire.ProtocolError, match=rf"client speaks 2\.0 \(package 9\.9\.9\).*speaks {m.PROTOCOL_VERSION}"):
+    with pytest.raises(wire.ProtocolError,
+                       match=rf"client speaks 2\.0 \(package 9\.9\.9\).*speaks {m.PROTOCOL_VERSION}"):
         wire.check_hello(m.Hello("2.0", "9.9.9", "client"))
     wire.check_hello(m.Hello("1.9", "0.2.0", "worker"))
 

@@ -4,6 +4,10 @@ The user thread only appends instructions to a queue; a sender thread ships them
 controller in batches. Sync points (`fetch`) flush the queue, wait until every worker has
 executed it (bounded), raise any op error with the user's source line, then read shards
 straight from the workers. Uploads (`distribute_tensor`) write shards straight to workers.
+
+The controller knows the session by its API key; each worker by the capability the controller hands
+out next to every location (MeshPlaced, SyncReply, the session's own entry in Status), refreshed from
+Status when one nears its expiry.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import torch
 from dtorch._relocate import Moved, Watch, relocating
 from dtorch._version import __version__
 from dtorch.errors import ClusterError, DTorchError, RemoteOpError
+from dtorch_protocol import auth, wire
 from dtorch_protocol import messages as m
-from dtorch_protocol import wire
 from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
+from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import dtype_name, tensor_from_bytes, tensor_to_bytes
 
 if TYPE_CHECKING:
@@ -33,7 +38,8 @@ if TYPE_CHECKING:
     from dtorch.device_mesh import DeviceMesh
     from dtorch.dtensor import DTensor
 
-MAX_BATCH = 4096  # instructions per Submit
+MAX_BATCH = m.MAX_SUBMIT_INSTRS  # instructions per Submit
+CAP_REFRESH_S = 600.0  # ask for fresh capabilities when one has less than this left
 
 
 def _env_float(name: str, default: float) -> float:
@@ -59,17 +65,20 @@ def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
 class Session:
     """A connection to a controller; every DTensor belongs to one."""
 
-    def __init__(self, controller: str, token: str | None = None, *, name: str = "", priority: str = "normal",
-                 kind: str = "batch", memory_cap: int = 0, min_devices: int = 0) -> None:
+    def __init__(self, controller: str, api_key: str | None = None, *, tls: Tls | None = None, name: str = "",
+                 priority: str = "normal", kind: str = "batch", memory_cap: int = 0, min_devices: int = 0) -> None:
         self.address = controller
-        self.token = wire.token_from_env() if token is None else token
+        self.api_key = auth.key_from_env() if api_key is None else api_key
+        self.tls = tls
         self.timeout = _env_float("DTORCH_TIMEOUT", 300.0)  # bound on any single wait for workers
-        self.stub = wire.Stub("dtorch.Controller", controller, self.token)
+        self.stub = wire.Stub("dtorch.Controller", controller, self.api_key, tls=tls)
         try:
             opened = self.stub.call("OpenSession", m.OpenSession(hello=wire.hello("client", __version__), name=name,
                                                                   priority=priority, kind=kind, memory_cap=memory_cap),
                                     timeout=10.0)
-        except ConnectionError:
+        except ConnectionError as e:
+            if str(e).startswith("TLS handshake"):
+                raise ConnectionError(str(e)) from None
             raise ConnectionError(f"cannot reach the DTorch controller at {controller}: is dtorch-controller "
                                   "running there? (unset DTORCH_CONTROLLER to start a local cluster)") from None
         except TimeoutError:
@@ -84,6 +93,7 @@ class Session:
         self._seq = 0
         self._broken: Exception | None = None  # a failed Submit: the stream can no longer be trusted
         self._locations: dict[int, str] = {}
+        self._caps: dict[str, str] = {}  # worker address -> this session's capability there
         self._placed: set[int] = set()
         self._workers: dict[str, wire.Stub] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dtorch-io")
@@ -169,6 +179,7 @@ class Session:
         if shown:
             sys.stderr.write("\r" + "dtorch: devices placed".ljust(100) + "\n")
         self._locations.update(reply.locations)
+        self._caps.update(reply.caps)
         self._placed.add(mesh.id)
 
     def next_seed(self) -> int:
@@ -191,6 +202,7 @@ class Session:
             reply = self.stub.call("Sync", m.Sync(session=self.id, upto=self._seq, timeout_s=wait),
                                    timeout=wait + 10.0)
             self._locations.update(reply.locations)
+            self._caps.update(reply.caps)
             if reply.errors:
                 first = reply.errors[0]
                 err: DTorchError = RemoteOpError(first.op, first.src, first.message) if first.src else \
@@ -209,8 +221,18 @@ class Session:
     def _worker(self, address: str) -> wire.Stub:
         stub = self._workers.get(address)
         if stub is None:
-            stub = self._workers[address] = wire.Stub("dtorch.Worker", address, self.token)
+            stub = self._workers[address] = wire.Stub("dtorch.Worker", address, "", tls=self.tls)
         return stub
+
+    def _cap(self, address: str) -> str:
+        """This session's capability on the worker at `address` (fresh ones come with Status when needed)."""
+        cap = self._caps.get(address)
+        if cap is None or auth.cap_expiry(cap) - time.time() < CAP_REFRESH_S:
+            self.status()
+            cap = self._caps.get(address)
+        if cap is None:
+            raise ClusterError(f"the controller gave this session no capability for the worker at {address}")
+        return cap
 
     def _address(self, device: int) -> str:
         address = self._locations.get(device)
@@ -223,8 +245,9 @@ class Session:
 
     def _pull_from(self, address: str, tid: int, device: int) -> torch.Tensor:
         call, replies = self._worker(address).open_stream(
-            "Pull", m.PullRequest(session=self.id, tid=tid, device=device, timeout_s=self.timeout),
-            timeout=self.timeout + 10.0)
+            "Pull", m.PullRequest(session=self.id, tid=tid, device=device,
+                                  timeout_s=min(self.timeout, m.MAX_TIMEOUT_S)),
+            timeout=self.timeout + 10.0, credential=self._cap(address))
         with Watch(self, device, address, call.cancel) as watch:
             try:
                 return self._receive(replies)
@@ -300,7 +323,7 @@ class Session:
         stub = self._worker(address)
         future = stub.send_stream_future(
             "Put", (m.PutChunk(session=self.id, tid=tid, device=device, dtype=dtype, shape=shape, data=bytes(c))
-                    for c in wire.chunks(data)), timeout=self.timeout)
+                    for c in wire.chunks(data)), timeout=self.timeout, credential=self._cap(address))
         with Watch(self, device, address, future.cancel) as watch:
             try:
                 stub.decode_reply("Put", future)
@@ -311,7 +334,11 @@ class Session:
 
     # ------------------------------------------------------------------ admin and shutdown
     def status(self) -> m.StatusReply:
-        return self.stub.call("Status", m.StatusRequest(), timeout=10.0)
+        reply = self.stub.call("Status", m.StatusRequest(), timeout=10.0)
+        mine = next((s for s in reply.sessions if s.session == self.id), None)
+        if mine is not None:
+            self._caps.update(mine.caps)
+        return reply
 
     def close(self) -> None:
         if self._closed:

@@ -55,8 +55,9 @@ from dtorch_protocol.messages import (
     ShardPlan,
     ShardsRequest,
 )
+from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import decode_value, dtype_from_name
-from dtorch_worker import shards
+from dtorch_worker import hygiene, shards
 from dtorch_worker.ops import resolve_op
 from dtorch_worker.store import Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
@@ -111,7 +112,7 @@ class MemoryCapExceeded(Exception):
 class Executor:
     """Owns the executor thread, the ordering buffer and the error queue of one worker."""
 
-    def __init__(self, store: TensorStore, device: str | torch.device = "cpu", token: str = "",
+    def __init__(self, store: TensorStore, device: str | torch.device = "cpu", tls: Tls | None = None,
                  on_complete: Callable[[int], None] | None = None, input_timeout_s: float = 10.0,
                  pull_timeout_s: float = 60.0, fetch_threads: int = 8, first_seq: int = 1,
                  reads_timeout_s: float = 60.0) -> None:
@@ -122,7 +123,7 @@ class Executor:
         self.pull_timeout_s = pull_timeout_s
         self.reads_timeout_s = reads_timeout_s  # bound on holding an in-place write for peers' reads
         self.address = ""  # our own server address: pieces naming it are read locally
-        self.peers = PeerPool(token)
+        self.peers = PeerPool(tls)
         self._fetch_pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="dtorch-fetch")
         self._cond = threading.Condition()
         self._pending: dict[int, Execute] = {}
@@ -150,7 +151,8 @@ class Executor:
         return self
 
     def submit(self, batch: Execute) -> bool:
-        """Queue a batch for its turn; False for a duplicate (already done or already queued).
+        """Queue a batch for its turn; False for a duplicate (already done or already queued), which the
+        Execute handler answers as an error: batch numbers come from the controller alone, once each.
 
         A batch with a CmdAbandon acts on arrival: the session's earlier batches are skipped, and whatever
         the session is waiting for now (shards, peers' reads, pulls) ends, so its rebuild starts promptly.
@@ -252,6 +254,7 @@ class Executor:
         """Run every command of a batch now, in order, on the calling thread."""
         self._seq = batch.seq
         self.store.set_cap(batch.session, batch.memory_cap)
+        self.peers.grant(batch.session, batch.caps)
         for cmd in batch.cmds:
             self.run_command(batch.session, cmd)
 
@@ -282,6 +285,7 @@ class Executor:
             elif isinstance(cmd, CmdCloseSession):
                 self.store.drop_session(session)
                 self.store.drop_derived(session)
+                self.peers.forget(session)
             elif isinstance(cmd, CmdSendShards):
                 self._send_shards(session, cmd)
             elif isinstance(cmd, CmdFetchShards):
@@ -377,8 +381,10 @@ class Executor:
             k = {key: decode_value(v, resolve, self.device) for key, v in (kwargs or {}).items()}
             self._wait_reads(cmd.op, [t for i, name in written_args(op) for t in _tensors(
                 a[i] if i < len(a) else k.get(name))])
+            before = hygiene.sizes_before(cmd.op, (a, k))
             with self._rng(cmd.seed):
                 flat = flatten(op(*a, **k))
+            hygiene.scrub(cmd.op, flat, before)  # no bytes another session left behind
             if len(cmd.outs) > len(flat):
                 raise ValueError(f"{cmd.op} returned {len(flat)} outputs, expected {len(cmd.outs)}")
             for i, tid in enumerate(cmd.outs):

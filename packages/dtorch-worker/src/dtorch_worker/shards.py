@@ -121,7 +121,8 @@ def chunks(packed: Packed, chunk_bytes: int = wire.CHUNK_BYTES, **header: object
 class Receiver:
     """Assembles a ShardsChunk stream into preallocated storages; `header` is the first message."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = 0) -> None:
+        self.max_bytes = max_bytes  # bound on the storages a header may announce (0: none)
         self.header: ShardsChunk | None = None
         self.storages: list[torch.Tensor] = []
         self._i = 0
@@ -131,6 +132,11 @@ class Receiver:
         if chunk.error:
             raise RuntimeError(chunk.error)
         if self.header is None:
+            if any(n < 0 for n in chunk.storages):
+                raise ValueError(f"negative storage size in {chunk.storages[:8]}")
+            if self.max_bytes and sum(chunk.storages) > self.max_bytes:
+                raise ValueError(f"the shards announce {sum(chunk.storages)} bytes, over the {self.max_bytes} this "
+                                 "worker accepts")
             self.header = chunk
             self.storages = [torch.empty(n, dtype=torch.uint8) for n in chunk.storages]
             self._skip_empty()

@@ -230,12 +230,23 @@ class TensorStore:
         with self._cond:
             return (session, device) in self._moved
 
+    def admit_upload(self, session: str, declared: int) -> str:
+        """Whether an upload declaring `declared` bytes may even start: "" or why not (over the memory cap)."""
+        with self._cond:
+            cap = self._caps.get(session, 0)
+            if cap > 0 and (held := self._session_bytes(session) + declared) > cap:
+                return cap_message(held, cap)
+            return ""
+
     def put_upload(self, key: Key, value: Shard) -> str:
-        """A client upload: stored unless its device moved away ("moved: ...") or it would take the session
-        over its memory cap here ("memory cap exceeded: ..."); returns "" when stored, else the reason."""
+        """A client upload: stored unless its device moved away ("moved: ..."), the key holds a shard already
+        (uploads never replace one) or it would take the session over its memory cap here ("memory cap
+        exceeded: ..."); returns "" when stored, else the reason."""
         with self._cond:
             if (key[0], key[2]) in self._moved:
                 return f"moved: logical device {key[2]} of session {key[0][:8]} moved to another worker"
+            if key in self._data:
+                return f"tensor {key[1]} on logical device {key[2]} already exists here (uploads never replace it)"
             cap = self._caps.get(key[0], 0)
             if cap > 0 and "#" not in key[0]:
                 held = self._session_bytes(key[0], {key: _storage(value)})
