@@ -33,6 +33,7 @@ from dtorch_protocol.tls import Tls
 
 log = logging.getLogger("dtorch_protocol.wire")
 
+KIND_HEADER = "dtorch-error-kind"  # trailing metadata of a refused call: its `messages.ErrorKind`
 CHUNK_BYTES = 4 << 20  # tensor payloads move in 4 MiB pieces, far below the message limit
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
@@ -82,7 +83,12 @@ class ProtocolError(Exception):
 
 
 class RemoteError(Exception):
-    """A peer refused or failed a call; the message is the peer's own one-line reason."""
+    """A peer refused or failed a call; the message is the peer's own one-line reason, `kind` what went wrong
+    (None: not said). A server raising it sends `kind` along (trailing metadata), a stub's error carries it."""
+
+    def __init__(self, message: str = "", kind: m.ErrorKind | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class PermissionDenied(RemoteError):
@@ -192,6 +198,8 @@ _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [  # most specific first
 def _abort(context: grpc.ServicerContext, e: Exception, method: str) -> None:
     for kind, code in _CODES:
         if isinstance(e, kind):
+            if isinstance(e, RemoteError) and e.kind is not None:
+                context.set_trailing_metadata(((KIND_HEADER, e.kind.value),))
             context.abort(code, " ".join(str(e).split()))
     log.exception("unhandled exception in %s", method)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}")
@@ -349,10 +357,22 @@ def _describe(err: grpc.RpcError, target: str, method: str) -> Exception:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ProtocolError(f"{target} refused {method}: {detail}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return LimitExceeded(f"{target} refused {method}: {detail}")
+        return LimitExceeded(f"{target} refused {method}: {detail}", _kind(err))
     if code == grpc.StatusCode.ALREADY_EXISTS:
-        return Conflict(f"{target} refused {method}: {detail}")
-    return RemoteError(f"{method} on {target} failed: {detail}")
+        return Conflict(f"{target} refused {method}: {detail}", _kind(err))
+    return RemoteError(f"{method} on {target} failed: {detail}", _kind(err))
+
+
+def _kind(err: grpc.RpcError) -> m.ErrorKind | None:
+    """The ErrorKind a server sent along with its refusal (an unknown one reads as None)."""
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == KIND_HEADER:
+            try:
+                return m.ErrorKind(value)
+            except ValueError:
+                return None
+    return None
 
 
 def open_channel(target: str, tls: Tls | None = None) -> grpc.Channel:
