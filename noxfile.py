@@ -35,6 +35,14 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def fuzz(session: nox.Session) -> None:
+    """100,000 malformed and hostile messages to every RPC of both services of real processes: counts per RPC,
+    refusals, unhandled exceptions, RSS before and after, then a real computation compared with torch."""
+    install(session, *TEST_DEPS)
+    session.run("python", "integration/_fuzz.py", "--messages", "100000", *session.posargs)
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """Install everything and run the quickstart on an embedded local cluster."""
     install(session)

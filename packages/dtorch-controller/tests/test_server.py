@@ -130,3 +130,58 @@ def _try(stub, sid):
         return stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=60), timeout=90)
     except Exception as e:  # noqa: BLE001
         return e
+
+
+def test_tenant_traffic_never_starves_heartbeats(keys, register_worker):
+    """Parked Syncs used to take every handler thread: then no report got through and workers were fenced.
+    Tenants now hold at most `tenant_threads` threads; the rest serve workers, and extra tenant calls are refused
+    at once."""
+    import threading
+    import time
+
+    worker = SilentWorker()
+    worker_auth = auth.WorkerAuth()
+    served = wire.serve("dtorch.Worker", worker, worker_auth.authenticate)
+    server, address = run_server("127.0.0.1:0", keys.authenticate, Config(heartbeat_interval_s=1.0,
+                                                                          heartbeat_timeout_s=30.0),
+                                 threads=12, tenant_threads=6)
+    reporter = wire.Stub("dtorch.Controller", address, keys.worker)
+    reg, proof = register_worker(reporter, served.address, secret=worker_auth.secret, memory=1 << 30)
+    stubs, outcomes = [], []
+    try:
+        sessions = []
+        for key in (keys.alice, keys.bob):
+            stub = wire.Stub("dtorch.Controller", address, key)
+            stubs.append(stub)
+            for _ in range(3):  # three sessions each, whose Syncs park (the worker never reports their batches)
+                sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client"), memory_cap=1 << 20),
+                                timeout=5).session  # packed: every session shares the one worker
+                assert stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0], shape=[1]), timeout=5).placed
+                spec = m.TensorSpec(shape=[1], dtype="float32", mesh=1, placements=["R"])
+                stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec,
+                                                                                      init="ones")]), timeout=5)
+                sessions.append((stub, sid))
+        for stub, sid in sessions:
+            for _ in range(3):
+                t = threading.Thread(target=lambda s=stub, i=sid: outcomes.append(_try_sync(s, i)), daemon=True)
+                t.start()
+        deadline = time.monotonic() + 10
+        while len(outcomes) < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)  # 6 Syncs park, the other 12 are refused at once
+        assert sum(isinstance(o, wire.LimitExceeded) for o in outcomes) == 12, outcomes
+        assert all("retry shortly" in str(o) or "per caller" in str(o) for o in outcomes)
+        for _ in range(5):  # heartbeats go through, promptly, while every tenant thread is parked
+            assert reporter.call("Report", m.WorkerReport(worker=reg.worker, completed=0, proof=proof), timeout=2).ok
+    finally:
+        for stub in stubs:
+            stub.close()
+        reporter.close()
+        server.stop(0)
+        served.server.stop(0)
+
+
+def _try_sync(stub, sid):
+    try:
+        return stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=30), timeout=40)
+    except Exception as e:  # noqa: BLE001
+        return e

@@ -123,3 +123,18 @@ def test_a_duplicate_batch_is_an_error_the_controller_sees(worker):
     again = stub.call("Execute", batch)
     assert not again.ok and "duplicate" in again.message
     stub.close()
+
+
+def test_out_of_order_batches_are_bounded_per_session(monkeypatch):
+    from dtorch_worker import executor
+
+    monkeypatch.setattr(executor, "MAX_AHEAD_PER_SESSION", 3)
+    ex = executor.Executor(executor.TensorStore())  # not started: nothing runs, batches wait
+    assert ex.submit(m.Execute(seq=1, session="a", cmds=[]))  # in order: never bounded here
+    for seq in (3, 4, 5):  # behind the gap at 2
+        assert ex.submit(m.Execute(seq=seq, session="a", cmds=[]))
+    with pytest.raises(executor.BatchRefused, match=r"3 batches of session a \(3 in all\) already wait behind batch 2"):
+        ex.submit(m.Execute(seq=6, session="a", cmds=[]))
+    assert ex.submit(m.Execute(seq=6, session="b", cmds=[]))  # per session
+    assert ex.submit(m.Execute(seq=2, session="a", cmds=[]))  # the gap fills: what waited is in order now
+    assert ex.submit(m.Execute(seq=7, session="a", cmds=[]))

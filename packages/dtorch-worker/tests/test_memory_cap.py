@@ -147,3 +147,11 @@ def test_byte_sizes_read_well() -> None:
     assert cap_message(1_258_291, 1 << 20) == ("memory cap exceeded: session holds 1.2 MiB on this worker, over "
                                                "its cap of 1.0 MiB per device")
     assert "holds 1048577 bytes" in cap_message((1 << 20) + 1, 1 << 20)  # rounding would hide the difference
+
+
+def test_a_create_that_could_never_fit_is_refused_before_allocating(ex: Executor) -> None:
+    """Its size is known beforehand: a capped session asking for a terabyte gets the cap's line, not an attempt."""
+    run(ex, CmdCreate(tid=9, dtype="float32", shape=[1 << 38], init="zeros", boxes={0: [[0, 1 << 38]]}))
+    (report,) = ex.take_errors()[S]
+    assert report.message.startswith("memory cap exceeded: session holds 1.0 TiB") and report.op == "create"
+    assert isinstance(ex.store.get((S, 9, 0)), Poison)

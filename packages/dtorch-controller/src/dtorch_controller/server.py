@@ -47,6 +47,11 @@ SERVER_THREADS = 256  # Syncs park a thread each; heartbeats must never starve b
 TENANT_THREADS = 192  # at most this many handler threads serve tenants at once: the rest stay free for workers
 CALLS_PER_TENANT = 64  # concurrent calls of one tenant
 SYNCS_PER_SESSION = 8  # Syncs of one session waiting at once
+MAX_WAIT_S = 120.0  # longest a Sync waits at the controller (clients ask for 30 s at a time)
+
+
+class InternalError(Exception):
+    """The core raised: a bug, answered INTERNAL (never a refusal the caller could act on)."""
 
 
 REFUSALS: dict[str, type[Exception]] = {  # a core Refusal's kind -> what the caller gets (its status code)
@@ -150,13 +155,18 @@ class ControllerService:
         try:
             try:
                 self.feed(make(request_id))
-            except Exception as e:
-                log.exception("controller core failed on request %s", request_id)
-                raise wire.RemoteError(f"internal controller error: {type(e).__name__}: {e}") from None
-            try:
-                message = future.result(timeout=wait_s)
-            except FutureTimeout:
-                raise wire.RemoteError(f"the controller did not answer within {wait_s:g}s") from None
+            except Exception as e:  # a bug in the core: the call gets INTERNAL (and the log a traceback)
+                raise InternalError(f"internal controller error: {type(e).__name__}: {e}") from e
+            deadline = time.monotonic() + wait_s
+            while True:  # in slices: a caller that gave up (cancelled, deadline) frees this thread at once
+                try:
+                    message = future.result(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+                    break
+                except FutureTimeout:
+                    if wire.call_ended():
+                        raise wire.RemoteError("the caller gave up") from None
+                    if time.monotonic() >= deadline:
+                        raise wire.RemoteError(f"the controller did not answer within {wait_s:g}s") from None
         finally:
             with self._waiters_lock:
                 self._waiters.pop(request_id, None)
@@ -202,6 +212,8 @@ class ControllerService:
 
     def Sync(self, request: m.Sync, caller: auth.Caller) -> m.SyncReply:
         who = self._who(caller)
+        if request.timeout_s > MAX_WAIT_S:
+            request = msgspec.structs.replace(request, timeout_s=MAX_WAIT_S)
         wait = min(request.timeout_s, self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
         with self._sync_slot(request.session):
             reply: m.SyncReply = self.request(lambda rid: ev.Sync(rid, request, who), wait_s=wait)
@@ -309,11 +321,13 @@ class ControllerServer:
 def run_server(listen: str = "127.0.0.1:0", keys: wire.Authenticate | None = None, config: Config | None = None,
                core: ControllerCore | None = None, policy: Policy | None = None, tls: Tls | None = None,
                worker_listen: str | None = None, quotas: Callable[[str], ev.Quota] | None = None,
+               threads: int = SERVER_THREADS, tenant_threads: int = TENANT_THREADS,
                ) -> tuple[ControllerServer, str]:
     """Start a controller on `listen` ("HOST:PORT", port 0 picks one); returns it and the address it serves on.
 
     `keys` authenticates every call (`Keyring.authenticate`): there is no open mode. With `tls`, clients use
-    `listen` (server TLS) and workers `worker_listen` (mutual TLS).
+    `listen` (server TLS) and workers `worker_listen` (mutual TLS). Of the `threads` handler threads, tenants'
+    calls hold at most `tenant_threads` at once: the rest always serve workers (heartbeats) and admins.
     """
     if keys is None:
         raise ValueError("a controller needs keys to authenticate its callers (a Keyring over the key file)")
@@ -324,9 +338,9 @@ def run_server(listen: str = "127.0.0.1:0", keys: wire.Authenticate | None = Non
         core = ControllerCore(config, policy=policy)
     service = ControllerService(core, tls=tls, quotas=quotas)
     try:
-        served = wire.serve("dtorch.Controller", service, keys, listen=listen, max_workers=SERVER_THREADS, tls=tls,
+        served = wire.serve("dtorch.Controller", service, keys, listen=listen, max_workers=threads, tls=tls,
                             cluster_listen=worker_listen,
-                            admission=wire.Admission(CALLS_PER_TENANT, TENANT_THREADS))
+                            admission=wire.Admission(min(CALLS_PER_TENANT, tenant_threads), tenant_threads))
     except BaseException:
         service.close()
         raise

@@ -120,6 +120,8 @@ def decode(kind: type, data: bytes) -> Any:
         return dec.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ProtocolError(f"bad {kind.__name__} message: {e}") from None
+    except RecursionError:
+        raise ProtocolError(f"bad {kind.__name__} message: nested too deeply") from None
 
 
 # ---------------------------------------------------------------- versions
@@ -186,6 +188,26 @@ class Admission:
 
 
 Authenticate = Callable[[str], auth.Caller]
+_call = threading.local()  # the call the current handler thread serves: `ended` is set when it terminates
+
+
+def call_ended() -> bool:
+    """Whether the call this handler thread serves has ended: its caller cancelled or its deadline passed. A
+    handler that waits (a parked Sync) checks it, so a caller that gave up does not keep a thread."""
+    ended = getattr(_call, "ended", None)
+    return ended is not None and ended.is_set()
+
+
+@contextmanager
+def _tracking(context: grpc.ServicerContext) -> Iterator[None]:
+    ended = threading.Event()
+    if not context.add_callback(ended.set):
+        ended.set()  # already over
+    _call.ended = ended
+    try:
+        yield
+    finally:
+        _call.ended = None
 _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [  # most specific first
     (ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
@@ -262,7 +284,7 @@ def service_handler(service: str, impl: Any, authenticate: Authenticate, tls: bo
             def unary(raw: bytes, context: grpc.ServicerContext, fn=fn, req_t=req_t, gate=gate) -> bytes:
                 caller = gate.caller(context)
                 try:
-                    with gate.admitted(caller):
+                    with gate.admitted(caller), _tracking(context):
                         return encode(fn(gate.decode(req_t, raw), caller))
                 except Exception as e:  # noqa: BLE001 - mapped to a status code (or INTERNAL, logged)
                     _abort(context, e, gate.method)
@@ -273,7 +295,7 @@ def service_handler(service: str, impl: Any, authenticate: Authenticate, tls: bo
                            ) -> Iterator[bytes]:
                 caller = gate.caller(context)
                 try:
-                    with gate.admitted(caller):
+                    with gate.admitted(caller), _tracking(context):
                         for reply in fn(gate.decode(req_t, raw), caller):
                             yield encode(reply)
                 except Exception as e:  # noqa: BLE001
@@ -285,7 +307,7 @@ def service_handler(service: str, impl: Any, authenticate: Authenticate, tls: bo
                           ) -> bytes:
                 caller = gate.caller(context)
                 try:
-                    with gate.admitted(caller):
+                    with gate.admitted(caller), _tracking(context):
                         return encode(fn((gate.decode(req_t, r) for r in raws), caller))
                 except Exception as e:  # noqa: BLE001
                     _abort(context, e, gate.method)

@@ -24,6 +24,7 @@ them. Peaks inside one command (temporaries, all devices' results before they ar
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -106,6 +107,14 @@ def narrow_box(t: torch.Tensor, box: Sequence[Sequence[int]]) -> torch.Tensor:
     return t
 
 
+MAX_AHEAD_PER_SESSION = 1024  # batches of one session waiting behind a batch number that has not arrived
+MAX_AHEAD = 8192  # ... of all sessions together
+
+
+class BatchRefused(ValueError):
+    """A batch the executor will not queue; str() is the one-line reason the controller gets."""
+
+
 class MemoryCapExceeded(Exception):
     """A command took its session over its memory cap on this worker; str() is the one-line report."""
 
@@ -162,6 +171,7 @@ class Executor:
         with self._cond:
             if self._stopped or batch.seq <= self._completed or batch.seq in self._pending:
                 return False
+            self._check_ahead(batch)
             self._pending[batch.seq] = batch
             if abandon is not None:
                 self._skip_below[batch.session] = max(self._skip_below.get(batch.session, 0), batch.seq)
@@ -170,6 +180,22 @@ class Executor:
             self._abandon_now(batch.session, abandon)
         self.store.set_cap(batch.session, batch.memory_cap)  # known at once: client uploads are checked too
         return True
+
+    def _check_ahead(self, batch: Execute) -> None:
+        """Out-of-order batches are bounded per session: a batch arriving behind a gap in the numbering waits in
+        memory until the gap fills, and the controller never leaves gaps for long (every seq it assigns is sent),
+        so more than MAX_AHEAD_PER_SESSION of them means a lost batch: refused, the controller hears of it."""
+        gap = self._completed + 1
+        while gap in self._pending:
+            gap += 1
+        if batch.seq <= gap:
+            return
+        waiting = [b.session for seq, b in self._pending.items() if seq > gap]
+        ahead = waiting.count(batch.session)
+        if ahead >= MAX_AHEAD_PER_SESSION or len(waiting) >= MAX_AHEAD:
+            raise BatchRefused(f"batch {batch.seq} refused: {ahead} batches of session {batch.session[:8]} "
+                               f"({len(waiting)} in all) already wait behind batch {gap}, which never arrived "
+                               f"(limits {MAX_AHEAD_PER_SESSION} per session, {MAX_AHEAD} in all)")
 
     def _abandon_now(self, session: str, cmd: CmdAbandon) -> None:
         with self._errors_lock:
@@ -332,6 +358,9 @@ class Executor:
         dtype = dtype_from_name(cmd.dtype)
         shape = list(cmd.shape)
         boxes = {dev: (box, check_box(shape, box)) for dev, box in cmd.boxes.items()}
+        cap = self.store.cap(session)
+        if cap and (new := sum(math.prod(b) for _, b in boxes.values()) * dtype.itemsize) > cap:
+            raise MemoryCapExceeded(cap_message(new, cap))  # before allocating: it could never fit
         zero = set(cmd.zero)
         full: torch.Tensor | None = None
         if cmd.init in RANDOM_INITS and any(dev not in zero for dev in boxes):

@@ -29,7 +29,7 @@ from dtorch_protocol import auth, wire
 from dtorch_protocol.messages import Ack, Chunk, ErrorKind, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_protocol.tls import Tls
 from dtorch_worker import shards
-from dtorch_worker.executor import Executor, one_line
+from dtorch_worker.executor import BatchRefused, Executor, one_line
 from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore, format_bytes
 from dtorch_worker.transfer import poison_chunk, receive_put, take_box, tensor_chunks
 
@@ -57,8 +57,11 @@ class WorkerService:
         self.max_put_bytes = max_put_bytes  # largest shard one Put may declare (0: no bound but the caps)
 
     def Execute(self, request: Execute, caller: auth.Caller) -> Ack:
-        if self.executor.submit(request):
-            return Ack()
+        try:
+            if self.executor.submit(request):
+                return Ack()
+        except BatchRefused as e:
+            return Ack(ok=False, message=str(e))
         if self.executor.stopped:
             return Ack(ok=False, message="the worker is stopping")
         # batch numbers come from the controller alone, once each: a repeat means the stream is not what it
@@ -117,7 +120,7 @@ class WorkerService:
                 return self.store.get(key, wait if first else max(0.0, deadline - time.monotonic()))
             except ShardMissing:
                 first = False
-                if time.monotonic() >= deadline or not self.store.rebuilding(key[0]):
+                if time.monotonic() >= deadline or not self.store.rebuilding(key[0]) or wire.call_ended():
                     raise
 
     def _admit_put(self, caller: auth.Caller, key: tuple[str, int, int], declared: int) -> None:

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
+from dtorch_protocol.wire import call_ended
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
+WAIT_SLICE_S = 0.25  # waits wake this often to see whether the call they serve ended (wire.call_ended)
 Storage = tuple[tuple[str, int], int]  # (identity: device and address, byte size) of a shard's storage
 
 
@@ -143,10 +145,10 @@ class TensorStore:
                     raise ShardMissing(f"no shard for {describe(key)}: the session is being rebuilt after a "
                                        "worker loss")
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or call_ended():
                     waited = f" after waiting {timeout:g}s" if timeout > 0 else ""
                     raise ShardMissing(f"no shard for {describe(key)} on this worker{waited}")
-                self._cond.wait(left)
+                self._cond.wait(min(left, WAIT_SLICE_S))
 
     def __contains__(self, key: Key) -> bool:
         with self._cond:
@@ -222,8 +224,14 @@ class TensorStore:
 
     def wait_rebuilt(self, session: str, timeout: float) -> bool:
         """Wait up to `timeout` s while the session is being rebuilt; True when it is not (any more)."""
+        deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
-            return self._cond.wait_for(lambda: session not in self._rebuilding, max(timeout, 0.0))
+            while session in self._rebuilding:
+                left = deadline - time.monotonic()
+                if left <= 0 or call_ended():
+                    return False
+                self._cond.wait(min(left, WAIT_SLICE_S))
+            return True
 
     def mark_moved(self, session: str, devices: list[int]) -> None:
         with self._cond:
@@ -326,9 +334,9 @@ class TensorStore:
         with self._cond:
             while dst not in self._announced.get(key, ()):
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or call_ended():
                     return False
-                self._cond.wait(left)
+                self._cond.wait(min(left, WAIT_SLICE_S))
             return True
 
     def read_served(self, key: Key) -> None:
