@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import replace
@@ -48,6 +48,16 @@ TENANT_THREADS = 192  # at most this many handler threads serve tenants at once:
 CALLS_PER_TENANT = 64  # concurrent calls of one tenant
 SYNCS_PER_SESSION = 8  # Syncs of one session waiting at once
 MAX_WAIT_S = 120.0  # longest a Sync waits at the controller (clients ask for 30 s at a time)
+
+
+_GAVE_UP = object()  # what a waiter's future holds when its caller cancelled or its deadline passed
+
+
+def _settle(future: Future, value: Any) -> None:
+    try:
+        future.set_result(value)
+    except InvalidStateError:  # answered just before
+        pass
 
 
 class InternalError(Exception):
@@ -107,8 +117,8 @@ class ControllerService:
         if isinstance(effect, Reply):
             with self._waiters_lock:
                 future = self._waiters.get(effect.request_id)
-            if future is not None and not future.done():
-                future.set_result(effect.message)
+            if future is not None:
+                _settle(future, effect.message)
         elif isinstance(effect, SendExecute):
             self._send(effect)
         elif isinstance(effect, SetTimer):
@@ -157,16 +167,13 @@ class ControllerService:
                 self.feed(make(request_id))
             except Exception as e:  # a bug in the core: the call gets INTERNAL (and the log a traceback)
                 raise InternalError(f"internal controller error: {type(e).__name__}: {e}") from e
-            deadline = time.monotonic() + wait_s
-            while True:  # in slices: a caller that gave up (cancelled, deadline) frees this thread at once
-                try:
-                    message = future.result(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
-                    break
-                except FutureTimeout:
-                    if wire.call_ended():
-                        raise wire.RemoteError("the caller gave up") from None
-                    if time.monotonic() >= deadline:
-                        raise wire.RemoteError(f"the controller did not answer within {wait_s:g}s") from None
+            wire.on_call_end(lambda: _settle(future, _GAVE_UP))  # a caller that gave up frees this thread at once
+            try:
+                message = future.result(timeout=wait_s)
+            except FutureTimeout:
+                raise wire.RemoteError(f"the controller did not answer within {wait_s:g}s") from None
+            if message is _GAVE_UP:
+                raise wire.RemoteError("the caller gave up")
         finally:
             with self._waiters_lock:
                 self._waiters.pop(request_id, None)
@@ -180,8 +187,7 @@ class ControllerService:
         with self._waiters_lock:
             parked = list(self._waiters.values())
         for future in parked:
-            if not future.done():
-                future.set_result(Refusal("refused", "the controller is shutting down"))
+            _settle(future, Refusal("refused", "the controller is shutting down"))
         self.timers.stop()
         with self._stubs_lock:
             stubs, self._stubs = list(self._stubs.values()), {}

@@ -188,26 +188,58 @@ class Admission:
 
 
 Authenticate = Callable[[str], auth.Caller]
-_call = threading.local()  # the call the current handler thread serves: `ended` is set when it terminates
+_call = threading.local()  # the call the current handler thread serves (`_CallEnd`), or None
+
+
+class _CallEnd:
+    """Set when a call terminates (done, cancelled, deadline passed); runs the callbacks handlers registered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ended = False
+        self._callbacks: list[Callable[[], Any]] = []
+
+    def add(self, fn: Callable[[], Any]) -> None:
+        with self._lock:
+            if not self.ended:
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def end(self) -> None:
+        with self._lock:
+            self.ended, callbacks, self._callbacks = True, self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one failing callback must not keep the others from running
+                log.exception("call-end callback failed")
 
 
 def call_ended() -> bool:
-    """Whether the call this handler thread serves has ended: its caller cancelled or its deadline passed. A
-    handler that waits (a parked Sync) checks it, so a caller that gave up does not keep a thread."""
-    ended = getattr(_call, "ended", None)
-    return ended is not None and ended.is_set()
+    """Whether the call this handler thread serves has ended: its caller cancelled or its deadline passed."""
+    state = getattr(_call, "state", None)
+    return state is not None and state.ended
+
+
+def on_call_end(fn: Callable[[], Any]) -> None:
+    """Run `fn` when the call this handler thread serves ends (at once if it has). A handler that waits (a parked
+    Sync, a Pull waiting for a shard) wakes itself this way, so a caller that gave up does not keep a thread."""
+    state = getattr(_call, "state", None)
+    if state is not None:
+        state.add(fn)
 
 
 @contextmanager
 def _tracking(context: grpc.ServicerContext) -> Iterator[None]:
-    ended = threading.Event()
-    if not context.add_callback(ended.set):
-        ended.set()  # already over
-    _call.ended = ended
+    state = _CallEnd()
+    if not context.add_callback(state.end):
+        state.end()  # already over
+    _call.state = state
     try:
         yield
     finally:
-        _call.ended = None
+        _call.state = None
 _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [  # most specific first
     (ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),

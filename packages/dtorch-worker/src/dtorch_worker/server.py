@@ -70,6 +70,7 @@ class WorkerService:
 
     def Pull(self, request: PullRequest, caller: auth.Caller) -> Iterator[Chunk]:
         _covered(caller, request.session, "Pull")
+        wire.on_call_end(self.store.wake)  # a caller that gives up ends the wait for the shard
         if request.expected and caller.role != auth.PEER:
             raise wire.PermissionDenied("a planned read (expected=True) is a peer's: a client capability cannot "
                                         "make one")
@@ -155,6 +156,7 @@ class WorkerService:
         With `move`, those devices are leaving for the puller: uploads for them are refused from now on, and
         the ones not adopted yet go along (and are dropped here once sent)."""
         _covered(caller, request.session, "PullShards")
+        wire.on_call_end(self.store.wake)
         wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
         listed = {(tid, device) for device, tids in request.devices.items() for tid in tids}
         extra = []

@@ -27,7 +27,6 @@ from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
 from dtorch_protocol.wire import call_ended
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
-WAIT_SLICE_S = 0.25  # waits wake this often to see whether the call they serve ended (wire.call_ended)
 Storage = tuple[tuple[str, int], int]  # (identity: device and address, byte size) of a shard's storage
 
 
@@ -120,6 +119,11 @@ class TensorStore:
                     del self._by_session[key[0]]
         return value
 
+    def wake(self) -> None:
+        """Wake every wait on this store to look again (a call it serves ended: `wire.on_call_end`)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def put(self, key: Key, value: Shard) -> None:
         with self._cond:
             self._set(key, value)
@@ -148,7 +152,7 @@ class TensorStore:
                 if left <= 0 or call_ended():
                     waited = f" after waiting {timeout:g}s" if timeout > 0 else ""
                     raise ShardMissing(f"no shard for {describe(key)} on this worker{waited}")
-                self._cond.wait(min(left, WAIT_SLICE_S))
+                self._cond.wait(left)
 
     def __contains__(self, key: Key) -> bool:
         with self._cond:
@@ -230,7 +234,7 @@ class TensorStore:
                 left = deadline - time.monotonic()
                 if left <= 0 or call_ended():
                     return False
-                self._cond.wait(min(left, WAIT_SLICE_S))
+                self._cond.wait(left)
             return True
 
     def mark_moved(self, session: str, devices: list[int]) -> None:
@@ -317,12 +321,15 @@ class TensorStore:
         """`n` more planned peer reads of `key` are coming (CmdExpectReads) for redistribution `dst`.
 
         From now on pulls of `key` for `dst` may be served: the shard holds exactly the value that
-        redistribution must read, every earlier write of this stream having run.
+        redistribution must read, every earlier write of this stream having run. Pulls that came first are
+        waiting for this (`wait_announced`): wake them, since nothing else may (the next command can be an
+        in-place write that waits for exactly those pulls; they would both sit out their timeouts).
         """
         with self._cond:
             if dst >= 0:
                 self._announced.setdefault(key, set()).add(dst)
-        self._add_reads(key, n)
+                self._cond.notify_all()
+            self._add_reads(key, n)
 
     def wait_announced(self, key: Key, dst: int, timeout: float) -> bool:
         """Wait up to `timeout` s until this worker ran the CmdExpectReads of redistribution `dst` for `key`.
@@ -336,7 +343,7 @@ class TensorStore:
                 left = deadline - time.monotonic()
                 if left <= 0 or call_ended():
                     return False
-                self._cond.wait(min(left, WAIT_SLICE_S))
+                self._cond.wait(left)
             return True
 
     def read_served(self, key: Key) -> None:
