@@ -185,3 +185,33 @@ def _try_sync(stub, sid):
         return stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=30), timeout=40)
     except Exception as e:  # noqa: BLE001
         return e
+
+
+def test_a_sync_whose_caller_gave_up_frees_its_thread_and_slot(keys, register_worker):
+    import time
+
+    worker = SilentWorker()
+    worker_auth = auth.WorkerAuth()
+    served = wire.serve("dtorch.Worker", worker, worker_auth.authenticate)
+    server, address = run_server("127.0.0.1:0", keys.authenticate, Config(heartbeat_interval_s=1.0,
+                                                                          heartbeat_timeout_s=30.0))
+    stub = wire.Stub("dtorch.Controller", address, keys.alice)
+    try:
+        register_worker(wire.Stub("dtorch.Controller", address, keys.worker), served.address,
+                        secret=worker_auth.secret)
+        sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
+        stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0], shape=[1]), timeout=5)
+        spec = m.TensorSpec(shape=[1], dtype="float32", mesh=1, placements=["R"])
+        stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec, init="ones")]),
+                  timeout=5)
+        for _ in range(12):  # more than the 8 Syncs a session may have waiting: each caller gives up after 0.3 s
+            with pytest.raises(TimeoutError):
+                stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=100.0), timeout=0.3)
+        deadline = time.monotonic() + 10
+        while server.service._waiters or server.service._syncs:  # freed at once, not after 100 s
+            assert time.monotonic() < deadline, (server.service._waiters, server.service._syncs)
+            time.sleep(0.02)
+    finally:
+        stub.close()
+        server.stop(0)
+        served.server.stop(0)

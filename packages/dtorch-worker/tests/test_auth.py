@@ -7,6 +7,7 @@ skipped would answer something else. The method list comes from `wire.SERVICES`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -138,3 +139,23 @@ def test_out_of_order_batches_are_bounded_per_session(monkeypatch):
     assert ex.submit(m.Execute(seq=6, session="b", cmds=[]))  # per session
     assert ex.submit(m.Execute(seq=2, session="a", cmds=[]))  # the gap fills: what waited is in order now
     assert ex.submit(m.Execute(seq=7, session="a", cmds=[]))
+
+
+def test_pulls_whose_callers_gave_up_free_their_threads(worker):
+    """A Pull waiting (up to its timeout) for a shard that never comes used to keep its thread after the client
+    went away; 70 of them took a worker down. Now the wait ends with the call, and the session's slots free up."""
+    w, channel = worker
+    stub = wire.Stub(SERVICE, w.address, w.capability(S))
+    for _ in range(20):  # more than the 16 a session may have in flight: they end when their callers give up
+        with pytest.raises((TimeoutError, wire.LimitExceeded)):
+            list(stub.stream("Pull", m.PullRequest(session=S, tid=999, device=0, timeout_s=600.0), timeout=0.3))
+    deadline = time.monotonic() + 10
+    while True:  # the handlers notice within moments, not after 600 s
+        try:
+            (chunk,) = list(stub.stream("Pull", m.PullRequest(session=S, tid=1, device=0, timeout_s=0.0)))
+            break
+        except wire.LimitExceeded:
+            assert time.monotonic() < deadline, "the abandoned Pulls still hold the session's slots"
+            time.sleep(0.05)
+    assert chunk.dtype == "float32"
+    stub.close()
