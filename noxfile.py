@@ -19,7 +19,7 @@ PACKAGES = [
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
 TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "numpy", "expecttest", "transformers", "diffusers",
-             "import-linter", "kubernetes-validate", "pyyaml"]
+             "import-linter", "kubernetes-validate", "pyyaml", "cryptography"]
 
 
 def install(session: nox.Session, *extra: str) -> None:
@@ -32,6 +32,14 @@ def tests(session: nox.Session) -> None:
     """The whole suite: unit tests of each package and integration tests with real processes."""
     install(session, *TEST_DEPS)
     session.run("pytest", "-q", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """100,000 malformed and hostile messages to every RPC of both services of real processes: counts per RPC,
+    refusals, unhandled exceptions, RSS before and after, then a real computation compared with torch."""
+    install(session, *TEST_DEPS)
+    session.run("python", "integration/_fuzz.py", "--messages", "100000", *session.posargs)
 
 
 @nox.session
