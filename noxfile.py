@@ -18,8 +18,8 @@ PACKAGES = [
     "packages/dtorch-sim",
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest", "transformers", "import-linter",
-             "tomli; python_version < '3.11'"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "numpy", "expecttest", "transformers", "import-linter",
+             "hatchling", "tomli; python_version < '3.11'"]  # hatchling: test_packaging builds wheels offline
 
 
 def third_party_dependencies() -> list[str]:
@@ -38,6 +38,17 @@ def tests(session: nox.Session) -> None:
     """The whole suite: unit tests of each package and integration tests with real processes."""
     install(session, *TEST_DEPS)
     session.run("pytest", "-q", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def mutation(session: nox.Session) -> None:
+    """Mutation testing of the modules where a wrong rule corrupts results or lets someone in (mutation/targets.py).
+
+    Prints the kill rate per module and the surviving mutants; not part of `nox -s tests`. Options after `--`:
+    `--only "scheduler and policies"` (repeatable), `--max-children N`, `--no-tables`.
+    """
+    install(session, "pytest>=8", "pytest-timeout", "numpy", "expecttest", "mutmut==3.8.1")
+    session.run("python", "mutation/session.py", *session.posargs)
 
 
 @nox.session

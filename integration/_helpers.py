@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# The CLIs, found through the running interpreter (its environment has the packages), never through PATH
+CONTROLLER = (sys.executable, "-m", "dtorch_controller")
+WORKER = (sys.executable, "-m", "dtorch_worker")
 
 
 def assert_same(dt, expected, exact=True):
@@ -30,7 +35,7 @@ def _popen(argv: Sequence[str], env: dict[str, str], log: Path | None, popen: di
 
 
 def start_controller(port_file: Path, env: dict[str, str], *args: str, log: Path | None = None,
-                     limit: float = 60.0, command: Sequence[str] = ("dtorch-controller",),
+                     limit: float = 60.0, command: Sequence[str] = CONTROLLER,
                      **popen: Any) -> tuple[subprocess.Popen, str]:
     """Start a controller on a free port and return it with its address, read from `port_file`.
 
@@ -57,7 +62,7 @@ def start_controller(port_file: Path, env: dict[str, str], *args: str, log: Path
 
 
 def start_worker(address: str, env: dict[str, str], *args: str, log: Path | None = None,
-                 command: Sequence[str] = ("dtorch-worker",), **popen: Any) -> subprocess.Popen:
+                 command: Sequence[str] = WORKER, **popen: Any) -> subprocess.Popen:
     """Start a worker that registers with the controller at `address`."""
     return _popen([*command, "--controller", address, *args], env, log, popen)
 

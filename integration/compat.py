@@ -159,11 +159,9 @@ def check(client: Build, controller: Build, worker: Build, work: Path) -> tuple[
     try:
         # a long heartbeat timeout: a loaded machine must not look like lost workers
         ctl, address = start_controller(logs / "address", env_for(controller), "--heartbeat-timeout", "30",
-                                        log=logs / "controller.log", limit=WAIT_S,
-                                        command=(sys.executable, "-m", "dtorch_controller"))
+                                        log=logs / "controller.log", limit=WAIT_S)
         procs.append(ctl)
-        workers = [start_worker(address, env_for(worker), log=logs / f"worker{i}.log",
-                                command=(sys.executable, "-m", "dtorch_worker")) for i in range(2)]
+        workers = [start_worker(address, env_for(worker), log=logs / f"worker{i}.log") for i in range(2)]
         procs += workers
         if expected and expected[0] == "worker":
             for i, w in enumerate(workers):

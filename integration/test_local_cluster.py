@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import start_controller, start_worker, stop_all
+from _helpers import CONTROLLER, start_controller, start_worker, stop_all
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.py"
@@ -74,7 +74,7 @@ def test_quickstart_against_running_controller(standalone_cluster):
     status = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        status = subprocess.run(["dtorch-controller", "status", "--controller", address], env=env,
+        status = subprocess.run([*CONTROLLER, "status", "--controller", address], env=env,
                                 capture_output=True, text=True)
         if status.returncode == 0 and status.stdout.count("alive") >= 2:
             break

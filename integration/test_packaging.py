@@ -90,26 +90,32 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # a real pip install into a new environment: mostly the package index's latency
 def test_a_controller_installed_without_torch_serves_workers_and_clients(tmp_path):
+    """pip installs the two wheels (built here, offline) and their declared dependencies (from the index)."""
+    wheels = tmp_path / "wheels"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                            "-w", str(wheels), *(str(ROOT / "packages" / p) for p in ("dtorch-protocol",
+                                                                                        "dtorch-controller"))],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                              str(ROOT / "packages" / "dtorch-protocol"), str(ROOT / "packages" / "dtorch-controller")],
-                             env=clean, capture_output=True, text=True, timeout=600)
+                              *map(str, sorted(wheels.glob("*.whl")))], env=clean, capture_output=True, text=True,
+                             timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
     probe = "import importlib.util as u; print([m for m in ('torch', 'dtorch', 'numpy') if u.find_spec(m)])"
     assert subprocess.run([str(python), "-c", probe], env=clean, capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
     env = {**clean, "DTORCH_TOKEN": "torch-free"}
-    controller, address = start_controller(tmp_path / "address", env, log=tmp_path / "controller.log",
+    controller, address = start_controller(tmp_path / "address", env, "--heartbeat-timeout", "30",  # a loaded machine
+                                           log=tmp_path / "controller.log",
                                            command=(str(venv / "bin" / "dtorch-controller"),))
     procs = [controller]
     try:
-        procs += [start_worker(address, env, command=(sys.executable, "-m", "dtorch_worker"),
-                               log=tmp_path / f"worker{i}.log") for i in range(2)]
+        procs += [start_worker(address, env, log=tmp_path / f"worker{i}.log") for i in range(2)]  # main environment
         out = subprocess.run([sys.executable, "-c", CLIENT], env={**env, "DTORCH_CONTROLLER": address},
                              capture_output=True, text=True, timeout=180)
         assert out.returncode == 0 and out.stdout.strip() == "same as torch", out.stderr[-3000:]

@@ -102,24 +102,22 @@ def test_sync_times_out_and_shutdown_answers_parked_syncs():
         spec = m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["S0"])
         stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec, init="ones")]),
                   timeout=5)
-        start = time.monotonic()
-        reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3), timeout=10)
-        assert not reply.done and "w0" in reply.message and time.monotonic() - start < 5
+        reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3), timeout=60)  # its own timeout answers
+        assert not reply.done and "w0" in reply.message
         assert [b.seq for b in worker.batches] == [1]
         assert worker.batches[0].cmds[0].boxes == {0: [[0, 2]], 1: [[2, 2]]}
 
         outcome: list[object] = []
         parked = threading.Thread(target=lambda: outcome.append(_try(stub, sid)))
         parked.start()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while not server.service._waiters and time.monotonic() < deadline:
             time.sleep(0.01)
-        start = time.monotonic()
         server.stop(0)
-        parked.join(5)
-        assert not parked.is_alive() and time.monotonic() - start < 5
+        parked.join(30)
+        assert not parked.is_alive()
         assert isinstance(outcome[0], Exception)
-        deadline = time.monotonic() + 5  # the handler thread forgets its waiter just after the client saw the abort
+        deadline = time.monotonic() + 30  # the handler thread forgets its waiter just after the client saw the abort
         while server.service._waiters and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not server.service._waiters
