@@ -19,7 +19,14 @@ PACKAGES = [
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
 TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "numpy", "expecttest", "transformers", "diffusers",
-             "import-linter", "kubernetes-validate", "pyyaml", "cryptography"]
+             "import-linter", "kubernetes-validate", "pyyaml", "cryptography",
+             "hatchling", "tomli; python_version < '3.11'"]  # hatchling: test_packaging builds wheels offline
+
+
+def third_party_dependencies() -> list[str]:
+    """Every package's install dependencies that are not DTorch packages themselves."""
+    deps = {d for p in PACKAGES for d in nox.project.load_toml(f"{p}/pyproject.toml")["project"]["dependencies"]}
+    return sorted(d for d in deps if not d.startswith("dtorch-"))
 
 
 def install(session: nox.Session, *extra: str) -> None:
@@ -58,6 +65,25 @@ def demo(session: nox.Session) -> None:
     """Install everything and run the quickstart on an embedded local cluster."""
     install(session)
     session.run("python", "examples/quickstart.py")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of every package, built with hatch, into dist/."""
+    session.install("hatch")
+    dist = str(Path("dist").resolve())
+    for package in PACKAGES:
+        with session.chdir(package):
+            session.run("hatch", "build", "-t", "wheel", "-t", "sdist", dist)
+
+
+@nox.session
+def compat(session: nox.Session) -> None:
+    """Each package's previous release tag against HEAD: older clients with newer controllers and workers work,
+    the refused combinations say so in one line (integration/compat.py; the policy: docs/architecture.md)."""
+    session.install(TORCH)
+    session.install("hatch", *third_party_dependencies())  # the DTorch packages come from the builds, per process
+    session.run("python", "integration/compat.py", *session.posargs)
 
 
 @nox.session

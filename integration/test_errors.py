@@ -68,8 +68,12 @@ def test_protocol_major_mismatch_names_both_versions(cluster):
     old = m.Hello(protocol_version="0.9", package_version="0.0.1", role="client")
     with pytest.raises(wire.ProtocolError, match=rf"client speaks 0\.9 \(package 0\.0\.1\).*{m.PROTOCOL_VERSION}"):
         stub.call("OpenSession", m.OpenSession(hello=old))
-    newer_minor = m.Hello(protocol_version="1.7", package_version="0.9", role="client")
-    assert stub.call("OpenSession", m.OpenSession(hello=newer_minor)).session
+    major, minor = m.PROTOCOL_VERSION.split(".")
+    older_minor = m.Hello(protocol_version=f"{major}.0", package_version="0.0.9", role="client")
+    assert stub.call("OpenSession", m.OpenSession(hello=older_minor)).session
+    newer_minor = m.Hello(protocol_version=f"{major}.{int(minor) + 1}", package_version="0.9", role="client")
+    with pytest.raises(wire.ProtocolError, match="upgrade dtorch-controller"):
+        stub.call("OpenSession", m.OpenSession(hello=newer_minor))
 
 
 def test_unreachable_controller_is_one_line_and_bounded():

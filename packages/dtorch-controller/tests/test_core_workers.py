@@ -45,6 +45,15 @@ def test_an_older_minor_worker_is_refused_but_an_older_client_is_not(h, refused)
     assert isinstance(h.call(ev.OpenSession, m.OpenSession(hello=client, name="old")), m.SessionOpened)
 
 
+def test_a_newer_minor_client_is_refused(h, refused):
+    """Its new fields would be dropped unread (a memory cap, say): refused, naming what to upgrade."""
+    major, minor = m.PROTOCOL_VERSION.split(".")
+    newer = m.Hello(protocol_version=f"{major}.{int(minor) + 1}", package_version="9.0.0", role="client")
+    reply = h.call(ev.OpenSession, m.OpenSession(hello=newer, name="new"))
+    assert refused(reply, "protocol") and "upgrade dtorch-controller" in reply.message
+    assert newer.protocol_version in reply.message and not h.core.sessions
+
+
 def test_wrong_role_and_empty_address_are_refused(h, refused):
     reply = h.call(ev.Register, m.RegisterWorker(hello=hello("client"), address="a:1", device_type="cpu",
                                                  memory_bytes=0))

@@ -17,6 +17,7 @@ Every call is checked in this order, before its handler runs (`service_handler`)
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -133,13 +134,58 @@ def hello(role: str, package_version: str = __version__) -> m.Hello:
     return m.Hello(protocol_version=m.PROTOCOL_VERSION, package_version=package_version, role=role)
 
 
-def check_hello(h: m.Hello, ours: str = m.PROTOCOL_VERSION) -> None:
-    """Refuse a different protocol major, naming both versions; a newer minor is fine."""
-    theirs_major = h.protocol_version.split(".", 1)[0]
-    if theirs_major != ours.split(".", 1)[0]:
-        raise ProtocolError(
-            f"protocol version mismatch: {h.role} speaks {h.protocol_version} "
-            f"(package {h.package_version}), this side speaks {ours}")
+# The handshake (the policy is in docs/architecture.md, "Versions"). Protocol versions are MAJOR.MINOR; a minor
+# only adds (fields with defaults, new messages), a major may change anything. A controller speaking X.Y serves:
+#
+#   role     major   minor   because
+#   client   X       <= Y    the controller reads every older client message; a newer client's new fields would be
+#                            dropped unread (decoding skips unknown fields), so it is refused
+#   worker   X       >= Y    a worker reads every older command; an older worker would skip newer commands' fields
+#                            (memory caps) and run them wrongly, so it is refused
+#
+# So upgrade workers first, then the controller, then clients. Each package pins the dtorch-protocol minor it was
+# written for (`dtorch-protocol~=X.Y.0`), so its Hello names the protocol it really speaks.
+MINORS: dict[str, tuple[Callable[[int, int], bool], str]] = {  # role -> (theirs, ours accepted?, the fix)
+    "client": (lambda theirs, ours: theirs <= ours,
+               "clients may be older than the controller, not newer: upgrade dtorch-controller"),
+    "worker": (lambda theirs, ours: theirs >= ours,
+               "workers may be newer than the controller, not older: upgrade dtorch-worker"),
+}
+
+
+_VERSION = re.compile(r"(\d{1,9})\.(\d{1,9})", re.ASCII)
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    found = _VERSION.fullmatch(version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """A peer's string as it may appear in a one-line refusal: short and printable, else quoted and cut."""
+    if len(text) <= limit and text.isprintable():
+        return text
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def check_hello(h: m.Hello, role: str | None = None, ours: str = m.PROTOCOL_VERSION) -> None:
+    """Refuse a Hello the table above refuses, or one of another `role` than expected (None: any role), with one
+    line naming both versions and what to upgrade."""
+    if role is not None and h.role != role:
+        raise ProtocolError(f"expected a {role} hello, got role {_shown(h.role)!r}")
+    if h.role not in MINORS:
+        raise ProtocolError(f"unknown role {_shown(h.role)!r} in hello: expected one of {sorted(MINORS)}")
+    theirs, mine = _major_minor(h.protocol_version), _major_minor(ours)
+    assert mine is not None, ours
+    who = (f"{h.role} speaks {_shown(h.protocol_version)} (package {_shown(h.package_version)}), this side speaks "
+           f"{ours}")
+    if theirs is None:
+        raise ProtocolError(f"protocol version mismatch: {who}; expected MAJOR.MINOR")
+    if theirs[0] != mine[0]:
+        raise ProtocolError(f"protocol version mismatch: {who}; the majors must be equal")
+    accepted, fix = MINORS[h.role]
+    if not accepted(theirs[1], mine[1]):
+        raise ProtocolError(f"protocol version mismatch: {who}; {fix}")
 
 
 # ---------------------------------------------------------------- servers

@@ -118,17 +118,13 @@ class ControllerCore:
             return None
         return s
 
-    def _hello_refusal(self, hello: m.Hello, role: str) -> str | None:
+    @staticmethod
+    def _hello_refusal(hello: m.Hello, role: str) -> str | None:
+        """Why a Hello is refused (the table in `dtorch_protocol.wire`: older clients, newer workers), or None."""
         try:
-            check_hello(hello)
+            check_hello(hello, role)
         except ProtocolError as e:
             return str(e)
-        if hello.role != role:
-            return f"expected a {role} hello, got role {hello.role!r}"
-        if role == "worker" and _minor(hello.protocol_version) < _minor(m.PROTOCOL_VERSION):
-            # an older worker would decode newer commands and silently ignore their new fields (memory caps)
-            return (f"worker speaks protocol {hello.protocol_version} (dtorch {hello.package_version}), this "
-                    f"controller needs {m.PROTOCOL_VERSION} or newer from workers: upgrade dtorch-worker")
         return None
 
     def _send(self, s: Session, cmds: dict[str, list[m.Cmd]], out: Effects) -> None:
