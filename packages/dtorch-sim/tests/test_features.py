@@ -184,3 +184,38 @@ def test_openb_trace_shares_and_node_list(tmp_path):
     jobs = generate(sc)  # b: no GPU (skipped); c: never scheduled (skipped)
     assert [(j.id, j.devices, j.share, j.priority, j.duration) for j in jobs] == [
         ("a", 1, 0.5, "high", 100.0), ("d", 1, 0.25, "low", 60.0)]
+
+
+def jobs_trace(base: dict, tmp_path, rows: str, **trace) -> dict:
+    """A hand-written trace: `id,t,n,d,p` rows (submit, devices, duration, priority)."""
+    path = tmp_path / "jobs.csv"
+    path.write_text("id,t,n,d,p\n" + rows)
+    base["workload"] = {"trace": {"format": "csv", "path": str(path), "priority_map": {"high": "high", "low": "low"},
+                                  "columns": {"job_id": "id", "submit": "t", "num_gpu": "n", "duration": "d",
+                                              "priority": "p"}, **trace},
+                        "steps_per_job": 10, "sync_every": 1}
+    base["cluster"]["nodes"] = [{"count": 1, "devices_per_node": 4, "device_type": "a100"}]
+    return base
+
+
+def test_time_frozen_is_reported_per_job(base, tmp_path):
+    # a: 4 devices for 100 s in 10 s steps, frozen at t=15 by b; b's 50 s run after a's step in flight (20-70)
+    jobs_trace(base, tmp_path, "a,0,4,100,low\nb,15,4,50,high\n")
+    base["policy"] = {"name": "priority"}
+    sim, s = run(base)
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    assert a.preemptions == 1 and a.frozen_s == pytest.approx(55)
+    assert s["queueing_delay_s"]["max"] < 1  # nobody queued: the frozen time is only visible here
+    assert s["frozen_s"]["max"] == pytest.approx(55) and s["frozen_s"]["p50"] == 0
+    assert s["frozen_share_of_jct"]["max"] == pytest.approx(55 / 150, rel=1e-3)  # its JCT: 100 s + b's 50 s
+    metrics.write(sim, tmp_path / "out", plots=False)
+    header, *rows = (tmp_path / "out" / "jobs.csv").read_text().splitlines()
+    frozen = dict((r.split(",")[0], float(r.split(",")[header.split(",").index("frozen_s")])) for r in rows)
+    assert frozen["b"] == 0 and frozen["a"] == pytest.approx(55)
+
+
+def test_time_axes_read_in_hours_or_days_when_long():
+    assert metrics.time_unit(300) == (1.0, "s")
+    assert metrics.time_unit(5000) == (60.0, "minutes")
+    assert metrics.time_unit(20 * 3600) == (3600.0, "hours")
+    assert metrics.time_unit(8 * 86400) == (86400.0, "days")

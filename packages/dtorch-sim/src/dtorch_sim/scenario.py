@@ -159,16 +159,48 @@ OPENB_COLUMNS = {"job_id": "name", "submit": "creation_time", "end": "deletion_t
                  "num_gpu": "num_gpu", "gpu_milli": "gpu_milli", "priority": "qos"}
 OPENB_PRIORITIES = {"LS": "high", "Guaranteed": "high", "Burstable": "normal", "BE": "low"}
 Column = Literal["job_id", "submit", "duration", "start", "end", "num_gpu", "gpu_milli", "priority"]
+TIMED = ("submit", "start", "end")  # the roles `time_format` applies to (a duration is always seconds)
+
+
+class RowFilter(_Model):
+    """Keep only the rows whose `column` holds one of `values` (e.g. one virtual cluster of a multi-cluster trace)."""
+
+    column: str
+    values: list[str] = Field(min_length=1)
+
+
+class Partition(_Model):
+    """Split the jobs by the value of `column` (e.g. the virtual cluster): each job is tagged with its value (its
+    *group*: a column of jobs.csv, JCT per group in metrics.json), and at most `quotas[value]` jobs of each value
+    are kept, the earliest submitted first. Values without a quota are dropped (`others: N` keeps N of each)."""
+
+    column: str
+    quotas: dict[str, int] = Field(min_length=1)
+    others: int = Field(0, ge=0)
+
+    @field_validator("quotas")
+    @classmethod
+    def _counts(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = sorted(k for k, n in v.items() if n < 1)
+        if bad:
+            raise ValueError(f"a quota is a number of jobs >= 1, got {', '.join(f'{k}: {v[k]}' for k in bad)}")
+        return v
 
 
 class Trace(_Model):
-    """Jobs from a CSV: ITP (`job_id, submission_time, duration, num_gpu`) or openb pods (`name, creation_time,
-    scheduled_time, deletion_time, num_gpu, gpu_milli, qos`). `columns` maps these roles to other column names,
-    so any CSV with an id, a submit time, a duration (or an end time) and a device count can be replayed."""
+    """Jobs from a CSV: ITP (`job_id, submission_time, duration, num_gpu`), openb pods (`name, creation_time,
+    scheduled_time, deletion_time, num_gpu, gpu_milli, qos`), or any CSV (`csv`: `columns` names the column of
+    each role; at least submit, num_gpu, and duration or end; without a job_id column jobs are named by their
+    row). Rows may come in any order (jobs are sorted by submit time)."""
 
-    format: Literal["itp", "openb"]
+    format: Literal["itp", "openb", "csv"]
     path: str
     columns: dict[Column, str] = {}
+    # how submit, start and end values read: "seconds" (numbers), "iso" (ISO 8601 dates and times) or a strptime
+    # pattern such as "%Y-%m-%d %H:%M:%S"; dates become POSIX seconds (UTC unless the value names its zone)
+    time_format: str = "seconds"
+    filter: RowFilter | None = None
+    partition: Partition | None = None
     start_s: float = Field(0.0, ge=0)  # skip jobs submitted before this trace time
     every: int = Field(1, ge=1)  # keep every k-th job (a lighter load over the same time span)
     limit: int | None = Field(None, ge=1)  # at most this many jobs (after start_s and filtering)
@@ -180,12 +212,28 @@ class Trace(_Model):
     # openb pods with gpu_milli < 1000: a whole device, skipped, or that share of a device (packing policies
     # then put several on one device, others still give each a whole device)
     fractional: Literal["whole", "skip", "share"] = "whole"
-    duration_from: Literal["start", "submit"] = "start"  # openb: duration = end - scheduled (or - creation) time
-    unscheduled: Literal["skip", "keep"] = "skip"  # openb pods never scheduled in production (no scheduled_time)
+    duration_from: Literal["start", "submit"] = "start"  # with start and end: duration = end - start (or - submit)
+    unscheduled: Literal["skip", "keep"] = "skip"  # rows with an empty start (never scheduled in production)
     priority_map: dict[str, Priority] | None = None  # column value -> priority (openb default: LS high, BE low)
 
+    @model_validator(mode="after")
+    def _roles(self) -> Trace:
+        if self.format == "csv":
+            cols = self.columns
+            missing = [r for r in ("submit", "num_gpu") if r not in cols]
+            if "duration" not in cols and "end" not in cols:
+                missing.append("duration or end")
+            if missing:
+                raise ValueError(f"format csv needs columns for submit, num_gpu, and duration or end: add "
+                                 f"{', '.join(missing)} to workload.trace.columns (role: CSV column name)")
+        if self.time_format not in ("seconds", "iso") and "%" not in self.time_format:
+            raise ValueError(f"time_format must be 'seconds', 'iso' or a strptime pattern such as "
+                             f"'%Y-%m-%d %H:%M:%S', got {self.time_format!r}")
+        return self
+
     def column_map(self) -> dict[str, str]:
-        return {**(ITP_COLUMNS if self.format == "itp" else OPENB_COLUMNS), **self.columns}
+        base = {"itp": ITP_COLUMNS, "openb": OPENB_COLUMNS, "csv": {}}[self.format]
+        return {**base, **self.columns}
 
     def priorities(self) -> dict[str, str]:
         if self.priority_map is not None:

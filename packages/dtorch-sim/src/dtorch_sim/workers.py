@@ -114,9 +114,13 @@ class Worker:
         self.beat_armed = False
         if not self.alive or token != self.token:
             return
-        due = self.last_report + self.interval
-        if self.env.now < due - 1e-9:  # it reported since: the next heartbeat is an interval after that
-            self._arm(due - self.env.now)
+        # The next heartbeat is due in the slot an interval after its last report. Compared on the slot grid (the
+        # same rounding `_arm` used), with a relative tolerance: re-arming is for a strictly later time, so the
+        # clock always advances (an absolute 1e-9 s against a rounding of 1e-9 slot looped forever at 3600 s).
+        due = self.sim.slot_after(self.last_report + self.interval)
+        now = self.env.now
+        if due > now + 1e-9 * max(1.0, abs(due)):  # it reported since
+            self._arm(due - now)
             return
         self.report()
 
