@@ -198,20 +198,48 @@ def jobs_trace(base: dict, tmp_path, rows: str, **trace) -> dict:
     return base
 
 
-def test_time_frozen_is_reported_per_job(base, tmp_path):
-    # a: 4 devices for 100 s in 10 s steps, frozen at t=15 by b; b's 50 s run after a's step in flight (20-70)
+def test_time_frozen_is_reported_per_job_and_freezing_costs_an_offload(base, tmp_path):
+    # a: 4 devices for 100 s in 10 s steps, frozen at t=15 by b; b's 50 s run after a's step in flight (20-70),
+    # but first each device offloads a's 2 GB to host memory, and a loads it back when it resumes
     jobs_trace(base, tmp_path, "a,0,4,100,low\nb,15,4,50,high\n")
     base["policy"] = {"name": "priority"}
     sim, s = run(base)
+    swap = 2 * 2**30 * 8 / 200e9  # state_gb at host_gbps
     a = next(r for r in sim.jobs if r.spec.id == "a")
-    assert a.preemptions == 1 and a.frozen_s == pytest.approx(55)
+    assert a.preemptions == 1 and a.frozen_s == pytest.approx(55 + swap)
+    assert a.finished - a.spec.arrival == pytest.approx(150 + 2 * swap)
+    assert s["scheduling"]["offloaded_bytes"] == 2 * 4 * 2 * 2**30  # out and back in, on each of 4 devices
     assert s["queueing_delay_s"]["max"] < 1  # nobody queued: the frozen time is only visible here
-    assert s["frozen_s"]["max"] == pytest.approx(55) and s["frozen_s"]["p50"] == 0
-    assert s["frozen_share_of_jct"]["max"] == pytest.approx(55 / 150, rel=1e-3)  # its JCT: 100 s + b's 50 s
+    assert s["frozen_s"]["max"] == pytest.approx(55 + swap) and s["frozen_s"]["p50"] == 0
+    assert s["frozen_share_of_jct"]["max"] == pytest.approx(55 / 150, rel=1e-2)  # its JCT: 100 s + b's 50 s
     metrics.write(sim, tmp_path / "out", plots=False)
     header, *rows = (tmp_path / "out" / "jobs.csv").read_text().splitlines()
     frozen = dict((r.split(",")[0], float(r.split(",")[header.split(",").index("frozen_s")])) for r in rows)
-    assert frozen["b"] == 0 and frozen["a"] == pytest.approx(55)
+    assert frozen["b"] == 0 and frozen["a"] == pytest.approx(55 + swap)
+
+
+def test_amdahl_scaling_a_job_on_fewer_devices_than_it_asked_for(base, tmp_path):
+    # 8 logical devices on the 4 devices of the cluster: with p = 0.9, 100 s on 8 devices is T1 = 100 / (0.1 +
+    # 0.9 / 8) on one, and 4 workers take T1 * (0.1 + 0.9 / 4) = 152.9 s (linear scaling would say 200 s)
+    jobs_trace(base, tmp_path, "a,0,8,100,low\n")
+    base["workload"]["scaling"] = {"model": "amdahl", "parallel_fraction": [0.9]}
+    sim, s = run(base)
+    assert s["jct_s"]["max"] == pytest.approx(100 / (0.1 + 0.9 / 8) * (0.1 + 0.9 / 4), rel=1e-3)
+    base["workload"]["scaling"] = {"model": "linear"}
+    sim, s = run(base)
+    assert s["jct_s"]["max"] == pytest.approx(200, rel=1e-3)
+
+
+def test_relocation_moves_are_charged_by_state_size(base, tmp_path):
+    # a (low, the most recent) is frozen by b at t=5, then relocates (relocate_after 0) onto the 2 devices c frees
+    # at t=30: its state, 8 GB per device, is pulled across at network_gbps
+    jobs_trace(base, tmp_path, "c,0,2,30,low\na,1,2,100,low\nb,5,2,200,high\n")
+    base["workload"]["state_gb"] = 8.0
+    base["policy"] = {"name": "priority", "params": {"relocate_after": 0}}
+    sim, s = run(base)
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    assert s["scheduling"]["relocations"] == 1 and a.moved_bytes == 2 * 8 * 2**30
+    assert s["scheduling"]["move_device_s"] == pytest.approx(2 * 8 * 2**30 * 8 / 100e9)
 
 
 def test_time_axes_read_in_hours_or_days_when_long():

@@ -125,3 +125,19 @@ def test_compare_params_for_unknown_policies_are_reported(base):
     assert errors(base) == [
         "policy.params_for.srtf: unknown policy 'srtf': known policies are dtorch, fifo, las, priority",
         "policy.params_for.las: policy parameter 'thresholds' must be ascending positive device-seconds, got [5, 1]"]
+
+
+def test_cost_model_settings_are_checked(base):
+    base["workload"]["scaling"] = {"model": "amdahl", "parallel_fraction": [0.99, 0.5]}
+    base["workload"]["state_gb"] = 0
+    assert sorted(errors(base)) == [
+        "workload.scaling.parallel_fraction: a parallel fraction is in (0, 1]: give [low, high] or one value, got "
+        "[0.99, 0.5]",
+        "workload.state_gb: state_gb is gigabytes > 0 per device, or a distribution, got 0.0"]
+    base["workload"]["scaling"] = {"parallel_fraction": [1.5]}
+    base["workload"]["state_gb"] = {"dist": "uniform", "low": 1, "high": 8}
+    assert errors(base) == ["workload.scaling.parallel_fraction: a parallel fraction is in (0, 1]: give [low, high] "
+                            "or one value, got [1.5]"]
+    base["workload"]["scaling"] = {"parallel_fraction": [0.9, 1.0]}
+    jobs = generate(parse(base))
+    assert all(0.9 <= j.parallel <= 1.0 and 1 <= j.state_gb <= 8 for j in jobs) and len({j.parallel for j in jobs}) > 1

@@ -134,6 +134,10 @@ class Simulation:
         self.preemptions = 0
         self.resumes = 0
         self.relocations = 0  # frozen sessions resumed on free devices (their state moved there)
+        self.moved_bytes = 0  # bytes of logical devices moved between workers (relocations, growth, drains)
+        self.move_s = 0.0  # device-seconds those copies took
+        self.swapped_bytes = 0  # bytes of frozen state offloaded to host memory and loaded back
+        self.swap_s = 0.0
         self.recoveries = 0  # sessions the core rebuilt after a worker loss
         self.redone_device_s = 0.0  # step work done again (replays, restarts) or cut short by a failure
         self.session_jobs: dict[str, JobRecord] = {}  # open session -> its job
@@ -353,7 +357,7 @@ class Simulation:
         return int(spec.share * self._share_memory * GB) if spec.share < 1 else 0
 
     def state_bytes(self, spec: JobSpec, cap: int) -> int:
-        size = int(self.scenario.workload.state_gb * GB)
+        size = int(spec.state_gb * GB)
         return min(size, cap // 4) if cap else size
 
     def session_opened(self, session: str, rec: JobRecord) -> None:
@@ -403,6 +407,19 @@ class Simulation:
                 self.redone_device_s += per_device
             else:
                 high[d] = step
+
+    def moved(self, session: str, nbytes: int, seconds: float) -> None:
+        """A worker copied `nbytes` of a session's devices that move (relocation, growth, shrink, drain)."""
+        self.moved_bytes += nbytes
+        self.move_s += seconds
+        rec = self.session_jobs.get(session)
+        if rec is not None:
+            rec.moved_bytes += nbytes
+
+    def swapped(self, nbytes: int, seconds: float) -> None:
+        """A worker offloaded frozen state to host memory or loaded it back (workers.Worker._swap)."""
+        self.swapped_bytes += nbytes
+        self.swap_s += seconds
 
     def work_lost(self, rec: JobRecord | None, work: float) -> None:
         """A failure cut a step short: what it had done is lost."""

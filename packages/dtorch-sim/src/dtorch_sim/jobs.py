@@ -49,6 +49,8 @@ class JobSpec:
     share: float = 1.0  # < 1: a fraction of one device (packing policies may share the device)
     priority: str = "normal"
     group: str = ""  # the trace's partition value (workload.trace.partition), if any
+    parallel: float = 1.0  # Amdahl parallel fraction (workload.scaling): how its step time follows its devices
+    state_gb: float = 2.0  # its live state per device (what moves, snapshots and offloads copy)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class JobRecord:
     steps_done: int = 0  # steps behind the last durable point (a Sync that came back done)
     work_s: float = 0.0  # device-seconds of step work executed (speed-normalized), redone work included
     frozen_s: float = 0.0  # seconds its sessions spent frozen (preempted), all sessions together
+    moved_bytes: int = 0  # bytes of its state moved between workers (relocations, growth, shrink, drains)
     sessions: list[str] = field(default_factory=list)
 
 
@@ -79,7 +82,21 @@ def generate(sc: Scenario) -> list[JobSpec]:
         rng = random.Random(f"priorities-{sc.seed}")
         classes, weights = list(wl.priorities), list(wl.priorities.values())
         jobs = [replace(j, priority=rng.choices(classes, weights=weights)[0]) for j in jobs]
-    return jobs
+    return _costs(sc, jobs)
+
+
+def _costs(sc: Scenario, jobs: list[JobSpec]) -> list[JobSpec]:
+    """Each job's parallel fraction and state size, drawn from their own seeded stream (scenario.Scaling)."""
+    wl = sc.workload
+    rng = random.Random(f"costs-{sc.seed}")
+    low, high = wl.scaling.parallel_fraction[0], wl.scaling.parallel_fraction[-1]
+    memory = min(dt.memory_gb for dt in sc.cluster.device_types.values())
+    out = []
+    for j in jobs:
+        parallel = 1.0 if wl.scaling.model == "linear" else (low if low == high else rng.uniform(low, high))
+        state = wl.state_gb if isinstance(wl.state_gb, (int, float)) else wl.state_gb.sample(rng)
+        out.append(replace(j, parallel=parallel, state_gb=min(float(state), memory)))
+    return out
 
 
 def _synthetic(sc: Scenario) -> Iterator[JobSpec]:
@@ -300,10 +317,17 @@ class Steps:
         else:
             self.steps = wl.steps_per_job
         self.step_s = spec.duration / self.steps
+        # Amdahl (scenario.Scaling): on its n devices a step takes step_s = T1 * ((1 - p) + p / n). Each worker pays
+        # the serial part T1 * (1 - p) once per step and the parallel part T1 * p / n per logical device it hosts,
+        # so a job on fewer workers than logical devices (shrunk, or doubled up) runs T1 * ((1 - p) + p / k).
         # A job asking for a share f < 1 of a device keeps it busy f of the time: each step is f * step_s of
         # device work, then (1 - f) * step_s of the job's own time (waiting for input, serving requests). Alone on
         # a device it runs as fast as on a whole one; sharing a device with others, the busy parts interleave.
-        self.flops = self.step_s * spec.share * reference_tflops * 1e12
+        p, n = spec.parallel, spec.devices
+        one_device = self.step_s / ((1 - p) + p / n)
+        rate = spec.share * reference_tflops * 1e12
+        self.flops = one_device * p / n * rate  # per logical device
+        self.serial_flops = one_device * (1 - p) * rate  # per worker
         self.think_s = self.step_s * (1 - spec.share)
         rows = max(1, state_bytes // (4 * STATE_COLS))
         n = spec.devices
@@ -316,7 +340,8 @@ class Steps:
 
     def step(self, i: int) -> list[m.Instr]:
         prev, self.tid = self.tid, self.tid + 1
-        call = m.InstrCall(op=STEP_OP, mesh=0, args=[{"$t": prev}], kwargs={"flops": self.flops, "step": i},
+        call = m.InstrCall(op=STEP_OP, mesh=0, args=[{"$t": prev}],
+                           kwargs={"flops": self.flops, "serial_flops": self.serial_flops, "step": i},
                            outs=[m.OutSpec(tid=self.tid, spec=self.spec)], src=f"train.py:{i}")
         return [call, m.InstrDelete(tids=[prev])]
 

@@ -26,7 +26,9 @@ Definitions (metrics.json):
   devices, or on free ones their state is moved to), per sample.
 * `preemptions` (sessions frozen), `resumes`, `relocations` (resumes on free devices the session's state was
   moved to, rather than on its own), `recoveries` (sessions rebuilt by the core), `migrations` (logical-device
-  moves by drains: count, bytes, downtime).
+  moves by drains: count, bytes, downtime); `moved_bytes` / `move_device_s` (every copy of a moving logical
+  device: relocations, growth, shrinks, drains) and `offloaded_bytes` / `offload_device_s` (frozen state
+  offloaded to host memory and loaded back: the freeze and resume cost), all charged on the simulated clock.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def summarize(sim: Simulation) -> dict:
         },
         "scheduling": {"preemptions": sim.preemptions, "resumes": sim.resumes,
                        "relocations": sim.relocations, "recoveries": sim.recoveries,
+                       "moved_bytes": sim.moved_bytes, "move_device_s": _r(sim.move_s),
+                       "offloaded_bytes": sim.swapped_bytes, "offload_device_s": _r(sim.swap_s),
                        "migrations": len(sim.moves), "migrated_bytes": sum(mv.bytes for mv in sim.moves),
                        "drains_refused": sim.drains_refused,
                        "migration_downtime_s": _stats([mv.downtime_s for mv in sim.moves])},

@@ -241,6 +241,25 @@ class Trace(_Model):
         return dict(OPENB_PRIORITIES) if self.format == "openb" else {}
 
 
+class Scaling(_Model):
+    """How a job's step time depends on the devices it runs on (Amdahl's law with a per-job parallel fraction p).
+
+    A job's trace duration is its time on the devices it asked for (n). On k workers (k < n after a shrink, or
+    with several logical devices per worker) a step takes `T1 * ((1 - p) + p / k)`, `T1` being its one-device step
+    time, so it runs `((1 - p) + p / k) / ((1 - p) + p / n)` times slower than on n. `linear` is p = 1 (half the
+    devices, twice the time). p is drawn per job, uniformly in `parallel_fraction` ([low, high]; one value: fixed)."""
+
+    model: Literal["amdahl", "linear"] = "amdahl"
+    parallel_fraction: list[float] = Field([0.95, 1.0], min_length=1, max_length=2)
+
+    @field_validator("parallel_fraction")
+    @classmethod
+    def _fraction(cls, v: list[float]) -> list[float]:
+        if any(not 0 < p <= 1 for p in v) or v != sorted(v):
+            raise ValueError(f"a parallel fraction is in (0, 1]: give [low, high] or one value, got {v}")
+        return v
+
+
 class Workload(_Model):
     synthetic: Synthetic | None = None
     trace: Trace | None = None
@@ -250,11 +269,21 @@ class Workload(_Model):
     step_s: float | None = Field(None, gt=0)
     max_steps: int = Field(100, ge=1)
     sync_every: int = Field(5, ge=1)  # steps between Syncs; a Sync is the job's durable point for restarts
-    state_gb: float = Field(2.0, gt=0)  # live state (weights, optimizer) per device: what snapshots and moves copy
+    # live state (weights, optimizer) per device, what moves, snapshots and offloads copy: a number, or a
+    # distribution drawn per job (capped at the smallest device memory)
+    state_gb: float | Distribution = Field(2.0)
+    scaling: Scaling = Scaling()
     on_failure: Literal["restart", "fail"] = "restart"  # a job whose data was lost: resume elsewhere, or give up
     retry_s: float = Field(60.0, gt=0)  # a queued job asks again at least this often (it is also woken when placed)
     # weights of each job's priority class, drawn per job (empty: "normal", or the trace's own classes)
     priorities: dict[Priority, float] = {}
+
+    @field_validator("state_gb")
+    @classmethod
+    def _state(cls, v: float | Distribution) -> float | Distribution:
+        if not isinstance(v, Distribution) and not v > 0:
+            raise ValueError(f"state_gb is gigabytes > 0 per device, or a distribution, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> Workload:

@@ -62,6 +62,7 @@ class Worker:
         self.store: dict[str, dict[tuple[int, int], int]] = {}  # session/namespace -> (tid, device) -> bytes
         self.totals: dict[str, int] = {}  # session/namespace -> bytes
         self.errors: dict[str, list[m.ErrorReport]] = {}
+        self.offloaded: dict[str, int] = {}  # session -> bytes of its state offloaded to host memory (see _swap)
         self.busy_s = 0.0  # finished busy time
         self.last_report = 0.0
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
@@ -213,7 +214,7 @@ class Worker:
         ref_flops = cost.reference_tflops * 1e12
         rate = ref_flops * self.speed * self.slow
         session = batch.session
-        seconds = 0.0
+        seconds = self._swap(batch) if any(type(c) is m.CmdRun for c in batch.cmds) else 0.0
         work = 0.0
         steps: dict[int, int] = {}
         for cmd in batch.cmds:
@@ -222,8 +223,9 @@ class Worker:
             if kind is m.CmdRun:
                 store = self.store.get(session, {})
                 inputs = [a["$t"] for a in cmd.args if type(a) is dict and "$t" in a]
-                if cmd.op == STEP_OP:
-                    flops = float(cmd.kwargs.get("flops", 0.0)) * len(cmd.devices)
+                if cmd.op == STEP_OP:  # jobs.Steps: per logical device, plus the serial part once per worker
+                    kw = cmd.kwargs
+                    flops = float(kw.get("flops", 0.0)) * len(cmd.devices) + float(kw.get("serial_flops", 0.0))
                     step = cmd.kwargs.get("step")
                     if step is not None:
                         steps.update((d, step) for d in cmd.devices)
@@ -249,6 +251,7 @@ class Worker:
             elif kind is m.CmdCloseSession:
                 self.store.pop(session, None)
                 self.totals.pop(session, None)
+                self.offloaded.pop(session, None)
             elif kind is m.CmdSendShards:
                 seconds += self._send_shards(batch, cmd)
             elif kind is m.CmdFetchShards:
@@ -270,6 +273,25 @@ class Worker:
         self.work = (rec, steps, work) if rec is not None and work else None
         return seconds
 
+    def _swap(self, batch: m.Execute) -> float:
+        """Device memory (the freeze and resume cost): a session running on a whole device (memory_cap 0) uses all of
+        its memory, so the state of every other session on this worker (a frozen one's) is offloaded to host memory
+        first; a session whose state was offloaded here loads it back before it computes here again. Both copies
+        take bytes / `host_gbps`, on this batch's clock. Packed (capped) sessions fit by their caps: no swapping."""
+        session = batch.session
+        nbytes = self.totals.get(session, 0) if self.offloaded.pop(session, None) is not None else 0  # loaded back
+        if not batch.memory_cap:
+            live = self.sim.session_jobs
+            for other, held in self.totals.items():
+                if held and other != session and other in live and other not in self.offloaded:
+                    self.offloaded[other] = held
+                    nbytes += held
+        if not nbytes:
+            return 0.0
+        seconds = nbytes * 8 / (self.sim.scenario.cost.host_gbps * 1e9)
+        self.sim.swapped(nbytes, seconds)
+        return seconds
+
     def _send_shards(self, batch: m.Execute, cmd: m.CmdSendShards) -> float:
         cost = self.sim.scenario.cost
         store = self.store.get(batch.session, {})
@@ -283,7 +305,10 @@ class Worker:
         for shard, b in shards:
             dest._put(cmd.namespace, shard, b)
         gbps = cost.network_gbps if remote else cost.host_gbps
-        return nbytes * 8 / (gbps * 1e9)
+        seconds = nbytes * 8 / (gbps * 1e9)
+        if cmd.move:
+            self.sim.moved(batch.session, nbytes, seconds)
+        return seconds
 
     def _fetch_shards(self, batch: m.Execute, cmd: m.CmdFetchShards) -> float:
         cost = self.sim.scenario.cost
@@ -304,4 +329,7 @@ class Worker:
                 self._put(batch.session, (tid, d), b)
                 nbytes += b
         gbps = cost.network_gbps if remote else cost.host_gbps
-        return nbytes * 8 / (gbps * 1e9)
+        seconds = nbytes * 8 / (gbps * 1e9)
+        if cmd.move:
+            self.sim.moved(batch.session, nbytes, seconds)
+        return seconds
