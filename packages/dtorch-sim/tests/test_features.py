@@ -85,7 +85,7 @@ def test_preemption_freezes_low_priority_work_without_losing_it(base):
     base["workload"]["synthetic"].update(jobs=10, arrival={"rate_per_s": 0.5}, size={"choices": [4]},
                                          duration={"dist": "constant", "value": 40})
     base["workload"]["priorities"] = {"high": 1, "low": 1}
-    base["policy"] = {"name": "dtorch"}
+    base["policy"] = {"name": "priority"}  # classes only (dtorch also preempts within a class)
     sim, s = run(base)
     assert s["jobs"]["finished"] == 10
     assert s["scheduling"]["preemptions"] >= 1 and s["scheduling"]["resumes"] >= 1

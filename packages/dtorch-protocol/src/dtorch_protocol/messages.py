@@ -25,7 +25,8 @@ from msgspec import Struct
 
 PROTOCOL_VERSION = "1.3"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
-# ShardsRequest.move (a frozen session's devices are pulled by their new worker)
+# ShardsRequest.move (a frozen session's devices are pulled by their new worker); OpenSession.expected_steps
+# (a scheduling hint: controllers that predate it ignore it)
 
 
 class Hello(Struct, frozen=True):
@@ -72,6 +73,7 @@ class OpenSession(Struct, frozen=True):
     priority: str = "normal"  # "high" | "normal" | "low"
     kind: str = "batch"  # "batch" | "realtime"
     memory_cap: int = 0  # bytes each device may hold for this session (0: whole devices; > 0: may share one)
+    expected_steps: int = 0  # sync points the program expects to reach (0: unknown): a scheduling hint
 
 
 class SessionOpened(Struct, frozen=True):

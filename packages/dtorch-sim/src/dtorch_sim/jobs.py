@@ -51,6 +51,7 @@ class JobSpec:
     group: str = ""  # the trace's partition value (workload.trace.partition), if any
     parallel: float = 1.0  # Amdahl parallel fraction (workload.scaling): how its step time follows its devices
     state_gb: float = 2.0  # its live state per device (what moves, snapshots and offloads copy)
+    declares: float = 0.0  # > 0: it declares its steps to the controller, times this error factor
 
 
 @dataclass
@@ -91,11 +92,14 @@ def _costs(sc: Scenario, jobs: list[JobSpec]) -> list[JobSpec]:
     rng = random.Random(f"costs-{sc.seed}")
     low, high = wl.scaling.parallel_fraction[0], wl.scaling.parallel_fraction[-1]
     memory = min(dt.memory_gb for dt in sc.cluster.device_types.values())
+    declared = random.Random(f"declared-{sc.seed}")  # its own stream: the share does not change the others
     out = []
     for j in jobs:
         parallel = 1.0 if wl.scaling.model == "linear" else (low if low == high else rng.uniform(low, high))
         state = wl.state_gb if isinstance(wl.state_gb, (int, float)) else wl.state_gb.sample(rng)
-        out.append(replace(j, parallel=parallel, state_gb=min(float(state), memory)))
+        draw, noise = declared.random(), declared.lognormvariate(0.0, wl.expected_steps.error)
+        out.append(replace(j, parallel=parallel, state_gb=min(float(state), memory),
+                           declares=noise if draw < wl.expected_steps.share else 0.0))
     return out
 
 
@@ -334,6 +338,13 @@ class Steps:
         self.spec = m.TensorSpec(shape=[n * rows, STATE_COLS], dtype="float32", mesh=0, placements=["S0"])
         self.tid = 1  # the live state tensor of the current session
 
+    def syncs_left(self, done: int, sync_every: int, factor: float) -> int:
+        """What the job declares as its expected steps (sync points) from step `done` on; 0 when it does not."""
+        if not factor:
+            return 0
+        every = 1 if self.think_s else sync_every  # a fractional job syncs every step (run_steps)
+        return max(1, round(math.ceil((self.steps - done) / every) * factor))
+
     def setup(self) -> list[m.Instr]:
         self.tid = 1
         return [m.InstrCreate(tid=1, spec=self.spec, init="zeros")]
@@ -355,8 +366,9 @@ def job(sim, rec: JobRecord):
     cap = sim.memory_cap(spec)
     work = Steps(spec, wl, sim.scenario.cost.reference_tflops, sim.state_bytes(spec, cap))
     while True:
-        opened = yield sim.request(lambda r: ev.OpenSession(r, m.OpenSession(
-            hello=HELLO, name=spec.id, priority=spec.priority, memory_cap=cap)))
+        expected = work.syncs_left(rec.steps_done, wl.sync_every, spec.declares)
+        opened = yield sim.request(lambda r, expected=expected: ev.OpenSession(r, m.OpenSession(
+            hello=HELLO, name=spec.id, priority=spec.priority, memory_cap=cap, expected_steps=expected)))
         if isinstance(opened, fx.Refusal):
             rec.failed, rec.error = env.now, f"OpenSession refused: {opened.message}"
             return

@@ -260,6 +260,14 @@ class Scaling(_Model):
         return v
 
 
+class Declared(_Model):
+    """Jobs that tell the controller how many steps they will run (`dtorch.connect(expected_steps=...)`): a share
+    of the jobs, each declaring its true count of sync points times a lognormal error (median 1, sigma `error`)."""
+
+    share: float = Field(0.0, ge=0, le=1)
+    error: float = Field(0.0, ge=0)
+
+
 class Workload(_Model):
     synthetic: Synthetic | None = None
     trace: Trace | None = None
@@ -273,6 +281,7 @@ class Workload(_Model):
     # distribution drawn per job (capped at the smallest device memory)
     state_gb: float | Distribution = Field(2.0)
     scaling: Scaling = Scaling()
+    expected_steps: Declared = Declared()
     on_failure: Literal["restart", "fail"] = "restart"  # a job whose data was lost: resume elsewhere, or give up
     retry_s: float = Field(60.0, gt=0)  # a queued job asks again at least this often (it is also woken when placed)
     # weights of each job's priority class, drawn per job (empty: "normal", or the trace's own classes)

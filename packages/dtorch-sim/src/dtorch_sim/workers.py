@@ -63,6 +63,7 @@ class Worker:
         self.totals: dict[str, int] = {}  # session/namespace -> bytes
         self.errors: dict[str, list[m.ErrorReport]] = {}
         self.offloaded: dict[str, int] = {}  # session -> bytes of its state offloaded to host memory (see _swap)
+        self._stats: dict[str, m.ShardStats] | None = None  # the last report's shard stats, while they hold
         self.busy_s = 0.0  # finished busy time
         self.last_report = 0.0
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
@@ -136,7 +137,10 @@ class Worker:
         utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
         self.reported_at, self.busy_at_report = now, busy
         errors, self.errors = self.errors, {}
-        sessions = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b) for k, b in self.totals.items() if b}
+        sessions = self._stats
+        if sessions is None:  # the shards changed since the last report (cached: frozen sessions' shards stay put)
+            sessions = self._stats = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b)
+                                      for k, b in self.totals.items() if b}
         report = m.WorkerReport(worker=self.id, completed=self.completed, errors=errors,  # type: ignore[arg-type]
                                 sessions=sessions, utilization=utilization)
         reply = self.sim.call(lambda r: ev.Report(r, report))
@@ -192,6 +196,7 @@ class Worker:
     # ------------------------------------------------------------ the cost model
 
     def _put(self, key: str, shard: tuple[int, int], nbytes: int) -> None:
+        self._stats = None
         store = self.store.get(key)
         if store is None:
             store = self.store[key] = {}
@@ -200,6 +205,7 @@ class Worker:
         store[shard] = nbytes
 
     def _drop(self, key: str, shard: tuple[int, int]) -> None:
+        self._stats = None
         store = self.store.get(key)
         if store is not None and shard in store:
             self.totals[key] -= store.pop(shard)
@@ -251,6 +257,7 @@ class Worker:
             elif kind is m.CmdCloseSession:
                 self.store.pop(session, None)
                 self.totals.pop(session, None)
+                self._stats = None
                 self.offloaded.pop(session, None)
             elif kind is m.CmdSendShards:
                 seconds += self._send_shards(batch, cmd)

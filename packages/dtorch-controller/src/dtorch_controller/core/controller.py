@@ -158,9 +158,11 @@ class ControllerCore:
             sid = self._new_session_id()
         if msg.memory_cap < 0:
             return self._refuse(out, e.request_id, f"bad memory_cap {msg.memory_cap}: expected bytes >= 0")
+        if msg.expected_steps < 0:
+            return self._refuse(out, e.request_id, f"bad expected_steps {msg.expected_steps}: expected a count >= 0")
         self.sessions[sid] = Session(id=sid, name=msg.name, priority=msg.priority, kind=msg.kind, opened_at=now,
                                      last_heard=now)
-        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap)
+        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap, msg.expected_steps)
         self.log.add(now, f"session {_short(sid)} opened ({msg.name or 'unnamed'}, {msg.priority}, {msg.kind})")
         timeout = self.config.session_timeout_s
         keepalive = 0.0
@@ -268,6 +270,7 @@ class ControllerCore:
         if msg.upto > s.seq:
             return self._refuse(out, e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted "
                                                    f"for session {_short(s.id)} is {s.seq}")
+        self._apply(now, self.sched.progress(now, s.id), out)  # a sync point is a step of its progress
         if not self._busy(s) and not self._held(s):
             return self._reply(out, e.request_id, self._done(s))
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)
@@ -284,7 +287,9 @@ class ControllerCore:
         return m.SyncReply(done=True, errors=errors, locations=self._locations(s))
 
     def _resolve_syncs(self, s: Session, out: Effects) -> None:
-        if s.syncs and not self._busy(s) and not self._held(s):
+        # held first: it is O(1), and a frozen session's parked Syncs are looked at by every report of the workers
+        # it stays bound to (with LAS, hundreds of frozen sessions), where `_busy` walks every worker it used
+        if s.syncs and not self._held(s) and not self._busy(s):
             for pending in s.syncs.values():
                 self._reply(out, pending.request_id, self._done(s))
             s.syncs.clear()

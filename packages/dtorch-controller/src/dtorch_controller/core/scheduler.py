@@ -29,7 +29,10 @@ Rules:
    several frozen tenants wanting one device: the best ranked gets it). It resumes, with its batches
    flushed in order, once it holds all of them again. A higher-ranked request may take reserved devices
    (before freezing running work). With ranks that change over time (LAS), a frozen tenant that comes to
-   outrank the holders of its devices takes them back at the next tick.
+   outrank the holders of its devices takes them back at the next tick. A policy that `lends` keeps no idle
+   reservations: a device a frozen tenant waits for is leased back to it only when it completes it (it resumes
+   at once); until then it serves anyone, and the frozen tenant takes back its own devices that are free (no
+   move) when it relocates.
    *Relocation* (the core sets `relocation` when it can move logical devices; the policy's `relocates`): a
    frozen tenant need not wait for the devices it lost. Once it has been frozen `relocate_after` seconds
    (most preemptions end sooner: moving would cost more than waiting), when as many free devices as it
@@ -42,6 +45,10 @@ Rules:
 7. Attained service (device-seconds) accrues while running, with the number of devices leased.
 8. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
+9. Progress: a session may declare the steps (sync points) it expects; the core reports each one it reaches
+   (`progress`). A tenant keeps its steps, its service at the last one and the time it spent queued or frozen
+   before the current wait (`waited`); policies may rank by them (policies/dtorch.py). A policy's rank of a
+   running tenant is refreshed at each of its steps.
 """
 
 from __future__ import annotations
@@ -115,6 +122,10 @@ class Tenant:
     backlog: list[Any] = field(default_factory=list)  # Submit batches held while frozen
     over_cap: set[str] = field(default_factory=set)  # workers where it was told it exceeds its cap
     stamp: int = 0  # invalidates stale wake-ups
+    expected_steps: int = 0  # steps (sync points) the client said it will reach; 0: unknown
+    steps: int = 0  # sync points reached so far
+    step_service: float = 0.0  # attained service at its last sync point
+    waited: float = 0.0  # seconds spent queued or frozen before the current wait
 
     @property
     def running(self) -> bool:
@@ -123,6 +134,11 @@ class Tenant:
     @property
     def held_devices(self) -> int:
         return len(self.workers) if self.running else 0
+
+    @property
+    def wanted_devices(self) -> int:
+        """Logical devices it has and asks for: how wide it is, whether running or not."""
+        return self.logical + (len(self.request.devices) if self.request is not None else 0)
 
     def service(self, now: float) -> float:
         return self.attained + (len(self.workers) * max(0.0, now - self.since) if self.running else 0.0)
@@ -213,8 +229,23 @@ class Scheduler:
 
     # ------------------------------------------------------------ tenants
 
-    def open(self, session: str, priority: str, kind: str, cap: int = 0) -> None:
-        self.tenants[session] = Tenant(session, priority, kind, max(0, cap))
+    def open(self, session: str, priority: str, kind: str, cap: int = 0, expected_steps: int = 0) -> None:
+        self.tenants[session] = Tenant(session, priority, kind, max(0, cap), expected_steps=max(0, expected_steps))
+
+    def progress(self, now: float, session: str) -> Changes:
+        """The session reached a sync point (a step): policies that rank by progress may rank it anew (rule 9).
+        O(1): no pass (a better rank changes nothing now; a worse one is seen by the next pass or tick)."""
+        t = self.tenants.get(session)
+        if t is None:
+            return Changes()
+        t.steps += 1
+        t.step_service = t.service(now)
+        ch = Changes()
+        if t.running:
+            self._accrue(now, t)
+            self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch)
+            self._watch(t, now)
+        return self._finish(ch)
 
     def close(self, now: float, session: str) -> Changes:
         ch = Changes()
@@ -386,10 +417,13 @@ class Scheduler:
             if t is not None and t.stamp == stamp:
                 due.append(t)
         ch = Changes()
+        moved: dict[str, None] = {}  # frozen tenants that may now outrank the holders of their devices
         for t in due:
             if t.running:
                 self._accrue(now, t)
-                self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch)
+                if self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch):
+                    for w in t.workers:  # it fell behind: the frozen tenants waiting for its devices may take them
+                        moved.update(self._wanted.get(w, {}))
                 self._watch(t, now)
                 continue
             starving = getattr(self.policy, "starving", None)
@@ -401,21 +435,28 @@ class Scheduler:
                 self._dequeue(t)
                 self._enqueue(t, now)
             elif t.state == FROZEN:
-                self._rerank(t, self.policy.rank(t, now), self._frozen, now, ch)
+                if self._rerank(t, self.policy.rank(t, now), self._frozen, now, ch):
+                    for w in t.workers:  # ... and so may those waiting for the devices it reserves
+                        if w not in t.missing:
+                            moved.update(self._wanted.get(w, {}))
+                moved[t.session] = None
                 self._watch(t, now)
-        if due:  # ranks moved: frozen tenants that now outrank the holders of their devices take them back
-            for t in [self.tenants[s] for b in list(self._frozen.values()) for s in b]:
-                if t.state == FROZEN and t.missing:
-                    self._reclaim(now, t, ch)
+        # ranks moved: frozen tenants that now outrank the holders of their devices take them back (only those
+        # whose rank or whose devices' holders' ranks changed: not a walk over every frozen tenant)
+        for t in sorted((self.tenants[s] for s in moved if s in self.tenants), key=lambda t: (t.rank, t.arrival)):
+            if t.state == FROZEN and t.missing:
+                self._reclaim(now, t, ch)
         return self._pass(now, ch)
 
-    def _rerank(self, t: Tenant, rank: int, buckets: dict[int, dict[str, None]], now: float, ch: Changes) -> None:
+    def _rerank(self, t: Tenant, rank: int, buckets: dict[int, dict[str, None]], now: float, ch: Changes) -> bool:
+        """Move `t` to bucket `rank`; True when its rank changed."""
         if rank == t.rank:
-            return
+            return False
         self._unbucket(t, buckets)
         ch.notes.append(f"session {_short(t.session)} now at rank {rank} ({t.service(now):.0f} device-s attained)")
         t.rank = rank
         buckets.setdefault(rank, {})[t.session] = None
+        return True
 
     def _reclaim(self, now: float, t: Tenant, ch: Changes) -> None:
         holders = {h for w in t.missing for h in self.pool.holders(w)}
@@ -438,20 +479,19 @@ class Scheduler:
         self._offer()
         self._relocate(now, ch, self._queue[0][0] if self._queue else None)
         self._resume_ready(now, ch)
-        entries = list(self._queue)
+        # The live queue, not a copy (a pass must not cost O(queue)): an admission removes only its own entry.
+        queue = self._queue
         blocked: int | None = None  # rank of the first request that could not be placed
         i = 0
-        while i < len(entries):
-            entry = entries[i]
-            t = self.tenants[entry[-1]]
-            if t.key == entry and not self._admit(now, t, ch):
-                blocked = entry[0] if blocked is None else blocked
-                if not self.policy.preempts:
-                    break  # nobody may overtake a blocked request
-                i = bisect.bisect_left(entries, (entry[0] + 1,), i + 1)  # only a lower rank may go ahead
+        while i < len(queue):
+            entry = queue[i]
+            if self._admit(now, self.tenants[entry[-1]], ch):
+                self._resume_ready(now, ch)  # an admission may have handed devices back
                 continue
-            i += 1
-            self._resume_ready(now, ch)  # an admission may have handed devices back
+            blocked = entry[0] if blocked is None else blocked
+            if not self.policy.preempts:
+                break  # nobody may overtake a blocked request
+            i = bisect.bisect_left(queue, (entry[0] + 1,), i + 1)  # only a lower rank may go ahead
         self._relocate(now, ch, blocked)
         self._resume_ready(now, ch)
         if self.growth and not self._queue and self.pool.free_total:
@@ -470,6 +510,7 @@ class Scheduler:
         if not self.pool.free_total and not self.pool.shared_room():
             return  # nothing to take (the usual case in a busy cluster): no walk over the frozen
         patience = getattr(self.policy, "relocate_after", 0.0) - _EPS
+        lends = getattr(self.policy, "lends", False)
         for rank in sorted(self._frozen):
             if upto is not None and rank > upto:
                 return
@@ -481,6 +522,15 @@ class Scheduler:
                     return
                 if len(t.missing) > self.pool.free_total and not self._packs(t):
                     continue
+                if lends:  # its own devices that are free now come back as they are (no move)
+                    cap = self._cap(t)
+                    for w in [w for w in t.missing if self.pool.is_free(w) or (cap and self.pool.fits(w, cap)
+                                                                               and self.pool.slots[w].placeable)]:
+                        self.pool.lease(w, t.session, cap)
+                        self._unwant(t, w)
+                    if not t.missing:
+                        self._resumable[t.session] = None
+                        continue
                 subs = self._pick(t, len(t.missing), t.workers)
                 if len(subs) < len(t.missing):
                     continue
@@ -635,6 +685,8 @@ class Scheduler:
             frozen = (self.tenants[s] for s in reversed(self._frozen.get(rank, {})))
             running = self._best_fit_first(self._ranks.get(rank, {}), short - len(freed))
             for v in itertools.chain(frozen, running):
+                if v.state == FROZEN and len(v.missing) >= len(v.workers):
+                    continue  # reserves nothing
                 held = [w for w in v.workers if w not in v.missing] if v.state == FROZEN else list(v.workers)
                 if not held:
                     continue
@@ -695,6 +747,15 @@ class Scheduler:
         self._unbucket(t, self._frozen)
         self._resumable.pop(t.session, None)
 
+    def _unwant(self, t: Tenant, w: str) -> None:
+        """`t` holds `w` again."""
+        t.missing.discard(w)
+        wanting = self._wanted.get(w)
+        if wanting is not None:
+            wanting.pop(t.session, None)
+            if not wanting:
+                del self._wanted[w]
+
     def _unfreeze_wants(self, t: Tenant) -> None:
         for w in t.missing:
             wanting = self._wanted.get(w)
@@ -710,15 +771,18 @@ class Scheduler:
             self._freed.append(worker)
 
     def _offer(self) -> None:
-        """Reserve each released device that frozen tenants want for the best ranked one it fits."""
+        """Reserve each released device that frozen tenants want for the best ranked one it fits. A policy that
+        `lends` reserves a device only for a tenant it completes (it resumes at once): the others stay free for
+        anyone meanwhile (rule 6)."""
         freed, self._freed = self._freed, []
+        lends = getattr(self.policy, "lends", False)
         for w in freed:
             wanting = self._wanted.get(w)
             if not wanting or w not in self.pool:
                 continue
             for t in sorted((self.tenants[s] for s in wanting), key=lambda t: (t.rank, t.arrival)):
                 cap = self._cap(t)
-                if not self.pool.fits(w, cap):
+                if not self.pool.fits(w, cap) or (lends and t.missing != {w}):
                     continue
                 self.pool.lease(w, t.session, cap)
                 t.missing.discard(w)
@@ -749,6 +813,8 @@ class Scheduler:
 
     def _start(self, now: float, t: Tenant, buckets: dict[int, dict[str, None]]) -> None:
         t.since = now
+        if t.waiting_since is not None:
+            t.waited += now - t.waiting_since
         t.waiting_since = None
         t.frozen_by = ""
         t.rank = self.policy.rank(t, now)
