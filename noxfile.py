@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["tests"]
@@ -15,7 +18,7 @@ PACKAGES = [
     "packages/dtorch-sim",
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest", "transformers"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "numpy", "expecttest", "transformers", "import-linter"]
 
 
 def install(session: nox.Session, *extra: str) -> None:
@@ -39,8 +42,11 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    """ruff, and the import rules of `.importlinter` (layers, torch-free packages; docs/architecture.md)."""
+    session.install("ruff", "import-linter")
     session.run("ruff", "check", ".")
+    sources = os.pathsep.join(str(Path(p, "src").resolve()) for p in PACKAGES)  # read, never imported: no torch
+    session.run("lint-imports", "--no-cache", env={"PYTHONPATH": sources})
 
 
 @nox.session

@@ -247,7 +247,8 @@ def test_a_failed_copy_is_not_a_snapshot_and_is_not_shown_to_the_client(make_har
     rec = h.core.faults.recs[sid]
     w = s.devices[0]
     seq = rec.taking.pending[w]
-    err = m.ErrorReport(op="copy shards to 10.0.0.9:1 (x#s1)", src="", message="unreachable", seq=seq)
+    err = m.ErrorReport(op="copy shards to 10.0.0.9:1 (x#s1)", src="", message="unreachable", seq=seq,
+                        kind=m.ErrorKind.COPY)
     h.report(w, errors={sid: [err]})
     assert rec.taking is not None and rec.taking.namespace == f"{sid}#s2"  # dropped and taken again
     assert any(e.execute.session == f"{sid}#s1" for e in h.take_sent())
@@ -308,7 +309,7 @@ def test_a_failed_move_is_called_off_and_the_source_keeps_the_device(make_harnes
     rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
     (e,) = [e for e in h.take_sent() if e.worker_id == src]
     h.report(src, errors={sid: [m.ErrorReport(op="copy shards to x (s)", src="", message="refused",
-                                              seq=e.execute.seq)]})
+                                              seq=e.execute.seq, kind=m.ErrorKind.COPY)]})
     assert not h.replies[rid].ok and "refused" in h.replies[rid].message
     assert s.devices[1] == src and s.state == "open"
     assert cmds_of(h.take_sent(), src, m.CmdStay) == [m.CmdStay(devices=[1])]

@@ -325,7 +325,7 @@ def test_a_relocation_whose_pull_fails_is_called_off_and_the_device_stays(make_h
     fetch = h.take_sent()[-1]
     assert fetch.worker_id == w1 and isinstance(fetch.execute.cmds[0], m.CmdFetchShards)
     error = m.ErrorReport(op="copy shards from 10.0.0.0:7000 (moving devices [0])", src="", message="boom",
-                          seq=fetch.execute.seq)
+                          seq=fetch.execute.seq, kind=m.ErrorKind.COPY)
     h.report(w1, errors={low: [error]})
     assert h.core.sessions[low].devices == {0: w0}
     sent = [(x.worker_id, type(x.execute.cmds[0]).__name__) for x in h.take_sent() if x.execute.session == low]

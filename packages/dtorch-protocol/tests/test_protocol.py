@@ -22,6 +22,24 @@ def test_round_trip_of_an_instruction_batch():
     assert wire.decode(m.Submit, wire.encode(batch)) == batch
 
 
+def test_error_kinds_travel_as_typed_fields_and_unknown_ones_are_refused():
+    report = m.ErrorReport(op="copy shards to x", src="", message="refused", seq=3, kind=m.ErrorKind.COPY)
+    assert wire.decode(m.ErrorReport, wire.encode(report)).kind is m.ErrorKind.COPY
+    assert wire.decode(m.ErrorReport, wire.encode(m.ErrorReport(op="a", src="", message="b"))).kind is m.ErrorKind.OP
+    chunk = m.Chunk(data=b"", error="moved: logical device 0 ...", kind=m.ErrorKind.MOVED)
+    assert wire.decode(m.Chunk, wire.encode(chunk)).kind is m.ErrorKind.MOVED
+    raw = msgspec.msgpack.encode({"op": "a", "src": "", "message": "b", "kind": "exploded"})
+    with pytest.raises(wire.ProtocolError, match="kind"):
+        wire.decode(m.ErrorReport, raw)
+
+
+def test_the_tensor_slot_has_one_spelling():
+    args = [m.tensor_slot(1), {"x": [m.tensor_slot(2), 3]}, {"$dtype": "float32"}, {"$t": 4, "y": 5}]
+    assert list(m.tensor_refs(args)) == [1, 2]  # a map with more keys is not a slot
+    assert m.slot_tid(m.tensor_slot(7)) == 7 and m.slot_tid({"$dtype": "float32"}) is None and m.slot_tid(7) is None
+    assert decode_value(args[0], lambda tid: f"shard {tid}", "cpu") == "shard 1"
+
+
 def test_bad_message_names_the_field():
     raw = msgspec.msgpack.encode({"session": "s", "seq": "one", "instrs": []})
     with pytest.raises(wire.ProtocolError, match=r"bad Submit message: .*seq"):
@@ -34,7 +52,8 @@ def test_bad_message_names_the_field():
 
 
 def test_version_check_refuses_other_major_and_accepts_newer_minor():
-    with pytest.raises(wire.ProtocolError, match=rf"client speaks 2\.0 \(package 9\.9\.9\).*speaks {m.PROTOCOL_VERSION}"):
+    mismatch = rf"client speaks 2\.0 \(package 9\.9\.9\).*speaks {m.PROTOCOL_VERSION}"
+    with pytest.raises(wire.ProtocolError, match=mismatch):
         wire.check_hello(m.Hello("2.0", "9.9.9", "client"))
     wire.check_hello(m.Hello("1.9", "0.2.0", "worker"))
 

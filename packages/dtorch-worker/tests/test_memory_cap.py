@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dtorch_protocol import wire
-from dtorch_protocol.messages import CmdCloseSession, CmdCreate, CmdRun, Execute, PutChunk, ShardStats
+from dtorch_protocol.messages import CmdCloseSession, CmdCreate, CmdRun, ErrorKind, Execute, PutChunk, ShardStats
 from dtorch_protocol.values import tensor_to_bytes
 from dtorch_worker.executor import Executor
 from dtorch_worker.server import WorkerService
@@ -48,6 +48,7 @@ def test_a_command_over_the_cap_is_poisoned_its_memory_freed_and_later_readers_g
     assert (report.op, report.src, report.tid) == ("create", "train.py:9", 2)
     assert report.message == ("memory cap exceeded: session holds 1.2 KiB on this worker, over its cap of "
                               "1000 bytes per device")
+    assert report.kind == ErrorKind.MEMORY_CAP
     assert ex.store.session_bytes(S) == 400  # the new shard is gone, the old one stays
     assert ex.store.stats()[S] == ShardStats(tensors=2, bytes=400)
     assert isinstance(ex.store.get((S, 1, 0)), torch.Tensor)
@@ -116,6 +117,7 @@ def test_uploads_over_the_cap_are_refused_with_a_one_line_reason(ex: Executor) -
         put(service, S, 6, 150)
     assert str(err.value) == "memory cap exceeded: session holds 1.2 KiB on this worker, over its cap of " \
                              "1000 bytes per device"
+    assert err.value.kind == ErrorKind.MEMORY_CAP
     assert ex.store.peek((S, 6, 0)) is None and ex.store.session_bytes(S) == 600
     put(service, S + "#u1", 6, 1000)  # a backup namespace: not capped
 

@@ -19,6 +19,7 @@ from dtorch_protocol.messages import (
     CmdRun,
     CmdSendShards,
     CmdStay,
+    ErrorKind,
     ErrorReport,
     Execute,
     PullRequest,
@@ -126,6 +127,7 @@ def test_backup_to_a_peer_and_restore_keeps_values_and_views(pair):
     wait(b, send(b, s, CmdFetchShards(devices={0: [9]}, namespace=f"{s}#s1", address=a.address)))
     (err,) = b.executor.take_errors()[s]
     assert err.op.startswith("restore shards") and "tensor 9" in err.message
+    assert err.kind == ErrorKind.OP  # a failed restore poisons the shard: the user sees it
     assert isinstance(b.store.get((s, 9, 0)), Poison)
 
 
@@ -140,12 +142,13 @@ def test_moving_a_device_sends_everything_and_redirects_clients(pair):
     assert torch.equal(b.store.get((s, 1, 0)), torch.arange(12.0).reshape(4, 3))
     assert torch.equal(b.store.get((s, 5, 0)), torch.full((2,), 7.0))
     assert (s, 5, 0) not in a.store and (s, 1, 0) in a.store  # the upload moved; known shards wait for readers
-    with pytest.raises(wire.RemoteError, match="moved"):
+    with pytest.raises(wire.RemoteError, match="moved") as refused:
         client.send_stream("Put", put_chunks(s, 6, 0, torch.ones(1)))
+    assert refused.value.kind == ErrorKind.MOVED  # typed, across gRPC (the client acts on it, not on the text)
     client.send_stream("Put", put_chunks(s, 6, 1, torch.ones(1)))  # device 1 stays here
     a.store.delete((s, 1, 0))
-    with pytest.raises(RuntimeError, match="^moved:"):
-        receive_chunks(client.stream("Pull", PullRequest(session=s, tid=1, device=0, timeout_s=5)), "pull")
+    (chunk,) = client.stream("Pull", PullRequest(session=s, tid=1, device=0, timeout_s=5))
+    assert chunk.kind == ErrorKind.MOVED and chunk.error.startswith("moved:")
     client.close()
     # coming back clears the mark
     wait(b, send(b, s, CmdSendShards(devices={0: [1]}, namespace=s, to=a.address, move=[0])))
@@ -225,6 +228,7 @@ def test_shards_from_a_fenced_sender_are_refused(pair):
     wait(a, send(a, s, CmdSendShards(devices={0: [1]}, namespace=f"{s}#s1", to=b.address)))
     (err,) = a.executor.take_errors()[s]
     assert "declared lost" in err.message and err.seq > 0
+    assert err.kind == ErrorKind.COPY  # the controller's own copy: it reacts, the user never sees it
     assert (f"{s}#s1", 1, 0) not in b.store
 
 

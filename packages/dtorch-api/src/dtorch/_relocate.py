@@ -1,7 +1,7 @@
 """Where did a logical device go? Uploads and reads retried on the device's new worker.
 
 The client talks to workers directly (Put, Pull) at the addresses it last heard of. A logical device
-may since have moved (migration, drain: the old worker answers "moved:") or its worker may have been
+may since have moved (migration, drain: the old worker answers with kind MOVED) or its worker may have been
 lost (recovery rebinds the device: the connection fails). Then the client asks the controller where
 the device is now (Status: session -> device -> worker -> address), waiting while the controller has
 not rebound it yet, and tries again there; bounded by the session's timeout.
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dtorch.errors import ClusterError
 from dtorch_protocol import wire
+from dtorch_protocol.messages import ErrorKind
 
 if TYPE_CHECKING:
     from dtorch.session import Session
@@ -34,7 +35,7 @@ class Moved(Exception):
 
 
 def moved_error(e: BaseException) -> bool:
-    return "moved:" in str(e)
+    return getattr(e, "kind", None) == ErrorKind.MOVED
 
 
 def relocating(session: Session, device: int, call: Callable[[str], T]) -> T:

@@ -241,7 +241,7 @@ class Session:
             if chunk.report is not None:
                 raise RemoteOpError(chunk.report.op, chunk.report.src, chunk.report.message)
             if chunk.error:
-                raise (Moved if chunk.error.startswith("moved:") else DTorchError)(chunk.error)
+                raise (Moved if chunk.kind == m.ErrorKind.MOVED else DTorchError)(chunk.error)
             if chunk.dtype:
                 dtype, shape = chunk.dtype, chunk.shape
             parts.append(chunk.data)

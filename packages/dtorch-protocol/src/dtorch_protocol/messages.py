@@ -11,22 +11,43 @@ client and unique within its session; a shard on a worker is keyed by
 
 Op arguments (`args`, `kwargs`) are plain msgpack values in which a few map forms
 stand for torch values (see `dtorch_protocol.values`): `{"$t": tid}` a DTensor's
-local shard, `{"$dtype": "float32"}`, `{"$device": "cpu"}`, `{"$layout": ...}`,
-`{"$mf": ...}` (memory format), `{"$lit": [dtype, shape, bytes]}` a small plain
-tensor, `{"$c": [re, im]}` a complex number.
+local shard (the *tensor slot*: build, read and walk it only with `tensor_slot`,
+`slot_tid` and `tensor_refs` below), `{"$dtype": "float32"}`, `{"$device": "cpu"}`,
+`{"$layout": ...}`, `{"$mf": ...}` (memory format), `{"$lit": [dtype, shape, bytes]}`
+a small plain tensor, `{"$c": [re, im]}` a complex number.
+
+Meanings that code acts on travel as typed fields, never inside a message text: an
+error's kind is an `ErrorKind` (`ErrorReport.kind`, `Chunk.kind`, and
+`wire.RemoteError.kind` for a refused call); the text is for people.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 from msgspec import Struct
 
-PROTOCOL_VERSION = "1.3"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.4"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
-# ShardsRequest.move (a frozen session's devices are pulled by their new worker); OpenSession.expected_steps
+# ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
+# (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata), OpenSession.expected_steps
 # (a scheduling hint: controllers that predate it ignore it)
+
+
+class ErrorKind(str, enum.Enum):
+    """What went wrong, as code reacts to it. One owner: every package reads and writes these, never text."""
+
+    OP = "op"  # an op (any command with outputs) failed on a worker: its outputs are poisoned
+    REFUSED = "refused"  # the controller could not route an instruction (unknown tensor, bad placements, ...)
+    MEMORY_CAP = "memory_cap"  # the session went over its memory cap on a worker
+    COPY = "copy"  # a copy of shards between workers failed (snapshot, upload backup, move): internal, never shown
+    WORKER_LOST = "worker_lost"  # a worker was lost with the session's data (or unfinished commands)
+    MOVED = "moved"  # the logical device left this worker (migration, drain, relocation): ask the controller
+    MISSING = "missing"  # no such shard here, even after waiting
+    POISONED = "poisoned"  # the shard was poisoned by an earlier failure (its report rides along)
 
 
 class Hello(Struct, frozen=True):
@@ -45,6 +66,37 @@ class ErrorReport(Struct, frozen=True):
     message: str
     tid: int = -1  # an output of the failed op, when known
     seq: int = 0  # the reporting worker's Execute seq of the failed command (0: not from a worker batch)
+    kind: ErrorKind = ErrorKind.OP
+
+
+# ---------------------------------------------------------------- the tensor slot in op arguments
+
+TENSOR_SLOT = "$t"  # `{"$t": tid}` in op arguments: the local shard of tensor `tid`
+
+
+def tensor_slot(tid: int) -> dict[str, int]:
+    """The op-argument form of tensor `tid`."""
+    return {TENSOR_SLOT: tid}
+
+
+def slot_tid(value: Any) -> Any:
+    """The tensor id in a tensor slot (as sent: validate it before use), or None when `value` is not one."""
+    if type(value) is dict and len(value) == 1 and TENSOR_SLOT in value:
+        return value[TENSOR_SLOT]
+    return None
+
+
+def tensor_refs(value: Any) -> Iterator[Any]:
+    """The tensor ids of every tensor slot in op arguments, however deeply nested (as sent: validate them)."""
+    if isinstance(value, dict):
+        if len(value) == 1 and TENSOR_SLOT in value:
+            yield value[TENSOR_SLOT]
+            return
+        for v in value.values():
+            yield from tensor_refs(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensor_refs(v)
 
 
 # ---------------------------------------------------------------- tensors and meshes
@@ -439,6 +491,7 @@ class Chunk(Struct, frozen=True):
     shape: list[int] = []
     error: str = ""  # set instead of data when the shard could not be produced
     report: ErrorReport | None = None  # with `error` when the shard is poisoned: the original failure
+    kind: ErrorKind | None = None  # with `error`: what went wrong (MOVED: ask the controller where the device went)
 
 
 class PutChunk(Struct, frozen=True):
@@ -527,4 +580,4 @@ def all_message_types() -> list[type]:
 
 
 __all__ = [name for name, v in globals().items() if isinstance(v, type) and issubclass(v, msgspec.Struct)] + [
-    "Instr", "Cmd", "PROTOCOL_VERSION"]
+    "Instr", "Cmd", "PROTOCOL_VERSION", "ErrorKind", "TENSOR_SLOT", "tensor_slot", "slot_tid", "tensor_refs"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dtorch_protocol.messages import TENSOR_SLOT
+
 
 def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
@@ -82,7 +84,7 @@ def decode_value(v: Any, resolve: Callable[[int], Any], device: Any) -> Any:
     if len(v) != 1:
         raise ValueError(f"bad argument map with keys {sorted(v)}")
     (key, val), = v.items()
-    if key == "$t":
+    if key == TENSOR_SLOT:
         return resolve(int(val))
     if key == "$dtype":
         return dtype_from_name(val)

@@ -20,6 +20,7 @@ from dtorch_protocol import messages as m
 from dtorch_protocol._version import __version__
 
 TOKEN_HEADER = "dtorch-token"
+KIND_HEADER = "dtorch-error-kind"  # trailing metadata of a refused call: its `messages.ErrorKind`
 CHUNK_BYTES = 4 << 20  # tensor payloads move in 4 MiB pieces, far below the message limit
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
@@ -58,7 +59,12 @@ class ProtocolError(Exception):
 
 
 class RemoteError(Exception):
-    """A peer refused or failed a call; the message is the peer's own one-line reason."""
+    """A peer refused or failed a call; the message is the peer's own one-line reason, `kind` what went wrong
+    (None: not said). A server raising it sends `kind` along (trailing metadata), a stub's error carries it."""
+
+    def __init__(self, message: str = "", kind: m.ErrorKind | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -125,6 +131,8 @@ def _aborting(context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
     except ProtocolError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except RemoteError as e:
+        if e.kind is not None:
+            context.set_trailing_metadata(((KIND_HEADER, e.kind.value),))
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
 
@@ -194,7 +202,19 @@ def _describe(err: grpc.RpcError, target: str, method: str) -> Exception:
         return PermissionError(f"{target} refused the connection: {detail}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ProtocolError(f"{target} refused {method}: {detail}")
-    return RemoteError(f"{method} on {target} failed: {detail}")
+    return RemoteError(f"{method} on {target} failed: {detail}", _kind(err))
+
+
+def _kind(err: grpc.RpcError) -> m.ErrorKind | None:
+    """The ErrorKind a server sent along with its refusal (an unknown one reads as None)."""
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == KIND_HEADER:
+            try:
+                return m.ErrorKind(value)
+            except ValueError:
+                return None
+    return None
 
 
 class Stub:

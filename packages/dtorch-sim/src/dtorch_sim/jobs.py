@@ -351,7 +351,7 @@ class Steps:
 
     def step(self, i: int) -> list[m.Instr]:
         prev, self.tid = self.tid, self.tid + 1
-        call = m.InstrCall(op=STEP_OP, mesh=0, args=[{"$t": prev}],
+        call = m.InstrCall(op=STEP_OP, mesh=0, args=[m.tensor_slot(prev)],
                            kwargs={"flops": self.flops, "serial_flops": self.serial_flops, "step": i},
                            outs=[m.OutSpec(tid=self.tid, spec=self.spec)], src=f"train.py:{i}")
         return [call, m.InstrDelete(tids=[prev])]

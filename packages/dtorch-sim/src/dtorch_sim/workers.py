@@ -32,7 +32,7 @@ from dtorch_sim.jobs import STEP_OP
 HELLO = m.Hello(protocol_version=m.PROTOCOL_VERSION, package_version=__version__, role="worker")
 ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
             "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
-COPY_OP = "copy shards"  # op name of a failed CmdSendShards in reports (the core reads it: recovery.COPY_OP)
+COPY_OP = "copy shards"  # op names of failed copies, for people (the core reads `ErrorReport.kind`)
 FETCH_OP = "fetch shards"
 
 
@@ -210,8 +210,8 @@ class Worker:
         if store is not None and shard in store:
             self.totals[key] -= store.pop(shard)
 
-    def _error(self, session: str, seq: int, op: str, message: str) -> None:
-        self.errors.setdefault(session, []).append(m.ErrorReport(op=op, src="", message=message, seq=seq))
+    def _error(self, session: str, seq: int, op: str, message: str, kind: m.ErrorKind = m.ErrorKind.OP) -> None:
+        self.errors.setdefault(session, []).append(m.ErrorReport(op=op, src="", message=message, seq=seq, kind=kind))
 
     def _run(self, batch: m.Execute) -> float:
         """Apply a batch to the shard sizes and price it; notes its step work for the job's accounting."""
@@ -228,7 +228,7 @@ class Worker:
             kind = type(cmd)
             if kind is m.CmdRun:
                 store = self.store.get(session, {})
-                inputs = [a["$t"] for a in cmd.args if type(a) is dict and "$t" in a]
+                inputs = list(m.tensor_refs(cmd.args))
                 if cmd.op == STEP_OP:  # jobs.Steps: per logical device, plus the serial part once per worker
                     kw = cmd.kwargs
                     flops = float(kw.get("flops", 0.0)) * len(cmd.devices) + float(kw.get("serial_flops", 0.0))
@@ -307,7 +307,8 @@ class Worker:
         remote = bool(cmd.to) and cmd.to != self.address
         dest = self.sim.by_address.get(cmd.to) if remote else self
         if dest is None or not dest.alive:
-            self._error(batch.session, batch.seq, COPY_OP, f"copy to {cmd.to} failed: worker unreachable")
+            self._error(batch.session, batch.seq, COPY_OP, f"copy to {cmd.to} failed: worker unreachable",
+                        m.ErrorKind.COPY)
             return 0.0
         for shard, b in shards:
             dest._put(cmd.namespace, shard, b)
@@ -321,8 +322,10 @@ class Worker:
         cost = self.sim.scenario.cost
         remote = bool(cmd.address) and cmd.address != self.address
         source = self.sim.by_address.get(cmd.address) if remote else self
+        kind = m.ErrorKind.COPY if cmd.move else m.ErrorKind.OP  # a move's copy, or a restore
         if source is None or not source.alive:
-            self._error(batch.session, batch.seq, FETCH_OP, f"fetch from {cmd.address} failed: worker unreachable")
+            self._error(batch.session, batch.seq, FETCH_OP, f"fetch from {cmd.address} failed: worker unreachable",
+                        kind)
             return 0.0
         store = source.store.get(cmd.namespace, {})
         nbytes = 0
@@ -331,7 +334,7 @@ class Worker:
                 b = store.get((tid, d))
                 if b is None:
                     self._error(batch.session, batch.seq, FETCH_OP, f"shard of tensor {tid} on device {d} is not "
-                                                                    f"in {cmd.namespace} at {source.address}")
+                                                                    f"in {cmd.namespace} at {source.address}", kind)
                     continue
                 self._put(batch.session, (tid, d), b)
                 nbytes += b

@@ -48,6 +48,7 @@ from dtorch_protocol.messages import (
     CmdRun,
     CmdSendShards,
     CmdStay,
+    ErrorKind,
     ErrorReport,
     Execute,
     Piece,
@@ -302,8 +303,13 @@ class Executor:
             self._poison(session, cmd, e.report)
         except Exception as e:  # noqa: BLE001 (any failure becomes the user's error report)
             op, src, outs = _describe(cmd)
-            message = str(e) if isinstance(e, MemoryCapExceeded) else one_line(e)
-            report = ErrorReport(op=op, src=src, message=message, tid=outs[0] if outs else -1, seq=self._seq)
+            kind = _kind(cmd)
+            if isinstance(e, MemoryCapExceeded):
+                message, kind = str(e), ErrorKind.MEMORY_CAP
+            else:
+                message = one_line(e)
+            report = ErrorReport(op=op, src=src, message=message, tid=outs[0] if outs else -1, seq=self._seq,
+                                 kind=kind)
             log.debug("command %s failed: %s", op, report.message)
             self._poison(session, cmd, report)
             self._record(session, report)
@@ -559,6 +565,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def _kind(cmd: Cmd) -> ErrorKind:
+    """A failed copy between workers (a snapshot's, an upload backup's, a move's) is COPY: the controller reacts to
+    it and never shows it; any other failed command is an OP error the user sees."""
+    if isinstance(cmd, CmdSendShards) or isinstance(cmd, CmdFetchShards) and cmd.move:
+        return ErrorKind.COPY
+    return ErrorKind.OP
 
 
 def _describe(cmd: Cmd) -> tuple[str, str, list[int]]:

@@ -1,7 +1,7 @@
 """The `dtorch.Worker` gRPC service: Execute (enqueue), Pull (serve a shard box), Put (upload a shard).
 
 A Put that would take a capped session over its memory cap on this worker is refused with a one-line
-reason (the client raises it); so is one for a device that moved away ("moved:", the client retries).
+reason (the client raises it); so is one for a device that moved away (kind MOVED: the client retries).
 
 Execute never waits for execution, and Pull runs on the server's own threads:
 a peer that is redistributing must always be able to read our shards, or two
@@ -19,7 +19,7 @@ import grpc
 import torch
 
 from dtorch_protocol import wire
-from dtorch_protocol.messages import Ack, Chunk, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol.messages import Ack, Chunk, ErrorKind, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_worker import shards
 from dtorch_worker.executor import Executor, one_line
 from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore
@@ -63,12 +63,12 @@ class WorkerService:
         wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
         if request.expected and request.dst >= 0 and not self.store.wait_announced(key, request.dst, wait):
             yield Chunk(data=b"", error=f"this worker never reached the redistribution into tensor {request.dst} "
-                                        f"within {wait:g}s")
+                                        f"within {wait:g}s", kind=ErrorKind.MISSING)
             return
         try:
             value = self.store.get(key, wait) if request.expected else self._client_get(key, wait)
         except ShardMissing as e:
-            yield Chunk(data=b"", error=str(e))
+            yield Chunk(data=b"", error=str(e), kind=e.kind)
             return
         if isinstance(value, Poison):
             yield poison_chunk(value.report)
@@ -77,7 +77,7 @@ class WorkerService:
             # Chunks hold views of one contiguous copy at most, so building the list up front is cheap.
             chunks = list(tensor_chunks(take_box(value, request.offset, request.size)))
         except (ValueError, TypeError, RuntimeError) as e:
-            yield Chunk(data=b"", error=one_line(e))
+            yield Chunk(data=b"", error=one_line(e), kind=ErrorKind.REFUSED)
             return
         yield from chunks
 
@@ -103,9 +103,10 @@ class WorkerService:
                 tensor = tensor.to(self.executor.device)
         except (ValueError, TypeError) as e:
             raise wire.ProtocolError(one_line(e)) from None
-        refused = self.store.put_upload(key, tensor)  # "moved: ..." or "memory cap exceeded: ..."
-        if refused:
-            raise wire.RemoteError(refused)
+        refused = self.store.put_upload(key, tensor)  # (MOVED or MEMORY_CAP, reason)
+        if refused is not None:
+            kind, reason = refused
+            raise wire.RemoteError(reason, kind)
         return Ack()
 
     def PullShards(self, request: ShardsRequest) -> Iterator[ShardsChunk]:

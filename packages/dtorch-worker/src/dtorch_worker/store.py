@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtorch_protocol.messages import ErrorReport, ShardStats
+from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
 Storage = tuple[tuple[str, int], int]  # (identity: device and address, byte size) of a shard's storage
@@ -40,7 +40,12 @@ Shard = torch.Tensor | Poison
 
 
 class ShardMissing(KeyError):
-    """No shard under the key, even after waiting; str() is a readable one-line reason."""
+    """No shard under the key, even after waiting; str() is a readable one-line reason, `kind` what happened
+    (MOVED: the device left this worker, the client asks the controller where it went)."""
+
+    def __init__(self, message: str, kind: ErrorKind = ErrorKind.MISSING) -> None:
+        super().__init__(message)
+        self.kind = kind
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "shard missing"
@@ -49,6 +54,10 @@ class ShardMissing(KeyError):
 def describe(key: Key) -> str:
     session, tid, device = key
     return f"tensor {tid} on logical device {device} (session {session[:8]})"
+
+
+def moved_message(key: Key) -> str:
+    return f"moved: logical device {key[2]} of session {key[0][:8]} moved to another worker"
 
 
 def format_bytes(n: int) -> str:
@@ -129,8 +138,7 @@ class TensorStore:
                 if value is not None:
                     return value
                 if (key[0], key[2]) in self._moved:
-                    raise ShardMissing(f"moved: logical device {key[2]} of session {key[0][:8]} moved to another "
-                                       "worker")
+                    raise ShardMissing(moved_message(key), ErrorKind.MOVED)
                 if self._gen.get(key[0], 0) != gen:
                     raise ShardMissing(f"no shard for {describe(key)}: the session is being rebuilt after a "
                                        "worker loss")
@@ -230,20 +238,20 @@ class TensorStore:
         with self._cond:
             return (session, device) in self._moved
 
-    def put_upload(self, key: Key, value: Shard) -> str:
-        """A client upload: stored unless its device moved away ("moved: ...") or it would take the session
-        over its memory cap here ("memory cap exceeded: ..."); returns "" when stored, else the reason."""
+    def put_upload(self, key: Key, value: Shard) -> tuple[ErrorKind, str] | None:
+        """A client upload: stored (None) unless its device moved away (MOVED) or it would take the session over
+        its memory cap here (MEMORY_CAP); then (kind, one-line reason)."""
         with self._cond:
             if (key[0], key[2]) in self._moved:
-                return f"moved: logical device {key[2]} of session {key[0][:8]} moved to another worker"
+                return ErrorKind.MOVED, moved_message(key)
             cap = self._caps.get(key[0], 0)
             if cap > 0 and "#" not in key[0]:
                 held = self._session_bytes(key[0], {key: _storage(value)})
                 if held > cap:
-                    return cap_message(held, cap)
+                    return ErrorKind.MEMORY_CAP, cap_message(held, cap)
             self._set(key, value)
             self._cond.notify_all()
-            return ""
+            return None
 
     # ------------------------------------------------------------ memory caps
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dtorch_protocol import wire
-from dtorch_protocol.messages import Chunk, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol.messages import Chunk, ErrorKind, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_protocol.values import dtype_from_name, dtype_name, tensor_from_bytes
 from dtorch_worker import shards
 from dtorch_worker.store import Poison
@@ -87,7 +87,7 @@ def put_chunks(session: str, tid: int, device: int, t: torch.Tensor,
 
 def poison_chunk(report: ErrorReport) -> Chunk:
     return Chunk(data=b"", error=f"{report.op} failed ({report.src or 'unknown line'}): {report.message}",
-                 report=report)
+                 report=report, kind=ErrorKind.POISONED)
 
 
 def _nbytes(dtype: str, shape: Sequence[int]) -> int:

@@ -422,7 +422,7 @@ class ControllerCore:
                 what = f"{len(lost)} tensors lost: {self.faults.lost_detail(s, lost)}" if lost \
                     else "unfinished commands lost"
                 s.errors.append(m.ErrorReport(
-                    op="worker lost", src="", tid=lost[0] if lost else -1,
+                    op="worker lost", src="", tid=lost[0] if lost else -1, kind=m.ErrorKind.WORKER_LOST,
                     message=f"worker {w.id} at {w.address} was lost ({reason}); logical devices {devices} "
                             f"lost their data: {what}"))
             self.log.add(now, f"session {_short(s.id)} lost logical devices {devices} with worker {w.id}")
@@ -503,7 +503,7 @@ class ControllerCore:
             if s is None:
                 continue
             text = f"session holds {used} bytes on worker {w.id}, over its memory cap of {cap} bytes per device"
-            s.errors.append(m.ErrorReport(op="memory cap", src="", message=text))
+            s.errors.append(m.ErrorReport(op="memory cap", src="", message=text, kind=m.ErrorKind.MEMORY_CAP))
             self.log.add(now, f"session {_short(session_id)}: {text}")
 
     # ------------------------------------------------------------ status

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from dtorch_controller.core.model import Mesh
 from dtorch_controller.core.redistribute import parse_placements
@@ -108,24 +107,12 @@ def instr_tids(instr: m.Instr) -> set[int]:
         return {instr.tid}
     if isinstance(instr, m.InstrCall):
         out = {o.tid for o in instr.outs if o is not None}
-        return out | {t for t in _refs([instr.args, instr.kwargs, instr.local or {}]) if isinstance(t, int)}
+        return out | {t for t in m.tensor_refs([instr.args, instr.kwargs, instr.local or {}]) if isinstance(t, int)}
     if isinstance(instr, m.InstrRedistribute):
         return {instr.src, instr.dst}
     if isinstance(instr, m.InstrDelete):
         return set(instr.tids)
     return set()
-
-
-def _refs(value: Any) -> Iterator[Any]:
-    if isinstance(value, dict):
-        if len(value) == 1 and "$t" in value:
-            yield value["$t"]
-            return
-        for v in value.values():
-            yield from _refs(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _refs(v)
 
 
 def note_origins(origin: dict[int, tuple[str, str]], instrs: list[m.Instr]) -> None:

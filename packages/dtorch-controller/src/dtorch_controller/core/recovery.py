@@ -65,7 +65,6 @@ if TYPE_CHECKING:
     from dtorch_controller.core.controller import ControllerCore
 
 Effects = list[fx.Effect]
-COPY_OP = "copy shards"  # op name of a failed CmdSendShards in worker reports (internal, never surfaced)
 
 
 def _short(session_id: str) -> str:
@@ -438,7 +437,7 @@ class Faults:
         for e in reports:
             if 0 < e.seq < reset:
                 continue
-            if e.op.startswith(COPY_OP):
+            if e.kind == m.ErrorKind.COPY:  # a copy of ours failed: internal, never surfaced
                 self._copy_failed(s, rec, w, e)
                 continue
             k = replayed.get(e.seq)
@@ -852,7 +851,7 @@ class Faults:
             lost = sorted(tid for tid, spec in s.tensors.items() if spec.mesh in gone)
         if lost:
             s.errors.append(m.ErrorReport(
-                op="worker lost", src="", tid=lost[0],
+                op="worker lost", src="", tid=lost[0], kind=m.ErrorKind.WORKER_LOST,
                 message=f"{r.reason if r else 'a worker was lost'}; {len(lost)} tensors lost: "
                         f"{self.lost_detail(s, lost)}"))
         s.state = st.step(st.SESSION_TABLE, s.state, st.WORKER_LOST)

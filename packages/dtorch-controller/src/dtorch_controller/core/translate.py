@@ -9,9 +9,8 @@ of the batch goes on. Nothing here raises on client input.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from dtorch_controller.core import state as st
 from dtorch_controller.core.model import DeferredDelete, Mesh, Session, Worker
@@ -37,19 +36,6 @@ class Batch:
 def translate(session: Session, instrs: list[m.Instr], workers: Mapping[str, Worker]) -> Batch:
     """Route `instrs`; updates `session.tensors` and `session.readers` as it goes."""
     return _Translator(session, workers).run(instrs)
-
-
-def tensor_refs(value: Any) -> Iterator[int]:
-    """Tensor ids named in op arguments: every `{"$t": tid}` map, however deeply nested."""
-    if isinstance(value, dict):
-        if len(value) == 1 and "$t" in value:
-            yield value["$t"]
-            return
-        for v in value.values():
-            yield from tensor_refs(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensor_refs(v)
 
 
 def _describe(instr: m.Instr) -> tuple[str, str, int]:
@@ -89,7 +75,7 @@ class _Translator:
 
     def _error(self, instr: m.Instr, message: str) -> None:
         op, src, tid = _describe(instr)
-        self.batch.errors.append(m.ErrorReport(op=op, src=src, message=message, tid=tid))
+        self.batch.errors.append(m.ErrorReport(op=op, src=src, message=message, tid=tid, kind=m.ErrorKind.REFUSED))
 
     def _emit(self, worker: str, cmd: m.Cmd) -> None:
         self.batch.cmds.setdefault(worker, []).append(cmd)
@@ -141,7 +127,7 @@ class _Translator:
 
     def _call(self, instr: m.InstrCall) -> None:
         mesh = self._mesh(instr.mesh)
-        refs = tensor_refs([instr.args, instr.kwargs, instr.local or {}])
+        refs = m.tensor_refs([instr.args, instr.kwargs, instr.local or {}])
         unknown = sorted({repr(t) for t in refs if not isinstance(t, int) or t not in self.s.tensors})
         if unknown:
             raise InstrError(f"unknown tensor{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in this session")
