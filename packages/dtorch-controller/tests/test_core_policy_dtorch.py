@@ -146,3 +146,42 @@ def test_a_negative_expected_steps_is_refused(h, refused):
 
     reply = h.call(ev.OpenSession, m.OpenSession(hello=hello("client"), expected_steps=-1))
     assert refused(reply) and "bad expected_steps -1: expected a count >= 0" in reply.message
+
+
+# ---------------------------------------------------------------- packing (pool.py rule 7, scheduler.py rule 4)
+
+
+def test_packing_strands_the_least_room_for_the_requests_seen():
+    from dtorch_controller.core.pool import Pool
+
+    def pool():
+        p = Pool()
+        for i in range(3):
+            p.add(f"w{i}", f"n{i}", 1000, i)
+        p.lease("w0", "s0", 550)  # 450 left
+        p.lease("w1", "s1", 200)  # 800 left
+        return p
+
+    assert pool().pick_packed(1, 400) == ["w0"]  # no history: best fit, although it leaves 50 that nothing uses
+    p = pool()
+    for _ in range(10):
+        p.saw(400)  # requests of 400 are what comes: 800 -> 400 leaves room one can use, 450 -> 50 does not
+    assert p.pick_packed(1, 400) == ["w1"]
+    assert p.pick_packed(2, 400) == ["w1", "w0"]
+    p.saw(0, 50)  # now mostly whole devices are asked for: the free device is kept whole while others have room
+    assert sorted(p.pick_packed(2, 400)) == ["w0", "w1"] and p.pick_packed(3, 400)[2] == "w2"
+
+
+def test_packed_requests_fill_the_room_a_blocked_request_cannot_use(make_harness):
+    # w0 is half leased; a whole-device request is blocked (no free device); a packed request behind it fits
+    # in w0's room: it goes ahead (it takes nothing the blocked one could use), a second one does not fit
+    h = make_harness(policy=DTorchPolicy({"fairness": 0}), **QUIET)
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    half = h.open_session(memory_cap=500)
+    assert h.open_mesh(half, 1, [0]).placed
+    whole = h.open_session()
+    assert not h.open_mesh(whole, 1, [0]).placed
+    small, big = h.open_session(memory_cap=400), h.open_session(memory_cap=600)
+    assert h.open_mesh(small, 1, [0]).placed and h.core.sched.tenants[small].workers == {w0: None}
+    assert not h.open_mesh(big, 1, [0]).placed
+    assert h.core.sched.state(whole) == "waiting" and h.core.sched.position(whole) == 1

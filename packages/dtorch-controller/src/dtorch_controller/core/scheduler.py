@@ -19,6 +19,9 @@ Rules:
    every new request: first every frozen tenant that got all its devices back resumes, then the queue is
    walked in order. A request that cannot be placed blocks the later ones unless it could preempt them
    later (policies/base.py), so the walk jumps to the next rank at once: a pass costs O(ranks), not O(queue).
+   One exception, when the policy packs: a blocked request lets the packed requests just behind it (a window
+   of `_FIT_WINDOW`) use the room left on shared devices, which it cannot use (it is blocked with that room
+   there): they take no free device and freeze nobody, so they cannot delay it.
 5. Elastic tenants (asked with a minimum below their size) that run on fewer devices than they have
    logical devices grow onto free devices when nobody waits (`growth`, set by the core when it can move
    logical devices): the core moves some of their logical devices there and reports it with `moved`.
@@ -489,6 +492,7 @@ class Scheduler:
                 self._resume_ready(now, ch)  # an admission may have handed devices back
                 continue
             blocked = entry[0] if blocked is None else blocked
+            self._fill_fragments(now, i + 1, ch)
             if not self.policy.preempts:
                 break  # nobody may overtake a blocked request
             i = bisect.bisect_left(queue, (entry[0] + 1,), i + 1)  # only a lower rank may go ahead
@@ -497,6 +501,21 @@ class Scheduler:
         if self.growth and not self._queue and self.pool.free_total:
             self._grow(now, ch)
         return self._finish(ch)
+
+    def _fill_fragments(self, now: float, start: int, ch: Changes) -> None:
+        """A request is blocked: later packed requests (up to `_FIT_WINDOW` of them) that fit in the room left on
+        shared devices go ahead. They take no free device and freeze nobody, so they cannot delay it: that room
+        is of no use to it (it is blocked with that room there) and would stay unallocated (rule 4)."""
+        if not self.policy.packs or not self.pool.shared_room():
+            return
+        queue = self._queue
+        i, end = start, start + _FIT_WINDOW
+        while i < min(end, len(queue)) and self.pool.shared_room():
+            t = self.tenants[queue[i][-1]]
+            if self._packs(t) and self._admit(now, t, ch, fragments=True):
+                end -= 1  # its entry left the queue: the window keeps its length
+                continue
+            i += 1
 
     def _resume_ready(self, now: float, ch: Changes) -> None:
         for session in list(self._resumable):
@@ -632,15 +651,20 @@ class Scheduler:
             return self.pool.pick_packed(k, t.cap, exclude)
         return self.pool.pick(k, exclude)
 
-    def _admit(self, now: float, t: Tenant, ch: Changes) -> bool:
+    def _admit(self, now: float, t: Tenant, ch: Changes, fragments: bool = False) -> bool:
+        """Place `t`'s request now, freezing victims if the policy preempts; `fragments`: only on room left on
+        shared devices (no free device, no preemption: a backfill that cannot delay a blocked request)."""
         req = t.request
         assert req is not None
         if not self.pool:
             return False
         want = len(req.devices)
         need = max(1, min(req.need, len(self.pool)))
-        picked = self._pick(t, want) if self.pool.free_total or self._packs(t) else []
-        if len(picked) < need and self.policy.preempts:
+        if fragments:
+            picked = self.pool.pick_packed(want, t.cap, shared_only=True)
+        else:
+            picked = self._pick(t, want) if self.pool.free_total or self._packs(t) else []
+        if len(picked) < need and self.policy.preempts and not fragments:
             victims = self._victims(t, need - len(picked), now)
             if victims:
                 for v in victims:
@@ -840,6 +864,8 @@ class Scheduler:
             t.since = now
 
     def _enqueue(self, t: Tenant, now: float) -> None:
+        if t.request is not None:  # what requests look like: packing avoids stranding room they need (pool rule 7)
+            self.pool.saw(self._cap(t), len(t.request.devices))
         t.key = (self.policy.rank(t, now), *self.policy.key(t, now), t.arrival, t.session)
         bisect.insort(self._queue, t.key)
         self._watch(t, now)
