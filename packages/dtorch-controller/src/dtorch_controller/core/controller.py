@@ -262,6 +262,16 @@ class ControllerCore:
                 busy.append(w)
         return busy
 
+    def _any_busy(self, s: Session) -> bool:
+        """`_busy(s)` is not empty (stops at the first busy worker: a report of each of a wide session's workers
+        asks this)."""
+        workers = self.workers
+        for worker_id, seq in s.sent.items():
+            w = workers.get(worker_id)
+            if w is not None and w.completed < seq and w.state != st.LOST:
+                return True
+        return False
+
     def _sync(self, now: float, e: ev.Sync, out: Effects) -> None:
         msg = e.msg
         s = self._session(out, e.request_id, msg.session)
@@ -289,7 +299,7 @@ class ControllerCore:
     def _resolve_syncs(self, s: Session, out: Effects) -> None:
         # held first: it is O(1), and a frozen session's parked Syncs are looked at by every report of the workers
         # it stays bound to (with LAS, hundreds of frozen sessions), where `_busy` walks every worker it used
-        if s.syncs and not self._held(s) and not self._busy(s):
+        if s.syncs and not self._held(s) and not self._any_busy(s):
             for pending in s.syncs.values():
                 self._reply(out, pending.request_id, self._done(s))
             s.syncs.clear()
@@ -354,6 +364,7 @@ class ControllerCore:
         w.last_seen = now
         if w.state != was:
             self._apply(now, self.sched.worker_changed(now, w), out)
+        before = w.completed
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = dict(msg.sessions)
         for session_id, errors in msg.errors.items():
@@ -363,10 +374,11 @@ class ControllerCore:
         if msg.sessions:
             self._check_caps(now, w, msg.sessions)
         self.faults.progress(now, w, msg, out)  # snapshots, rebuilds and moves waiting for this worker
-        for session_id in sorted(w.sessions):
-            s = self.sessions[session_id]
-            self._flush_deferred(s, out)
-            self._resolve_syncs(s, out)
+        if w.completed > before:  # only a completion lets deletes and Syncs go (a hold resolves its own on release)
+            for session_id in sorted(w.sessions):
+                s = self.sessions[session_id]
+                self._flush_deferred(s, out)
+                self._resolve_syncs(s, out)
         self._reply(out, e.request_id, m.ReportReply(ok=True))
 
     def _timer(self, now: float, e: ev.TimerFired, out: Effects) -> None:

@@ -243,11 +243,16 @@ class Scheduler:
             return Changes()
         t.steps += 1
         t.step_service = t.service(now)
+        if not t.running:
+            return Changes()
         ch = Changes()
-        if t.running:
-            self._accrue(now, t)
-            self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch)
-            self._watch(t, now)
+        moved: dict[str, None] = {}
+        self._accrue(now, t)
+        if self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch):
+            self._wanters(t, moved)
+        self._watch(t, now)
+        if moved and self._reclaim_all(now, moved, ch):
+            return self._pass(now, ch)
         return self._finish(ch)
 
     def close(self, now: float, session: str) -> Changes:
@@ -425,8 +430,7 @@ class Scheduler:
             if t.running:
                 self._accrue(now, t)
                 if self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch):
-                    for w in t.workers:  # it fell behind: the frozen tenants waiting for its devices may take them
-                        moved.update(self._wanted.get(w, {}))
+                    self._wanters(t, moved)
                 self._watch(t, now)
                 continue
             starving = getattr(self.policy, "starving", None)
@@ -439,17 +443,27 @@ class Scheduler:
                 self._enqueue(t, now)
             elif t.state == FROZEN:
                 if self._rerank(t, self.policy.rank(t, now), self._frozen, now, ch):
-                    for w in t.workers:  # ... and so may those waiting for the devices it reserves
-                        if w not in t.missing:
-                            moved.update(self._wanted.get(w, {}))
+                    self._wanters(t, moved)
                 moved[t.session] = None
                 self._watch(t, now)
-        # ranks moved: frozen tenants that now outrank the holders of their devices take them back (only those
-        # whose rank or whose devices' holders' ranks changed: not a walk over every frozen tenant)
+        self._reclaim_all(now, moved, ch)
+        return self._pass(now, ch)
+
+    def _wanters(self, t: Tenant, into: dict[str, None]) -> None:
+        """`t`'s rank changed: the frozen tenants waiting for the devices it holds may now outrank it."""
+        for w in t.workers:
+            if not (t.state == FROZEN and w in t.missing):
+                into.update(self._wanted.get(w, {}))
+
+    def _reclaim_all(self, now: float, moved: Mapping[str, None], ch: Changes) -> bool:
+        """Ranks moved: the frozen tenants among `moved` that now outrank the holders of their devices take them
+        back, best ranked first (only those whose rank, or whose devices' holders' ranks, changed: not a walk over
+        every frozen tenant). True when any did."""
+        took = False
         for t in sorted((self.tenants[s] for s in moved if s in self.tenants), key=lambda t: (t.rank, t.arrival)):
             if t.state == FROZEN and t.missing:
-                self._reclaim(now, t, ch)
-        return self._pass(now, ch)
+                took = self._reclaim(now, t, ch) or took
+        return took
 
     def _rerank(self, t: Tenant, rank: int, buckets: dict[int, dict[str, None]], now: float, ch: Changes) -> bool:
         """Move `t` to bucket `rank`; True when its rank changed."""
@@ -461,10 +475,10 @@ class Scheduler:
         buckets.setdefault(rank, {})[t.session] = None
         return True
 
-    def _reclaim(self, now: float, t: Tenant, ch: Changes) -> None:
+    def _reclaim(self, now: float, t: Tenant, ch: Changes) -> bool:
         holders = {h for w in t.missing for h in self.pool.holders(w)}
         if not holders or not self.policy.preempts or any(self.tenants[h].rank <= t.rank for h in holders):
-            return
+            return False
         for h in sorted(holders, key=lambda h: self.tenants[h].arrival):
             v = self.tenants[h]
             if v.running:
@@ -472,6 +486,7 @@ class Scheduler:
             else:
                 self._unreserve(v)
         self._offer()
+        return True
 
     # ------------------------------------------------------------ the pass
 
