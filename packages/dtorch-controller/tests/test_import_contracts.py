@@ -24,6 +24,9 @@ PLANTED = {
     "controller-torch-free": ("dtorch_controller/core/pool.py", "def _planted():\n    import dtorch\n"),
     "controller-layers": ("dtorch_controller/core/model.py",
                           "def _planted():\n    from dtorch_controller import server\n"),
+    # the client's stream reaching up into the session that owns it; a cycle through the rule registry
+    "client-layers": ("dtorch/_stream.py", "def _planted():\n    from dtorch import session\n"),
+    "client-acyclic": ("dtorch/_registry.py", "def _planted():\n    from dtorch import _rules\n"),
 }
 
 
