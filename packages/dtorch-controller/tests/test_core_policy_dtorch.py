@@ -25,9 +25,16 @@ def state(h, sid):
 
 
 def step(h, sid, n=1):
-    """`sid` reaches `n` sync points (an empty session's Sync answers at once)."""
+    """`sid` reaches `n` sync points: a batch each (it creates a tensor), and a Sync."""
+    t = h.core.sched.tenants[sid]
     for _ in range(n):
-        h.sync(sid, 0)
+        seq = h.core.sessions[sid].seq + 1
+        h.submit(sid, seq, [m.InstrCreate(tid=seq, spec=m.TensorSpec(shape=[4], dtype="float32", mesh=1,
+                                                                      placements=["R"]), init="zeros")])
+        before = t.steps
+        h.sync(sid, seq)
+        h.sync(sid, seq)  # the same sync point again (a client waiting): not a step
+        assert t.steps == before + 1
 
 
 def test_it_is_the_default_policy():

@@ -24,14 +24,16 @@ _cluster: LocalCluster | None = None
 
 def connect(controller: str | None = None, *, token: str | None = None, workers: int | None = None,
             name: str = "", priority: str = "normal", kind: str = "batch", memory_cap: int = 0,
-            min_devices: int = 0) -> Session:
+            min_devices: int = 0, expected_steps: int = 0) -> Session:
     """Open the default session (closing any previous one).
 
     `controller` defaults to $DTORCH_CONTROLLER; without either, a local cluster of `workers`
     worker processes (default $DTORCH_LOCAL_WORKERS or 2) is started for this process.
     Scheduling: `priority` "high" | "normal" | "low", `kind` "batch" | "realtime", `memory_cap` bytes per
     device (> 0 lets the controller pack the session onto a device shared with others), `min_devices`
-    (> 0: elastic, a mesh starts on as few physical devices as this, as virtual devices).
+    (> 0: elastic, a mesh starts on as few physical devices as this, as virtual devices), `expected_steps` (> 0:
+    how many sync points, values read back such as `loss.item()` once a step, the program will reach: the
+    default policy then ranks it by the work it has left rather than the work it has had).
     """
     global _session, _cluster
     with _lock:
@@ -43,7 +45,7 @@ def connect(controller: str | None = None, *, token: str | None = None, workers:
             address, token = _cluster.address, _cluster.token
         try:
             _session = Session(address, token, name=name, priority=priority, kind=kind, memory_cap=memory_cap,
-                               min_devices=min_devices)
+                               min_devices=min_devices, expected_steps=expected_steps)
         except BaseException:
             shutdown()
             raise

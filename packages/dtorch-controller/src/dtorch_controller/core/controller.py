@@ -280,7 +280,7 @@ class ControllerCore:
         if msg.upto > s.seq:
             return self._refuse(out, e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted "
                                                    f"for session {_short(s.id)} is {s.seq}")
-        self._apply(now, self.sched.progress(now, s.id), out)  # a sync point is a step of its progress
+        self._apply(now, self.sched.progress(now, s.id, msg.upto), out)  # a sync point is a step of its progress
         if not self._busy(s) and not self._held(s):
             return self._reply(out, e.request_id, self._done(s))
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)

@@ -48,8 +48,8 @@ Rules:
 7. Attained service (device-seconds) accrues while running, with the number of devices leased.
 8. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
-9. Progress: a session may declare the steps (sync points) it expects; the core reports each one it reaches
-   (`progress`). A tenant keeps its steps, its service at the last one and the time it spent queued or frozen
+9. Progress: a session may declare the steps (sync points) it expects; the core reports each Sync (`progress`):
+   one past the batch the last one reached is a new step (a Sync repeated while the client waits is not). A tenant keeps its steps, its service at the last one and the time it spent queued or frozen
    before the current wait (`waited`); policies may rank by them (policies/dtorch.py). A policy's rank of a
    running tenant is refreshed at each of its steps.
 """
@@ -127,6 +127,7 @@ class Tenant:
     stamp: int = 0  # invalidates stale wake-ups
     expected_steps: int = 0  # steps (sync points) the client said it will reach; 0: unknown
     steps: int = 0  # sync points reached so far
+    synced_upto: int = 0  # the batch its last sync point reached
     step_service: float = 0.0  # attained service at its last sync point
     waited: float = 0.0  # seconds spent queued or frozen before the current wait
 
@@ -235,12 +236,13 @@ class Scheduler:
     def open(self, session: str, priority: str, kind: str, cap: int = 0, expected_steps: int = 0) -> None:
         self.tenants[session] = Tenant(session, priority, kind, max(0, cap), expected_steps=max(0, expected_steps))
 
-    def progress(self, now: float, session: str) -> Changes:
-        """The session reached a sync point (a step): policies that rank by progress may rank it anew (rule 9).
-        O(1): no pass (a better rank changes nothing now; a worse one is seen by the next pass or tick)."""
+    def progress(self, now: float, session: str, upto: int) -> Changes:
+        """The session synced up to batch `upto`: a new sync point (a step) when `upto` is past the last one (a
+        client repeats a Sync while it waits), and policies that rank by progress may rank it anew (rule 9)."""
         t = self.tenants.get(session)
-        if t is None:
+        if t is None or upto <= t.synced_upto:
             return Changes()
+        t.synced_upto = upto
         t.steps += 1
         t.step_service = t.service(now)
         if not t.running:
