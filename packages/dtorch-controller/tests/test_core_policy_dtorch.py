@@ -192,3 +192,38 @@ def test_packed_requests_fill_the_room_a_blocked_request_cannot_use(make_harness
     assert h.open_mesh(small, 1, [0]).placed and h.core.sched.tenants[small].workers == {w0: None}
     assert not h.open_mesh(big, 1, [0]).placed
     assert h.core.sched.state(whole) == "waiting" and h.core.sched.position(whole) == 1
+
+
+# ---------------------------------------------------------------- elastic shrink (scheduler.py rule 10)
+
+
+def test_an_elastic_session_is_shrunk_instead_of_frozen_and_grows_back(make_harness):
+    h = harness(make_harness, thresholds=[10])
+    w = workers(h, 4)
+    e = h.open_session(priority="low")
+    assert h.open_mesh(e, 1, [0, 1, 2, 3], min_devices=2).placed
+    assert sorted(h.core.sessions[e].devices.values()) == sorted(w)
+    h.submit(e, 1, [m.InstrCreate(tid=1, spec=m.TensorSpec(shape=[8], dtype="float32", mesh=1, placements=["S0"]),
+                                  init="zeros")])
+    h.report_all()
+    h.take_sent()
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1]).placed
+    assert state(h, e) == "running"  # not frozen: it gave up two devices
+    t = h.core.sched.tenants[e]
+    given = sorted(set(w) - set(t.workers))
+    assert len(t.workers) == 2 and sorted(h.core.sched.tenants[high].workers) == given
+    assert any("shrinks to 2 devices (4 logical)" in line for line in h.core.log.lines())
+    fetches = [x for x in h.take_sent() if isinstance(x.execute.cmds[0], m.CmdFetchShards)]
+    # each device given up is pulled by a kept worker, one at a time (one move per session at a time)
+    assert len(fetches) == 1 and fetches[0].worker_id in t.workers and fetches[0].execute.cmds[0].move
+    for _ in range(4):
+        h.report_all()
+    assert sorted(set(h.core.sessions[e].devices.values())) == sorted(t.workers)  # 4 logical on 2 workers
+    rid, _ = h.sync(e, 1)
+    assert h.replies[rid].done
+    h.call(ev.CloseSession, m.CloseSession(session=high))  # devices free, nobody waits: it grows back
+    for _ in range(4):
+        h.report_all()
+    assert len(h.core.sched.tenants[e].workers) == 4
+    assert len(set(h.core.sessions[e].devices.values())) == 4

@@ -247,3 +247,24 @@ def test_time_axes_read_in_hours_or_days_when_long():
     assert metrics.time_unit(5000) == (60.0, "minutes")
     assert metrics.time_unit(20 * 3600) == (3600.0, "hours")
     assert metrics.time_unit(8 * 86400) == (86400.0, "days")
+
+
+def test_an_elastic_job_is_shrunk_rather_than_frozen_and_pays_what_amdahl_says(base, tmp_path):
+    # a (low, 4 devices, accepts 2) runs 100 s in 10 s steps; b (high, 1 device) arrives at 20 for 30 s. dtorch
+    # shrinks a to 3 devices (a logical device and its 2 GB move over) and a's steps take as long as its worker
+    # with two logical devices: (0.05 + 2 * 0.95 / 4) / (0.05 + 0.95 / 4) = 1.83x, until b ends and a grows
+    # back; priority (no shrink) freezes a for b's 30 s.
+    jobs_trace(base, tmp_path, "a,0,4,100,low\nb,20,1,30,high\n")
+    base["workload"].update(elastic_jobs={"share": 1.0, "min_fraction": 0.5},
+                            scaling={"parallel_fraction": [0.95]})
+    base["policy"] = {"name": "dtorch"}
+    sim, s = run(base)
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    assert a.preemptions == 0 and a.moved_bytes == 2 * 2 * 2**30  # moved off and back, 2 GB each way
+    shrunk_jct = a.finished - a.spec.arrival
+    # two steps at 18.26 s while b runs (it grows back at the end of the second): 2 x 8.26 s lost
+    assert 100 + 2 * 8.26 < shrunk_jct < 100 + 2 * 8.26 + 5
+    base["policy"] = {"name": "priority"}
+    sim, s = run(base)
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    assert a.preemptions == 1 and a.finished - a.spec.arrival > shrunk_jct + 5  # frozen 30 s

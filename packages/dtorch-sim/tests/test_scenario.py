@@ -141,3 +141,18 @@ def test_cost_model_settings_are_checked(base):
     base["workload"]["scaling"] = {"parallel_fraction": [0.9, 1.0]}
     jobs = generate(parse(base))
     assert all(0.9 <= j.parallel <= 1.0 and 1 <= j.state_gb <= 8 for j in jobs) and len({j.parallel for j in jobs}) > 1
+
+
+def test_declared_steps_and_elastic_jobs_are_checked_and_drawn(base):
+    base["workload"]["expected_steps"] = {"share": 1.5, "error": -1}
+    base["workload"]["elastic_jobs"] = {"share": 0.5, "min_fraction": 0}
+    assert sorted(errors(base)) == [
+        "workload.elastic_jobs.min_fraction: Input should be greater than 0 (got 0)",
+        "workload.expected_steps.error: Input should be greater than or equal to 0 (got -1)",
+        "workload.expected_steps.share: Input should be less than or equal to 1 (got 1.5)"]
+    base["workload"]["expected_steps"] = {"share": 0.5}
+    base["workload"]["elastic_jobs"] = {"share": 1.0, "min_fraction": 0.5}
+    base["workload"]["synthetic"]["jobs"] = 40
+    jobs = generate(parse(base))
+    assert 5 < sum(j.declares > 0 for j in jobs) < 35 and all(j.declares in (0, 1) for j in jobs)  # error 0
+    assert all(j.min_devices == (j.devices + 1) // 2 if j.devices > 1 else j.min_devices == 0 for j in jobs)

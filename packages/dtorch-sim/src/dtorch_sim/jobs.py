@@ -52,6 +52,7 @@ class JobSpec:
     parallel: float = 1.0  # Amdahl parallel fraction (workload.scaling): how its step time follows its devices
     state_gb: float = 2.0  # its live state per device (what moves, snapshots and offloads copy)
     declares: float = 0.0  # > 0: it declares its steps to the controller, times this error factor
+    min_devices: int = 0  # > 0: elastic, it accepts this few physical devices (workload.elastic_jobs)
 
 
 @dataclass
@@ -92,14 +93,18 @@ def _costs(sc: Scenario, jobs: list[JobSpec]) -> list[JobSpec]:
     rng = random.Random(f"costs-{sc.seed}")
     low, high = wl.scaling.parallel_fraction[0], wl.scaling.parallel_fraction[-1]
     memory = min(dt.memory_gb for dt in sc.cluster.device_types.values())
-    declared = random.Random(f"declared-{sc.seed}")  # its own stream: the share does not change the others
+    declared = random.Random(f"declared-{sc.seed}")  # their own streams: these shares do not change the others
+    elastic = random.Random(f"elastic-{sc.seed}")
+    ej = wl.elastic_jobs
     out = []
     for j in jobs:
         parallel = 1.0 if wl.scaling.model == "linear" else (low if low == high else rng.uniform(low, high))
         state = wl.state_gb if isinstance(wl.state_gb, (int, float)) else wl.state_gb.sample(rng)
         draw, noise = declared.random(), declared.lognormvariate(0.0, wl.expected_steps.error)
+        floor = math.ceil(j.devices * ej.min_fraction) if elastic.random() < ej.share and j.devices > 1 else 0
         out.append(replace(j, parallel=parallel, state_gb=min(float(state), memory),
-                           declares=noise if draw < wl.expected_steps.share else 0.0))
+                           declares=noise if draw < wl.expected_steps.share else 0.0,
+                           min_devices=floor if floor < j.devices else 0))
     return out
 
 
@@ -374,7 +379,8 @@ def job(sim, rec: JobRecord):
             return
         session = opened.session
         sim.session_opened(session, rec)
-        mesh = m.OpenMesh(session=session, mesh=0, devices=list(range(spec.devices)), shape=[spec.devices])
+        mesh = m.OpenMesh(session=session, mesh=0, devices=list(range(spec.devices)), shape=[spec.devices],
+                          min_devices=spec.min_devices)
         placed = yield sim.request(lambda r, mesh=mesh: ev.OpenMesh(r, mesh))
         while not isinstance(placed, fx.Refusal) and not placed.placed:
             yield sim.placed_or_timeout(session, wl.retry_s)

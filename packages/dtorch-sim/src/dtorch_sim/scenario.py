@@ -268,6 +268,15 @@ class Declared(_Model):
     error: float = Field(0.0, ge=0)
 
 
+class ElasticJobs(_Model):
+    """Jobs that accept fewer devices than they ask for (`dtorch.connect(min_devices=k)`): a share of the
+    multi-device jobs, each accepting `ceil(devices * min_fraction)`. A policy that shrinks may take the rest
+    instead of freezing them; every policy may start them on that few when devices are short."""
+
+    share: float = Field(0.0, ge=0, le=1)
+    min_fraction: float = Field(0.5, gt=0, le=1)
+
+
 class Workload(_Model):
     synthetic: Synthetic | None = None
     trace: Trace | None = None
@@ -282,6 +291,7 @@ class Workload(_Model):
     state_gb: float | Distribution = Field(2.0)
     scaling: Scaling = Scaling()
     expected_steps: Declared = Declared()
+    elastic_jobs: ElasticJobs = ElasticJobs()
     on_failure: Literal["restart", "fail"] = "restart"  # a job whose data was lost: resume elsewhere, or give up
     retry_s: float = Field(60.0, gt=0)  # a queued job asks again at least this often (it is also woken when placed)
     # weights of each job's priority class, drawn per job (empty: "normal", or the trace's own classes)

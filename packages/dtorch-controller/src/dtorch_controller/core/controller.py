@@ -70,6 +70,7 @@ class ControllerCore:
         self._new_session_id = session_ids or random_session_id
         self._by_address: dict[str, str] = {}  # address -> id of the worker there that is not lost
         self._registrations = 0
+        self._sync_waits: dict[str, set[str]] = {}  # worker -> sessions whose parked Syncs wait for it to complete
         self.faults = Faults(self)  # snapshots, recovery after worker loss, migration, drain (recovery.py)
         self.sched.growth = True  # elastic sessions grow onto free workers: elastic.py moves their devices
         self.sched.relocation = True  # frozen sessions resume on free workers: elastic.py moves their devices
@@ -262,15 +263,15 @@ class ControllerCore:
                 busy.append(w)
         return busy
 
-    def _any_busy(self, s: Session) -> bool:
-        """`_busy(s)` is not empty (stops at the first busy worker: a report of each of a wide session's workers
-        asks this)."""
+    def _first_busy(self, s: Session) -> str | None:
+        """A worker of `_busy(s)`, or None (stops at the first, looking at the latest sent to first: a report of
+        each of a wide session's workers asks this, and a relocated session keeps its old workers in `sent`)."""
         workers = self.workers
-        for worker_id, seq in s.sent.items():
+        for worker_id, seq in reversed(s.sent.items()):
             w = workers.get(worker_id)
             if w is not None and w.completed < seq and w.state != st.LOST:
-                return True
-        return False
+                return worker_id
+        return None
 
     def _sync(self, now: float, e: ev.Sync, out: Effects) -> None:
         msg = e.msg
@@ -286,6 +287,7 @@ class ControllerCore:
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)
         s.syncs[e.request_id] = PendingSync(e.request_id, msg.upto, timeout)
         out.append(fx.SetTimer(now + timeout, ("sync", s.id, e.request_id)))
+        self._resolve_syncs(s, out)  # files it under a busy worker (answered when that one completes)
 
     def _held(self, s: Session) -> bool:
         """Batches accepted but not sent yet: frozen by the scheduler, or held by recovery or a move."""
@@ -299,7 +301,12 @@ class ControllerCore:
     def _resolve_syncs(self, s: Session, out: Effects) -> None:
         # held first: it is O(1), and a frozen session's parked Syncs are looked at by every report of the workers
         # it stays bound to (with LAS, hundreds of frozen sessions), where `_busy` walks every worker it used
-        if s.syncs and not self._held(s) and not self._any_busy(s):
+        if not s.syncs or self._held(s):
+            return
+        busy = self._first_busy(s)
+        if busy is not None:  # its report of a completion looks again, even if it hosts no device of `s` now
+            self._sync_waits.setdefault(busy, set()).add(s.id)
+        else:
             for pending in s.syncs.values():
                 self._reply(out, pending.request_id, self._done(s))
             s.syncs.clear()
@@ -375,10 +382,11 @@ class ControllerCore:
             self._check_caps(now, w, msg.sessions)
         self.faults.progress(now, w, msg, out)  # snapshots, rebuilds and moves waiting for this worker
         if w.completed > before:  # only a completion lets deletes and Syncs go (a hold resolves its own on release)
-            for session_id in sorted(w.sessions):
-                s = self.sessions[session_id]
-                self._flush_deferred(s, out)
-                self._resolve_syncs(s, out)
+            for session_id in sorted(w.sessions | self._sync_waits.pop(w.id, set())):
+                s = self.sessions.get(session_id)
+                if s is not None:
+                    self._flush_deferred(s, out)
+                    self._resolve_syncs(s, out)
         self._reply(out, e.request_id, m.ReportReply(ok=True))
 
     def _timer(self, now: float, e: ev.TimerFired, out: Effects) -> None:
@@ -421,6 +429,10 @@ class ControllerCore:
             del self._by_address[w.address]
         self.log.add(now, f"worker {w.id} at {w.address} lost: {reason}")
         taken = self.faults.losing(w, reason)  # sessions rebuilt from their copies instead (recovery.py)
+        waiting = self._sync_waits.pop(w.id, set()) - w.sessions  # it completes nothing more: they look again
+        for session_id in sorted(waiting):
+            if session_id in self.sessions and session_id not in taken:
+                self._resolve_syncs(self.sessions[session_id], out)
         for session_id in sorted(w.sessions):
             if session_id in taken:
                 continue
@@ -490,6 +502,8 @@ class ControllerCore:
             for instrs in self.sched.take_backlog(session_id):
                 self._dispatch(s, instrs, out)
             self._resolve_syncs(s, out)
+        for session_id, workers in changes.shrunk:
+            elastic.shrink(self, now, session_id, workers, out)
         for session_id, workers in changes.grown:
             elastic.grow(self, now, session_id, workers, out)
         if changes.wake is not None:

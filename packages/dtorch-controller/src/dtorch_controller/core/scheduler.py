@@ -49,9 +49,14 @@ Rules:
 8. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
 9. Progress: a session may declare the steps (sync points) it expects; the core reports each Sync (`progress`):
-   one past the batch the last one reached is a new step (a Sync repeated while the client waits is not). A tenant keeps its steps, its service at the last one and the time it spent queued or frozen
-   before the current wait (`waited`); policies may rank by them (policies/dtorch.py). A policy's rank of a
-   running tenant is refreshed at each of its steps.
+   one past the batch the last one reached is a new step (a Sync repeated while the client waits is not). A
+   tenant keeps its steps, its service at the last one and the time it spent queued or frozen before the
+   current wait (`waited`); policies may rank by them (policies/dtorch.py). A policy's rank of a running
+   tenant is refreshed at each of its steps.
+10. Elastic shrink (a policy that `shrinks`): before freezing running tenants of a rank, preemption takes the
+    spare devices of that rank's running elastic tenants (above the minimum they asked for, leased to them
+    alone): they keep running on the rest, as virtual devices (the core moves their logical devices off the
+    devices they give up, `Changes.shrunk`), and grow back when devices free up and nobody waits (rule 5).
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ class Tenant:
     frozen_by: str = ""
     logical: int = 0  # logical devices placed: the most physical devices it can use
     elastic: bool = False  # asked with a minimum below its size: it grows onto devices that come free
+    floor: int = 0  # elastic: the fewest physical devices it accepts (it may be shrunk down to them)
     backlog: list[Any] = field(default_factory=list)  # Submit batches held while frozen
     over_cap: set[str] = field(default_factory=set)  # workers where it was told it exceeds its cap
     stamp: int = 0  # invalidates stale wake-ups
@@ -155,6 +161,7 @@ class Tenant:
 class Changes:
     placed: list[tuple[str, dict[int, str]]] = field(default_factory=list)  # session -> devices to bind
     grown: list[tuple[str, list[str]]] = field(default_factory=list)  # session -> workers leased to grow onto
+    shrunk: list[tuple[str, list[str]]] = field(default_factory=list)  # session -> workers it gave up (rule 10)
     relocated: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # session -> {lost worker: substitute}
     frozen: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
@@ -684,8 +691,10 @@ class Scheduler:
         if len(picked) < need and self.policy.preempts and not fragments:
             victims = self._victims(t, need - len(picked), now)
             if victims:
-                for v in victims:
-                    if v.running:
+                for v, give in victims:
+                    if give:
+                        self._shrink_for(now, v, give, t, ch)
+                    elif v.running:
                         self._freeze(now, v, t, ch)
                     else:
                         self._unreserve(v)
@@ -699,6 +708,7 @@ class Scheduler:
         self._offer()  # devices the victims gave up and this request did not take go back to them
         t.workers = dict.fromkeys(picked)
         t.logical += want
+        t.floor = need if t.elastic else 0
         assignment = self._spread(req.devices, picked)
         t.request = None
         self._dequeue(t)
@@ -711,27 +721,40 @@ class Scheduler:
                         f"({_plural(nodes, 'node')}) after {now - (t.waiting_since or now):.2f}s in the queue")
         return True
 
-    def _victims(self, t: Tenant, short: int, now: float) -> list[Tenant] | None:
+    def _victims(self, t: Tenant, short: int, now: float) -> list[tuple[Tenant, list[str]]] | None:
         """Tenants of a higher rank to give up devices so that `short` more come free, or None when they cannot:
-        per rank from the least important, reservations of frozen tenants first, then running tenants, most
-        recent first."""
+        per rank from the least important, reservations of frozen tenants first, then the spare devices of
+        running elastic tenants (shrunk, when the policy `shrinks`: rule 10), then running tenants (frozen), most
+        recent first. Each comes with the workers it gives up when shrunk (empty: frozen, or its reservations
+        go)."""
         mine = t.key[0] if t.key is not None else self.policy.rank(t, now)
-        victims: list[Tenant] = []
+        victims: list[tuple[Tenant, list[str]]] = []
         chosen: set[str] = set()
         pending: set[str] = set()
         freed: set[str] = set()
+        shrinks = getattr(self.policy, "shrinks", False)
         for rank in sorted(self._ranks.keys() | self._frozen.keys(), reverse=True):
             if rank <= mine:
                 break
             frozen = (self.tenants[s] for s in reversed(self._frozen.get(rank, {})))
             running = self._best_fit_first(self._ranks.get(rank, {}), short - len(freed))
-            for v in itertools.chain(frozen, running):
+            for v in itertools.chain(frozen, (None,), running):
+                if v is None:  # the frozen tenants' reservations were not enough: shrink, then freeze
+                    for e, give in self._spares(self._ranks.get(rank, {}), short - len(freed)) if shrinks else ():
+                        victims.append((e, give))
+                        chosen.add(e.session)
+                        freed.update(give)
+                        if len(freed) >= short:
+                            return victims
+                    continue
+                if v.session in chosen:
+                    continue  # shrunk already
                 if v.state == FROZEN and len(v.missing) >= len(v.workers):
                     continue  # reserves nothing
                 held = [w for w in v.workers if w not in v.missing] if v.state == FROZEN else list(v.workers)
                 if not held:
                     continue
-                victims.append(v)
+                victims.append((v, []))
                 chosen.add(v.session)
                 pending.update(held)
                 for w in list(pending):
@@ -744,6 +767,34 @@ class Scheduler:
                 if len(freed) >= short:
                     return victims
         return None
+
+    def _spares(self, bucket: Mapping[str, None], left: int) -> Iterator[tuple[Tenant, list[str]]]:
+        """Running elastic tenants of one rank above their floor, most recent first, with the devices each can give
+        up (leased to it alone, the most recently leased first) until `left` are found."""
+        for session in reversed(bucket):
+            if left <= 0:
+                return
+            v = self.tenants[session]
+            spare = len(v.workers) - max(1, v.floor)
+            if not v.elastic or spare <= 0:
+                continue
+            give = [w for w in reversed(v.workers) if len(self.pool.holders(w)) == 1][:min(spare, left)]
+            if give:
+                left -= len(give)
+                yield v, give
+
+    def _shrink_for(self, now: float, v: Tenant, give: list[str], by: Tenant, ch: Changes) -> None:
+        """`v` gives up `give` instead of being frozen (rule 10): it keeps running on the rest; the core moves its
+        logical devices off them onto the ones it keeps (`Changes.shrunk`); it may grow again later (rule 5)."""
+        self._accrue(now, v)
+        for w in give:
+            del v.workers[w]
+            self._release(w, v.session)
+        self._watch(v, now)
+        self.decisions += 1
+        ch.shrunk.append((v.session, list(give)))
+        ch.notes.append(f"session {_short(v.session)} shrinks to {_plural(len(v.workers), 'device')} "
+                        f"({v.logical} logical): preempted by session {_short(by.session)}")
 
     def _best_fit_first(self, bucket: Mapping[str, None], left: int) -> Iterator[Tenant]:
         """Running tenants of one rank, most recent first, except that the smallest one among the most recent

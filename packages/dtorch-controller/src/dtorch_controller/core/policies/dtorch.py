@@ -21,9 +21,12 @@ Rules (a session's *score* is in device-seconds; lower goes first):
    with `lend` (default on) it keeps no idle reservations: the devices it waits for serve others meanwhile
    and it gets devices back in rank order (its own when free, else substitutes, else by preemption).
 6. Packing: batch sessions that declare a memory cap share devices (fragmentation-aware: pool.py).
+7. Elastic sessions (`dtorch.connect(min_devices=k)`) are shrunk before anyone is frozen: they give up devices
+   above their minimum and run on the rest as virtual devices, growing back when devices free up
+   (scheduler.py rule 10).
 
 Parameters: `thresholds` (device-seconds, ascending; default 60, 600, 3600), `fairness` (default 1.0; 0: no
-credit), `preempt`, `pack`, `relocate`, `lend` (default true), `relocate_after` (default 0 s).
+credit), `preempt`, `pack`, `relocate`, `lend`, `shrink` (default true), `relocate_after` (default 0 s).
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ class DTorchPolicy(BasePolicy):
         self.preempts = flag(self.params, "preempt", True)
         self.packs = flag(self.params, "pack", True)
         self.lends = flag(self.params, "lend", True)
+        self.shrinks = flag(self.params, "shrink", True)
         relocation(self, 0.0)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("thresholds", "fairness", "preempt", "pack", "relocate", "relocate_after", "lend")
+        return ("thresholds", "fairness", "preempt", "pack", "relocate", "relocate_after", "lend", "shrink")
 
     # ------------------------------------------------------------ the score (rules 2 and 3)
 
