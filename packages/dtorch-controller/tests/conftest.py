@@ -9,6 +9,7 @@ import pytest
 
 from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer, counter_ids
 from dtorch_controller.core import events as ev
+from dtorch_controller.core.policies import make_policy
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
 
@@ -112,7 +113,9 @@ def is_refusal(reply: Any, kind: str = "refused") -> bool:
 
 @pytest.fixture
 def h() -> Harness:
-    return Harness()
+    # The scheduling rules' tests were written against the `priority` policy (classes, reservations); the
+    # default policy (`dtorch`) has tests of its own (test_core_policy_dtorch.py).
+    return Harness(policy=make_policy("priority"))
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ _cluster: LocalCluster | None = None
 
 def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca: str | None = None,
             workers: int | None = None, name: str = "", priority: str = "normal", kind: str = "batch",
-            memory_cap: int = 0, min_devices: int = 0) -> Session:
+            memory_cap: int = 0, min_devices: int = 0, expected_steps: int = 0) -> Session:
     """Open the default session (closing any previous one).
 
     `controller` defaults to $DTORCH_CONTROLLER; without either, a local cluster of `workers`
@@ -34,7 +34,9 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
     runs TLS.
     Scheduling: `priority` "high" | "normal" | "low", `kind` "batch" | "realtime", `memory_cap` bytes per
     device (> 0 lets the controller pack the session onto a device shared with others), `min_devices`
-    (> 0: elastic, a mesh starts on as few physical devices as this, as virtual devices).
+    (> 0: elastic, a mesh starts on as few physical devices as this, as virtual devices), `expected_steps` (> 0:
+    how many sync points, values read back such as `loss.item()` once a step, the program will reach: the
+    default policy then ranks it by the work it has left rather than the work it has had).
     """
     global _session, _cluster
     with _lock:
@@ -49,7 +51,7 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
             tls = Tls.load(ca=tls_ca)
         try:
             _session = Session(address, api_key, tls=tls, name=name, priority=priority, kind=kind,
-                               memory_cap=memory_cap, min_devices=min_devices)
+                               memory_cap=memory_cap, min_devices=min_devices, expected_steps=expected_steps)
         except BaseException:
             shutdown()
             raise

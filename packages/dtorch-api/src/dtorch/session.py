@@ -44,14 +44,16 @@ class Session:
     """A connection to a controller; every DTensor belongs to one."""
 
     def __init__(self, controller: str, api_key: str | None = None, *, tls: Tls | None = None, name: str = "",
-                 priority: str = "normal", kind: str = "batch", memory_cap: int = 0, min_devices: int = 0) -> None:
+                 priority: str = "normal", kind: str = "batch", memory_cap: int = 0, min_devices: int = 0,
+                 expected_steps: int = 0) -> None:
         self.address = controller
         self.api_key = auth.key_from_env() if api_key is None else api_key
         self.timeout = env_float("DTORCH_TIMEOUT", 300.0)  # bound on any single wait for workers
         self.stub = wire.Stub("dtorch.Controller", controller, self.api_key, tls=tls)
         try:
             opened = self.stub.call("OpenSession", m.OpenSession(hello=wire.hello("client", __version__), name=name,
-                                                                  priority=priority, kind=kind, memory_cap=memory_cap),
+                                                                  priority=priority, kind=kind, memory_cap=memory_cap,
+                                                                  expected_steps=expected_steps),
                                     timeout=10.0)
         except ConnectionError as e:
             if str(e).startswith("TLS handshake"):

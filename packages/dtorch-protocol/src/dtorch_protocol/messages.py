@@ -37,7 +37,7 @@ PROTOCOL_VERSION = "1.5"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # collectives (CmdGroup, CmdCollective, RegisterWorker.rendezvous and .device_id,
 # WorkerReport/WorkerStatus.received_bytes); API keys and capabilities (RegisterWorker.secret/.client_address,
 # WorkerReport.proof, `caps` next to every location, Execute.caps for peers), anonymous counts in StatusReply,
-# bounds on strings, lists and timeouts
+# bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint)
 
 
 class ErrorKind(str, enum.Enum):
@@ -139,6 +139,7 @@ class OpenSession(Struct, frozen=True):
     priority: Ident = "normal"  # "high" | "normal" | "low"
     kind: Ident = "batch"  # "batch" | "realtime"
     memory_cap: Annotated[int, Meta(ge=0)] = 0  # bytes each device may hold (0: whole devices; > 0: may share one)
+    expected_steps: Annotated[int, Meta(ge=0)] = 0  # sync points the program expects to reach (0: unknown): a hint
 
 
 class SessionOpened(Struct, frozen=True):

@@ -77,6 +77,7 @@ class ControllerCore:
         self._new_session_id = session_ids or random_session_id
         self._by_address: dict[str, str] = {}  # address -> id of the worker there that is not lost
         self._registrations = 0
+        self._sync_waits: dict[str, set[str]] = {}  # worker -> sessions whose parked Syncs wait for it to complete
         self.faults = Faults(self)  # snapshots, recovery after worker loss, migration, drain (recovery.py)
         self.sched.growth = True  # elastic sessions grow onto free workers: elastic.py moves their devices
         self.sched.relocation = True  # frozen sessions resume on free workers: elastic.py moves their devices
@@ -166,10 +167,12 @@ class ControllerCore:
         sid = self._new_session_id()
         while sid in self.sessions:
             sid = self._new_session_id()
+        if msg.expected_steps < 0:
+            return self._refuse(out, e.request_id, f"bad expected_steps {msg.expected_steps}: expected a count >= 0")
         self.sessions[sid] = Session(id=sid, name=msg.name, priority=msg.priority, kind=msg.kind, opened_at=now,
                                      last_heard=now, tenant=e.who.tenant)
         self.sessions[sid].comm.timeout_s = self.config.collective_timeout_s
-        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap)
+        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap, msg.expected_steps)
         self.log.add(now, f"session {_short(sid)} opened ({msg.name or 'unnamed'}, {msg.priority}, {msg.kind})")
         timeout = self.config.session_timeout_s
         keepalive = 0.0
@@ -271,6 +274,16 @@ class ControllerCore:
                 busy.append(w)
         return busy
 
+    def _first_busy(self, s: Session) -> str | None:
+        """A worker of `_busy(s)`, or None (stops at the first, looking at the latest sent to first: a report of
+        each of a wide session's workers asks this, and a relocated session keeps its old workers in `sent`)."""
+        workers = self.workers
+        for worker_id, seq in reversed(s.sent.items()):
+            w = workers.get(worker_id)
+            if w is not None and w.completed < seq and w.state != st.LOST:
+                return worker_id
+        return None
+
     def _sync(self, now: float, e: ev.Sync, out: Effects) -> None:
         msg = e.msg
         s = self._session(out, e.request_id, msg.session, e.who)
@@ -279,11 +292,13 @@ class ControllerCore:
         if msg.upto > s.seq:
             return self._refuse(out, e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted "
                                                    f"for session {_short(s.id)} is {s.seq}")
+        self._apply(now, self.sched.progress(now, s.id, msg.upto), out)  # a sync point is a step of its progress
         if not self._busy(s) and not self._held(s):
             return self._reply(out, e.request_id, self._done(s))
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)
         s.syncs[e.request_id] = PendingSync(e.request_id, msg.upto, timeout)
         out.append(fx.SetTimer(now + timeout, ("sync", s.id, e.request_id)))
+        self._resolve_syncs(s, out)  # files it under a busy worker (answered when that one completes)
 
     def _held(self, s: Session) -> bool:
         """Batches accepted but not sent yet: frozen by the scheduler, or held by recovery or a move."""
@@ -295,7 +310,14 @@ class ControllerCore:
         return m.SyncReply(done=True, errors=errors, locations=self._locations(s))
 
     def _resolve_syncs(self, s: Session, out: Effects) -> None:
-        if s.syncs and not self._busy(s) and not self._held(s):
+        # held first: it is O(1), and a frozen session's parked Syncs are looked at by every report of the workers
+        # it stays bound to (with LAS, hundreds of frozen sessions), where `_busy` walks every worker it used
+        if not s.syncs or self._held(s):
+            return
+        busy = self._first_busy(s)
+        if busy is not None:  # its report of a completion looks again, even if it hosts no device of `s` now
+            self._sync_waits.setdefault(busy, set()).add(s.id)
+        else:
             for pending in s.syncs.values():
                 self._reply(out, pending.request_id, self._done(s))
             s.syncs.clear()
@@ -363,6 +385,7 @@ class ControllerCore:
         w.last_seen = now
         if w.state != was:
             self._apply(now, self.sched.worker_changed(now, w), out)
+        before = w.completed
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = dict(msg.sessions)
         w.received_bytes = msg.received_bytes
@@ -373,10 +396,12 @@ class ControllerCore:
         if msg.sessions:
             self._check_caps(now, w, msg.sessions)
         self.faults.progress(now, w, msg, out)  # snapshots, rebuilds and moves waiting for this worker
-        for session_id in sorted(w.sessions):
-            s = self.sessions[session_id]
-            self._flush_deferred(s, out)
-            self._resolve_syncs(s, out)
+        if w.completed > before:  # only a completion lets deletes and Syncs go (a hold resolves its own on release)
+            for session_id in sorted(w.sessions | self._sync_waits.pop(w.id, set())):
+                s = self.sessions.get(session_id)
+                if s is not None:
+                    self._flush_deferred(s, out)
+                    self._resolve_syncs(s, out)
         self._reply(out, e.request_id, m.ReportReply(ok=True))
 
     def _timer(self, now: float, e: ev.TimerFired, out: Effects) -> None:
@@ -419,6 +444,10 @@ class ControllerCore:
             del self._by_address[w.address]
         self.log.add(now, f"worker {w.id} at {w.address} lost: {reason}")
         taken = self.faults.losing(w, reason)  # sessions rebuilt from their copies instead (recovery.py)
+        waiting = self._sync_waits.pop(w.id, set()) - w.sessions  # it completes nothing more: they look again
+        for session_id in sorted(waiting):
+            if session_id in self.sessions and session_id not in taken:
+                self._resolve_syncs(self.sessions[session_id], out)
         for session_id in sorted(w.sessions):
             if session_id in taken:
                 continue
@@ -488,6 +517,8 @@ class ControllerCore:
             for instrs in self.sched.take_backlog(session_id):
                 self._dispatch(s, instrs, out)
             self._resolve_syncs(s, out)
+        for session_id, workers in changes.shrunk:
+            elastic.shrink(self, now, session_id, workers, out)
         for session_id, workers in changes.grown:
             elastic.grow(self, now, session_id, workers, out)
         if changes.wake is not None:
