@@ -179,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60")),
                         help="bound on a process group's rendezvous and on each collective: past it the op fails "
                              "naming the workers that never arrived (default 60, $DTORCH_COLLECTIVE_TIMEOUT)")
-    parser.add_argument("--policy", default="priority",
-                        help="scheduling policy: fifo, priority (default: classes, preemption, packing) or las")
+    parser.add_argument("--policy", default="dtorch",
+                        help="scheduling policy: dtorch (default: classes, then least remaining or attained work, "
+                             "preemption by freezing, relocation, packing), priority, fifo or las")
     parser.add_argument("--policy-param", action="append", default=[], metavar="K=V",
                         help="a policy parameter, e.g. preempt=false or thresholds=[60,600] (repeatable)")
     parser.add_argument("--snapshot-batches", type=int, metavar="N",

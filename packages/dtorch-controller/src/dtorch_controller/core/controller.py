@@ -81,6 +81,7 @@ class ControllerCore:
         self.faults = Faults(self)  # snapshots, recovery after worker loss, migration, drain (recovery.py)
         self.sched.growth = True  # elastic sessions grow onto free workers: elastic.py moves their devices
         self.sched.relocation = True  # frozen sessions resume on free workers: elastic.py moves their devices
+        self.sched.moving = self.faults.mover.busy  # ... and are left alone while their devices move
         self._handlers: dict[type, Callable[[float, Any, Effects], None]] = {
             ev.OpenSession: self._open_session, ev.OpenMesh: self._open_mesh, ev.Submit: self._submit,
             ev.Sync: self._sync, ev.CloseSession: self._close_session, ev.Status: self._status,

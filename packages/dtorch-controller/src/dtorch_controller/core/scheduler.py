@@ -64,7 +64,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,6 +208,10 @@ class Scheduler:
         self.growth = False  # the core can move logical devices: elastic tenants may grow (see _grow)
         self.relocation = False  # ... and frozen tenants may resume on substitutes (see _relocate)
         self.relocations = 0  # frozen tenants resumed on substitutes (for tests and benchmarks, like `decisions`)
+        # Does a session have moves of its logical devices in flight (the core's mover, read only)? Such a tenant
+        # is neither preempted nor relocated nor shrunk again until they are done: its moves go to the devices
+        # it leases now, which it would give up meanwhile (rules 6 and 10).
+        self.moving: Callable[[str], bool] = lambda session: False
 
     # ------------------------------------------------------------ queries
 
@@ -486,7 +490,8 @@ class Scheduler:
 
     def _reclaim(self, now: float, t: Tenant, ch: Changes) -> bool:
         holders = {h for w in t.missing for h in self.pool.holders(w)}
-        if not holders or not self.policy.preempts or any(self.tenants[h].rank <= t.rank for h in holders):
+        if not holders or not self.policy.preempts or any(self.tenants[h].rank <= t.rank or self.moving(h)
+                                                          for h in holders):
             return False
         for h in sorted(holders, key=lambda h: self.tenants[h].arrival):
             v = self.tenants[h]
@@ -559,25 +564,27 @@ class Scheduler:
                 return
             for session in list(self._frozen.get(rank, ())):
                 t = self.tenants[session]
-                if not t.missing or session in self._resumable or now < (t.waiting_since or now) + patience:
+                if not t.missing or session in self._resumable or now < (t.waiting_since or now) + patience \
+                        or self.moving(session):
                     continue
                 if not self.pool.free_total and not (self._packs(t) and self.pool.shared_room()):
                     return
                 if len(t.missing) > self.pool.free_total and not self._packs(t):
                     continue
-                if lends:  # its own devices that are free now come back as they are (no move)
-                    cap = self._cap(t)
-                    for w in [w for w in t.missing if self.pool.is_free(w) or (cap and self.pool.fits(w, cap)
-                                                                               and self.pool.slots[w].placeable)]:
-                        self.pool.lease(w, t.session, cap)
-                        self._unwant(t, w)
-                    if not t.missing:
-                        self._resumable[t.session] = None
-                        continue
-                subs = self._pick(t, len(t.missing), t.workers)
-                if len(subs) < len(t.missing):
-                    continue
-                self._substitute(t, subs, ch)
+                cap = self._cap(t)
+                own = [w for w in t.missing if self.pool.is_free(w) or (cap and self.pool.fits(w, cap)
+                                                                        and self.pool.slots[w].placeable)] \
+                    if lends else []  # its own devices that are free now come back as they are (no move)
+                subs = self._pick(t, len(t.missing) - len(own), t.workers)
+                if len(own) + len(subs) < len(t.missing):
+                    continue  # all or nothing: a lending policy keeps no idle reservation
+                for w in own:
+                    self.pool.lease(w, t.session, cap)
+                    self._unwant(t, w)
+                if t.missing:
+                    self._substitute(t, subs, ch)
+                else:
+                    self._resumable[t.session] = None
 
     def _substitute(self, t: Tenant, subs: list[str], ch: Changes) -> None:
         lost = sorted(t.missing, key=lambda w: self.workers[w].order)
@@ -747,8 +754,8 @@ class Scheduler:
                         if len(freed) >= short:
                             return victims
                     continue
-                if v.session in chosen:
-                    continue  # shrunk already
+                if v.session in chosen or self.moving(v.session):
+                    continue  # shrunk already, or its devices are on the move
                 if v.state == FROZEN and len(v.missing) >= len(v.workers):
                     continue  # reserves nothing
                 held = [w for w in v.workers if w not in v.missing] if v.state == FROZEN else list(v.workers)
@@ -776,7 +783,7 @@ class Scheduler:
                 return
             v = self.tenants[session]
             spare = len(v.workers) - max(1, v.floor)
-            if not v.elastic or spare <= 0:
+            if not v.elastic or spare <= 0 or self.moving(session):
                 continue
             give = [w for w in reversed(v.workers) if len(self.pool.holders(w)) == 1][:min(spare, left)]
             if give:
