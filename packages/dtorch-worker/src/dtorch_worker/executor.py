@@ -212,7 +212,7 @@ class Executor:
         """Out-of-order batches are bounded per session: a batch arriving behind a gap in the numbering waits in
         memory until the gap fills, and the controller never leaves gaps for long (every seq it assigns is sent),
         so more than MAX_AHEAD_PER_SESSION of them means a lost batch: refused, the controller hears of it."""
-        gap = self._completed + 1
+        gap = self._executed + 1
         while gap in self._pending:
             gap += 1
         if batch.seq <= gap:

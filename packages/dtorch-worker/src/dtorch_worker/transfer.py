@@ -100,8 +100,8 @@ class _Assembler:
         self.dtype, self.shape, self.what = dtype, list(shape), what
         self.size = nbytes(dtype, shape)
         self.backend = backend
-        self.host = backend.host_buffer(0)
-        self.buf = host_bytes(self.host)
+        self.host: torch.Tensor | None = None  # allocated as bytes arrive
+        self.buf = memoryview(bytearray())
         self.pos = 0
 
     def add(self, data: bytes) -> None:
@@ -120,7 +120,8 @@ class _Assembler:
         """The payload as a tensor on the backend's device (one host-to-device copy for a GPU)."""
         if self.pos != self.size:
             raise ValueError(f"{self.what}: got {self.pos} of {self.size} bytes")
-        return self.backend.to_device(typed(self.host, dtype_from_name(self.dtype), self.shape))
+        host = self.host if self.host is not None else self.backend.host_buffer(0)
+        return self.backend.to_device(typed(host, dtype_from_name(self.dtype), self.shape))
 
 
 def receive_chunks(stream: Iterable[Chunk], what: str, backend: DeviceBackend = CPU) -> torch.Tensor:
