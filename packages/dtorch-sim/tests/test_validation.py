@@ -123,6 +123,10 @@ CASES: dict[str, tuple[Edit, str]] = {
         **TRACE, "time_format": "days"})(d, t)),
                     "workload.trace: time_format must be 'seconds', 'iso' or a strptime pattern such as "
                     "'%Y-%m-%d %H:%M:%S', got 'days'"),
+    "no job left": (lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", {
+        **TRACE, "filter": {"column": "job_id", "values": ["zz"]}})(d, t)),
+                    "workload.trace: no job left to simulate from {tmp}/t.csv (every row was skipped: filter on "
+                    "column 'job_id', start_s, zero_gpu, unscheduled, max_gpus; check them)"),
     "parallel fraction": (_set("workload.scaling", {"parallel_fraction": [0.9, 1.2]}),
                           "workload.scaling.parallel_fraction: a parallel fraction is in (0, 1]: give [low, high] or "
                           "one value, got [0.9, 1.2]"),
