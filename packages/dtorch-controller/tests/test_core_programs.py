@@ -50,6 +50,12 @@ def test_number_holes_take_the_replays_numbers():
     assert "number slot 1 is outside 0..0" in refused[0].message
 
 
+def test_a_batch_of_replays_cannot_expand_without_bound(monkeypatch):
+    monkeypatch.setattr(programs, "MAX_EXPANDED", 7)
+    out, refused = programs.expand({}, [define(), *[m.InstrReplay(program=7, tids=[1, 2, 3], seeds=[0])] * 3])
+    assert len(out) == 6 and len(refused) == 1 and "at most 7 instructions" in refused[0].message
+
+
 def test_batches_without_programs_pass_through_untouched():
     instrs = [m.InstrDelete(tids=[1])]
     assert programs.expand({}, instrs) == (instrs, [])

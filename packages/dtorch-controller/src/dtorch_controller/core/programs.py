@@ -12,6 +12,8 @@ Rules:
   2. A replay of an unknown program, or naming the wrong number of tensor ids, seeds or numbers, is refused: it runs
      nothing and its error is raised at the session's next Sync (the instructions after it go on, as for any
      refused instruction).
+  3. One batch expands to at most MAX_EXPANDED instructions: replays beyond that are refused (a few bytes of
+     replays must not make the controller translate millions of instructions).
 Not done yet: keeping the translated per-worker batches of a program (replays are translated again).
 """
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from dtorch_protocol import messages as m
 from dtorch_protocol import programs as p
+
+MAX_EXPANDED = 1 << 18  # instructions one Submit may expand to (rule 3)
 
 
 def _refusal(program: int, message: str) -> m.ErrorReport:
@@ -43,6 +47,8 @@ def expand(store: dict[int, m.InstrDefine], instrs: list[m.Instr]) -> tuple[list
         elif type(instr) is m.InstrReplay:
             d = store.get(instr.program)
             problem = f"unknown program {instr.program}" if d is None else p.check_replay(d, instr)
+            if problem is None and len(out) + len(d.instrs) > MAX_EXPANDED:
+                problem = f"replay of program {instr.program}: one batch expands to at most {MAX_EXPANDED} instructions"
             if problem is not None:
                 refused.append(_refusal(instr.program, problem))
             else:
