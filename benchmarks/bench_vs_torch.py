@@ -28,7 +28,7 @@ Items (those of issue #11):
     AdamW, 20 steps), eager against `dtorch.compile` (steps 3-20 replayed: one InstrReplay each), against plain
     torch eager's whole step on one process; the losses of both DTorch runs must be identical;
 (h) random factories (issue #12 item 4): time and elements drawn per device for a 4096x4096 randn sharded
-    over 1-8 devices, the counter-based generator (each device draws its shard) against drawing the whole
+    over 1-8 devices, block-seeded (each device draws the blocks of its shard) against drawing the whole
     tensor and keeping the box (what workers did before).
 
 Figures are medians of `--repeats` runs; ratios are DTorch / peer (below 1.0x: DTorch is faster).
@@ -434,16 +434,16 @@ def run_capture(args: argparse.Namespace) -> dict:
 
 
 def run_factories(args: argparse.Namespace) -> dict[int, tuple[float, float, int]]:
-    """devices -> (ms counter-based, ms whole tensor, elements drawn per device), for device 0's shard."""
+    """devices -> (ms block-seeded, ms whole tensor, elements drawn per device), for device 0's shard."""
     from dtorch_protocol.layout import shard_box
     from dtorch_protocol.placement_types import Shard
-    from dtorch_worker import counter_rng
+    from dtorch_worker import random_blocks
 
     torch.set_num_threads(1)
     shape, out = (4096, 4096), {}
     for n in (1, 2, 4, 8):
         box = [list(b) for b in shard_box(shape, (n,), (Shard(0),), (0,))]
-        ours = median_ms(lambda box=box: counter_rng.draw("randn", 7, shape, box, torch.float32), args.repeats)
+        ours = median_ms(lambda box=box: random_blocks.draw("randn", 7, shape, box, torch.float32), args.repeats)
         whole = median_ms(lambda box=box: torch.randn(shape, generator=torch.Generator().manual_seed(7))
                           .narrow(0, box[0][0], box[0][1]).clone(), args.repeats)
         out[n] = (ours, whole, box[0][1] * shape[1])
@@ -534,7 +534,7 @@ def main() -> None:
         print(f"    max |loss difference| eager vs captured: {capture['diff']:.1e} (identical: 0)")
     if factories:
         print("(h) randn 4096x4096 float32, Shard(0): time and elements drawn by one device")
-        print("    devices   counter-based (ours)   whole tensor, then the box   elements drawn (ours / whole)")
+        print("    devices     blocks (ours)        whole tensor, then the box   elements drawn (ours / whole)")
         for n, (ours, whole, drawn) in factories.items():
             print(f"    {n:7d}   {ours:17.2f} ms   {whole:23.2f} ms   {drawn:>12,} / {4096 * 4096:,}")
 

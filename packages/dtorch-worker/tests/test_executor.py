@@ -22,7 +22,7 @@ from dtorch_protocol.messages import (
     ShardPlan,
 )
 from dtorch_protocol.placement_types import Replicate, Shard
-from dtorch_worker import counter_rng
+from dtorch_worker import random_blocks
 from dtorch_worker.executor import Executor
 from dtorch_worker.store import Poison, TensorStore
 
@@ -83,9 +83,9 @@ def test_random_create_is_independent_of_the_layout(ex: Executor, init: str, dty
         CmdCreate(tid=2, dtype=name, shape=shape, init=init, boxes=layout_b, seed=seed))
     a = h.assemble(h.shards_of(ex.store, S, 1, layout_a), layout_a, shape, dtype)
     b = h.assemble(h.shards_of(ex.store, S, 2, layout_b), layout_b, shape, dtype)
-    expected = counter_rng.draw(init, seed, shape, [[0, 7], [0, 6]], dtype)
+    expected = random_blocks.draw(init, seed, shape, [[0, 7], [0, 6]], dtype)
     assert torch.equal(a, expected) and torch.equal(b, expected)
-    assert not torch.equal(expected, counter_rng.draw(init, seed + 1, shape, [[0, 7], [0, 6]], dtype))
+    assert not torch.equal(expected, random_blocks.draw(init, seed + 1, shape, [[0, 7], [0, 6]], dtype))
 
 
 def test_random_create_draws_only_the_shard(ex: Executor) -> None:
@@ -93,21 +93,23 @@ def test_random_create_draws_only_the_shard(ex: Executor) -> None:
     shape, box = [1 << 20, 1 << 20], [[(1 << 20) - 2, 2], [5, 3]]
     run(ex, CmdCreate(tid=1, dtype="float32", shape=shape, init="randn", boxes={0: box}, seed=3))
     shard = ex.store.get((S, 1, 0))
-    assert shard.shape == (2, 3) and torch.equal(shard, counter_rng.draw("randn", 3, shape, box, torch.float32))
+    assert shard.shape == (2, 3) and torch.equal(shard, random_blocks.draw("randn", 3, shape, box, torch.float32))
     assert ex.take_errors() == {}
 
 
-def test_counter_values_look_uniform_and_normal() -> None:
-    box = [[0, 200], [0, 500]]
-    u = counter_rng.draw("rand", 1, [200, 500], box, torch.float64)
-    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01 and u.unique().numel() == u.numel()
-    for dtype in (torch.bfloat16, torch.float16):  # exact in the dtype: never rounds up to 1
-        assert counter_rng.draw("rand", 1, [1 << 16], [[0, 1 << 16]], dtype).max() < 1
-    z = counter_rng.draw("randn", 1, [200, 500], box, torch.float32)
-    assert abs(z.mean()) < 0.02 and abs(z.std() - 1) < 0.02
-    # the high word of the counter matters past 2**32 elements
-    far = counter_rng.draw("rand", 1, [2, 1 << 32], [[0, 2], [0, 4]], torch.float32)
-    assert not torch.equal(far[0], far[1])
+def test_block_values_cross_block_edges_and_look_uniform_and_normal() -> None:
+    shape = [600, 300]  # blocks of 256 x 256: boxes below cross their edges
+    whole = random_blocks.draw("randn", 1, shape, [[0, 600], [0, 300]], torch.float32)
+    for box in ([[250, 20], [0, 300]], [[0, 600], [255, 2]], [[511, 89], [290, 10]]):
+        part = random_blocks.draw("randn", 1, shape, box, torch.float32)
+        assert torch.equal(part, whole[box[0][0]:sum(box[0]), box[1][0]:sum(box[1])])
+    assert abs(whole.mean()) < 0.02 and abs(whole.std() - 1) < 0.02 and whole.unique().numel() > 0.99 * whole.numel()
+    assert not torch.equal(whole[:256, :256], whole[256:512, :256])  # each block its own seed
+    u = random_blocks.draw("rand", 1, [200000], [[0, 200000]], torch.float64)  # 1-d: blocks of 65536
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
+    assert torch.equal(u[65530:65540], random_blocks.draw("rand", 1, [200000], [[65530, 10]], torch.float64))
+    assert random_blocks.block_shape([4096, 4096]) == [256, 256] and random_blocks.block_shape([9, 1, 1]) == [9, 1, 1]
+    assert random_blocks.block_shape([64, 512, 1024]) == [1, 256, 256]
 
 
 def test_replicated_create_does_not_share_storage_and_partial_zeros(ex: Executor, h: SimpleNamespace) -> None:

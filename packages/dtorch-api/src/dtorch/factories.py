@@ -1,8 +1,8 @@
 """Creating DTensors: random and constant factories, `distribute_tensor`, and the session RNG seed.
 
-Random factories give the same values whatever the mesh and placements: each worker draws only its
-own box, each element from a counter-based generator keyed by the session's random stream and the element's
-global index (`dtorch_worker.counter_rng`), so generation costs O(shard) per device.
+Random factories give the same values whatever the mesh and placements: the global tensor is cut into fixed
+blocks, each drawn from a seed of (the session's random stream, its index), and each worker draws only the blocks
+its box overlaps (`dtorch_worker.random_blocks`), so generation costs O(shard) per device.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ from dtorch_protocol.messages import (
 )
 from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import decode_value, dtype_from_name
-from dtorch_worker import collectives, counter_rng, hygiene, shards
+from dtorch_worker import collectives, hygiene, random_blocks, shards
 from dtorch_worker.device import backend_for
 from dtorch_worker.groups import GroupError, Groups
 from dtorch_worker.ops import prepare_args, resolve_op
@@ -419,10 +419,10 @@ class Executor:
                     raise ValueError("full needs a value")
                 t = torch.full(bshape, cmd.value, dtype=dtype, device=self.device)
             elif cmd.init in RANDOM_INITS:
-                # only this box's values, by their global indices: O(shard), independent of the layout
+                # only the blocks overlapping this box: O(shard), independent of the layout
                 key = repr(box)
                 if key not in drawn:
-                    drawn[key] = counter_rng.draw(cmd.init, cmd.seed, shape, box, dtype).to(self.device)  # device rule 3
+                    drawn[key] = random_blocks.draw(cmd.init, cmd.seed, shape, box, dtype).to(self.device)  # device rule 3
                     t = drawn[key]
                 else:  # devices must never share storage (an in-place op on one would change another)
                     t = drawn[key].clone()
