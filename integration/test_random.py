@@ -58,7 +58,7 @@ def test_rand_like_and_factories_follow_the_seed(mesh4):
 
 
 def test_factories_give_the_same_values_on_every_layout(mesh1, mesh4, mesh2d):
-    """1-D, 2-D, uneven (7 rows on 4 devices) and replicated: each device draws only its shard (counter-based)."""
+    """1-D, 2-D, uneven (7 rows on 4 devices) and replicated: each device draws only the blocks of its shard."""
     layouts = [(mesh1, [Replicate()]), (mesh4, [Shard(0)]), (mesh4, [Shard(1)]), (mesh4, [Replicate()]),
                (mesh2d, [Shard(0), Shard(1)]), (mesh2d, [Shard(1), Replicate()])]
     for make in (dtorch.rand, dtorch.randn):
