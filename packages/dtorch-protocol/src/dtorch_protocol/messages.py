@@ -693,4 +693,5 @@ def all_message_types() -> list[type]:
 
 
 __all__ = [name for name, v in globals().items() if isinstance(v, type) and issubclass(v, msgspec.Struct)] + [
-    "Instr", "StepInstr", "Cmd", "PROTOCOL_VERSION", "ErrorKind", "TENSOR_SLOT", "tensor_slot", "slot_tid", "tensor_refs"]
+    "Instr", "StepInstr", "Cmd", "PROTOCOL_VERSION", "ErrorKind", "TENSOR_SLOT", "tensor_slot", "slot_tid",
+    "tensor_refs"]

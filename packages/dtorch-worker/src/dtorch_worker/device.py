@@ -8,9 +8,9 @@ Rules:
    CUDA, so a device <-> host copy is one DMA and never goes through numpy. `host_bytes` is a zero-copy byte
    view of a host tensor for the wire (ctypes over its memory, the tensor kept alive by the view).
 3. Random values of factories never depend on the device: each box is drawn on the CPU by `random_blocks` (the
-   blocks it overlaps: O(shard)) and copied over. Random ops (dropout) run under `seeded(seed)` on the device's own generator, so every
-   device of one type draws the same values; two device types draw different ones (a mesh mixing them is
-   refused for random ops by the controller's translation, see docs/architecture.md).
+   blocks it overlaps: O(shard)) and copied over. Random ops (dropout) run under `seeded(seed)` on the device's
+   own generator, so every device of one type draws the same values; two device types draw different ones (a
+   mesh mixing them is refused for random ops by the controller's translation, see docs/architecture.md).
 4. The comm backend (`comm`: "gloo", "nccl") and the construction of a process group object belong to the
    backend: `new_group` builds one group of its own (never the global default group: one worker serves many
    sessions), and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is

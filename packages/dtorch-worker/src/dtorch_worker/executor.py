@@ -422,7 +422,8 @@ class Executor:
                 # only the blocks overlapping this box: O(shard), independent of the layout
                 key = repr(box)
                 if key not in drawn:
-                    drawn[key] = random_blocks.draw(cmd.init, cmd.seed, shape, box, dtype).to(self.device)  # device rule 3
+                    # drawn on the CPU and copied over: values independent of the device (device.py rule 3)
+                    drawn[key] = random_blocks.draw(cmd.init, cmd.seed, shape, box, dtype).to(self.device)
                     t = drawn[key]
                 else:  # devices must never share storage (an in-place op on one would change another)
                     t = drawn[key].clone()

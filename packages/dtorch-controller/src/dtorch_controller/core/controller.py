@@ -38,9 +38,8 @@ import msgspec
 
 from dtorch_controller import __version__
 from dtorch_controller.core import effects as fx
-from dtorch_controller.core import elastic
+from dtorch_controller.core import elastic, programs
 from dtorch_controller.core import events as ev
-from dtorch_controller.core import programs
 from dtorch_controller.core import state as st
 from dtorch_controller.core.config import Config
 from dtorch_controller.core.eventlog import EventLog
