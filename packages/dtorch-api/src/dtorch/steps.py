@@ -75,12 +75,12 @@ class _Op:
     seeds: int
     start: int  # its first instruction in the program
     end: int  # past its last one
-    result: Any
+    result: Any  # (treespec, [("in", i) | ("new", slot, spec, requires_grad) | ("val", v)])
     # an elementwise op with number holes: (position among the key's floats, hole) of each hole, the floats
     # baked into its instructions (position, value), how many floats its key holds (rule 6)
     numbers: list[tuple[int, int]] | None = None
     fixed: list[tuple[int, Any]] = field(default_factory=list)
-    nfloats: int = 0  # (treespec, [("in", i) | ("new", slot, spec, requires_grad) | ("val", v)])
+    nfloats: int = 0
 
 
 @dataclass
@@ -220,7 +220,7 @@ class _Recorder(_Mode):
         op.end = len(self.program.instrs)
         self.op_made.clear()
         if [(leaf._tid, leaf._spec) for leaf in leaves] != before:
-            self.abandon(f"{key[0] if isinstance(key[0], str) else 'an op'} changes a DTensor's id or layout in place")
+            self.abandon(f"{func if func is not None else key[0]} changes a DTensor's id or layout in place")
             return result
         try:
             op.result = self._recipe(result, leaves, first_tid)
