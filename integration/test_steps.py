@@ -144,8 +144,9 @@ def test_compiled_steps_nest_and_raise_like_eager(mesh1):
 def test_compiled_llama_dp_x_tp_training_matches_plain_torch(mesh2d):
     """The DPxTP Llama example under dtorch.compile: AdamW, plain tensors mixed in by transformers (masks,
     positions), clip_grad_norm_; six steps, four of them replayed, losses equal to plain torch."""
-    from dtorch.nn import llama_tp_plan
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dtorch.nn import llama_tp_plan
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
