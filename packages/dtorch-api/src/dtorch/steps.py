@@ -269,6 +269,7 @@ class _Replayer(_Mode):
         self.seeds: list[int] = []
         self.scalars: list[Any] = [None] * program.nscalars
         self.dropped: set[int] = set()  # tensor ids made in the step and dropped by the user's code
+        self.pending: list = []  # what an op planned again has emitted so far (a fallback sends it)
         self.fell_back = False
 
     def _new_tid(self) -> int:  # only outside our operations (an upload): the step goes eager first
@@ -362,12 +363,16 @@ class _Replayer(_Mode):
                 self._release(tid)
 
         s.emit, s.new_tid, s.release = items.append, new_tid, release
-        _dispatch.step_hook = None
+        _dispatch.step_hook, self.pending = None, items
         try:
             result = thunk()
         finally:
-            s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
-            _dispatch.step_hook = self
+            self.pending = []
+            if self.active:
+                s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
+                _dispatch.step_hook = self
+        if not self.active:  # a sync point inside the op: the replay fell back (and sent `items`) meanwhile
+            return result
         numbers = self._adopt_numbers(op, items, made, result, leaves)
         if numbers is None:
             self.fall_back(items)
@@ -448,7 +453,7 @@ class _Replayer(_Mode):
                     continue  # the user's code still holds it
                 deleted.add(tids[slot])
             self.emit(programs.map_ids(p.instrs[index], tids.__getitem__, seeds.__getitem__, scalars.__getitem__))
-        for item in then:
+        for item in then or self.pending:
             self.emit(item)
         self.held.extend(t for t in self.dropped if t not in deleted)
         self.uninstall()
