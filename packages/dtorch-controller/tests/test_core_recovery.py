@@ -49,7 +49,7 @@ def test_snapshots_copy_every_device_locally_and_to_another_worker_then_truncate
         assert local.to == "" and remote.to and remote.host and local.devices[d] == [1]
         assert remote.to != h.core.workers[s.devices[d]].address
         assert local.namespace == remote.namespace == f"{sid}#s1"
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert rec.taking is not None and len(rec.log) == 2
     h.report_all()
     assert rec.taking is None and rec.snapshot.upto == 2 and rec.log == []
@@ -70,7 +70,7 @@ def test_uploads_are_copied_at_the_adopt(make_harness):
     for e in sent:
         kinds = [type(c).__name__ for c in e.execute.cmds]
         assert kinds[:2] == ["CmdSendShards", "CmdSendShards"] and kinds[2] == "CmdRun"  # before the op writes it
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert rec.adopts[5].pending
     h.report_all()
     assert rec.adopts[5].complete
@@ -107,7 +107,7 @@ def test_a_lost_worker_is_rebuilt_from_the_snapshot_and_the_log(make_harness):
     abandons = cmds_of(sent, kind=m.CmdAbandon)
     assert abandons and all(c.tids == [1] and c.lost == ["10.0.0." + victim[1:] + ":7000"] for c in abandons)
     fetches = cmds_of(sent, kind=m.CmdFetchShards)
-    holders = h.core.faults.recs[sid].snapshot.holders[1]  # device 1: from a surviving copy, local if it is there
+    holders = h.core.pipeline.recs[sid].snapshot.holders[1]  # device 1: from a surviving copy, local if it is there
     assert {(tuple(c.devices), c.address == "") for c in fetches} == {((0,), True), ((1,), s.devices[1] in holders)}
     assert all(c.namespace == f"{sid}#s1" and list(c.devices.values()) == [[1]] for c in fetches)
     replayed = [c for c in cmds_of(sent, kind=m.CmdRun)]
@@ -229,7 +229,7 @@ def test_a_worker_holding_only_copies_triggers_a_new_snapshot(make_harness):
     h.submit(sid, 1, [create(1)])
     h.submit(sid, 2, [add_(1)])
     h.report_all()
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     holders = {w for hs in rec.snapshot.holders.values() for w in hs}
     spare = next(w for w in holders if w not in s.devices.values())
     h.take_sent()
@@ -244,7 +244,7 @@ def test_a_failed_copy_is_not_a_snapshot_and_is_not_shown_to_the_client(make_har
     h.submit(sid, 1, [create(1)])
     h.submit(sid, 2, [add_(1)])
     sent = h.take_sent()
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     w = s.devices[0]
     seq = rec.taking.pending[w]
     err = m.ErrorReport(op="copy shards to 10.0.0.9:1 (x#s1)", src="", message="unreachable", seq=seq,
@@ -328,7 +328,7 @@ def test_drain_moves_devices_and_copies_then_releases_the_worker(make_harness):
     reply = h.replies[rid]
     assert reply.ok and reply.moves and reply.moves[0].from_worker == victim
     assert victim not in s.devices.values() and h.core.workers[victim].state == "lost"
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert all(victim not in hs for hs in rec.snapshot.holders.values())
     assert h.report(victim).ok is False  # released: fenced, it exits
     assert any("released after draining" in line for line in h.status().events)
@@ -348,7 +348,7 @@ def test_a_loss_while_a_snapshot_is_taken_rebuilds_from_the_previous_one(make_ha
     h.report_all()  # snapshot 1 after batch 2
     h.submit(sid, 3, [add_(1)])
     h.submit(sid, 4, [add_(1)])  # snapshot 2 starts: not complete when the worker dies
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert rec.taking is not None and rec.snapshot.upto == 2
     h.take_sent()
     sent = lose_and_recover(h, sid, s.devices[1])

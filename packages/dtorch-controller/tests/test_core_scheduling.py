@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from dtorch_controller.core import elastic
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.policies import FifoPolicy, LasPolicy, PolicyError, PriorityPolicy, make_policy
 from dtorch_controller.core.pool import Pool
 from dtorch_controller.core.scheduler import TENANT_TABLE, IllegalTenantTransition
+from dtorch_controller.core.timers import PolicyTick
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
 
@@ -445,7 +447,7 @@ def test_las_demotes_with_attained_service_and_lets_newcomers_preempt(make_harne
     w0, w1 = workers(h, 2)
     old = h.open_session()
     assert h.open_mesh(old, 1, [0, 1]).placed
-    assert h.timers[("schedule",)] == pytest.approx(h.now + 5)  # 10 device-s on 2 devices
+    assert h.timers[PolicyTick()] == pytest.approx(h.now + 5)  # 10 device-s on 2 devices
     new = h.open_session()
     assert not h.open_mesh(new, 1, [0]).placed  # same level: no preemption
     h.advance(6)
@@ -604,11 +606,14 @@ def test_moves_swap_leases_and_free_the_source(h):
 
 
 def test_growth_plan_takes_from_the_most_loaded_worker():
-    from dtorch_controller.core.elastic import plan
+    assert elastic.grow({0: "a", 1: "a", 2: "a", 3: "a"}, ["b"]) == ([("a", "b", [2, 3])], [])
+    assert elastic.grow({0: "a", 1: "a", 2: "b", 3: "b", 4: "a", 5: "b"}, ["c"]) == (
+        [("b", "c", [5]), ("a", "c", [4])], [])
+    assert elastic.grow({0: "a"}, ["b"]) == ([], ["b"])  # one logical device: nothing to spread, b goes back
 
-    assert plan({0: "a", 1: "a", 2: "a", 3: "a"}, ["b"]) == [("a", "b", [2, 3])]
-    assert plan({0: "a", 1: "a", 2: "b", 3: "b", 4: "a", 5: "b"}, ["c"]) == [("b", "c", [5]), ("a", "c", [4])]
-    assert plan({0: "a"}, ["b"]) == []  # one logical device: nothing to spread
+
+def test_relocation_plan_moves_every_device_of_a_lost_worker_to_its_substitute():
+    assert elastic.relocate({0: "a", 1: "a", 2: "b"}, {"a": "x", "c": "y"}) == ([("a", "x", [0, 1])], ["y"])
 
 
 def test_a_growing_session_moves_devices_through_the_mover_and_swaps_leases(h):

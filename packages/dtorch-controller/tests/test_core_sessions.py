@@ -6,6 +6,7 @@ import pytest
 
 from dtorch_controller.core import Refusal
 from dtorch_controller.core import events as ev
+from dtorch_controller.core.timers import Heartbeat, SyncDeadline
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
 
@@ -345,9 +346,10 @@ def test_close_session_tells_every_holder_and_answers_pending_syncs(h):
 
 
 def test_garbage_timer_keys_and_unknown_workers_are_ignored(h):
-    h.handle(ev.TimerFired("nonsense"))
-    h.handle(ev.TimerFired(("sync", "nope", 1)))
-    h.handle(ev.TimerFired(("heartbeat", "w404")))
+    h.handle(ev.TimerFired("nonsense"))  # type: ignore[arg-type]
+    h.handle(ev.TimerFired(("sync", "nope", 1)))  # type: ignore[arg-type]
+    h.handle(ev.TimerFired(SyncDeadline("nope", 1)))
+    h.handle(ev.TimerFired(Heartbeat("w404")))
     h.handle(ev.WorkerUnreachable("w404"))
     with pytest.raises(TypeError):
         h.core.handle(0.0, object())  # an adapter bug, not client input

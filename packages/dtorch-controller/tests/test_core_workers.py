@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dtorch_controller.core import Config, ControllerCore, Refusal
 from dtorch_controller.core import events as ev
+from dtorch_controller.core.timers import Heartbeat
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
 
@@ -19,7 +20,7 @@ def test_register_assigns_sequential_ids_and_the_heartbeat_interval(make_harness
     assert reply == m.Registered(worker="w0", heartbeat_interval_s=0.25)
     assert h.register("10.0.0.2:7000") == "w1"
     assert h.core.workers["w0"].labels == {"rack": "a"}
-    assert ("heartbeat", "w0") in h.timers
+    assert Heartbeat("w0") in h.timers
 
 
 def test_register_with_another_protocol_major_is_refused_naming_both_versions(h):

@@ -24,6 +24,9 @@ PLANTED = {
     "controller-torch-free": ("dtorch_controller/core/pool.py", "def _planted():\n    import dtorch\n"),
     "controller-layers": ("dtorch_controller/core/model.py",
                           "def _planted():\n    from dtorch_controller import server\n"),
+    "core-layers": ("dtorch_controller/core/pipeline.py",  # a mechanism calling back into a feature
+                    "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                    "    from dtorch_controller.core import moves\n"),
 }
 
 

@@ -18,18 +18,35 @@ Rules:
    preempt.
 6. `next_change(t, now)`: when `rank` or `key` of `t` may change by itself (attained service crossing a
    threshold, a starvation promotion), or None. The scheduler sets a timer for the earliest one.
+7. `starving(t, now)`: a waiting or frozen session waited so long that its counted service restarts from zero.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from dtorch_controller.core.scheduler import Tenant
+from typing import Any, Protocol
 
 PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
 RELOCATE_AFTER_S = 600.0  # a frozen session waits this long for its own devices before it may move elsewhere
+
+
+class Tenant(Protocol):
+    """What a policy reads of a session's scheduling record (`scheduler.Tenant`), and nothing more."""
+
+    session: str
+    priority: str  # "high" | "normal" | "low"
+    kind: str  # "batch" | "realtime"
+    waiting_since: float | None  # waiting or frozen since
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def held_devices(self) -> int: ...
+
+    def service(self, now: float) -> float: ...  # device-seconds attained
+
+    def counted(self, now: float) -> float: ...  # ... since the last starvation promotion
 
 
 class Policy(Protocol):
@@ -44,6 +61,8 @@ class Policy(Protocol):
     def key(self, t: Tenant, now: float) -> tuple: ...
 
     def next_change(self, t: Tenant, now: float) -> float | None: ...
+
+    def starving(self, t: Tenant, now: float) -> bool: ...
 
     def describe(self) -> str: ...
 
@@ -80,6 +99,9 @@ class BasePolicy:
 
     def next_change(self, t: Tenant, now: float) -> float | None:
         return None
+
+    def starving(self, t: Tenant, now: float) -> bool:
+        return False
 
     def describe(self) -> str:
         return self.name
