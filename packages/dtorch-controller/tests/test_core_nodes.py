@@ -3,22 +3,10 @@ drain targets off the drained node, and a report advancing only the sessions tha
 
 from __future__ import annotations
 
+from _core_helpers import add_, create
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.pool import Pool
 from dtorch_protocol import messages as m
-
-
-def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
-    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
-
-
-def create(tid, shape=(8,)):
-    return m.InstrCreate(tid=tid, spec=spec(shape), init="rand", seed=tid, src="train.py:3")
-
-
-def add_(tid):
-    return m.InstrCall(op="aten.add_.Scalar", mesh=1, args=[{"$t": tid}, 1.0], kwargs={},
-                       outs=[m.OutSpec(tid=tid, spec=spec([8]))], src="train.py:9")
 
 
 def cluster(make_harness, nodes=("a", "b"), per_node=3, every=2):

@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
+from _core_helpers import add_, cmds_of, create, spec
 from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
-
-
-def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
-    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
-
-
-def create(tid, shape=(8,), src="train.py:3"):
-    return m.InstrCreate(tid=tid, spec=spec(shape), init="rand", seed=tid, src=src)
-
-
-def add_(tid, src="train.py:9"):
-    return m.InstrCall(op="aten.add_.Scalar", mesh=1, args=[{"$t": tid}, 1.0], kwargs={},
-                       outs=[m.OutSpec(tid=tid, spec=spec([8]))], src=src)
 
 
 def setup(make_harness, workers=3, **config):
@@ -25,11 +13,6 @@ def setup(make_harness, workers=3, **config):
     sid = h.open_session()
     assert h.open_mesh(sid, 1, [0, 1]).placed
     return h, ids, sid
-
-
-def cmds_of(sent, worker=None, kind=None):
-    return [c for e in sent if worker is None or e.worker_id == worker for c in e.execute.cmds
-            if kind is None or isinstance(c, kind)]
 
 
 def session(h, sid):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from _core_helpers import create
 from dtorch_controller.core import elastic
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.policies import FifoPolicy, LasPolicy, PolicyError, PriorityPolicy, make_policy
@@ -15,14 +16,6 @@ from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
 
 QUIET = dict(heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6)  # workers never go suspect on their own
-
-
-def spec(shape, mesh=1, placements=("S0",)):
-    return m.TensorSpec(shape=list(shape), dtype="float32", mesh=mesh, placements=list(placements))
-
-
-def create(tid, mesh=1):
-    return m.InstrCreate(tid=tid, spec=spec([4], mesh), init="zeros")
 
 
 def workers(h, n, node=None, start=0):

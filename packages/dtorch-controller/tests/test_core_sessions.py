@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from _core_helpers import spec
 from dtorch_controller.core import Refusal
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.timers import Heartbeat, SyncDeadline
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
-
-
-def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
-    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
 
 
 def cluster(h, workers=2, devices=(0, 1, 2, 3), shape=None):

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
+from _core_helpers import spec
 from dtorch_controller.core import Config, ControllerCore, Refusal
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.timers import Heartbeat
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
-
-
-def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
-    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
 
 
 def test_register_assigns_sequential_ids_and_the_heartbeat_interval(make_harness):
