@@ -27,6 +27,7 @@ PLANTED = {
     "core-layers": ("dtorch_controller/core/pipeline.py",  # a mechanism calling back into a feature
                     "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
                     "    from dtorch_controller.core import moves\n"),
+    "sim-uses-core-surface": ("dtorch_sim/harness.py", "from dtorch_controller.core.scheduler import Scheduler\n"),
 }
 
 
