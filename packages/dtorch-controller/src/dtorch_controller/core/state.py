@@ -14,7 +14,7 @@ Rules (in the spirit of h11's `_state.py`):
 4. Only `alive` workers receive new logical devices. `suspect` workers keep theirs and still get
    commands: one missed heartbeat is not a fault.
 5. A drained worker is released through `lost` (event `release`): fenced like a dead one, but only once
-   nothing of any session is left on it (recovery.py, migration.py).
+   nothing of any session is left on it (drain.py).
 6. A session whose worker was lost is `recovering` while its shards are rebuilt (its batches are held);
    one whose logical device is being moved is `migrating` (held too). `degraded` means data was lost for
    good: the client was told at a sync point, and no later loss is recovered.
