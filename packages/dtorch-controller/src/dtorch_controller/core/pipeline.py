@@ -12,7 +12,9 @@ Rules:
 3. An upload (InstrAdopt) is copied at its point in the stream (lineage.py rule 3): the batch is cut after the
    adopt; translating for a replay restores the upload from its copies there instead.
 4. `translate` does not send: a feature may translate a program again (a rebuild replays its log on a new binding)
-   and send it with `send`, or leave it.
+   and send it with `send`, or leave it. `_send_batch` is the one place where a logged batch becomes commands:
+   a captured program re-sent with new tensor ids (issue #12) would be a kind of logged batch turned into
+   commands there, still in log order, held like any batch, and replayed by a rebuild like any batch.
 5. A Sync is answered done when no live worker the session sent to is behind and no hold makes it wait
    (`state.HOLDS`: a frozen session's only while batches are held; recovering and migrating always).
 6. A delete of a tensor that remote readers (redistributions on other workers) still have to read is held back
