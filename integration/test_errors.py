@@ -79,3 +79,34 @@ def test_unreachable_controller_is_one_line_and_bounded():
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("ConnectionError: cannot reach the DTorch controller at 127.0.0.1:9")
+
+
+def test_an_op_torch_refuses_raises_at_once_with_torchs_message_the_op_and_the_line(mesh1, monkeypatch, capfd):
+    a = dtorch.randn(4, 3, device_mesh=mesh1, placements=[Shard(0)])
+    b = dtorch.randn(5, 2, device_mesh=mesh1, placements=[Replicate()])
+    a.to_torch()
+    capfd.readouterr()
+    session = a._session
+    monkeypatch.setattr(session, "fetch", lambda *args: pytest.fail("a refused op fetched its inputs"))
+    with pytest.raises(RuntimeError) as info:
+        a @ b  # the failing line
+    line = sys._getframe().f_lineno - 1
+    message = str(info.value)
+    assert message.startswith(f"aten.mm.default at {__file__}:{line} (`a @ b  # the failing line`): ")
+    assert message.endswith("a and b must have same reduction dim, but got [4, 3] X [5, 2].")
+    with pytest.raises(IndexError, match="aten.index_select.default at .*test_errors.py"):
+        torch.index_select(a, 7, dtorch.zeros(2, device_mesh=mesh1, dtype=torch.long))  # no dim 7
+    assert capfd.readouterr().err == ""  # none of torch's internal logging
+
+
+def test_the_local_route_is_bounded_and_names_the_op_and_the_size(mesh1, monkeypatch):
+    x = dtorch.distribute_tensor(torch.tensor([0.0, 1.0, 0.0, 2.0] * 4), mesh1, [Shard(0)])
+    assert torch.equal(torch.nonzero(x).to_torch(), torch.nonzero(torch.tensor([0.0, 1.0, 0.0, 2.0] * 4)))
+    monkeypatch.setenv("DTORCH_LOCAL_MAX_BYTES", "32")
+    with pytest.raises(dtorch.DTorchError, match=r"aten.nonzero.default has output shapes that depend on the "
+                                                 r"values.* 64 bytes: above the local-route limit of 32 bytes"):
+        torch.nonzero(x)
+    with pytest.raises(dtorch.DTorchError, match=r"aten.equal.default returns a Python value.* 128 bytes"):
+        torch.equal(x, x * 2)  # both fetched
+    monkeypatch.setenv("DTORCH_LOCAL_MAX_BYTES", "64")
+    assert torch.nonzero(x).shape == (8, 1)  # at the limit: allowed

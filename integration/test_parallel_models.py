@@ -214,5 +214,5 @@ def test_llama_context_parallel(reference, mesh1):
         out = cp(dtorch.distribute_tensor(ids, mesh1, [Shard(1)])).logits  # the sequence dim is sharded
     torch.testing.assert_close(out.to_torch(), logits, **TOL)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    plans = [p for p in _dispatch._plans.values() if p.func is flash and p.outputs[0].placements == (Shard(2),)]
+    plans = [p for p in _dispatch.planner.plans() if p.func is flash and p.outputs[0].placements == (Shard(2),)]
     assert plans, "attention did not run sequence-sharded"

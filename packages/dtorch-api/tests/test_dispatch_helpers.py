@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from dtorch import _dispatch
+from dtorch import _planner
 
 aten = torch.ops.aten
 
 
 def test_out_names_and_functional_overloads():
-    assert _dispatch._outs(aten.cumsum.out) == ("out",)
-    assert _dispatch._outs(aten.sort.values) == ("values", "indices")
-    assert _dispatch._outs(aten.add.Tensor) == ()
-    assert _dispatch._functional(aten.cumsum.out) is aten.cumsum.default
-    assert _dispatch._functional(aten.add.out) is aten.add.Tensor
-    assert _dispatch._functional(aten.sort.values) is aten.sort.default
-    assert _dispatch._functional(aten.nonzero.out) is aten.nonzero.default
+    assert _planner.outs(aten.cumsum.out) == ("out",)
+    assert _planner.outs(aten.sort.values) == ("values", "indices")
+    assert _planner.outs(aten.add.Tensor) == ()
+    assert _planner.functional(aten.cumsum.out) is aten.cumsum.default
+    assert _planner.functional(aten.add.out) is aten.add.Tensor
+    assert _planner.functional(aten.sort.values) is aten.sort.default
+    assert _planner.functional(aten.nonzero.out) is aten.nonzero.default
 
 
 def test_writes_lists_in_place_and_out_arguments():
-    assert _dispatch._writes(aten.add_.Tensor) == [(0, "self")]
-    assert [n for _, n in _dispatch._writes(aten.sort.values)] == ["values", "indices"]
-    assert _dispatch._writes(aten.add.Tensor) == []
+    assert _planner.writes(aten.add_.Tensor) == [(0, "self")]
+    assert [n for _, n in _planner.writes(aten.sort.values)] == ["values", "indices"]
+    assert _planner.writes(aten.add.Tensor) == []

@@ -50,3 +50,19 @@ def test_placements_are_checked_and_normalized():
 def test_contiguous_stride():
     assert contiguous_stride((2, 3, 4)) == (12, 4, 1)
     assert contiguous_stride(()) == ()
+
+
+def test_spec_ids_are_equal_for_equal_specs_and_never_reused(monkeypatch):
+    from dtorch import _spec
+    from dtorch._spec import Spec
+
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    a = Spec(mesh, (dtorch.Shard(0),), (4, 2), (2, 1), torch.float32)
+    assert Spec(mesh, (dtorch.Shard(0),), (4, 2), (2, 1), torch.float32).sid == a.sid
+    assert Spec(mesh, (dtorch.Replicate(),), (4, 2), (2, 1), torch.float32).sid != a.sid
+    assert Spec(mesh, (dtorch.Shard(0),), (4, 2), (2, 1), torch.float64).sid != a.sid
+    assert a.contiguous and not Spec(mesh, (dtorch.Shard(0),), (4, 2), (1, 4), torch.float32).contiguous
+    monkeypatch.setattr(_spec, "SID_TABLE_MAX", 1)  # the table starts over: ids go on, never back
+    b = Spec(mesh, (dtorch.Shard(1),), (4, 2), (2, 1), torch.float32)
+    again = Spec(mesh, (dtorch.Shard(0),), (4, 2), (2, 1), torch.float32)
+    assert len({a.sid, b.sid, again.sid}) == 3 and again.sid > b.sid > a.sid

@@ -28,6 +28,9 @@ PLANTED = {
                     "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
                     "    from dtorch_controller.core import moves\n"),
     "sim-uses-core-surface": ("dtorch_sim/harness.py", "from dtorch_controller.core.scheduler import Scheduler\n"),
+    # the client's stream reaching up into the session that owns it; a cycle through the rule registry
+    "client-layers": ("dtorch/_stream.py", "def _planted():\n    from dtorch import session\n"),
+    "client-acyclic": ("dtorch/_registry.py", "def _planted():\n    from dtorch import _rules\n"),
 }
 
 

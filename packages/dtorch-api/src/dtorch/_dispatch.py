@@ -1,52 +1,49 @@
-"""What `DTensor.__torch_dispatch__` does: plan an op once per signature, then emit and return at once.
+"""What `DTensor.__torch_dispatch__` does: look the op's plan up (or have `_planner` make it), then carry it
+out: emit its instructions to the session and return new DTensors at once.
 
-A plan says which inputs must be redistributed to which layouts, the wire form of the
-arguments (with slots for tensor ids, and per-device variants where args differ by
-device), and the output specs. It is cached on a cheap key built from the op, each
-DTensor's spec key and the other arguments, so a training loop plans each op once.
-
-Four routes, in order of preference:
-  sharded   torch's sharding rules (`_sharding.propagate`), checked against every device's local shapes
-            (`_sharding.check_local`): a rule that breaks on some local shape falls through to replicate
-  replicate no rule: gather inputs to Replicate, run everywhere, output Replicate (always correct);
-            random ops take this route with a shared seed so values never depend on the plan
-  sync      the op returns a Python value (`item`, `is_nonzero`, `equal`): fetch and run locally
-  local     the op's output shape depends on the values (no meta kernel: `nonzero`, `unique`,
-            `masked_select`, ...) or workers cannot run it (an op outside aten/prims): a sync point that
-            fetches the inputs, runs the op on the client and uploads the outputs as Replicate
-  out       an out= op whose out tensors are laid out (or shaped) unlike its outputs, or are plain
-            tensors: the functional op runs, then each result is copied into its out tensor
+The plan cache is keyed on cheap identities: the op's id, each DTensor's interned spec id and the other
+arguments, so a training loop plans each op once (`torch_dispatch` is the hot path). Carrying a plan out by
+route (see `_planner` for the routes):
+  sharded, replicate  redistribute the inputs that must move, InstrCall, delete the temporaries
+  sync, local         fetch the inputs (a sync point, at most DTORCH_LOCAL_MAX_BYTES), run the op here; local
+                      uploads its outputs as Replicate
+  out                 run the functional op, then copy each result into its out= tensor
+An op whose shapes or dtypes torch refuses raises here, at once, with torch's error, the op and the user's line.
 
 In-place ops keep the DTensor object; when they change its shape (`squeeze_`, `transpose_`, `resize_`)
 the wrapper's metadata follows. An op that would write into a plain torch.Tensor is refused.
+
+This module and `dtensor` are the one pair of client modules that import each other (by module).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from sys import _getframe
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
-from dtorch import _rules, _sharding
-from dtorch._source import user_src
-from dtorch._spec import Spec
+from dtorch import _planner
+from dtorch._planner import MixedMeshes, Plan, out_plan, outs, writes
+from dtorch._registry import Refused
+from dtorch._source import SKIP, caller, user_src
+from dtorch._spec import Spec, contiguous_stride
+from dtorch.errors import DTorchError, describe_src, env_int
 from dtorch_protocol import messages as m
-from dtorch_protocol.layout import coords, shard_box
-from dtorch_protocol.placement_types import Partial, Replicate
-from dtorch_protocol.values import encode_value
+from dtorch_protocol.placement_types import Replicate
+from dtorch_protocol.values import dtype_name, tensor_to_bytes
 
 if TYPE_CHECKING:
     from dtorch.dtensor import DTensor
     from dtorch.session import Session
 
 LITERAL_MAX_NUMEL = 1 << 16  # plain tensors up to this size travel inside the instruction
-WORKER_NAMESPACES = ("aten", "prims")  # what workers run (dtorch_worker.ops); other ops take the local route
 
-
-DTensorType: type | None = None  # set by dtorch.dtensor (avoids an import cycle)
+planner = _planner.Planner()
+_cached = planner.get
 
 
 class _Plain(Exception):
@@ -61,9 +58,9 @@ def _key(v: Any, leaves: list) -> Any:
     t = type(v)
     if t in _SCALARS:
         return t, v
-    if t is DTensorType:
+    if t is dtensor.DTensor:
         leaves.append(v)
-        return v._spec.key
+        return v._spec.sid
     if t is list or t is tuple or t is torch.Size:
         return t, tuple([_key(x, leaves) for x in v])
     if t is dict:
@@ -73,72 +70,11 @@ def _key(v: Any, leaves: list) -> Any:
         if spec is None:
             raise _Plain
         leaves.append(v)
-        return spec.key
+        return spec.sid
     raise TypeError(f"DTorch cannot pass a {t.__name__} to an op")
 
 
-@dataclass
-class Plan:
-    op_name: str
-    route: str  # "sharded" | "replicate" | "sync" | "local" | "out"
-    func: Any
-    inputs: list[Spec | None]  # per DTensor leaf: layout to redistribute to, None if it stays
-    args: list  # wire template: {"$t": leaf index} marks tensor slots
-    kwargs: dict
-    local: dict[int, list] | None  # device -> [args, kwargs] templates where they differ per device
-    outputs: Any  # Spec | None | list/tuple of (Spec | None)
-    flat_outputs: list[Spec | None]
-    inplace: bool
-    random: bool
-    mutated: frozenset[int] = frozenset()  # DTensor leaves the op writes in place (schema alias_info.is_write)
-    fast: tuple | None = None  # (top-level arg slots, output spec): the common case, emitted without walking
-
-    def __post_init__(self) -> None:
-        simple = (self.route != "sync" and not self.inplace and not self.mutated and not self.random
-                  and self.local is None
-                  and not any(self.inputs) and not isinstance(self.outputs, (list, tuple))
-                  and self.outputs is not None and not _has_slot(self.kwargs))
-        slots = [(pos, a["$t"]) for pos, a in enumerate(self.args) if type(a) is dict and "$t" in a]
-        if simple and all(not _has_slot(a) for a in self.args if not (type(a) is dict and "$t" in a)):
-            self.fast = (slots, self.outputs)
-
-
-def _has_slot(t: Any) -> bool:
-    if type(t) is list:
-        return any(_has_slot(x) for x in t)
-    if type(t) is dict:
-        return "$t" in t or any(_has_slot(x) for x in t.values())
-    return False
-
-
-_plans: dict[Any, Plan] = {}
 _SET_SOURCE = torch.ops.aten.set_.source_Tensor
-
-# A shard's strides can differ from the global tensor's (kernels pick their own output layouts), so a view
-# that is valid globally may not be locally: workers reshape, which is the same view whenever one exists.
-_WIRE_NAME = {torch.ops.aten.view.default: "aten.reshape.default",
-              torch.ops.aten._unsafe_view.default: "aten.reshape.default"}
-
-
-class _Slot(int):
-    """Marks where the n-th DTensor of an op's arguments goes."""
-
-
-def _slot_templates(args: Any, kwargs: dict) -> tuple[list, dict]:
-    """Wire form of (args, kwargs) in which the n-th DTensor spec becomes the slot {"$t": n}."""
-    counter = iter(range(1 << 30))
-    marked = pytree.tree_map(lambda v: _Slot(next(counter)) if isinstance(v, Spec) else v, (list(args), kwargs))
-
-    def enc(v: Any) -> Any:
-        if type(v) is _Slot:
-            return {"$t": int(v)}
-        if isinstance(v, (list, tuple)):
-            return [enc(x) for x in v]
-        if isinstance(v, dict):
-            return {k: enc(x) for k, x in v.items()}
-        return encode_value(v, lambda t: None)
-
-    return enc(marked[0]), enc(marked[1])
 
 
 def _fill(t: Any, tids: list[int]) -> Any:
@@ -152,162 +88,21 @@ def _fill(t: Any, tids: list[int]) -> Any:
     return t
 
 
-def _is_inplace(func: Any) -> bool:
-    schema = func._schema
-    return bool(schema.returns) and schema.returns[0].alias_info is not None and \
-        schema.returns[0].alias_info.is_write and bool(schema.arguments) and \
-        schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+def _specs(tree: Any) -> Any:
+    return pytree.tree_map(lambda v: v._spec if isinstance(v, dtensor.DTensor) else v, tree)
 
 
-def _written_leaves(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
-    """Indices (in DTensor-leaf order) of the tensors `func` writes: `add_`'s self, `out=`, `_foreach_*_` lists."""
-    schema = {a.name: a for a in func._schema.arguments}
-    positional = func._schema.arguments
-    written, index = set(), 0
-    named = [(positional[i] if i < len(positional) else None, v) for i, v in enumerate(args)]
-    named += [(schema.get(k), v) for k, v in kwargs.items()]
-    for arg, value in named:
-        n = sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(value))
-        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
-            written.update(range(index, index + n))
-        index += n
-    return frozenset(written)
-
-
-def _writes(func: Any) -> list[tuple[int, str]]:
-    """(position, name) of the arguments `func` writes (self of in-place ops, out=)."""
-    return [(i, a.name) for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write]
-
-
-_out_names: dict[Any, tuple[str, ...]] = {}
-
-
-def _outs(func: Any) -> tuple[str, ...]:
-    """Names of `func`'s out= arguments (kwarg-only in aten schemas)."""
-    names = _out_names.get(func)
-    if names is None:
-        names = _out_names[func] = tuple(a.name for a in func._schema.arguments if a.is_out)
-    return names
-
-
-def _functional(func: Any) -> Any:
-    """The overload of `func`'s op that takes the same arguments without out= and writes nothing, or None."""
-    want = [(a.name, str(a.type)) for a in func._schema.arguments if not a.is_out]
-    packet = func.overloadpacket
-    for name in packet.overloads():
-        cand = getattr(packet, name)
-        args = cand._schema.arguments
-        if not any(a.alias_info is not None and a.alias_info.is_write for a in args) and \
-                [(a.name, str(a.type)) for a in args] == want:
-            return cand
-    return None
-
-
-def _out_plan(func: Any, specs: list[Spec], why: str) -> Plan:
-    functional = _functional(func)
-    if functional is None:
-        raise NotImplementedError(f"dtorch: {func} {why}, and it has no functional overload to run instead, so "
-                                  f"it cannot run on DTensors with placements {_placements(specs)}")
-    return Plan(str(func), "out", functional, [], [], {}, None, None, [], False, False)
-
-
-def _out_mismatch(func: Any, spec_kwargs: dict, flat_outputs: list) -> bool:
-    """Do the out= tensors differ in layout or shape from what the op computes?"""
-    targets = [spec_kwargs.get(n) for n in _outs(func)]
-    if len(targets) != len(flat_outputs):
-        return True
-    for t, o in zip(targets, flat_outputs):
-        if isinstance(t, Spec) and o is not None and (t.placements != o.placements or t.shape != o.shape):
-            return True
-        if isinstance(t, (list, tuple)):
-            return True  # Tensor[] outs: always through the functional op
-    return False
-
-
-def _placements(specs: list[Spec]) -> list:
-    return [s.placements for s in specs]
-
-
-def _local_plan(func: Any, specs: list[Spec], why: str, random: bool) -> Plan:
-    if _outs(func) and not _is_inplace(func):
-        return _out_plan(func, specs, why)
-    if _writes(func):
-        raise NotImplementedError(f"dtorch: {func} {why} and writes its arguments in place, so it cannot run on "
-                                  f"DTensors with placements {_placements(specs)}")
-    return Plan(str(func), "local", func, [], [], {}, None, None, [], False, random)
-
-
-def _returns_tensors(func: Any) -> bool:
-    for r in func._schema.returns:
-        text = str(r.type)
-        if "Tensor" not in text:
-            return False
-    return True
-
-
-def _make_plan(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Plan:
-    specs = [d._spec for d in leaves]
-    if len({s.mesh for s in specs}) > 1:
-        raise _MixedMeshes
-    mesh = specs[0].mesh
-    it = iter(specs)
-    spec_args = pytree.tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, args)
-    spec_kwargs = pytree.tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, kwargs)
-    op_name = str(func)
-    inplace = _is_inplace(func)
-    if not _returns_tensors(func):
-        return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False)
-    # seeded ops run replicated under a shared seed, unless one of our rules covers them (it refuses dropout)
-    random = torch.Tag.nondeterministic_seeded in func.tags and func not in _rules.RULES
-    if func.namespace not in WORKER_NAMESPACES:
-        return _local_plan(func, specs, "is not an aten/prims op (workers run only those)", random)
-    route, local = "sharded", None
-    try:
-        if random:
-            raise _sharding.NoRule("random op")
-        prop = _sharding.propagate(func, spec_args, spec_kwargs, mesh)
-        run_func, new_args, outputs = prop.op, prop.args, prop.outputs
-        if _non_sum_partial(outputs) and any(_has_empty_shard(s) for s in specs):
-            raise _sharding.NoRule("max/min/avg over an empty shard")  # torch refuses e.g. max() of nothing
-        required = [s for s in pytree.tree_leaves((new_args, prop.kwargs)) if isinstance(s, Spec)]
-        _sharding.check_local(func, prop, mesh)
-        if prop.rank_args is not None:
-            local = {mesh.devices[rank]: list(_slot_templates(a, k)) for rank, (a, k) in enumerate(prop.rank_args)}
-    except _sharding.NoRule:
-        route, run_func, new_args = "replicate", func, spec_args
-        replicate = (Replicate(),) * mesh.ndim
-        required = [s.with_placements(replicate) for s in specs]
-        try:
-            outputs = _sharding.meta_outputs(func, spec_args, spec_kwargs, mesh)
-        except _sharding.NoRule as e:
-            raise NotImplementedError(f"dtorch: {func} is not supported on DTensors with placements "
-                                      f"{_placements(specs)} ({e})") from None
-        except Exception:  # noqa: BLE001 (no meta kernel: the output shape depends on the values)
-            return _local_plan(func, specs, "has no sharding rule and no meta kernel", random)
-    inputs = [None if r.placements == s.placements else r for r, s in zip(required, specs)]
-    flat_outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    if _outs(func) and _out_mismatch(func, spec_kwargs, flat_outputs):
-        return _out_plan(func, specs, "computes outputs laid out unlike its out= tensors")
-    if not func._schema.returns:  # e.g. _linalg_check_errors: runs for its error only (dispatch returns None)
-        outputs, flat_outputs = (), []
-    wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
-    return Plan(_WIRE_NAME.get(run_func, str(run_func)), route, run_func, inputs, wire_args, wire_kwargs, local,
-                outputs, flat_outputs, inplace, random, _written_leaves(func, args, kwargs))
-
-
-def _non_sum_partial(outputs: Any) -> bool:
-    flat = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    return any(isinstance(p, Partial) and p.reduce_op != "sum" for s in flat if s is not None for p in s.placements)
-
-
-def _has_empty_shard(spec: Spec) -> bool:
-    return any(n == 0 and full > 0 for c in coords(spec.mesh.shape)
-               for (_, n), full in zip(shard_box(spec.shape, spec.mesh.shape, spec.placements, c), spec.shape))
-
-
-class _MixedMeshes(Exception):
-    """DTensors of one op live on different meshes (pipeline stages, roles)."""
+def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
+    """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
+    session = x._session
+    if mesh != x.device_mesh:
+        session.ensure_mesh(mesh)
+    spec = x._spec.with_placements(placements, mesh)
+    if spec == x._spec:
+        return x
+    tid = session.new_tid()
+    session.emit(m.InstrRedistribute(src=x._tid, dst=tid, src_spec=x._spec.wire, dst_spec=spec.wire, src_line=src))
+    return dtensor.DTensor(spec, tid, session)
 
 
 def _to_mesh(tree: Any, first: DTensor) -> Any:
@@ -316,67 +111,149 @@ def _to_mesh(tree: Any, first: DTensor) -> Any:
     This is how unmodified code crosses pipeline stages, e.g. `generate` appending a token computed
     on the last stage to input ids held by the first.
     """
-    from dtorch.dtensor import redistribute_to
-
     mesh = first.device_mesh
     replicate = (Replicate(),) * mesh.ndim
 
     def move(v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and hasattr(v, "_spec") and v.device_mesh != mesh:
+        if isinstance(v, dtensor.DTensor) and v.device_mesh != mesh:
             return redistribute_to(v, mesh, replicate, user_src(4))
         return v
 
     return pytree.tree_map(move, tree)
 
 
+def replicate_plain(tensor: torch.Tensor, like: DTensor) -> DTensor:
+    """A plain tensor mixed into an op: small ones ride inside the instruction, large ones are uploaded."""
+    mesh, session = like.device_mesh, like._session
+    shape = tuple(tensor.shape)
+    spec = Spec(mesh, (Replicate(),) * mesh.ndim, shape, contiguous_stride(shape), tensor.dtype)
+    if tensor.numel() > LITERAL_MAX_NUMEL:
+        return dtensor.DTensor(spec, session.upload(tensor, spec), session)
+    tid = session.new_tid()
+    literal = {"$lit": [dtype_name(tensor.dtype), list(shape), tensor_to_bytes(tensor)]}
+    session.emit(m.InstrCall(op="aten.clone.default", mesh=mesh.id, args=[literal], kwargs={},
+                             outs=[m.OutSpec(tid, spec.wire)], src=user_src(3)))
+    return dtensor.DTensor(spec, tid, session)
+
+
 def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Plain tensors mixed into an op become Replicate DTensors on the op's mesh (never ones it writes)."""
-    from dtorch.dtensor import DTensor
-    from dtorch.factories import replicate_plain
-
-    ref = next((v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, DTensor)), None)
+    ref = next((v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, dtensor.DTensor)), None)
     if ref is None:
         raise TypeError("no DTensor among the arguments")
-    for pos, name in _writes(func):
+    for pos, name in writes(func):
         value = args[pos] if pos < len(args) else kwargs.get(name)
-        if any(isinstance(v, torch.Tensor) and not isinstance(v, DTensor) for v in pytree.tree_leaves(value)):
+        if any(isinstance(v, torch.Tensor) and not isinstance(v, dtensor.DTensor) for v in pytree.tree_leaves(value)):
             raise NotImplementedError(f"dtorch: {func} would write into the plain torch.Tensor {name!r}; "
                                       "make it a DTensor first (dtorch.distribute_tensor)")
 
     def lift(v: Any) -> Any:
-        return replicate_plain(v, ref) if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v
+        return replicate_plain(v, ref) if isinstance(v, torch.Tensor) and not isinstance(v, dtensor.DTensor) else v
 
     return pytree.tree_map(lift, args), pytree.tree_map(lift, kwargs)
 
 
-def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+_FLAT = (int, float, bool, type(None))
+_TORCH_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)  # what torch raises about shapes and dtypes
+LOCAL_MAX_BYTES = 64 << 20  # default bound on what one op may fetch to run on the client (DTORCH_LOCAL_MAX_BYTES)
+
+
+def _check_local_size(func: Any, why: str, leaves: list[DTensor]) -> None:
+    """Refuse to fetch more than DTORCH_LOCAL_MAX_BYTES to run one op on the client."""
+    specs = {d._tid: d._spec for d in leaves}.values()
+    size = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
+    limit = env_int("DTORCH_LOCAL_MAX_BYTES", LOCAL_MAX_BYTES)
+    if size > limit:
+        raise DTorchError(f"dtorch: {func} {why}, so it runs on the client on its fetched inputs, {_mib(size)}: "
+                          f"above the local-route limit of {_mib(limit)} (set DTORCH_LOCAL_MAX_BYTES to allow it)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
+
+
+def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """`DTensor.__torch_dispatch__`. The hot path, for an op whose arguments are DTensors and numbers and whose
+    plan is cached and fast: key (the op, each DTensor's spec id, each number with its type), a tensor id, the
+    user's line, one record queued (the sender thread encodes it), the output wrapper. Nothing else.
+    (Keys hold the op's id, not the op: OpOverload's `__hash__` is Python; the plan holds the op, so the id
+    stays its own while the key is cached.)"""
+    if kwargs:
+        return dispatch(func, args, kwargs)
+    if len(args) == 2 and type(args[0]) is cls and type(args[1]) is cls:  # binary ops: most of a model's
+        a, b = args
+        key: Any = (id(func), a._spec.sid, b._spec.sid)
+        tids: Any = (a._tid, b._tid)
+    else:
+        key, tids = [id(func)], []
+        for a in args:
+            t = type(a)
+            if t is cls:
+                key.append(a._spec.sid)
+                tids.append(a._tid)
+            elif t in _FLAT:
+                key.append((t, a))
+            else:
+                return dispatch(func, args, {})
+        key = tuple(key)
+    plan = _cached(key)
+    if plan is None or plan.encode is None:
+        return dispatch(func, args, {}, key)
+    session = (args[0] if type(args[0]) is cls else next(a for a in args if type(a) is cls))._session
+    tid = session.new_tid()
+    f = _getframe(1)  # the user's line: `_source.caller`, inlined (a call costs a tenth of this path)
+    while f is not None and f.f_code.co_filename.startswith(SKIP):
+        f = f.f_back
+    session.emit((plan.encode, *tids, tid, *((f.f_code.co_filename, f.f_lineno) if f is not None else ("", 0))))
+    out = plan.outputs
+    if out.contiguous:
+        r = _make_wrapper(cls, out.shape, dtype=out.dtype, device=out.mesh.torch_device)
+    else:
+        r = _make_wrapper(cls, out.shape, strides=out.stride, dtype=out.dtype, device=out.mesh.torch_device)
+    r._spec, r._tid, r._session = out, tid, session
+    return r
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
+    """Every op: plan (cached under `key`, the flat key when the arguments are DTensors and numbers only, else
+    a nested one), then carry the plan out by its route."""
     if func is _SET_SOURCE and args[0] is args[1]:
         return args[0]  # x.set_(x), as torch.nn.utils.parametrize does: nothing to move
     leaves: list = []
-    try:
-        key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
-    except _Plain:
-        if _outs(func) and _plain_out(func, kwargs):
-            return _run_out(_out_plan(func, [], "writes plain torch.Tensors"), func, args, kwargs)
-        args, kwargs = _lift_plain(func, args, kwargs)
-        leaves = []
-        key = (func, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
-    except TypeError:  # unhashable or exotic argument: plan without caching
-        key, leaves = None, [v for v in pytree.tree_leaves((args, kwargs)) if hasattr(v, "_spec")]
-    plan = _plans.get(key) if key is not None else None
+    if key is not None:
+        leaves = [a for a in args if type(a) is dtensor.DTensor]
+    else:
+        try:
+            key = (id(func), None, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
+        except _Plain:
+            if outs(func) and _plain_out(func, kwargs):
+                return _run_out(out_plan(func, [], "writes plain torch.Tensors"), func, args, kwargs)
+            args, kwargs = _lift_plain(func, args, kwargs)
+            leaves = []
+            key = (id(func), None, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
+        except TypeError:  # unhashable or exotic argument: plan without caching
+            key, leaves = None, [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, dtensor.DTensor)]
+    plan = planner.get(key) if key is not None else None
     if plan is None:
         try:
-            plan = _make_plan(func, args, kwargs, leaves)
-        except _MixedMeshes:
+            plan = planner.plan(key, func, _specs(args), _specs(kwargs))
+        except MixedMeshes:
             return func(*_to_mesh(args, leaves[0]), **_to_mesh(kwargs, leaves[0]))
-        if key is not None:
-            _plans[key] = plan
-    if plan.fast is not None:
-        return _emit_fast(plan, leaves)
+        except Refused as e:  # torch refuses these shapes or dtypes: say so now, where the user wrote the op
+            kind = e.error_type if e.error_type in _TORCH_ERRORS else RuntimeError
+            raise kind(f"{func} at {describe_src(user_src(2))}: {e.message}") from None
+    if plan.encode is not None:
+        session: Session = leaves[0]._session
+        tid = session.new_tid()
+        session.emit((plan.encode, *[d._tid for d in leaves], tid, *caller(2)))
+        return dtensor.DTensor(plan.outputs, tid, session)
     if plan.random and plan.inplace:
         return _random_in_place(plan, leaves)
     if plan.route == "sync":
-        return _run_locally(func, args, kwargs, leaves)
+        return _run_locally(func, args, kwargs, leaves, plan.why)
     if plan.route == "local":
         return _run_and_upload(plan, args, kwargs, leaves)
     if plan.route == "out":
@@ -398,22 +275,7 @@ def _random_in_place(plan: Plan, leaves: list[DTensor]) -> Any:
     return torch.ops.aten.copy_.default(self, fresh)
 
 
-def _emit_fast(plan: Plan, leaves: list[DTensor]) -> DTensor:
-    """The hot path: no moves, one output, tensor slots only at the top level of args."""
-    slots, out = plan.fast  # type: ignore[misc]
-    session: Session = leaves[0]._session
-    args = plan.args.copy()
-    for pos, i in slots:
-        args[pos] = {"$t": leaves[i]._tid}
-    tid = session.new_tid()
-    session.emit(m.InstrCall(plan.op_name, out.mesh.id, args, plan.kwargs, [m.OutSpec(tid, out.wire)], None,
-                             user_src(3)))
-    return DTensorType(out, tid, session)  # type: ignore[misc]
-
-
 def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
-    from dtorch.dtensor import DTensor
-
     session: Session = leaves[0]._session
     src = user_src(3)
     tids, temps = [], []
@@ -443,12 +305,12 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
         target = plan.inputs[i]
         if target is not None:
             temps.remove(tids[i])
-            written_back.append((leaves[i], DTensor(target, tids[i], session)))
+            written_back.append((leaves[i], dtensor.DTensor(target, tids[i], session)))
     if temps:
         session.emit(m.InstrDelete(tids=temps))
     for dst, moved in written_back:
         torch.ops.aten.copy_.default(dst, moved)
-    results = [None if s is None else leaves[0] if plan.inplace and i == 0 else DTensor(s, t, session)
+    results = [None if s is None else leaves[0] if plan.inplace and i == 0 else dtensor.DTensor(s, t, session)
                for i, (t, s) in enumerate(zip(out_tids, outs))]
     if isinstance(plan.outputs, (list, tuple)):
         return type(plan.outputs)(results)
@@ -467,8 +329,6 @@ def _emit_reshaping(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]
     becomes self (its tensor id and layout); the shape change does not reach self's views, whose data
     this op does not change.
     """
-    from dtorch.dtensor import redistribute_to
-
     self, s = leaves[0], plan.flat_outputs[0]
     _check_room(plan, self, s)
     if plan.inputs[0] is not None:
@@ -493,47 +353,45 @@ def _check_room(plan: Plan, self: DTensor, out: Spec) -> None:
                                   f"{list(out.shape)}; make a new DTensor instead")
 
 
-def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Any:
-    """A sync point: ops that return Python values run on the fetched full tensors."""
-    from dtorch.dtensor import DTensor
+def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor], why: str) -> Any:
+    """A sync point: ops that return Python values run on the fetched full tensors, bounded in bytes."""
+    _check_local_size(func, why, leaves)
 
     def full(v: Any) -> Any:
-        return v.to_torch() if isinstance(v, DTensor) else v
+        return v.to_torch() if isinstance(v, dtensor.DTensor) else v
 
     return func(*pytree.tree_map(full, args), **pytree.tree_map(full, kwargs))
 
 
 def _plain_out(func: Any, kwargs: dict) -> bool:
     return any(isinstance(v, torch.Tensor) and getattr(v, "_spec", None) is None
-               for n in _outs(func) for v in pytree.tree_leaves(kwargs.get(n)))
+               for n in outs(func) for v in pytree.tree_leaves(kwargs.get(n)))
 
 
 def _run_out(plan: Plan, func: Any, args: tuple, kwargs: dict) -> Any:
     """The out route: run the functional op, then write each result into its out= tensor (resizing it as torch
     does); returns the out tensors. A plain out tensor receives the fetched values (a sync point)."""
-    names = _outs(func)
-    outs = [kwargs.get(n) for n in names]
+    names = outs(func)
+    targets = [kwargs.get(n) for n in names]
     result = plan.func(*args, **{k: v for k, v in kwargs.items() if k not in names})
     results = list(result) if len(names) > 1 else [result]
-    for out, res in zip(outs, results):
+    for out, res in zip(targets, results):
         for o, r in zip(*((out, res) if isinstance(out, (list, tuple)) else ([out], [res]))):
             _write_out(plan, o, r)
     if not func._schema.returns:
         return None
-    return tuple(outs) if len(names) > 1 else outs[0]
+    return tuple(targets) if len(names) > 1 else targets[0]
 
 
 def _write_out(plan: Plan, out: torch.Tensor, res: Any) -> None:
-    from dtorch.dtensor import DTensor
-
-    if not isinstance(out, DTensor):
-        full = res.to_torch() if isinstance(res, DTensor) else res
+    if not isinstance(out, dtensor.DTensor):
+        full = res.to_torch() if isinstance(res, dtensor.DTensor) else res
         with torch.no_grad():
             if out.shape != full.shape:
                 out.resize_(full.shape)
             out.copy_(full)
         return
-    if not isinstance(res, DTensor):
+    if not isinstance(res, dtensor.DTensor):
         raise NotImplementedError(f"dtorch: {plan.op_name} gave a {type(res).__name__} for a DTensor out=")
     if out.shape == res.shape:
         out.copy_(res)  # keeps out's layout and storage: its views see the values
@@ -554,15 +412,13 @@ def _adopt(dst: DTensor, src: DTensor) -> None:
 
 def _run_and_upload(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]) -> Any:
     """The local route: run on the fetched full tensors (a sync point), upload the outputs as Replicate."""
-    from dtorch.factories import replicate_plain
-
     ref = leaves[0]
     if plan.random:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(ref._session.next_seed())
-            result = _run_locally(plan.func, args, kwargs, leaves)
+            result = _run_locally(plan.func, args, kwargs, leaves, plan.why)
     else:
-        result = _run_locally(plan.func, args, kwargs, leaves)
+        result = _run_locally(plan.func, args, kwargs, leaves, plan.why)
 
     def upload(v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
@@ -573,3 +429,8 @@ def _run_and_upload(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]
         return replicate_plain(v, ref)
 
     return pytree.tree_map(upload, result)
+
+
+# Last: `dtensor` takes `torch_dispatch` from this module while its class is made, whichever module is imported
+# first (the one pair of client modules that import each other).
+from dtorch import dtensor  # noqa: E402

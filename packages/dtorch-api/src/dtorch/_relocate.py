@@ -1,4 +1,4 @@
-"""Where did a logical device go? Uploads and reads retried on the device's new worker.
+"""Where did a logical device go? What the data plane asks the controller when a worker stops serving it.
 
 The client talks to workers directly (Put, Pull) at the addresses it last heard of. A logical device
 may since have moved (migration, drain: the old worker answers with kind MOVED) or its worker may have been
@@ -9,6 +9,15 @@ not rebound it yet, and tries again there; bounded by the session's timeout.
 A worker that stopped (SIGSTOP, a hung host) neither answers nor refuses: a transfer to it would wait
 for its whole timeout. So a transfer still running after a second is watched: once the controller
 says the device is elsewhere (or its worker was lost), the call is cancelled and retried there.
+
+Everything here reads the controller through a `look(device) -> Seen` function and returns addresses or
+raises; it writes no one else's state.
+
+Rules (`relocate`), on each look at the controller:
+  session not recovering/migrating and the device's worker gone or not live  -> DeviceLost (for good)
+  device on a live worker at another address                                 -> that address
+  device still at the stale address                                          -> retry there after 2 s
+  otherwise (being rebound)                                                  -> look again in POLL_S
 """
 
 from __future__ import annotations
@@ -16,60 +25,70 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 from dtorch.errors import ClusterError
-from dtorch_protocol import wire
-from dtorch_protocol.messages import ErrorKind
+from dtorch_protocol import messages as m
 
-if TYPE_CHECKING:
-    from dtorch.session import Session
-
-T = TypeVar("T")
 POLL_S = 0.05
 LIVE = ("alive", "suspect", "draining")
+BUSY = ("recovering", "migrating")  # session states in which a device is being rebound
 
 
 class Moved(Exception):
     """A worker said the device's shards moved away from it."""
 
 
+class DeviceLost(ClusterError):
+    """The device's worker is gone for good (not rebuilt): the loss error is waiting at the next sync."""
+
+    def __init__(self, device: int, worker: str | None) -> None:
+        self.device, self.worker = device, worker
+        super().__init__(f"logical device {device} was on worker {worker}, which was lost")
+
+
 def moved_error(e: BaseException) -> bool:
-    return getattr(e, "kind", None) == ErrorKind.MOVED
+    return getattr(e, "kind", None) == m.ErrorKind.MOVED
 
 
-def relocating(session: Session, device: int, call: Callable[[str], T]) -> T:
-    """`call(address)` on the device's worker; after "moved" or a lost connection, find it again and retry."""
-    deadline = time.monotonic() + session.timeout
-    while True:
-        address = session._address(device)
-        try:
-            return call(address)
-        except (ConnectionError, Moved, wire.RemoteError) as e:
-            if isinstance(e, wire.RemoteError) and not moved_error(e):
-                raise
-            if time.monotonic() >= deadline:
-                raise ClusterError(f"logical device {device} is unreachable: {e}") from None
-            relocate(session, device, address, deadline)
+@dataclass(frozen=True)
+class Seen:
+    """What the controller says about one logical device of this session."""
+
+    session_state: str | None  # None: the controller does not know the session
+    worker: str | None
+    worker_state: str | None  # None: no such worker
+    address: str | None
+
+    @property
+    def live(self) -> bool:
+        return self.worker_state in LIVE
 
 
-def relocate(session: Session, device: int, stale: str, deadline: float) -> str:
-    """Poll the controller until `device` sits on a live worker other than `stale` (or time runs out)."""
+def seen(reply: m.StatusReply, session: str, device: int) -> Seen:
+    mine = next((s for s in reply.sessions if s.session == session), None)
+    where = mine.devices.get(device) if mine is not None else None
+    worker = next((w for w in reply.workers if w.worker == where), None)
+    return Seen(mine.state if mine is not None else None, where,
+                worker.state if worker is not None else None, worker.address if worker is not None else None)
+
+
+Look = Callable[[int], Seen]
+
+
+def relocate(look: Look, device: int, stale: str, deadline: float) -> str:
+    """Poll the controller until `device` sits on a live worker other than `stale` (or time runs out); the
+    table at the top of this module."""
     same_since: float | None = None
     while True:
-        reply = session.status()
-        mine = next((s for s in reply.sessions if s.session == session.id), None)
-        where = mine.devices.get(device) if mine is not None else None
-        worker = next((w for w in reply.workers if w.worker == where), None)
+        s = look(device)
         now = time.monotonic()
-        if mine is not None and mine.state not in ("recovering", "migrating") and (
-                worker is None or worker.state not in LIVE):
-            # lost for good (not rebuilt): the loss error, naming the lost tensors, is waiting at the next sync
-            raise _loss_error(session, device, where)
-        if worker is not None and worker.state in LIVE:
-            if worker.address != stale:
-                session._locations[device] = worker.address
-                return worker.address
+        if s.session_state is not None and s.session_state not in BUSY and not s.live:
+            raise DeviceLost(device, s.worker)
+        if s.live:
+            if s.address != stale:
+                return s.address  # type: ignore[return-value]
             # still there: a passing failure, or the loss is not detected yet; retry after a while anyway
             same_since = same_since if same_since is not None else now
             if now - same_since > 2.0:
@@ -79,29 +98,12 @@ def relocate(session: Session, device: int, stale: str, deadline: float) -> str:
         time.sleep(POLL_S)
 
 
-_loss_lock = threading.Lock()
-
-
-def _loss_error(session: Session, device: int, worker: str | None) -> Exception:
-    """The error a sync raises about the loss; every transfer that hits it (uploads run in parallel) raises it."""
-    with _loss_lock:
-        known = getattr(session, "_loss_error", None)
-        if known is not None:
-            return known
-        try:
-            session.sync()
-        except Exception as e:  # noqa: BLE001 - that is the one
-            session._loss_error = e  # type: ignore[attr-defined]
-            return e
-        return ClusterError(f"logical device {device} was on worker {worker}, which was lost")
-
-
 class Watch:
     """Cancel a call to `address` for `device` once the controller no longer has the device there."""
 
-    def __init__(self, session: Session, device: int, address: str, cancel: Callable[[], Any],
+    def __init__(self, look: Look, device: int, address: str, cancel: Callable[[], Any],
                  every_s: float = 1.0) -> None:
-        self.session, self.device, self.address, self.cancel, self.every_s = session, device, address, cancel, every_s
+        self.look, self.device, self.address, self.cancel, self.every_s = look, device, address, cancel, every_s
         self.fired = False
         self._done = threading.Event()
         self._timer: threading.Timer | None = None
@@ -125,13 +127,10 @@ class Watch:
         if self._done.is_set():
             return
         try:
-            reply = self.session.status()
+            s = self.look(self.device)
         except Exception:  # noqa: BLE001 - the controller is busy or away: look again later
             return self._arm()
-        mine = next((s for s in reply.sessions if s.session == self.session.id), None)
-        where = mine.devices.get(self.device) if mine is not None else None
-        worker = next((w for w in reply.workers if w.worker == where), None)
-        if worker is None or worker.state not in LIVE or worker.address != self.address:
+        if not s.live or s.address != self.address:
             self.fired = True
             self.cancel()
             return

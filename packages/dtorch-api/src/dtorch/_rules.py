@@ -1,4 +1,5 @@
 """Sharding rules DTorch writes itself, where torch has none: CPU flash attention (forward and backward).
+Each registers its ops in `_registry` (see there for how to add a rule module).
 
 Per mesh dim, the query's placement picks the layout of the whole op:
   Shard(0) batch / Shard(1) heads   every input and output sharded the same way (heads need q and kv
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-from dtorch._sharding import NoRule, Propagation, meta_specs
+from dtorch._registry import NoRule, Propagation, register
+from dtorch._sharding import meta_specs
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.layout import coords, shard_box
@@ -106,6 +108,7 @@ def _plan(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, layout: dict[i
     return Propagation(func, new_args, new_kwargs, rank_args, out_specs)
 
 
+@register(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def flash_attention_cpu(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     q, k = args[0], args[1]
     if len(q.shape) != 4 or (len(args) > 3 and args[3]):
@@ -113,6 +116,7 @@ def flash_attention_cpu(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) 
     return _plan(func, args, kwargs, mesh, {0: "q", 1: "kv", 2: "kv", -1: "mask"}, q, k, ["q", "q_lse"], 4)
 
 
+@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def flash_attention_cpu_backward(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     q, k = args[1], args[2]
     if len(q.shape) != 4 or args[6]:
@@ -120,8 +124,3 @@ def flash_attention_cpu_backward(func: Any, args: tuple, kwargs: dict, mesh: Dev
     layout = {0: "q", 1: "q", 2: "kv", 3: "kv", 4: "q", 5: "q", -1: "mask"}
     return _plan(func, args, kwargs, mesh, layout, q, k, ["q", "kv_grad", "kv_grad"], 7)
 
-
-RULES = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: flash_attention_cpu,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: flash_attention_cpu_backward,
-}

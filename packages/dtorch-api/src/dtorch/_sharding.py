@@ -2,34 +2,53 @@
 
 torch 2.13 knows sharding rules for ~1,160 aten overloads and can apply them to metadata
 alone, with process-group-free meshes. Everything private we touch is in this file:
-`ShardingPropagator`, `OpSchema`, `DTensorSpec`, `TensorMeta`. When torch has no rule, or
+`ShardingPropagator`, `OpSchema`, `DTensorSpec`, `TensorMeta`, and fake tensors (`FakeTensorMode`, to tell
+an op whose output shapes depend on the values from one that refuses its shapes). When torch has no rule, or
 answers with private placements (`_StridedShard`, `_MaskPartial`), we raise `NoRule` and
 the caller falls back to running the op on replicated inputs, which is always correct.
+Rules DTorch writes itself are registered in `_registry` and read here before torch's.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.distributed.tensor import DTensor as _TorchDTensor
 from torch.distributed.tensor import placement_types as tp
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
+from dtorch._registry import NoRule, Propagation, Refused, ValueDependent, rule_for
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.layout import box_shape, coords, shard_box
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 _prop = _TorchDTensor._op_dispatcher.sharding_propagator
+# torch logs every op its fake tensors refuse (a traceback per line, `E... fake_tensor.py:...`); DTorch raises the
+# refusal itself, once, in the user's words (see `meta_outputs`)
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
 
-class NoRule(Exception):
-    """torch has no usable sharding rule for this op and these placements."""
+@contextmanager
+def _quiet() -> Iterator[None]:
+    was, _FAKE_LOG.disabled = _FAKE_LOG.disabled, True
+    try:
+        yield
+    finally:
+        _FAKE_LOG.disabled = was
 
 
 def _to_torch(p: Placement) -> Any:
@@ -67,17 +86,6 @@ def _convert(tree: Any, fn: Any) -> Any:
     return pytree.tree_map(lambda v: fn(v) if isinstance(v, (Spec, DTensorSpec)) else v, tree)
 
 
-@dataclass
-class Propagation:
-    """torch's answer, in our types: what to run, on which input layouts, giving which outputs."""
-
-    op: Any  # OpOverload to run (torch may rewrite it, e.g. squeeze -> squeeze.dims)
-    args: tuple  # Specs (required input layouts) and non-tensor values, as for device 0
-    kwargs: dict
-    rank_args: list[tuple[tuple, dict]] | None  # per mesh position, where non-tensor args differ by device
-    outputs: Any  # Spec | None | list/tuple of (Spec | None), mirroring the op's return
-
-
 def _schema(func: Any, args: tuple, kwargs: dict, rank: int) -> OpSchema:
     info = _prop.op_to_schema_info.get(func) or _prop.op_to_schema_info_for_single_dim_strategy.get(func)
     to_torch = lambda s: _torch_spec(s, rank)  # noqa: E731
@@ -109,9 +117,7 @@ def _apply_suggestion(func: Any, args: tuple, kwargs: dict, out: Any, mesh: Devi
 
 def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     """Sharding propagation for `func` on args whose DTensors are replaced by their Specs."""
-    from dtorch._rules import RULES  # our own rules where torch has none
-
-    rule = RULES.get(func)
+    rule = rule_for(func)  # our own rules (registered in `_registry`) where torch has none
     if rule is not None:
         return rule(func, args, kwargs, mesh)
     if func is _aten.fill_.Scalar and isinstance(args[0], Spec) and args[0].has_partial():
@@ -119,7 +125,8 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
     try:
         # never torch's own cache: it keys on the tensor args plus only the non-tensor args a rule declares
         # static, so e.g. histc(bins=1) would reuse the plan of histc(bins=100); our plan cache keys on all args
-        out = _prop.propagate_op_sharding_non_cached(_schema(func, args, kwargs, 0))
+        with _quiet():
+            out = _prop.propagate_op_sharding_non_cached(_schema(func, args, kwargs, 0))
         op, new_args = _apply_suggestion(func, args, kwargs, out, mesh)
         outputs = cpu_outputs(func, args, _convert(out.output_spec, lambda s: _our_spec(s, mesh)), mesh)
     except NoRule:
@@ -136,7 +143,8 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
     if out.use_val_from_redistribute_schema and mesh.size() > 1:
         per_rank = [(new_args, kwargs)]
         for rank in range(1, mesh.size()):
-            out_r = _prop.propagate_op_sharding_non_cached(_schema(func, args, kwargs, rank))
+            with _quiet():
+                out_r = _prop.propagate_op_sharding_non_cached(_schema(func, args, kwargs, rank))
             per_rank.append((_apply_suggestion(func, args, kwargs, out_r, mesh)[1], kwargs))
         base = _nontensor_leaves(new_args)
         if any(_nontensor_leaves(a) != base for a, _ in per_rank[1:]):
@@ -174,13 +182,20 @@ def meta_specs(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[S
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
+def _to_meta(v: Any) -> Any:
+    return torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device="meta") if isinstance(v, Spec) else v
+
+
 def meta_outputs(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
-    """Output metadata from running `func` on meta tensors of the global shapes (all Replicate)."""
+    """Output metadata from running `func` on meta tensors of the global shapes (all Replicate).
 
-    def to_meta(v: Any) -> Any:
-        return torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device="meta") if isinstance(v, Spec) else v
-
-    result = func(*pytree.tree_map(to_meta, args), **pytree.tree_map(to_meta, kwargs))
+    Where the meta kernel fails, torch's fake tensors tell why: output shapes that depend on the values, or
+    no kernel that can tell them (`ValueDependent`: the local route), or shapes or dtypes the op refuses
+    (`Refused`, with torch's own error). Fake tensors never run a real kernel here (no fallback kernels)."""
+    try:
+        result = func(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))
+    except Exception:  # noqa: BLE001 - asked again below, where torch classifies it
+        result = _fake_outputs(func, args, kwargs)
     replicate = (Replicate(),) * mesh.ndim
 
     def to_spec(t: Any) -> Any:
@@ -193,6 +208,22 @@ def meta_outputs(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
     if isinstance(result, (tuple, list)):
         return cpu_outputs(func, args, type(result)(to_spec(t) for t in result), mesh)
     return to_spec(result)
+
+
+def _fake_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
+    mode = FakeTensorMode(allow_fallback_kernels=False)
+
+    def to_fake(v: Any) -> Any:
+        return mode.from_tensor(_to_meta(v)) if isinstance(v, Spec) else v
+
+    try:
+        with _quiet(), mode:
+            return func(*pytree.tree_map(to_fake, args), **pytree.tree_map(to_fake, kwargs))
+    except (DynamicOutputShapeException, DataDependentOutputException, UnsupportedOperatorException,
+            NotImplementedError):
+        raise ValueDependent(str(func)) from None
+    except Exception as e:  # noqa: BLE001 - torch's own error about these shapes or dtypes
+        raise Refused(e) from None
 
 
 _aten = torch.ops.aten
@@ -283,10 +314,10 @@ def check_local(func: Any, prop: Propagation, mesh: DeviceMesh) -> None:
 
 
 def _global_meta_fails(func: Any, args: tuple, kwargs: dict) -> bool:
-    to_meta = lambda v: torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device="meta") \
-        if isinstance(v, Spec) else v  # noqa: E731
+    """Does the meta kernel fail on the global args too (it cannot judge them: data-dependent, or torch's
+    rewrite of the args)? A refusal of the user's own args is found on the replicate route (`meta_outputs`)."""
     try:
-        func(*pytree.tree_map(to_meta, args), **pytree.tree_map(to_meta, kwargs))
+        func(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))
         return False
     except Exception:  # noqa: BLE001
         return True

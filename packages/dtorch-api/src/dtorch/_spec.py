@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -43,6 +45,25 @@ def normalize_placements(placements: Sequence[Placement] | None, mesh: DeviceMes
     return tuple(out)
 
 
+# Spec keys interned to small ints: the plan cache keys on these (hashing a key tuple of placements per op is
+# slow). Ids are never reused; past SID_TABLE_MAX keys the table starts over (older specs keep their ids, which
+# then just miss the plan cache), so it stays bounded under ever-changing shapes.
+SID_TABLE_MAX = 1 << 18
+_sids: dict[tuple, int] = {}
+_sid_counter = itertools.count()
+_sid_lock = threading.Lock()
+
+
+def _intern(key: tuple) -> int:
+    sid = _sids.get(key)
+    if sid is None:
+        with _sid_lock:
+            if len(_sids) >= SID_TABLE_MAX:
+                _sids.clear()
+            sid = _sids.setdefault(key, next(_sid_counter))
+    return sid
+
+
 @dataclass(frozen=True, eq=False)
 class Spec:
     mesh: DeviceMesh
@@ -50,10 +71,15 @@ class Spec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    key: tuple = field(init=False, repr=False)  # hashable identity, part of every plan-cache key
+    key: tuple = field(init=False, repr=False)  # hashable identity
+    sid: int = field(init=False, repr=False)  # the key interned: equal sids, equal keys (plan-cache keys)
+    contiguous: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", (self.mesh.id, self.placements, self.shape, self.stride, self.dtype))
+        key = (self.mesh.id, self.placements, self.shape, self.stride, self.dtype)
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "sid", _intern(key))
+        object.__setattr__(self, "contiguous", self.stride == contiguous_stride(self.shape))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Spec) and other.key == self.key

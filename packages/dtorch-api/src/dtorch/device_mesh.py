@@ -50,6 +50,7 @@ class DeviceMesh:
         if names is not None and (len(names) != len(shape) or len(set(names)) != len(names)):
             raise ValueError(f"mesh_dim_names {list(names)} must name each of the mesh's {len(shape)} dims once")
         self.device_type = device_type
+        self.torch_device = torch.device(device_type)  # what a DTensor's `.device` says
         self.devices: tuple[int, ...] = tuple(flat)
         self.shape: tuple[int, ...] = tuple(shape)
         self.mesh_dim_names = names

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,9 +17,10 @@ from dtorch import _dispatch
 from dtorch._source import user_src
 from dtorch._spec import Spec, normalize_placements
 from dtorch.device_mesh import DeviceMesh
-from dtorch.session import Session
-from dtorch_protocol import messages as m
 from dtorch_protocol.placement_types import Partial, Placement, Replicate
+
+if TYPE_CHECKING:
+    from dtorch.session import Session
 
 
 class DTensor(torch.Tensor):
@@ -30,15 +31,13 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, spec: Spec, tid: int, session: Session, requires_grad: bool = False) -> DTensor:
         r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
-                                                device=spec.mesh.device_type, requires_grad=requires_grad)
+                                                device=spec.mesh.torch_device, requires_grad=requires_grad)
         r._spec, r._tid, r._session = spec, tid, session
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _dispatch.dispatch(func, args, kwargs or {})
+    __torch_dispatch__ = classmethod(_dispatch.torch_dispatch)  # no frame of its own: the hot path counts
 
     def __del__(self) -> None:
         session = self.__dict__.get("_session")
@@ -57,7 +56,7 @@ class DTensor(torch.Tensor):
     # ------------------------------------------------------------------ sync points
     def to_torch(self) -> torch.Tensor:
         """The whole tensor as a plain torch.Tensor on the client (a sync point)."""
-        return self._session.fetch(self)
+        return self._session.fetch(self._tid, self._spec)
 
     full_tensor = to_torch
 
@@ -66,7 +65,10 @@ class DTensor(torch.Tensor):
         writes do not show (the workers copy it first, as torch's non-blocking copies read the source now)."""
         with torch.no_grad():
             now = torch.ops.aten.clone.default(self)
-        return self._session.fetch_async(now)
+        future = self._session.fetch_async(now._tid, now._spec)
+        alive = [now]  # the copy is not freed before it is read
+        future.add_done_callback(lambda _: alive.clear())
+        return future
 
     def tolist(self) -> Any:
         return self.to_torch().tolist()
@@ -93,32 +95,16 @@ class DTensor(torch.Tensor):
         return _Redistribute.apply(self, mesh, target)
 
 
-_dispatch.DTensorType = DTensor
-
-
-def redistribute_to(x: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...], src: str) -> DTensor:
-    """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
-    session = x._session
-    if mesh != x.device_mesh:
-        session.ensure_mesh(mesh)
-    spec = x._spec.with_placements(placements, mesh)
-    if spec == x._spec:
-        return x
-    tid = session.new_tid()
-    session.emit(m.InstrRedistribute(src=x._tid, dst=tid, src_spec=x._spec.wire, dst_spec=spec.wire, src_line=src))
-    return DTensor(spec, tid, session)
-
-
 class _Redistribute(torch.autograd.Function):
     """Forward: move to the target layout. Backward: move the gradient back (Partial becomes Replicate)."""
 
     @staticmethod
     def forward(ctx: Any, x: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
         ctx.src_mesh, ctx.src_placements = x.device_mesh, x.placements
-        out = redistribute_to(x, mesh, placements, user_src(4))
+        out = _dispatch.redistribute_to(x, mesh, placements, user_src(4))
         return out.view_as(out) if out is x else out
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
         back = tuple(Replicate() if isinstance(p, Partial) else p for p in ctx.src_placements)
-        return redistribute_to(grad, ctx.src_mesh, back, user_src(2)), None, None
+        return _dispatch.redistribute_to(grad, ctx.src_mesh, back, user_src(2)), None, None

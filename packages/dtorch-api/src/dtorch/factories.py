@@ -17,8 +17,7 @@ from dtorch.device_mesh import DeviceMesh
 from dtorch.dtensor import DTensor
 from dtorch.runtime import get_session
 from dtorch_protocol import messages as m
-from dtorch_protocol.placement_types import Placement, Replicate
-from dtorch_protocol.values import dtype_name, tensor_to_bytes
+from dtorch_protocol.placement_types import Placement
 
 _RANDOM = ("rand", "randn")
 
@@ -111,20 +110,6 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
     session = get_session()
     tid = session.upload(tensor, spec)
     return DTensor(spec, tid, session, requires_grad=tensor.requires_grad)
-
-
-def replicate_plain(tensor: torch.Tensor, like: DTensor) -> DTensor:
-    """A plain tensor mixed into an op: small ones ride inside the instruction, large ones are uploaded."""
-    mesh, session = like.device_mesh, like._session
-    shape = tuple(tensor.shape)
-    spec = Spec(mesh, (Replicate(),) * mesh.ndim, shape, contiguous_stride(shape), tensor.dtype)
-    if tensor.numel() > 1 << 16:
-        return DTensor(spec, session.upload(tensor, spec), session)
-    tid = session.new_tid()
-    literal = {"$lit": [dtype_name(tensor.dtype), list(shape), tensor_to_bytes(tensor)]}
-    session.emit(m.InstrCall(op="aten.clone.default", mesh=mesh.id, args=[literal], kwargs={},
-                             outs=[m.OutSpec(tid, spec.wire)], src=user_src(3)))
-    return DTensor(spec, tid, session)
 
 
 def manual_seed(seed: int) -> None:

@@ -1,0 +1,41 @@
+"""Admission: the controller places a mesh's logical devices on workers, or queues the request.
+
+`place` asks (`OpenMesh`) until the mesh is placed or DTORCH_QUEUE_TIMEOUT passes, rewriting one stderr line
+with the queue position meanwhile, and returns where each logical device went.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+from dtorch.errors import ClusterError, env_float
+from dtorch_protocol import messages as m
+
+POLL_S = 0.2
+
+
+def place(call: Callable[[str, Any, float], Any], session: str, mesh: Any, min_devices: int,
+          out: IO[str] | None = None) -> dict[int, str]:
+    """Place `mesh` (a DeviceMesh) for `session`; `min_devices` > 0 accepts that few physical devices (elastic)."""
+    out = out or sys.stderr
+    deadline = time.monotonic() + env_float("DTORCH_QUEUE_TIMEOUT", 600.0)
+    shown = False
+    while True:
+        reply = call("OpenMesh", m.OpenMesh(session=session, mesh=mesh.id, devices=list(mesh.devices),
+                                            shape=list(mesh.shape), min_devices=min_devices), 30.0)
+        if reply.placed:
+            break
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{mesh} could not be placed: {reply.message or 'no free devices'}")
+        line = f"dtorch: waiting for {mesh.size()} devices ({reply.message or 'queued'}); " \
+               f"position {reply.queue_position} in the queue"
+        out.write("\r" + line.ljust(100))
+        out.flush()
+        shown = True
+        time.sleep(POLL_S)
+    if shown:
+        out.write("\r" + "dtorch: devices placed".ljust(100) + "\n")
+    return dict(reply.locations)

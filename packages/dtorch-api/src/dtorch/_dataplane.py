@@ -1,0 +1,170 @@
+"""The data plane of one session: shard bytes straight between this client and the workers.
+
+Reads (`Pull`, one replica of each distinct shard, Partial groups reduced on the client) and writes (`Put`,
+each device's box of a full tensor) go to the worker that `where(device)` names. When that worker no longer
+serves the device (moved, lost, stopped), `_relocate` finds it again and the transfer is retried there; the
+new address is kept in this object's own table. A device lost for good raises `DeviceLost`.
+
+It speaks tensor ids and specs; the session tells it where devices are (`learn`, from OpenMesh and Sync).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+import torch
+
+from dtorch._relocate import Moved, Watch, moved_error, relocate, seen
+from dtorch.errors import ClusterError, DTorchError, RemoteOpError
+from dtorch_protocol import messages as m
+from dtorch_protocol import wire
+from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
+from dtorch_protocol.values import dtype_name, tensor_from_bytes, tensor_to_bytes
+
+if TYPE_CHECKING:
+    from dtorch._spec import Spec
+
+T = TypeVar("T")
+IO_THREADS = 8
+
+
+def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+    return tuple(slice(s, s + n) for s, n in box)
+
+
+def _receive(replies: Any) -> torch.Tensor:
+    parts: list[bytes] = []
+    dtype, shape = "", []
+    for chunk in replies:
+        if chunk.report is not None:
+            raise RemoteOpError(chunk.report.op, chunk.report.src, chunk.report.message)
+        if chunk.error:
+            raise (Moved if chunk.kind == m.ErrorKind.MOVED else DTorchError)(chunk.error)
+        if chunk.dtype:
+            dtype, shape = chunk.dtype, chunk.shape
+        parts.append(chunk.data)
+    return tensor_from_bytes(b"".join(parts), dtype, shape)
+
+
+def _reduce(parts: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
+    """One value from the full tensors of a Partial group's members."""
+    stacked = torch.stack(parts)
+    if op == "sum":
+        return stacked.sum(0, dtype=dtype) if dtype != torch.bool else stacked.any(0)
+    if op == "avg":
+        return stacked.mean(0) if dtype.is_floating_point else stacked.sum(0) // len(parts)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+class DataPlane:
+    """Pull and Put for session `session`; `status()` asks the controller where devices are (relocation)."""
+
+    def __init__(self, session: str, token: str, timeout: float, status: Callable[[], m.StatusReply]) -> None:
+        self.session, self.token, self.timeout = session, token, timeout
+        self._status = status
+        self._where: dict[int, str] = {}
+        self._workers: dict[str, wire.Stub] = {}
+        self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="dtorch-io")
+
+    # ------------------------------------------------------------------ where devices are
+    def learn(self, locations: dict[int, str]) -> None:
+        """News from the controller: logical device -> worker address."""
+        self._where.update(locations)
+
+    def where(self, device: int) -> str:
+        address = self._where.get(device)
+        if address is None:
+            raise ClusterError(f"logical device {device} is not placed on any worker")
+        return address
+
+    def _look(self, device: int) -> Any:
+        return seen(self._status(), self.session, device)
+
+    def _relocating(self, device: int, call: Callable[[str], T]) -> T:
+        """`call(address)` on the device's worker; after "moved" or a lost connection, find it again and retry."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            address = self.where(device)
+            try:
+                return call(address)
+            except (ConnectionError, Moved, wire.RemoteError) as e:
+                if isinstance(e, wire.RemoteError) and not moved_error(e):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise ClusterError(f"logical device {device} is unreachable: {e}") from None
+                self._where[device] = relocate(self._look, device, address, deadline)
+
+    def _worker(self, address: str) -> wire.Stub:
+        stub = self._workers.get(address)
+        if stub is None:
+            stub = self._workers[address] = wire.Stub("dtorch.Worker", address, self.token)
+        return stub
+
+    # ------------------------------------------------------------------ reads
+    def read(self, tid: int, spec: Spec) -> torch.Tensor:
+        """The full value of tensor `tid` laid out as `spec`: one replica of each distinct shard."""
+        groups, op = gather_groups(spec.shape, spec.mesh.shape, spec.placements)
+        jobs = [[(box, self._pool.submit(self._pull, tid, spec.mesh.devices[flat]))
+                 for flat, box in group if all(n for _, n in box)] for group in groups]
+        parts = []
+        for group in jobs:
+            full = torch.empty(spec.shape, dtype=spec.dtype)
+            for box, future in group:
+                full[_slices(box)] = future.result()
+            parts.append(full)
+        return parts[0] if op is None else _reduce(parts, op, spec.dtype)
+
+    def _pull(self, tid: int, device: int) -> torch.Tensor:
+        return self._relocating(device, lambda address: self._pull_from(address, tid, device))
+
+    def _pull_from(self, address: str, tid: int, device: int) -> torch.Tensor:
+        call, replies = self._worker(address).open_stream(
+            "Pull", m.PullRequest(session=self.session, tid=tid, device=device, timeout_s=self.timeout),
+            timeout=self.timeout + 10.0)
+        with Watch(self._look, device, address, call.cancel) as watch:
+            try:
+                return _receive(replies)
+            except (ConnectionError, wire.RemoteError):
+                if watch.fired:
+                    raise Moved(f"moved: logical device {device} left {address}") from None
+                raise
+
+    # ------------------------------------------------------------------ writes
+    def write(self, tensor: torch.Tensor, spec: Spec, tid: int) -> None:
+        """Each device's box of the full `tensor` (on the client, of spec's dtype) to its worker, as tensor `tid`."""
+        futures = []
+        for flat, c in enumerate(coords(spec.mesh.shape)):
+            box = shard_box(spec.shape, spec.mesh.shape, spec.placements, c)
+            local = tensor[_slices(box)] if holds_value(spec.placements, c) else torch.zeros(
+                [n for _, n in box], dtype=spec.dtype)
+            futures.append(self._pool.submit(self._put, tid, spec.mesh.devices[flat], local))
+        for f in futures:
+            f.result()
+
+    def _put(self, tid: int, device: int, local: torch.Tensor) -> None:
+        self._relocating(device, lambda address: self._put_to(address, tid, device, local))
+
+    def _put_to(self, address: str, tid: int, device: int, local: torch.Tensor) -> None:
+        data = tensor_to_bytes(local)
+        dtype, shape = dtype_name(local.dtype), list(local.shape)
+        stub = self._worker(address)
+        future = stub.send_stream_future(
+            "Put", (m.PutChunk(session=self.session, tid=tid, device=device, dtype=dtype, shape=shape,
+                               data=bytes(c)) for c in wire.chunks(data)), timeout=self.timeout)
+        with Watch(self._look, device, address, future.cancel) as watch:
+            try:
+                stub.decode_reply("Put", future)
+            except (ConnectionError, wire.RemoteError, grpc.FutureCancelledError):
+                if watch.fired:
+                    raise Moved(f"moved: logical device {device} left {address}") from None
+                raise
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for stub in self._workers.values():
+            stub.close()

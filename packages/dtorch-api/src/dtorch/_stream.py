@@ -1,0 +1,132 @@
+"""The instruction stream of one session: a queue the user thread appends to, a sender thread that ships it
+to the controller in numbered `Submit` batches, `Sync`, and the keep-alive.
+
+It speaks wire instructions and tensor ids only; it knows nothing of DTensors, plans or workers. An item of
+the queue is a wire instruction, or a record `(encode, ...)` that the flushing thread (normally the sender)
+turns into one with `encode(record)`: the user thread only queues what cannot wait (ids, the source line).
+
+Rules:
+  1. `emit` and `release` only append to a queue (they are the deques' own `append`): the user thread never
+     waits on the cluster there, and pays for no Python call of ours.
+  2. Batches are numbered from 1 and sent in order, at most MAX_BATCH instructions each. A failed Submit
+     breaks the stream: the controller's view of it is unknown, so every later flush or sync raises that error.
+  3. Released tensor ids go out as one InstrDelete after every instruction queued before the flush that takes
+     them (a tensor's uses are all queued before its release).
+  4. The sender flushes every POLL_S when instructions or more than DEAD_AT releases wait (a user thread
+     issuing an op every few microseconds fills batches of about a thousand), and sends a KeepAlive every
+     `keepalive_s` when the controller asks for one (0: never).
+  5. `sync` flushes, then asks the controller until every worker executed everything sent (bounded); op
+     errors of the session are raised there, the first one with the op and the user's source line.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dtorch.errors import ClusterError, sync_error
+from dtorch_protocol import messages as m
+
+MAX_BATCH = 4096  # instructions per Submit
+POLL_S = 0.005
+DEAD_AT = 64
+
+Call = Callable[[str, Any, float], Any]  # (method, request, timeout) -> reply: the controller stub's `call`
+
+
+def _drain(q: deque) -> list:
+    out = []
+    try:
+        while True:
+            out.append(q.popleft())
+    except IndexError:
+        return out
+
+
+class Stream:
+    """One session's ordered instruction stream to the controller at `address` (named in errors)."""
+
+    def __init__(self, call: Call, session: str, address: str, keepalive_s: float = 0.0) -> None:
+        self._call, self.session, self.address = call, session, address
+        self._keepalive_s, self._keepalive_at = keepalive_s, time.monotonic()
+        self._queue: deque = deque()
+        self._dead: deque = deque()
+        self.emit: Callable[[Any], None] = self._queue.append  # queue an instruction or a record (rule 1)
+        self.release: Callable[[int], None] = self._dead.append  # a tensor id to free after its uses (rule 3)
+        self._send_lock = threading.Lock()
+        self.seq = 0  # the last batch sent
+        self._broken: Exception | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, name="dtorch-sender", daemon=True)
+        self._sender.start()
+
+    # ------------------------------------------------------------------ sending (rules 2-4)
+    def _send_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            if (self._queue or len(self._dead) > DEAD_AT) and self._broken is None:
+                try:
+                    self.flush()
+                except Exception:  # noqa: BLE001 - kept in _broken, raised at the next sync point
+                    pass
+            if self._keepalive_s and time.monotonic() - self._keepalive_at >= self._keepalive_s:
+                self._keepalive_at = time.monotonic()  # the controller closes sessions that fall silent
+                try:
+                    self._call("KeepAlive", m.KeepAlive(session=self.session), 5.0)
+                except Exception:  # noqa: BLE001 - a missed keep-alive is retried at the next tick
+                    pass
+
+    def flush(self) -> None:
+        """Send everything queued so far, in order."""
+        with self._send_lock:
+            if self._broken is not None:
+                raise self._broken
+            dead = _drain(self._dead)  # before the queue: every use of a dead tid is already queued
+            try:
+                instrs = [i if type(i) is not tuple else i[0](i) for i in _drain(self._queue)]
+            except Exception as e:  # a bug, but the stream lost instructions: it cannot go on
+                self._broken = ClusterError(f"could not encode an instruction for the controller: {e!r}")
+                raise self._broken from e
+            if dead:
+                instrs.append(m.InstrDelete(tids=dead))
+            for start in range(0, len(instrs), MAX_BATCH):
+                self.seq += 1
+                try:
+                    self._call("Submit", m.Submit(session=self.session, seq=self.seq,
+                                                  instrs=instrs[start:start + MAX_BATCH]), 60.0)
+                except Exception as e:
+                    self._broken = ClusterError(f"lost the instruction stream to the controller at "
+                                                f"{self.address}: {e}")
+                    raise self._broken from None
+
+    # ------------------------------------------------------------------ sync (rule 5)
+    def sync(self, timeout: float) -> Iterator[m.SyncReply]:
+        """Flush, then wait (at most `timeout` s) until the workers executed it all; yields each Sync reply (their
+        locations are news for the data plane), then raises the session's op errors, if any."""
+        self.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = max(0.1, min(30.0, deadline - time.monotonic()))
+            reply = self._call("Sync", m.Sync(session=self.session, upto=self.seq, timeout_s=wait), wait + 10.0)
+            yield reply
+            if reply.errors:
+                raise sync_error(reply.errors)
+            if reply.done:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"workers did not finish within {timeout:.0f} s (DTORCH_TIMEOUT): {reply.message}")
+
+    # ------------------------------------------------------------------ shutdown
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def close(self) -> None:
+        """Stop the sender thread (after the caller's last flush)."""
+        self._closed = True
+        self._wake.set()

@@ -1,0 +1,149 @@
+"""The instruction stream (`_stream.Stream`) against a recording controller: order, numbering, deletes after
+uses, the sender thread, a broken stream, Sync and its errors, keep-alive. No processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtorch import _stream
+from dtorch._stream import Stream
+from dtorch.errors import ClusterError, RemoteOpError
+from dtorch_protocol import messages as m
+
+
+def create(tid: int) -> m.InstrCreate:
+    return m.InstrCreate(tid=tid, spec=m.TensorSpec(shape=[1], dtype="float32", mesh=0, placements=[]), init="zeros")
+
+
+def sent(controller) -> list:
+    """Every instruction submitted, in order, after checking that batches are numbered 1, 2, ... and bounded."""
+    batches = controller.requests("Submit")
+    assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+    assert all(0 < len(b.instrs) <= _stream.MAX_BATCH for b in batches)
+    return [i for b in batches for i in b.instrs]
+
+
+@pytest.fixture
+def stream(controller):
+    s = Stream(controller, "s1", "ctl:1")
+    yield s
+    s.close()
+
+
+def test_flush_sends_everything_in_order_in_numbered_bounded_batches(stream, controller):
+    instrs = [create(t) for t in range(1, _stream.MAX_BATCH + 10)]
+    for i in instrs:
+        stream.emit(i)
+    stream.flush()
+    assert sent(controller) == instrs
+    assert stream.seq == len(controller.requests("Submit")) >= 2
+    assert all(b.session == "s1" for b in controller.requests("Submit"))
+
+
+def test_released_tids_are_deleted_after_every_instruction_queued_before(stream, controller):
+    stream.emit(create(1))
+    stream.emit(create(2))
+    stream.release(1)
+    stream.release(2)
+    stream.flush()
+    instrs = sent(controller)
+    assert instrs[:2] == [create(1), create(2)]
+    deleted = [t for i in instrs if isinstance(i, m.InstrDelete) for t in i.tids]
+    assert deleted == [1, 2] and isinstance(instrs[-1], m.InstrDelete)
+
+
+def test_the_sender_thread_ships_without_a_flush(stream, controller):
+    stream.emit(create(7))
+    batch = controller.wait_for("Submit")[0]
+    assert batch.instrs == [create(7)] and batch.seq == 1
+
+
+def test_a_failed_submit_breaks_the_stream_for_good(stream, controller):
+    controller.fail["Submit"] = ConnectionError("connection reset")
+    stream.emit(create(1))
+    with pytest.raises(ClusterError, match=r"lost the instruction stream to the controller at ctl:1: connection reset"):
+        stream.flush()
+    del controller.fail["Submit"]
+    stream.emit(create(2))
+    with pytest.raises(ClusterError, match="lost the instruction stream"):
+        stream.flush()  # the controller's view of the stream is unknown: nothing more is sent
+    with pytest.raises(ClusterError, match="lost the instruction stream"):
+        list(stream.sync(5.0))
+    assert stream.broken and len(controller.requests("Submit")) == 1
+
+
+def test_sync_flushes_then_waits_until_done_yielding_each_reply(stream, controller):
+    controller.sync_replies = [m.SyncReply(done=False, locations={0: "w0"}),
+                               m.SyncReply(done=True, locations={1: "w1"})]
+    stream.emit(create(1))
+    replies = list(stream.sync(30.0))
+    assert [r.locations for r in replies] == [{0: "w0"}, {1: "w1"}]
+    syncs = controller.requests("Sync")
+    assert len(syncs) == 2 and all(s.upto == stream.seq == 1 for s in syncs)
+    assert sent(controller) == [create(1)]
+
+
+def test_sync_raises_the_first_op_error_with_the_others_as_notes(stream, controller):
+    errors = [m.ErrorReport(op=f"aten.op{i}", src=f"train.py:{i}", message=f"boom {i}") for i in range(6)]
+    controller.sync_replies = [m.SyncReply(done=True, errors=errors, locations={0: "w0"})]
+    seen = []
+    with pytest.raises(RemoteOpError) as info:
+        for reply in stream.sync(30.0):
+            seen.append(reply.locations)
+    assert seen == [{0: "w0"}]  # the locations still reach the caller
+    assert str(info.value).startswith("aten.op0 failed on a worker at train.py:0") and "boom 0" in str(info.value)
+    assert info.value.__notes__ == ["also: aten.op1 at train.py:1: boom 1", "also: aten.op2 at train.py:2: boom 2",
+                                    "also: aten.op3 at train.py:3: boom 3", "and 2 more errors"]
+
+
+def test_an_error_without_a_source_line_is_a_cluster_error(stream, controller):
+    controller.sync_replies = [m.SyncReply(done=True, errors=[m.ErrorReport(op="", src="", message="worker lost")])]
+    with pytest.raises(ClusterError, match="worker lost"):
+        list(stream.sync(30.0))
+
+
+def test_sync_gives_up_after_its_timeout_with_the_controllers_message(stream, controller):
+    controller.sync_replies = [m.SyncReply(done=False, message="waiting for w1")]
+    with pytest.raises(TimeoutError, match=r"did not finish within 0 s \(DTORCH_TIMEOUT\): waiting for w1"):
+        list(stream.sync(0.0))
+
+
+def test_keepalive_when_the_controller_asks(controller):
+    alive = Stream(controller, "s2", "ctl:1", keepalive_s=0.01)
+    try:
+        assert controller.wait_for("KeepAlive", 2)[0] == m.KeepAlive(session="s2")
+    finally:
+        alive.close()
+
+
+def test_no_keepalive_when_the_controller_does_not_ask(stream, controller):
+    stream.emit(create(1))
+    controller.wait_for("Submit")
+    stream.emit(create(2))
+    stream.flush()
+    assert controller.requests("KeepAlive") == []
+
+
+def test_close_stops_the_sender_thread(controller):
+    s = Stream(controller, "s4", "ctl:1")
+    s.close()
+    s._sender.join(5.0)
+    assert not s._sender.is_alive()
+
+
+def test_records_are_encoded_by_the_flushing_thread_in_queue_order(stream, controller):
+    stream.emit(create(1))
+    stream.emit((lambda r: create(r[1] * 10), 2))
+    stream.emit(create(3))
+    stream.flush()
+    assert sent(controller) == [create(1), create(20), create(3)]
+
+
+def test_a_record_that_cannot_be_encoded_breaks_the_stream(stream, controller):
+    def broken(record):
+        raise ValueError("no")
+
+    stream.emit((broken,))
+    with pytest.raises(ClusterError, match="could not encode an instruction for the controller: ValueError"):
+        stream.flush()
+    assert stream.broken
