@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -220,6 +221,53 @@ def test_a_pull_waits_until_the_source_reaches_the_redistribution(pair: tuple[Wo
     wait(a, sa)
     assert torch.equal(a.store.get((S, 71, 0)), x[1:] * 2)  # the value at the redistribution's place in b's stream
     assert b.store.pending_reads((S, 70, 1)) == 0
+
+
+class WaitSeen(threading.Condition):
+    """A store's condition that says when a thread first waits on it (the interleaving is driven by events)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()  # still holding the lock: nobody can change the store before this thread sleeps
+        return super().wait(timeout)
+
+
+def test_a_pull_waiting_for_the_announcement_wakes_when_it_runs() -> None:
+    """The peer's pull arrives first and sleeps until the source announces it; then the source's in-place write
+    holds for that pull, and the announcement is the only thing that can wake it (no put comes in between).
+
+    Without the wake-up both sit out their timeouts: the 60 s stall of the in-place race test under load.
+    """
+    src = start_worker(token=TOKEN)
+    try:
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+        put(src, 100, 0, x.clone())
+        cond = src.store._cond = WaitSeen()
+        pulled: list[torch.Tensor] = []
+
+        def peer() -> None:
+            stub = wire.Stub("dtorch.Worker", src.address, TOKEN)
+            pulled.append(receive_chunks(stub.stream("Pull", PullRequest(
+                session=S, tid=100, device=0, timeout_s=300.0, expected=True, dst=101)), "pull"))
+            stub.close()
+
+        reader = threading.Thread(target=peer)
+        reader.start()
+        assert cond.waiting.wait(30.0), "the pull never waited for the announcement"
+        seq = Seq().send(src, CmdExpectReads(tid=100, reads={0: 1}, dst=101),
+                         CmdRun(op="aten.add_.Tensor", devices=[0], args=[{"$t": 100}, 1.0], kwargs={}, outs=[100]))
+        reader.join(30.0)
+        assert not reader.is_alive(), "the announcement did not wake the waiting pull"
+        wait(src, seq)
+        assert torch.equal(pulled[0], x)  # read before the in-place add
+        assert torch.equal(src.store.get((S, 100, 0)), x + 1)
+        assert src.store.pending_reads((S, 100, 0)) == 0
+        assert src.executor.take_errors() == {}
+    finally:
+        src.stop(0)
 
 
 def test_client_fetches_and_failed_pulls(pair: tuple[WorkerHandle, WorkerHandle]) -> None:

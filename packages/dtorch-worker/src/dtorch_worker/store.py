@@ -297,12 +297,15 @@ class TensorStore:
         """`n` more planned peer reads of `key` are coming (CmdExpectReads) for redistribution `dst`.
 
         From now on pulls of `key` for `dst` may be served: the shard holds exactly the value that
-        redistribution must read, every earlier write of this stream having run.
+        redistribution must read, every earlier write of this stream having run. Pulls that came first are
+        waiting for this (`wait_announced`): wake them, since nothing else may (the next command can be an
+        in-place write that waits for exactly those pulls; they would both sit out their timeouts).
         """
         with self._cond:
             if dst >= 0:
                 self._announced.setdefault(key, set()).add(dst)
-        self._add_reads(key, n)
+                self._cond.notify_all()
+            self._add_reads(key, n)
 
     def wait_announced(self, key: Key, dst: int, timeout: float) -> bool:
         """Wait up to `timeout` s until this worker ran the CmdExpectReads of redistribution `dst` for `key`.
