@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 import dtorch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cli_only_through_the_interpreter():
+    """In a virtual environment, its bin folder leaves PATH: a test that starts a CLI by its bare name (which works
+    only where that folder happens to be on PATH) fails here too; `_helpers.CONTROLLER` and `WORKER` are the way."""
+    old = os.environ.get("PATH", "")
+    if sys.prefix != sys.base_prefix:
+        bindir = os.path.realpath(os.path.dirname(sys.executable))
+        os.environ["PATH"] = os.pathsep.join(p for p in old.split(os.pathsep) if os.path.realpath(p) != bindir)
+    yield
+    os.environ["PATH"] = old
 
 
 @pytest.fixture(scope="session")

@@ -23,9 +23,13 @@ def test_opinfo_matches_torch(name, opinfos, mesh4):
     assert res.cases > 0 and res.passed == res.cases
 
 
-@pytest.mark.parametrize("name", ["cumsum", "softmax", "tril", "addmm", "std", "nonzero"])
-def test_out_variant_writes_its_out_tensor(name, mesh4):
-    """out= tensors laid out unlike the result (Shard(0) out of a cumsum over dim 0) still get the values."""
+@pytest.mark.parametrize("name,inplace", [("cumsum", True), ("softmax", False), ("tril", True), ("addmm", True),
+                                          ("std", False), ("nonzero", False)])
+def test_out_and_in_place_variants_write_their_target(name, inplace, mesh4):
+    """out= tensors laid out unlike the result (Shard(0) out of a cumsum over dim 0) still get the values, and
+    in-place variants (`cumsum_` on a Shard(0) self: moved, run, written back) leave torch's result in self."""
     op = conformance.select_ops([name])[0]
+    assert (op.inplace_variant is not None) == inplace
     res = conformance.run_op(op, mesh4, max_samples=2, max_combos=1, variants=True)
     assert res.out == "pass", f"{name}: {res.out}"
+    assert res.inplace == ("pass" if inplace else ""), f"{name}_: {res.inplace}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import start_controller, start_worker, stop_all
+from _helpers import CONTROLLER, Keys, start_controller, start_worker, stop_all
 
 HERE = Path(__file__).parent
 ENV = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
@@ -47,6 +47,19 @@ def test_sigkill_mid_training_is_rebuilt_and_the_results_equal_the_fault_free_ru
     info = result["info"]
     assert info["workers"][info["victim"]] == "lost"
     assert info["victim"] not in info["devices"].values()  # its logical device runs elsewhere now
+    assert any("recovered in" in line for line in info["events"]), info["events"]
+
+
+def test_sigkill_in_the_middle_of_an_all_reduce_neither_hangs_the_survivors_nor_changes_the_results():
+    """The tensor-parallel all-reduces run on gloo groups: the survivors are waiting in one for the (stopped)
+    victim when it is killed; their op fails (connection closed), the rebuild aborts the groups and replays."""
+    result = run("kill_in_collective")
+    assert_same_as_fault_free(result)
+    info = result["info"]
+    assert any("all_reduce" in line and ("by peer" in line or "aborted" in line)
+               for line in info["worker_warnings"]), info["worker_warnings"]  # it was in flight, and it ended
+    assert info["workers"][info["victim"]] == "lost"
+    assert info["victim"] not in info["devices"].values()
     assert any("recovered in" in line for line in info["events"]), info["events"]
 
 
@@ -100,24 +113,24 @@ _DETACHED = {"stdin": subprocess.DEVNULL, "start_new_session": True}
 
 
 def _cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtorch_controller", *args], capture_output=True, text=True,
+    return subprocess.run([*CONTROLLER, *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
 @pytest.fixture
 def cli_cluster(tmp_path):
     """A controller and 4 workers started with their CLIs, as an operator would."""
-    env = {**ENV, "DTORCH_TOKEN": "fault-token"}
+    keys = Keys.make(tmp_path)
+    env = {**ENV, "DTORCH_KEYS": str(keys.path), "DTORCH_API_KEY": keys.admin}  # the operator's (and client's)
     deadline = time.monotonic() + 60  # one bound for the controller, the workers registering and their logs
     controller, address = start_controller(tmp_path / "addr", env, log=tmp_path / "controller.log",
-                                           limit=deadline - time.monotonic(),
-                                           command=[sys.executable, "-m", "dtorch_controller"], **_DETACHED)
+                                           limit=deadline - time.monotonic(), **_DETACHED)
     procs = [controller]
     try:
         env["DTORCH_CONTROLLER"] = address
         for i in range(4):
-            procs.append(start_worker(address, env, log=tmp_path / f"worker{i}.log",
-                                      command=[sys.executable, "-m", "dtorch_worker"], **_DETACHED))
+            procs.append(start_worker(address, {**env, "DTORCH_API_KEY": keys.worker}, log=tmp_path / f"worker{i}.log",
+                                      **_DETACHED))
         while True:
             status = json.loads(_cli("status", "--json", env=env).stdout)
             if sum(w["state"] == "alive" for w in status["workers"]) == 4:
@@ -139,19 +152,19 @@ def cli_cluster(tmp_path):
         stop_all(procs)
 
 
-def test_a_sigstopped_worker_is_declared_lost_within_the_timeout_and_fenced_when_it_resumes(cli_cluster):
+def test_a_sigstopped_worker_is_declared_lost_and_fenced_when_it_resumes(cli_cluster):
+    """How soon it is declared lost is the heartbeat rule of the core (tested on a fake clock) and a figure of
+    benchmarks/bench_recovery.py; here the real processes only have to get there."""
     env, pids, _ = cli_cluster
     victim, proc = sorted(pids.items())[0]
     os.kill(proc.pid, signal.SIGSTOP)
-    t0 = time.monotonic()
+    deadline = time.monotonic() + 60
     while True:
         states = {w["worker"]: w["state"] for w in json.loads(_cli("status", "--json", env=env).stdout)["workers"]}
         if states[victim] == "lost":
             break
-        assert time.monotonic() - t0 < 5.0, states
+        assert time.monotonic() < deadline, states
         time.sleep(0.05)
-    detected = time.monotonic() - t0
-    assert detected < 2.0, f"a paused worker was declared lost after {detected:.2f}s (timeout 1 s)"
     os.kill(proc.pid, signal.SIGCONT)
     assert proc.wait(15) == 3  # its next report is refused ("fenced") and it exits
     assert all(states[w] == "alive" for w in pids if w != victim)

@@ -152,6 +152,33 @@ def test_inplace_ops(mesh4):
     assert_same(x, (a + 1.0) * a, exact=False)
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_in_place_op_whose_input_had_to_move_is_written_back(mesh4, dim):
+    """cumsum_ over a sharded dim: torch's rule runs it on a Replicate copy of x, which is then copied back
+    into x: x keeps its tensor id and layout, and a view of x sees the values."""
+    a = torch.arange(30.0).reshape(6, 5) - 12.0
+    x = dist(a, mesh4, Shard(dim))
+    view = x[:, 1:3] if dim == 0 else x[2:5]  # along the unsharded dim: a view of each shard
+    tid = x._tid
+    assert x.cumsum_(dim) is x
+    assert x._tid == tid and x.placements == (Shard(dim),)
+    assert_same(x, a.cumsum(dim))
+    assert_same(view, a.cumsum(dim)[:, 1:3] if dim == 0 else a.cumsum(dim)[2:5])
+
+
+def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):
+    """Random in-place ops draw into a fresh copy that is copied into x; draws of one value are not random."""
+    base = dist(torch.zeros(4, 6), mesh4, Shard(0))
+    row = base[:, 2]
+    assert row.uniform_(3.0, 3.0) is row
+    assert_same(row, torch.full((4,), 3.0))
+    want = torch.zeros(4, 6)
+    want[:, 2] = 3.0
+    assert_same(base, want)
+    base.bernoulli_(1.0)
+    assert_same(base, torch.ones(4, 6))
+
+
 def test_mlp_forward_matches_torch(mesh4):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))

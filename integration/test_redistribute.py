@@ -42,12 +42,52 @@ def test_2d_pairs(mesh2d, src, dst):
         assert torch.equal(got, full)
 
 
-@pytest.mark.parametrize("op", ["max", "min", "avg"])
-def test_partial_reduce_ops(mesh4, op):
+REDUCE = {"sum": lambda t: t.sum(0), "max": lambda t: t.amax(0), "min": lambda t: t.amin(0),
+          "avg": lambda t: t.mean(0)}
+PARTIALS = [Partial(op) for op in REDUCE]
+
+
+def partial_from_shares(mesh, op, shares, sharded=False):
+    """A Partial(op) DTensor whose share on device i is shares[i]: shares sharded by their first dim on the first
+    mesh dim, then reduced over it (torch's rule leaves the reduction pending as Partial(op), each device holding
+    its own share); `sharded`: the second mesh dim shards the result's first dim."""
+    y = REDUCE[op](dtorch.distribute_tensor(shares, mesh, [Shard(0), Shard(1)] if sharded else [Shard(0)]))
+    assert y.placements == ((Partial(op), Shard(0)) if sharded else (Partial(op),))
+    return y
+
+
+@pytest.mark.parametrize("op", sorted(REDUCE))
+@pytest.mark.parametrize("dst", [Replicate(), Shard(0), Shard(1), *PARTIALS], ids=str)
+def test_partial_shares_that_differ_per_device(mesh4, op, dst):
+    """Signed per-device shares: sum, avg, max and min of them all differ, so a wrong reduce op shows."""
+    shares = torch.randn(4, 5, 3)  # 5 rows over 4 devices: Shard(0) leaves one empty
+    want = REDUCE[op](shares)
+    x = partial_from_shares(mesh4, op, shares)
+    assert_same(x, want, exact=False)
+    y = x.redistribute(placements=[dst])
+    assert y.placements == (dst,)
+    assert_same(y, want, exact=False)
+    assert_same(y.redistribute(placements=[Replicate()]), want, exact=False)
+
+
+@pytest.mark.parametrize("op", sorted(REDUCE))
+@pytest.mark.parametrize("dst", [(Replicate(), Replicate()), (Shard(1), Shard(0)), (Replicate(), Shard(1))], ids=str)
+def test_partial_shares_on_one_dim_of_a_2d_mesh(mesh2d, op, dst):
+    shares = torch.randn(2, 6, 5)  # device (i, j) holds shares[i], rows j of 2
+    x = partial_from_shares(mesh2d, op, shares, sharded=True)
+    assert_same(x.redistribute(placements=list(dst)), REDUCE[op](shares), exact=False)
+
+
+@pytest.mark.parametrize("op", sorted(REDUCE))
+def test_replicate_to_each_partial_op_and_back(mesh4, op):
+    """A value put into Partial(op) means that value: only sum may leave zeros on the other devices."""
     full = torch.randn(4, 6)
-    x = dtorch.distribute_tensor(full, mesh4, [Partial(op)])
-    assert_same(x.redistribute(placements=[Replicate()]), full, exact=False)
-    assert_same(x.redistribute(placements=[Shard(1)]), full, exact=False)
+    x = dtorch.distribute_tensor(full, mesh4, [Replicate()])
+    y = x.redistribute(placements=[Partial(op)])
+    assert y.placements == (Partial(op),)
+    assert_same(y, full, exact=False)
+    assert_same(y.redistribute(placements=[Shard(1)]), full, exact=False)
+    assert_same((y * 1).redistribute(placements=[Replicate()]), full, exact=False)
 
 
 def test_cross_mesh_move(mesh1, mesh4):

@@ -376,3 +376,37 @@ def test_a_worker_a_move_emptied_can_be_lost_and_forgotten_and_syncs_still_answe
     h.report_all()
     rid, reply = h.sync(sid, 2)
     assert reply.done and not reply.errors
+
+
+def test_a_degraded_session_that_loses_another_worker_stays_degraded_and_says_so(make_harness):
+    """SESSION_TABLE: degraded --worker_lost--> degraded (data already lost is not recovered, and nothing raises)."""
+    h = make_harness(snapshot_every_batches=0)  # no copies: a loss cannot be rebuilt
+    ids = [h.register(f"10.0.0.{i}:7000") for i in range(3)]
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1, 2]).placed
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    h.handle(ev.WorkerUnreachable(s.devices[0], "", "killed"))
+    assert s.state == "degraded"
+    h.handle(ev.WorkerUnreachable(s.devices[2], "", "killed"))
+    assert s.state == "degraded" and h.core.workers[ids[2]].state == "lost"
+    rid, reply = h.sync(sid, 1)
+    assert reply.done and reply.errors and "tensor 1" in " ".join(e.message for e in reply.errors)
+
+
+def test_closing_a_session_while_its_device_moves_closes_it(make_harness):
+    """SESSION_TABLE: migrating --close--> closed; the move's request is answered and the workers drop it."""
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    h.take_sent()
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, reply = h.ask(ev.Migrate, m.MigrateRequest(session=sid[:6], device=1, to_worker=dst))
+    assert reply is None and s.state == "migrating"
+    assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
+    assert s.state == "closed" and sid not in h.core.sessions
+    assert rid in h.replies
+    h.report_all()
+    assert h.status().sessions == []

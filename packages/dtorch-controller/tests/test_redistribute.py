@@ -1,19 +1,24 @@
-"""Redistribution plans, verified by executing them on a fake tensor of ints with plain index arithmetic."""
+"""Redistribution plans, verified by executing them on a fake tensor of ints with plain index arithmetic.
+
+Values are signed and drawn at random per element and per partial share, so that the reduce ops tell
+each other apart (a share of zeros is not the identity of max, min or avg, and max differs from min and sum).
+"""
 
 from __future__ import annotations
 
 import itertools
-from functools import reduce
+import random
 
 import pytest
 
-from dtorch_controller.core.redistribute import PlanError, parse_placements, plan_redistribute
+from dtorch_controller.core.redistribute import PlanError, _tile, parse_placements, plan_redistribute
 from dtorch_protocol.layout import box_shape, coords, shard_box
 from dtorch_protocol.messages import Piece, ShardPlan
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
 R, S0, S1, PSUM, PMAX = Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")
 OPS = {"sum": sum, "max": max, "min": min, "avg": lambda xs: sum(xs) / len(xs)}
+PARTIALS = [Partial(op) for op in OPS]
 
 
 def indices(shape):
@@ -43,8 +48,8 @@ def source_shards(shape, mesh, placements):
 
 
 def value(idx, share):
-    base = 1 + sum((i + 1) * 10 ** (2 * k) for k, i in enumerate(idx))
-    return base * 7 + sum((j + 1) * 31 * (k + 1) for k, j in enumerate(share))
+    """A signed random integer, fixed per (element, share): shares of one element differ, and so do elements."""
+    return random.Random(repr((idx, share))).randint(-1000, 1000)
 
 
 def global_value(shape, mesh, placements):
@@ -110,13 +115,24 @@ MESH4 = ((0, 1, 2, 3), (4,))
 MESH2x2 = ((0, 1, 2, 3), (2, 2))
 
 
+ONE_DIM = [R, S0, S1, *PARTIALS]
+
+
 @pytest.mark.parametrize("shape", [(8, 3), (3, 2), (5, 4), (0, 2)])
-@pytest.mark.parametrize("src,dst", [
-    ([S0], [R]), ([S0], [S1]), ([PSUM], [R]), ([PSUM], [S0]), ([R], [PSUM]), ([PMAX], [R]), ([PMAX], [S1]),
-    ([R], [S0]), ([S1], [S0]), ([PSUM], [PSUM]), ([S0], [PSUM]), ([PSUM], [PMAX]),
-])
+@pytest.mark.parametrize("src,dst", [([a], [b]) for a in ONE_DIM for b in ONE_DIM], ids=str)
 def test_one_dim_mesh(shape, src, dst):
+    """Every pair, every Partial op as a source and as a destination."""
     check(shape, MESH4, src, MESH4, dst)
+
+
+def test_the_values_tell_the_reduce_ops_apart():
+    """The checker's shares: signed, and every reduce op gives another answer (else a wrong op would pass)."""
+    mesh = MESH4
+    for idx in indices((3, 2)):
+        shares = [value(idx, (c,)) for c in range(4)]
+        assert min(shares) < 0 < max(shares) or len(set(shares)) == 4
+        assert len({OPS[op](shares) for op in OPS}) == 4, shares
+    assert global_value((3, 2), mesh, [PMAX]) != global_value((3, 2), mesh, [Partial("min")])
 
 
 def test_shard0_to_replicate_reads_its_own_piece_locally():
@@ -159,6 +175,22 @@ def test_every_pair_of_layouts_on_a_2x2_mesh(shape):
             check(shape, MESH2x2, src, MESH2x2, dst, workers=3)
 
 
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_every_pair_with_each_partial_op_on_a_2x2_mesh(op):
+    layouts = [R, S0, Partial(op)]
+    for src in itertools.product(layouts, repeat=2):
+        for dst in itertools.product(layouts, repeat=2):
+            check((5, 3), MESH2x2, src, MESH2x2, dst, workers=3)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_replicate_to_a_partial_destination_keeps_a_value_its_op_reduces_back(op):
+    """Only sum puts zeros off coordinate 0; max, min and avg keep the whole value on every device."""
+    plans = check((4, 2), MESH4, [R], MESH4, [Partial(op)])
+    holding = [d for d in MESH4[0] if plans[d].groups]
+    assert holding == ([0] if op == "sum" else [0, 1, 2, 3])
+
+
 def test_nested_sharding_of_one_tensor_dim_and_max_partials():
     check((7, 2), MESH2x2, [S0, S0], MESH2x2, [S1, S0])
     check((7, 2), MESH2x2, [PMAX, S0], MESH2x2, [S0, S0])
@@ -188,19 +220,41 @@ def test_plans_are_cached():
         plan_redistribute((4,), MESH4, (S0,), MESH4, (R,), where)
 
 
+def test_a_device_holding_a_replica_reads_it_itself_else_one_on_its_worker():
+    """Replicate -> Shard(0) onto other devices: each reads a replica on its own worker (its index picks which)."""
+    where = where_for(range(8), 2)  # even devices on w0, odd ones on w1
+    plans = dict(plan_redistribute((8,), MESH4, (R,), ((4, 5, 6, 7), (4,)), (S0,), where))
+    sources = {d: [p.device for g in plans[d].groups for p in g] for d in (4, 5, 6, 7)}
+    assert sources == {4: [0], 5: [3], 6: [0], 7: [3]}  # w0 holds replicas 0 and 2, w1 holds 1 and 3
+    assert all(p.address == "" for plan in plans.values() for g in plan.groups for p in g)
+    same = dict(plan_redistribute((8,), MESH4, (R,), MESH4, (S0,), where))
+    assert [[p.device for g in same[d].groups for p in g] for d in MESH4[0]] == [[0], [1], [2], [3]]
+
+
+def test_parse_placements_reads_the_wire_form():
+    assert parse_placements(("S1", "R", "Pmax")) == (Shard(1), Replicate(), Partial("max"))
+
+
 def test_bad_layouts_raise_plan_errors():
     where = where_for(range(4), 2)
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match=r"Shard\(dim=1\) is out of range for a tensor with 1 dims"):
         plan_redistribute((4,), MESH4, (S1,), MESH4, (R,), where)
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match="2 placements for a 1-d mesh"):
         plan_redistribute((4,), MESH4, (S0, R), MESH4, (R,), where)
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match=r"negative size in shape \[4, -1\]"):
+        plan_redistribute((4, -1), MESH4, (S0,), MESH4, (R,), where)
+    with pytest.raises(PlanError, match=r"logical devices \[2, 3\] are not placed on any worker"):
         plan_redistribute((4,), MESH4, (S0,), MESH4, (R,), where[:2])
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match=r"logical devices \[5\] are not placed on any worker"):
+        plan_redistribute((4,), MESH4, (S0,), ((4, 5), (2,)), (R,), where_for(range(5), 2))  # a destination
+    with pytest.raises(PlanError, match=r"cannot reduce different Partial ops \['max', 'sum'\] in one"):
         plan_redistribute((4,), MESH2x2, (PSUM, PMAX), MESH2x2, (R, R), where)
     with pytest.raises(ValueError):
         parse_placements(("X",))
 
 
-def test_reduce_helper_sanity():
-    assert reduce(lambda a, b: a + b, [1, 2, 3]) == OPS["sum"]([1, 2, 3])
+def test_sources_that_do_not_tile_the_target_are_refused():
+    """The last guard of _tile: a group missing a shard (inconsistent specs) is an error, not a hole of garbage."""
+    members = [(0, (0,)), (1, (1,)), (2, (2,))]  # Shard(0) over 4 devices, device 3 missing
+    with pytest.raises(PlanError, match=r"source shards do not tile the target box \(\(0, 8\),\) exactly once"):
+        _tile((8,), (4,), (S0,), ((0, 8),), members, 0, 0, dict.fromkeys(range(4), ("w0", "a")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -44,6 +45,25 @@ def shards_of(store: TensorStore, session: str, tid: int, devices: Sequence[int]
 def h() -> SimpleNamespace:
     """The helpers above (tests run with --import-mode=importlib, so they cannot import conftest)."""
     return SimpleNamespace(boxes_for=boxes_for, assemble=assemble, shards_of=shards_of)
+
+
+class WatchedStore(TensorStore):
+    """A store that says when a writer starts to wait for peers' planned reads: a barrier for ordering tests
+    (the executor first asks without waiting, then waits with a timeout while reads are pending)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writer_waits = threading.Event()
+
+    def wait_reads(self, tensors: list[torch.Tensor], timeout: float) -> list:
+        if timeout > 0:
+            self.writer_waits.set()
+        return super().wait_reads(tensors, timeout)
+
+
+@pytest.fixture
+def watched() -> WatchedStore:
+    return WatchedStore()
 
 
 @pytest.fixture(autouse=True)

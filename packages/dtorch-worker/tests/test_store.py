@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -11,22 +10,22 @@ import torch
 from dtorch_protocol.messages import ErrorReport, ShardStats
 from dtorch_worker.store import Poison, ShardMissing, TensorStore
 
+# A put must wake the waiter: its own timeout (LONG) is longer than pytest's (300 s), so a missed wake-up fails the
+# test instead of passing late.
+LONG = 600.0
+
 
 def test_get_waits_for_a_shard_put_later() -> None:
     store = TensorStore()
     t = torch.ones(3)
     threading.Timer(0.05, store.put, args=(("s", 1, 0), t)).start()
-    start = time.monotonic()
-    assert store.get(("s", 1, 0), timeout=5.0) is t
-    assert time.monotonic() - start < 2.0
+    assert store.get(("s", 1, 0), timeout=LONG) is t
 
 
 def test_get_times_out_with_a_readable_error() -> None:
     store = TensorStore()
-    start = time.monotonic()
     with pytest.raises(ShardMissing, match=r"no shard for tensor 7 on logical device 2 .* after waiting 0.1s"):
         store.get(("session", 7, 2), timeout=0.1)
-    assert 0.09 <= time.monotonic() - start < 2.0
     with pytest.raises(ShardMissing):
         store.get(("session", 7, 2))  # no timeout: no wait
 
@@ -67,9 +66,7 @@ def test_planned_reads_hold_writers_of_the_same_storage_until_served() -> None:
     assert store.wait_reads([x[1]], 0.0) == [("s", 2, 0)]  # a view of the base: same memory
     store.read_served(("s", 2, 0))
     threading.Timer(0.05, store.read_served, args=(("s", 2, 0),)).start()
-    start = time.monotonic()
-    assert store.wait_reads([x], 5.0) == []
-    assert time.monotonic() - start < 2.0
+    assert store.wait_reads([x], LONG) == []
     assert store.pending_reads(("s", 2, 0)) == 0
 
 

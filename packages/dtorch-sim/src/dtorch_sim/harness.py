@@ -38,6 +38,19 @@ WAITING = "waiting"  # the schedule of a session whose mesh request is queued (c
 LOST = "lost"  # the state of a worker the core declared lost (core.view.worker_state)
 FOREVER_S = 1e12
 DRAIN_RETRY_S = 30.0  # a refused drain (nowhere to move a session yet) is asked again this often
+STALL_CHECK = 0xFFFF  # the run's watchdog looks at the clock every 65,536 simulator events
+STALL_EVENTS = 1 << 22  # simulator events at one simulated time (plus 64 per job and worker) that mean a stall
+
+
+class Stalled(RuntimeError):
+    """The simulated clock stopped advancing: a bug, or a setting the simulator cannot handle."""
+
+    def __init__(self, at: float, events: int, core_events: int) -> None:
+        super().__init__(f"the simulation stopped making progress at t={at:.6f}s: {events:,} simulator events "
+                         f"({core_events:,} of them fed to the controller core) without the simulated clock "
+                         "advancing; this is a simulator bug or a setting it cannot handle: please report it "
+                         "with the scenario")
+        self.at = at
 
 
 @dataclass
@@ -120,11 +133,15 @@ class Simulation:
         self.preemptions = 0
         self.resumes = 0
         self.relocations = 0  # frozen sessions resumed on free devices (their state moved there)
+        self.moved_bytes = 0  # bytes of logical devices moved between workers (relocations, growth, drains)
+        self.move_s = 0.0  # device-seconds those copies took
+        self.swapped_bytes = 0  # bytes of frozen state offloaded to host memory and loaded back
+        self.swap_s = 0.0
         self.recoveries = 0  # sessions the core rebuilt after a worker loss
         self.redone_device_s = 0.0  # step work done again (replays, restarts) or cut short by a failure
         self.session_jobs: dict[str, JobRecord] = {}  # open session -> its job
         self._placing: dict[str, simpy.Event] = {}  # session -> event fired when the scheduler places it
-        self._frozen_now: set[str] = set()  # sessions frozen now (Frozen and Resumed notices)
+        self._frozen_now: dict[str, float] = {}  # sessions frozen now (Frozen and Resumed notices) -> since when
         self._high: dict[str, dict[int, int]] = {}  # job id -> logical device -> highest step finished
         self.specs = generate(sc)
         self.jobs = [JobRecord(spec) for spec in self.specs]
@@ -137,6 +154,7 @@ class Simulation:
         for group in node_groups(sc):
             self.add_nodes(group)
         self.initial_devices = len(self.all_workers)
+        self.stall_events = STALL_EVENTS + 64 * (len(self.jobs) + self.initial_devices)
         self.env.process(self.arrivals())
         for i, fault in enumerate(sc.faults):
             self.env.process(self.inject(fault, i))
@@ -259,13 +277,13 @@ class Simulation:
                 waiter.succeed()
         elif kind is fx.Frozen:
             self.preemptions += 1
-            self._frozen_now.add(n.session)  # type: ignore[attr-defined]
+            self._frozen_now.setdefault(n.session, self.env.now)  # type: ignore[attr-defined]
             rec = self.session_jobs.get(n.session)  # type: ignore[attr-defined]
             if rec is not None:
                 rec.preemptions += 1
         elif kind is fx.Resumed:
             self.resumes += 1
-            self._frozen_now.discard(n.session)  # type: ignore[attr-defined]
+            self._thaw(n.session)  # type: ignore[attr-defined]
         elif kind is fx.Relocated:
             self.relocations += 1
         elif kind is fx.Recovered:
@@ -280,6 +298,13 @@ class Simulation:
                 record.detected = self.env.now
                 if not record.pending:
                     record.recovered = self.env.now
+
+    def _thaw(self, session: str) -> None:
+        """`session` is no longer frozen (resumed or closed): its job counts the time it spent frozen."""
+        since = self._frozen_now.pop(session, None)
+        rec = self.session_jobs.get(session)
+        if since is not None and rec is not None:
+            rec.frozen_s += self.env.now - since
 
     def placed_or_timeout(self, session: str, retry_s: float) -> simpy.Event:
         """For a queued job: fires when the scheduler places its session, or after `retry_s` at the latest."""
@@ -303,7 +328,7 @@ class Simulation:
         return int(spec.share * self._share_memory * GB) if spec.share < 1 else 0
 
     def state_bytes(self, spec: JobSpec, cap: int) -> int:
-        size = int(self.scenario.workload.state_gb * GB)
+        size = int(spec.state_gb * GB)
         return min(size, cap // 4) if cap else size
 
     def session_opened(self, session: str, rec: JobRecord) -> None:
@@ -311,9 +336,9 @@ class Simulation:
         rec.sessions.append(session)
 
     def session_closed(self, session: str) -> None:
+        self._thaw(session)
         rec = self.session_jobs.pop(session, None)
         self._placing.pop(session, None)
-        self._frozen_now.discard(session)
         if rec is not None:
             self._unstall(rec)
 
@@ -353,6 +378,19 @@ class Simulation:
                 self.redone_device_s += per_device
             else:
                 high[d] = step
+
+    def moved(self, session: str, nbytes: int, seconds: float) -> None:
+        """A worker copied `nbytes` of a session's devices that move (relocation, growth, shrink, drain)."""
+        self.moved_bytes += nbytes
+        self.move_s += seconds
+        rec = self.session_jobs.get(session)
+        if rec is not None:
+            rec.moved_bytes += nbytes
+
+    def swapped(self, nbytes: int, seconds: float) -> None:
+        """A worker offloaded frozen state to host memory or loaded it back (workers.Worker._swap)."""
+        self.swapped_bytes += nbytes
+        self.swap_s += seconds
 
     def work_lost(self, rec: JobRecord | None, work: float) -> None:
         """A failure cut a step short: what it had done is lost."""
@@ -639,11 +677,38 @@ class Simulation:
     # ------------------------------------------------------------ running
 
     def run(self, chunks: int = 200) -> Iterator[float]:
-        """Advance until every job ended or the end time; yields the simulated time after each slice."""
+        """Advance until every job ended or the end time; yields the simulated time after each slice. Raises
+        `Stalled` when the clock stops advancing (see `_advance`)."""
         step = self.end_guess() / chunks
         while not self.all_jobs_done.triggered and self.env.now < self.end_time:
-            self.env.run(until=min(self.env.now + step, self.end_time))
+            self._advance(min(self.env.now + step, self.end_time))
             yield self.env.now
+
+    def _advance(self, until: float) -> None:
+        """`env.run(until)`, with a watchdog: every `STALL_CHECK` events it checks that the clock moved; after
+        `stall_events` events at one simulated time it raises `Stalled` instead of looping forever."""
+        env = self.env
+        stop = simpy.Event(env)
+        stop._ok, stop._value = True, None
+        env.schedule(stop, simpy.core.URGENT, until - env.now)
+        stop.callbacks.append(simpy.core.StopSimulation.callback)
+        step = env.step
+        n = 0
+        frozen_at, since = env.now, self.events
+        try:
+            while True:
+                step()
+                n += 1
+                if not n & STALL_CHECK:
+                    if env.now != frozen_at:
+                        frozen_at, since = env.now, self.events
+                        n = 0
+                    elif n >= self.stall_events:
+                        raise Stalled(env.now, n, self.events - since)
+        except simpy.core.StopSimulation:
+            return
+        except simpy.core.EmptySchedule:
+            return
 
     def run_all(self) -> None:
         for _ in self.run():

@@ -20,13 +20,21 @@ Rules:
    changes and mesh requests and applies the `Changes` it returns (bind devices, hold a frozen session's
    batches and let them go when it resumes, move devices for growth and relocation, set its wake-up timer).
 9. A client session that says nothing (any request naming it, or KeepAlive) for `session_timeout_s` is
-   closed as if it had called CloseSession: every worker it used frees its shards (clients speaking
-   protocol 1.2 or later; older clients send no keep-alives and are never timed out).
+   closed as if it had called CloseSession: every worker it used frees its shards, whatever protocol
+   version the client speaks (one that sends no keep-alives must keep talking).
 10. Calls point one way (docs/architecture.md, `.importlinter`): this module drives the components and none
    of them calls back into it. A handler does its event's own work, then the *settle pass* applies the
    scheduler's decisions and looks at the sessions the event touched (their copies, rebuild, moves,
    snapshot), again until nothing changes any more, like h11's state-triggered transitions run to a fixed
    point; then it files the sessions that wait (waits.py) and answers the Syncs that can be answered.
+11. A session belongs to the tenant that opened it (`event.who`): a request naming another tenant's session
+   is answered as for an unknown one, and keeps nothing alive. A tenant's Status shows its own sessions, the
+   workers they use (with its own shards only) and everyone else's work as anonymous counts; an admin sees
+   all (status.py). Quotas (`who.quota`, tenants.py) are checked when a session or mesh is asked for, and
+   refused at once, naming the quota.
+12. A Sync is a step of its session's progress (`Scheduler.progress`, scheduler.py rule 9); a parked Sync is
+   filed under the worker it waits for (waits.py), so that worker's completion answers it even when it hosts
+   none of the session's devices any more (a shrunk or relocated session).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from dtorch_controller.core.scheduler import Changes, Scheduler
 from dtorch_controller.core.snapshots import Snapshots
 from dtorch_controller.core.status import status
 from dtorch_controller.core.step import Step
+from dtorch_controller.core.tenancy import device_quota, owns, session_quota
 from dtorch_controller.core.view import CoreView
 from dtorch_controller.core.waits import WaitIndex
 from dtorch_protocol import messages as m
@@ -82,6 +91,7 @@ class ControllerCore:
         self.waits = WaitIndex()
         self.snapshots = Snapshots(config, self.cluster, self.sched.pool, self.pipeline)
         self.moves = Moves(self.cluster, self.sched, self.pipeline)
+        self.sched.moving = self.moves.busy  # ... and are left alone while their devices move (scheduler rule 6)
         self.recovery = Recovery(self.cluster, self.sched, self.pipeline, self.snapshots, self.moves)
         self.drains = Drains(self.cluster, self.sched, self.pipeline, self.snapshots, self.moves)
         self.view = CoreView(self.cluster, self.sched)
@@ -114,7 +124,7 @@ class ControllerCore:
             raise TypeError(f"not a controller event: {event!r}")
         step = Step(now, self.log)
         s = self.cluster.sessions.get(getattr(getattr(event, "msg", None), "session", None))  # type: ignore[arg-type]
-        if s is not None:
+        if s is not None and owns(getattr(event, "who", ev.OPERATOR), s):  # rule 11: another's request is no sign
             s.last_heard = now
         handler(step, event)
         self._settle(step)
@@ -150,14 +160,22 @@ class ControllerCore:
         for sid in sorted(looked | step.touched | self.waits.fresh):
             self._file(sid)
         reporter = step.reporter
-        if reporter is not None:  # deletes waiting for its reads, Syncs waiting for its work
-            for sid in sorted(reporter.sessions):
-                self.pipeline.flush_deferred(step, self.cluster.sessions[sid])
-                step.synced.add(sid)
+        if reporter is not None and step.completed:  # deletes waiting for its reads, Syncs waiting for its work
+            for sid in sorted(reporter.sessions | self.waits.parked_on(reporter.id)):
+                s = self.cluster.sessions.get(sid)
+                if s is not None:
+                    self.pipeline.flush_deferred(step, s)
+                    step.synced.add(sid)
         for sid in sorted(step.synced | looked):
             s = self.cluster.sessions.get(sid)
             if s is not None:
-                self.pipeline.answer_syncs(step, s)
+                self._answer_syncs(step, s)
+
+    def _answer_syncs(self, step: Step, s: Session) -> None:
+        """Answer the session's parked Syncs if they can be, else file them under a worker they wait for."""
+        busy = self.pipeline.answer_syncs(step, s)
+        if busy is not None:  # its report of a completion looks again, even if it hosts no device of `s` now
+            self.waits.park(busy, s.id)
 
     def _advance(self, step: Step, sid: str) -> None:
         """Let a session's copies, rebuild and moves go on as far as they can now."""
@@ -232,6 +250,12 @@ class ControllerCore:
             if s is not None and not self.sched.frozen(session_id):
                 self.pipeline.release(step, s, st.Hold.FROZEN)
             step.emit(fx.Resumed(session_id))
+        for session_id, workers in changes.shrunk:
+            s = sessions.get(session_id)
+            if s is not None:  # pulls: the preemptor's work may be queued on the workers given up (elastic rule 4)
+                plan = elastic.shrink(s.devices, set(workers), lambda w: self.cluster.workers[w].order)
+                self.moves.enqueue(step, s, [Move(session=s.id, devices=ds, src=src, dst=dst, requested=step.now,
+                                                  pull=True) for src, dst, ds in plan], verb="shrinks")
         for session_id, workers in changes.grown:
             s = sessions.get(session_id)
             plan, unused = elastic.grow(s.devices, workers) if s is not None else ([], list(workers))
@@ -245,23 +269,21 @@ class ControllerCore:
 
     # ------------------------------------------------------------ small helpers
 
-    def _session(self, step: Step, request_id: Any, session_id: str) -> Session | None:
+    def _session(self, step: Step, request_id: Any, session_id: str, who: ev.Principal) -> Session | None:
+        """The session, if it exists and `who` owns it; otherwise refused (another's reads as unknown: rule 11)."""
         s = self.cluster.sessions.get(session_id)
-        if s is None:
+        if s is None or not owns(who, s):
             step.refuse(request_id, f"unknown session {session_id[:16]!r} (closed, or never opened here)")
+            return None
         return s
 
-    def _hello_refusal(self, hello: m.Hello, role: str) -> str | None:
+    @staticmethod
+    def _hello_refusal(hello: m.Hello, role: str) -> str | None:
+        """Why a Hello is refused (the table in `dtorch_protocol.wire`: older clients, newer workers), or None."""
         try:
-            check_hello(hello)
+            check_hello(hello, role)
         except ProtocolError as e:
             return str(e)
-        if hello.role != role:
-            return f"expected a {role} hello, got role {hello.role!r}"
-        if role == "worker" and _minor(hello.protocol_version) < _minor(m.PROTOCOL_VERSION):
-            # an older worker would decode newer commands and silently ignore their new fields (memory caps)
-            return (f"worker speaks protocol {hello.protocol_version} (dtorch {hello.package_version}), this "
-                    f"controller needs {m.PROTOCOL_VERSION} or newer from workers: upgrade dtorch-worker")
         return None
 
     # ------------------------------------------------------------ sessions and meshes
@@ -277,18 +299,24 @@ class ControllerCore:
             return step.refuse(e.request_id, f"bad session kind {msg.kind!r}: expected one of {KINDS}")
         if msg.memory_cap < 0:
             return step.refuse(e.request_id, f"bad memory_cap {msg.memory_cap}: expected bytes >= 0")
+        if msg.expected_steps < 0:
+            return step.refuse(e.request_id, f"bad expected_steps {msg.expected_steps}: expected a count >= 0")
+        problem = session_quota(self.cluster, e.who, msg.memory_cap)
+        if problem:
+            return step.refuse(e.request_id, problem, "quota")
         sid = self._new_session_id()
         while sid in self.cluster.sessions:
             sid = self._new_session_id()
         now = step.now
         s = self.cluster.sessions[sid] = Session(id=sid, name=msg.name, priority=msg.priority, kind=msg.kind,
-                                                 opened_at=now, last_heard=now)
-        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap)
+                                                 opened_at=now, last_heard=now, tenant=e.who.tenant)
+        s.comm.timeout_s = self.config.collective_timeout_s
+        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap, msg.expected_steps)
         s.memory_cap = self.sched.cap(sid)
         step.note(f"session {sid[:8]} opened ({msg.name or 'unnamed'}, {msg.priority}, {msg.kind})")
         timeout = self.config.session_timeout_s
         keepalive = 0.0
-        if timeout > 0 and _minor(msg.hello.protocol_version) >= 2:
+        if timeout > 0:
             keepalive = min(1.0, timeout / 4)
             step.emit(fx.SetTimer(now + timeout, tk.ClientSilence(sid)))
         step.reply(e.request_id, m.SessionOpened(session=sid, controller_version=self.version,
@@ -296,7 +324,7 @@ class ControllerCore:
 
     def _open_mesh(self, step: Step, e: ev.OpenMesh) -> None:
         msg = e.msg
-        s = self._session(step, e.request_id, msg.session)
+        s = self._session(step, e.request_id, msg.session, e.who)
         if s is None:
             return
         devices, shape = tuple(msg.devices), tuple(msg.shape)
@@ -308,6 +336,8 @@ class ControllerCore:
             return step.refuse(e.request_id, f"mesh {msg.mesh} is already open with devices "
                                              f"{list(known.devices)} and shape {list(known.shape)}")
         new = tuple(d for d in devices if d not in s.devices)
+        if new and (problem := device_quota(self.cluster, self.sched, e.who, s, len(new))):
+            return step.refuse(e.request_id, problem, "quota")
         if new:
             queued = self.sched.position(s.id)
             changes, answer = self.sched.place(step.now, s.id, msg.mesh, new, msg.min_devices)
@@ -326,7 +356,7 @@ class ControllerCore:
 
     def _submit(self, step: Step, e: ev.Submit) -> None:
         msg = e.msg
-        s = self._session(step, e.request_id, msg.session)
+        s = self._session(step, e.request_id, msg.session, e.who)
         if s is None:
             return
         if msg.seq != s.seq + 1:
@@ -338,7 +368,7 @@ class ControllerCore:
 
     def _close_session(self, step: Step, e: ev.CloseSession) -> None:
         s = self.cluster.sessions.get(e.msg.session)
-        if s is None:
+        if s is None or not owns(e.who, s):
             return step.reply(e.request_id, m.Ack(ok=False, message="unknown session (already closed?)"))
         self._end_session(step, s, "closed")
         step.reply(e.request_id, m.Ack(ok=True))
@@ -368,17 +398,19 @@ class ControllerCore:
 
     def _sync(self, step: Step, e: ev.Sync) -> None:
         msg = e.msg
-        s = self._session(step, e.request_id, msg.session)
+        s = self._session(step, e.request_id, msg.session, e.who)
         if s is None:
             return
         if msg.upto > s.seq:
             return step.refuse(e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted for "
                                              f"session {s.id[:8]} is {s.seq}")
-        if not self.pipeline.busy(s) and not self.pipeline.held(s):
+        self._apply(step, self.sched.progress(step.now, s.id, msg.upto))  # a sync point is a step (rule 12)
+        if not self.pipeline.held(s) and self.pipeline.first_busy(s) is None:
             return step.reply(e.request_id, self.pipeline.done(s))
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)
         s.syncs[e.request_id] = PendingSync(e.request_id, msg.upto, timeout)
         step.emit(fx.SetTimer(step.now + timeout, tk.SyncDeadline(s.id, e.request_id)))
+        step.synced.add(s.id)  # the settle pass files it under a worker it waits for (rule 12)
 
     def _sync_deadline(self, step: Step, key: tk.SyncDeadline) -> None:
         s = self.cluster.sessions.get(key.session)
@@ -412,8 +444,9 @@ class ControllerCore:
         if not msg.address:
             return step.refuse(e.request_id, "a worker must register with the address peers reach it at")
         previous = self.cluster.at(msg.address)
-        if previous is not None:
-            self._lose(step, previous, st.REPLACED, f"a new worker registered at {msg.address}")
+        if previous is not None:  # a registration never fences a live worker: the old one must be lost first
+            return step.refuse(e.request_id, f"address {msg.address} belongs to live worker {previous.id}: a worker "
+                                             "restarting there is accepted once that one is declared lost", "conflict")
         w = self.cluster.add_worker(msg, step.now)
         step.note(f"worker {w.id} registered at {msg.address} ({msg.device_type})")
         step.emit(fx.SetTimer(step.now + self.config.suspect_after_s, tk.Heartbeat(w.id)))
@@ -432,8 +465,10 @@ class ControllerCore:
         w.last_seen = step.now
         if w.state != was:
             self._apply(step, self.sched.worker_changed(step.now, w))
+        before = w.completed
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = dict(msg.sessions)
+        w.received_bytes = msg.received_bytes
         if msg.utilization >= 0:
             w.utilization = msg.utilization
         for session_id, errors in msg.errors.items():
@@ -443,6 +478,7 @@ class ControllerCore:
         if msg.sessions:
             self._check_caps(step, w, msg.sessions)
         step.reporter = w  # the settle pass moves on what waited for it (waits.py)
+        step.completed = w.completed > before  # only a completion lets deletes and Syncs go (holds: on release)
         step.reply(e.request_id, m.ReportReply(ok=True))
 
     def _timer(self, step: Step, e: ev.TimerFired) -> None:
@@ -481,7 +517,7 @@ class ControllerCore:
         self.drains.worker_lost(w)
         self.cluster.prune_lost()
         self._apply(step, self.sched.worker_changed(step.now, w))
-        self.waits.forget_worker(w.id)
+        step.synced |= self.waits.forget_worker(w.id)  # it completes nothing more: parked Syncs look again
         step.everyone = True
 
     def _check_caps(self, step: Step, w: Worker, usage: dict[str, m.ShardStats]) -> None:
@@ -499,7 +535,8 @@ class ControllerCore:
         self._apply(step, self.sched.tick(step.now))
 
     def _keepalive(self, step: Step, e: ev.KeepAlive) -> None:
-        known = e.msg.session in self.cluster.sessions  # handle() already noted that the client is alive
+        s = self.cluster.sessions.get(e.msg.session)
+        known = s is not None and owns(e.who, s)  # handle() already noted that the client is alive
         step.reply(e.request_id, m.Ack(ok=known, message="" if known else "unknown session (timed out?)"))
 
     def _check_client(self, step: Step, key: tk.ClientSilence) -> None:
@@ -517,14 +554,7 @@ class ControllerCore:
             self.drains.deadline(step, key.request)
 
     def _status(self, step: Step, e: ev.Status) -> None:
-        step.reply(e.request_id, status(step.now, self.cluster, self.sched, self.recovery, self.log))
-
-
-def _minor(version: str) -> int:
-    try:
-        return int(version.split(".")[1])
-    except (IndexError, ValueError):
-        return 0
+        step.reply(e.request_id, status(step.now, self.cluster, self.sched, self.recovery, self.log, e.who))
 
 
 def _mesh_problem(devices: tuple[int, ...], shape: tuple[int, ...]) -> str | None:

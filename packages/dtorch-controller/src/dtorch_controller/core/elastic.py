@@ -12,11 +12,15 @@ Rules:
    devices its preemptor took; every logical device bound to such a device moves to its substitute, one
    move per device pair, pulled by the substitute from the lost device's server (moves.py rule 3: not
    behind the preemptor's work queued there). Its held batches go out once the moves are done.
+4. Shrink (scheduler.py rule 10, `Changes.shrunk`): an elastic session gives up some of its workers to a
+   preemptor and keeps running on the rest; every logical device bound to a worker given up moves to the kept
+   worker hosting the fewest of its devices, as a pull (rule 3: the preemptor's work may be queued there). It
+   runs on fewer workers (virtual devices) until it grows again (rule 1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 
 Plan = list[tuple[str, str, list[int]]]  # (src worker, dst worker, logical devices)
 
@@ -50,3 +54,20 @@ def relocate(devices: Mapping[int, str], swap: Mapping[str, str]) -> tuple[Plan,
         else:
             unused.append(dst)
     return moves, unused
+
+
+def shrink(devices: Mapping[int, str], gone: Collection[str], order: Callable[[str], int]) -> Plan:
+    """Moves of the devices bound to the workers in `gone` (given up to a preemptor: scheduler rule 10) onto the
+    workers kept, each to the kept worker hosting the fewest of the session's devices so far, by `order` among
+    equals (rule 4). Nothing moves when no worker is kept."""
+    load: dict[str, int] = {}
+    for _d, w in sorted(devices.items()):
+        if w not in gone:
+            load[w] = load.get(w, 0) + 1
+    moves: dict[tuple[str, str], list[int]] = {}
+    for d, src in sorted(devices.items()):
+        if src in gone and load:
+            dst = min(load, key=lambda w: (load[w], order(w)))
+            load[dst] += 1
+            moves.setdefault((src, dst), []).append(d)
+    return [(src, dst, ds) for (src, dst), ds in moves.items()]

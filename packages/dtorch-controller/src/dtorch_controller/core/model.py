@@ -3,7 +3,8 @@
 Rules:
 
 1. `Cluster.bind` and `Cluster.unbind` are the only code that binds a logical device to a worker or takes it
-   off: they keep `Session.devices`, `Worker.sessions` and `Worker.bound` consistent.
+   off: they keep `Session.devices`, `Worker.sessions` and `Worker.bound` consistent, and an unbind starts a
+   new generation of the session's process groups (collectives.py rule 6).
 2. A worker is `alive` (for sending and waiting) until it is declared lost; `waits_for(worker, seq)` is whether
    waiting for its Execute `seq` still makes sense (alive and not done yet).
 3. A lost worker is forgotten once nothing refers to it, keeping the most recent `lost_workers_kept` for Status.
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from dtorch_controller.core import state as st
+from dtorch_controller.core.collectives import CommGroups
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords
 
@@ -55,6 +57,9 @@ class Worker:
     stats: dict[str, m.ShardStats] = field(default_factory=dict)  # session -> live shards, from the last report
     sessions: set[str] = field(default_factory=set)  # sessions with logical devices bound here
     bound: int = 0  # logical devices bound here, all sessions together
+    rendezvous: str = ""  # host:port of its TCPStore for process groups ("": no collectives with it)
+    device_id: str = ""  # its physical device ("" for CPUs): workers sharing one form no process group
+    received_bytes: int = 0  # tensor bytes it received from peers (from its last report)
 
     @property
     def tensors(self) -> int:
@@ -91,6 +96,7 @@ class Session:
     priority: str
     kind: str
     opened_at: float
+    tenant: str = ""  # who opened it: only that tenant may name it
     memory_cap: int = 0  # bytes per device each Execute carries (packed leases; 0: whole devices, no cap)
     last_heard: float = 0.0  # the last request naming this session (liveness)
     state: str = st.OPEN
@@ -103,6 +109,7 @@ class Session:
     syncs: dict[Hashable, PendingSync] = field(default_factory=dict)
     readers: dict[int, dict[str, int]] = field(default_factory=dict)  # tid -> remote reader worker -> Execute seq
     deferred: list[DeferredDelete] = field(default_factory=list)
+    comm: CommGroups = field(default_factory=CommGroups)  # process groups of its collectives (collectives.py)
 
 
 class Cluster:
@@ -122,7 +129,8 @@ class Cluster:
         self._registrations += 1
         w = self.workers[worker_id] = Worker(
             id=worker_id, address=msg.address, device_type=msg.device_type, memory_bytes=msg.memory_bytes,
-            labels=dict(msg.labels), order=self._registrations, last_seen=now)
+            labels=dict(msg.labels), order=self._registrations, last_seen=now, rendezvous=msg.rendezvous,
+            device_id=msg.device_id)
         self.by_address[msg.address] = worker_id
         return w
 
@@ -176,6 +184,7 @@ class Cluster:
 
     def unbind(self, s: Session, device: int) -> None:
         w = self.workers[s.devices.pop(device)]
+        s.comm.bump()  # the device moves (rebuild, migration, relocation, growth, shrink, drain): new process groups
         w.bound -= 1
         if w.id not in s.devices.values():
             w.sessions.discard(s.id)

@@ -168,6 +168,16 @@ class Pipeline:
 
     # ------------------------------------------------------------ syncs (rule 5)
 
+    def first_busy(self, s: Session) -> str | None:
+        """A worker of `busy(s)`, or None: stops at the first, looking at the latest sent to first (a report of each
+        of a wide session's workers may ask this, and a relocated session keeps its old workers in `sent`)."""
+        workers = self.cluster.workers
+        for worker_id, seq in reversed(s.sent.items()):
+            w = workers.get(worker_id)
+            if w is not None and w.completed < seq and w.state != st.LOST:
+                return worker_id
+        return None
+
     def busy(self, s: Session) -> list[Worker]:
         """Workers that have not finished the session's batches yet (lost ones are reported, not waited for)."""
         busy = []
@@ -191,11 +201,19 @@ class Pipeline:
         errors, s.errors = s.errors, []
         return m.SyncReply(done=True, errors=errors, locations=self.cluster.locations(s))
 
-    def answer_syncs(self, step: Step, s: Session) -> None:
-        if s.syncs and not self.busy(s) and not self.held(s):
+    def answer_syncs(self, step: Step, s: Session) -> str | None:
+        """Answer the session's parked Syncs if they can be (rule 5); else the worker they wait for, if any (the
+        controller files them under it), or None (a hold: its release looks at them again)."""
+        # held first: it is O(1), and a frozen session's parked Syncs are looked at by every report of the workers
+        # it stays bound to (with LAS, hundreds of frozen sessions), where `first_busy` walks the workers it used
+        if not s.syncs or self.held(s):
+            return None
+        busy = self.first_busy(s)
+        if busy is None:
             for pending in s.syncs.values():
                 step.reply(pending.request_id, self.done(s))
             s.syncs.clear()
+        return busy
 
     # ------------------------------------------------------------ deletes held back (rule 6)
 

@@ -34,6 +34,7 @@ class Step:
     pumped: set[str] = field(default_factory=set)  # sessions whose batches went out (a snapshot may be due)
     synced: set[str] = field(default_factory=set)  # sessions whose Syncs may be answerable
     reporter: Worker | None = None  # the worker whose report this is: sessions waiting for it move on
+    completed: bool = False  # ... and it completed more work (its deletes and parked Syncs may go on)
     everyone: bool = False  # look at every active session (a worker was lost)
 
     def emit(self, effect: fx.Effect) -> None:

@@ -9,6 +9,9 @@ Rules:
    not filed yet (`fresh`). Any other event that may unblock many sessions (a loss) looks at every active one.
    So a report costs O(sessions waiting on it), not O(sessions with copies), with thousands snapshotting.
 3. Filing is idempotent; entries of sessions that moved on go stale and are skipped.
+4. A parked Sync that waits for a worker is filed under that worker (`park`): its next report of a completion
+   looks at the session again (`parked_on`), even when the worker hosts none of the session's devices any more
+   (a shrunk or relocated session), and so does its loss. Each filing is used once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class WaitIndex:
         self._wakes: dict[str, list[tuple[int, str]]] = {}  # worker -> heap of (Execute seq, session) waiting
         self._filed: set[tuple[str, int, str]] = set()  # (worker, seq, session) in `_wakes`
         self._poll: set[str] = set()  # active sessions waiting on no worker seq: looked at on every report
+        self._parked: dict[str, set[str]] = {}  # worker -> sessions whose parked Syncs wait for it (rule 4)
 
     def start(self, sid: str) -> None:
         """The session waits for something: look at it on the next report, whoever sends it."""
@@ -70,7 +74,17 @@ class WaitIndex:
                 self._filed.add((w, seq, sid))
                 heapq.heappush(self._wakes.setdefault(w, []), (seq, sid))
 
-    def forget_worker(self, worker_id: str) -> None:
-        """A lost worker completes nothing more: drop what was filed under it (a loss looks at everyone)."""
+    def park(self, worker_id: str, sid: str) -> None:
+        """The session's parked Syncs wait for the worker to complete its work (rule 4)."""
+        self._parked.setdefault(worker_id, set()).add(sid)
+
+    def parked_on(self, worker_id: str) -> set[str]:
+        """The sessions whose parked Syncs waited for the worker, taken out of the index (rule 4)."""
+        return self._parked.pop(worker_id, set())
+
+    def forget_worker(self, worker_id: str) -> set[str]:
+        """A lost worker completes nothing more: drop what was filed under it (a loss looks at every active
+        session); returns the sessions whose parked Syncs waited for it (they look again)."""
         for seq, sid in self._wakes.pop(worker_id, []):
             self._filed.discard((worker_id, seq, sid))
+        return self.parked_on(worker_id)

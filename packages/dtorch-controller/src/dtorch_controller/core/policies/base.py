@@ -19,6 +19,8 @@ Rules:
 6. `next_change(t, now)`: when `rank` or `key` of `t` may change by itself (attained service crossing a
    threshold, a starvation promotion), or None. The scheduler sets a timer for the earliest one.
 7. `starving(t, now)`: a waiting or frozen session waited so long that its counted service restarts from zero.
+8. `lends`: frozen sessions keep no idle reservations (scheduler.py rule 6); `shrinks`: preemption takes the spare
+   devices of running elastic sessions before it freezes anyone (scheduler.py rule 10).
 """
 
 from __future__ import annotations
@@ -37,9 +39,16 @@ class Tenant(Protocol):
     priority: str  # "high" | "normal" | "low"
     kind: str  # "batch" | "realtime"
     waiting_since: float | None  # waiting or frozen since
+    waited: float  # seconds spent queued or frozen before the current wait
+    expected_steps: int  # steps (sync points) it said it will reach; 0: unknown (scheduler.py rule 9)
+    steps: int  # sync points reached so far
+    step_service: float  # attained service at its last sync point
 
     @property
     def running(self) -> bool: ...
+
+    @property
+    def wanted_devices(self) -> int: ...  # logical devices it has and asks for
 
     @property
     def held_devices(self) -> int: ...
@@ -55,6 +64,8 @@ class Policy(Protocol):
     packs: bool
     relocates: bool
     relocate_after: float
+    lends: bool  # frozen sessions keep no idle reservations (scheduler.py rule 6)
+    shrinks: bool  # preemption shrinks elastic sessions before freezing anyone (scheduler.py rule 10)
 
     def rank(self, t: Tenant, now: float) -> int: ...
 
@@ -79,6 +90,8 @@ class BasePolicy:
     packs = False
     relocates = False
     relocate_after = 0.0
+    lends = False
+    shrinks = False
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         params = dict(params or {})

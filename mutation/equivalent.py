@@ -1,0 +1,38 @@
+"""Mutants that no test can kill because they do not change behaviour (equivalent mutants), with why.
+
+Each entry: (mutated function, the mutated line as `nox -s mutation` prints it after "+") -> the reason. A
+survivor whose function and mutated line match an entry is counted as equivalent, not as a survivor. Keyed by
+the line, not by mutmut's mutant number, so that numbering shifts from edits elsewhere in the function do not
+move an excuse onto another mutant; an entry that matches nothing any more is reported as stale.
+
+Function names are mutmut's: `module.x_function` or `module.xǁClassǁmethod`.
+"""
+
+from __future__ import annotations
+
+EQUIVALENT: dict[tuple[str, str], str] = {
+    ("dtorch_controller.core.redistribute.x__plan_one",
+     'return ShardPlan(shape=out_shape, groups=plan_groups, reduce=ops[0] if ops else "SUM")'):
+        "with no reduced Partial dim there is exactly one group, so the reduce op is never applied",
+    ("dtorch_controller.core.redistribute.x__plan_one",
+     'return ShardPlan(shape=out_shape, groups=plan_groups, reduce=ops[0] if ops else "XXsumXX")'):
+        "with no reduced Partial dim there is exactly one group, so the reduce op is never applied",
+    ("dtorch_controller.core.state.SESSION_TABLE", "SESSION_TABLE: without CLOSED"):
+        "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE: without LOST"):
+        "LOST has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[SUSPECT]: SILENT -> DRAINING"):
+        "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[SUSPECT]: without SILENT"):
+        "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: SILENT -> LOST"):
+        "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: without SILENT"):
+        "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: DRAIN -> LOST"):
+        "unreachable: a drain of a draining worker does not step its state (migration.py, `if w.state != DRAINING`)",
+    ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: without DRAIN"):
+        "unreachable: a drain of a draining worker does not step its state (migration.py, `if w.state != DRAINING`)",
+    ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
+        "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
+}

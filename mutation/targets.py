@@ -1,0 +1,38 @@
+"""What `nox -s mutation` mutates, and with which tests. Edit this table when modules move.
+
+TARGETS: a name -> the source files of that target, relative to the packages' `src/` folders. A file may be
+a glob (`dtorch_controller/core/policies/*.py`). The kill rate is reported per target and per file.
+
+TESTS: the test folders whose tests may kill mutants (mutmut runs, for each mutant, the tests that call the
+mutated function). EXCLUDE: tests that cannot see a mutant (they start other processes, which import the
+packages from the working tree, not the mutated copy) or that only cost time.
+"""
+
+from __future__ import annotations
+
+TARGETS: dict[str, list[str]] = {
+    "redistribution planner": ["dtorch_controller/core/redistribute.py"],
+    "scheduler and policies": ["dtorch_controller/core/scheduler.py", "dtorch_controller/core/pool.py",
+                               "dtorch_controller/core/policies/*.py"],
+    "worker and session state tables": ["dtorch_controller/core/state.py"],
+    "recovery and lineage": ["dtorch_controller/core/recovery.py", "dtorch_controller/core/lineage.py"],
+    "wire authentication and validation": ["dtorch_protocol/wire.py"],
+    "scenario validation": ["dtorch_sim/scenario.py"],
+    "client planner": ["dtorch/_planner.py", "dtorch/_sharding.py", "dtorch/_spec.py"],
+}
+
+# packages whose `src/` is copied into the mutation stage (everything a mutated module imports from this repo
+# must be here, or the tests would import the unmutated working tree's copy)
+PACKAGES = ["dtorch-protocol", "dtorch-controller", "dtorch-sim", "dtorch-api"]
+
+TESTS = ["packages/dtorch-protocol/tests", "packages/dtorch-controller/tests", "packages/dtorch-sim/tests",
+         "packages/dtorch-api/tests"]
+
+EXCLUDE = [
+    "packages/dtorch-controller/tests/test_cli.py",
+    "packages/dtorch-controller/tests/test_admin_cli.py",
+    "packages/dtorch-controller/tests/test_no_torch.py",
+    "packages/dtorch-sim/tests/test_cli.py",
+]
+# pytest -k: other subprocess tests, and tests that read the sources (they would read the mutated copies)
+EXCLUDE_NAMES = "not cli and not import_torch and not across_processes and not every_message_has_a_case"
