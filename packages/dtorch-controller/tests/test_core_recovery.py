@@ -272,6 +272,25 @@ def test_migrate_moves_one_device_holds_batches_and_reports_the_downtime(make_ha
     assert h.status().sessions[0].migrations == 1
 
 
+def test_a_parked_sync_is_answered_by_a_worker_that_no_longer_hosts_the_session(make_harness):
+    """After a move, the source still runs the session's delete of the moved shards; a Sync waits for it, and the
+    source's report of that completion answers it although the source hosts none of the session's devices now."""
+    h, ids, sid = setup(make_harness, every=0)  # no snapshots: nothing else to wait for
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    src = s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    h.report_all()  # the copy is done: the device is on dst, src got the delete of the old shards
+    assert s.devices[1] == dst and src not in s.devices.values()
+    assert cmds_of(h.take_sent(), src, m.CmdDelete)
+    rid, reply = h.sync(sid, 1)
+    assert reply is None  # src has not run the delete yet
+    h.report(src)
+    assert h.replies[rid].done
+
+
 def test_migrate_refuses_unknown_ids_in_one_line(make_harness, refused):
     h, ids, sid = setup(make_harness)
     for msg, text in [(m.MigrateRequest(session="nope", device=0, to_worker=ids[0]), "unknown session"),

@@ -613,6 +613,15 @@ def test_relocation_plan_moves_every_device_of_a_lost_worker_to_its_substitute()
     assert elastic.relocate({0: "a", 1: "a", 2: "b"}, {"a": "x", "c": "y"}) == ([("a", "x", [0, 1])], ["y"])
 
 
+def test_shrink_plan_moves_each_device_given_up_to_the_least_loaded_kept_worker():
+    order = {"a": 0, "b": 1, "c": 2, "d": 3}.__getitem__
+    # c and d are given up; a and b host one device each: c's go to a then b, d's to a then b (ties: order)
+    assert elastic.shrink({0: "a", 1: "b", 2: "c", 3: "c", 4: "d", 5: "d"}, {"c", "d"}, order) == [
+        ("c", "a", [2]), ("c", "b", [3]), ("d", "a", [4]), ("d", "b", [5])]
+    assert elastic.shrink({0: "a", 1: "a", 2: "b"}, {"b"}, order) == [("b", "a", [2])]
+    assert elastic.shrink({0: "a"}, {"a"}, order) == []  # nothing kept: nowhere to move (the scheduler keeps one)
+
+
 def test_a_growing_session_moves_devices_through_the_mover_and_swaps_leases(h):
     w0 = h.register("10.0.0.0:7000")
     a = h.open_session()
