@@ -272,6 +272,21 @@ def test_migrate_moves_one_device_holds_batches_and_reports_the_downtime(make_ha
     assert h.status().sessions[0].migrations == 1
 
 
+def test_the_scheduler_sees_a_session_moving_while_its_moves_are_in_flight(make_harness):
+    """Scheduler.moving is the moves feature's answer (preemption, relocation and shrink leave such a session be)."""
+    h, ids, sid = setup(make_harness, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    assert not h.core.sched.moving(sid)
+    dst = next(w for w in ids if w not in s.devices.values())
+    h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    assert h.core.sched.moving(sid)
+    h.report_all()
+    h.report_all()  # the copy, then the source's delete of the old shards
+    assert s.devices[1] == dst and not h.core.sched.moving(sid)
+
+
 def test_a_parked_sync_is_answered_by_a_worker_that_no_longer_hosts_the_session(make_harness):
     """After a move, the source still runs the session's delete of the moved shards; a Sync waits for it, and the
     source's report of that completion answers it although the source hosts none of the session's devices now."""
