@@ -18,7 +18,8 @@ Rules:
    are typed (`timers.py`) and handled by type, like events.
 8. Who runs where is the scheduler's (`scheduler.py`, `pool.py`, `policies/`): the core feeds it capacity
    changes and mesh requests and applies the `Changes` it returns (bind devices, hold a frozen session's
-   batches and let them go when it resumes, move devices for growth and relocation, set its wake-up timer).
+   batches and let them go when it resumes, move devices for growth, shrink and relocation, set its wake-up
+   timer).
 9. A client session that says nothing (any request naming it, or KeepAlive) for `session_timeout_s` is
    closed as if it had called CloseSession: every worker it used frees its shards, whatever protocol
    version the client speaks (one that sends no keep-alives must keep talking).
@@ -30,7 +31,7 @@ Rules:
 11. A session belongs to the tenant that opened it (`event.who`): a request naming another tenant's session
    is answered as for an unknown one, and keeps nothing alive. A tenant's Status shows its own sessions, the
    workers they use (with its own shards only) and everyone else's work as anonymous counts; an admin sees
-   all (status.py). Quotas (`who.quota`, tenants.py) are checked when a session or mesh is asked for, and
+   all (status.py). Quotas (`who.quota`, tenancy.py) are checked when a session or mesh is asked for, and
    refused at once, naming the quota.
 12. A Sync is a step of its session's progress (`Scheduler.progress`, scheduler.py rule 9); a parked Sync is
    filed under the worker it waits for (waits.py), so that worker's completion answers it even when it hosts

@@ -118,7 +118,7 @@ class DataLost(Notice):
 
 @dataclass(frozen=True)
 class Fenced(Notice):
-    """`worker` was declared lost (silent, unreachable, replaced): fenced for good."""
+    """`worker` was declared lost (silent or unreachable): fenced for good."""
 
     worker: str
     reason: str

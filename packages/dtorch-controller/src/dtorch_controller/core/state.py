@@ -47,11 +47,10 @@ REPORT = "report"  # a heartbeat/completion report arrived
 SILENT = "silent"  # no report for Config.suspect_after_s
 TIMEOUT = "timeout"  # no report for Config.heartbeat_timeout_s
 UNREACHABLE = "unreachable"  # the adapter could not deliver a command batch
-REPLACED = "replaced"  # a new worker registered at the same address (the process restarted)
 DRAIN = "drain"  # an operator asked the worker to leave
 RELEASE = "release"  # a draining worker holds nothing any more: it leaves (fenced, it exits)
 
-_GONE = {TIMEOUT: LOST, UNREACHABLE: LOST, REPLACED: LOST}
+_GONE = {TIMEOUT: LOST, UNREACHABLE: LOST}
 
 WORKER_TABLE: Mapping[str, Mapping[str, str]] = {
     ALIVE: {REPORT: ALIVE, SILENT: SUSPECT, DRAIN: DRAINING, **_GONE},
