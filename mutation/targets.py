@@ -16,7 +16,7 @@ TARGETS: dict[str, list[str]] = {
                                "dtorch_controller/core/policies/*.py"],
     "worker and session state tables": ["dtorch_controller/core/state.py"],
     "recovery and lineage": ["dtorch_controller/core/recovery.py", "dtorch_controller/core/lineage.py"],
-    "wire authentication and validation": ["dtorch_protocol/wire.py"],
+    "wire authentication and validation": ["dtorch_protocol/auth.py", "dtorch_protocol/wire.py"],
     "scenario validation": ["dtorch_sim/scenario.py"],
     "client planner": ["dtorch/_planner.py", "dtorch/_sharding.py", "dtorch/_spec.py"],
 }
