@@ -342,8 +342,8 @@ def test_a_hello_names_both_sides_in_short_printable_form():
     assert str(e.value) == f"unknown role {repr(repr('r' * 40) + '...')} in hello: expected one of ['client', 'worker']"
     with pytest.raises(wire.ProtocolError) as e:
         wire.check_hello(m.Hello("1.0\n", "p\tq", "client"), ours="1.3")
-    assert str(e.value) == ("protocol version mismatch: client speaks '1.0\\n' (package 'p\\tq'), this side speaks 1.3; "
-                            "expected MAJOR.MINOR")
+    assert str(e.value) == ("protocol version mismatch: client speaks '1.0\\n' (package 'p\\tq'), this side "
+                            "speaks 1.3; expected MAJOR.MINOR")
     hello = wire.hello("worker", "7.7.7")
     assert (hello.role, hello.package_version, hello.protocol_version) == ("worker", "7.7.7", m.PROTOCOL_VERSION)
     wire.check_hello(hello)  # the current version is accepted, for either role
