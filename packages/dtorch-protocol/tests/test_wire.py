@@ -348,3 +348,24 @@ def test_a_hello_names_both_sides_in_short_printable_form():
     assert (hello.role, hello.package_version, hello.protocol_version) == ("worker", "7.7.7", m.PROTOCOL_VERSION)
     wire.check_hello(hello)  # the current version is accepted, for either role
     wire.check_hello(wire.hello("client"), "client")
+
+
+def test_a_full_chunk_fits_through_the_server(server):
+    """gRPC's own default refuses messages over 4 MiB; a chunk of CHUNK_BYTES plus its header must pass."""
+    served, _ = server
+    stub = _stub(served.address, CLIENT)
+    chunk = m.PutChunk(session="s1", tid=1, device=0, dtype="uint8", shape=[wire.CHUNK_BYTES],
+                       data=bytes(wire.CHUNK_BYTES))
+    assert stub.send_stream("Put", [chunk, chunk]) == m.Ack(message=str(2 * wire.CHUNK_BYTES))
+    stub.close()
+
+
+def test_a_refused_stream_names_the_peer(server):
+    served, _ = server
+    stub = _stub(served.address, CONTROLLER)
+    _, replies = stub.open_stream("Pull", m.PullRequest(session="s1", tid=1, device=0))
+    with pytest.raises(PermissionError) as e:
+        next(replies)
+    assert str(e.value) == (f"{served.address} refused Pull: Pull needs client or peer credentials; this call came "
+                            "with the controller credential")
+    stub.close()
