@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from dtorch_controller.core import events as ev
 from dtorch_controller.core.policies import (
     DTorchPolicy,
     FifoPolicy,
@@ -15,6 +16,7 @@ from dtorch_controller.core.policies import (
     make_policy,
 )
 from dtorch_controller.core.scheduler import FROZEN, RUNNING, WAITING, Tenant
+from dtorch_protocol import messages as m
 
 
 def tenant(state: str = WAITING, *, devices: int = 0, attained: float = 0.0, since: float = 0.0,
@@ -200,3 +202,22 @@ def test_dtorch_next_change():
     assert dt.next_change(waiting, 100) == pytest.approx(100 + (700 - 600) / 2 + 1e-6)
     assert dt.next_change(tenant(attained=10, waiting_since=100), 100) is None  # already at level 0
     assert DTorchPolicy({"fairness": 0}).next_change(waiting, 100) is None  # no credit: no change by waiting
+
+
+# ---------------------------------------------------------------- the scheduler's books (through the core)
+
+
+def test_a_frozen_session_resumes_with_its_frozen_time_counted_as_waiting(make_harness):
+    h = make_harness(policy=PriorityPolicy({"relocate": False}), session_timeout_s=0, heartbeat_interval_s=1e5,
+                     heartbeat_timeout_s=1e6)  # neither workers nor sessions time out while the clock moves
+    h.register("10.0.0.0:7000")
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0]).placed
+    h.advance(2.0)  # low runs 2 s on 1 device
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed  # freezes low
+    h.advance(7.5)
+    assert h.call(ev.CloseSession, m.CloseSession(session=high)).ok  # low gets its device back
+    t = h.core.sched.tenants[low]
+    assert t.state == RUNNING and t.waited == pytest.approx(7.5) and t.attained == pytest.approx(2.0)
+    assert any("resumed on 1 device after 7.50s frozen" in line for line in h.core.log.lines())
