@@ -90,4 +90,4 @@ def test_a_csv_path_resolves_against_the_scenario_folder_then_the_current_one(ba
     assert sc.resolve("nowhere.csv") == folder / "nowhere.csv"  # neither: named as the scenario's own
     assert sc.resolve(str(cwd / "here.csv")) == cwd / "here.csv"
     monkeypatch.setenv("HOME", str(cwd))
-    assert sc.resolve("~/here.csv") == cwd / "here.csv"
+    assert sc.resolve(str(Path("~", "here.csv"))) == cwd / "here.csv"  # the user's home folder, expanded
