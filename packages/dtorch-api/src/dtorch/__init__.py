@@ -35,6 +35,7 @@ _LAZY = {
     "status": "dtorch.runtime",
     "drain": "dtorch.runtime",
     "migrate": "dtorch.runtime",
+    "profile": "dtorch.profiling",
 }
 
 __all__ = ["__version__", "Placement", "Shard", "Replicate", "Partial", *_LAZY]

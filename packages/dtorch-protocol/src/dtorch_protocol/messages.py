@@ -537,6 +537,40 @@ class ShardsChunk(Struct, frozen=True):
     error: str = ""
 
 
+# ---------------------------------------------------------------- profiles (client -> worker)
+
+
+class ProfileRequest(Struct, frozen=True):
+    """`dtorch.profile()`: start recording the session's commands on this worker, or stop and return them."""
+
+    session: str
+    start: bool
+
+
+class OpRecord(Struct, frozen=True, array_like=True):
+    """One command a worker ran for the profiled session."""
+
+    op: str  # the aten op, or create, redistribute, copy_shards, restore_shards
+    src: str  # the user's source line
+    tid: int  # its (first) output tensor (-1: none)
+    comm: bool  # moves data (redistributions, copies) rather than computing
+    start: float  # wall-clock time (seconds since the epoch) it started on the worker
+    seconds: float
+    moved_bytes: int  # bytes it pulled from other workers
+    out_bytes: int  # bytes of its outputs on this worker
+    devices: int  # the logical devices it ran for here
+
+
+class ProfileReply(Struct, frozen=True):
+    records: list[OpRecord] = []
+    started: float = 0.0  # wall-clock time the window opened
+    window_s: float = 0.0  # from start to stop on this worker
+    busy_s: float = 0.0  # time this worker ran any session's commands in the window
+    session_s: float = 0.0  # ... of which the profiled session's (its bookkeeping commands included)
+    dropped: int = 0  # records past the worker's bound
+    message: str = ""  # why there is nothing (no profile was started)
+
+
 # ---------------------------------------------------------------- admin: drain and migration
 
 

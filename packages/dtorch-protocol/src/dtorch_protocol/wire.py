@@ -51,6 +51,7 @@ SERVICES: dict[str, dict[str, tuple[type, type, str]]] = {
         "Put": (m.PutChunk, m.Ack, "stream_in"),
         "PullShards": (m.ShardsRequest, m.ShardsChunk, "stream_out"),
         "PutShards": (m.ShardsChunk, m.Ack, "stream_in"),
+        "Profile": (m.ProfileRequest, m.ProfileReply, "unary"),
     },
 }
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dtorch_protocol import wire
+from dtorch_protocol import exposition, wire
 from dtorch_protocol.process import watch_parent
 from dtorch_worker import node
 from dtorch_worker.agent import Agent, ControllerUnreachable, device_memory_bytes
@@ -46,6 +46,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--register-attempts", type=int, default=10,
                    help="tries to reach the controller at start (with backoff up to 2 s) before giving up")
     p.add_argument("--lost-after", type=float, default=10.0, help="exit after the controller is unreachable this long")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus metrics on this port (default 0: none; telemetry.py lists the series)")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
@@ -94,7 +96,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="dtorch-worker %(levelname)s %(message)s")
     devices = node.expand(args.device, torch.cuda.device_count() if args.device.startswith("cuda") else 0)
     if devices is not None:
-        return node.run_node(sys.argv[1:] if argv is None else argv, devices, args.listen, args.advertise, 0)
+        return node.run_node(sys.argv[1:] if argv is None else argv, devices, args.listen, args.advertise,
+                             args.metrics_port)
     device = parse_device(args.device)
     labels = parse_labels(args.label)
     threads = args.threads or (1 if device.type == "cpu" else 0)
@@ -116,14 +119,16 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.parent_pid:
         watch_parent(args.parent_pid, lambda: request_exit(0, f"parent process {args.parent_pid} exited"))
 
-    worker = start_worker(token=token, listen=args.listen, device=device)
+    memory = device_memory_bytes(device)
+    worker = start_worker(token=token, listen=args.listen, device=device, memory_bytes=memory)
+    exposition.serve(args.metrics_port, worker.service.telemetry.registry, "dtorch-worker")
     address = advertised(worker.address, args.advertise)
     worker.executor.address = address
     agent = Agent(args.controller, token, worker.executor, worker.store, on_exit=request_exit,
                   lost_after_s=args.lost_after)
     worker.executor.on_complete = agent.poke
     try:
-        reg = agent.register(address, device.type, device_memory_bytes(device), labels,
+        reg = agent.register(address, device.type, memory, labels,
                              attempts=args.register_attempts)
     except ControllerUnreachable as e:
         print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)

@@ -135,6 +135,9 @@ class Executor:
         self._skip_below: dict[str, int] = {}  # session -> batches below this seq were abandoned (CmdAbandon)
         self._seq = 0  # the batch running now
         self.busy_s = 0.0  # seconds spent running batches (utilization)
+        self.batches = 0  # batches run
+        # told (session, cmd, started, ended, output bytes) after each command: metrics and profiles (telemetry.py)
+        self.observe: Callable[[str, Cmd, float, float, Callable[[], int]], None] | None = None
 
     # ------------------------------------------------------------ ordering
 
@@ -215,6 +218,7 @@ class Executor:
             if not self._abandoned(batch.session, batch.seq):
                 self.run_batch(batch)
             self.busy_s += time.monotonic() - started
+            self.batches += 1
             with self._cond:
                 self._completed = batch.seq
                 self._cond.notify_all()
@@ -254,7 +258,11 @@ class Executor:
         self._seq = batch.seq
         self.store.set_cap(batch.session, batch.memory_cap)
         for cmd in batch.cmds:
+            started = time.perf_counter()
             self.run_command(batch.session, cmd)
+            if self.observe is not None:
+                self.observe(batch.session, cmd, started, time.perf_counter(),
+                             lambda cmd=cmd: self.store.output_bytes(batch.session, _outputs(cmd)))
 
     def run_command(self, session: str, cmd: Cmd) -> None:
         """Run one command; failures poison its outputs instead of raising.

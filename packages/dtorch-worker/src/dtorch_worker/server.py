@@ -20,10 +20,22 @@ import torch
 
 from dtorch_protocol import wire
 from dtorch_protocol.health import Health
-from dtorch_protocol.messages import Ack, Chunk, ErrorKind, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol.messages import (
+    Ack,
+    Chunk,
+    ErrorKind,
+    Execute,
+    ProfileReply,
+    ProfileRequest,
+    PullRequest,
+    PutChunk,
+    ShardsChunk,
+    ShardsRequest,
+)
 from dtorch_worker import shards
 from dtorch_worker.executor import Executor, one_line
 from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore
+from dtorch_worker.telemetry import Telemetry
 from dtorch_worker.transfer import poison_chunk, receive_put, take_box, tensor_chunks
 
 log = logging.getLogger("dtorch_worker.server")
@@ -34,10 +46,12 @@ SERVER_THREADS = 64  # Pulls may wait for shards; keep room for Execute and Put 
 class WorkerService:
     """Implements the methods of wire.SERVICES["dtorch.Worker"] over a store and an executor."""
 
-    def __init__(self, store: TensorStore, executor: Executor, max_pull_wait_s: float = 600.0) -> None:
+    def __init__(self, store: TensorStore, executor: Executor, max_pull_wait_s: float = 600.0,
+                 telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.executor = executor
         self.max_pull_wait_s = max_pull_wait_s
+        self.telemetry = telemetry or Telemetry()
 
     def Execute(self, request: Execute) -> Ack:
         if self.executor.submit(request):
@@ -49,8 +63,10 @@ class WorkerService:
     def Pull(self, request: PullRequest) -> Iterator[Chunk]:
         key = (request.session, request.tid, request.device)
         counted = not request.expected  # a planned read holds back in-place writes of the shard until counted
+        path = "point_to_point" if request.expected else "client"
         try:
             for chunk in self._pull(key, request):
+                self.telemetry.bytes_moved(path, "out", len(chunk.data))
                 if chunk.error and not counted:
                     # an error chunk is the last and reads nothing: count it before the reader can see it
                     counted = True
@@ -108,6 +124,7 @@ class WorkerService:
         if refused is not None:
             kind, reason = refused
             raise wire.RemoteError(reason, kind)
+        self.telemetry.bytes_moved("client", "in", tensor.numel() * tensor.element_size())
         return Ack()
 
     def PullShards(self, request: ShardsRequest) -> Iterator[ShardsChunk]:
@@ -129,7 +146,9 @@ class WorkerService:
         except (ShardMissing, TypeError) as e:
             yield ShardsChunk(error=one_line(e) if not isinstance(e, ShardMissing) else str(e))
             return
-        yield from shards.chunks(packed)
+        for chunk in shards.chunks(packed):
+            self.telemetry.bytes_moved("copy", "out", len(chunk.data))
+            yield chunk
         for k in extra:
             self.store.delete(k)
 
@@ -139,6 +158,7 @@ class WorkerService:
         try:
             for chunk in requests:
                 receiver.add(chunk)
+                self.telemetry.bytes_moved("copy", "in", len(chunk.data))
             host = receiver.header is not None and receiver.header.host
             header, items = receiver.finish("cpu" if host else self.executor.device)
         except (ValueError, TypeError, RuntimeError) as e:
@@ -150,6 +170,14 @@ class WorkerService:
         if header.move:
             self.store.clear_moved(header.namespace, list(header.move))
         return Ack()
+
+
+    def Profile(self, request: ProfileRequest) -> ProfileReply:
+        """Start recording the session's commands here (`dtorch.profile()`), or stop and return the records."""
+        if request.start:
+            self.telemetry.profiler.start(request.session)
+            return ProfileReply()
+        return self.telemetry.profiler.stop(request.session)
 
 
 @dataclass
@@ -170,11 +198,18 @@ class WorkerHandle:
 
 
 def start_worker(token: str = "", listen: str = "127.0.0.1:0", device: str | torch.device = "cpu",
-                 **executor_options: object) -> WorkerHandle:
-    """Start a store, an executor thread and the Worker service; returns its handle (call .stop())."""
+                 memory_bytes: int = 0, **executor_options: object) -> WorkerHandle:
+    """Start a store, an executor thread and the Worker service; returns its handle (call .stop()).
+
+    Its Prometheus series are in `handle.service.telemetry.registry` (served by the CLI's --metrics-port)."""
     store = TensorStore()
     executor = Executor(store, device=device, token=token, **executor_options)  # type: ignore[arg-type]
-    service = WorkerService(store, executor)
+    telemetry = Telemetry(used_bytes=lambda: store.memory()[0], capacity_bytes=memory_bytes,
+                          capped_bytes=lambda: store.memory()[1], batches=lambda: executor.batches,
+                          busy_s=lambda: executor.busy_s)
+    telemetry.is_local = executor._is_local
+    executor.observe = telemetry.observe
+    service = WorkerService(store, executor, telemetry=telemetry)
     health = Health("dtorch.Worker", ready=False)  # ready once registered with a controller (cli.py)
     server, address = wire.serve("dtorch.Worker", service, token, listen=listen, max_workers=SERVER_THREADS,
                                  health=health)

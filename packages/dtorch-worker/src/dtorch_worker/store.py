@@ -366,6 +366,20 @@ class TensorStore:
                     return pending
                 self._cond.wait(left_s)
 
+    def output_bytes(self, session: str, outputs: list[tuple[int, int]]) -> int:
+        """Bytes of the shards at (tid, device) of `session` (a profile's output sizes; views count their own)."""
+        with self._cond:
+            values = [self._data.get((session, tid, device)) for tid, device in outputs]
+        return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes held by every shard and copy here, the sum of the memory caps of capped sessions)."""
+        with self._cond:
+            items = list(self._data.values())
+            capped = sum(self._caps.values())
+        storages = {st[0]: st[1] for v in items if (st := _storage(v)) is not None}
+        return sum(storages.values()), capped
+
     def keys(self, session: str | None = None) -> list[Key]:
         with self._cond:
             return list(self._data) if session is None else list(self._by_session.get(session, ()))
