@@ -80,6 +80,8 @@ def test_ops_bytes_batches_and_memory_are_counted(pair: tuple[WorkerHandle, Work
     assert torch.equal(got, torch.arange(4.0, dtype=torch.float64))
     assert value(a, "dtorch_worker_moved_bytes_total", path="client", direction="in") == 32
     assert value(a, "dtorch_worker_moved_bytes_total", path="client", direction="out") == 32
+    # what the controller bills the session for (usage records): pieces in, client bytes in and out
+    assert a.store.stats()[S].moved_bytes == 64 and b.store.stats()[S].moved_bytes == 256
 
 
 def test_a_profile_window_records_only_its_session_between_start_and_stop(pair) -> None:

@@ -4,6 +4,7 @@
                       [--heartbeat-timeout S] [--session-timeout S] [--policy NAME]
                       [--policy-param K=V ...] [--parent-pid PID]
     dtorch-controller status [--controller HOST:PORT] [--json]
+    dtorch-controller top [--controller HOST:PORT] [--interval S]
     dtorch-controller drain WORKER [--controller HOST:PORT] [--timeout S]
     dtorch-controller migrate SESSION --device N --to WORKER [--controller HOST:PORT] [--timeout S]
 
@@ -152,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(os.environ.get("DTORCH_SNAPSHOT_INTERVAL", "30")),
                         help="... or at the next batch once the last copy is this old (default 30)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process exits")
-    commands = parser.add_subparsers(dest="command", metavar="{status,drain,migrate}")
+    commands = parser.add_subparsers(dest="command", metavar="{status,top,drain,migrate}")
+    tp = commands.add_parser("top", help="a live view of workers, sessions, the queue and throughput")
+    tp.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
+    tp.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh every S seconds (default 1)")
+    tp.add_argument("--iterations", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N frames
+    tp.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
     st = commands.add_parser("status", help="show workers, sessions and recent events of a running controller")
     st.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
     st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
@@ -169,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--timeout", type=float, default=300.0, metavar="S",
                          help="answer after this long even if still in progress (default 300)")
     return parser
+
+
+def top(args: argparse.Namespace) -> int:
+    from dtorch_controller import top as view
+    from dtorch_protocol import messages as m
+
+    target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
+    return view.run(lambda: _ask(args, "Status", m.StatusRequest(), args.timeout), target, args.interval,
+                    args.iterations)
 
 
 def admin(args: argparse.Namespace) -> int:
@@ -200,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "status":
         return status(args)
+    if args.command == "top":
+        return top(args)
     if args.command in ("drain", "migrate"):
         return admin(args)
     return serve(args)

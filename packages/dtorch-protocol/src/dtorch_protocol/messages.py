@@ -270,6 +270,7 @@ class SessionStatus(Struct, frozen=True):
     schedule: str = ""  # idle | waiting | running | frozen
     memory_cap: int = 0
     attained_s: float = 0.0  # device-seconds of service so far
+    batches: int = 0  # Submit batches accepted so far (`dtorch-controller top` shows their rate)
 
 
 class StatusReply(Struct, frozen=True):
@@ -299,6 +300,7 @@ class Registered(Struct, frozen=True):
 class ShardStats(Struct, frozen=True):
     tensors: int
     bytes: int
+    moved_bytes: int = 0  # tensor bytes moved for the session here so far: in from peers and clients, out to clients
 
 
 class WorkerReport(Struct, frozen=True):

@@ -66,7 +66,7 @@ class WorkerService:
         path = "point_to_point" if request.expected else "client"
         try:
             for chunk in self._pull(key, request):
-                self.telemetry.bytes_moved(path, "out", len(chunk.data))
+                self.telemetry.bytes_moved(path, "out", len(chunk.data), key[0] if path == "client" else "")
                 if chunk.error and not counted:
                     # an error chunk is the last and reads nothing: count it before the reader can see it
                     counted = True
@@ -124,7 +124,7 @@ class WorkerService:
         if refused is not None:
             kind, reason = refused
             raise wire.RemoteError(reason, kind)
-        self.telemetry.bytes_moved("client", "in", tensor.numel() * tensor.element_size())
+        self.telemetry.bytes_moved("client", "in", tensor.numel() * tensor.element_size(), key[0])
         return Ack()
 
     def PullShards(self, request: ShardsRequest) -> Iterator[ShardsChunk]:
@@ -206,7 +206,7 @@ def start_worker(token: str = "", listen: str = "127.0.0.1:0", device: str | tor
     executor = Executor(store, device=device, token=token, **executor_options)  # type: ignore[arg-type]
     telemetry = Telemetry(used_bytes=lambda: store.memory()[0], capacity_bytes=memory_bytes,
                           capped_bytes=lambda: store.memory()[1], batches=lambda: executor.batches,
-                          busy_s=lambda: executor.busy_s)
+                          busy_s=lambda: executor.busy_s, traffic=store.count_traffic)
     telemetry.is_local = executor._is_local
     executor.observe = telemetry.observe
     service = WorkerService(store, executor, telemetry=telemetry)

@@ -103,6 +103,7 @@ class TensorStore:
         self._gen: dict[str, int] = {}  # session -> bumped when it is abandoned: waits on its shards end
         self._moved: set[tuple[str, int]] = set()  # (session, device) that moved away from this worker
         self._rebuilding: set[str] = set()  # sessions whose shards are being rebuilt: client reads wait
+        self._traffic: dict[str, int] = {}  # session -> tensor bytes moved for it here (usage records)
 
     def _set(self, key: Key, value: Shard) -> None:
         self._data[key] = value
@@ -172,6 +173,7 @@ class TensorStore:
             self._moved = {m for m in self._moved if m[0] != session}
             self._rebuilding.discard(session)
             self._caps.pop(session, None)
+            self._traffic.pop(session, None)
             self._cond.notify_all()
             return len(keys)
 
@@ -366,6 +368,12 @@ class TensorStore:
                     return pending
                 self._cond.wait(left_s)
 
+    def count_traffic(self, session: str, n: int) -> None:
+        """`n` tensor bytes moved for `session` here: received from peers or clients, or sent to its client."""
+        if n and "#" not in session:  # backups' namespaces are the controller's business, not the tenant's
+            with self._cond:
+                self._traffic[session] = self._traffic.get(session, 0) + n
+
     def output_bytes(self, session: str, outputs: list[tuple[int, int]]) -> int:
         """Bytes of the shards at (tid, device) of `session` (a profile's output sizes; views count their own)."""
         with self._cond:
@@ -395,4 +403,10 @@ class TensorStore:
             seen = storages.setdefault(session, {})
             if (st := _storage(value)) is not None:
                 seen[st[0]] = st[1]
-        return {s: ShardStats(tensors=n, bytes=sum(storages[s].values())) for s, n in counts.items()}
+        with self._cond:
+            traffic = dict(self._traffic)
+        stats = {s: ShardStats(tensors=n, bytes=sum(storages[s].values()), moved_bytes=traffic.get(s, 0))
+                 for s, n in counts.items()}
+        for s, moved in traffic.items():  # a session with nothing left here still moved bytes
+            stats.setdefault(s, ShardStats(tensors=0, bytes=0, moved_bytes=moved))
+        return stats

@@ -70,7 +70,9 @@ class Telemetry:
 
     def __init__(self, used_bytes: Callable[[], int] = lambda: 0, capacity_bytes: int = 0,
                  capped_bytes: Callable[[], int] = lambda: 0, batches: Callable[[], float] = lambda: 0,
-                 busy_s: Callable[[], float] = lambda: 0.0) -> None:
+                 busy_s: Callable[[], float] = lambda: 0.0,
+                 traffic: Callable[[str, int], None] = lambda session, n: None) -> None:
+        self.traffic = traffic  # per-session bytes for the controller's usage records (store.count_traffic)
         self.registry = CollectorRegistry(auto_describe=True)
         self.profiler = Profiler(busy_s)
         self.is_local: Callable[[str], bool] = lambda address: not address
@@ -107,10 +109,14 @@ class Telemetry:
             moved = received_bytes(cmd, self.is_local) if isinstance(cmd, m.CmdRedistribute) else 0
             if moved:
                 self.moved.labels("point_to_point", "in").inc(moved)
+                self.traffic(session, moved)
         if self.profiler.recording(session):
             self.profiler.record(session, name, cmd, time.time() - (time.perf_counter() - started), seconds,
                                  isinstance(cmd, COMMUNICATION), moved, outputs() if name else 0)
 
-    def bytes_moved(self, path: str, direction: str, n: int) -> None:
+    def bytes_moved(self, path: str, direction: str, n: int, session: str = "") -> None:
+        """`n` bytes moved by the server; `session` for those billed to it (a client's uploads and reads)."""
         if n:
             self.moved.labels(path, direction).inc(n)
+            if session:
+                self.traffic(session, n)

@@ -520,7 +520,7 @@ class ControllerCore:
                                     devices=dict(sorted(s.devices.items())), tensors=len(s.tensors),
                                     queue_position=self.sched.position(s.id), kind=s.kind,
                                     schedule=self.sched.state(s.id), memory_cap=tenants[s.id].cap,
-                                    attained_s=tenants[s.id].service(now))
+                                    attained_s=tenants[s.id].service(now), batches=s.seq)
                     for s in sorted(self.sessions.values(), key=lambda s: s.opened_at)]
         sessions = self.faults.session_status(sessions)
         self._reply(out, e.request_id, m.StatusReply(workers=workers, sessions=sessions, events=self.log.lines(),
