@@ -2,7 +2,9 @@
 
     python integration/_fault_run.py MODE [--workers 3] [--steps 10] [--at 4]
 
-MODE: clean | kill (SIGKILL the worker of logical device 1 after step --at) | stop (SIGSTOP it instead;
+MODE: clean | kill (SIGKILL the worker of logical device 1 after step --at) | kill_in_collective (SIGSTOP it
+after step --at, so the survivors' next all-reduce waits for it, then SIGKILL it half a second later, in the
+middle of that all-reduce) | stop (SIGSTOP it instead;
 SIGCONT it after the run: it must exit, fenced) | drain (drain it, from another thread, while training
 goes on) | migrate (move logical device 1 to the spare worker, idem) | kill2 (SIGKILL two workers at
 once: more than the copies survive). Prints one JSON line: the losses
@@ -45,17 +47,23 @@ def where(device: int) -> str:
     return next(s for s in status.sessions if s.session == session.id).devices[device]
 
 
-def train(mesh, steps: int, at: int, action=None, box=None):
+def train(mesh, steps: int, at: int, action=None, box=None, preload=False):
+    """`preload`: every batch is uploaded before the first step, so a step needs no upload (a stopped worker
+    then holds up the collectives, not the client's uploads)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(5)
+    data = [(torch.randn(12, 8, generator=gen), torch.randn(12, 8, generator=gen)) for _ in range(steps)]
+    if preload:
+        data = [(dtorch.distribute_tensor(x, mesh, [Replicate()]), dtorch.distribute_tensor(y, mesh, [Replicate()]))
+                for x, y in data]
     losses = []
     for step in range(steps):
-        x, y = torch.randn(12, 8, generator=gen), torch.randn(12, 8, generator=gen)
-        xd = dtorch.distribute_tensor(x, mesh, [Replicate()])
-        yd = dtorch.distribute_tensor(y, mesh, [Replicate()])
+        x, y = data[step]
+        xd = x if preload else dtorch.distribute_tensor(x, mesh, [Replicate()])
+        yd = y if preload else dtorch.distribute_tensor(y, mesh, [Replicate()])
         loss = ((model(xd) - yd) ** 2).mean()
         opt.zero_grad()
         loss.backward()
@@ -81,7 +89,8 @@ def main() -> None:
     args = p.parse_args()
     dtorch.connect(args.controller or None, workers=args.workers)
     mesh = dtorch.DeviceMesh("cpu", [0, 1, 2])  # one logical device per worker (a 4th stays spare)
-    clean_losses, clean_weights = train(mesh, args.steps, args.at)
+    preload = args.mode == "kill_in_collective"
+    clean_losses, clean_weights = train(mesh, args.steps, args.at, preload=preload)
     info: dict = {"mode": args.mode}
 
     def kill() -> None:
@@ -101,6 +110,13 @@ def main() -> None:
         info["victim"] = victim
         info["pid"] = worker_pids()[victim]
         os.kill(info["pid"], signal.SIGSTOP)
+
+    def kill_in_collective() -> None:
+        victim = where(1)
+        info["victim"] = victim
+        pid = worker_pids()[victim]
+        os.kill(pid, signal.SIGSTOP)  # it issues nothing more: the survivors' next collective waits for it
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
 
     def kill2() -> None:
         pids = worker_pids()
@@ -136,10 +152,10 @@ def main() -> None:
         in_background(lambda: dtorch.migrate(1, spare, timeout_s=60))
 
     action = {"clean": None, "kill": kill, "stop": stop, "kill2": kill2, "drain": drain, "migrate": migrate,
-              "cli": cli}[args.mode]
+              "cli": cli, "kill_in_collective": kill_in_collective}[args.mode]
     t0 = time.monotonic()
     try:
-        losses, weights = train(mesh, args.steps, args.at, action, box)
+        losses, weights = train(mesh, args.steps, args.at, action, box, preload=preload)
         info["error"] = None
     except Exception as e:  # noqa: BLE001 - the unrecoverable case: one clear line
         losses, weights = [], {}
@@ -162,6 +178,10 @@ def main() -> None:
             info["exit_code"] = None
     status = dtorch.status()
     info["events"] = status.events
+    cluster = runtime._cluster  # None with --controller: the workers' logs are not ours to read
+    info["worker_warnings"] = [line for i in range(len(cluster.procs) - 1)
+                               for line in (cluster.dir / f"worker{i}.log").read_text(errors="replace")
+                               .splitlines() if "WARNING" in line] if cluster is not None else []
     info["workers"] = {w.worker: w.state for w in status.workers}
     info["devices"] = next((s.devices for s in status.sessions if s.session == dtorch.runtime.get_session().id), {})
     print(json.dumps({"clean": [clean_losses, clean_weights], "run": [losses, weights], "info": info}))

@@ -135,13 +135,24 @@ def _serving(address: str, service: str = "") -> bool:
         return False
 
 
-def test_the_manifests_command_lines_run_a_cluster_whose_workers_carry_the_kubernetes_node_name(tmp_path):
-    token = "k8s-test-token"
+def _key(keys: Path, role: str) -> str:
+    """A key made the way deploy/README.md tells the operator to."""
+    out = subprocess.run([sys.executable, "-m", "dtorch_controller", "keys", "create", "--keys", str(keys),
+                          "--role", role], capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def test_the_manifests_command_lines_run_a_cluster_whose_workers_share_their_pods_node(tmp_path):
+    keys = tmp_path / "keys.json"  # the Secret dtorch-keys, mounted where the manifest says
+    admin, worker_key = _key(keys, "admin"), _key(keys, "worker")
     controller_port, worker_port = _free_ports(1), _free_ports(2)
-    controller_env = {"DTORCH_TOKEN": token}
+    manifest_env = {e["name"]: e["value"] for e in container("Deployment", "dtorch-controller")["env"] if "value" in e}
+    controller_env = {"DTORCH_KEYS": str(keys)}
+    assert manifest_env["DTORCH_KEYS"].startswith(
+        container("Deployment", "dtorch-controller")["volumeMounts"][0]["mountPath"] + "/")
     controller_args = _localize(_kubelet_args(container("Deployment", "dtorch-controller"), controller_env),
                                 {"0.0.0.0:50051": f"127.0.0.1:{controller_port}"})
-    worker_env = {"NODE_NAME": "gpu-node-7", "POD_IP": "127.0.0.1", "DTORCH_TOKEN": token}
+    worker_env = {"POD_IP": "127.0.0.1", "DTORCH_API_KEY": worker_key}
     worker_args = _localize(_kubelet_args(container("DaemonSet", "dtorch-worker"), worker_env), {
         "0.0.0.0:50061": f"127.0.0.1:{worker_port}", ":50061": f":{worker_port}",
         "dtorch-controller:50051": f"127.0.0.1:{controller_port}",
@@ -155,14 +166,14 @@ def test_the_manifests_command_lines_run_a_cluster_whose_workers_carry_the_kuber
         assert _serving(address, "liveness") and _serving(address, "dtorch.Controller")
         procs.append(subprocess.Popen([sys.executable, "-m", "dtorch_worker", *worker_args], env=env,
                                       stdout=subprocess.DEVNULL, stderr=(tmp_path / "worker.log").open("wb")))
-        stub = wire.Stub("dtorch.Controller", address, token)
+        stub = wire.Stub("dtorch.Controller", address, admin)
 
         def workers() -> list[m.WorkerStatus]:
             return stub.call("Status", m.StatusRequest(), timeout=5).workers
 
         _wait(lambda: len(workers()) == 2, what="two workers registered: " + (tmp_path / "worker.log").read_text())
-        assert sorted((w.address, w.node, w.labels.get("node")) for w in workers()) == [
-            (f"127.0.0.1:{worker_port + i}", "gpu-node-7", "gpu-node-7") for i in range(2)]
+        assert sorted((w.address, w.node) for w in workers()) == [  # one node: the pod's
+            (f"127.0.0.1:{worker_port + i}", "127.0.0.1") for i in range(2)]
         for i in range(2):
             _wait(lambda i=i: _serving(f"127.0.0.1:{worker_port + i}"), what=f"worker {i} ready")
         stub.close()

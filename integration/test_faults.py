@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import CONTROLLER, start_controller, start_worker, stop_all
+from _helpers import CONTROLLER, Keys, start_controller, start_worker, stop_all
 
 HERE = Path(__file__).parent
 ENV = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
@@ -47,6 +47,19 @@ def test_sigkill_mid_training_is_rebuilt_and_the_results_equal_the_fault_free_ru
     info = result["info"]
     assert info["workers"][info["victim"]] == "lost"
     assert info["victim"] not in info["devices"].values()  # its logical device runs elsewhere now
+    assert any("recovered in" in line for line in info["events"]), info["events"]
+
+
+def test_sigkill_in_the_middle_of_an_all_reduce_neither_hangs_the_survivors_nor_changes_the_results():
+    """The tensor-parallel all-reduces run on gloo groups: the survivors are waiting in one for the (stopped)
+    victim when it is killed; their op fails (connection closed), the rebuild aborts the groups and replays."""
+    result = run("kill_in_collective")
+    assert_same_as_fault_free(result)
+    info = result["info"]
+    assert any("all_reduce" in line and ("by peer" in line or "aborted" in line)
+               for line in info["worker_warnings"]), info["worker_warnings"]  # it was in flight, and it ended
+    assert info["workers"][info["victim"]] == "lost"
+    assert info["victim"] not in info["devices"].values()
     assert any("recovered in" in line for line in info["events"]), info["events"]
 
 
@@ -107,7 +120,8 @@ def _cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.Co
 @pytest.fixture
 def cli_cluster(tmp_path):
     """A controller and 4 workers started with their CLIs, as an operator would."""
-    env = {**ENV, "DTORCH_TOKEN": "fault-token"}
+    keys = Keys.make(tmp_path)
+    env = {**ENV, "DTORCH_KEYS": str(keys.path), "DTORCH_API_KEY": keys.admin}  # the operator's (and client's)
     deadline = time.monotonic() + 60  # one bound for the controller, the workers registering and their logs
     controller, address = start_controller(tmp_path / "addr", env, log=tmp_path / "controller.log",
                                            limit=deadline - time.monotonic(), **_DETACHED)
@@ -115,7 +129,8 @@ def cli_cluster(tmp_path):
     try:
         env["DTORCH_CONTROLLER"] = address
         for i in range(4):
-            procs.append(start_worker(address, env, log=tmp_path / f"worker{i}.log", **_DETACHED))
+            procs.append(start_worker(address, {**env, "DTORCH_API_KEY": keys.worker}, log=tmp_path / f"worker{i}.log",
+                                      **_DETACHED))
         while True:
             status = json.loads(_cli("status", "--json", env=env).stdout)
             if sum(w["state"] == "alive" for w in status["workers"]) == 4:

@@ -36,6 +36,7 @@ SMALL_OPS = 100
 SMALL_BYTES = 4 << 10
 CLIENT_IDLE = 0.70
 CLIENT_WINDOW_S = 0.05
+MOVES = ("redistribute", "collective")  # the workers' records of a redistribution (pieces, collectives)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def build(replies: dict[str, m.ProfileReply], moves: dict[int, Move], missing: I
                 row.comm_s += r.seconds
             else:
                 row.compute_s += r.seconds
-            move = moves.get(r.tid) if r.op == "redistribute" else None
+            move = moves.get(r.tid) if r.op in MOVES else None
             if move is not None:
                 site = sites.setdefault((move.line, move.src_placements, move.dst_placements, move.op),
                                         MoveRow(move.line, move.src_placements, move.dst_placements, move.op))

@@ -6,8 +6,9 @@
     p.export_chrome_trace("step.json")     # open in Perfetto (ui.perfetto.dev) or chrome://tracing
     p.suggestions()                        # the suggestions alone
 
-Entering syncs (nothing earlier is still running) and asks every worker of the cluster to record the session's
-commands; leaving syncs again and collects the records (`Worker.Profile`). Meanwhile the client notes each
+Entering syncs (nothing earlier is still running) and asks every worker holding the session's devices to record
+its commands (`Worker.Profile`, with the session's client capability there: a worker records and returns only
+the commands of the session the capability names); leaving syncs again and collects the records. Meanwhile the client notes each
 redistribution it asks for (from which layout to which, for which op), which the workers' records do not know.
 A worker too old to record (it has no `Profile` service) or unreachable is one line on stderr and one note in the
 table; the profile goes on without it.
@@ -35,6 +36,7 @@ class Profile:
     def __init__(self) -> None:
         self._session: Any = None
         self._stubs: dict[str, wire.Stub] = {}
+        self._caps: dict[str, str] = {}  # worker address -> the session's capability there
         self._moves: dict[int, report.Move] = {}
         self._pending: list[int] = []  # redistributions whose op comes next
         self._missing: list[str] = []
@@ -47,9 +49,10 @@ class Profile:
     def __enter__(self) -> Profile:
         s = self._session = runtime.get_session()
         s.sync()
-        for w in s.status().workers:
-            if w.state in ("alive", "suspect") and w.address not in self._stubs:
-                self._stubs[w.address] = wire.Stub("dtorch.Worker", w.address, s.token)
+        mine = next((x for x in s.status().sessions if x.session == s.id), None)
+        self._caps = dict(mine.caps) if mine is not None else {}
+        for address in self._caps:
+            self._stubs[address] = wire.Stub("dtorch.Worker", address, "", tls=s.tls)
         for address in list(self._stubs):
             if self._call(address, True) is None:
                 self._stubs.pop(address).close()
@@ -76,11 +79,10 @@ class Profile:
     def _call(self, address: str, start: bool) -> m.ProfileReply | None:
         try:
             reply = self._stubs[address].call("Profile", m.ProfileRequest(session=self._session.id, start=start),
-                                              timeout=CALL_TIMEOUT_S)
-        except (wire.RemoteError, wire.ProtocolError, ConnectionError, TimeoutError) as e:
-            unimplemented = "Method not found" in str(e) or "UNIMPLEMENTED" in str(e)
+                                              timeout=CALL_TIMEOUT_S, credential=self._caps.get(address, ""))
+        except (wire.RemoteError, wire.ProtocolError, ConnectionError, TimeoutError, PermissionError) as e:
             line = (f"worker at {address} is too old to report a profile (no Profile service): its time is missing"
-                    if unimplemented else f"worker at {address} did not report its profile: {str(e).splitlines()[0]}")
+                    if isinstance(e, wire.Unimplemented) else f"worker at {address} did not report its profile: {str(e).splitlines()[0]}")
             if line not in self._missing:
                 self._missing.append(line)
                 print(f"dtorch.profile: {line}", file=sys.stderr, flush=True)

@@ -15,6 +15,12 @@ come before the redistribution in the client's instruction order, so every wait
 points back in that one total order and no cycle can form. The wait is still
 bounded (a reader may have been lost): then the write goes ahead with a warning.
 
+Collectives (CmdGroup, CmdCollective; groups.py, collectives.py): a collective is issued when its command runs
+and finishes on its group's lane while the executor goes on; its outputs are `Pending` in the store, so the
+first command that uses one waits for it there (as do peers' pulls and whole-shard copies). A batch counts as
+completed (reported to the controller) only once its collectives are done, and their errors are reported
+with it. Why the waits cannot deadlock across sessions: groups.py, rule 4.
+
 Memory caps: a session packed with others onto this device carries its cap on every Execute. A command that
 makes a capped session hold more than its cap here (created or grown shards: runs, creates, redistributions,
 restores) fails like any other: its outputs become Poison with a "memory cap exceeded" report, which frees
@@ -24,10 +30,12 @@ them. Peaks inside one command (temporaries, all devices' results before they ar
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import lru_cache
 from typing import Any
@@ -39,10 +47,12 @@ from dtorch_protocol.messages import (
     Cmd,
     CmdAbandon,
     CmdCloseSession,
+    CmdCollective,
     CmdCreate,
     CmdDelete,
     CmdExpectReads,
     CmdFetchShards,
+    CmdGroup,
     CmdRebuilt,
     CmdRedistribute,
     CmdRun,
@@ -51,15 +61,19 @@ from dtorch_protocol.messages import (
     ErrorKind,
     ErrorReport,
     Execute,
+    GroupOp,
     Piece,
     PullRequest,
     ShardPlan,
     ShardsRequest,
 )
+from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import decode_value, dtype_from_name
-from dtorch_worker import shards
-from dtorch_worker.ops import resolve_op
-from dtorch_worker.store import Poison, ShardMissing, TensorStore, cap_message, describe
+from dtorch_worker import collectives, hygiene, shards
+from dtorch_worker.device import backend_for
+from dtorch_worker.groups import GroupError, Groups
+from dtorch_worker.ops import prepare_args, resolve_op
+from dtorch_worker.store import Pending, Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
 
 log = logging.getLogger("dtorch_worker.executor")
@@ -105,6 +119,14 @@ def narrow_box(t: torch.Tensor, box: Sequence[Sequence[int]]) -> torch.Tensor:
     return t
 
 
+MAX_AHEAD_PER_SESSION = 1024  # batches of one session waiting behind a batch number that has not arrived
+MAX_AHEAD = 8192  # ... of all sessions together
+
+
+class BatchRefused(ValueError):
+    """A batch the executor will not queue; str() is the one-line reason the controller gets."""
+
+
 class MemoryCapExceeded(Exception):
     """A command took its session over its memory cap on this worker; str() is the one-line report."""
 
@@ -112,22 +134,24 @@ class MemoryCapExceeded(Exception):
 class Executor:
     """Owns the executor thread, the ordering buffer and the error queue of one worker."""
 
-    def __init__(self, store: TensorStore, device: str | torch.device = "cpu", token: str = "",
+    def __init__(self, store: TensorStore, device: str | torch.device = "cpu", tls: Tls | None = None,
                  on_complete: Callable[[int], None] | None = None, input_timeout_s: float = 10.0,
                  pull_timeout_s: float = 60.0, fetch_threads: int = 8, first_seq: int = 1,
                  reads_timeout_s: float = 60.0) -> None:
         self.store = store
-        self.device = torch.device(device)
+        self.backend = backend_for(device)  # the only door to the hardware (device.py)
+        self.device = self.backend.device
         self.on_complete = on_complete
         self.input_timeout_s = input_timeout_s
         self.pull_timeout_s = pull_timeout_s
         self.reads_timeout_s = reads_timeout_s  # bound on holding an in-place write for peers' reads
         self.address = ""  # our own server address: pieces naming it are read locally
-        self.peers = PeerPool(token)
+        self.peers = PeerPool(tls, self.backend)
         self._fetch_pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="dtorch-fetch")
         self._cond = threading.Condition()
         self._pending: dict[int, Execute] = {}
-        self._completed = first_seq - 1
+        self._executed = first_seq - 1  # highest seq whose commands ran (their collectives may be in flight)
+        self._inflight: dict[int, int] = {}  # batch seq -> collectives of it still in flight
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._errors: dict[str, list[ErrorReport]] = {}
@@ -135,17 +159,32 @@ class Executor:
         self._skip_below: dict[str, int] = {}  # session -> batches below this seq were abandoned (CmdAbandon)
         self._seq = 0  # the batch running now
         self.busy_s = 0.0  # seconds spent running batches (utilization)
+        self.groups = Groups(self.backend)  # process groups with other workers (CmdGroup)
+        self.buffers = collectives.BufferPool()  # scratch buffers of collectives, reused
+        # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
+        self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
+        self.pulled_bytes = 0  # tensor bytes pulled from peers (pieces)
         self.batches = 0  # batches run
         # told (session, cmd, started, ended, output bytes) after each command: metrics and profiles (telemetry.py)
         self.observe: Callable[[str, Cmd, float, float, Callable[[], int]], None] | None = None
+        # told (session, dst tensor, bytes) when a collective op of a redistribution into dst received them
+        self.on_received: Callable[[str, int, int], None] | None = None
 
     # ------------------------------------------------------------ ordering
 
     @property
     def completed(self) -> int:
-        """Highest seq finished (batches finish in seq order)."""
+        """Highest seq finished, its collectives included (batches finish in seq order)."""
         with self._cond:
-            return self._completed
+            return self._done()
+
+    def _done(self) -> int:
+        return min(self._inflight) - 1 if self._inflight else self._executed
+
+    @property
+    def received_bytes(self) -> int:
+        """Tensor bytes received from other workers: pulled pieces and collectives."""
+        return self.pulled_bytes + self.groups.received
 
     def start(self) -> Executor:
         if self._thread is None:
@@ -154,15 +193,17 @@ class Executor:
         return self
 
     def submit(self, batch: Execute) -> bool:
-        """Queue a batch for its turn; False for a duplicate (already done or already queued).
+        """Queue a batch for its turn; False for a duplicate (already done or already queued), which the
+        Execute handler answers as an error: batch numbers come from the controller alone, once each.
 
         A batch with a CmdAbandon acts on arrival: the session's earlier batches are skipped, and whatever
         the session is waiting for now (shards, peers' reads, pulls) ends, so its rebuild starts promptly.
         """
         abandon = next((c for c in batch.cmds if isinstance(c, CmdAbandon)), None)
         with self._cond:
-            if self._stopped or batch.seq <= self._completed or batch.seq in self._pending:
+            if self._stopped or batch.seq <= self._executed or batch.seq in self._pending:
                 return False
+            self._check_ahead(batch)
             self._pending[batch.seq] = batch
             if abandon is not None:
                 self._skip_below[batch.session] = max(self._skip_below.get(batch.session, 0), batch.seq)
@@ -172,12 +213,29 @@ class Executor:
         self.store.set_cap(batch.session, batch.memory_cap)  # known at once: client uploads are checked too
         return True
 
+    def _check_ahead(self, batch: Execute) -> None:
+        """Out-of-order batches are bounded per session: a batch arriving behind a gap in the numbering waits in
+        memory until the gap fills, and the controller never leaves gaps for long (every seq it assigns is sent),
+        so more than MAX_AHEAD_PER_SESSION of them means a lost batch: refused, the controller hears of it."""
+        gap = self._executed + 1
+        while gap in self._pending:
+            gap += 1
+        if batch.seq <= gap:
+            return
+        waiting = [b.session for seq, b in self._pending.items() if seq > gap]
+        ahead = waiting.count(batch.session)
+        if ahead >= MAX_AHEAD_PER_SESSION or len(waiting) >= MAX_AHEAD:
+            raise BatchRefused(f"batch {batch.seq} refused: {ahead} batches of session {batch.session[:8]} "
+                               f"({len(waiting)} in all) already wait behind batch {gap}, which never arrived "
+                               f"(limits {MAX_AHEAD_PER_SESSION} per session, {MAX_AHEAD} in all)")
+
     def _abandon_now(self, session: str, cmd: CmdAbandon) -> None:
         with self._errors_lock:
             self._errors.pop(session, None)  # reports of abandoned work: nobody wants them
         self.peers.fence(cmd.lost)
         self.store.abandon(session)
         self.peers.cancel(session)
+        self.groups.abort(session)  # collectives in flight end now; their groups are fenced
 
     def _abandoned(self, session: str, seq: int) -> bool:
         with self._cond:
@@ -186,8 +244,8 @@ class Executor:
     def wait_completed(self, seq: int, timeout: float) -> bool:
         """Block until batch `seq` has finished (tests and shutdown use it)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._completed >= seq or self._stopped, timeout) \
-                and self._completed >= seq
+            return self._cond.wait_for(lambda: self._done() >= seq or self._stopped, timeout) \
+                and self._done() >= seq
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop after the current command; queued batches are dropped."""
@@ -199,6 +257,7 @@ class Executor:
             self._thread.join(timeout)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.peers.close()
+        self.groups.stop()
 
     @property
     def stopped(self) -> bool:
@@ -206,27 +265,29 @@ class Executor:
             return self._stopped
 
     def _loop(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current CUDA device is per thread
+        self.backend.activate()  # the current device is per thread
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self._completed + 1 in self._pending)
+                self._cond.wait_for(lambda: self._stopped or self._executed + 1 in self._pending)
                 if self._stopped:
                     return
-                batch = self._pending.pop(self._completed + 1)
+                batch = self._pending.pop(self._executed + 1)
             started = time.monotonic()
             if not self._abandoned(batch.session, batch.seq):
                 self.run_batch(batch)
             self.busy_s += time.monotonic() - started
             self.batches += 1
             with self._cond:
-                self._completed = batch.seq
+                self._executed = batch.seq
                 self._cond.notify_all()
-            if self.on_complete is not None:
-                try:
-                    self.on_complete(batch.seq)
-                except Exception:  # a reporting hiccup must not kill execution
-                    log.exception("on_complete callback failed")
+            self._poke(batch.seq)
+
+    def _poke(self, seq: int) -> None:
+        if self.on_complete is not None:
+            try:
+                self.on_complete(seq)
+            except Exception:  # a reporting hiccup must not kill execution
+                log.exception("on_complete callback failed")
 
     # ------------------------------------------------------------ errors
 
@@ -244,10 +305,11 @@ class Executor:
             for session, reports in errors.items():
                 self._errors[session] = list(reports) + self._errors.get(session, [])
 
-    def _record(self, session: str, report: ErrorReport) -> None:
-        if self._abandoned(session, self._seq):
+    def _record(self, session: str, report: ErrorReport, seq: int | None = None) -> None:
+        seq = self._seq if seq is None else seq  # a collective finishing later reports under its own batch
+        if self._abandoned(session, seq):
             return  # the command was cut short by a rebuild: its failure means nothing
-        report = msgspec.structs.replace(report, seq=self._seq)
+        report = msgspec.structs.replace(report, seq=seq)
         with self._errors_lock:
             self._errors.setdefault(session, []).append(report)
 
@@ -257,6 +319,7 @@ class Executor:
         """Run every command of a batch now, in order, on the calling thread."""
         self._seq = batch.seq
         self.store.set_cap(batch.session, batch.memory_cap)
+        self.peers.grant(batch.session, batch.caps)
         for cmd in batch.cmds:
             started = time.perf_counter()
             self.run_command(batch.session, cmd)
@@ -289,8 +352,14 @@ class Executor:
                     for device in cmd.devices:
                         self.store.delete((session, tid, device))
             elif isinstance(cmd, CmdCloseSession):
+                self.groups.close(session)
                 self.store.drop_session(session)
                 self.store.drop_derived(session)
+                self.peers.forget(session)
+            elif isinstance(cmd, CmdGroup):
+                self.groups.join(session, cmd)
+            elif isinstance(cmd, CmdCollective):
+                self._collective(session, cmd)
             elif isinstance(cmd, CmdSendShards):
                 self._send_shards(session, cmd)
             elif isinstance(cmd, CmdFetchShards):
@@ -336,11 +405,14 @@ class Executor:
         dtype = dtype_from_name(cmd.dtype)
         shape = list(cmd.shape)
         boxes = {dev: (box, check_box(shape, box)) for dev, box in cmd.boxes.items()}
+        cap = self.store.cap(session)
+        if cap and (new := sum(math.prod(b) for _, b in boxes.values()) * dtype.itemsize) > cap:
+            raise MemoryCapExceeded(cap_message(new, cap))  # before allocating: it could never fit
         zero = set(cmd.zero)
         full: torch.Tensor | None = None
         if cmd.init in RANDOM_INITS and any(dev not in zero for dev in boxes):
             # The whole tensor from the seed, then each box: values never depend on mesh or placements.
-            g = torch.Generator().manual_seed(cmd.seed)
+            g = self.backend.generator(cmd.seed)
             maker = torch.rand if cmd.init == "rand" else torch.randn
             full = maker(shape, generator=g, dtype=dtype)
         elif cmd.init == "arange":
@@ -371,10 +443,7 @@ class Executor:
     # run -------------------------------------------------------------------
 
     def _rng(self, seed: int | None) -> Any:
-        if seed is None:
-            return nullcontext()
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        return _Seeded(seed, devices)
+        return nullcontext() if seed is None else self.backend.seeded(seed)
 
     def _run(self, session: str, cmd: CmdRun) -> None:
         op = resolve_op(cmd.op)
@@ -387,12 +456,14 @@ class Executor:
             def resolve(tid: int, device: int = device) -> torch.Tensor:
                 return self._input(session, tid, device)
 
-            a = decode_value(list(args), resolve, self.device)
+            a = prepare_args(cmd.op, decode_value(list(args), resolve, self.device))
             k = {key: decode_value(v, resolve, self.device) for key, v in (kwargs or {}).items()}
             self._wait_reads(cmd.op, [t for i, name in written_args(op) for t in _tensors(
                 a[i] if i < len(a) else k.get(name))])
+            before = hygiene.sizes_before(cmd.op, (a, k))
             with self._rng(cmd.seed):
                 flat = flatten(op(*a, **k))
+            hygiene.scrub(cmd.op, flat, before)  # no bytes another session left behind
             if len(cmd.outs) > len(flat):
                 raise ValueError(f"{cmd.op} returned {len(flat)} outputs, expected {len(cmd.outs)}")
             for i, tid in enumerate(cmd.outs):
@@ -441,8 +512,8 @@ class Executor:
             for tid, dev, shard in shards.clone(items, device):
                 self.store.put((cmd.namespace, tid, dev), shard)
             return
-        stream = shards.chunks(shards.pack(items), namespace=cmd.namespace, sender=self.address, host=cmd.host,
-                               move=list(cmd.move))
+        stream = shards.chunks(shards.pack(items), backend=self.backend, namespace=cmd.namespace,
+                               sender=self.address, host=cmd.host, move=list(cmd.move))
         self.peers.put_shards(cmd.to, stream, session)
         for tid, device, _shard in items:  # uploads not adopted yet have no readers here: they moved
             if (tid, device) not in listed:
@@ -457,7 +528,7 @@ class Executor:
             # copies are complete before the controller names them: nothing to wait for
             got = self.peers.pull_shards(cmd.address, ShardsRequest(session=cmd.namespace, devices=cmd.devices,
                                                                     timeout_s=0.0, move=list(cmd.move)),
-                                         session, self.device)
+                                         session)
         for tid, dev, shard in got:
             self.store.put((session, tid, dev), shard)
         if cmd.move:  # the devices are here again (they may have left this worker before)
@@ -491,9 +562,118 @@ class Executor:
             if not bufs:
                 made[dev] = torch.zeros(list(plan.shape), dtype=dtype, device=self.device)
             else:
-                made[dev] = _reduce(bufs, plan.reduce)
+                made[dev] = collectives.reduce_in_order(bufs, plan.reduce)
         for dev, t in made.items():
             self.store.put((session, cmd.dst, dev), t)
+
+    # collectives -----------------------------------------------------------
+
+    def _collective(self, session: str, cmd: CmdCollective) -> None:
+        """Run a redistribution's collective steps in order; the last one is left in flight (first use waits).
+
+        A poisoned or missing input does not stop this worker from taking part (its peers would wait for it): it
+        contributes zeros flagged as poison, and every output built from them is poisoned (collectives.py, rule 5).
+        """
+        if not cmd.steps:
+            raise ValueError("a collective redistribution needs at least one step")
+        dtype = dtype_from_name(cmd.dtype)
+        devices = sorted({d for op in cmd.steps[0].ops for d in op.devices.values()})
+        current: dict[int, torch.Tensor] = {}
+        poisoned: dict[int, ErrorReport] = {}
+        for d in devices:
+            try:
+                current[d] = self._input(session, cmd.src, d)
+            except PoisonedInput as e:
+                poisoned[d] = e.report
+            except ShardMissing as e:
+                poisoned[d] = ErrorReport(op="redistribute", src=cmd.src_line, message=str(e), tid=cmd.dst)
+                self._record(session, poisoned[d])
+            if d in poisoned:
+                if d not in cmd.in_shapes:
+                    raise ValueError(f"no shape for logical device {d} of tensor {cmd.src}")
+                current[d] = torch.zeros(list(cmd.in_shapes[d]), dtype=dtype, device=self.device)
+        for k, step in enumerate(cmd.steps):
+            what = f"{step.kind} of tensor {cmd.src} into {cmd.dst}"
+            done = collectives.Result()
+            flying = []
+            for op in step.ops:
+                finish = collectives.prepare(step, op, current, poisoned, dtype, self.buffers,
+                                             self.backend.gather_by_all_to_all(len(op.layout)))
+                if op.group:
+                    flying.append((op, self.groups.submit(session, op, what, self._counted(session, cmd.dst, finish))))
+                else:
+                    _merge(done, finish(collectives.LocalCtx(poisoned)))
+            if k == len(cmd.steps) - 1:
+                return self._issue(session, cmd, what, done, flying)
+            for op, future in flying:  # an intermediate step: the next one packs its outputs
+                _merge(done, future.result(timeout=self.groups.bound(session, op)))
+            current, poisoned = done.outputs, done.poisoned
+
+    def _counted(self, session: str, dst: int, finish: collectives.Finish) -> collectives.Finish:
+        """`finish`, telling `on_received` what its collective op received (metrics, profiles, usage)."""
+        on_received = self.on_received
+        if on_received is None:
+            return finish
+
+        def run(ctx: Any) -> collectives.Result:
+            try:
+                return finish(ctx)
+            finally:
+                if ctx.received:
+                    on_received(session, dst, ctx.received)
+        return run
+
+    def _issue(self, session: str, cmd: CmdCollective, what: str, done: collectives.Result,
+               flying: list[tuple[GroupOp, Future]]) -> None:
+        """Store what is done; the outputs of ops in flight are Pending until their lanes finish them."""
+        for d, t in done.outputs.items():
+            self.store.put((session, cmd.dst, d), Poison(done.poisoned[d]) if d in done.poisoned else t)
+        seq = self._seq
+        itemsize = dtype_from_name(cmd.dtype).itemsize
+        for op, future in flying:
+            deadline = time.monotonic() + self.groups.bound(session, op)
+            pendings = {(session, cmd.dst, d): Pending(_volume(cmd.out_shapes.get(d, [])) * itemsize, deadline, what)
+                        for d in op.devices.values()}
+            for key, pending in pendings.items():
+                self.store.put(key, pending)
+            with self._cond:
+                self._inflight[seq] = self._inflight.get(seq, 0) + 1
+            future.add_done_callback(lambda f, pendings=pendings: self._landed(session, seq, cmd, what, pendings, f))
+            if self.sync_collectives:
+                for pending in pendings.values():
+                    pending.done.wait(max(deadline - time.monotonic(), 0.0))
+
+    def _landed(self, session: str, seq: int, cmd: CmdCollective, what: str, pendings: dict, future: Future) -> None:
+        """A collective in flight finished (or failed, or was cancelled): its outputs, its errors, then progress."""
+        try:
+            if future.cancelled():
+                raise RuntimeError(f"{what} was cancelled: the session is being rebuilt")
+            result = future.result()
+            for key in pendings:
+                d = key[2]
+                if d not in result.poisoned and list(result.outputs[d].shape) != list(cmd.out_shapes.get(d, [])):
+                    raise RuntimeError(f"{what} made a shard of shape {list(result.outputs[d].shape)} for logical "
+                                       f"device {d}, expected {cmd.out_shapes.get(d)}")
+            for key, pending in pendings.items():
+                d = key[2]
+                self.store.resolve(key, pending, Poison(result.poisoned[d]) if d in result.poisoned
+                                   else result.outputs[d])
+        except Exception as e:  # noqa: BLE001 - becomes the user's error report, as for any command
+            report = ErrorReport(op="redistribute", src=cmd.src_line, message=str(e) if isinstance(e, GroupError)
+                                 else one_line(e), tid=cmd.dst, seq=seq)
+            for key, pending in pendings.items():
+                self.store.resolve(key, pending, Poison(report))
+            log.warning("session %s: %s", session[:8], report.message)
+            self._record(session, report, seq)
+        finally:
+            for pending in pendings.values():
+                pending.done.set()
+            with self._cond:
+                self._inflight[seq] -= 1
+                if not self._inflight[seq]:
+                    del self._inflight[seq]
+                self._cond.notify_all()
+            self._poke(seq)
 
     def _is_local(self, address: str) -> bool:
         return not address or address == self.address
@@ -504,7 +684,9 @@ class Executor:
         def fetch(piece: Piece, dst: torch.Tensor) -> None:
             req = PullRequest(session=session, tid=src, device=piece.device, offset=list(piece.src_offset),
                               size=list(piece.size), timeout_s=self.pull_timeout_s, expected=True, dst=dst_tid)
-            dst.copy_(self.peers.pull(piece.address, req))
+            got = self.peers.pull(piece.address, req)
+            dst.copy_(got)
+            self.pulled_bytes += got.numel() * got.element_size()
 
         futures = [self._fetch_pool.submit(fetch, piece, dst) for piece, dst in jobs]
         first: BaseException | None = None
@@ -517,46 +699,11 @@ class Executor:
             raise first
 
 
-class _Seeded:
-    """Run under torch.manual_seed(seed) and restore the global RNG state afterwards."""
-
-    def __init__(self, seed: int, cuda_devices: list[int]) -> None:
-        self._fork = torch.random.fork_rng(devices=cuda_devices)
-        self.seed = seed
-
-    def __enter__(self) -> None:
-        self._fork.__enter__()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc: object) -> None:
-        self._fork.__exit__(*exc)
-
-
 def _volume(size: Sequence[int]) -> int:
     n = 1
     for s in size:
         n *= s
     return n
-
-
-def _reduce(bufs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """Combine the groups of a plan (Partial -> value): sum, avg, max or min, in group order."""
-    acc = bufs[0]
-    if op in ("sum", "avg"):
-        for b in bufs[1:]:
-            acc.add_(b)
-        if op == "avg" and len(bufs) > 1:
-            if acc.is_floating_point() or acc.is_complex():
-                acc.div_(len(bufs))
-            else:
-                acc = torch.div(acc, len(bufs), rounding_mode="trunc")
-        return acc
-    if op in ("max", "min"):
-        fn = torch.maximum if op == "max" else torch.minimum
-        for b in bufs[1:]:
-            acc = fn(acc, b)
-        return acc
-    raise ValueError(f"unknown reduce op {op!r}")
 
 
 @lru_cache(maxsize=4096)
@@ -575,6 +722,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _merge(into: collectives.Result, more: collectives.Result) -> None:
+    into.outputs.update(more.outputs)
+    into.poisoned.update(more.poisoned)
+
+
 def _kind(cmd: Cmd) -> ErrorKind:
     """A failed copy between workers (a snapshot's, an upload backup's, a move's) is COPY: the controller reacts to
     it and never shows it; any other failed command is an OP error the user sees."""
@@ -589,7 +741,7 @@ def _describe(cmd: Cmd) -> tuple[str, str, list[int]]:
         return cmd.op, cmd.src, [t for t in cmd.outs if t is not None]
     if isinstance(cmd, CmdCreate):
         return "create", cmd.src, [cmd.tid]
-    if isinstance(cmd, CmdRedistribute):
+    if isinstance(cmd, (CmdRedistribute, CmdCollective)):
         return "redistribute", cmd.src_line, [cmd.dst]
     if isinstance(cmd, CmdSendShards):
         return f"copy shards to {cmd.to or 'this worker'} ({cmd.namespace})", "", []
@@ -609,6 +761,8 @@ def _outputs(cmd: Cmd) -> list[tuple[int, int]]:
         return [(cmd.tid, d) for d in cmd.boxes]
     if isinstance(cmd, CmdRedistribute):
         return [(cmd.dst, d) for d in cmd.plans]
+    if isinstance(cmd, CmdCollective):
+        return [(cmd.dst, d) for op in (cmd.steps[-1].ops if cmd.steps else []) for d in op.devices.values()]
     if isinstance(cmd, CmdFetchShards):
         return [(t, d) for d, tids in cmd.devices.items() for t in tids]
     return []

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from dtorch_protocol import messages as m
 
 MAX_RECORDS = 200_000
@@ -26,12 +28,13 @@ class _Window:
     records: list[m.OpRecord] = field(default_factory=list)
     dropped: int = 0
     session_s: float = 0.0  # every command of the session, recorded or not (deletes, announced reads)
+    landed: dict[int, int] = field(default_factory=dict)  # dst -> bytes its collectives received (after they ran)
 
 
 def first_output(cmd: m.Cmd) -> int:
     if isinstance(cmd, m.CmdRun):
         return next((t for t in cmd.outs if t is not None), -1)
-    if isinstance(cmd, m.CmdRedistribute):
+    if isinstance(cmd, (m.CmdRedistribute, m.CmdCollective)):
         return cmd.dst
     if isinstance(cmd, m.CmdCreate):
         return cmd.tid
@@ -39,7 +42,7 @@ def first_output(cmd: m.Cmd) -> int:
 
 
 def source_line(cmd: m.Cmd) -> str:
-    if isinstance(cmd, m.CmdRedistribute):
+    if isinstance(cmd, (m.CmdRedistribute, m.CmdCollective)):
         return cmd.src_line
     return getattr(cmd, "src", "") if isinstance(cmd, (m.CmdRun, m.CmdCreate)) else ""
 
@@ -51,6 +54,8 @@ def devices(cmd: m.Cmd) -> int:
         return len(cmd.boxes)
     if isinstance(cmd, m.CmdRedistribute):
         return len(cmd.plans)
+    if isinstance(cmd, m.CmdCollective):
+        return len(cmd.out_shapes)
     return 0
 
 
@@ -72,8 +77,18 @@ class Profiler:
             w = self._windows.pop(session, None)
         if w is None:
             return m.ProfileReply(message="no profile was started for this session on this worker")
+        if w.landed:  # a collective's bytes are known once its ops ran on their lanes, after its command
+            w.records = [msgspec.structs.replace(r, moved_bytes=r.moved_bytes + w.landed.pop(r.tid))
+                         if r.op == "collective" and r.tid in w.landed else r for r in w.records]
         return m.ProfileReply(records=w.records, started=w.opened, window_s=time.monotonic() - w.opened_mono,
                               busy_s=self._busy_s() - w.busy_then, session_s=w.session_s, dropped=w.dropped)
+
+    def received(self, session: str, dst: int, n: int) -> None:
+        """A collective of the recorded session's redistribution into `dst` received `n` bytes."""
+        with self._lock:
+            w = self._windows.get(session)
+            if w is not None:
+                w.landed[dst] = w.landed.get(dst, 0) + n
 
     def record(self, session: str, name: str, cmd: m.Cmd, started: float, seconds: float, comm: bool, moved: int,
                out_bytes: int) -> None:

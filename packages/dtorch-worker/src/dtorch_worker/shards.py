@@ -10,7 +10,8 @@ Rules:
 3. A poisoned shard travels as its ErrorReport and arrives poisoned.
 4. Conjugate/negative-bit views are materialized (they lose their aliasing); nothing else is changed.
 5. Streams (`chunks` / `Receiver`) are one header message listing views and storage sizes, then the
-   storages' raw bytes in order, in pieces of at most wire.CHUNK_BYTES.
+   storages' raw bytes in order, in pieces of at most wire.CHUNK_BYTES. Both ends copy through host buffers of
+   the device backend (pinned on a GPU), never numpy.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy
 import torch
 
 from dtorch_protocol import wire
 from dtorch_protocol.messages import ShardsChunk, ShardView
 from dtorch_protocol.values import dtype_from_name, dtype_name
+from dtorch_worker.device import CPU, DeviceBackend, host_bytes
 from dtorch_worker.store import Poison, Shard
 
 Item = tuple[int, int, Shard]  # (tid, logical device, shard)
@@ -99,31 +100,28 @@ def clone(items: Iterable[Item], device: torch.device | str) -> list[Item]:
     return unpack(packed.views, copies, device)
 
 
-def _byte_view(u8: torch.Tensor) -> memoryview:
-    if u8.device.type != "cpu":
-        u8 = u8.cpu()
-    if u8.numel() == 0:
-        return memoryview(b"")
-    return memoryview(u8.numpy()).cast("B")
-
-
-def chunks(packed: Packed, chunk_bytes: int = wire.CHUNK_BYTES, **header: object) -> Iterator[ShardsChunk]:
+def chunks(packed: Packed, chunk_bytes: int = wire.CHUNK_BYTES, backend: DeviceBackend = CPU,
+           **header: object) -> Iterator[ShardsChunk]:
     """The stream for `packed`: a header (with `header` fields, e.g. namespace for PutShards), then bytes."""
     yield ShardsChunk(views=packed.views, storages=[s.numel() for s in packed.storages], **header)  # type: ignore[arg-type]
     for s in packed.storages:
         if s.numel() == 0:
             continue
-        view = _byte_view(s)
+        view = host_bytes(backend.to_host(s))
         for start in range(0, len(view), chunk_bytes):
             yield ShardsChunk(data=view[start:start + chunk_bytes])  # type: ignore[arg-type]  # msgspec encodes views
 
 
 class Receiver:
-    """Assembles a ShardsChunk stream into preallocated storages; `header` is the first message."""
+    """Assembles a ShardsChunk stream into preallocated host storages (pinned for a GPU); `header` is the first
+    message."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: DeviceBackend = CPU, max_bytes: int = 0) -> None:
+        self.backend = backend
+        self.max_bytes = max_bytes  # bound on the storages a header may announce (0: none)
         self.header: ShardsChunk | None = None
         self.storages: list[torch.Tensor] = []
+        self._views: list[memoryview] = []
         self._i = 0
         self._pos = 0
 
@@ -131,17 +129,25 @@ class Receiver:
         if chunk.error:
             raise RuntimeError(chunk.error)
         if self.header is None:
+            if any(n < 0 for n in chunk.storages):
+                raise ValueError(f"negative storage size in {chunk.storages[:8]}")
+            if self.max_bytes and sum(chunk.storages) > self.max_bytes:
+                raise ValueError(f"the shards announce {sum(chunk.storages)} bytes, over the {self.max_bytes} this "
+                                 "worker accepts")
             self.header = chunk
-            self.storages = [torch.empty(n, dtype=torch.uint8) for n in chunk.storages]
+            # copies kept in host memory (backups) need no pinning: pinned memory is for copies to the device
+            alloc = CPU.host_buffer if chunk.host else self.backend.host_buffer
+            self.storages = [alloc(n) for n in chunk.storages]
+            self._views = [host_bytes(s) for s in self.storages]
             self._skip_empty()
             return
         data = memoryview(chunk.data)
         while len(data):
             if self._i >= len(self.storages):
                 raise ValueError("more shard bytes than the header announced")
-            dst = self.storages[self._i].numpy()
-            n = min(len(data), dst.size - self._pos)
-            dst[self._pos:self._pos + n] = numpy.frombuffer(data[:n], dtype=numpy.uint8)
+            dst = self._views[self._i]
+            n = min(len(data), len(dst) - self._pos)
+            dst[self._pos:self._pos + n] = data[:n]
             self._pos += n
             data = data[n:]
             self._skip_empty()
@@ -151,16 +157,18 @@ class Receiver:
             self._i += 1
             self._pos = 0
 
-    def finish(self, device: torch.device | str) -> tuple[ShardsChunk, list[Item]]:
+    def finish(self, host: bool = False) -> tuple[ShardsChunk, list[Item]]:
+        """The header and the shards, on the backend's device (in host memory with `host`)."""
         if self.header is None:
             raise ValueError("empty shard stream")
         if self._i < len(self.storages):
             raise ValueError(f"shard stream ended early: storage {self._i} of {len(self.storages)} incomplete")
-        return self.header, unpack(self.header.views, self.storages, device)
+        storages = self.storages if host else [self.backend.to_device(s) for s in self.storages]
+        return self.header, unpack(self.header.views, storages, "cpu" if host else self.backend.device)
 
 
-def receive(stream: Iterable[ShardsChunk], device: torch.device | str) -> tuple[ShardsChunk, list[Item]]:
-    r = Receiver()
+def receive(stream: Iterable[ShardsChunk], backend: DeviceBackend = CPU) -> tuple[ShardsChunk, list[Item]]:
+    r = Receiver(backend)
     for chunk in stream:
         r.add(chunk)
-    return r.finish(device)
+    return r.finish()

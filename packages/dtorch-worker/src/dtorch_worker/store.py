@@ -9,6 +9,10 @@ The store also counts the peers' planned reads of each shard (CmdExpectReads add
 the expected ones, the Pull handler marks them served), so the executor can hold an
 in-place write to a shard's storage until the reads announced before it are done.
 
+A shard a collective is still writing (the last step of a CmdCollective, in flight on a group's lane) is a
+`Pending`: `get` waits for it (its first use), bounded, then returns the tensor or its Poison; `peek` sees
+nothing there yet.
+
 Memory caps: the store keeps each session's cap on this worker (the latest Execute's `memory_cap`, set for
 packed leases only) and counts the bytes a session's shards hold here, a storage shared by views once (as
 `stats` does), so the executor can fail commands, and the Put handler refuse uploads, that would take a
@@ -19,11 +23,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
+from dtorch_protocol.wire import call_ended
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
 Storage = tuple[tuple[str, int], int]  # (identity: device and address, byte size) of a shard's storage
@@ -34,6 +39,16 @@ class Poison:
     """Stands in for a shard whose producing op failed; carries the original report."""
 
     report: ErrorReport
+
+
+@dataclass(eq=False)
+class Pending:
+    """A shard a collective still writes; `done` is set once the entry holds the tensor or its Poison."""
+
+    nbytes: int  # what it will hold (memory caps count it from the start)
+    deadline: float  # monotonic time after which readers stop waiting (the op is bounded well before)
+    what: str  # the op, for messages
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 Shard = torch.Tensor | Poison
@@ -80,8 +95,10 @@ def cap_message(held: int, cap: int) -> str:
     return f"memory cap exceeded: session holds {a} on this worker, over its cap of {b} per device"
 
 
-def _storage(value: Shard) -> Storage | None:
+def _storage(value: Shard | Pending) -> Storage | None:
     """(identity, byte size) of a shard's storage, or None for a poisoned one; views of one storage share it."""
+    if isinstance(value, Pending):
+        return ("pending", id(value)), value.nbytes
     if not isinstance(value, torch.Tensor):
         return None
     storage = value.untyped_storage()
@@ -119,19 +136,41 @@ class TensorStore:
                     del self._by_session[key[0]]
         return value
 
+    def wake(self) -> None:
+        """Wake every wait on this store to look again (a call it serves ended: `wire.on_call_end`)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def put(self, key: Key, value: Shard) -> None:
         with self._cond:
             self._set(key, value)
             self._cond.notify_all()
 
     def peek(self, key: Key) -> Shard | None:
-        """The shard now, or None; never waits."""
+        """The shard now, or None (also while a collective still writes it); never waits."""
         with self._cond:
-            return self._data.get(key)
+            value = self._data.get(key)
+            return None if isinstance(value, Pending) else value
+
+    def resolve(self, key: Key, pending: Pending, value: Shard) -> None:
+        """A collective finished `key`: store its tensor or Poison, unless the entry was deleted or replaced."""
+        with self._cond:
+            if self._data.get(key) is pending:
+                self._set(key, value)
+                self._cond.notify_all()
 
     def get(self, key: Key, timeout: float = 0.0) -> Shard:
-        """The shard, waiting up to `timeout` seconds for it to appear; raises ShardMissing."""
+        """The shard, waiting up to `timeout` seconds for it to appear, and for a collective still writing it
+        (bounded by the op's own deadline); raises ShardMissing."""
         deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            value = self._get(key, deadline, timeout)
+            if not isinstance(value, Pending):
+                return value
+            if not value.done.wait(max(value.deadline - time.monotonic(), 0.0)):
+                raise ShardMissing(f"{describe(key)} is still being written by {value.what} past its deadline")
+
+    def _get(self, key: Key, deadline: float, timeout: float) -> Shard | Pending:
         with self._cond:
             gen = self._gen.get(key[0], 0)
             while True:
@@ -144,7 +183,7 @@ class TensorStore:
                     raise ShardMissing(f"no shard for {describe(key)}: the session is being rebuilt after a "
                                        "worker loss")
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or call_ended():
                     waited = f" after waiting {timeout:g}s" if timeout > 0 else ""
                     raise ShardMissing(f"no shard for {describe(key)} on this worker{waited}")
                 self._cond.wait(left)
@@ -224,8 +263,14 @@ class TensorStore:
 
     def wait_rebuilt(self, session: str, timeout: float) -> bool:
         """Wait up to `timeout` s while the session is being rebuilt; True when it is not (any more)."""
+        deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
-            return self._cond.wait_for(lambda: session not in self._rebuilding, max(timeout, 0.0))
+            while session in self._rebuilding:
+                left = deadline - time.monotonic()
+                if left <= 0 or call_ended():
+                    return False
+                self._cond.wait(left)
+            return True
 
     def mark_moved(self, session: str, devices: list[int]) -> None:
         with self._cond:
@@ -240,12 +285,24 @@ class TensorStore:
         with self._cond:
             return (session, device) in self._moved
 
+    def admit_upload(self, session: str, declared: int) -> str:
+        """Whether an upload declaring `declared` bytes may even start: "" or why not (over the memory cap)."""
+        with self._cond:
+            cap = self._caps.get(session, 0)
+            if cap > 0 and (held := self._session_bytes(session) + declared) > cap:
+                return cap_message(held, cap)
+            return ""
+
     def put_upload(self, key: Key, value: Shard) -> tuple[ErrorKind, str] | None:
-        """A client upload: stored (None) unless its device moved away (MOVED) or it would take the session over
-        its memory cap here (MEMORY_CAP); then (kind, one-line reason)."""
+        """A client upload: stored (None) unless its device moved away (MOVED), the key holds a shard already
+        (REFUSED: uploads never replace one) or it would take the session over its memory cap here (MEMORY_CAP);
+        then (kind, one-line reason)."""
         with self._cond:
             if (key[0], key[2]) in self._moved:
                 return ErrorKind.MOVED, moved_message(key)
+            if key in self._data:
+                return ErrorKind.REFUSED, (f"tensor {key[1]} on logical device {key[2]} already exists here (uploads "
+                                           "never replace it)")
             cap = self._caps.get(key[0], 0)
             if cap > 0 and "#" not in key[0]:
                 held = self._session_bytes(key[0], {key: _storage(value)})
@@ -319,7 +376,7 @@ class TensorStore:
         with self._cond:
             while dst not in self._announced.get(key, ()):
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or call_ended():
                     return False
                 self._cond.wait(left)
             return True

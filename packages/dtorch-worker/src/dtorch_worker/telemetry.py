@@ -6,7 +6,9 @@ asked (`Profile` RPC, `dtorch.profile()`), per-command records (`profiler.Profil
 
 series (prefix dtorch_worker_)  type       labels             meaning
 op_seconds                      histogram  op                 one command's time: its aten op (aten.mm.default),
-                                                              or create, redistribute, copy_shards, restore_shards
+                                                              or create, redistribute, collective (the time to
+                                                              issue it: its last step may finish later),
+                                                              copy_shards, restore_shards
 moved_bytes_total               counter    path, direction    tensor bytes; path: point_to_point (pieces between
                                                               workers), collective, copy (snapshots, restores,
                                                               moves) or client (Pull, Put); direction: in or out
@@ -17,7 +19,10 @@ memory_capacity_bytes           gauge                         the device memory 
 memory_capped_bytes             gauge                         the sum of the capped sessions' memory caps here
 
 Point-to-point bytes are counted where they land (`in`, from the redistribution's plan) and where they are
-served (`out`); client bytes where they enter or leave; copies where they are served or pushed.
+served (`out`); collective bytes where they land (`in`, what each op received from the other ranks); client
+bytes where they enter or leave; copies where they are served or pushed. The bytes that land for a session
+(pieces, collectives, uploads) and the bytes its client reads are also counted per session
+(`TensorStore.count_traffic`): the controller bills them (usage records).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from dtorch_worker.profiler import Profiler
 # op times span microseconds (a small add) to seconds (a large matmul, a redistribution of gigabytes)
 OP_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 PATHS = ("point_to_point", "collective", "copy", "client")
-COMMUNICATION = (m.CmdRedistribute, m.CmdSendShards, m.CmdFetchShards)  # the rest computes
+COMMUNICATION = (m.CmdRedistribute, m.CmdCollective, m.CmdSendShards, m.CmdFetchShards)  # the rest computes
 
 
 def op_name(cmd: m.Cmd) -> str:
@@ -46,8 +51,8 @@ def op_name(cmd: m.Cmd) -> str:
     return _NAMES.get(type(cmd), "")
 
 
-_NAMES = {m.CmdCreate: "create", m.CmdRedistribute: "redistribute", m.CmdSendShards: "copy_shards",
-          m.CmdFetchShards: "restore_shards"}
+_NAMES = {m.CmdCreate: "create", m.CmdRedistribute: "redistribute", m.CmdCollective: "collective",
+          m.CmdSendShards: "copy_shards", m.CmdFetchShards: "restore_shards"}
 
 
 def received_bytes(cmd: m.CmdRedistribute, is_local: Callable[[str], bool]) -> int:
@@ -113,6 +118,13 @@ class Telemetry:
         if self.profiler.recording(session):
             self.profiler.record(session, name, cmd, time.time() - (time.perf_counter() - started), seconds,
                                  isinstance(cmd, COMMUNICATION), moved, outputs() if name else 0)
+
+    def collective_in(self, session: str, dst: int, n: int) -> None:
+        """A collective op of `session`'s redistribution into tensor `dst` received `n` bytes (on its lane)."""
+        self.moved.labels("collective", "in").inc(n)
+        self.traffic(session, n)
+        if self.profiler.recording(session):
+            self.profiler.received(session, dst, n)
 
     def bytes_moved(self, path: str, direction: str, n: int, session: str = "") -> None:
         """`n` bytes moved by the server; `session` for those billed to it (a client's uploads and reads)."""

@@ -1,9 +1,12 @@
 """Parallelism as configuration: lay out an unmodified nn.Module's parameters and activations on a mesh.
 
-* `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names);
-  every parameter and buffer not named by the plan is replicated, so the whole model runs on the mesh.
+* `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names), expert
+  parallelism by `ExpertParallel`; every parameter and buffer not named by the plan is replicated, so the
+  whole model runs on the mesh. One plan per mesh dim: call it once per dim (`tp_mesh_dim`).
 * data parallelism: no plan (all replicated) and inputs `Shard(0)` on the `dp` mesh dim; gradients come
-  out `Partial` over `dp` and the optimizer's first use of them all-reduces.
+  out `Partial` over `dp` and are reduced as soon as autograd has accumulated each one (a post-accumulate-grad
+  hook on every parameter placed here issues the redistribution to the parameter's placements), so the
+  all-reduce of one layer's gradient runs on the workers while the rest of the backward pass computes.
 * `fully_shard(module, mesh)`: FSDP/ZeRO-style, parameters stored `Shard(0)` over a mesh dim and gathered
   on use; the gather's backward reduce-scatters the gradient.
 * `place_on_mesh(module, {submodule: mesh})`: pipeline stages on sub-meshes; activations move between
@@ -49,7 +52,19 @@ def _with(placements: tuple[Placement, ...], dim: int, p: Placement, ndim: int) 
 
 
 def _set_param(module: nn.Module, name: str, value: torch.Tensor, requires_grad: bool) -> None:
-    module.register_parameter(name, nn.Parameter(value, requires_grad=requires_grad))
+    param = nn.Parameter(value, requires_grad=requires_grad)
+    if requires_grad and isinstance(value, DTensor):
+        param.register_post_accumulate_grad_hook(_reduce_early)
+    module.register_parameter(name, param)
+
+
+def _reduce_early(param: torch.Tensor) -> None:
+    """A gradient autograd just accumulated that is still Partial is reduced now, to the parameter's placements
+    (what the optimizer's first use would do later): issued here, the collective overlaps the rest of backward."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.device_mesh == param.device_mesh \
+            and any(p.is_partial() for p in grad.placements) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
 
 
 def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
@@ -70,7 +85,8 @@ def to_layout(x: Any, mesh: DeviceMesh, dim: int, layout: Placement | None) -> A
     return x if target == x.placements else x.redistribute(placements=target)
 
 
-def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim: int) -> None:
+def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim: int, name: str = "") -> None:
+    style.prepare(module, name or type(module).__name__, mesh, dim)
     replicate = (Replicate(),) * mesh.ndim
     for name, p in list(module.named_parameters(recurse=False)):
         placement = style.param_placements(module, name)
@@ -139,7 +155,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
                 raise ValueError(f"parallelize_plan key {pattern!r} matches no submodule of "
                                  f"{type(module).__name__}")
             for name in matched:
-                _apply_style(module.get_submodule(name), style, device_mesh, dim)
+                _apply_style(module.get_submodule(name), style, device_mesh, dim, name)
     return replicate_module(module, device_mesh)
 
 

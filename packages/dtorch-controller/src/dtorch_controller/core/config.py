@@ -30,6 +30,7 @@ class Config:
     snapshot_every_batches: int = 32
     snapshot_every_s: float = 30.0
     session_timeout_s: float = 5.0  # a client silent this long is gone: its session closes (0: never)
+    collective_timeout_s: float = 60.0  # bound on a process group's rendezvous and on each of its collectives
     format_time: Callable[[float], str] = format_seconds  # renders `now` in event-log lines
 
     def __post_init__(self) -> None:
@@ -43,6 +44,8 @@ class Config:
         if self.snapshot_every_batches < 0 or not self.snapshot_every_s > 0:
             raise ValueError(f"snapshot_every_batches must be >= 0 and snapshot_every_s > 0, got "
                              f"{self.snapshot_every_batches} and {self.snapshot_every_s}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.event_log_size < 1:
             raise ValueError(f"event_log_size must be >= 1, got {self.event_log_size}")
 

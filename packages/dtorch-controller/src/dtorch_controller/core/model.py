@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from dtorch_controller.core import state as st
+from dtorch_controller.core.collectives import CommGroups
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords
 
@@ -45,6 +46,9 @@ class Worker:
     stats: dict[str, m.ShardStats] = field(default_factory=dict)  # session -> live shards, from the last report
     sessions: set[str] = field(default_factory=set)  # sessions with logical devices bound here
     bound: int = 0  # logical devices bound here, all sessions together
+    rendezvous: str = ""  # host:port of its TCPStore for process groups ("": no collectives with it)
+    device_id: str = ""  # its physical device ("" for CPUs): workers sharing one form no process group
+    received_bytes: int = 0  # tensor bytes it received from peers (from its last report)
 
     @property
     def tensors(self) -> int:
@@ -81,6 +85,7 @@ class Session:
     priority: str
     kind: str
     opened_at: float
+    tenant: str = ""  # who opened it: only that tenant may name it
     last_heard: float = 0.0  # the last request naming this session (liveness)
     state: str = st.OPEN
     devices: dict[int, str] = field(default_factory=dict)  # logical device -> worker id
@@ -92,3 +97,4 @@ class Session:
     syncs: dict[Hashable, PendingSync] = field(default_factory=dict)
     readers: dict[int, dict[str, int]] = field(default_factory=dict)  # tid -> remote reader worker -> Execute seq
     deferred: list[DeferredDelete] = field(default_factory=list)
+    comm: CommGroups = field(default_factory=CommGroups)  # process groups of its collectives (collectives.py)

@@ -697,6 +697,7 @@ class Faults:
     def _unbind(self, s: Session, device: int, worker_id: str) -> None:
         w = self.core.workers[worker_id]
         del s.devices[device]
+        s.comm.bump()  # the device moves (rebuild, migration, relocation, growth, drain): new process groups
         w.bound -= 1
         if worker_id not in s.devices.values():
             w.sessions.discard(s.id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from dtorch_controller.core import collectives
 from dtorch_controller.core import state as st
 from dtorch_controller.core.model import DeferredDelete, Mesh, Session, Worker
 from dtorch_controller.core.redistribute import PlanError, check_layout, parse_placements, plan_redistribute
@@ -135,7 +136,13 @@ class _Translator:
             if out is not None:
                 self._layout(out.spec)
         outs = [o.tid if o is not None else None for o in instr.outs]
-        for worker, devices in self._hosts(mesh, instr).items():
+        hosts = self._hosts(mesh, instr)
+        if instr.seed is not None and len({self.workers[w].device_type for w in hosts}) > 1:
+            kinds = sorted({self.workers[w].device_type for w in hosts})
+            raise InstrError(f"{instr.op} draws random numbers on a mesh whose devices are {' and '.join(kinds)} "
+                             "workers: each device type has its own generator, so the replicas would differ; "
+                             "place the mesh on one device type")
+        for worker, devices in hosts.items():
             local = None
             if instr.local is not None:
                 local = {d: instr.local[d] for d in devices if d in instr.local}
@@ -158,6 +165,8 @@ class _Translator:
                                if self.workers[self.s.devices[p.device]].state == st.LOST})
         if lost_sources:
             raise InstrError(f"source shards on logical devices {lost_sources} were lost with their worker")
+        if src_mesh.key == dst_mesh.key and self._collective(instr, src_mesh, src_pl, dst_pl, plans):
+            return
         by_device = dict(plans)
         readers = self.s.readers.setdefault(instr.src, {})
         dst_hosts = self._hosts(dst_mesh, instr)
@@ -180,6 +189,23 @@ class _Translator:
         if not readers:
             del self.s.readers[instr.src]
         self.s.tensors[instr.dst] = instr.dst_spec
+
+    def _collective(self, instr: m.InstrRedistribute, mesh: Mesh, src_pl: tuple[Placement, ...],
+                    dst_pl: tuple[Placement, ...], plans: tuple[tuple[int, m.ShardPlan], ...]) -> bool:
+        """The redistribution on collectives when the cost rule picks them (collectives.py); False: pieces."""
+        worker_of = {d: self.s.devices[d] for d in mesh.devices}
+        info = {w: (self.workers[w].device_type, self.workers[w].state != st.LOST and bool(self.workers[w].rendezvous),
+                    collectives.Member(self.workers[w].address, self.workers[w].rendezvous, self.workers[w].device_id))
+                for w in set(worker_of.values())}
+        cmds = collectives.route(self.s.comm, tuple(instr.src_spec.shape), instr.dst_spec.dtype, mesh.key, src_pl,
+                                 dst_pl, worker_of, info, plans, (instr.src, instr.dst), instr.src_line)
+        if cmds is None:
+            return False
+        for worker, batch in cmds.items():
+            for cmd in batch:
+                self._emit(worker, cmd)
+        self.s.tensors[instr.dst] = instr.dst_spec
+        return True
 
     def _delete(self, instr: m.InstrDelete) -> None:
         groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}

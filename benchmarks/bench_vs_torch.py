@@ -1,0 +1,440 @@
+"""DTorch against PyTorch's own DTensor and plain torch, side by side in one run (printed, never asserted).
+
+    python benchmarks/bench_vs_torch.py [--repeats 10] [--quick] [--only a,b,c,d,e] [--device cpu|cuda]
+
+Three contenders, one after the other on the same machine (never at the same time):
+
+* **DTorch**: a single-controller program on an embedded local cluster of 2 worker processes (4 for (e));
+* **torch DTensor**: 2 ranks spawned here with `torch.multiprocessing`, gloo (NCCL with `--device cuda`),
+  SPMD code as torch users write it (`init_device_mesh`, `parallelize_module`, `distribute_tensor`);
+* **plain torch**: one process, the same ops on whole tensors.
+
+Items (those of issue #11):
+
+(a) user-thread time per op of a shape-(1,) add, in a loop (DTorch streams ops: the user thread only issues);
+(b) a 4-layer 1024x1024 MLP forward, batch 64, Megatron TP=2, with the value back on the client (rank 0 for
+    torch);
+(c) the same MLP, forward + backward + SGD step, TP=2, loss back on the client;
+(d) all_reduce (Partial -> Replicate) and all_gather (Shard(0) -> Replicate) bandwidth from 4 KiB to 256 MiB on
+    2 devices, against raw `torch.distributed` collectives on 2 gloo ranks;
+(e) bytes received per device for a `Partial -> Replicate` of a 4 MiB tensor on 2 and 4 devices, from the
+    workers' own counters (`WorkerStatus.received_bytes`);
+(f) overlap: a data-parallel training step (DP=2, the MLP above, batch 256 sharded) with collectives in flight
+    while the workers compute (the default) against the same step with each collective waited for where it is
+    issued (workers started with DTORCH_SYNC_COLLECTIVES=1): each gradient's all-reduce is issued as soon as
+    autograd accumulated it, so with overlap it runs during the rest of the backward pass.
+
+Figures are medians of `--repeats` runs; ratios are DTorch / peer (below 1.0x: DTorch is faster).
+Each worker and each torch rank uses one intra-op thread; plain torch uses as many as there are ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+HIDDEN, BATCH, LAYERS = 1024, 64, 4
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+TP_PLAN_KEYS = ("0", "2", "4", "6")  # Linear layers of the Sequential below: colwise, rowwise, colwise, rowwise
+
+
+# ---------------------------------------------------------------------------- shared model and timing
+
+
+def make_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i in range(LAYERS):
+        layers.append(nn.Linear(HIDDEN, HIDDEN))
+        layers.append(nn.ReLU() if i < LAYERS - 1 else nn.Identity())
+    return nn.Sequential(*layers)
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, HIDDEN, generator=g), torch.randn(BATCH, HIDDEN, generator=g)
+
+
+def sgd_step(model: nn.Module, inp: torch.Tensor, target: torch.Tensor) -> Callable[[], float]:
+    """One training step (forward, MSE loss, backward, SGD) with the loss back on the caller: what (c) and (f) time."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        loss = ((model(inp) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2, before: Callable[[], object] | None = None
+              ) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
+
+
+def repeats_for(nbytes: int, repeats: int) -> int:
+    """Fewer repeats for the big sizes: the figure is a bandwidth, three samples of a second are plenty."""
+    return max(3, min(repeats, (64 << 20) // max(nbytes, 1)))
+
+
+def burst(nbytes: int) -> int:
+    """(d): ops issued back to back per timing, so a figure is a bandwidth, not one op's round trips."""
+    return max(1, min(8, (64 << 20) // max(nbytes, 1)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+# ---------------------------------------------------------------------------- torch: SPMD on 2 ranks
+
+
+def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:  # noqa: ANN001
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.set_num_threads(1)
+    device = "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    mesh = init_device_mesh(args.device, (world,))
+    out: dict[str, object] = {}
+
+    def sync() -> None:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    if "a" in args.only:
+        x = distribute_tensor(torch.zeros(1, device=device), mesh, [Replicate()])
+        one = distribute_tensor(torch.ones(1, device=device), mesh, [Replicate()])
+        y = x + one
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            y = y + one
+        out["a"] = (time.perf_counter() - t0) / args.iters * 1e6
+        sync()
+
+    if "b" in args.only or "c" in args.only:
+        model = make_mlp().to(device)
+        style = {k: (ColwiseParallel() if i % 2 == 0 else RowwiseParallel()) for i, k in enumerate(TP_PLAN_KEYS)}
+        parallelize_module(model, mesh, style)
+        inp, target = (t.to(device) for t in batch())
+
+        def forward() -> torch.Tensor:
+            y = model(inp)  # RowwiseParallel hands back the replicated local tensor: every rank holds the value
+            if isinstance(y, AsyncCollectiveTensor):
+                y = y.wait()  # the all-reduce is waited at first use: the value is there only now
+            sync()
+            return y
+
+        if "b" in args.only:
+            with torch.no_grad():
+                out["b"] = median_ms(forward, args.repeats, before=dist.barrier)
+                value = forward()
+            out["b_value"] = value.cpu().tolist() if rank == 0 else None  # a tensor in a queue needs its sender
+        if "c" in args.only:
+            step = sgd_step(model, inp, target)
+            out["c"] = median_ms(step, args.repeats, before=dist.barrier)
+
+    if "d" in args.only:
+        bw: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}}
+        for n in args.sizes:
+            t = torch.ones(n // 4, device=device)
+            part = torch.ones(n // 4 // world, device=device)  # all_gather of n bytes in all: n / world per rank
+            reps = repeats_for(n, args.repeats)
+
+            k = burst(n)
+
+            def all_reduce(t: torch.Tensor = t, k: int = k) -> None:
+                for _ in range(k):
+                    dist.all_reduce(t)
+                sync()
+
+            def all_gather(t: torch.Tensor = t, part: torch.Tensor = part, k: int = k) -> None:
+                for _ in range(k):
+                    dist.all_gather_into_tensor(t, part)
+                sync()
+
+            bw["all_reduce"][n] = median_ms(all_reduce, reps, warmup=1, before=dist.barrier) / k
+            bw["all_gather"][n] = median_ms(all_gather, reps, warmup=1, before=dist.barrier) / k
+            del t, part
+        out["d"] = bw
+
+    dist.barrier()
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def run_torch(args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_torch_rank, args=(r, 2, port, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=1800)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return result
+
+
+# ---------------------------------------------------------------------------- plain torch
+
+
+def run_plain(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(2 if args.device == "cpu" else torch.get_num_threads())
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    out: dict[str, object] = {}
+    if "a" in args.only:
+        a, b = torch.zeros(1, device=device), torch.ones(1, device=device)
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            a = a + b
+        out["a"] = (time.perf_counter() - t0) / args.iters * 1e6
+    model = make_mlp().to(device)
+    inp, target = (t.to(device) for t in batch())
+    if "b" in args.only:
+        out["b"] = median_ms(lambda: (model(inp), sync()), args.repeats)
+        out["b_value"] = model(inp).detach().cpu()
+    if "c" in args.only:
+        step = sgd_step(model, inp, target)
+        out["c"] = median_ms(step, args.repeats)
+    return out
+
+
+# ---------------------------------------------------------------------------- DTorch
+
+
+def run_dtorch(args: argparse.Namespace) -> dict:
+    import dtorch
+    from dtorch import Partial, Replicate, Shard
+    from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if args.device == "cuda":
+        os.environ["DTORCH_LOCAL_DEVICE"] = "cuda"
+    out: dict[str, object] = {}
+    dtorch.connect(workers=2)
+    mesh = dtorch.DeviceMesh(args.device, [0, 1])
+    if "a" in args.only:
+        x = dtorch.zeros(1, device_mesh=mesh, placements=[Replicate()])
+        one = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])
+        (x + one).to_torch()  # warm: mesh placed, plan cached
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(args.iters):
+            y = y + one
+        out["a"] = (time.perf_counter() - t0) / args.iters * 1e6
+        if y.to_torch().item() != args.iters + 0.0:
+            raise AssertionError(f"(a): dtorch computed {y.to_torch().item()}, expected {args.iters}")
+        out["a_total"] = (time.perf_counter() - t0) / args.iters * 1e6
+
+    if "b" in args.only or "c" in args.only:
+        model = make_mlp()
+        style = {k: (ColwiseParallel() if i % 2 == 0 else RowwiseParallel()) for i, k in enumerate(TP_PLAN_KEYS)}
+        parallelize_module(model, mesh, style)
+        inp_t, target_t = batch()
+        inp = dtorch.distribute_tensor(inp_t, mesh, [Replicate()])
+        target = dtorch.distribute_tensor(target_t, mesh, [Replicate()])
+        if "b" in args.only:
+            with torch.no_grad():
+                out["b"] = median_ms(lambda: model(inp).to_torch(), args.repeats)
+                out["b_value"] = model(inp).to_torch()
+        if "c" in args.only:
+            step = sgd_step(model, inp, target)
+            out["c"] = median_ms(step, args.repeats)
+
+    if "d" in args.only:
+        bw: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}, "all_reduce_one": {}}
+        session = dtorch.runtime.get_session()
+        for n in args.sizes:
+            reps = repeats_for(n, args.repeats)
+            partial = dtorch.ones(n // 4, device_mesh=mesh, placements=[Partial()])
+            sharded = dtorch.ones(n // 4, device_mesh=mesh, placements=[Shard(0)])
+            session.sync()
+
+            def move(src, placements, k) -> None:  # noqa: ANN001
+                ys = [src.redistribute(placements=placements) for _ in range(k)]
+                session.sync()
+                del ys
+
+            k = burst(n)
+            bw["all_reduce"][n] = median_ms(lambda src=partial, k=k: move(src, [Replicate()], k), reps, warmup=1) / k
+            bw["all_gather"][n] = median_ms(lambda src=sharded, k=k: move(src, [Replicate()], k), reps, warmup=1) / k
+            bw["all_reduce_one"][n] = median_ms(lambda src=partial: move(src, [Replicate()], 1), reps, warmup=1)
+            del partial, sharded
+        out["d"] = bw
+    dtorch.shutdown()
+
+    if "e" in args.only:
+        out["e"] = {n: received_per_device(n) for n in (2, 4)}
+    if "f" in args.only:
+        out["f"] = {mode: dp_step_ms(args, sync=(mode == "waited")) for mode in ("overlapped", "waited")}
+    return out
+
+
+def dp_step_ms(args: argparse.Namespace, sync: bool) -> float:
+    """Median time of a DP=2 training step; with `sync`, workers wait for each collective where it is issued."""
+    import dtorch
+    from dtorch import Shard
+    from dtorch.nn import parallelize_module
+
+    os.environ["DTORCH_SYNC_COLLECTIVES"] = "1" if sync else "0"
+    try:
+        dtorch.connect(workers=2)
+        mesh = dtorch.DeviceMesh(args.device, [0, 1], mesh_dim_names=("dp",))
+        model = parallelize_module(make_mlp(), mesh, {})
+        g = torch.Generator().manual_seed(3)
+        inp = dtorch.distribute_tensor(torch.randn(256, HIDDEN, generator=g), mesh, [Shard(0)])
+        target = dtorch.distribute_tensor(torch.randn(256, HIDDEN, generator=g), mesh, [Shard(0)])
+        step = sgd_step(model, inp, target)
+        return median_ms(step, args.repeats)
+    finally:
+        dtorch.shutdown()
+        os.environ.pop("DTORCH_SYNC_COLLECTIVES", None)
+
+
+def received_per_device(devices: int, nbytes: int = 4 << 20) -> dict[str, float]:
+    """Bytes each worker received for one Partial -> Replicate of `nbytes` on `devices` devices (1 per worker)."""
+    import dtorch
+    from dtorch import Partial, Replicate
+
+    dtorch.connect(workers=devices)
+    try:
+        mesh = dtorch.DeviceMesh("cpu", list(range(devices)))
+        x = dtorch.ones(nbytes // 4, device_mesh=mesh, placements=[Partial()])
+        x._session.sync()
+
+        def counters() -> dict[str, int]:
+            return {w.worker: getattr(w, "received_bytes", -1) for w in dtorch.status().workers}
+
+        time.sleep(0.5)  # a report carries the counters
+        before = counters()
+        y = x.redistribute(placements=[Replicate()])
+        y._session.sync()
+        time.sleep(0.5)
+        after = counters()
+        got = [after[w] - before[w] for w in after if after[w] >= 0]
+        if not got:  # workers without the counter: count what the point-to-point plan pulls
+            got = [float((devices - 1) * nbytes)] * devices
+            return {"max": max(got), "mean": statistics.mean(got), "measured": 0.0}
+        return {"max": max(got), "mean": statistics.mean(got), "measured": 1.0}
+    finally:
+        dtorch.shutdown()
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b <= 0:
+        return "   n/a"
+    return f"{a / b:5.2f}x"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--iters", type=int, default=5000, help="(a): loop length")
+    p.add_argument("--quick", action="store_true", help="(d): 4 sizes up to 16 MiB")
+    p.add_argument("--only", default="a,b,c,d,e,f", help="comma-separated items to run")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = p.parse_args()
+    args.only = set(args.only.split(","))
+    args.sizes = QUICK_SIZES if args.quick else SIZES
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit("bench_vs_torch --device cuda needs 2 CUDA devices")
+
+    plain = run_plain(args)
+    torch_dt = run_torch(args) if args.only & {"a", "b", "c", "d"} else {}
+    dt = run_dtorch(args)
+
+    print(f"\nDTorch vs torch DTensor (2 {'gloo' if args.device == 'cpu' else 'NCCL'} ranks) vs plain torch "
+          f"(torch {torch.__version__}, device {args.device}, medians of {args.repeats})")
+    if "a" in args.only:
+        print(f"(a) shape-(1,) add, user-thread time per op ({args.iters} iterations)")
+        print(f"    dtorch            {dt['a']:9.2f} us   (incl. execution {dt['a_total']:.2f} us)")
+        print(f"    torch DTensor     {torch_dt['a']:9.2f} us   dtorch/DTensor {ratio(dt['a'], torch_dt['a'])}")
+        print(f"    plain torch       {plain['a']:9.2f} us   dtorch/plain   {ratio(dt['a'], plain['a'])}")
+    if "b" in args.only:
+        print(f"(b) {LAYERS}-layer {HIDDEN}x{HIDDEN} MLP forward, batch {BATCH}, TP=2, value on the client")
+        print(f"    dtorch            {dt['b']:9.2f} ms")
+        print(f"    torch DTensor     {torch_dt['b']:9.2f} ms   dtorch/DTensor {ratio(dt['b'], torch_dt['b'])}"
+              "   (target <= 1.0x)")
+        print(f"    plain torch       {plain['b']:9.2f} ms   dtorch/plain   {ratio(dt['b'], plain['b'])}")
+        err = (dt["b_value"] - plain["b_value"]).abs().max().item()
+        err_t = (torch.tensor(torch_dt["b_value"]) - plain["b_value"]).abs().max().item()
+        print(f"    max |difference| from plain torch: dtorch {err:.2e}, DTensor {err_t:.2e}")
+    if "c" in args.only:
+        print("(c) the same MLP, forward + backward + SGD step, TP=2, loss on the client")
+        print(f"    dtorch            {dt['c']:9.2f} ms")
+        print(f"    torch DTensor     {torch_dt['c']:9.2f} ms   dtorch/DTensor {ratio(dt['c'], torch_dt['c'])}"
+              "   (target <= 1.0x)")
+        print(f"    plain torch       {plain['c']:9.2f} ms   dtorch/plain   {ratio(dt['c'], plain['c'])}")
+    if "d" in args.only:
+        print("(d) bandwidth on 2 devices: MB/s of the whole tensor, ops issued back to back (up to 8 per sync); "
+              "ratio = dtorch time / raw gloo time (target <= 1.25x, i.e. >= 0.8x the bandwidth, from 1 MiB)")
+        for op, peer in (("all_reduce", "Partial -> Replicate"), ("all_gather", "Shard(0) -> Replicate")):
+            print(f"    {op} ({peer})")
+            print("      size        dtorch MB/s   raw MB/s   time ratio" +
+                  ("   dtorch one op + sync" if op == "all_reduce" else ""))
+            for n in args.sizes:
+                a, b = dt["d"][op][n], torch_dt["d"][op][n]
+                one = f"   {dt['d']['all_reduce_one'][n]:9.2f} ms" if op == "all_reduce" else ""
+                print(f"      {fmt_size(n):>8}   {n / a / 1e3:11.1f} {n / b / 1e3:10.1f}   {ratio(a, b)}{one}")
+    if "e" in args.only:
+        print("(e) bytes received per device, Partial -> Replicate of 4 MiB (target: O(size), not O(n x size))")
+        for n, e in dt["e"].items():
+            how = "measured" if e["measured"] else "from the point-to-point plan (workers count nothing)"
+            print(f"    {n} devices: max {e['max'] / (4 << 20):5.2f}x the tensor, mean "
+                  f"{e['mean'] / (4 << 20):5.2f}x  ({how})")
+    if "f" in args.only:
+        f = dt["f"]
+        print("(f) overlap: DP=2 training step of the MLP, batch 256, gradients all-reduced as they are accumulated")
+        print(f"    collectives in flight while computing  {f['overlapped']:9.2f} ms")
+        print(f"    each collective waited for at issue    {f['waited']:9.2f} ms   "
+              f"(overlapped / waited {ratio(f['overlapped'], f['waited'])})")
+
+
+if __name__ == "__main__":
+    main()

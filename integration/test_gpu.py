@@ -1,0 +1,110 @@
+"""CUDA workers (`nox -s gpu_integration`): shards on the device, pinned host copies, NCCL collectives.
+
+With one CUDA device: the backend's copies, a cuda worker's ops and training against plain torch, a cuda and a
+cpu worker redistributing to each other, and a killed cuda worker rebuilt with identical results. With two or
+more: NCCL collectives, a TP MLP and DP x TP Llama training against torch. Each test says in one line what it
+needs when the machine lacks it; on a machine without CUDA every one is skipped (and the session exits 0).
+Scenarios run in their own processes (integration/_gpu_run.py, _fault_run.py), so each has its own cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _helpers import Keys, start_controller, start_worker, stop_all
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).parent
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_cuda = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device: torch sees none on this machine")
+needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices: this machine has {GPUS}")
+TOL = 1e-4  # CUDA kernels round differently from the CPU's
+
+
+def run(script: str, *args: str, env: dict | None = None, timeout: float = 600) -> dict:
+    full_env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
+    full_env.update(env or {})
+    out = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
+                         timeout=timeout, env=full_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_cuda
+def test_the_cuda_backend_copies_through_pinned_memory():
+    from dtorch_worker.device import backend_for, host_bytes
+
+    b = backend_for("cuda:0")
+    b.check()
+    assert (b.type, b.comm) == ("cuda", "nccl") and b.memory_bytes() == torch.cuda.get_device_properties(0).total_memory
+    assert b.host_buffer(64).is_pinned() and b.identity()
+    t = torch.randn(33, 5, device="cuda:0")
+    host = b.to_host(t.t())
+    assert host.is_pinned() and host.device.type == "cpu" and torch.equal(host, t.t().cpu())
+    back = b.from_bytes(bytes(host_bytes(host)), torch.float32, [5, 33])
+    assert back.device == torch.device("cuda:0") and torch.equal(back, t.t())
+    with b.seeded(3):
+        first = torch.rand(4, device="cuda:0")
+    with b.seeded(3):
+        assert torch.equal(torch.rand(4, device="cuda:0"), first)
+
+
+@needs_cuda
+def test_a_cuda_worker_runs_ops_and_training_like_the_cpu():
+    info = run("_gpu_run.py", "ops", env={"DTORCH_LOCAL_DEVICE": "cuda:0"})
+    assert info["device_types"] == ["cuda"]
+    for key in ("matmul", "softmax", "sum", "gather", "train"):
+        assert info[key] < TOL, info
+
+
+@needs_cuda
+def test_a_cuda_and_a_cpu_worker_redistribute_to_each_other(tmp_path):
+    keys = Keys.make(tmp_path)
+    controller, address = start_controller(tmp_path / "addr", keys.env(keys.admin), limit=60)
+    env = keys.env(keys.worker)
+    procs = [controller, start_worker(address, env, "--device", "cuda:0", log=tmp_path / "w0.log"),
+             start_worker(address, env, "--device", "cpu", log=tmp_path / "w1.log")]
+    try:
+        info = run("_gpu_run.py", "mixed", "--controller", address, env={"DTORCH_API_KEY": keys.alice})
+    finally:
+        stop_all(procs)
+    assert info["device_types"] == ["cpu", "cuda"]
+    for key in ("gather", "to_shard1", "partial", "cross_mesh"):
+        assert info[key] == 0.0, info  # data movement (and a two-term sum) is exact on either device
+    assert "cpu and cuda workers" in info["random"] and "one device type" in info["random"], info
+
+
+@needs_cuda
+def test_a_killed_cuda_worker_is_rebuilt_and_training_results_are_identical():
+    """Three workers on the one GPU (so no NCCL group: they share it); SIGKILL one mid-training."""
+    result = run("_fault_run.py", "kill", env={"DTORCH_LOCAL_DEVICE": "cuda:0", "DTORCH_SNAPSHOT_BATCHES": "4"})
+    info = result["info"]
+    assert info["error"] is None, info
+    (clean_losses, clean_weights), (losses, weights) = result["clean"], result["run"]
+    assert losses == clean_losses and weights == clean_weights
+    assert info["workers"][info["victim"]] == "lost"
+
+
+@needs_two
+def test_nccl_collectives_on_two_gpus_match_torch_and_move_o_of_the_size():
+    info = run("_gpu_run.py", "collectives", env={"DTORCH_LOCAL_DEVICE": "cuda"})
+    assert all(v == 0.0 for v in info["errors"].values()), info
+    size = 4 << 20  # the all-reduce of a 4 MiB tensor on 2 ranks: half out, half back, plus flags
+    assert all(size * 0.9 < got < size * 1.1 for got in info["received"].values()), info
+
+
+@needs_two
+def test_a_tp_mlp_trains_on_two_gpus_like_torch():
+    assert run("_gpu_run.py", "tp", env={"DTORCH_LOCAL_DEVICE": "cuda"})["train"] < TOL
+
+
+@needs_two
+def test_dp_x_tp_llama_training_on_two_gpus_equals_torch():
+    assert run("_gpu_run.py", "llama", env={"DTORCH_LOCAL_DEVICE": "cuda"})["train"] < 1e-3

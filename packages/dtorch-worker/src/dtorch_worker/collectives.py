@@ -1,0 +1,443 @@
+"""A worker's part of a redistribution lowered to collectives (CmdCollective), step by step.
+
+Rules:
+
+1. Each step kind (table KINDS) is prepared on the executor thread when the command runs: its inputs are copied
+   into a send buffer then (so later in-place writes to them cannot race the transfer). What is left (the
+   transfer, then unpacking and reducing into fresh output tensors) is a `Finish` run on the group's lane
+   (groups.py), or at once for a group entirely on this worker (`GroupOp.group == ""`, a local exchange).
+2. Collectives move bytes (uint8 views: every dtype travels, bool and complex too), and reductions are done
+   here with torch, by the rank that receives each piece, over the positions in mesh order: the same order and
+   the same function (`reduce_in_order`) as the point-to-point plan, so both paths give identical values.
+   Exception (table NATIVE_SUM): the backend's own all_reduce, where its result cannot differ from that order's:
+   integer sums (exact in any order), and float32/float64 sums of exactly two values (one addition, and a + b
+   is b + a in IEEE arithmetic): two ranks holding one position each. gloo and NCCL optimize that one best.
+3. Uneven shards: an all_gather (or an all_to_all of copies, where the backend prefers it) pads every rank's
+   contribution to the most positions times the longest length; exchanges (all_to_all, reduce_scatter, the
+   first half of all_reduce) send exact byte counts per rank (all_to_all with splits). The padding never
+   leaves this module.
+4. Virtual devices: a rank hosting several positions sends them together in position order and unpacks each.
+5. Scratch buffers (send and receive buffers, reduced chunks) come from the worker's `BufferPool` and go back
+   once the outputs are built: a fresh large host buffer costs a page fault per 4 KiB, about as much as moving it.
+6. Poison travels in-band: each rank's contribution to each peer ends with one flag element, set when an input it
+   packed was poisoned (an earlier op failed there). The poisoned rank still takes part (with zeros), so its
+   peers never wait for it, and puts the original report in the group's store first; an output built from a
+   flagged contribution is poisoned with that report. Every device gets its own output tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dtorch_protocol.messages import CollectiveStep, ErrorReport, GroupOp
+
+Reports = dict[int, ErrorReport]  # logical device -> why its value is poisoned
+
+
+@dataclass
+class Result:
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # logical device -> its new shard
+    poisoned: Reports = field(default_factory=dict)  # logical device -> the report its output carries
+
+
+Finish = Callable[[Any], Result]  # run on the lane with a groups.Ctx, or with a LocalCtx
+
+
+class BufferPool:
+    """Reusable host scratch buffers of at least 1 MiB, up to `limit` bytes kept (device buffers come from torch's
+    caching allocator, which pools them already)."""
+
+    SMALLEST = 1 << 20
+
+    def __init__(self, limit: int = 1 << 30) -> None:
+        self.limit = limit
+        self._free: list[torch.Tensor] = []
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes` (at most twice as large when reused)."""
+        if device.type == "cpu" and nbytes >= self.SMALLEST:
+            with self._lock:
+                fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
+                if fits:
+                    best = min(fits, key=lambda b: b.numel())
+                    self._free = [b for b in self._free if b is not best]
+                    self._kept -= best.numel()
+                    return best
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if buf.device.type != "cpu" or buf.numel() < self.SMALLEST:
+            return
+        with self._lock:
+            while self._free and self._kept + buf.numel() > self.limit:
+                self._kept -= self._free.pop(0).numel()  # the oldest go first
+            if self._kept + buf.numel() <= self.limit:
+                self._free.append(buf)
+                self._kept += buf.numel()
+
+
+NO_POOL = BufferPool(limit=0)
+
+
+class LocalCtx:
+    """The exchange of a group whose every position is on this worker: copies, nothing moves."""
+
+    rank, size, received = 0, 1, 0
+
+    def __init__(self, reports: Reports | None = None) -> None:
+        self.reports = reports or {}
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        out.copy_(inp)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        out.copy_(inp)
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        pass
+
+    def published(self, rank: int) -> bool:
+        return bool(self.reports)
+
+    def publish(self, report: ErrorReport) -> None:
+        pass
+
+    def report_of(self, rank: int) -> ErrorReport | None:
+        return next(iter(self.reports.values()), None)
+
+
+def reduce_in_order(bufs: list[torch.Tensor], op: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Combine partial values in the given (mesh) order: sum, avg, max or min, into `out` (default: into the
+    first buffer). The point-to-point plan uses it too, so both paths round alike."""
+    acc = bufs[0] if out is None else out.copy_(bufs[0])
+    if op in ("sum", "avg"):
+        for b in bufs[1:]:
+            acc.add_(b)
+        if op == "avg" and len(bufs) > 1:
+            _divide(acc, len(bufs))
+        return acc
+    if op in ("max", "min"):
+        fn = torch.maximum if op == "max" else torch.minimum
+        for b in bufs[1:]:
+            fn(acc, b, out=acc)
+        return acc
+    raise ValueError(f"unknown reduce op {op!r}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (what travels)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, pos = [], 0
+    for s in sizes:
+        out.append(pos)
+        pos += s
+    return out
+
+
+def _flagged(buf: torch.Tensor, at: list[int]) -> list[bool]:
+    """Are the flag elements at `at` (element indices of `buf`) set? One read from the device for all of them."""
+    index = torch.tensor([k * buf.element_size() for k in at], dtype=torch.long, device=buf.device)
+    return [bool(b) for b in _bytes(buf)[index].tolist()]
+
+
+def _set_flag(buf: torch.Tensor, at: int, on: bool) -> None:
+    flag = _bytes(buf[at: at + 1])
+    flag.zero_()
+    if on:
+        flag[0] = 1
+
+
+class _Packing:
+    """What `prepare` leaves for the lane: the op, this rank's positions and whether it contributes poison."""
+
+    def __init__(self, step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
+                 dtype: torch.dtype, pool: BufferPool, gather_by_all_to_all: bool) -> None:
+        if not 0 <= op.rank < len(op.layout):
+            raise ValueError(f"rank {op.rank} is outside a layout of {len(op.layout)} ranks")
+        self.mine = list(op.layout[op.rank])
+        if sorted(self.mine) != sorted(op.devices) or any(op.devices[p] not in inputs for p in self.mine):
+            raise ValueError(f"positions {self.mine} of rank {op.rank} do not match the devices "
+                             f"{dict(op.devices)} here")
+        self.step, self.op, self.dtype = step, op, dtype
+        self.inputs = {p: inputs[op.devices[p]] for p in self.mine}
+        self.template = self.inputs[self.mine[0]]
+        self.device = self.template.device
+        self.own = next((poisoned[op.devices[p]] for p in self.mine if op.devices[p] in poisoned), None)
+        self.w = len(op.layout)
+        self.n = sum(len(ps) for ps in op.layout)
+        self.pool = pool
+        self.gather_by_all_to_all = gather_by_all_to_all
+        self._taken: list[torch.Tensor] = []
+
+    def scratch(self, elements: int) -> torch.Tensor:
+        """A flat buffer of `elements` of the op's dtype, returned to the pool by `release`."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        buf = self.pool.take(elements * itemsize, self.device)
+        self._taken.append(buf)
+        return buf[: elements * itemsize].view(self.dtype)
+
+    def release(self) -> None:
+        taken, self._taken = self._taken, []
+        for buf in taken:
+            self.pool.give(buf)
+
+    def report(self, ctx: Any, flags: list[bool]) -> ErrorReport | None:
+        """Our own poison, else the report of the first rank whose contribution was flagged."""
+        if self.own is not None:
+            return self.own
+        return next((ctx.report_of(r) for r, f in enumerate(flags) if f), None)
+
+    def finish(self, ctx: Any, flags: list[bool], outputs: dict[int, torch.Tensor]) -> Result:
+        """The outputs, poisoned when built from a flagged contribution."""
+        report = self.report(ctx, flags)
+        return Result(outputs, {d: report for d in outputs} if report is not None else {})
+
+
+def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
+              recv_shapes: Callable[[int], list[list[int]]]) -> Callable[[Any], tuple[list[list[torch.Tensor]],
+                                                                                        list[bool]]]:
+    """Pack, for every rank r, `send_pieces(r)` plus a flag element; return what the lane runs: the all_to_all,
+    giving per source rank the pieces shaped `recv_shapes(r)` and its flag."""
+    w = pk.w
+    counts_in = [sum(t.numel() for t in send_pieces(r)) + 1 for r in range(w)]
+    counts_out = [sum(math.prod(s) for s in recv_shapes(r)) + 1 for r in range(w)]
+    send = pk.scratch(sum(counts_in))
+    pos = 0
+    for r in range(w):
+        for t in send_pieces(r):
+            send[pos: pos + t.numel()].view(t.shape).copy_(t)
+            pos += t.numel()
+        _set_flag(send, pos, pk.own is not None)
+        pos += 1
+    itemsize = send.element_size()
+
+    def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
+        if pk.own is not None:
+            ctx.publish(pk.own)
+        out = pk.scratch(sum(counts_out))
+        ctx.all_to_all(_bytes(out), _bytes(send), [c * itemsize for c in counts_out],
+                       [c * itemsize for c in counts_in])
+        got, marks, at = [], [], 0
+        for r in range(w):
+            pieces = []
+            for s in recv_shapes(r):
+                k = math.prod(s)
+                pieces.append(out[at: at + k].view(s))
+                at += k
+            got.append(pieces)
+            marks.append(at)
+            at += 1
+        return got, _flagged(out, marks)
+
+    return run
+
+
+def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int
+            ) -> Callable[[Any], tuple[list[list[torch.Tensor]], list[bool]]]:
+    """Pack `parts` (this rank's positions, at most `slot` elements each) into `slots` padded slots and a
+    flag element; return what the lane runs: the all_gather, giving every rank's slots and flag."""
+    size = slots * slot + 1
+    copies = pk.w if pk.gather_by_all_to_all else 1  # an all_to_all sends every rank its own copy
+    send = pk.scratch(copies * size)
+    for s, t in enumerate(parts):
+        send[s * slot: s * slot + t.numel()].view(t.shape).copy_(t)  # one copy, whatever the strides
+    _set_flag(send, slots * slot, pk.own is not None)
+    for c in range(1, copies):
+        send[c * size: (c + 1) * size].copy_(send[:size])
+
+    def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
+        if pk.own is not None:
+            ctx.publish(pk.own)
+        out = pk.scratch(pk.w * size)
+        if copies > 1:
+            nbytes = size * out.element_size()
+            ctx.all_to_all(_bytes(out), _bytes(send), [nbytes] * pk.w, [nbytes] * pk.w)
+        else:
+            ctx.all_gather(_bytes(out), _bytes(send))
+        got = [[out[r * size + s * slot: r * size + (s + 1) * slot] for s in range(slots)] for r in range(pk.w)]
+        return got, _flagged(out, [r * size + slots * slot for r in range(pk.w)])
+
+    return run
+
+
+# ---------------------------------------------------------------------------- kinds
+
+
+def _all_gather(pk: _Packing) -> Finish:
+    op, i = pk.op, pk.step.dim
+    sizes = list(op.sizes)
+    rest = [n for d, n in enumerate(pk.template.shape) if d != i]
+    unit = math.prod(rest)  # elements per unit of length along dim i
+    slots = max(len(ps) for ps in op.layout)
+    slot = max(sizes) * unit
+    run = _gather(pk, [pk.inputs[p].movedim(i, 0) for p in pk.mine], slot, slots)
+
+    def finish(ctx: Any) -> Result:
+        got, flags = run(ctx)
+        parts = {p: got[r][s][: sizes[p] * unit].view([sizes[p], *rest]).movedim(0, i)
+                 for r, ps in enumerate(op.layout) for s, p in enumerate(ps)}
+        full = torch.cat([parts[p] for p in range(pk.n)], dim=i).contiguous()
+        return pk.finish(ctx, flags, {op.devices[p]: full if k == 0 else full.clone()
+                                      for k, p in enumerate(pk.mine)})
+
+    return finish
+
+
+def _exchanges(pk: _Packing) -> Finish:
+    """all_to_all and reduce_scatter: position p sends position q its slice q along dim; q combines the slices
+    (concatenated along src_dim for all_to_all, reduced in position order for reduce_scatter)."""
+    op, j, i = pk.op, pk.step.dim, pk.step.src_dim
+    sizes, offs = list(op.sizes), _offsets(list(op.sizes))
+    a2a = pk.step.kind == "all_to_all"
+
+    def shape(p: int, q: int) -> list[int]:
+        s = list(pk.template.shape)
+        s[j] = sizes[q]
+        if a2a:
+            s[i] = op.src_sizes[p]
+        return s
+
+    run = _exchange(pk, lambda r: [pk.inputs[p].narrow(j, offs[q], sizes[q]) for q in op.layout[r] for p in pk.mine],
+                    lambda r: [shape(p, q) for q in pk.mine for p in op.layout[r]])
+
+    def finish(ctx: Any) -> Result:
+        got, flags = run(ctx)
+        pieces: dict[tuple[int, int], torch.Tensor] = {}
+        for r, ps in enumerate(op.layout):
+            for k, (q, p) in enumerate((q, p) for q in pk.mine for p in ps):
+                pieces[(p, q)] = got[r][k]
+        outputs = {}
+        for q in pk.mine:
+            ordered = [pieces[(p, q)] for p in range(pk.n)]
+            if a2a:
+                outputs[op.devices[q]] = torch.cat(ordered, dim=i)
+            else:
+                outputs[op.devices[q]] = reduce_in_order([ordered[0].clone()] + ordered[1:],
+                                                         pk.step.reduce).contiguous()
+        return pk.finish(ctx, flags, outputs)
+
+    return finish
+
+
+NATIVE_SUM: dict[torch.dtype, str] = {  # dtype -> when the backend's sum equals the sum in mesh order
+    **{t: "any" for t in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)},
+    torch.float32: "two", torch.float64: "two",
+}
+
+
+def _native(pk: _Packing) -> bool:
+    when = NATIVE_SUM.get(pk.dtype)
+    return pk.step.reduce in ("sum", "avg") and pk.w > 1 and (
+        when == "any" or when == "two" and pk.n == 2 and all(len(ps) == 1 for ps in pk.op.layout))
+
+
+def _native_all_reduce(pk: _Packing) -> Finish:
+    """The backend's all_reduce, in place on this rank's (locally summed) value and a trailing poison count."""
+    shape, total = list(pk.template.shape), pk.template.numel()
+    buf = torch.empty(total + 1, dtype=pk.dtype, device=pk.device)  # becomes the output: not scratch
+    reduce_in_order([pk.inputs[p].reshape(-1) for p in pk.mine], "sum", out=buf[:total])
+    buf[total] = 1 if pk.own is not None else 0
+
+    def finish(ctx: Any) -> Result:
+        if pk.own is not None:
+            ctx.publish(pk.own)
+        ctx.all_reduce(buf)
+        value = buf[:total].view(shape)
+        if pk.step.reduce == "avg":
+            _divide(value, pk.n)
+        report = None
+        if buf[total].item():  # how many ranks contributed poison: find whose report to carry
+            report = pk.own or ctx.report_of(next((r for r in range(pk.w) if ctx.published(r)), 0))
+        outputs = {pk.op.devices[p]: value if k == 0 else value.clone() for k, p in enumerate(pk.mine)}
+        return Result(outputs, {d: report for d in outputs} if report is not None else {})
+
+    return finish
+
+
+def _divide(acc: torch.Tensor, n: int) -> torch.Tensor:
+    """avg after the sum, as `reduce_in_order` does it."""
+    if acc.is_floating_point() or acc.is_complex():
+        return acc.div_(n)
+    return acc.div_(n, rounding_mode="trunc")
+
+
+def _all_reduce(pk: _Packing) -> Finish:
+    """A reduce-scatter of flat chunks (one per rank, reduced in position order by its owner), then an all_gather
+    of the reduced chunks. The first exchange carries every rank's poison flag to every rank, so the all_gather
+    needs none and its output is the value itself (no copy)."""
+    if _native(pk):
+        return _native_all_reduce(pk)
+    op, w = pk.op, pk.w
+    shape, total = list(pk.template.shape), pk.template.numel()
+    chunk = -(-total // w) if total else 0
+    bounds = [(min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(w)]
+    flats = {p: pk.inputs[p].reshape(-1) for p in pk.mine}
+    lo_r, hi_r = bounds[op.rank]
+    run = _exchange(pk, lambda r: [flats[p][bounds[r][0]: bounds[r][1]] for p in pk.mine],
+                    lambda r: [[hi_r - lo_r] for _p in op.layout[r]])
+
+    def finish(ctx: Any) -> Result:
+        got, flags = run(ctx)
+        report = pk.report(ctx, flags)  # a poisoned contribution poisons every chunk, on every rank
+        by_pos = {p: got[r][k] for r, ps in enumerate(op.layout) for k, p in enumerate(ps)}
+        mine = pk.scratch(chunk)
+        reduce_in_order([by_pos[p] for p in range(pk.n)], pk.step.reduce, out=mine[: hi_r - lo_r])
+        out = torch.empty(w * chunk, dtype=pk.dtype, device=pk.device)
+        if total:
+            ctx.all_gather(_bytes(out), _bytes(mine))
+        full = out[:total].view(shape)
+        outputs = {op.devices[p]: full if k == 0 else full.clone() for k, p in enumerate(pk.mine)}
+        return Result(outputs, {d: report for d in outputs} if report is not None else {})
+
+    return finish
+
+
+def _slice(pk: _Packing) -> Finish:
+    offs = _offsets(list(pk.op.sizes))
+    result = Result({pk.op.devices[p]: pk.inputs[p].narrow(pk.step.dim, offs[p], pk.op.sizes[p]).clone(
+        memory_format=torch.contiguous_format) for p in pk.mine})
+    if pk.own is not None:
+        result.poisoned = {d: pk.own for d in result.outputs}
+    return lambda _ctx: result
+
+
+KINDS: dict[str, Callable[[_Packing], Finish]] = {
+    "all_gather": _all_gather,
+    "all_to_all": _exchanges,
+    "reduce_scatter": _exchanges,
+    "all_reduce": _all_reduce,
+    "slice": _slice,
+}
+REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
+
+
+def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
+            dtype: torch.dtype, pool: BufferPool = NO_POOL, gather_by_all_to_all: bool = False) -> Finish:
+    """Pack this rank's inputs for `op` now (poisoned ones as they are: zeros); the result finishes on the lane."""
+    make = KINDS.get(step.kind)
+    if make is None:
+        raise ValueError(f"unknown collective step {step.kind!r}")
+    if step.kind in ("reduce_scatter", "all_reduce") and step.reduce not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {step.reduce!r}")
+    inputs = {d: t if t.dtype == dtype else t.to(dtype) for d, t in inputs.items()}
+    pk = _Packing(step, op, inputs, poisoned, dtype, pool, gather_by_all_to_all)
+    finish = make(pk)
+
+    def finish_and_release(ctx: Any) -> Result:
+        try:
+            return finish(ctx)
+        finally:
+            pk.release()  # the outputs share nothing with the scratch buffers
+
+    return finish_and_release

@@ -1,0 +1,273 @@
+"""The worker's one door to the hardware: device type, memory, comm backend, host copies and RNG.
+
+Rules:
+
+1. Every worker module that touches a device asks the backend of its device (`backend_for(device)`); nothing
+   else in the worker names `cuda` or calls into `torch.cuda`.
+2. Host copies go through host buffers the backend hands out: plain memory on the CPU, page-locked (pinned) on
+   CUDA, so a device <-> host copy is one DMA and never goes through numpy. `host_bytes` is a zero-copy byte
+   view of a host tensor for the wire (ctypes over its memory, the tensor kept alive by the view).
+3. Random values of factories never depend on the device: they come from `generator(seed)`, a CPU generator,
+   and are copied over. Random ops (dropout) run under `seeded(seed)` on the device's own generator, so every
+   device of one type draws the same values; two device types draw different ones (a mesh mixing them is
+   refused for random ops by the controller's translation, see docs/architecture.md).
+4. The comm backend (`comm`: "gloo", "nccl") and the construction of a process group object belong to the
+   backend: `new_group` builds one group of its own (never the global default group: one worker serves many
+   sessions), and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is
+   several times slower than its all_to_all; NCCL's is its best).
+5. `start` tunes the process for the device once, at worker start: on the CPU, glibc's allocator keeps freed
+   memory for reuse (one arena, no per-allocation mappings, up to 1 GiB kept at the top of the heap) instead of
+   mapping large buffers fresh each time (every fresh 4 KiB page costs a fault and zeroing: as much as moving
+   it). The cost: a CPU worker's memory stays near its peak rather than shrinking back.
+
+Plugging in another vendor's device (xpu, npu, a PrivateUse1 backend such as `torch.utils.
+rename_privateuse1_backend("npu")`): subclass `DeviceBackend` (usually `AcceleratorBackend` with a module
+holding `synchronize`, `set_device`, `device_count` and `get_device_properties`, and the vendor's collective
+library as `comm`, e.g. "xccl" or "hccl"), then `register("npu", NpuBackend)` before the worker starts (a
+`dtorch_worker.backends` entry point or a site customization). Nothing else in the worker changes:
+`--device npu:0` then works, shards live on the device, and redistributions use the vendor's collectives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+_Factory = Callable[[torch.device], "DeviceBackend"]
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc mallopt parameters
+_REGISTRY: dict[str, _Factory] = {}
+
+
+class DeviceBackend:
+    """The CPU: host memory is device memory, gloo moves it."""
+
+    type = "cpu"
+    comm = "gloo"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    # ------------------------------------------------------------ the device
+
+    def start(self) -> None:
+        """Tune this process for the device (rule 5); the worker calls it once, before serving."""
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:  # not glibc: nothing to tune
+            return
+        libc.mallopt(_M_ARENA_MAX, 1)  # every thread (executor, lanes, servers) shares the tuned heap
+        libc.mallopt(_M_MMAP_MAX, 0)  # no buffer is mapped (and faulted in) fresh: all come from the heap...
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB freed at its top for reuse
+
+    def gather_by_all_to_all(self, ranks: int) -> bool:
+        """Gather with an all_to_all of copies of the contribution rather than an all_gather (rule 4)."""
+        return self.comm == "gloo" and ranks <= 8
+
+    def check(self) -> None:
+        """Raise ValueError with one line when this device cannot be used here."""
+        if self.device.index not in (None, 0):
+            raise ValueError(f"the {self.type} device has no index {self.device.index}")
+
+    def activate(self) -> None:
+        """Make this the current device of the calling thread (each worker thread that runs ops calls it)."""
+
+    def identity(self) -> str:
+        """The physical device, for the controller ("" for the host CPU, which any number of workers share)."""
+        return ""
+
+    def memory_bytes(self) -> int:
+        """Memory the controller may plan with: the host's RAM for the CPU."""
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):
+            return 0
+
+    def synchronize(self) -> None:
+        """Wait until every operation queued on the device has finished."""
+
+    # ------------------------------------------------------------ host copies
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer of `nbytes`, for copies to and from the device (pinned where that helps)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous host tensor with the values of `t` (no copy when `t` already is one)."""
+        t = t.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        return t.contiguous()
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """`host` on this device (the CPU: as it is)."""
+        return host
+
+    def from_bytes(self, data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: list[int]
+                   ) -> torch.Tensor:
+        """A tensor on this device from raw little-endian bytes (one copy through a host buffer)."""
+        host = self.host_buffer(len(data))
+        if len(data):
+            host_bytes(host)[:] = data
+        return self.to_device(typed(host, dtype, shape))
+
+    # ------------------------------------------------------------ random numbers
+
+    def generator(self, seed: int) -> torch.Generator:
+        """The generator of random factories: on the CPU for every device, so values never depend on it."""
+        return torch.Generator().manual_seed(seed)
+
+    @contextmanager
+    def seeded(self, seed: int) -> Iterator[None]:
+        """Run under `torch.manual_seed(seed)` on this device's generator; its state is restored after."""
+        with torch.random.fork_rng(devices=self._rng_devices()):
+            torch.manual_seed(seed)
+            yield
+
+    def _rng_devices(self) -> list[int]:
+        return []
+
+    # ------------------------------------------------------------ collectives
+
+    def new_group(self, store: Any, rank: int, size: int, timeout_s: float, host: str = "") -> Any:
+        """A process group object of its own (not the default group) over `store`; blocks until every rank joined
+        (gloo) or returns at once and connects at the first collective (NCCL). gloo listens on `host`, the host the
+        worker is reached at (not whatever the machine's name resolves to), with one thread: a group runs one op
+        at a time (groups.py)."""
+        import torch.distributed as dist
+
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        options._threads = 1
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
+                            else dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+class AcceleratorBackend(DeviceBackend):
+    """A device with its own memory reached through a torch module (`torch.cuda`, `torch.xpu`, ...)."""
+
+    module: Any = None
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(torch.device(device.type, device.index or 0))  # "cuda" means "cuda:0"
+
+    def check(self) -> None:
+        if not self.module.is_available():
+            raise ValueError(f"torch sees no {self.type} device here")
+        count = self.module.device_count()
+        if (self.device.index or 0) >= count:
+            raise ValueError(f"only {count} {self.type} device{'s' if count != 1 else ''} here")
+
+    def activate(self) -> None:
+        self.module.set_device(self.device)
+
+    def start(self) -> None:
+        self.activate()  # host memory is staging only here: pinned buffers come from torch's caching allocator
+
+    def memory_bytes(self) -> int:
+        return int(self.module.get_device_properties(self.device.index or 0).total_memory)
+
+    def identity(self) -> str:
+        """host/uuid of the device: two workers on one GPU must not form an NCCL group (one rank per device)."""
+        props = self.module.get_device_properties(self.device.index or 0)
+        return f"{socket.gethostname()}/{getattr(props, 'uuid', self.device.index or 0)}"
+
+    def synchronize(self) -> None:
+        self.module.synchronize(self.device)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        # pinned memory comes from torch's caching host allocator: reusing it costs nothing after the first time
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        t = DeviceBackend.to_host(self, t)  # resolved bits, contiguous, still on the device
+        if t.device.type == "cpu":
+            return t
+        nbytes = t.numel() * t.element_size()
+        host = typed(self.host_buffer(nbytes), t.dtype, list(t.shape))
+        host.copy_(t, non_blocking=True)
+        self.synchronize()
+        return host
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        out = host.to(self.device, non_blocking=host.is_pinned())
+        if host.is_pinned():
+            self.synchronize()  # the pinned buffer goes back to the cache: the copy must be done with it
+        return out
+
+    def _rng_devices(self) -> list[int]:
+        return [self.device.index or 0]
+
+
+class CudaBackend(AcceleratorBackend):
+    type = "cuda"
+    comm = "nccl"
+    module = torch.cuda
+
+    def new_group(self, store: Any, rank: int, size: int, timeout_s: float, host: str = "") -> Any:
+        import torch.distributed as dist
+
+        # On a timeout NCCL's watchdog aborts the communicators and the wait raises; the default (3) would
+        # tear the whole worker down, taking every other session's shards with it.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def typed(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A uint8 buffer seen as a tensor of `dtype` and `shape` (no copy)."""
+    if buf.numel() == 0:
+        return torch.empty(list(shape), dtype=dtype, device=buf.device)
+    return buf.view(dtype).reshape(list(shape))
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous host tensor's memory, without numpy; the view keeps `t` alive."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"host_bytes needs a contiguous host tensor, got one on {t.device}")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    array._tensor = t  # type: ignore[attr-defined]  # the memory lives as long as the view
+    return memoryview(array).cast("B")
+
+
+def register(device_type: str, factory: _Factory) -> None:
+    """Plug in the backend of a device type (see the module docstring)."""
+    _REGISTRY[device_type] = factory
+
+
+def device_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def backend_for(device: str | torch.device) -> DeviceBackend:
+    """The backend of `device` ("cpu", "cuda:1", ...); ValueError names the registered types."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"bad device {str(device)!r} (expected one of {', '.join(device_types())}, "
+                         "with :N for an index)") from None
+    factory = _REGISTRY.get(dev.type)
+    if factory is None:
+        raise ValueError(f"no backend for device type {dev.type!r} (registered: {', '.join(device_types())})")
+    return factory(dev)
+
+
+register("cpu", DeviceBackend)
+register("cuda", CudaBackend)
+CPU = DeviceBackend(torch.device("cpu"))  # host-side work (wire buffers, backups in host memory)

@@ -1,0 +1,405 @@
+"""Redistributions on collectives between real workers (in this process, real gloo groups over TCP).
+
+The commands come from the controller's lowering (`dtorch_controller.core.collectives`, pure); every result is
+compared bit for bit with torch on the full tensors, the Partial ones reduced in mesh order (as the
+point-to-point plan does): uneven and empty shards, virtual devices, 1-d and 2-d meshes, every reduce op.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from dtorch_controller.core import collectives as lowering
+from dtorch_protocol.layout import coords, shard_box
+from dtorch_protocol.messages import CmdAbandon, CmdGroup, CollectiveStep, Execute, GroupOp
+from dtorch_protocol.placement_types import Partial, Replicate, Shard
+from dtorch_protocol.values import dtype_name
+from dtorch_worker.collectives import reduce_in_order
+from dtorch_worker.server import WorkerHandle, start_worker
+from dtorch_worker.store import Poison
+
+S = "sess-collectives"
+_SESSIONS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def workers():
+    ws = [start_worker() for _ in range(3)]
+    yield ws
+    for w in ws:
+        w.stop()
+    for w in ws:  # process groups of aborted ops go before the process does (bounded by the ops' timeouts)
+        w.executor.groups.stop(reap_s=30.0)
+
+
+class Cluster:
+    """Workers fed Execute batches in one global order, as the controller does (rule 4 of groups.py)."""
+
+    def __init__(self, ws: list[WorkerHandle], session: str = "") -> None:
+        self.ws, self.session = ws, session or f"{S}-{next(_SESSIONS)}"  # a group's rendezvous is per session
+        self.groups = lowering.CommGroups()
+        self.members = {f"w{i}": lowering.Member(w.address, w.executor.groups.rendezvous) for i, w in enumerate(ws)}
+        self.worker = {f"w{i}": w for i, w in enumerate(ws)}
+
+    def send(self, cmds: dict[str, list]) -> dict[str, int]:
+        seqs = {}
+        for wid, batch in cmds.items():
+            w = self.worker[wid]
+            seq = w.executor._executed + len(w.executor._pending) + 1
+            assert w.executor.submit(Execute(seq=seq, session=self.session, cmds=batch))
+            seqs[wid] = seq
+        return seqs
+
+    def wait(self, seqs: dict[str, int], timeout: float = 60.0) -> None:
+        for wid, seq in seqs.items():
+            assert self.worker[wid].executor.wait_completed(seq, timeout), f"{wid} did not finish batch {seq}"
+
+
+def shards_of(shape, mesh_shape, placements, full_by_partial, devices):
+    """Device -> its shard: the box of the (partial) full value it holds."""
+    cs = coords(mesh_shape)
+    pdims = [k for k, p in enumerate(placements) if p.is_partial()]
+    out = {}
+    for flat, d in enumerate(devices):
+        c = cs[flat]
+        full = full_by_partial[tuple(c[k] for k in pdims)]
+        box = shard_box(tuple(shape), tuple(mesh_shape), tuple(placements), c)
+        t = full
+        for dim, (start, length) in enumerate(box):
+            t = t.narrow(dim, start, length)
+        out[d] = t.clone()
+    return out
+
+
+def redistribute(cluster: Cluster, shape, mesh_shape, binding, src, dst, dtype=torch.float32, tid=(1, 2), seed=0):
+    """Put random (partial) shards of `src`, run the lowered redistribution, return (got, expected) per device."""
+    shape, mesh_shape, src, dst = tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst)
+    devices = tuple(range(math.prod(mesh_shape)))
+    g = torch.Generator().manual_seed(seed)
+    src_pdims = [k for k, p in enumerate(src) if p.is_partial()]
+    combos = list(itertools.product(*(range(mesh_shape[k]) for k in src_pdims)))
+
+    def rand():
+        if dtype == torch.bool:
+            return torch.rand(shape, generator=g) > 0.5
+        if dtype.is_floating_point:
+            return (torch.randn(shape, generator=g) * 10).to(dtype)
+        return torch.randint(-50, 50, shape, generator=g).to(dtype)
+
+    partials = {c: rand() for c in combos}
+    for d, t in shards_of(shape, mesh_shape, src, partials, devices).items():
+        cluster.worker[binding[d]].store.put((cluster.session, tid[0], d), t)
+    # expected: reduce in row-major order over the reduced dims, per combination of the kept partial dims
+    reduced = [k for k in src_pdims if dst[k] != src[k]]
+    kept = [k for k in src_pdims if k not in reduced]
+    op = src[reduced[0]].reduce_op if reduced else "sum"
+    full_by_kept = {}
+    for ck in itertools.product(*(range(mesh_shape[k]) for k in kept)):
+        members = [c for c in combos if all(c[src_pdims.index(k)] == v for k, v in zip(kept, ck))]
+        full_by_kept[ck] = reduce_in_order([partials[c].clone() for c in members], op) if reduced else \
+            partials[members[0]]
+    expected = shards_of(shape, mesh_shape, dst, full_by_kept if kept else {(): full_by_kept[()]}, devices) \
+        if not kept else _kept_shards(shape, mesh_shape, dst, full_by_kept, kept, devices)
+    low = lowering.lower(tuple(shape), dtype_name(dtype), (devices, tuple(mesh_shape)), tuple(src), tuple(dst),
+                         tuple(sorted(binding.items())), tuple((w, "cpu", True) for w in sorted(cluster.worker)))
+    assert low is not None, (src, dst)
+    cs = coords(mesh_shape)
+    shapes = ({d: list(t.shape) for d, t in shards_of(shape, mesh_shape, src, partials, devices).items()},
+              {d: [n for _s, n in shard_box(tuple(shape), tuple(mesh_shape), tuple(dst), cs[d])] for d in devices})
+    cmds = lowering.commands(low, cluster.groups, cluster.members, tid[0], tid[1], dtype_name(dtype), shapes,
+                             src_line="test.py:1", timeout_s=20.0)
+    cluster.wait(cluster.send(cmds))
+    got = {d: cluster.worker[binding[d]].store.get((cluster.session, tid[1], d)) for d in devices}
+    return got, expected, low
+
+
+def _kept_shards(shape, mesh_shape, dst, full_by_kept, kept, devices):
+    cs = coords(mesh_shape)
+    out = {}
+    for flat, d in enumerate(devices):
+        c = cs[flat]
+        full = full_by_kept[tuple(c[k] for k in kept)]
+        t = full
+        for dim, (start, length) in enumerate(shard_box(tuple(shape), tuple(mesh_shape), tuple(dst), c)):
+            t = t.narrow(dim, start, length)
+        out[d] = t
+    return out
+
+
+def check(got, expected):
+    for d in expected:
+        assert isinstance(got[d], torch.Tensor), (d, got[d])
+        assert got[d].shape == expected[d].shape and got[d].dtype == expected[d].dtype, (d, got[d], expected[d])
+        assert torch.equal(got[d], expected[d]), (d, got[d], expected[d])
+
+
+ONE_D = [
+    ([Partial("sum")], [Replicate()]), ([Partial("avg")], [Replicate()]), ([Partial("max")], [Replicate()]),
+    ([Partial("min")], [Shard(0)]), ([Partial("sum")], [Shard(1)]), ([Shard(0)], [Replicate()]),
+    ([Shard(1)], [Replicate()]), ([Shard(0)], [Shard(1)]), ([Shard(1)], [Shard(0)]), ([Replicate()], [Shard(1)]),
+]
+
+
+@pytest.mark.parametrize("src,dst", ONE_D, ids=[f"{a[0]}->{b[0]}" for a, b in ONE_D])
+def test_one_dim_on_three_workers_uneven(workers, src, dst):
+    cluster = Cluster(workers)
+    binding = {0: "w0", 1: "w1", 2: "w2"}
+    got, expected, low = redistribute(cluster, (7, 5), (3,), binding, src, dst)
+    check(got, expected)
+    kinds = [step.kind for step, _groups in low.steps]
+    assert kinds == [{("P", "R"): "all_reduce", ("P", "S"): "reduce_scatter", ("S", "R"): "all_gather",
+                      ("S", "S"): "all_to_all", ("R", "S"): "slice"}[(lowering._kind(src[0]), lowering._kind(dst[0]))]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool, torch.bfloat16, torch.complex64])
+def test_dtypes_travel_as_bytes(workers, dtype):
+    cluster = Cluster(workers)
+    src, dst = ([Partial("max")], [Replicate()]) if dtype not in (torch.complex64,) else ([Shard(0)], [Replicate()])
+    if dtype == torch.bool:
+        src = [Shard(1)]
+    got, expected, _ = redistribute(cluster, (4, 6), (3,), {0: "w0", 1: "w1", 2: "w2"}, src, dst, dtype=dtype)
+    check(got, expected)
+
+
+def test_virtual_devices_combine_locally(workers):
+    """Four logical devices on two workers (0 and 2 on w0): positions of a rank travel together."""
+    cluster = Cluster(workers)
+    binding = {0: "w0", 1: "w1", 2: "w0", 3: "w1"}
+    for src, dst in [([Partial("sum")], [Replicate()]), ([Shard(0)], [Replicate()]), ([Shard(0)], [Shard(1)]),
+                     ([Partial("avg")], [Shard(0)])]:
+        got, expected, _ = redistribute(cluster, (9, 6), (4,), binding, src, dst, seed=3)
+        check(got, expected)
+
+
+def test_uneven_rank_counts_and_empty_shards(workers):
+    """Three devices on two workers, and a tensor dim shorter than the mesh (empty shards)."""
+    cluster = Cluster(workers)
+    binding = {0: "w0", 1: "w1", 2: "w0"}
+    for src, dst in [([Shard(0)], [Replicate()]), ([Partial("sum")], [Shard(0)]), ([Shard(0)], [Shard(1)]),
+                     ([Partial("min")], [Replicate()])]:
+        got, expected, _ = redistribute(cluster, (2, 7), (3,), binding, src, dst, seed=5)
+        check(got, expected)
+
+
+TWO_D = [
+    ([Shard(0), Partial("sum")], [Shard(0), Replicate()]),  # the TP row-parallel output
+    ([Partial("sum"), Replicate()], [Replicate(), Replicate()]),  # the DP gradient
+    ([Partial("sum"), Partial("sum")], [Replicate(), Replicate()]),  # one reduction over both dims
+    ([Partial("avg"), Shard(1)], [Replicate(), Replicate()]),
+    ([Shard(0), Shard(0)], [Replicate(), Replicate()]),  # nested: inner dim first
+    ([Replicate(), Replicate()], [Shard(0), Shard(0)]),
+    ([Shard(1), Shard(0)], [Shard(0), Replicate()]),  # the gather must come first
+    ([Partial("sum"), Shard(0)], [Shard(1), Replicate()]),
+]
+
+
+@pytest.mark.parametrize("src,dst", TWO_D, ids=[f"{a}->{b}" for a, b in TWO_D])
+@pytest.mark.parametrize("binding", [{0: "w0", 1: "w1", 2: "w2", 3: "w0"}, {0: "w0", 1: "w1", 2: "w0", 3: "w1"}],
+                         ids=["3workers", "2workers"])
+def test_two_dim_meshes(workers, src, dst, binding):
+    cluster = Cluster(workers)
+    got, expected, _ = redistribute(cluster, (6, 5), (2, 2), binding, src, dst, seed=7)
+    check(got, expected)
+
+
+def test_ops_of_a_group_run_in_its_order_and_a_gap_is_refused(workers):
+    cluster = Cluster(workers)
+    binding = {0: "w0", 1: "w1"}
+    redistribute(cluster, (4,), (2,), binding, [Shard(0)], [Replicate()], tid=(10, 11))
+    cg = next(iter(cluster.groups.groups.values()))
+    cg.seq += 1  # the controller "skips" an op: the members refuse the next one
+    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), ((0, "w0"), (1, "w1")),
+                         (("w0", "cpu", True), ("w1", "cpu", True), ("w2", "cpu", True)))
+    shapes = ({0: [2], 1: [2]}, {0: [4], 1: [4]})
+    cluster.wait(cluster.send(lowering.commands(low, cluster.groups, cluster.members, 10, 12, "float32", shapes)))
+    value = workers[0].store.get((cluster.session, 12, 0))
+    assert isinstance(value, Poison) and "arrived after op" in value.report.message, value
+
+
+def test_a_poisoned_input_poisons_every_output_with_the_original_report(workers):
+    """The worker with the poisoned shard still takes part: nobody waits, every output carries its report."""
+    cluster = Cluster(workers, session="sess-poison")
+    binding = {0: "w0", 1: "w1", 2: "w2"}
+    report = __import__("dtorch_protocol.messages", fromlist=["ErrorReport"]).ErrorReport(
+        op="aten.div.Tensor", src="user.py:7", message="boom", tid=20)
+    for d in range(3):
+        cluster.worker[binding[d]].store.put(("sess-poison", 20, d), torch.ones(2, 3) if d != 1 else Poison(report))
+    low = lowering.lower((6, 3), "float32", ((0, 1, 2), (3,)), (Shard(0),), (Replicate(),),
+                         tuple(sorted(binding.items())), tuple((w, "cpu", True) for w in ("w0", "w1", "w2")))
+    shapes = ({d: [2, 3] for d in range(3)}, {d: [6, 3] for d in range(3)})
+    cluster.wait(cluster.send(lowering.commands(low, cluster.groups, cluster.members, 20, 21, "float32", shapes)))
+    for d in range(3):
+        value = cluster.worker[binding[d]].store.get(("sess-poison", 21, d))
+        assert isinstance(value, Poison) and value.report == report, (d, value)
+    assert not any(w.executor.take_errors().get("sess-poison") for w in workers)  # the user sees it once
+
+
+def test_a_peer_that_never_arrives_fails_within_the_bound_naming_it(workers):
+    """The group meets and runs one op; of its second op, only two of three members get theirs: they fail after
+    the group's timeout, naming the third, and the report carries the user's source line."""
+    cluster = Cluster(workers, session="sess-missing")
+    binding = {0: "w0", 1: "w1", 2: "w2"}
+    for d in range(3):
+        cluster.worker[binding[d]].store.put(("sess-missing", 30, d), torch.ones(2))
+    low = lowering.lower((6,), "float32", ((0, 1, 2), (3,)), (Shard(0),), (Replicate(),),
+                         tuple(sorted(binding.items())), tuple((w, "cpu", True) for w in ("w0", "w1", "w2")))
+    shapes = ({d: [2] for d in range(3)}, {d: [6] for d in range(3)})
+    first = lowering.commands(low, cluster.groups, cluster.members, 30, 31, "float32", shapes, timeout_s=10.0)
+    cluster.wait(cluster.send(first))
+    assert torch.equal(workers[0].store.get(("sess-missing", 31, 0)), torch.ones(6))
+    cmds = lowering.commands(low, cluster.groups, cluster.members, 30, 32, "float32", shapes, src_line="train.py:9")
+    del cmds["w2"]  # w2 never runs its part
+    cluster.wait(cluster.send(cmds), timeout=40)  # far less than the 60 s a default group would wait
+    for w, d in (("w0", 0), ("w1", 1)):
+        value = cluster.worker[w].store.get(("sess-missing", 32, d))
+        assert isinstance(value, Poison), value
+        msg = value.report.message
+        assert msg.startswith("all_gather of tensor 30 into 32 on group g1 (generation 1, 3 workers) timed out "
+                              "after 10s waiting for "), msg
+        assert msg.endswith(f"w2 at {workers[2].address}"), msg  # the one missing, and only it
+        errors = cluster.worker[w].executor.take_errors()["sess-missing"]
+        assert errors[0].src == "train.py:9" and errors[0].op == "redistribute", errors
+
+
+def test_abandon_ends_a_wait_at_once_and_fences_the_groups(workers):
+    cluster = Cluster(workers, session="sess-abandon")
+    binding = {0: "w0", 1: "w1"}
+    for d in range(2):
+        cluster.worker[binding[d]].store.put(("sess-abandon", 40, d), torch.ones(2))
+    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), tuple(sorted(binding.items())),
+                         (("w0", "cpu", True), ("w1", "cpu", True), ("w2", "cpu", True)))
+    shapes = ({d: [2] for d in range(2)}, {d: [4] for d in range(2)})
+    cmds = lowering.commands(low, cluster.groups, cluster.members, 40, 41, "float32", shapes, timeout_s=10.0)
+    cmds["w1"] = [c for c in cmds["w1"] if isinstance(c, CmdGroup)]  # w1 never runs the op: w0 waits
+    seqs = cluster.send(cmds)
+    time.sleep(0.5)
+    assert not workers[0].executor.wait_completed(seqs["w0"], 0.1)  # in flight: the batch is not complete
+    cluster.send({"w0": [CmdAbandon(tids=[41])]})
+    assert workers[0].executor.wait_completed(seqs["w0"], 8.0)  # before the group's 10 s timeout ran out
+    assert not workers[0].executor.take_errors().get("sess-abandon")  # abandoned work reports nothing
+    step = CollectiveStep(kind="all_gather", dim=0, src_dim=-1, reduce="sum", ops=[GroupOp(
+        group="g1", generation=1, seq=2, rank=0, layout=[[0], [1]], devices={0: 0}, sizes=[2, 2])])
+    workers[0].store.put(("sess-abandon", 42, 0), torch.ones(2))
+    from dtorch_protocol.messages import CmdCollective
+    cluster.wait(cluster.send({"w0": [CmdCollective(src=42, dst=43, dtype="float32", steps=[step],
+                                                     in_shapes={0: [2]}, out_shapes={0: [4]})]}))
+    value = workers[0].store.get(("sess-abandon", 43, 0))
+    assert isinstance(value, Poison) and "was fenced (the session is being rebuilt)" in value.report.message
+
+
+def test_outputs_are_waited_for_at_their_first_use_not_at_the_issue(workers):
+    """The executor runs on while a collective is in flight; the op that reads its output waits for it."""
+    cluster = Cluster(workers, session="sess-overlap")
+    binding = {0: "w0", 1: "w1"}
+    for d in range(2):
+        cluster.worker[binding[d]].store.put(("sess-overlap", 50, d), torch.full((2,), float(d + 1)))
+    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), tuple(sorted(binding.items())),
+                         (("w0", "cpu", True), ("w1", "cpu", True), ("w2", "cpu", True)))
+    shapes = ({d: [2] for d in range(2)}, {d: [4] for d in range(2)})
+    cmds = lowering.commands(low, cluster.groups, cluster.members, 50, 51, "float32", shapes)
+    late = cmds.pop("w1")
+    from dtorch_protocol.messages import CmdCreate, CmdRun
+    cmds["w0"] += [CmdCreate(tid=52, dtype="float32", shape=[3], init="ones", boxes={0: [[0, 3]]}),
+                   CmdRun(op="aten.add.Tensor", devices=[0], args=[{"$t": 51}, 1.0], kwargs={}, outs=[53])]
+    seqs = cluster.send(cmds)
+    assert workers[0].store.peek(("sess-overlap", 52, 0)) is None or True
+    deadline = time.monotonic() + 10
+    while ("sess-overlap", 52, 0) not in workers[0].store and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ("sess-overlap", 52, 0) in workers[0].store  # ran after the issue, while the all_gather waits for w1
+    assert ("sess-overlap", 53, 0) not in workers[0].store  # the first use waits
+    threading.Timer(0.2, lambda: cluster.send({"w1": late})).start()
+    cluster.wait(seqs)
+    assert torch.equal(workers[0].store.get(("sess-overlap", 53, 0)), torch.tensor([2.0, 2.0, 3.0, 3.0]))
+
+
+def test_scratch_buffers_are_reused_and_never_shared_with_outputs(workers):
+    """Large ops reuse the pool's buffers; an output of one op is not overwritten by the next ones."""
+    cluster = Cluster(workers)
+    binding = {0: "w0", 1: "w1", 2: "w2"}
+    first, expected, _ = redistribute(cluster, (300, 1000), (3,), binding, [Partial("sum")], [Replicate()], seed=11,
+                                      tid=(60, 61))
+    kept = {d: t.clone() for d, t in first.items()}
+    for i, (src, dst) in enumerate([([Shard(0)], [Replicate()]), ([Partial("max")], [Shard(1)]),
+                                    ([Shard(1)], [Shard(0)])]):
+        got, exp, _ = redistribute(cluster, (300, 1000), (3,), binding, src, dst, seed=12 + i, tid=(62 + 2 * i,
+                                                                                                      63 + 2 * i))
+        check(got, exp)
+    check(first, kept)
+    check(first, expected)
+    assert workers[0].executor.buffers._kept > 0  # buffers of 1 MiB and more went back to the pool
+
+
+def test_the_pool_bounds_what_it_keeps_and_hands_out_fitting_buffers():
+    from dtorch_worker.collectives import BufferPool
+
+    pool = BufferPool(limit=5 << 20)
+    cpu = torch.device("cpu")
+    a, b = pool.take(2 << 20, cpu), pool.take(3 << 20, cpu)
+    pool.give(a)
+    pool.give(b)
+    assert pool._kept == 5 << 20
+    assert pool.take(1200 << 10, cpu) is a  # the smallest that fits, at most twice the size
+    assert pool.take(100, cpu).numel() == 100 and pool._kept == 3 << 20  # small ones are never pooled
+    pool.give(a)
+    big = pool.take(4 << 20, cpu)
+    assert big is not b
+    pool.give(big)  # over the limit: the oldest kept (b, then a) go
+    assert pool._kept == 4 << 20 and pool.take(4 << 20, cpu) is big
+
+
+@pytest.mark.parametrize("dtype,binding,native", [
+    (torch.float32, {0: "w0", 1: "w1"}, True),  # two values: one addition, the backend's all_reduce
+    (torch.float64, {0: "w0", 1: "w1", 2: "w2"}, False),  # three: in mesh order, by hand
+    (torch.int64, {0: "w0", 1: "w1", 2: "w0", 3: "w1"}, True),  # integers: any order is exact
+    (torch.float32, {0: "w0", 1: "w1", 2: "w0", 3: "w1"}, False),  # virtual devices: a local pre-sum would reorder
+])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_the_backends_all_reduce_only_where_it_equals_mesh_order(workers, dtype, binding, native, op):
+    from dtorch_worker import collectives
+
+    cluster = Cluster(workers)
+    n = len(binding)
+    calls = []
+    real = collectives._native_all_reduce
+    collectives._native_all_reduce = lambda pk: calls.append(pk) or real(pk)
+    try:
+        got, expected, _ = redistribute(cluster, (5, 3), (n,), binding, [Partial(op)], [Replicate()], dtype=dtype)
+    finally:
+        collectives._native_all_reduce = real
+    check(got, expected)
+    assert bool(calls) == native
+
+
+def test_poison_reaches_every_rank_through_the_backends_all_reduce(workers):
+    cluster = Cluster(workers, session="sess-native-poison")
+    binding = {0: "w0", 1: "w1"}
+    report = __import__("dtorch_protocol.messages", fromlist=["ErrorReport"]).ErrorReport(
+        op="aten.mul.Tensor", src="user.py:3", message="bad", tid=70)
+    workers[0].store.put(("sess-native-poison", 70, 0), torch.ones(4))
+    workers[1].store.put(("sess-native-poison", 70, 1), Poison(report))
+    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Partial("sum"),), (Replicate(),),
+                         tuple(sorted(binding.items())), (("w0", "cpu", True), ("w1", "cpu", True)))
+    cmds = lowering.commands(low, cluster.groups, cluster.members, 70, 71, "float32",
+                             ({0: [4], 1: [4]}, {0: [4], 1: [4]}))
+    cluster.wait(cluster.send(cmds))
+    for d in range(2):
+        value = cluster.worker[binding[d]].store.get(("sess-native-poison", 71, d))
+        assert isinstance(value, Poison) and value.report == report, value
+
+
+@pytest.mark.parametrize("by_all_to_all", [True, False], ids=["all_to_all of copies", "all_gather"])
+def test_both_gather_primitives_give_the_same_values(workers, monkeypatch, by_all_to_all):
+    from dtorch_worker.device import DeviceBackend
+
+    monkeypatch.setattr(DeviceBackend, "gather_by_all_to_all", lambda self, ranks: by_all_to_all)
+    cluster = Cluster(workers)
+    for src, binding in [([Shard(0)], {0: "w0", 1: "w1", 2: "w2"}), ([Shard(1)], {0: "w0", 1: "w1", 2: "w0"})]:
+        got, expected, _ = redistribute(cluster, (7, 5), (3,), binding, src, [Replicate()], seed=21)
+        check(got, expected)
