@@ -12,7 +12,7 @@ import dtorch
 from dtorch import Replicate, Shard
 from dtorch import _profile_report as report
 from dtorch.profiling import Profile
-from dtorch_protocol import wire
+from dtorch_protocol import auth, wire
 
 
 def rules(p: Profile) -> set[str]:
@@ -29,8 +29,9 @@ def test_a_redistribution_for_an_op_is_measured_and_named(mesh1, tmp_path):
     (site,) = rep.moves
     assert site.op == "aten.add.Tensor" and "test_profile.py" in site.line
     assert (site.src_placements, site.dst_placements) == (("S1",), ("S0",))  # b follows a's layout
-    # every device needs the half of the other operand its peer holds: a quarter of 8 MiB each way
-    assert site.moved_bytes == rep.moved_bytes == 2 * (2048 * 1024 * 4 // 4)
+    # every device needs the half of the other operand its peer holds: a quarter of 8 MiB each way (on
+    # collectives, each rank's contribution ends with one flag element: collectives.py rule 6)
+    assert 0 <= site.moved_bytes - 2 * (2048 * 1024 * 4 // 4) <= 2 * 4 and rep.moved_bytes == site.moved_bytes
     assert "redistribution" in rules(p)
     text = p.table()
     assert "(Shard(dim=1)) -> (Shard(dim=0))" in text
@@ -39,7 +40,7 @@ def test_a_redistribution_for_an_op_is_measured_and_named(mesh1, tmp_path):
     p.export_chrome_trace(tmp_path / "trace.json")
     trace = json.loads((tmp_path / "trace.json").read_text())
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert {e["name"] for e in complete} >= {"aten.add.Tensor", "redistribute", "aten.sum.default"}
+    assert {e["name"] for e in complete} >= {"aten.add.Tensor", "collective", "aten.sum.default"}
     assert all(e["dur"] >= 0 and e["ts"] >= 0 and "test_profile.py" in e["args"]["source"] for e in complete)
     assert {e["pid"] for e in complete} == {0, 1}
     torch.testing.assert_close(c.to_torch(), a.to_torch() + b.to_torch())
@@ -96,11 +97,13 @@ def test_a_step_that_syncs_all_the_time_is_pointed_out(mesh1):
 
 def test_a_worker_too_old_to_profile_is_one_line_and_the_profile_goes_on(capsys):
     """A worker without the Profile service (an older dtorch-worker): gRPC answers UNIMPLEMENTED."""
-    server, address = wire.serve("dtorch.Worker", object(), "tok")
+    served = wire.serve("dtorch.Worker", object(), lambda credential: auth.Caller(auth.CLIENT, "s"))
+    server, address = served.server, served.address
     try:
         p = Profile()
         p._session = type("S", (), {"id": "s"})()
-        p._stubs[address] = wire.Stub("dtorch.Worker", address, "tok")
+        p._stubs[address] = wire.Stub("dtorch.Worker", address, "")
+        p._caps[address] = "cap"
         assert p._call(address, True) is None
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"worker at {address} is too old to report a profile" in err

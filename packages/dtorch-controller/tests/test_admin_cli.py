@@ -70,13 +70,14 @@ def test_status_shows_utilization_copies_and_snapshots(controller, capsys, regis
     stub.close()
 
 
-def test_top_shows_workers_sessions_the_queue_and_each_sessions_throughput(controller, capsys):
+def test_top_shows_workers_sessions_the_queue_and_each_sessions_throughput(controller, capsys, register_worker):
     from dtorch_controller import top
 
-    server, address = controller
-    stub = wire.Stub("dtorch.Controller", address, "tok")
-    stub.call("Register", m.RegisterWorker(hello=wire.hello("worker"), address="127.0.0.1:9", device_type="cpu",
-                                           memory_bytes=1 << 30))
+    server, address, keys = controller
+    stub = wire.Stub("dtorch.Controller", address, keys.admin)
+    worker = wire.Stub("dtorch.Controller", address, keys.worker)
+    register_worker(worker, "127.0.0.1:9", memory=1 << 30)
+    worker.close()
     opened = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client"), name="trainer"))
     assert cli.main(["top", "--iterations", "2", "--interval", "0.05"]) == 0
     out = capsys.readouterr().out

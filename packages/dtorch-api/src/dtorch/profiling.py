@@ -6,10 +6,11 @@
     p.export_chrome_trace("step.json")     # open in Perfetto (ui.perfetto.dev) or chrome://tracing
     p.suggestions()                        # the suggestions alone
 
-Entering syncs (nothing earlier is still running) and asks every worker holding the session's devices to record
-its commands (`Worker.Profile`, with the session's client capability there: a worker records and returns only
-the commands of the session the capability names); leaving syncs again and collects the records. Meanwhile the client notes each
-redistribution it asks for (from which layout to which, for which op), which the workers' records do not know.
+Entering syncs (nothing earlier is still running) and asks every worker holding the session's devices to
+record its commands (`Worker.Profile`, with the session's client capability there: a worker records and
+returns only the commands of the session the capability names); leaving syncs again and collects the records.
+Meanwhile the client notes each redistribution it asks for (from which layout to which, for which op), which
+the workers' records do not know.
 A worker too old to record (it has no `Profile` service) or unreachable is one line on stderr and one note in the
 table; the profile goes on without it.
 """
@@ -82,7 +83,8 @@ class Profile:
                                               timeout=CALL_TIMEOUT_S, credential=self._caps.get(address, ""))
         except (wire.RemoteError, wire.ProtocolError, ConnectionError, TimeoutError, PermissionError) as e:
             line = (f"worker at {address} is too old to report a profile (no Profile service): its time is missing"
-                    if isinstance(e, wire.Unimplemented) else f"worker at {address} did not report its profile: {str(e).splitlines()[0]}")
+                    if isinstance(e, wire.Unimplemented)
+                    else f"worker at {address} did not report its profile: {str(e).splitlines()[0]}")
             if line not in self._missing:
                 self._missing.append(line)
                 print(f"dtorch.profile: {line}", file=sys.stderr, flush=True)
