@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import start_controller, start_worker, stop_all
+from _helpers import Keys, start_controller, start_worker, stop_all
 from dtorch_protocol import PROTOCOL_VERSION, __version__
 
 try:
@@ -26,7 +26,8 @@ DISTRIBUTIONS = {  # top-level import -> the distribution that provides it
     "dtorch": "dtorch-api", "dtorch_protocol": "dtorch-protocol", "dtorch_controller": "dtorch-controller",
     "dtorch_worker": "dtorch-worker", "dtorch_sim": "dtorch-sim", "torch": "torch", "grpc": "grpcio",
     "msgspec": "msgspec", "numpy": "numpy", "rich": "rich", "yaml": "pyyaml", "pydantic": "pydantic",
-    "simpy": "simpy", "matplotlib": "matplotlib",
+    "simpy": "simpy", "matplotlib": "matplotlib", "grpc_health": "grpcio-health-checking",
+    "cryptography": "cryptography", "prometheus_client": "prometheus-client",
 }
 
 
@@ -109,14 +110,17 @@ def test_a_controller_installed_without_torch_serves_workers_and_clients(tmp_pat
     probe = "import importlib.util as u; print([m for m in ('torch', 'dtorch', 'numpy') if u.find_spec(m)])"
     assert subprocess.run([str(python), "-c", probe], env=clean, capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
-    env = {**clean, "DTORCH_TOKEN": "torch-free"}
+    keys = Keys.make(tmp_path)
+    env = {**{k: v for k, v in clean.items() if not k.startswith("DTORCH_")}, "DTORCH_KEYS": str(keys.path)}
     controller, address = start_controller(tmp_path / "address", env, "--heartbeat-timeout", "30",  # a loaded machine
                                            log=tmp_path / "controller.log",
                                            command=(str(venv / "bin" / "dtorch-controller"),))
     procs = [controller]
     try:
-        procs += [start_worker(address, env, log=tmp_path / f"worker{i}.log") for i in range(2)]  # main environment
-        out = subprocess.run([sys.executable, "-c", CLIENT], env={**env, "DTORCH_CONTROLLER": address},
+        procs += [start_worker(address, {**env, "DTORCH_API_KEY": keys.worker}, log=tmp_path / f"worker{i}.log")
+                  for i in range(2)]  # main environment
+        out = subprocess.run([sys.executable, "-c", CLIENT],
+                             env={**env, "DTORCH_CONTROLLER": address, "DTORCH_API_KEY": keys.alice},
                              capture_output=True, text=True, timeout=180)
         assert out.returncode == 0 and out.stdout.strip() == "same as torch", out.stderr[-3000:]
         assert controller.poll() is None, (tmp_path / "controller.log").read_text()[-3000:]
