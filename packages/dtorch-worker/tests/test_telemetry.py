@@ -16,6 +16,7 @@ import torch
 
 from dtorch_protocol import auth, wire
 from dtorch_protocol.messages import (
+    CmdCloseSession,
     CmdCreate,
     CmdExpectReads,
     CmdRedistribute,
@@ -99,6 +100,10 @@ def test_a_profile_window_records_only_its_session_between_start_and_stop(pair) 
     assert [(r.op, r.src, r.tid, r.comm, r.out_bytes, r.devices) for r in reply.records] == [
         ("aten.add.Tensor", "train.py:7", 2, False, 16, 1)]
     assert reply.window_s >= reply.busy_s >= reply.records[0].seconds > 0
+    assert "no profile was started" in stub.call("Profile", ProfileRequest(session=S, start=False)).message
+    # a window its client never closes ends with the session (no records kept for a session that is gone)
+    assert stub.call("Profile", ProfileRequest(session=S, start=True)).message == ""
+    run(a, 4, CmdCloseSession())
     assert "no profile was started" in stub.call("Profile", ProfileRequest(session=S, start=False)).message
     stub.close()
     ctl.close()

@@ -83,6 +83,10 @@ class Profiler:
         return m.ProfileReply(records=w.records, started=w.opened, window_s=time.monotonic() - w.opened_mono,
                               busy_s=self._busy_s() - w.busy_then, session_s=w.session_s, dropped=w.dropped)
 
+    def discard(self, session: str) -> None:
+        with self._lock:
+            self._windows.pop(session, None)
+
     def received(self, session: str, dst: int, n: int) -> None:
         """A collective of the recorded session's redistribution into `dst` received `n` bytes."""
         with self._lock:

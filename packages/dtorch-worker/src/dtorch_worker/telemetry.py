@@ -115,7 +115,9 @@ class Telemetry:
             if moved:
                 self.moved.labels("point_to_point", "in").inc(moved)
                 self.traffic(session, moved)
-        if self.profiler.recording(session):
+        if isinstance(cmd, m.CmdCloseSession):
+            self.profiler.discard(session)  # a window its client never closed ends with the session
+        elif self.profiler.recording(session):
             self.profiler.record(session, name, cmd, time.time() - (time.perf_counter() - started), seconds,
                                  isinstance(cmd, COMMUNICATION), moved, outputs() if name else 0)
 
