@@ -233,7 +233,8 @@ def _keys_parser(commands: argparse._SubParsersAction) -> None:
     create = sub.add_parser("create", help="make a key and print it (once: only its hash is stored)")
     create.add_argument("--role", required=True, choices=auth.KEY_ROLES)
     create.add_argument("--tenant", default="", help="the tenant a tenant key belongs to")
-    create.add_argument("--node", default="", help="worker keys: the node label their workers get")
+    create.add_argument("--node", default="", help="worker keys: the node label their workers get ('*': the "
+                                                    "node each worker names with --label node=NAME)")
     sub.add_parser("list", help="every key: id, role, tenant, node, created, revoked")
     revoke = sub.add_parser("revoke", help="revoke a key (a running controller notices within a second)")
     revoke.add_argument("id")

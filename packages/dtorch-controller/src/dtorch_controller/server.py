@@ -8,7 +8,7 @@ WorkerUnreachable. All logic lives in `dtorch_controller.core`, which the simula
 Authentication happens before a handler runs (`wire`: API keys from the key file, roles per method,
 mutual TLS for workers). The adapter then does what needs the credentials, never the core: it keeps each
 worker's secret (`credentials.py`), signs Execute batches with it, checks that a Report comes from the
-process that registered, sets a worker's node label from its key (the admin's word, not the worker's), and
+process that registered, sets a worker's node label from its key (the admin's word, not the worker's, unless the key says `*`), and
 hands the owner of a session capabilities next to every location it is told.
 """
 
@@ -269,8 +269,11 @@ class ControllerService:
 
     def Register(self, request: m.RegisterWorker, caller: auth.Caller) -> m.Registered:
         check_secret(request.secret)
-        labels = {k: v for k, v in request.labels.items() if k != "node"}  # a node is the admin's word
-        if caller.node:
+        labels = {k: v for k, v in request.labels.items() if k != "node"}  # a node is the admin's word ...
+        if caller.node == auth.ANY_NODE:  # ... who may let the key's workers say it (Kubernetes: the node name)
+            if request.labels.get("node"):
+                labels["node"] = request.labels["node"]
+        elif caller.node:
             labels["node"] = caller.node
         request = msgspec.structs.replace(request, labels=labels)
         rids: list[Hashable] = []

@@ -44,6 +44,7 @@ TENANT, ADMIN, WORKER = "tenant", "admin", "worker"  # API key roles
 CONTROLLER, CLIENT, PEER = "controller", "client", "peer"  # roles proven by a worker's derived credentials
 KEY_ROLES = (TENANT, ADMIN, WORKER)
 USERS = frozenset({TENANT, ADMIN})
+ANY_NODE = "*"  # a worker key's node meaning "its workers name their own node" (`keys create --node '*'`)
 
 ROLES: dict[str, dict[str, frozenset[str]]] = {
     "dtorch.Controller": {
@@ -84,7 +85,7 @@ class Caller:
     role: str
     name: str = ""
     key_id: str = ""  # API keys: the key's id (workers must Report over the key they registered with)
-    node: str = ""  # worker keys: the node the admin assigned to the key ("" = none)
+    node: str = ""  # worker keys: the node the admin assigned to the key ("" = none; ANY_NODE: the worker's own)
     mtls: bool = False  # the call came with a client certificate the server verified
 
     def describe(self) -> str:

@@ -54,7 +54,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "device, the i-th on --listen's port + i (node.py); other device types plug in through "
                         "dtorch_worker.device.register")
     p.add_argument("--label", action="append", default=[], metavar="K=V",
-                   help="a label (repeatable); `node` is ignored: the node comes from the worker key")
+                   help="a label (repeatable); `node` counts only when the worker key was made with --node '*' "
+                        "(otherwise the node comes from the key)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default: 1 on CPU, since workers share cores; torch's own on GPU)")
