@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from _helpers import CONTROLLER, Keys, start_controller, start_worker, stop_all
-from dtorch_protocol import wire
 from dtorch_protocol import messages as m
+from dtorch_protocol import wire
 
 PROMETHEUS = shutil.which("prometheus")
 WAIT_S = 90.0

@@ -108,7 +108,7 @@ def test_a_workers_node_is_its_keys_unless_the_key_trusts_the_workers_own(tmp_pa
     kf.write(tmp_path / "keys.json")
     server, address = run_server(keys=Keyring(tmp_path / "keys.json").authenticate)
     try:
-        for i, (node, key) in enumerate(keys.items()):
+        for i, key in enumerate(keys.values()):
             stub = wire.Stub("dtorch.Controller", address, key)
             register_worker(stub, f"10.0.0.{i}:7000", labels={"node": "claimed", "rack": "r"})
             stub.close()
