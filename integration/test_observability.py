@@ -107,7 +107,12 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("observability"))
-    c.times = c.run_workload()
+    try:
+        c.times = c.run_workload()
+        c.scraped = scrape(c, tmp_path_factory.mktemp("prometheus")) if PROMETHEUS else {}
+    except BaseException:
+        c.close()
+        raise
     yield c
     c.close()
 
@@ -153,32 +158,50 @@ class Prometheus:
         self.log.close()
 
 
-@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus; "
-                                               "`nox -s observability` installs it)")
-def test_a_real_prometheus_scrapes_the_values_a_known_workload_produces(cluster, tmp_path):
-    prom = Prometheus(tmp_path, list(cluster.ports.values()))
+QUERIES = {
+    "up": 'count(up{job="dtorch"} == 1)',
+    "mm": 'sum(dtorch_worker_op_seconds_count{op="aten.mm.default"})',
+    "client_out": 'sum(dtorch_worker_moved_bytes_total{path="client",direction="out"})',
+    "batches": "sum(dtorch_worker_batches_total)",
+    "capacity": "min(dtorch_worker_memory_capacity_bytes)",
+    "alive": 'dtorch_controller_workers{state="alive"}',
+    "lost": 'dtorch_controller_workers{state="lost"}',
+    "instructions": "dtorch_controller_instructions_total",
+    "syncs": 'dtorch_controller_request_seconds_count{method="Sync"}',
+    "submits": 'dtorch_controller_request_seconds_count{method="Submit"}',
+    "waits": "dtorch_controller_queue_wait_seconds_count",
+    "queue": "dtorch_controller_queue_length",
+    "held": 'dtorch_controller_tenant_device_seconds_total{tenant="alice"}',
+    "moved": 'dtorch_controller_tenant_moved_bytes_total{tenant="alice"}',
+}
+
+
+def scrape(cluster: Cluster, tmp: Path) -> dict[str, float | None]:
+    """Every query's value once Prometheus has scraped the workload (done while the first controller runs)."""
+    prom = Prometheus(tmp, list(cluster.ports.values()))
     try:
-        until(lambda: prom.value('count(up{job="dtorch"} == 1)') == 3, "prometheus to scrape all three targets")
-        # the workers: MM matrix products each, the client's read of 64 x 64 float32 = 16 KiB
-        assert until(lambda: prom.value('sum(dtorch_worker_op_seconds_count{op="aten.mm.default"})'),
-                     "op histograms") == 2 * MM
-        assert prom.value('sum(dtorch_worker_moved_bytes_total{path="client",direction="out"})') == 64 * 64 * 4
-        assert prom.value("sum(dtorch_worker_batches_total)") >= 2
-        assert prom.value("min(dtorch_worker_memory_capacity_bytes)") > 0
-        # the controller: its two workers, the program's Submits and Syncs, its wait (none) and device-time
-        assert prom.value('dtorch_controller_workers{state="alive"}') == 2
-        assert prom.value('dtorch_controller_workers{state="lost"}') == 0
-        assert prom.value("dtorch_controller_instructions_total") >= MM * 2 + 2  # mm and div per step, creates
-        assert prom.value('dtorch_controller_request_seconds_count{method="Sync"}') >= 1
-        assert prom.value('dtorch_controller_request_seconds_count{method="Submit"}') >= 1
-        assert prom.value("dtorch_controller_queue_wait_seconds_count") == 1  # one mesh, placed at once
-        assert prom.value("dtorch_controller_queue_length") == 0
-        t0, t1, t2, t3 = cluster.times
-        held = prom.value('dtorch_controller_tenant_device_seconds_total{tenant="alice"}')
-        assert 2 * (t2 - t1) * 0.99 <= held <= 2 * (t3 - t0) * 1.01
-        assert prom.value('dtorch_controller_tenant_moved_bytes_total{tenant="alice"}') >= 64 * 64 * 4
+        until(lambda: prom.value(QUERIES["up"]) == 3, "prometheus to scrape all three targets")
+        until(lambda: prom.value(QUERIES["mm"]), "op histograms")
+        return {name: prom.value(q) for name, q in QUERIES.items()}
     finally:
         prom.close()
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus; "
+                                               "`nox -s observability` installs it)")
+def test_a_real_prometheus_scrapes_the_values_a_known_workload_produces(cluster):
+    v = cluster.scraped
+    # the workers: MM matrix products each, the client's read of 64 x 64 float32 = 16 KiB
+    assert v["mm"] == 2 * MM and v["client_out"] == 64 * 64 * 4
+    assert v["batches"] >= 2 and v["capacity"] > 0
+    # the controller: its two workers, the program's Submits and Syncs, its wait (none) and device-time
+    assert v["alive"] == 2 and v["lost"] == 0
+    assert v["instructions"] >= MM * 2 + 2  # mm and div per step, creates
+    assert v["syncs"] >= 1 and v["submits"] >= 1
+    assert v["waits"] == 1 and v["queue"] == 0  # one mesh, placed at once
+    t0, t1, t2, t3 = cluster.times
+    assert 2 * (t2 - t1) * 0.99 <= v["held"] <= 2 * (t3 - t0) * 1.01
+    assert v["moved"] >= 64 * 64 * 4
 
 
 def usage(cluster: Cluster, *args: str) -> list[dict]:
