@@ -393,9 +393,9 @@ class CmdGroup(Struct, frozen=True, tag="group"):
     """Join communication group `group` of this batch's session as `rank` (sent before its first op).
 
     The worker builds the process group in the background (rendezvous on the TCPStore at `store`, under a
-    prefix naming the session, the group and the generation), so the batch goes on; the group's first op waits
-    for it. A CmdGroup of a newer generation fences the session's groups of older ones on this worker (their ops
-    in flight finish first, then they are shut down and later ops naming them are refused).
+    prefix naming the group's secret `key`, the group and the generation), so the batch goes on; the group's
+    first op waits for it. A CmdGroup of a newer generation fences the session's groups of older ones on this
+    worker (their ops in flight finish first, then they are shut down and later ops naming them are refused).
     """
 
     group: str  # unique within the session
@@ -404,6 +404,8 @@ class CmdGroup(Struct, frozen=True, tag="group"):
     members: list[str]  # each rank's worker, "w3 at host:port", for messages naming a missing one
     store: str  # host:port of rank 0's worker's TCPStore
     timeout_s: float = 60.0  # bound on the rendezvous and on each op: past it the op fails naming who is missing
+    key: str = ""  # the group's secret, drawn per group and generation and sent to its members only: the store
+    # keys are under it, so no one else who reaches the store can meet or disturb the group (refused without one)
 
 
 class GroupOp(Struct, frozen=True, array_like=True):
