@@ -101,7 +101,7 @@ class Group:
     issued: int = 0  # the last op seq submitted to the lane
     broken: str = ""  # why the group cannot run ops any more ("" while it can)
     aborted: threading.Event = field(default_factory=threading.Event)
-    waiting: set[threading.Event] = field(default_factory=set)  # waits in progress: an abort wakes them
+    waiting: set[Any] = field(default_factory=set)  # completions waited for (device.completion): an abort sets them
 
     @property
     def size(self) -> int:
@@ -129,15 +129,14 @@ class Ctx:
     def wait(self, work: Any) -> None:
         """Wait for a collective's Work within the group's timeout; raise one line naming who is missing."""
         g = self.group
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _f: done.set())
+        done = self.backend.completion(work)
         g.waiting.add(done)
         try:
             self._wait(work, done)
         finally:
             g.waiting.discard(done)
 
-    def _wait(self, work: Any, done: threading.Event) -> None:
+    def _wait(self, work: Any, done: Any) -> None:
         g = self.group
         deadline = time.monotonic() + g.timeout_s
         marked = False
