@@ -11,10 +11,11 @@ Rules:
    and are copied over. Random ops (dropout) run under `seeded(seed)` on the device's own generator, so every
    device of one type draws the same values; two device types draw different ones (a mesh mixing them is
    refused for random ops by the controller's translation, see docs/architecture.md).
-4. The comm backend (`comm`: "gloo", "nccl") and the construction of a process group object belong to the
-   backend: `new_group` builds one group of its own (never the global default group: one worker serves many
-   sessions), and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is
-   several times slower than its all_to_all; NCCL's is its best).
+4. The comm backend (`comm`: "gloo", "nccl"), how a lane waits for a collective (`completion`), whether all
+   groups share one lane (`one_lane`) and the construction of a process group object belong to the backend:
+   `new_group` builds one group of its own (never the global default group: one worker serves many sessions),
+   and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is several
+   times slower than its all_to_all; NCCL's is its best).
 5. `start` tunes the process for the device once, at worker start: on the CPU, glibc's allocator keeps freed
    memory for reuse (one arena, no per-allocation mappings, up to 1 GiB kept at the top of the heap) instead of
    mapping large buffers fresh each time (every fresh 4 KiB page costs a fault and zeroing: as much as moving
@@ -52,6 +53,7 @@ class DeviceBackend:
 
     type = "cpu"
     comm = "gloo"
+    one_lane = False  # True: every process group's ops run on one thread, in order (worker groups.py, rule 4)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -235,6 +237,7 @@ class CudaBackend(AcceleratorBackend):
     type = "cuda"
     comm = "nccl"
     module = torch.cuda
+    one_lane = True  # NCCL: two communicators' kernels issued in different orders on two GPUs can deadlock
 
     def new_group(self, store: Any, rank: int, size: int, timeout_s: float, host: str = "") -> Any:
         import torch.distributed as dist

@@ -20,7 +20,10 @@ Rules:
 4. Lanes: a group is built, and each of its ops runs, on the group's own thread (its *lane*), one op at a time
    in the order the executor submitted them, which is the group's seq order (checked: a gap is refused). So the
    executor never waits for a rendezvous or a transfer; it waits only where it uses an op's output
-   (`TensorStore.get` on a pending shard). Ops of different groups never wait for each other.
+   (`TensorStore.get` on a pending shard). Ops of different groups never wait for each other, except on a
+   device whose backend asks for one lane for all groups (`DeviceBackend.one_lane`: NCCL, where kernels of two
+   communicators issued in different orders on two GPUs can deadlock): there every group's ops run on the
+   worker's one lane, in the executor's order, which is the controller's total order (rule 5 holds as well).
 5. Why this cannot deadlock across sessions: the controller assigns every worker's Execute seqs in the one order
    it handles events in, so any two batches reach all their common workers in the same relative order; a group's
    ops are issued (submitted to its lane) by every member at the same place of that order, and the only blocking
@@ -204,6 +207,8 @@ class Groups:
         self._groups: dict[tuple[str, str], Group] = {}  # (session, group id) -> group
         self._fenced: dict[tuple[str, str], str] = {}  # (session, group id) -> why (bounded: sessions close)
         self._reapers: list[threading.Thread] = []
+        self._one_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-groups") \
+            if backend.one_lane else None  # every group's lane on such a device (rule 4)
         self.received = 0  # bytes received from other workers by collectives
 
     @property
@@ -237,7 +242,8 @@ class Groups:
             self._fence(g, f"superseded by generation {cmd.generation}")
         g = Group(session=session, id=cmd.group, generation=cmd.generation, rank=cmd.rank, members=list(cmd.members),
                   store_address=cmd.store, timeout_s=cmd.timeout_s, key=cmd.key, fingerprint=_fingerprint(cmd),
-                  lane=ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dtorch-group-{cmd.group}"))
+                  lane=self._one_lane or ThreadPoolExecutor(max_workers=1,
+                                                            thread_name_prefix=f"dtorch-group-{cmd.group}"))
         with self._lock:
             old = self._groups.get((session, cmd.group))
             self._groups[(session, cmd.group)] = g
@@ -319,7 +325,8 @@ class Groups:
         g.aborted.set()
         for done in list(g.waiting):
             done.set()  # waits in progress see `aborted` now
-        g.lane.shutdown(wait=False, cancel_futures=True)
+        if g.lane is not self._one_lane:  # on the one lane, its queued ops see `aborted` and fail at once
+            g.lane.shutdown(wait=False, cancel_futures=True)
         if g.pg is not None:
             owned = [g.pg]  # the reaper holds the last reference: the destructor runs there, never here
             g.pg = None
