@@ -18,7 +18,15 @@ PACKAGES = [
     "packages/dtorch-sim",
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "numpy", "expecttest", "transformers", "import-linter"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "numpy", "expecttest", "transformers", "diffusers",
+             "import-linter", "kubernetes-validate", "pyyaml", "cryptography",
+             "hatchling", "tomli; python_version < '3.11'"]  # hatchling: test_packaging builds wheels offline
+
+
+def third_party_dependencies() -> list[str]:
+    """Every package's install dependencies that are not DTorch packages themselves."""
+    deps = {d for p in PACKAGES for d in nox.project.load_toml(f"{p}/pyproject.toml")["project"]["dependencies"]}
+    return sorted(d for d in deps if not d.startswith("dtorch-"))
 
 
 def install(session: nox.Session, *extra: str) -> None:
@@ -31,6 +39,14 @@ def tests(session: nox.Session) -> None:
     """The whole suite: unit tests of each package and integration tests with real processes."""
     install(session, *TEST_DEPS)
     session.run("pytest", "-q", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """100,000 malformed and hostile messages to every RPC of both services of real processes: counts per RPC,
+    refusals, unhandled exceptions, RSS before and after, then a real computation compared with torch."""
+    install(session, *TEST_DEPS)
+    session.run("python", "integration/_fuzz.py", "--messages", "100000", *session.posargs)
 
 
 @nox.session
@@ -52,6 +68,25 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of every package, built with hatch, into dist/."""
+    session.install("hatch")
+    dist = str(Path("dist").resolve())
+    for package in PACKAGES:
+        with session.chdir(package):
+            session.run("hatch", "build", "-t", "wheel", "-t", "sdist", dist)
+
+
+@nox.session
+def compat(session: nox.Session) -> None:
+    """Each package's previous release tag against HEAD: older clients with newer controllers and workers work,
+    the refused combinations say so in one line (integration/compat.py; the policy: docs/architecture.md)."""
+    session.install(TORCH)
+    session.install("hatch", *third_party_dependencies())  # the DTorch packages come from the builds, per process
+    session.run("python", "integration/compat.py", *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff, and the import rules of `.importlinter` (layers, torch-free packages; docs/architecture.md)."""
     session.install("ruff", "import-linter")
@@ -63,8 +98,9 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks print their figures; nothing here is a pass/fail timing."""
-    install(session)
+    install(session, "transformers", "diffusers")
     session.run("python", "benchmarks/bench_foundation.py", *session.posargs)
+    session.run("python", "benchmarks/bench_models.py")  # SD3 transformer step (TP, SP), MoE layer (EP) vs torch
     session.run("python", "benchmarks/bench_scheduler.py")  # 10,000 fake workers, 1,000 queued sessions
     session.run("python", "benchmarks/bench_recovery.py")  # SIGKILL detection and recovery, migration downtime
     session.run("python", "benchmarks/bench_recovery.py", "--core")  # the same core at 10,000 workers

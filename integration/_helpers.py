@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dtorch_controller.keys import new_key_file
 
 # The CLIs, found through the running interpreter (its environment has the packages), never through PATH
 CONTROLLER = (sys.executable, "-m", "dtorch_controller")
@@ -24,6 +28,28 @@ def assert_same(dt, expected, exact=True):
         assert torch.equal(got, expected), (got, expected)
     else:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@dataclass
+class Keys:
+    """A key file for a cluster started with the CLIs: an admin, a worker key, two tenants (alice, bob)."""
+
+    path: Path
+    admin: str
+    worker: str
+    alice: str
+    bob: str
+
+    @classmethod
+    def make(cls, directory: Path) -> Keys:
+        path = directory / "keys.json"
+        keys = new_key_file(path, ("admin", ""), ("worker", ""), ("tenant", "alice"), ("tenant", "bob"))
+        return cls(path, *keys)
+
+    def env(self, key: str, **extra: str) -> dict[str, str]:
+        """This process's environment without DTORCH_* settings, plus the key file and `key` as the API key."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+        return {**env, "DTORCH_KEYS": str(self.path), "DTORCH_API_KEY": key, **extra}
 
 
 def _popen(argv: Sequence[str], env: dict[str, str], log: Path | None, popen: dict[str, Any]) -> subprocess.Popen:

@@ -55,27 +55,31 @@ def test_mixing_meshes_moves_to_the_first_operands_mesh(mesh1, mesh4):
     assert torch.equal(c.to_torch(), torch.arange(4) + 1)
 
 
-def test_wrong_token_is_refused(cluster):
-    stub = wire.Stub("dtorch.Controller", cluster.address, "not-the-token")
-    with pytest.raises(PermissionError, match="DTORCH_TOKEN"):
+def test_wrong_key_is_refused(cluster):
+    stub = wire.Stub("dtorch.Controller", cluster.address, "not-a-key")
+    with pytest.raises(PermissionError, match="malformed API key"):
         stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")))
     with pytest.raises(PermissionError):
-        dtorch.session.Session(cluster.address, "not-the-token")
+        dtorch.session.Session(cluster.address, "not-a-key")
 
 
 def test_protocol_major_mismatch_names_both_versions(cluster):
-    stub = wire.Stub("dtorch.Controller", cluster.address, cluster.token)
+    stub = wire.Stub("dtorch.Controller", cluster.address, cluster.api_key)
     old = m.Hello(protocol_version="0.9", package_version="0.0.1", role="client")
     with pytest.raises(wire.ProtocolError, match=rf"client speaks 0\.9 \(package 0\.0\.1\).*{m.PROTOCOL_VERSION}"):
         stub.call("OpenSession", m.OpenSession(hello=old))
-    newer_minor = m.Hello(protocol_version="1.7", package_version="0.9", role="client")
-    assert stub.call("OpenSession", m.OpenSession(hello=newer_minor)).session
+    major, minor = m.PROTOCOL_VERSION.split(".")
+    older_minor = m.Hello(protocol_version=f"{major}.0", package_version="0.0.9", role="client")
+    assert stub.call("OpenSession", m.OpenSession(hello=older_minor)).session
+    newer_minor = m.Hello(protocol_version=f"{major}.{int(minor) + 1}", package_version="0.9", role="client")
+    with pytest.raises(wire.ProtocolError, match="upgrade dtorch-controller"):
+        stub.call("OpenSession", m.OpenSession(hello=newer_minor))
 
 
 def test_unreachable_controller_is_one_line_and_bounded():
     code = "import dtorch; dtorch.connect('127.0.0.1:9')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "DTORCH_TOKEN": "x"})
+                         env={**os.environ, "DTORCH_API_KEY": "x"})
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("ConnectionError: cannot reach the DTorch controller at 127.0.0.1:9")

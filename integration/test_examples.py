@@ -35,3 +35,24 @@ def test_dp_tp_training_losses_match_torch():
 def test_rl_role_handoff_generates_with_the_trained_weights():
     out = run("rl_role_handoff.py")
     assert "DeviceMesh('cpu', [4, 5])" in out and out.strip().endswith("matches plain torch")
+
+
+def test_moe_expert_parallel_matches_torch_with_one_ep_th_of_the_experts_per_worker():
+    out = run("moe_expert_parallel.py", "--steps", "2", "--new-tokens", "2")
+    assert "greedy tokens identical" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("expert weight bytes per worker")]
+    held, total = line.split(": ", 1)[1].rsplit(" of ", 1)
+    assert set(eval_dict(held).values()) == {int(total.split()[0]) // 2}  # EP=2: one device per worker
+    for fields in [line.split() for line in out.splitlines() if line.startswith("step")]:
+        assert abs(float(fields[4]) - float(fields[6])) < 1e-5 and abs(float(fields[9]) - float(fields[11])) < 1e-5
+
+
+def test_diffusion_sequence_parallel_matches_torch():
+    out = run("diffusion_sequence_parallel.py", "--model", "flux", "--plan", "sp", "--steps", "1")
+    (line,) = [line for line in out.splitlines() if line.startswith("flux sp")]
+    assert float(line.rsplit(" ", 1)[1]) < 1e-5, line
+
+
+def eval_dict(text: str) -> dict[str, int]:
+    """{'w0': 1, 'w1': 2} as printed, without eval."""
+    return {k.strip(" '{"): int(v.strip(" }")) for k, v in (item.split(":") for item in text.split(","))}

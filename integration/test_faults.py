@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import CONTROLLER, start_controller, start_worker, stop_all
+from _helpers import CONTROLLER, Keys, start_controller, start_worker, stop_all
 
 HERE = Path(__file__).parent
 ENV = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
@@ -120,7 +120,8 @@ def _cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.Co
 @pytest.fixture
 def cli_cluster(tmp_path):
     """A controller and 4 workers started with their CLIs, as an operator would."""
-    env = {**ENV, "DTORCH_TOKEN": "fault-token"}
+    keys = Keys.make(tmp_path)
+    env = {**ENV, "DTORCH_KEYS": str(keys.path), "DTORCH_API_KEY": keys.admin}  # the operator's (and client's)
     deadline = time.monotonic() + 60  # one bound for the controller, the workers registering and their logs
     controller, address = start_controller(tmp_path / "addr", env, log=tmp_path / "controller.log",
                                            limit=deadline - time.monotonic(), **_DETACHED)
@@ -128,7 +129,8 @@ def cli_cluster(tmp_path):
     try:
         env["DTORCH_CONTROLLER"] = address
         for i in range(4):
-            procs.append(start_worker(address, env, log=tmp_path / f"worker{i}.log", **_DETACHED))
+            procs.append(start_worker(address, {**env, "DTORCH_API_KEY": keys.worker}, log=tmp_path / f"worker{i}.log",
+                                      **_DETACHED))
         while True:
             status = json.loads(_cli("status", "--json", env=env).stdout)
             if sum(w["state"] == "alive" for w in status["workers"]) == 4:

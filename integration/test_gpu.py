@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import start_controller, start_worker, stop_all
+from _helpers import Keys, start_controller, start_worker, stop_all
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
@@ -66,12 +66,13 @@ def test_a_cuda_worker_runs_ops_and_training_like_the_cpu():
 
 @needs_cuda
 def test_a_cuda_and_a_cpu_worker_redistribute_to_each_other(tmp_path):
-    env = {**os.environ, "DTORCH_TOKEN": "gpu-mixed"}
-    controller, address = start_controller(tmp_path / "addr", env, limit=60)
+    keys = Keys.make(tmp_path)
+    controller, address = start_controller(tmp_path / "addr", keys.env(keys.admin), limit=60)
+    env = keys.env(keys.worker)
     procs = [controller, start_worker(address, env, "--device", "cuda:0", log=tmp_path / "w0.log"),
              start_worker(address, env, "--device", "cpu", log=tmp_path / "w1.log")]
     try:
-        info = run("_gpu_run.py", "mixed", "--controller", address, env={"DTORCH_TOKEN": "gpu-mixed"})
+        info = run("_gpu_run.py", "mixed", "--controller", address, env={"DTORCH_API_KEY": keys.alice})
     finally:
         stop_all(procs)
     assert info["device_types"] == ["cpu", "cuda"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import CONTROLLER, start_controller, start_worker, stop_all
+from _helpers import CONTROLLER, Keys, start_controller, start_worker, stop_all
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.py"
@@ -58,19 +58,20 @@ def test_embedded_cluster_dies_with_a_killed_client():
 
 @pytest.fixture
 def standalone_cluster(tmp_path):
-    env = {**os.environ, "DTORCH_TOKEN": "standalone-secret"}
-    controller, address = start_controller(tmp_path / "addr", env, limit=30)
+    keys = Keys.make(tmp_path)
+    controller, address = start_controller(tmp_path / "addr", keys.env(keys.admin), limit=30)
     procs = [controller]
     try:
         for _ in range(2):
-            procs.append(start_worker(address, env))
-        yield address, env, procs
+            procs.append(start_worker(address, keys.env(keys.worker)))
+        yield address, keys, procs
     finally:
         stop_all(procs)
 
 
 def test_quickstart_against_running_controller(standalone_cluster):
-    address, env, procs = standalone_cluster
+    address, keys, procs = standalone_cluster
+    env = keys.env(keys.admin)
     status = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -80,13 +81,17 @@ def test_quickstart_against_running_controller(standalone_cluster):
             break
         time.sleep(0.2)
     assert status is not None and status.stdout.count("alive") >= 2, status
-    out = subprocess.run([sys.executable, str(QUICKSTART)], env={**env, "DTORCH_CONTROLLER": address},
+    out = subprocess.run([sys.executable, str(QUICKSTART)], env=keys.env(keys.alice, DTORCH_CONTROLLER=address),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert re.search(r"x=DTensor\(tensor\(\[\[", out.stdout)
     assert "Shard(dim=0)" in out.stdout
-    wrong = subprocess.run([sys.executable, str(QUICKSTART)],
-                           env={**env, "DTORCH_CONTROLLER": address, "DTORCH_TOKEN": "wrong"},
+    wrong = subprocess.run([sys.executable, str(QUICKSTART)], env=keys.env("wrong", DTORCH_CONTROLLER=address),
                            capture_output=True, text=True, timeout=60)
     assert wrong.returncode != 0
-    assert "DTORCH_TOKEN" in wrong.stderr.strip().splitlines()[-1]
+    assert "malformed API key" in wrong.stderr.strip().splitlines()[-1]
+    revoked = keys.bob[:-4] + "AAAA"  # well-formed, never issued
+    wrong = subprocess.run([sys.executable, str(QUICKSTART)], env=keys.env(revoked, DTORCH_CONTROLLER=address),
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode != 0
+    assert "unknown or revoked API key" in wrong.stderr.strip().splitlines()[-1]

@@ -12,7 +12,6 @@ nothing depends on timing luck.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -22,11 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import CONTROLLER, start_controller, start_worker, stop_all
+from _helpers import CONTROLLER, Keys, start_controller, start_worker, stop_all
 from dtorch_protocol import messages as m
 from dtorch_protocol import wire
 
-TOKEN = "scheduling-secret"
 WAIT_S = 60.0  # bound on every wait in these tests
 
 # A client: the program of a DTorch user, with a few helpers to coordinate with the test through files.
@@ -56,14 +54,14 @@ class Cluster:
 
     def __init__(self, tmp: Path, workers: int, *controller_args: str) -> None:
         self.tmp = tmp
-        self.env = {**os.environ, "DTORCH_TOKEN": TOKEN}
-        self.env.pop("DTORCH_CONTROLLER", None)
+        self.keys = Keys.make(tmp)
+        self.env = self.keys.env(self.keys.admin)  # the controller, the CLI and this test's stub: the operator
         self.procs: list[subprocess.Popen] = []
         self.workers: list[subprocess.Popen] = []
         self.controller, self.address = start_controller(tmp / "controller.addr", self.env, *controller_args,
                                                          log=self._log("controller"), limit=WAIT_S)
         self.procs.append(self.controller)
-        self.stub = wire.Stub("dtorch.Controller", self.address, TOKEN)
+        self.stub = wire.Stub("dtorch.Controller", self.address, self.keys.admin)
         for _ in range(workers):
             self.add_worker()
         self.wait(lambda st: sum(w.state == "alive" for w in st.workers) == workers, "workers to register")
@@ -73,7 +71,7 @@ class Cluster:
         return self.tmp / f"{name}-{len(self.procs)}.log"
 
     def add_worker(self) -> subprocess.Popen:
-        proc = start_worker(self.address, self.env, log=self._log("worker"))
+        proc = start_worker(self.address, {**self.env, "DTORCH_API_KEY": self.keys.worker}, log=self._log("worker"))
         self.procs.append(proc)
         self.workers.append(proc)
         return proc
@@ -84,7 +82,8 @@ class Cluster:
         script.write_text(PRELUDE + "".join(f"{k} = {v!r}\n" for k, v in consts.items()) + textwrap.dedent(code))
         err = open(self.tmp / f"{name}.err", "w")
         proc = subprocess.Popen([sys.executable, str(script), str(self.tmp)], stdout=subprocess.PIPE, stderr=err,
-                                text=True, env={**self.env, "DTORCH_CONTROLLER": self.address})
+                                text=True, env={**self.env, "DTORCH_CONTROLLER": self.address,
+                                                "DTORCH_API_KEY": self.keys.alice})
         err.close()
         self.procs.append(proc)
         return proc
@@ -215,8 +214,9 @@ def test_a_capped_session_going_over_its_cap_gets_a_one_line_error_and_goes_on(m
     assert out[0].startswith("error: create failed on a worker at ") and "big = dtorch.zeros(" in out[0], out
     assert out[0].endswith(": memory cap exceeded: session holds 2.0 MiB on this worker, over its cap of "
                            "1.0 MiB per device"), out
-    assert out[1].startswith("upload: Put on ") and out[1].endswith(
-        "failed: memory cap exceeded: session holds 2.0 MiB on this worker, over its cap of 1.0 MiB per device"), out
+    assert out[1].startswith("upload: ") and out[1].endswith(  # refused before a byte of it was kept
+        "refused Put: memory cap exceeded: session holds 2.0 MiB on this worker, over its cap of 1.0 MiB per "
+        "device"), out
 
 
 # ---------------------------------------------------------------- a killed client leaks nothing

@@ -12,11 +12,11 @@ from dtorch_protocol import wire
 
 
 @pytest.fixture
-def controller(monkeypatch):
-    server, address = run_server(token="tok")
-    monkeypatch.setenv("DTORCH_TOKEN", "tok")
+def controller(monkeypatch, keys):
+    server, address = run_server(keys=keys.authenticate)
+    monkeypatch.setenv("DTORCH_API_KEY", keys.admin)
     monkeypatch.setenv("DTORCH_CONTROLLER", address)
-    yield server, address
+    yield server, address, keys
     server.stop(0)
 
 
@@ -29,28 +29,38 @@ def test_unknown_ids_are_refused_in_one_line(controller, capsys):
     assert err == "dtorch-controller migrate: unknown session 'abcdef' (sessions: none)\n"
 
 
-def test_draining_an_idle_worker_releases_it(controller, capsys):
-    server, address = controller
-    stub = wire.Stub("dtorch.Controller", address, "tok")
-    reply = stub.call("Register", m.RegisterWorker(hello=wire.hello("worker"), address="127.0.0.1:9", device_type="cpu",
-                                                   memory_bytes=1 << 30))
+def test_drain_and_migrate_need_an_admin_key(controller, capsys, monkeypatch):
+    _, _, keys = controller
+    monkeypatch.setenv("DTORCH_API_KEY", keys.alice)
+    for argv in (["drain", "w0"], ["migrate", "abcdef", "--device", "0", "--to", "w0"]):
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "needs admin credentials" in err and "tenant 'alice'" in err
+
+
+def test_draining_an_idle_worker_releases_it(controller, capsys, register_worker):
+    server, address, keys = controller
+    stub = wire.Stub("dtorch.Controller", address, keys.admin)
+    worker = wire.Stub("dtorch.Controller", address, keys.worker)
+    reply, proof = register_worker(worker, "127.0.0.1:9", memory=1 << 30)
     assert cli.main(["drain", reply.worker, "--timeout", "5"]) == 0
     assert f"drained {reply.worker}" in capsys.readouterr().out
     status = stub.call("Status", m.StatusRequest())
     assert [w.state for w in status.workers] == ["lost"]
-    assert stub.call("Report", m.WorkerReport(worker=reply.worker, completed=0)).ok is False  # it must exit
+    assert worker.call("Report", m.WorkerReport(worker=reply.worker, completed=0, proof=proof)).ok is False
     assert cli.main(["drain", reply.worker, "--json"]) == 1
     assert "already gone" in capsys.readouterr().err
     stub.close()
+    worker.close()
 
 
-def test_status_shows_utilization_copies_and_snapshots(controller, capsys):
-    server, address = controller
-    stub = wire.Stub("dtorch.Controller", address, "tok")
-    reply = stub.call("Register", m.RegisterWorker(hello=wire.hello("worker"), address="127.0.0.1:9", device_type="cpu",
-                                                   memory_bytes=1 << 30))
-    stub.call("Report", m.WorkerReport(worker=reply.worker, completed=0, utilization=0.25,
-                                       sessions={"s#s1": m.ShardStats(tensors=2, bytes=2048)}))
+def test_status_shows_utilization_copies_and_snapshots(controller, capsys, register_worker):
+    server, address, keys = controller
+    stub = wire.Stub("dtorch.Controller", address, keys.admin)
+    worker = wire.Stub("dtorch.Controller", address, keys.worker)
+    reply, proof = register_worker(worker, "127.0.0.1:9", memory=1 << 30)
+    worker.call("Report", m.WorkerReport(worker=reply.worker, completed=0, utilization=0.25, proof=proof,
+                                         sessions={"s#s1": m.ShardStats(tensors=2, bytes=2048)}))
     status = stub.call("Status", m.StatusRequest())
     assert status.workers[0].utilization == 0.25 and status.workers[0].backup_bytes == 2048
     console = Console(width=250, record=True)

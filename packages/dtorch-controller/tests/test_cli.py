@@ -1,4 +1,4 @@
-"""The dtorch-controller command: serve with a port file, status, watchdog, signals."""
+"""The dtorch-controller command: serve with a port file, status, watchdog, signals, keys."""
 
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ import time
 import pytest
 
 from dtorch_controller import cli
+from dtorch_controller.keys import new_key_file
 
 
-def start(tmp_path, *extra):
+def start(tmp_path, *extra, listen="127.0.0.1:0"):
     port_file = tmp_path / "port"
-    env = {**os.environ, "DTORCH_TOKEN": "tok"}
-    proc = subprocess.Popen([sys.executable, "-m", "dtorch_controller", "--listen", "127.0.0.1:0",
-                             "--port-file", str(port_file), *extra],
+    if not (tmp_path / "keys.json").exists():
+        new_key_file(tmp_path / "keys.json", ("admin", ""))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+    proc = subprocess.Popen([sys.executable, "-m", "dtorch_controller", "--listen", listen,
+                             "--keys", str(tmp_path / "keys.json"), "--port-file", str(port_file), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 30
     while not port_file.exists():
@@ -29,21 +32,25 @@ def start(tmp_path, *extra):
 
 
 def test_serve_status_and_sigterm(tmp_path, monkeypatch, capsys):
+    (admin,) = new_key_file(tmp_path / "keys.json", ("admin", ""))
     proc, address = start(tmp_path)
     try:
         assert proc.stdout.readline().strip() == f"dtorch-controller listening on {address}"
-        monkeypatch.setenv("DTORCH_TOKEN", "tok")
+        monkeypatch.setenv("DTORCH_API_KEY", admin)
         monkeypatch.setenv("DTORCH_CONTROLLER", address)
         assert cli.main(["status", "--json"]) == 0
-        assert json.loads(capsys.readouterr().out) == {"workers": [], "sessions": [], "events": [],
-                                                       "policy": "priority (preempt=on, pack=on)", "queued": 0}
+        reply = json.loads(capsys.readouterr().out)
+        assert reply.pop("policy").startswith("dtorch (")  # the default policy
+        assert reply == {"workers": [], "sessions": [], "events": [], "queued": 0,
+                         "other_sessions": 0, "other_devices": 0, "other_workers": 0}
         assert cli.main(["status", "--controller", address]) == 0
         assert "workers (0)" in capsys.readouterr().out
-        monkeypatch.setenv("DTORCH_TOKEN", "bad")
+        monkeypatch.setenv("DTORCH_API_KEY", "bad")
         assert cli.main(["status"]) == 1
         assert "refused" in capsys.readouterr().err
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+        assert "warning" not in proc.stderr.read()  # loopback: cleartext is fine
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -77,3 +84,76 @@ def test_bad_listen_address(listen):
     with pytest.raises(SystemExit):
         cli._normalize_listen(listen)
     assert cli._normalize_listen(":50051") == "0.0.0.0:50051"
+
+
+def _run(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "dtorch_controller", *argv], capture_output=True, text=True,
+                          timeout=60, env=env or {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")})
+
+
+def test_no_key_file_is_fatal_at_start(tmp_path):
+    """A controller never runs open: no key file, an unreadable one or a malformed one stops it at once."""
+    out = _run("--listen", "127.0.0.1:0")
+    assert out.returncode == 2 and "no key file" in out.stderr and out.stderr.count("\n") == 1
+    out = _run("--keys", str(tmp_path / "missing.json"), "--listen", "127.0.0.1:0")
+    assert out.returncode == 2 and "no key file at" in out.stderr
+    (tmp_path / "bad.json").write_text("{not json")
+    out = _run("--keys", str(tmp_path / "bad.json"), "--listen", "127.0.0.1:0")
+    assert out.returncode == 2 and "not valid JSON" in out.stderr
+    (tmp_path / "locked.json").write_text("{}")
+    (tmp_path / "locked.json").chmod(0)
+    if not os.access(tmp_path / "locked.json", os.R_OK):  # root reads anything
+        out = _run("--keys", str(tmp_path / "locked.json"), "--listen", "127.0.0.1:0")
+        assert out.returncode == 2 and "cannot read the key file" in out.stderr
+
+
+def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):
+    """Keys are shown once and stored hashed; a running controller honours a revocation within a second."""
+    path = tmp_path / "keys.json"
+    created = _run("keys", "create", "--keys", str(path), "--role", "tenant", "--tenant", "alice")
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip()
+    assert key.startswith("dtorch_") and "created tenant key" in created.stderr
+    stored = path.read_text()
+    assert key not in stored and key.split("_")[2] not in stored  # only the hash is kept
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert _run("keys", "create", "--keys", str(path), "--role", "tenant").returncode == 1  # no tenant named
+    admin = _run("keys", "create", "--keys", str(path), "--role", "admin").stdout.strip()
+    quota = _run("keys", "quota", "alice", "--keys", str(path), "--devices", "4", "--sessions", "2")
+    assert quota.returncode == 0 and "devices 4" in quota.stdout
+    listing = _run("keys", "list", "--keys", str(path)).stdout
+    key_id = key.split("_")[1]
+    assert key_id in listing and "alice" in listing and "quota alice: devices 4" in listing
+
+    proc, address = start(tmp_path)
+    try:
+        monkeypatch.setenv("DTORCH_CONTROLLER", address)
+        monkeypatch.setenv("DTORCH_API_KEY", key)
+        assert cli.main(["status"]) == 0
+        capsys.readouterr()
+        revoked = _run("keys", "revoke", key_id, "--keys", str(path))
+        assert revoked.returncode == 0 and "revoked tenant key" in revoked.stdout
+        assert "20" in _run("keys", "list", "--keys", str(path)).stdout.split(key_id)[1].splitlines()[0]
+        deadline = time.monotonic() + 10
+        while cli.main(["status"]) == 0:
+            assert time.monotonic() < deadline, "the revoked key still works"
+            time.sleep(0.2)
+        assert f"unknown or revoked API key {key_id}" in capsys.readouterr().err
+        monkeypatch.setenv("DTORCH_API_KEY", admin)
+        assert cli.main(["status"]) == 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_cleartext_off_loopback_warns_once(tmp_path):
+    proc, address = start(tmp_path, listen="0.0.0.0:0")
+    try:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+        warnings = [line for line in err.splitlines() if "warning" in line]
+        assert len(warnings) == 1 and "without TLS" in warnings[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -505,13 +505,17 @@ def test_a_silent_client_is_closed_and_its_shards_freed_everywhere(make_harness)
     assert h.call(ev.KeepAlive, m.KeepAlive(session=dead)) == m.Ack(ok=False, message="unknown session (timed out?)")
 
 
-def test_old_clients_without_keepalives_are_never_timed_out(make_harness):
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+def test_old_clients_sessions_expire_like_current_ones(make_harness, version):
+    """A client that says it speaks 1.0 (no keep-alives) used to hold its session, and its devices, forever."""
     h = make_harness(session_timeout_s=5.0, **QUIET)
-    old = m.Hello(protocol_version="1.1", package_version="0.1.0", role="client")
+    old = m.Hello(protocol_version=version, package_version="0.1.0", role="client")
     opened = h.call(ev.OpenSession, m.OpenSession(hello=old))
-    assert opened.keepalive_s == 0.0
-    h.advance(60)
+    assert opened.keepalive_s == 1.0
+    h.advance(4.0)
     assert opened.session in h.core.sessions
+    h.advance(1.5)
+    assert opened.session not in h.core.sessions
 
 
 # ---------------------------------------------------------------- workers coming and going

@@ -45,6 +45,15 @@ def test_an_older_minor_worker_is_refused_but_an_older_client_is_not(h, refused)
     assert isinstance(h.call(ev.OpenSession, m.OpenSession(hello=client, name="old")), m.SessionOpened)
 
 
+def test_a_newer_minor_client_is_refused(h, refused):
+    """Its new fields would be dropped unread (a memory cap, say): refused, naming what to upgrade."""
+    major, minor = m.PROTOCOL_VERSION.split(".")
+    newer = m.Hello(protocol_version=f"{major}.{int(minor) + 1}", package_version="9.0.0", role="client")
+    reply = h.call(ev.OpenSession, m.OpenSession(hello=newer, name="new"))
+    assert refused(reply, "protocol") and "upgrade dtorch-controller" in reply.message
+    assert newer.protocol_version in reply.message and not h.core.sessions
+
+
 def test_wrong_role_and_empty_address_are_refused(h, refused):
     reply = h.call(ev.Register, m.RegisterWorker(hello=hello("client"), address="a:1", device_type="cpu",
                                                  memory_bytes=0))
@@ -97,13 +106,17 @@ def test_lost_and_unknown_workers_are_fenced_and_their_data_ignored(h):
     assert h.report("w99") == m.ReportReply(ok=False, message="fenced")
 
 
-def test_reregistering_at_the_same_address_fences_the_old_worker(h):
+def test_a_registration_at_a_live_workers_address_is_refused_not_obeyed(h):
+    """It used to fence the live worker (which then exited): anyone able to register could take a worker down."""
     old = h.register("a:1")
-    new = h.register("a:1")
-    assert (old, new) == ("w0", "w1")
+    refused = h.call(ev.Register, m.RegisterWorker(hello=hello("worker"), address="a:1", device_type="cpu",
+                                                   memory_bytes=1 << 30))
+    assert refused.kind == "conflict" and "belongs to live worker w0" in refused.message
+    assert h.core.workers[old].state == "alive" and h.report(old).ok
+    h.advance(h.core.config.heartbeat_timeout_s + 0.1)  # the old process is gone: silent until declared lost
     assert h.core.workers[old].state == "lost"
-    assert not h.report(old).ok
-    assert h.report(new).ok
+    new = h.register("a:1")  # a restart at the same address is then accepted
+    assert new == "w1" and not h.report(old).ok and h.report(new).ok
 
 
 def test_unreachable_worker_is_lost_at_once_and_syncs_report_it(make_harness):

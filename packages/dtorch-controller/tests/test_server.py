@@ -6,28 +6,28 @@ import pytest
 
 from dtorch_controller.core import Config
 from dtorch_controller.server import run_server
+from dtorch_protocol import auth, wire
 from dtorch_protocol import messages as m
-from dtorch_protocol import wire
-
-TOKEN = "s3cret"
 
 
 @pytest.fixture(scope="module")
-def controller():
-    server, address = run_server("127.0.0.1:0", TOKEN, Config(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5))
-    yield server, address
+def controller(module_keys):
+    keys = module_keys
+    server, address = run_server("127.0.0.1:0", keys.authenticate,
+                                 Config(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5))
+    yield server, address, keys
     server.stop(0)
 
 
 def test_open_session_status_and_refusals(controller):
-    server, address = controller
-    stub = wire.Stub("dtorch.Controller", address, TOKEN)
+    server, address, keys = controller
+    stub = wire.Stub("dtorch.Controller", address, keys.alice)
     try:
         opened = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client"), name="grpc-test"), timeout=5)
         assert len(opened.session) == 32  # secrets.token_hex(16)
         status = stub.call("Status", m.StatusRequest(), timeout=5)
         assert [s.session for s in status.sessions] == [opened.session]
-        assert any("opened" in e for e in status.events)
+        assert status.sessions[0].tenant == "alice"
 
         with pytest.raises(wire.ProtocolError) as err:
             old = m.Hello(protocol_version="9.0", package_version="9.0.0", role="client")
@@ -47,26 +47,28 @@ def test_open_session_status_and_refusals(controller):
         intruder.close()
 
 
-def test_register_sync_and_unreachable_worker(controller):
+def test_register_sync_and_unreachable_worker(controller, register_worker):
     """A worker whose address accepts nothing is declared lost when its batch cannot be delivered."""
-    server, address = controller
-    stub = wire.Stub("dtorch.Controller", address, TOKEN)
+    server, address, keys = controller
+    worker = wire.Stub("dtorch.Controller", address, keys.worker)
+    stub = wire.Stub("dtorch.Controller", address, keys.alice)
     try:
-        reg = stub.call("Register", m.RegisterWorker(hello=wire.hello("worker"), address="127.0.0.1:1",
-                                                     device_type="cpu", memory_bytes=0), timeout=5)
+        reg, proof = register_worker(worker, "127.0.0.1:1")
         assert reg.heartbeat_interval_s == 0.1
         sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
         placed = stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0], shape=[1]), timeout=5)
         assert placed.placed and placed.locations == {0: "127.0.0.1:1"}
+        assert auth.cap_expiry(placed.caps["127.0.0.1:1"]) > 0  # the owner's capability for that worker
         spec = m.TensorSpec(shape=[2], dtype="float32", mesh=1, placements=["R"])
         stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec, init="ones")]),
                   timeout=5)
         reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=5), timeout=10)
         assert reply.done and reply.errors and reg.worker in reply.errors[0].message
-        assert stub.call("Report", m.WorkerReport(worker=reg.worker, completed=1), timeout=5).ok is False
+        assert worker.call("Report", m.WorkerReport(worker=reg.worker, completed=1, proof=proof), timeout=5).ok is False
         assert stub.call("CloseSession", m.CloseSession(session=sid), timeout=5).ok
     finally:
         stub.close()
+        worker.close()
 
 
 class SilentWorker:
@@ -75,28 +77,24 @@ class SilentWorker:
     def __init__(self) -> None:
         self.batches: list[m.Execute] = []
 
-    def Execute(self, request: m.Execute) -> m.Ack:
+    def Execute(self, request: m.Execute, caller: auth.Caller) -> m.Ack:
         self.batches.append(request)
         return m.Ack()
 
-    def Pull(self, request):
-        raise wire.RemoteError("not here")
 
-    def Put(self, requests):
-        raise wire.RemoteError("not here")
-
-
-def test_sync_times_out_and_shutdown_answers_parked_syncs():
+def test_sync_times_out_and_shutdown_answers_parked_syncs(keys, register_worker):
     import threading
     import time
 
     worker = SilentWorker()
-    worker_server, worker_address = wire.serve("dtorch.Worker", worker, TOKEN)
-    server, address = run_server("127.0.0.1:0", TOKEN, Config(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0))
-    stub = wire.Stub("dtorch.Controller", address, TOKEN)
+    worker_auth = auth.WorkerAuth()
+    served = wire.serve("dtorch.Worker", worker, worker_auth.authenticate)
+    server, address = run_server("127.0.0.1:0", keys.authenticate,
+                                 Config(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0))
+    stub = wire.Stub("dtorch.Controller", address, keys.alice)
     try:
-        stub.call("Register", m.RegisterWorker(hello=wire.hello("worker"), address=worker_address,
-                                               device_type="cpu", memory_bytes=0), timeout=5)
+        register_worker(wire.Stub("dtorch.Controller", address, keys.worker), served.address,
+                        secret=worker_auth.secret)
         sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
         stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0, 1], shape=[2]), timeout=5)
         spec = m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["S0"])
@@ -104,7 +102,7 @@ def test_sync_times_out_and_shutdown_answers_parked_syncs():
                   timeout=5)
         reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3), timeout=60)  # its own timeout answers
         assert not reply.done and "w0" in reply.message
-        assert [b.seq for b in worker.batches] == [1]
+        assert [b.seq for b in worker.batches] == [1]  # delivered over the execute token
         assert worker.batches[0].cmds[0].boxes == {0: [[0, 2]], 1: [[2, 2]]}
 
         outcome: list[object] = []
@@ -124,7 +122,7 @@ def test_sync_times_out_and_shutdown_answers_parked_syncs():
     finally:
         stub.close()
         server.stop(0)
-        worker_server.stop(0)
+        served.server.stop(0)
 
 
 def _try(stub, sid):
@@ -132,3 +130,88 @@ def _try(stub, sid):
         return stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=60), timeout=90)
     except Exception as e:  # noqa: BLE001
         return e
+
+
+def test_tenant_traffic_never_starves_heartbeats(keys, register_worker):
+    """Parked Syncs used to take every handler thread: then no report got through and workers were fenced.
+    Tenants now hold at most `tenant_threads` threads; the rest serve workers, and extra tenant calls are refused
+    at once."""
+    import threading
+    import time
+
+    worker = SilentWorker()
+    worker_auth = auth.WorkerAuth()
+    served = wire.serve("dtorch.Worker", worker, worker_auth.authenticate)
+    server, address = run_server("127.0.0.1:0", keys.authenticate, Config(heartbeat_interval_s=1.0,
+                                                                          heartbeat_timeout_s=30.0),
+                                 threads=12, tenant_threads=6)
+    reporter = wire.Stub("dtorch.Controller", address, keys.worker)
+    reg, proof = register_worker(reporter, served.address, secret=worker_auth.secret, memory=1 << 30)
+    stubs, outcomes = [], []
+    try:
+        sessions = []
+        for key in (keys.alice, keys.bob):
+            stub = wire.Stub("dtorch.Controller", address, key)
+            stubs.append(stub)
+            for _ in range(3):  # three sessions each, whose Syncs park (the worker never reports their batches)
+                sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client"), memory_cap=1 << 20),
+                                timeout=5).session  # packed: every session shares the one worker
+                assert stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0], shape=[1]), timeout=5).placed
+                spec = m.TensorSpec(shape=[1], dtype="float32", mesh=1, placements=["R"])
+                stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec,
+                                                                                      init="ones")]), timeout=5)
+                sessions.append((stub, sid))
+        for stub, sid in sessions:
+            for _ in range(3):
+                t = threading.Thread(target=lambda s=stub, i=sid: outcomes.append(_try_sync(s, i)), daemon=True)
+                t.start()
+        deadline = time.monotonic() + 10
+        while len(outcomes) < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)  # 6 Syncs park, the other 12 are refused at once
+        assert sum(isinstance(o, wire.LimitExceeded) for o in outcomes) == 12, outcomes
+        assert all("retry shortly" in str(o) or "per caller" in str(o) for o in outcomes)
+        for _ in range(5):  # heartbeats go through, promptly, while every tenant thread is parked
+            assert reporter.call("Report", m.WorkerReport(worker=reg.worker, completed=0, proof=proof), timeout=2).ok
+    finally:
+        for stub in stubs:
+            stub.close()
+        reporter.close()
+        server.stop(0)
+        served.server.stop(0)
+
+
+def _try_sync(stub, sid):
+    try:
+        return stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=30), timeout=40)
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def test_a_sync_whose_caller_gave_up_frees_its_thread_and_slot(keys, register_worker):
+    import time
+
+    worker = SilentWorker()
+    worker_auth = auth.WorkerAuth()
+    served = wire.serve("dtorch.Worker", worker, worker_auth.authenticate)
+    server, address = run_server("127.0.0.1:0", keys.authenticate, Config(heartbeat_interval_s=1.0,
+                                                                          heartbeat_timeout_s=30.0))
+    stub = wire.Stub("dtorch.Controller", address, keys.alice)
+    try:
+        register_worker(wire.Stub("dtorch.Controller", address, keys.worker), served.address,
+                        secret=worker_auth.secret)
+        sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
+        stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0], shape=[1]), timeout=5)
+        spec = m.TensorSpec(shape=[1], dtype="float32", mesh=1, placements=["R"])
+        stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec, init="ones")]),
+                  timeout=5)
+        for _ in range(12):  # more than the 8 Syncs a session may have waiting: each caller gives up after 0.3 s
+            with pytest.raises(TimeoutError):
+                stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=100.0), timeout=0.3)
+        deadline = time.monotonic() + 10
+        while server.service._waiters or server.service._syncs:  # freed at once, not after 100 s
+            assert time.monotonic() < deadline, (server.service._waiters, server.service._syncs)
+            time.sleep(0.02)
+    finally:
+        stub.close()
+        server.stop(0)
+        served.server.stop(0)

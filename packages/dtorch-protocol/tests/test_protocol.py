@@ -51,11 +51,36 @@ def test_bad_message_names_the_field():
         wire.decode(m.Submit, unknown)
 
 
-def test_version_check_refuses_other_major_and_accepts_newer_minor():
-    mismatch = rf"client speaks 2\.0 \(package 9\.9\.9\).*speaks {m.PROTOCOL_VERSION}"
-    with pytest.raises(wire.ProtocolError, match=mismatch):
-        wire.check_hello(m.Hello("2.0", "9.9.9", "client"))
-    wire.check_hello(m.Hello("1.9", "0.2.0", "worker"))
+@pytest.mark.parametrize("role, theirs, refused", [
+    ("client", "1.3", None), ("client", "1.0", None), ("worker", "1.3", None), ("worker", "1.9", None),
+    ("client", "1.4", "upgrade dtorch-controller"), ("worker", "1.2", "upgrade dtorch-worker"),
+    ("client", "2.0", "majors must be equal"), ("worker", "0.9", "majors must be equal"),
+    ("client", "one", "expected MAJOR.MINOR"),
+])
+def test_a_controller_serves_older_clients_and_newer_workers(role, theirs, refused):
+    hello = m.Hello(theirs, "9.9.9", role)
+    if refused is None:
+        wire.check_hello(hello, role, ours="1.3")
+        return
+    with pytest.raises(wire.ProtocolError) as err:
+        wire.check_hello(hello, role, ours="1.3")
+    line = str(err.value)
+    assert "\n" not in line and refused in line
+    assert f"{role} speaks {theirs} (package 9.9.9), this side speaks 1.3" in line
+
+
+@pytest.mark.parametrize("version", ["1." + "9" * 5000, "1.\u00b2", "1.3\nINFO forged log line", "x" * 10_000])
+def test_a_hostile_hello_gets_a_short_one_line_refusal(version):
+    with pytest.raises(wire.ProtocolError) as err:
+        wire.check_hello(m.Hello(version, version, "client"), "client", ours="1.3")
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
+def test_a_hello_of_another_role_is_refused():
+    with pytest.raises(wire.ProtocolError, match="expected a worker hello, got role 'client'"):
+        wire.check_hello(m.Hello(m.PROTOCOL_VERSION, "0.1.0", "client"), "worker")
+    with pytest.raises(wire.ProtocolError, match="unknown role 'admin'"):
+        wire.check_hello(m.Hello(m.PROTOCOL_VERSION, "0.1.0", "admin"))
 
 
 def test_protocol_does_not_import_torch():

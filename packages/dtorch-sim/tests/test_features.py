@@ -85,7 +85,7 @@ def test_preemption_freezes_low_priority_work_without_losing_it(base):
     base["workload"]["synthetic"].update(jobs=10, arrival={"rate_per_s": 0.5}, size={"choices": [4]},
                                          duration={"dist": "constant", "value": 40})
     base["workload"]["priorities"] = {"high": 1, "low": 1}
-    base["policy"] = {"name": "dtorch"}
+    base["policy"] = {"name": "priority"}  # classes only (dtorch also preempts within a class)
     sim, s = run(base)
     assert s["jobs"]["finished"] == 10
     assert s["scheduling"]["preemptions"] >= 1 and s["scheduling"]["resumes"] >= 1
@@ -184,3 +184,87 @@ def test_openb_trace_shares_and_node_list(tmp_path):
     jobs = generate(sc)  # b: no GPU (skipped); c: never scheduled (skipped)
     assert [(j.id, j.devices, j.share, j.priority, j.duration) for j in jobs] == [
         ("a", 1, 0.5, "high", 100.0), ("d", 1, 0.25, "low", 60.0)]
+
+
+def jobs_trace(base: dict, tmp_path, rows: str, **trace) -> dict:
+    """A hand-written trace: `id,t,n,d,p` rows (submit, devices, duration, priority)."""
+    path = tmp_path / "jobs.csv"
+    path.write_text("id,t,n,d,p\n" + rows)
+    base["workload"] = {"trace": {"format": "csv", "path": str(path), "priority_map": {"high": "high", "low": "low"},
+                                  "columns": {"job_id": "id", "submit": "t", "num_gpu": "n", "duration": "d",
+                                              "priority": "p"}, **trace},
+                        "steps_per_job": 10, "sync_every": 1}
+    base["cluster"]["nodes"] = [{"count": 1, "devices_per_node": 4, "device_type": "a100"}]
+    return base
+
+
+def test_time_frozen_is_reported_per_job_and_freezing_costs_an_offload(base, tmp_path):
+    # a: 4 devices for 100 s in 10 s steps, frozen at t=15 by b; b's 50 s run after a's step in flight (20-70),
+    # but first each device offloads a's 2 GB to host memory, and a loads it back when it resumes
+    jobs_trace(base, tmp_path, "a,0,4,100,low\nb,15,4,50,high\n")
+    base["policy"] = {"name": "priority"}
+    sim, s = run(base)
+    swap = 2 * 2**30 * 8 / 200e9  # state_gb at host_gbps
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    assert a.preemptions == 1 and a.frozen_s == pytest.approx(55 + swap)
+    assert a.finished - a.spec.arrival == pytest.approx(150 + 2 * swap)
+    assert s["scheduling"]["offloaded_bytes"] == 2 * 4 * 2 * 2**30  # out and back in, on each of 4 devices
+    assert s["queueing_delay_s"]["max"] < 1  # nobody queued: the frozen time is only visible here
+    assert s["frozen_s"]["max"] == pytest.approx(55 + swap) and s["frozen_s"]["p50"] == 0
+    assert s["frozen_share_of_jct"]["max"] == pytest.approx(55 / 150, rel=1e-2)  # its JCT: 100 s + b's 50 s
+    metrics.write(sim, tmp_path / "out", plots=False)
+    header, *rows = (tmp_path / "out" / "jobs.csv").read_text().splitlines()
+    frozen = dict((r.split(",")[0], float(r.split(",")[header.split(",").index("frozen_s")])) for r in rows)
+    assert frozen["b"] == 0 and frozen["a"] == pytest.approx(55 + swap)
+
+
+def test_amdahl_scaling_a_job_on_fewer_devices_than_it_asked_for(base, tmp_path):
+    # 8 logical devices on the 4 devices of the cluster: with p = 0.9, 100 s on 8 devices is T1 = 100 / (0.1 +
+    # 0.9 / 8) on one, and 4 workers take T1 * (0.1 + 0.9 / 4) = 152.9 s (linear scaling would say 200 s)
+    jobs_trace(base, tmp_path, "a,0,8,100,low\n")
+    base["workload"]["scaling"] = {"model": "amdahl", "parallel_fraction": [0.9]}
+    sim, s = run(base)
+    assert s["jct_s"]["max"] == pytest.approx(100 / (0.1 + 0.9 / 8) * (0.1 + 0.9 / 4), rel=1e-3)
+    base["workload"]["scaling"] = {"model": "linear"}
+    sim, s = run(base)
+    assert s["jct_s"]["max"] == pytest.approx(200, rel=1e-3)
+
+
+def test_relocation_moves_are_charged_by_state_size(base, tmp_path):
+    # a (low, the most recent) is frozen by b at t=5, then relocates (relocate_after 0) onto the 2 devices c frees
+    # at t=30: its state, 8 GB per device, is pulled across at network_gbps
+    jobs_trace(base, tmp_path, "c,0,2,30,low\na,1,2,100,low\nb,5,2,200,high\n")
+    base["workload"]["state_gb"] = 8.0
+    base["policy"] = {"name": "priority", "params": {"relocate_after": 0}}
+    sim, s = run(base)
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    assert s["scheduling"]["relocations"] == 1 and a.moved_bytes == 2 * 8 * 2**30
+    assert s["scheduling"]["move_device_s"] == pytest.approx(2 * 8 * 2**30 * 8 / 100e9)
+
+
+def test_time_axes_read_in_hours_or_days_when_long():
+    assert metrics.time_unit(300) == (1.0, "s")
+    assert metrics.time_unit(5000) == (60.0, "minutes")
+    assert metrics.time_unit(20 * 3600) == (3600.0, "hours")
+    assert metrics.time_unit(8 * 86400) == (86400.0, "days")
+
+
+def test_an_elastic_job_is_shrunk_rather_than_frozen_and_pays_what_amdahl_says(base, tmp_path):
+    # a (low, 4 devices, accepts 2) runs 100 s in 10 s steps; b (high, 1 device) arrives at 20 for 30 s. dtorch
+    # shrinks a to 3 devices (a logical device and its 2 GB move over) and a's steps take as long as its worker
+    # with two logical devices: (0.05 + 2 * 0.95 / 4) / (0.05 + 0.95 / 4) = 1.83x, until b ends and a grows
+    # back; priority (no shrink) freezes a for b's 30 s.
+    jobs_trace(base, tmp_path, "a,0,4,100,low\nb,20,1,30,high\n")
+    base["workload"].update(elastic_jobs={"share": 1.0, "min_fraction": 0.5},
+                            scaling={"parallel_fraction": [0.95]})
+    base["policy"] = {"name": "dtorch"}
+    sim, s = run(base)
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    assert a.preemptions == 0 and a.moved_bytes == 2 * 2 * 2**30  # moved off and back, 2 GB each way
+    shrunk_jct = a.finished - a.spec.arrival
+    # two steps at 18.26 s while b runs (it grows back at the end of the second): 2 x 8.26 s lost
+    assert 100 + 2 * 8.26 < shrunk_jct < 100 + 2 * 8.26 + 5
+    base["policy"] = {"name": "priority"}
+    sim, s = run(base)
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    assert a.preemptions == 1 and a.finished - a.spec.arrival > shrunk_jct + 5  # frozen 30 s

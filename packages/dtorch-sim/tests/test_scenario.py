@@ -107,7 +107,8 @@ def test_trace_columns_and_node_lists_are_checked_against_the_csv(base, tmp_path
                             "['id', 't', 'len', 'gpus']"]
     base["workload"]["trace"]["columns"] = {"job_id": "id", "submit": "t", "duration": "len", "num_gpu": "gpus"}
     (line,) = errors(base)
-    assert line.startswith("workload.trace.path: line 3 of ") and "could not convert string to float: 'x'" in line
+    assert line.startswith("workload.trace.path: line 3 of ") and line.endswith(
+        ": duration value 'x' (column 'len') is not a number")
     trace.write_text("id,t,len,gpus\na,0,10,1\nb,5,7,2\n")
     assert [(j.id, j.devices) for j in generate(parse(base))] == [("a", 1), ("b", 2)]
     nodes = tmp_path / "n.csv"
@@ -124,3 +125,34 @@ def test_compare_params_for_unknown_policies_are_reported(base):
     assert errors(base) == [
         "policy.params_for.srtf: unknown policy 'srtf': known policies are dtorch, fifo, las, priority",
         "policy.params_for.las: policy parameter 'thresholds' must be ascending positive device-seconds, got [5, 1]"]
+
+
+def test_cost_model_settings_are_checked(base):
+    base["workload"]["scaling"] = {"model": "amdahl", "parallel_fraction": [0.99, 0.5]}
+    base["workload"]["state_gb"] = 0
+    assert sorted(errors(base)) == [
+        "workload.scaling.parallel_fraction: a parallel fraction is in (0, 1]: give [low, high] or one value, got "
+        "[0.99, 0.5]",
+        "workload.state_gb: state_gb is gigabytes > 0 per device, or a distribution, got 0.0"]
+    base["workload"]["scaling"] = {"parallel_fraction": [1.5]}
+    base["workload"]["state_gb"] = {"dist": "uniform", "low": 1, "high": 8}
+    assert errors(base) == ["workload.scaling.parallel_fraction: a parallel fraction is in (0, 1]: give [low, high] "
+                            "or one value, got [1.5]"]
+    base["workload"]["scaling"] = {"parallel_fraction": [0.9, 1.0]}
+    jobs = generate(parse(base))
+    assert all(0.9 <= j.parallel <= 1.0 and 1 <= j.state_gb <= 8 for j in jobs) and len({j.parallel for j in jobs}) > 1
+
+
+def test_declared_steps_and_elastic_jobs_are_checked_and_drawn(base):
+    base["workload"]["expected_steps"] = {"share": 1.5, "error": -1}
+    base["workload"]["elastic_jobs"] = {"share": 0.5, "min_fraction": 0}
+    assert sorted(errors(base)) == [
+        "workload.elastic_jobs.min_fraction: Input should be greater than 0 (got 0)",
+        "workload.expected_steps.error: Input should be greater than or equal to 0 (got -1)",
+        "workload.expected_steps.share: Input should be less than or equal to 1 (got 1.5)"]
+    base["workload"]["expected_steps"] = {"share": 0.5}
+    base["workload"]["elastic_jobs"] = {"share": 1.0, "min_fraction": 0.5}
+    base["workload"]["synthetic"]["jobs"] = 40
+    jobs = generate(parse(base))
+    assert 5 < sum(j.declares > 0 for j in jobs) < 35 and all(j.declares in (0, 1) for j in jobs)  # error 0
+    assert all(j.min_devices == (j.devices + 1) // 2 if j.devices > 1 else j.min_devices == 0 for j in jobs)

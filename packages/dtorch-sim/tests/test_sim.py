@@ -117,6 +117,10 @@ def test_cli_run_and_compare(base, tmp_path):
     assert both.returncode == 0, both.stderr
     for name in ("fifo", "priority", "las"):
         assert json.loads((tmp_path / "cmp" / name / "metrics.json").read_text())["jobs"]["finished"] == 12
+    row = next(ln for ln in both.stdout.splitlines() if "JCT mean / p50 / p99 (s)" in ln)
+    assert row.count(" / ") == 2 * 3 + 2  # piped: one line with the metric and the three policies' cells
+    for name in ("jct_cdf.png", "utilization.png"):  # the policies overlaid
+        assert (tmp_path / "cmp" / name).stat().st_size > 10_000
 
 
 def test_priority_classes_are_drawn_per_job_and_high_ones_wait_less_under_preemption(base):

@@ -110,7 +110,28 @@ CASES: dict[str, tuple[Edit, str]] = {
                      "['id', 'submission_time', 'duration', 'num_gpu']"),
     "trace row": (lambda d, t: (d["workload"].pop("synthetic"),
                                 _csv("t.csv", ITP_ROWS + "b,5,x,2\n", "workload.trace", TRACE)(d, t)),
-                  "workload.trace.path: line 3 of {tmp}/t.csv: could not convert string to float: 'x'"),
+                  "workload.trace.path: line 3 of {tmp}/t.csv: duration value 'x' (column 'duration') is not a "
+                  "number"),
+    "trace quota": (lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", {
+        **TRACE, "partition": {"column": "vc", "quotas": {"a": 0}}})(d, t)),
+                    "workload.trace.partition.quotas: a quota is a number of jobs >= 1, got a: 0"),
+    "csv columns": (lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", {
+        "format": "csv", "columns": {"submit": "submission_time"}})(d, t)),
+                    "workload.trace: format csv needs columns for submit, num_gpu, and duration or end: add "
+                    "num_gpu, duration or end to workload.trace.columns (role: CSV column name)"),
+    "time format": (lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", {
+        **TRACE, "time_format": "days"})(d, t)),
+                    "workload.trace: time_format must be 'seconds', 'iso' or a strptime pattern such as "
+                    "'%Y-%m-%d %H:%M:%S', got 'days'"),
+    "no job left": (lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", {
+        **TRACE, "filter": {"column": "job_id", "values": ["zz"]}})(d, t)),
+                    "workload.trace: no job left to simulate from {tmp}/t.csv (every row was skipped: filter on "
+                    "column 'job_id', start_s, zero_gpu, unscheduled, max_gpus; check them)"),
+    "parallel fraction": (_set("workload.scaling", {"parallel_fraction": [0.9, 1.2]}),
+                          "workload.scaling.parallel_fraction: a parallel fraction is in (0, 1]: give [low, high] or "
+                          "one value, got [0.9, 1.2]"),
+    "state size": (_set("workload.state_gb", 0),
+                   "workload.state_gb: state_gb is gigabytes > 0 per device, or a distribution, got 0.0"),
     # faults
     "fault time": (_faults({"kind": "worker_failure"}), "faults.0: give exactly one of at or mtbf_s"),
     "fault time twice": (_faults({"kind": "worker_failure", "at": 1, "mtbf_s": 5}),

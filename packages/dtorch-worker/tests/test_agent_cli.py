@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dtorch_protocol import wire
+from dtorch_protocol import auth, wire
 from dtorch_protocol.messages import (
     CmdCreate,
     CmdRun,
@@ -27,7 +27,13 @@ from dtorch_worker.agent import EXIT_FENCED, EXIT_LOST, Agent, ControllerUnreach
 from dtorch_worker.executor import Executor
 from dtorch_worker.store import TensorStore
 
-TOKEN = "cli-token"
+KEY = auth.new_key()[1]  # the worker key this fake controller accepts
+
+
+def authenticate(credential: str) -> auth.Caller:
+    if credential != KEY:
+        raise auth.Unauthenticated("not the worker key")
+    return auth.Caller(auth.WORKER, key_id=credential.split("_")[1])
 
 
 class FakeController:
@@ -40,14 +46,14 @@ class FakeController:
         self.fenced = False
         self.cond = threading.Condition()
 
-    def Register(self, request: RegisterWorker) -> Registered:
+    def Register(self, request: RegisterWorker, caller: auth.Caller) -> Registered:
         wire.check_hello(request.hello)
         with self.cond:
             self.registered.append(request)
             self.cond.notify_all()
         return Registered(worker=f"w{len(self.registered)}", heartbeat_interval_s=self.heartbeat_s)
 
-    def Report(self, request: WorkerReport) -> ReportReply:
+    def Report(self, request: WorkerReport, caller: auth.Caller) -> ReportReply:
         with self.cond:
             self.reports.append(request)
             self.cond.notify_all()
@@ -59,7 +65,7 @@ class FakeController:
 
     def __getattr__(self, name: str) -> Callable[..., object]:
         if name in wire.SERVICES["dtorch.Controller"]:
-            def refuse(_request: object) -> object:
+            def refuse(_request: object, _caller: object) -> object:
                 raise wire.RemoteError(f"{name} is not implemented by the fake controller")
             return refuse
         raise AttributeError(name)
@@ -68,16 +74,16 @@ class FakeController:
 @pytest.fixture
 def controller() -> Iterator[tuple[FakeController, str, object]]:
     fake = FakeController()
-    server, address = wire.serve("dtorch.Controller", fake, TOKEN)
-    yield fake, address, server
-    server.stop(0)
+    served = wire.serve("dtorch.Controller", fake, authenticate)
+    yield fake, served.address, served.server
+    served.server.stop(0)
 
 
 # ---------------------------------------------------------------- in-process agent
 
 
 def test_register_fails_clearly_when_the_controller_is_unreachable() -> None:
-    agent = Agent("127.0.0.1:1", TOKEN, Executor(TensorStore()), TensorStore(), on_exit=lambda c, r: None)
+    agent = Agent("127.0.0.1:1", KEY, Executor(TensorStore()), TensorStore(), on_exit=lambda c, r: None)
     with pytest.raises(ControllerUnreachable, match="cannot register with the controller at 127.0.0.1:1 after 2"):
         agent.register("127.0.0.1:2", "cpu", 0, {}, attempts=2, delay_s=0.01)
     agent.stop()
@@ -89,11 +95,13 @@ def test_agent_reports_promptly_carries_errors_and_exits_when_the_controller_is_
     store = TensorStore()
     exits: list[tuple[int, str]] = []
     ex = Executor(store)
-    agent = Agent(address, TOKEN, ex, store, on_exit=lambda c, r: exits.append((c, r)), lost_after_s=0.5,
-                  report_timeout_s=0.5)
+    secret = auth.new_worker_secret()
+    agent = Agent(address, KEY, ex, store, on_exit=lambda c, r: exits.append((c, r)), lost_after_s=0.5,
+                  report_timeout_s=0.5, secret=secret)
     ex.on_complete = agent.poke
     reg = agent.register("127.0.0.1:9", "cpu", 123, {"zone": "a"})
     assert reg.worker == "w1" and fake.registered[0].labels == {"zone": "a"}
+    assert fake.registered[0].secret == secret  # the controller derives every credential for this worker from it
     agent.start()
     ex.start()
     ex.submit(Execute(seq=1, session="s", cmds=[
@@ -102,6 +110,7 @@ def test_agent_reports_promptly_carries_errors_and_exits_when_the_controller_is_
     assert fake.wait_for(lambda: any(r.completed == 1 for r in fake.reports), timeout=3.0)
     report = next(r for r in fake.reports if r.completed == 1)
     assert report.worker == "w1" and report.errors["s"][0].op == "aten.bogus.default"
+    assert report.proof == auth.report_proof(secret)
     assert report.sessions == {"s": ShardStats(tensors=2, bytes=16)}
     server.stop(0)  # the controller goes away: the heartbeat timer must notice, not just pokes
     agent.heartbeat_s = 0.1
@@ -118,7 +127,7 @@ def test_agent_reports_promptly_carries_errors_and_exits_when_the_controller_is_
 
 
 def spawn(address: str, *extra: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, DTORCH_TOKEN=TOKEN)
+    env = dict(os.environ, DTORCH_API_KEY=KEY)
     return subprocess.Popen([sys.executable, "-m", "dtorch_worker", "--controller", address, "--label", "rack=r1",
                              *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -134,7 +143,7 @@ def test_worker_process_registers_reports_executes_and_exits_when_fenced(control
         assert (reg.address, reg.device_type, reg.labels) == (worker_address, "cpu", {"rack": "r1"})
         assert reg.memory_bytes > 0
         assert fake.wait_for(lambda: len(fake.reports) >= 2)  # heartbeats
-        stub = wire.Stub("dtorch.Worker", worker_address, TOKEN)
+        stub = wire.Stub("dtorch.Worker", worker_address, auth.execute_token(reg.secret))
         stub.call("Execute", Execute(seq=1, session="s", cmds=[
             CmdCreate(tid=1, dtype="float32", shape=[8], init="zeros", boxes={0: [[0, 8]]})]))
         assert fake.wait_for(lambda: any(r.completed == 1 and r.sessions.get("s") == ShardStats(1, 32)
@@ -178,3 +187,55 @@ def test_worker_process_refuses_to_start_without_a_controller() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_health_is_alive_at_once_and_ready_once_registered(controller: tuple) -> None:
+    """The standard gRPC health service, asked without a token (Kubernetes probes and load balancers)."""
+    from dtorch_protocol.health import check
+    from dtorch_worker.server import start_worker
+
+    handle = start_worker()
+    try:
+        assert check(handle.address, "liveness") == "SERVING"
+        assert check(handle.address) == "NOT_SERVING"  # not registered with a controller yet
+    finally:
+        handle.stop(0.0)
+    _fake, address, _ = controller
+    proc = spawn(address)
+    try:
+        line = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        worker_address = line.rsplit(" ", 1)[1]
+        deadline = time.monotonic() + 10
+        while check(worker_address) != "SERVING":  # registered: the worker is ready
+            assert time.monotonic() < deadline, line
+            time.sleep(0.05)
+        assert check(worker_address, "dtorch.Worker") == "SERVING"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_node_of_several_devices_gives_each_worker_its_device_and_ports() -> None:
+    from dtorch_worker import node
+
+    assert node.expand("cuda:all", 3) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert node.expand("cpu,cpu", 0) == ["cpu", "cpu"] and node.expand("cuda:1", 2) is None
+    with pytest.raises(SystemExit, match="torch sees no CUDA device"):
+        node.expand("cuda:all", 0)
+    argv = node.child_argv(["--controller", "c:1", "--device", "cuda:all"], "cuda:2", 2, "0.0.0.0:50061",
+                           "10.0.0.5:50061", 9400)
+    assert argv[-8:] == ["--device", "cuda:2", "--listen", "0.0.0.0:50063", "--advertise", "10.0.0.5:50063",
+                          "--metrics-port", "9402"]
+def test_worker_process_needs_a_worker_key() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DTORCH_API_KEY"}
+    out = subprocess.run([sys.executable, "-m", "dtorch_worker", "--controller", "127.0.0.1:1"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no worker key: set DTORCH_API_KEY" in out.stderr
+
+
+def test_worker_process_is_refused_with_a_wrong_key(controller: tuple) -> None:
+    _fake, address, _ = controller
+    env = dict(os.environ, DTORCH_API_KEY=auth.new_key()[1])
+    out = subprocess.run([sys.executable, "-m", "dtorch_worker", "--controller", address], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "registration refused" in out.stderr and "not the worker key" in out.stderr

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from dtorch_protocol import wire
+from dtorch_protocol import auth, wire
 from dtorch_protocol.messages import CmdCreate, Execute, PullRequest, ShardsChunk, ShardsRequest
 from dtorch_worker import device as dev
 from dtorch_worker import shards
@@ -109,7 +109,8 @@ def test_a_plugged_in_backend_carries_every_host_copy_of_a_worker(monkeypatch):
     w = start_worker()
     try:
         assert isinstance(w.executor.backend, CountingBackend)
-        stub = wire.Stub("dtorch.Worker", w.address, "")
+        stub = wire.Stub("dtorch.Worker", w.address, w.capability("s"))
+        peer = wire.Stub("dtorch.Worker", w.address, w.capability("s", auth.PEER))
         stub.send_stream("Put", put_chunks("s", 1, 0, torch.arange(6.0)))
         assert CountingBackend.calls.get("host_buffer") == 1 and CountingBackend.calls.get("to_device") == 1
         back = receive_chunks(stub.stream("Pull", PullRequest(session="s", tid=1, device=0)), "pull")
@@ -117,12 +118,13 @@ def test_a_plugged_in_backend_carries_every_host_copy_of_a_worker(monkeypatch):
         w.executor.submit(Execute(seq=1, session="s", cmds=[CmdCreate(
             tid=2, dtype="float32", shape=[3], init="ones", boxes={0: [[0, 3]]})]))
         assert w.executor.wait_completed(1, 10.0)
-        msgs = list(stub.stream("PullShards", ShardsRequest(session="s", devices={0: [2]})))
+        msgs = list(peer.stream("PullShards", ShardsRequest(session="s", devices={0: [2]})))
         assert CountingBackend.calls["to_host"] == 2 and CountingBackend.calls.get("activate") == 1
         _header, got = shards.receive([wire.decode(ShardsChunk, wire.encode(c)) for c in msgs],
                                       w.executor.backend)
         assert torch.equal(got[0][2], torch.ones(3)) and CountingBackend.calls["to_device"] == 2
         stub.close()
+        peer.close()
     finally:
         w.stop()
 

@@ -3,10 +3,12 @@ session's shards hold on this worker; a command or an upload that would go over 
 
 from __future__ import annotations
 
+import resource
+
 import pytest
 import torch
 
-from dtorch_protocol import wire
+from dtorch_protocol import auth, wire
 from dtorch_protocol.messages import CmdCloseSession, CmdCreate, CmdRun, ErrorKind, Execute, PutChunk, ShardStats
 from dtorch_protocol.values import tensor_to_bytes
 from dtorch_worker.executor import Executor
@@ -102,24 +104,41 @@ def test_the_latest_execute_sets_the_cap_and_closing_forgets_it(ex: Executor) ->
     assert ex.store.cap(S) == 0 and ex.store.session_bytes(S) == 0
 
 
-def put(service: WorkerService, session: str, tid: int, n: int) -> None:
+def put(service: WorkerService, session: str, tid: int, n: int, data: bytes | None = None) -> None:
     value = torch.zeros(n)
     service.Put(iter([PutChunk(session=session, tid=tid, device=0, dtype="float32", shape=[n],
-                               data=tensor_to_bytes(value))]))
+                               data=tensor_to_bytes(value) if data is None else data)]),
+                auth.Caller(auth.CLIENT, name=session))
 
 
 def test_uploads_over_the_cap_are_refused_with_a_one_line_reason(ex: Executor) -> None:
     service = WorkerService(ex.store, ex)
     assert ex.submit(Execute(seq=1, session=S, cmds=[zeros(1, 100)], memory_cap=CAP))  # the cap is known at once
     put(service, S, 5, 100)  # 400 bytes (the create is not run: the executor thread is not started)
-    put(service, S, 5, 150)  # replacing it: 600 bytes
+    with pytest.raises(wire.PermissionDenied, match="already exists here"):
+        put(service, S, 5, 150)  # an upload never replaces a live shard
+    put(service, S, 7, 50)  # 600 bytes
     with pytest.raises(wire.RemoteError) as err:
         put(service, S, 6, 150)
     assert str(err.value) == "memory cap exceeded: session holds 1.2 KiB on this worker, over its cap of " \
                              "1000 bytes per device"
     assert err.value.kind == ErrorKind.MEMORY_CAP
     assert ex.store.peek((S, 6, 0)) is None and ex.store.session_bytes(S) == 600
-    put(service, S + "#u1", 6, 1000)  # a backup namespace: not capped
+    assert ex.store.put_upload((S + "#u1", 6, 0), torch.zeros(1000)) is None  # a backup namespace: not capped
+
+
+def test_a_put_declaring_more_than_it_sends_allocates_only_what_arrives(ex: Executor) -> None:
+    """A Put that declares a gigabyte and sends 64 bytes used to make the worker allocate the gigabyte at once."""
+    service = WorkerService(ex.store, ex, max_put_bytes=1 << 20)
+    with pytest.raises(wire.LimitExceeded, match="declares 4.0 GiB, over this worker's 1.0 MiB"):
+        put(service, S, 1, 1 << 30, data=b"x" * 64)
+    service.max_put_bytes = 0
+    ex.store.set_cap(S, 0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    with pytest.raises(wire.ProtocolError, match="got 64 of 4294967296 bytes"):  # no cap here: the stream is short
+        put(service, S, 1, 1 << 30, data=b"x" * 64)
+    assert ex.store.peek((S, 1, 0)) is None
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 256 << 10  # nowhere near the 4 GiB
 
 
 def test_byte_sizes_read_well() -> None:
@@ -128,3 +147,11 @@ def test_byte_sizes_read_well() -> None:
     assert cap_message(1_258_291, 1 << 20) == ("memory cap exceeded: session holds 1.2 MiB on this worker, over "
                                                "its cap of 1.0 MiB per device")
     assert "holds 1048577 bytes" in cap_message((1 << 20) + 1, 1 << 20)  # rounding would hide the difference
+
+
+def test_a_create_that_could_never_fit_is_refused_before_allocating(ex: Executor) -> None:
+    """Its size is known beforehand: a capped session asking for a terabyte gets the cap's line, not an attempt."""
+    run(ex, CmdCreate(tid=9, dtype="float32", shape=[1 << 38], init="zeros", boxes={0: [[0, 1 << 38]]}))
+    (report,) = ex.take_errors()[S]
+    assert report.message.startswith("memory cap exceeded: session holds 1.0 TiB") and report.op == "create"
+    assert isinstance(ex.store.get((S, 9, 0)), Poison)

@@ -27,30 +27,32 @@ from dtorch_worker.server import WorkerHandle, start_worker
 from dtorch_worker.store import Poison
 from dtorch_worker.transfer import put_chunks, receive_chunks
 
-TOKEN = "test-token"
 S = "sess-peers"
 
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[WorkerHandle, WorkerHandle]]:
-    a = start_worker(token=TOKEN)
-    b = start_worker(token=TOKEN)
+    a = start_worker()
+    b = start_worker()
     yield a, b
     a.stop(0)
     b.stop(0)
 
 
 class Seq:
-    """Per-worker batch numbering, as the controller keeps it."""
+    """Per-worker batch numbering, as the controller keeps it, and its signature: the execute token, with a peer
+    capability for the session on every other worker of the pair."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: tuple[WorkerHandle, ...]) -> None:
+        self.workers = workers
         self.next: dict[str, int] = {}
 
     def send(self, w: WorkerHandle, *cmds: object) -> int:
         seq = self.next.get(w.address, w.executor.completed + 1)
         self.next[w.address] = seq + 1
-        stub = wire.Stub("dtorch.Worker", w.address, TOKEN)
-        assert stub.call("Execute", Execute(seq=seq, session=S, cmds=list(cmds))).ok  # type: ignore[arg-type]
+        stub = wire.Stub("dtorch.Worker", w.address, w.execute_token())
+        caps = {p.address: p.capability(S, "peer") for p in self.workers if p is not w}
+        assert stub.call("Execute", Execute(seq=seq, session=S, cmds=list(cmds), caps=caps)).ok  # type: ignore
         stub.close()
         return seq
 
@@ -61,7 +63,7 @@ def wait(w: WorkerHandle, seq: int) -> None:
 
 def test_all_gather_shard0_to_replicate(pair: tuple[WorkerHandle, WorkerHandle], h: SimpleNamespace) -> None:
     a, b = pair
-    seqs = Seq()
+    seqs = Seq(pair)
     shape = [5, 3]
     boxes = h.boxes_for(shape, [2], [Shard(0)])  # device 0 on a (rows 0-2), device 1 on b (rows 3-4)
     create = {"tid": 1, "dtype": "float32", "shape": shape, "init": "randn", "seed": 42}
@@ -91,11 +93,11 @@ def test_partial_sum_to_replicate_from_uploaded_shards(pair: tuple[WorkerHandle,
     a, b = pair
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
     for w, dev, value in ((a, 0, x), (b, 1, y)):
-        stub = wire.Stub("dtorch.Worker", w.address, TOKEN)
+        stub = wire.Stub("dtorch.Worker", w.address, w.capability(S))
         assert stub.send_stream("Put", put_chunks(S, 10, dev, value)).ok
         stub.close()
     whole = [0, 0], [0, 0], [4, 6]
-    seqs = Seq()
+    seqs = Seq(pair)
     sa = seqs.send(a, CmdExpectReads(tid=10, reads={0: 1}, dst=11),
                    CmdRedistribute(src=10, dst=11, dtype="float64", plans={0: ShardPlan(
         shape=[4, 6], groups=[[Piece("", 0, *whole)], [Piece(b.address, 1, *whole)]], reduce="sum")}))
@@ -110,7 +112,7 @@ def test_partial_sum_to_replicate_from_uploaded_shards(pair: tuple[WorkerHandle,
 
 def test_a_poisoned_remote_source_passes_the_original_report_on(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
     a, b = pair
-    seqs = Seq()
+    seqs = Seq(pair)
     sa = seqs.send(a, CmdRun(op="aten.nonexistent.default", devices=[0], args=[], kwargs={}, outs=[20],
                              src="model.py:3"), CmdExpectReads(tid=20, reads={0: 1}, dst=21))
     wait(a, sa)
@@ -124,7 +126,7 @@ def test_a_poisoned_remote_source_passes_the_original_report_on(pair: tuple[Work
 
 def test_pull_of_a_missing_shard_times_out_with_a_clear_error(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
     a, _ = pair
-    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    stub = wire.Stub("dtorch.Worker", a.address, a.capability(S))
     with pytest.raises(RuntimeError, match="no shard for tensor 999 on logical device 0 .* after waiting 0.1s"):
         receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=999, device=0, timeout_s=0.1)), "pull")
     stub.close()
@@ -142,7 +144,7 @@ def test_put_and_pull_beyond_the_message_limit(pair: tuple[WorkerHandle, WorkerH
     a, _ = pair
     big = torch.randn(5 * 1024, 4 * 1024, generator=torch.Generator().manual_seed(0))  # 80 MiB of float32
     assert big.numel() * 4 > wire.MAX_MESSAGE_BYTES
-    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    stub = wire.Stub("dtorch.Worker", a.address, a.capability(S))
     assert stub.send_stream("Put", put_chunks(S, 30, 0, big)).ok
     assert torch.equal(a.store.get((S, 30, 0)), big)
     back = receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=30, device=0)), "pull")
@@ -156,7 +158,7 @@ def test_put_and_pull_beyond_the_message_limit(pair: tuple[WorkerHandle, WorkerH
 
 def test_bool_bfloat16_and_empty_shards_round_trip(pair: tuple[WorkerHandle, WorkerHandle]) -> None:
     a, _ = pair
-    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    stub = wire.Stub("dtorch.Worker", a.address, a.capability(S))
     for i, value in enumerate([torch.tensor([True, False, True]), torch.randn(3, 2).bfloat16(),
                                torch.zeros(0, 4), torch.tensor(3.5), torch.arange(6).view(2, 3).t()]):
         assert stub.send_stream("Put", put_chunks(S, 40 + i, 0, value)).ok
@@ -169,7 +171,7 @@ def test_a_poisoned_shard_pulls_as_an_error_chunk(pair: tuple[WorkerHandle, Work
     a, _ = pair
     report = ErrorReport(op="aten.mm.default", src="m.py:1", message="RuntimeError: shapes", tid=50)
     a.store.put((S, 50, 0), Poison(report))
-    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    stub = wire.Stub("dtorch.Worker", a.address, a.capability(S))
     (chunk,) = list(stub.stream("Pull", PullRequest(session=S, tid=50, device=0)))
     assert chunk.report == report and "aten.mm.default" in chunk.error and "m.py:1" in chunk.error
     stub.close()
@@ -179,7 +181,7 @@ def test_a_poisoned_shard_pulls_as_an_error_chunk(pair: tuple[WorkerHandle, Work
 
 
 def put(w: WorkerHandle, tid: int, device: int, value: torch.Tensor) -> None:
-    stub = wire.Stub("dtorch.Worker", w.address, TOKEN)
+    stub = wire.Stub("dtorch.Worker", w.address, w.capability(S))
     assert stub.send_stream("Put", put_chunks(S, tid, device, value)).ok
     stub.close()
 
@@ -190,7 +192,7 @@ def test_an_in_place_write_waits_for_the_peer_pull_announced_before_it(
     a, b = pair
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
     put(b, 60, 1, x.clone())
-    seqs = Seq()
+    seqs = Seq(pair)
     sb = seqs.send(b, CmdExpectReads(tid=60, reads={1: 1}, dst=61),
                    CmdRun(op="aten.add_.Tensor", devices=[1], args=[{"$t": 60}, 1.0], kwargs={}, outs=[60]))
     time.sleep(0.3)  # without the wait, b has long run add_ by now
@@ -210,7 +212,7 @@ def test_a_pull_waits_until_the_source_reaches_the_redistribution(pair: tuple[Wo
     a, b = pair
     x = torch.arange(12.0).view(3, 4)
     put(b, 70, 1, x.clone())
-    seqs = Seq()
+    seqs = Seq(pair)
     sa = seqs.send(a, CmdRedistribute(src=70, dst=71, dtype="float32", plans={0: ShardPlan(
         shape=[2, 4], groups=[[Piece(b.address, 1, [1, 0], [0, 0], [2, 4])]])}))
     time.sleep(0.3)  # without the wait for the announcement, a has long read the unwritten x
@@ -241,7 +243,7 @@ def test_a_pull_waiting_for_the_announcement_wakes_when_it_runs() -> None:
 
     Without the wake-up both sit out their timeouts: the 60 s stall of the in-place race test under load.
     """
-    src = start_worker(token=TOKEN)
+    src = start_worker()
     try:
         x = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
         put(src, 100, 0, x.clone())
@@ -249,7 +251,7 @@ def test_a_pull_waiting_for_the_announcement_wakes_when_it_runs() -> None:
         pulled: list[torch.Tensor] = []
 
         def peer() -> None:
-            stub = wire.Stub("dtorch.Worker", src.address, TOKEN)
+            stub = wire.Stub("dtorch.Worker", src.address, src.capability(S, "peer"))
             pulled.append(receive_chunks(stub.stream("Pull", PullRequest(
                 session=S, tid=100, device=0, timeout_s=300.0, expected=True, dst=101)), "pull"))
             stub.close()
@@ -257,7 +259,7 @@ def test_a_pull_waiting_for_the_announcement_wakes_when_it_runs() -> None:
         reader = threading.Thread(target=peer)
         reader.start()
         assert cond.waiting.wait(30.0), "the pull never waited for the announcement"
-        seq = Seq().send(src, CmdExpectReads(tid=100, reads={0: 1}, dst=101),
+        seq = Seq((src,)).send(src, CmdExpectReads(tid=100, reads={0: 1}, dst=101),
                          CmdRun(op="aten.add_.Tensor", devices=[0], args=[{"$t": 100}, 1.0], kwargs={}, outs=[100]))
         reader.join(30.0)
         assert not reader.is_alive(), "the announcement did not wake the waiting pull"
@@ -274,13 +276,17 @@ def test_client_fetches_and_failed_pulls(pair: tuple[WorkerHandle, WorkerHandle]
     """Only planned pulls count; a planned pull counts as served even when it fails."""
     a, _ = pair
     put(a, 80, 0, torch.ones(3))
-    stub = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    stub = wire.Stub("dtorch.Worker", a.address, a.capability(S))
     receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=80, device=0)), "client fetch")
     assert a.store.pending_reads((S, 80, 0)) == 0
     a.store.expect_reads((S, 81, 0), 1, dst=82)
+    with pytest.raises(PermissionError, match="a planned read .* is a peer's"):  # a client cannot pose as one
+        list(stub.stream("Pull", PullRequest(session=S, tid=81, device=0, timeout_s=0.05, expected=True, dst=82)))
+    assert a.store.pending_reads((S, 81, 0)) == 1
     with pytest.raises(RuntimeError, match="no shard"):
         receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=81, device=0, timeout_s=0.05,
-                                                       expected=True, dst=82)), "pull")
+                                                       expected=True, dst=82), credential=a.capability(S, "peer")),
+                       "pull")
     assert a.store.pending_reads((S, 81, 0)) == 0
     stub.close()
 
@@ -293,7 +299,7 @@ def test_a_poisoned_local_piece_does_not_cancel_the_announced_remote_pulls(
     report = ErrorReport(op="aten.mm.default", src="m.py:2", message="RuntimeError: shapes", tid=90)
     a.store.put((S, 90, 0), Poison(report))
     put(b, 90, 1, torch.zeros(2))
-    seqs = Seq()
+    seqs = Seq(pair)
     sb = seqs.send(b, CmdExpectReads(tid=90, reads={1: 1}, dst=91),
                    CmdRun(op="aten.add_.Tensor", devices=[1], args=[{"$t": 90}, 1.0], kwargs={}, outs=[90]))
     sa = seqs.send(a, CmdRedistribute(src=90, dst=91, dtype="float32", plans={0: ShardPlan(

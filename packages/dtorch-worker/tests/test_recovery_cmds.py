@@ -30,13 +30,14 @@ from dtorch_worker.server import WorkerHandle, start_worker
 from dtorch_worker.store import Poison, TensorStore
 from dtorch_worker.transfer import put_chunks, receive_chunks
 
-TOKEN = "tok"
+_workers: list[WorkerHandle] = []  # the pair running now: each batch carries peer capabilities for the other
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[WorkerHandle, WorkerHandle]]:
-    a = start_worker(token=TOKEN, input_timeout_s=30.0)
-    b = start_worker(token=TOKEN, input_timeout_s=30.0)
+    a = start_worker(input_timeout_s=30.0)
+    b = start_worker(input_timeout_s=30.0)
+    _workers[:] = [a, b]
     yield a, b
     a.stop(0)
     b.stop(0)
@@ -46,10 +47,11 @@ _next: dict[str, int] = {}
 
 
 def send(w: WorkerHandle, session: str, *cmds: object) -> int:
-    """One batch with the worker's next seq, as the controller numbers them."""
+    """One batch with the worker's next seq, as the controller numbers and signs them."""
     seq = _next[w.address] = _next.get(w.address, 0) + 1
-    stub = wire.Stub("dtorch.Worker", w.address, TOKEN)
-    assert stub.call("Execute", Execute(seq=seq, session=session, cmds=list(cmds))).ok  # type: ignore[arg-type]
+    stub = wire.Stub("dtorch.Worker", w.address, w.execute_token())
+    caps = {p.address: p.capability(session, "peer") for p in _workers if p is not w}
+    assert stub.call("Execute", Execute(seq=seq, session=session, cmds=list(cmds), caps=caps)).ok  # type: ignore
     stub.close()
     return seq
 
@@ -135,7 +137,7 @@ def test_moving_a_device_sends_everything_and_redirects_clients(pair):
     a, b = pair
     s = "sess-move"
     wait(a, send(a, s, ones(1, [0, 1])))
-    client = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    client = wire.Stub("dtorch.Worker", a.address, a.capability(s))
     # an upload the controller does not know about yet (adopted later) travels with its device
     client.send_stream("Put", put_chunks(s, 5, 0, torch.full((2,), 7.0)))
     wait(a, send(a, s, CmdSendShards(devices={0: [1]}, namespace=s, to=b.address, move=[0])))
@@ -162,7 +164,7 @@ def test_pulling_a_device_over_moves_it_without_waiting_for_the_sources_stream(p
     a, b = pair
     s = "sess-pull-move"
     wait(a, send(a, s, ones(1, [0, 1])))
-    client = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    client = wire.Stub("dtorch.Worker", a.address, a.capability(s))
     client.send_stream("Put", put_chunks(s, 5, 0, torch.full((2,), 7.0)))  # not adopted yet: it goes along
     # a's stream is busy from here on: another session's op waits for an input that is not there yet
     busy = send(a, "other", CmdRun(op="aten.clone.default", devices=[0], args=[{"$t": 9}], kwargs={}, outs=[10]))
@@ -186,7 +188,7 @@ def test_abandon_acts_on_arrival_and_skips_earlier_batches(pair):
     a, _b = pair
     a.executor.input_timeout_s = 600.0  # longer than wait()'s bound: only the abandon can end batch 2's wait
     s = "sess-abandon"
-    client = wire.Stub("dtorch.Worker", a.address, TOKEN)
+    client = wire.Stub("dtorch.Worker", a.address, a.capability(s))
     wait(a, send(a, s, ones(1, [0])))
     # batch 2 waits for an input that never comes; batch 3 would create tensor 3
     stuck = send(a, s, CmdRun(op="aten.neg.default", devices=[0], args=[{"$t": 42}], kwargs={}, outs=[2]))

@@ -1,7 +1,8 @@
 """Admission: the controller places a mesh's logical devices on workers, or queues the request.
 
 `place` asks (`OpenMesh`) until the mesh is placed or DTORCH_QUEUE_TIMEOUT passes, rewriting one stderr line
-with the queue position meanwhile, and returns where each logical device went.
+with the queue position meanwhile, and returns where each logical device went, with the session's capability
+for each of those workers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ POLL_S = 0.2
 
 
 def place(call: Callable[[str, Any, float], Any], session: str, mesh: Any, min_devices: int,
-          out: IO[str] | None = None) -> dict[int, str]:
+          out: IO[str] | None = None) -> tuple[dict[int, str], dict[str, str]]:
     """Place `mesh` (a DeviceMesh) for `session`; `min_devices` > 0 accepts that few physical devices (elastic)."""
     out = out or sys.stderr
     deadline = time.monotonic() + env_float("DTORCH_QUEUE_TIMEOUT", 600.0)
@@ -38,4 +39,4 @@ def place(call: Callable[[str, Any, float], Any], session: str, mesh: Any, min_d
         time.sleep(POLL_S)
     if shown:
         out.write("\r" + "dtorch: devices placed".ljust(100) + "\n")
-    return dict(reply.locations)
+    return dict(reply.locations), dict(reply.caps)

@@ -5,7 +5,9 @@ each device's box of a full tensor) go to the worker that `where(device)` names.
 serves the device (moved, lost, stopped), `_relocate` finds it again and the transfer is retried there; the
 new address is kept in this object's own table. A device lost for good raises `DeviceLost`.
 
-It speaks tensor ids and specs; the session tells it where devices are (`learn`, from OpenMesh and Sync).
+It speaks tensor ids and specs; the session tells it where devices are and the capability this session holds
+on each of those workers (`learn`, from OpenMesh, Sync and Status). A capability near its expiry (or missing)
+is refreshed through `status()`, which brings the session's current ones.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch
 
 from dtorch._relocate import Moved, Watch, moved_error, relocate, seen
 from dtorch.errors import ClusterError, DTorchError, RemoteOpError
+from dtorch_protocol import auth, wire
 from dtorch_protocol import messages as m
-from dtorch_protocol import wire
 from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
+from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import dtype_name, tensor_from_bytes, tensor_to_bytes
 
 if TYPE_CHECKING:
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 IO_THREADS = 8
+CAP_REFRESH_S = 600.0  # ask for fresh capabilities when one has less than this left
 
 
 def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
@@ -63,17 +67,29 @@ def _reduce(parts: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Ten
 class DataPlane:
     """Pull and Put for session `session`; `status()` asks the controller where devices are (relocation)."""
 
-    def __init__(self, session: str, token: str, timeout: float, status: Callable[[], m.StatusReply]) -> None:
-        self.session, self.token, self.timeout = session, token, timeout
+    def __init__(self, session: str, timeout: float, status: Callable[[], m.StatusReply],
+                 tls: Tls | None = None) -> None:
+        self.session, self.timeout, self.tls = session, timeout, tls
         self._status = status
         self._where: dict[int, str] = {}
+        self._caps: dict[str, str] = {}  # worker address -> this session's capability there
         self._workers: dict[str, wire.Stub] = {}
         self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="dtorch-io")
 
     # ------------------------------------------------------------------ where devices are
-    def learn(self, locations: dict[int, str]) -> None:
-        """News from the controller: logical device -> worker address."""
+    def learn(self, locations: dict[int, str], caps: dict[str, str] | None = None) -> None:
+        """News from the controller: logical device -> worker address, and worker address -> capability."""
         self._where.update(locations)
+        self._caps.update(caps or {})
+
+    def _cap(self, address: str) -> str:
+        cap = self._caps.get(address)
+        if cap is None or auth.cap_expiry(cap) - time.time() < CAP_REFRESH_S:
+            self._status()  # the session passes what it brings back to `learn`
+            cap = self._caps.get(address)
+        if cap is None:
+            raise ClusterError(f"the controller gave this session no capability for the worker at {address}")
+        return cap
 
     def where(self, device: int) -> str:
         address = self._where.get(device)
@@ -101,7 +117,7 @@ class DataPlane:
     def _worker(self, address: str) -> wire.Stub:
         stub = self._workers.get(address)
         if stub is None:
-            stub = self._workers[address] = wire.Stub("dtorch.Worker", address, self.token)
+            stub = self._workers[address] = wire.Stub("dtorch.Worker", address, "", tls=self.tls)
         return stub
 
     # ------------------------------------------------------------------ reads
@@ -123,8 +139,9 @@ class DataPlane:
 
     def _pull_from(self, address: str, tid: int, device: int) -> torch.Tensor:
         call, replies = self._worker(address).open_stream(
-            "Pull", m.PullRequest(session=self.session, tid=tid, device=device, timeout_s=self.timeout),
-            timeout=self.timeout + 10.0)
+            "Pull", m.PullRequest(session=self.session, tid=tid, device=device,
+                                  timeout_s=min(self.timeout, m.MAX_TIMEOUT_S)),
+            timeout=self.timeout + 10.0, credential=self._cap(address))
         with Watch(self._look, device, address, call.cancel) as watch:
             try:
                 return _receive(replies)
@@ -154,7 +171,8 @@ class DataPlane:
         stub = self._worker(address)
         future = stub.send_stream_future(
             "Put", (m.PutChunk(session=self.session, tid=tid, device=device, dtype=dtype, shape=shape,
-                               data=bytes(c)) for c in wire.chunks(data)), timeout=self.timeout)
+                               data=bytes(c)) for c in wire.chunks(data)), timeout=self.timeout,
+            credential=self._cap(address))
         with Watch(self._look, device, address, future.cancel) as watch:
             try:
                 stub.decode_reply("Put", future)

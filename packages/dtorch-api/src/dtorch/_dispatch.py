@@ -2,8 +2,9 @@
 out: emit its instructions to the session and return new DTensors at once.
 
 The plan cache is keyed on cheap identities: the op's id, each DTensor's interned spec id and the other
-arguments, so a training loop plans each op once (`torch_dispatch` is the hot path). Carrying a plan out by
-route (see `_planner` for the routes):
+arguments, so a training loop plans each op once (`torch_dispatch` is the hot path). An op with a registered
+decomposition (`_registry`: expert-sharded grouped matmuls, joint sequences) is first offered to it, which may
+carry it out as several ops. Carrying a plan out by route (see `_planner` for the routes):
   sharded, replicate  redistribute the inputs that must move, InstrCall, delete the temporaries
   sync, local         fetch the inputs (a sync point, at most DTORCH_LOCAL_MAX_BYTES), run the op here; local
                       uploads its outputs as Replicate
@@ -28,7 +29,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from dtorch import _planner
 from dtorch._planner import MixedMeshes, Plan, out_plan, outs, writes
-from dtorch._registry import Refused
+from dtorch._registry import Refused, decomposition_for
 from dtorch._source import SKIP, caller, user_src
 from dtorch._spec import Spec, contiguous_stride
 from dtorch.errors import DTorchError, describe_src, env_int
@@ -206,15 +207,16 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
         f = f.f_back
     session.emit((plan.encode, *tids, tid, *((f.f_code.co_filename, f.f_lineno) if f is not None else ("", 0))))
     out = plan.outputs
-    if out.contiguous:
-        r = _make_wrapper(cls, out.shape, dtype=out.dtype, device=out.mesh.torch_device)
-    else:
-        r = _make_wrapper(cls, out.shape, strides=out.stride, dtype=out.dtype, device=out.mesh.torch_device)
+    # positional (size, strides, storage_offset, memory_format, dtype, layout, device): a third cheaper than
+    # keywords; strides None for contiguous outputs (the default layout, cheaper still)
+    r = _make_wrapper(cls, out.shape, None if out.contiguous else out.stride, None, None, out.dtype, _STRIDED,
+                      out.mesh.torch_device)
     r._spec, r._tid, r._session = out, tid, session
     return r
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
@@ -222,6 +224,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
     a nested one), then carry the plan out by its route."""
     if func is _SET_SOURCE and args[0] is args[1]:
         return args[0]  # x.set_(x), as torch.nn.utils.parametrize does: nothing to move
+    decompose = decomposition_for(func)
+    if decompose is not None and (done := decompose(args, kwargs)) is not NotImplemented:
+        return done  # several ops, some with per-device layouts (expert parallelism, joint sequences)
     leaves: list = []
     if key is not None:
         leaves = [a for a in args if type(a) is dtensor.DTensor]

@@ -56,20 +56,42 @@ Rule = Callable[[Any, tuple, dict, DeviceMesh], Propagation]
 _RULES: dict[Any, Rule] = {}
 
 
-def register(*ops: Any) -> Callable[[Rule], Rule]:
-    """Decorator: `rule` plans each of `ops` (OpOverloads). An op has at most one rule."""
-
-    def add(rule: Rule) -> Rule:
+def _adder(table: dict, kind: str, ops: tuple) -> Callable:
+    def add(fn: Callable) -> Callable:
         for op in ops:
-            known = _RULES.get(op)
-            if known is not None and known is not rule:
-                raise ValueError(f"{op} already has the rule {known.__module__}.{known.__qualname__}")
-            _RULES[op] = rule
-        return rule
+            known = table.get(op)
+            if known is not None and known is not fn:
+                raise ValueError(f"{op} already has the {kind} {known.__module__}.{known.__qualname__}")
+            table[op] = fn
+        return fn
 
     return add
+
+
+def register(*ops: Any) -> Callable[[Rule], Rule]:
+    """Decorator: `rule` plans each of `ops` (OpOverloads). An op has at most one rule."""
+    return _adder(_RULES, "rule", ops)
 
 
 def rule_for(op: Any) -> Rule | None:
     """The registered rule of `op`, or None (torch's rules then apply)."""
     return _RULES.get(op)
+
+
+# Decompositions: ops the dispatcher hands to a function of the DTensors instead of planning them as one op, where
+# one op's per-device work is several ops (expert parallelism: `_experts`; joint sequences: `_joint`). A
+# decomposition `fn(args, kwargs)` returns the op's result, or NotImplemented to decline (the op is then planned as
+# usual); it decides from the arguments' specs alone, so a declined signature may be cached and never asked again.
+Decomposition = Callable[[tuple, dict], Any]
+
+_DECOMPOSITIONS: dict[Any, Decomposition] = {}
+
+
+def register_decomposition(*ops: Any) -> Callable[[Decomposition], Decomposition]:
+    """Decorator: `fn` may carry out each of `ops` (OpOverloads). An op has at most one decomposition."""
+    return _adder(_DECOMPOSITIONS, "decomposition", ops)
+
+
+def decomposition_for(op: Any) -> Decomposition | None:
+    """The registered decomposition of `op`, or None."""
+    return _DECOMPOSITIONS.get(op)

@@ -73,22 +73,22 @@ def _causal_masks(q: Spec, k_len: int, mesh: DeviceMesh, q_placements: tuple[Pla
     return masks
 
 
-def _with_specs(args: tuple, kwargs: dict, moved: dict[int, Spec]) -> tuple[tuple, dict]:
-    swap = lambda v: moved.get(id(v), v)  # noqa: E731
-    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
-
-
 def _plan(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, layout: dict[int, str], q: Spec, k: Spec,
           out_kinds: list[str], causal_index: int) -> Propagation:
     roles = _roles(q, k)
     if any(isinstance(v, Spec) and v.has_partial() for v in (*args, *kwargs.values())):
         raise NoRule("partial inputs")
-    moved = {}
+    # by position: q, k and v made by the same cached plans share one Spec object
+    new_args, new_kwargs = list(args), dict(kwargs)
     for index, kind in layout.items():
-        spec = args[index] if isinstance(index, int) and index >= 0 else kwargs.get("attn_mask")
+        spec = args[index] if index >= 0 else kwargs.get("attn_mask")
         if isinstance(spec, Spec):
-            moved[id(spec)] = spec.with_placements(_place(roles, kind, spec))
-    new_args, new_kwargs = _with_specs(args, kwargs, moved)
+            moved = spec.with_placements(_place(roles, kind, spec))
+            if index >= 0:
+                new_args[index] = moved
+            else:
+                new_kwargs["attn_mask"] = moved
+    new_args = tuple(new_args)
     outs = meta_specs(func, args, kwargs, mesh)
     out_specs = tuple(o.with_placements(tuple(
         Partial() if kind == "kv_grad" and role == "s" else
@@ -99,7 +99,7 @@ def _plan(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh, layout: dict[i
     if "s" in roles and is_causal:
         if kwargs.get("attn_mask") is not None:
             raise NoRule("is_causal together with attn_mask")
-        masks = _causal_masks(q, k.shape[2], mesh, moved[id(q)].placements)
+        masks = _causal_masks(q, k.shape[2], mesh, _place(roles, "q", q))
         rank_args = []
         for mask in masks:
             a = list(new_args)

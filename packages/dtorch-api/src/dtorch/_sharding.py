@@ -15,6 +15,7 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.tensor import placement_types as tp
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
+from dtorch import _disjoint
 from dtorch._registry import NoRule, Propagation, Refused, ValueDependent, rule_for
 from dtorch._spec import Spec
 from dtorch.device_mesh import DeviceMesh
@@ -51,7 +53,19 @@ def _quiet() -> Iterator[None]:
         _FAKE_LOG.disabled = was
 
 
+@dataclass(frozen=True, repr=False)
+class NestedShard(Shard):
+    """torch's `_StridedShard(dim, split_factor=1)`: the plain nested chunking of a flattened dim, e.g. `[B, S] ->
+    [B*S]` with the batch split B ways on one mesh dim and the sequence on the next. The same boxes as Shard(dim)
+    (on the wire it is one); kept apart so that torch's view rule can unflatten it back to Shard(1)."""
+
+    def __repr__(self) -> str:
+        return f"NestedShard(dim={self.dim})"
+
+
 def _to_torch(p: Placement) -> Any:
+    if isinstance(p, NestedShard):
+        return tp._StridedShard(p.dim, split_factor=1)
     if isinstance(p, Shard):
         return tp.Shard(p.dim)
     if isinstance(p, Partial):
@@ -67,6 +81,8 @@ def _from_torch(p: Any) -> Placement:
         return Replicate()
     if kind is tp.Partial and p.reduce_op in ("sum", "avg", "max", "min"):
         return Partial(p.reduce_op)
+    if kind is tp._StridedShard and p.split_factor == 1:
+        return NestedShard(p.dim)
     raise NoRule(f"torch chose the private placement {p}")
 
 
@@ -117,6 +133,8 @@ def _apply_suggestion(func: Any, args: tuple, kwargs: dict, out: Any, mesh: Devi
 
 def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
     """Sharding propagation for `func` on args whose DTensors are replaced by their Specs."""
+    if _disjoint.has_disjoint(args, kwargs):  # expert-parallel and joint-sequence intermediates (see _disjoint)
+        return _disjoint.propagate(func, args, kwargs, mesh, propagate)
     rule = rule_for(func)  # our own rules (registered in `_registry`) where torch has none
     if rule is not None:
         return rule(func, args, kwargs, mesh)
@@ -289,8 +307,9 @@ def check_local(func: Any, prop: Propagation, mesh: DeviceMesh) -> None:
         except NotImplementedError:
             return  # no meta kernel: nothing to check against
         except Exception as e:  # noqa: BLE001
-            if _global_meta_fails(func, args, kwargs):
-                return  # the meta kernel cannot judge these args at all (data-dependent)
+            if prop.rank_args is None and _global_meta_fails(func, args, kwargs):
+                return  # the meta kernel cannot judge these args at all (data-dependent); per-device args (a view's
+                # local sizes) are judged: nested uneven shards of a merged dim do not split like the view's dims
             raise NoRule(f"the op refuses the local shapes {shapes} at mesh position {rank}: {e}") from None
         got = _flat(result)
         for i, spec in enumerate(expected):

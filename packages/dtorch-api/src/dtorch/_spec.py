@@ -76,7 +76,8 @@ class Spec:
     contiguous: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        key = (self.mesh.id, self.placements, self.shape, self.stride, self.dtype)
+        # the mesh's dim names too: a cached plan must not give outputs a same-device mesh under other names
+        key = (self.mesh.id, self.mesh.mesh_dim_names, self.placements, self.shape, self.stride, self.dtype)
         object.__setattr__(self, "key", key)
         object.__setattr__(self, "sid", _intern(key))
         object.__setattr__(self, "contiguous", self.stride == contiguous_stride(self.shape))

@@ -3,13 +3,16 @@
 Started when no DTORCH_CONTROLLER is set. The processes watch this process and exit with
 it, and `stop()` (run at exit) ends them, so nothing is left behind. Needs the
 dtorch-controller and dtorch-worker packages (`pip install dtorch-api[local]`).
+
+It makes its own keys, with no set-up: a key file in its private temporary directory with an admin key
+(this process's: `dtorch.drain` and `dtorch.migrate` work locally) and a worker key for its workers.
+Traffic stays on loopback, in cleartext.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -18,6 +21,10 @@ from pathlib import Path
 
 from dtorch_protocol import messages as m
 from dtorch_protocol import wire
+from dtorch_protocol.tls import ENV as TLS_ENV
+
+# a cluster of this process's own: none of the settings meant for a shared one
+_NOT_INHERITED = {"DTORCH_API_KEY", "DTORCH_KEYS", "DTORCH_TOKEN", *TLS_ENV.values()}
 
 
 class LocalCluster:
@@ -28,30 +35,34 @@ class LocalCluster:
         if missing:
             raise RuntimeError(f"no DTORCH_CONTROLLER is set and {', '.join(missing)} is not installed to start a "
                                "local cluster: pip install 'dtorch-api[local]', or set DTORCH_CONTROLLER=host:port")
-        self.token = secrets.token_hex(16)
-        self.dir = Path(tempfile.mkdtemp(prefix="dtorch-local-"))
+        self.dir = Path(tempfile.mkdtemp(prefix="dtorch-local-"))  # mode 0700: the key file stays ours
+        from dtorch_controller.keys import new_key_file
+
+        self.api_key, worker_key = new_key_file(self.dir / "keys.json", ("admin", ""), ("worker", ""))
         self.procs: list[subprocess.Popen] = []
-        self.env = {**os.environ, "DTORCH_TOKEN": self.token}
+        self.env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
         parent = str(os.getpid())
         try:
             port_file = self.dir / "controller.addr"
             self._spawn("controller", [sys.executable, "-m", "dtorch_controller", "--listen", "127.0.0.1:0",
-                                       "--port-file", str(port_file), "--parent-pid", parent])
+                                       "--keys", str(self.dir / "keys.json"), "--port-file", str(port_file),
+                                       "--parent-pid", parent])
             deadline = time.monotonic() + start_timeout
             self.address = self._wait_for_file(port_file, deadline)
             for i in range(workers):
                 dev = f"cuda:{i}" if device == "cuda" else device
                 self._spawn(f"worker{i}", [sys.executable, "-m", "dtorch_worker", "--controller", self.address,
-                                           "--device", dev, "--parent-pid", parent])
+                                           "--device", dev, "--parent-pid", parent],
+                            env={**self.env, "DTORCH_API_KEY": worker_key})
             self._wait_for_workers(workers, deadline)
         except BaseException:
             self.stop()
             raise
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.dir / f"{name}.log", "wb")
         self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=self.env, start_new_session=True))
+                                           env=env or self.env, start_new_session=True))
         log.close()
 
     def _check_alive(self) -> None:
@@ -79,7 +90,7 @@ class LocalCluster:
         raise TimeoutError("the local controller did not start in time")
 
     def _wait_for_workers(self, n: int, deadline: float) -> None:
-        stub = wire.Stub("dtorch.Controller", self.address, self.token)
+        stub = wire.Stub("dtorch.Controller", self.address, self.api_key)
         try:
             while time.monotonic() < deadline:
                 self._check_alive()

@@ -16,34 +16,42 @@ from dtorch.local_cluster import LocalCluster
 from dtorch.session import Session
 from dtorch_protocol import messages as m
 from dtorch_protocol import wire
+from dtorch_protocol.tls import Tls
 
 _lock = threading.RLock()
 _session: Session | None = None
 _cluster: LocalCluster | None = None
 
 
-def connect(controller: str | None = None, *, token: str | None = None, workers: int | None = None,
-            name: str = "", priority: str = "normal", kind: str = "batch", memory_cap: int = 0,
-            min_devices: int = 0) -> Session:
+def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca: str | None = None,
+            workers: int | None = None, name: str = "", priority: str = "normal", kind: str = "batch",
+            memory_cap: int = 0, min_devices: int = 0, expected_steps: int = 0) -> Session:
     """Open the default session (closing any previous one).
 
     `controller` defaults to $DTORCH_CONTROLLER; without either, a local cluster of `workers`
-    worker processes (default $DTORCH_LOCAL_WORKERS or 2) is started for this process.
+    worker processes (default $DTORCH_LOCAL_WORKERS or 2) is started for this process, with keys of its own.
+    `api_key` defaults to $DTORCH_API_KEY; `tls_ca` (default $DTORCH_TLS_CA) is the CA of a cluster that
+    runs TLS.
     Scheduling: `priority` "high" | "normal" | "low", `kind` "batch" | "realtime", `memory_cap` bytes per
     device (> 0 lets the controller pack the session onto a device shared with others), `min_devices`
-    (> 0: elastic, a mesh starts on as few physical devices as this, as virtual devices).
+    (> 0: elastic, a mesh starts on as few physical devices as this, as virtual devices), `expected_steps` (> 0:
+    how many sync points, values read back such as `loss.item()` once a step, the program will reach: the
+    default policy then ranks it by the work it has left rather than the work it has had).
     """
     global _session, _cluster
     with _lock:
         shutdown()
         address = controller or os.environ.get("DTORCH_CONTROLLER")
+        tls = None
         if not address:
             n = workers if workers is not None else int(os.environ.get("DTORCH_LOCAL_WORKERS", "2"))
             _cluster = LocalCluster(n, device=os.environ.get("DTORCH_LOCAL_DEVICE", "cpu"))
-            address, token = _cluster.address, _cluster.token
+            address, api_key = _cluster.address, _cluster.api_key
+        else:
+            tls = Tls.load(ca=tls_ca)
         try:
-            _session = Session(address, token, name=name, priority=priority, kind=kind, memory_cap=memory_cap,
-                               min_devices=min_devices)
+            _session = Session(address, api_key, tls=tls, name=name, priority=priority, kind=kind,
+                               memory_cap=memory_cap, min_devices=min_devices, expected_steps=expected_steps)
         except BaseException:
             shutdown()
             raise

@@ -8,6 +8,10 @@
 The session speaks tensor ids and specs only (DTensors are the dispatcher's). Sync points (`fetch`) flush
 the stream, wait until every worker has executed it (bounded), raise any op error with the user's source
 line, then read shards straight from the workers. Uploads write shards straight to workers.
+
+The controller knows the session by its API key; each worker by the capability the controller hands out
+next to every location (MeshPlaced, SyncReply, the session's own entry in Status): the session passes them
+to the data plane with the locations.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from dtorch._seeds import Seeds
 from dtorch._stream import Stream
 from dtorch._version import __version__
 from dtorch.errors import env_float
+from dtorch_protocol import auth, wire
 from dtorch_protocol import messages as m
-from dtorch_protocol import wire
+from dtorch_protocol.tls import Tls
 
 if TYPE_CHECKING:
     from dtorch._spec import Spec
@@ -38,17 +43,21 @@ if TYPE_CHECKING:
 class Session:
     """A connection to a controller; every DTensor belongs to one."""
 
-    def __init__(self, controller: str, token: str | None = None, *, name: str = "", priority: str = "normal",
-                 kind: str = "batch", memory_cap: int = 0, min_devices: int = 0) -> None:
+    def __init__(self, controller: str, api_key: str | None = None, *, tls: Tls | None = None, name: str = "",
+                 priority: str = "normal", kind: str = "batch", memory_cap: int = 0, min_devices: int = 0,
+                 expected_steps: int = 0) -> None:
         self.address = controller
-        self.token = wire.token_from_env() if token is None else token
+        self.api_key = auth.key_from_env() if api_key is None else api_key
         self.timeout = env_float("DTORCH_TIMEOUT", 300.0)  # bound on any single wait for workers
-        self.stub = wire.Stub("dtorch.Controller", controller, self.token)
+        self.stub = wire.Stub("dtorch.Controller", controller, self.api_key, tls=tls)
         try:
             opened = self.stub.call("OpenSession", m.OpenSession(hello=wire.hello("client", __version__), name=name,
-                                                                  priority=priority, kind=kind, memory_cap=memory_cap),
+                                                                  priority=priority, kind=kind, memory_cap=memory_cap,
+                                                                  expected_steps=expected_steps),
                                     timeout=10.0)
-        except ConnectionError:
+        except ConnectionError as e:
+            if str(e).startswith("TLS handshake"):
+                raise ConnectionError(str(e)) from None
             raise ConnectionError(f"cannot reach the DTorch controller at {controller}: is dtorch-controller "
                                   "running there? (unset DTORCH_CONTROLLER to start a local cluster)") from None
         except TimeoutError:
@@ -65,7 +74,7 @@ class Session:
         self.new_tid: Callable[[], int] = self._tids.__next__  # a fresh tensor id
         self.emit: Callable[[Any], None] = self._stream.emit  # queue an instruction (or a record); never blocks
         self.release: Callable[[int], None] = self._stream.release  # a DTensor's last reference is gone (batched)
-        self._data = DataPlane(self.id, self.token, self.timeout, self.status)
+        self._data = DataPlane(self.id, self.timeout, self.status, tls=tls)
         # async fetches wait on pulls in the data plane's pool: they must not occupy its threads
         self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-fetch")
         self._closed = False
@@ -83,7 +92,7 @@ class Session:
         """Have the controller place the mesh's logical devices; waits in its queue, showing the position."""
         if mesh.id in self._placed:
             return
-        self._data.learn(_admission.place(self._call, self.id, mesh, self.min_devices))
+        self._data.learn(*_admission.place(self._call, self.id, mesh, self.min_devices))
         self._placed.add(mesh.id)
 
     def next_seed(self) -> int:
@@ -97,7 +106,7 @@ class Session:
     def sync(self) -> None:
         """Wait until the workers executed everything issued so far; raise the first op error, if any."""
         for reply in self._stream.sync(self.timeout):
-            self._data.learn(reply.locations)
+            self._data.learn(reply.locations, reply.caps)
 
     def _loss(self, lost: DeviceLost) -> Exception:
         """The error a sync raises about a loss; every transfer that meets it raises the same one."""
@@ -138,7 +147,11 @@ class Session:
 
     # ------------------------------------------------------------------ admin and shutdown
     def status(self) -> m.StatusReply:
-        return self.stub.call("Status", m.StatusRequest(), timeout=10.0)
+        reply = self.stub.call("Status", m.StatusRequest(), timeout=10.0)
+        mine = next((s for s in reply.sessions if s.session == self.id), None)
+        if mine is not None:  # fresh capabilities for its workers (relocation, or the old ones near expiry)
+            self._data.learn({}, mine.caps)
+        return reply
 
     def close(self) -> None:
         if self._closed:

@@ -1,15 +1,21 @@
-"""`dtorch-controller`: run the controller, or show a running one's status.
+"""`dtorch-controller`: run the controller, manage its API keys, or ask a running one.
 
-    dtorch-controller [--listen HOST:PORT] [--port-file PATH] [--heartbeat-interval S]
+    dtorch-controller --keys FILE [--listen HOST:PORT] [--worker-listen HOST:PORT]
+                      [--tls-cert PEM --tls-key PEM --tls-ca PEM] [--port-file PATH] [--heartbeat-interval S]
                       [--heartbeat-timeout S] [--session-timeout S] [--policy NAME]
                       [--policy-param K=V ...] [--parent-pid PID]
+    dtorch-controller keys create --keys FILE --role tenant|admin|worker [--tenant NAME] [--node NODE]
+    dtorch-controller keys list|revoke ID --keys FILE
+    dtorch-controller keys quota TENANT --keys FILE [--devices N] [--memory BYTES] [--sessions N]
     dtorch-controller status [--controller HOST:PORT] [--json]
     dtorch-controller drain WORKER [--controller HOST:PORT] [--timeout S]
     dtorch-controller migrate SESSION --device N --to WORKER [--controller HOST:PORT] [--timeout S]
 
-The token comes from $DTORCH_TOKEN. The embedded local cluster starts the controller on port 0 with
---port-file and --parent-pid, reads the address from the file, and relies on the watchdog to end the
-controller when the user's process goes away.
+The key file comes from --keys or $DTORCH_KEYS: without a readable one the controller does not start. The
+commands that ask a running controller use the API key in $DTORCH_API_KEY (an admin key for drain and
+migrate) and $DTORCH_TLS_CA when it runs TLS. The embedded local cluster writes its own key file, starts
+the controller on port 0 with --port-file and --parent-pid, reads the address from the file, and relies on
+the watchdog to end the controller when the user's process goes away.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtorch_protocol import wire
+from dtorch_protocol import auth, wire
 from dtorch_protocol.process import watch_parent
+from dtorch_protocol.tls import Tls, TlsError, cleartext_warning
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 WATCHDOG_INTERVAL_S = 0.5
@@ -37,11 +44,12 @@ def _normalize_listen(listen: str) -> str:
     return f"{host or '0.0.0.0'}:{port}"
 
 
-def _write_port_file(path: str, address: str) -> None:
-    """Write atomically, so a reader polling for the file never sees half an address."""
+def _write_port_file(path: str, addresses: Sequence[str]) -> None:
+    """Write atomically, so a reader polling for the file never sees half an address: the clients' address,
+    then the workers' when it differs (TLS)."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(address)
+    tmp.write_text("\n".join(dict.fromkeys(addresses)))
     os.replace(tmp, target)
 
 
@@ -50,9 +58,14 @@ def _parent_gone(pid: int, stop: threading.Event) -> None:
     stop.set()
 
 
+def _tls(args: argparse.Namespace) -> Tls | None:
+    return Tls.load(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
+
+
 def serve(args: argparse.Namespace) -> int:
     from dtorch_controller.core import Config
     from dtorch_controller.core.policies import make_policy
+    from dtorch_controller.keys import KeyFileError, Keyring, key_file_from_env
     from dtorch_controller.server import run_server
 
     try:
@@ -60,11 +73,24 @@ def serve(args: argparse.Namespace) -> int:
                         snapshot_every_batches=args.snapshot_batches, snapshot_every_s=args.snapshot_interval,
                         session_timeout_s=args.session_timeout, collective_timeout_s=args.collective_timeout)
         policy = make_policy(args.policy, _policy_params(args.policy_param))
-    except ValueError as e:
+        tls = _tls(args)
+        if tls is not None and not args.worker_listen:
+            raise ValueError("with TLS, workers need a port of their own (mutual TLS): add --worker-listen HOST:PORT")
+        path = args.keys or key_file_from_env()
+        if not path:
+            raise ValueError("no key file: pass --keys FILE or set DTORCH_KEYS (create keys with `dtorch-controller "
+                             "keys create --keys FILE --role admin`); a controller never runs open")
+        keyring = Keyring(path)
+    except (ValueError, KeyFileError) as e:
         print(f"dtorch-controller: {e}", file=sys.stderr)
         return 2
+    listen = _normalize_listen(args.listen)
+    worker_listen = _normalize_listen(args.worker_listen) if args.worker_listen else None
+    if tls is None and (warning := cleartext_warning("dtorch-controller", listen)):
+        print(warning, file=sys.stderr, flush=True)
     try:
-        server, address = run_server(_normalize_listen(args.listen), wire.token_from_env(), config, policy=policy)
+        server, address = run_server(listen, keyring.authenticate, config, policy=policy, tls=tls,
+                                     worker_listen=worker_listen, quotas=keyring.quota)
     except (OSError, RuntimeError) as e:
         print(f"dtorch-controller: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 1
@@ -74,9 +100,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.parent_pid:
         watch_parent(args.parent_pid, lambda: _parent_gone(args.parent_pid, stop), WATCHDOG_INTERVAL_S)
     try:
-        print(f"dtorch-controller listening on {address}", flush=True)
+        workers = f" (workers: {server.worker_address}, mutual TLS)" if server.worker_address != address else ""
+        print(f"dtorch-controller listening on {address}{workers}", flush=True)
         if args.port_file:
-            _write_port_file(args.port_file, address)
+            _write_port_file(args.port_file, [address, server.worker_address])
         while not stop.wait(1.0):
             pass
     finally:
@@ -103,7 +130,11 @@ def _policy_params(items: Sequence[str]) -> dict[str, object]:
 def _ask(args: argparse.Namespace, method: str, request: object, timeout: float) -> object | None:
     """One call to the controller named by --controller / $DTORCH_CONTROLLER; None after a one-line error."""
     target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
-    stub = wire.Stub("dtorch.Controller", target, wire.token_from_env())
+    try:
+        stub = wire.Stub("dtorch.Controller", target, auth.key_from_env(), tls=_tls(args))
+    except TlsError as e:
+        print(f"dtorch-controller {args.command}: {e}", file=sys.stderr)
+        return None
     try:
         return stub.call(method, request, timeout=timeout)
     except (ConnectionError, TimeoutError, PermissionError, wire.ProtocolError, wire.RemoteError) as e:
@@ -130,8 +161,12 @@ def status(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtorch-controller",
-                                     description="Run the DTorch controller (token from $DTORCH_TOKEN).")
+                                     description="Run the DTorch controller (API keys from --keys / $DTORCH_KEYS).")
+    parser.add_argument("--keys", metavar="FILE", help="the key file (default $DTORCH_KEYS); required")
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT to serve on (default {DEFAULT_LISTEN})")
+    parser.add_argument("--worker-listen", metavar="HOST:PORT",
+                        help="a separate port for workers (required with TLS: it requires their certificates)")
+    _tls_args(parser)
     parser.add_argument("--port-file", help="write the address actually served on to this file")
     parser.add_argument("--heartbeat-interval", type=float, default=0.2, metavar="S",
                         help="how often workers report (default 0.2)")
@@ -144,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60")),
                         help="bound on a process group's rendezvous and on each collective: past it the op fails "
                              "naming the workers that never arrived (default 60, $DTORCH_COLLECTIVE_TIMEOUT)")
-    parser.add_argument("--policy", default="priority",
-                        help="scheduling policy: fifo, priority (default: classes, preemption, packing) or las")
+    parser.add_argument("--policy", default="dtorch",
+                        help="scheduling policy: dtorch (default: classes, then least remaining or attained work, "
+                             "preemption by freezing, relocation, packing), priority, fifo or las")
     parser.add_argument("--policy-param", action="append", default=[], metavar="K=V",
                         help="a policy parameter, e.g. preempt=false or thresholds=[60,600] (repeatable)")
     parser.add_argument("--snapshot-batches", type=int, metavar="N",
@@ -156,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(os.environ.get("DTORCH_SNAPSHOT_INTERVAL", "30")),
                         help="... or at the next batch once the last copy is this old (default 30)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process exits")
-    commands = parser.add_subparsers(dest="command", metavar="{status,drain,migrate}")
+    commands = parser.add_subparsers(dest="command", metavar="{keys,status,drain,migrate}")
+    _keys_parser(commands)
     st = commands.add_parser("status", help="show workers, sessions and recent events of a running controller")
     st.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
     st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
@@ -172,7 +209,76 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="print the raw AdminReply as JSON")
         sub.add_argument("--timeout", type=float, default=300.0, metavar="S",
                          help="answer after this long even if still in progress (default 300)")
+    for sub in (st, dr, mg):
+        sub.add_argument("--tls-ca", metavar="PEM", help="the CA of a TLS controller (default $DTORCH_TLS_CA)")
     return parser
+
+
+def _tls_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", metavar="PEM", help="this server's certificate (default $DTORCH_TLS_CERT)")
+    parser.add_argument("--tls-key", metavar="PEM", help="its private key (default $DTORCH_TLS_KEY)")
+    parser.add_argument("--tls-ca", metavar="PEM", help="the CA that signs the cluster's certificates "
+                                                        "(default $DTORCH_TLS_CA)")
+
+
+def _keys_parser(commands: argparse._SubParsersAction) -> None:
+    keys = commands.add_parser("keys", help="create, list and revoke API keys; set tenants' quotas")
+    sub = keys.add_subparsers(dest="keys_command", metavar="{create,list,revoke,quota}", required=True)
+    create = sub.add_parser("create", help="make a key and print it (once: only its hash is stored)")
+    create.add_argument("--role", required=True, choices=auth.KEY_ROLES)
+    create.add_argument("--tenant", default="", help="the tenant a tenant key belongs to")
+    create.add_argument("--node", default="", help="worker keys: the node label their workers get")
+    sub.add_parser("list", help="every key: id, role, tenant, node, created, revoked")
+    revoke = sub.add_parser("revoke", help="revoke a key (a running controller notices within a second)")
+    revoke.add_argument("id")
+    quota = sub.add_parser("quota", help="a tenant's limits (0: none); without limits, shows them")
+    quota.add_argument("tenant")
+    quota.add_argument("--devices", type=int, help="logical devices its sessions may hold at once")
+    quota.add_argument("--memory", type=int, metavar="BYTES", help="device memory its sessions may lease")
+    quota.add_argument("--sessions", type=int, help="sessions it may have open at once")
+    for p in sub.choices.values():
+        p.add_argument("--keys", metavar="FILE", help="the key file (default $DTORCH_KEYS)")
+
+
+def keys_command(args: argparse.Namespace) -> int:
+    """`keys create|list|revoke|quota`: edit the key file (created on the first `create`, mode 0600)."""
+    from dtorch_controller.keys import KeyFile, KeyFileError, key_file_from_env
+
+    path = args.keys or key_file_from_env()
+    if not path:
+        print("dtorch-controller keys: pass --keys FILE or set DTORCH_KEYS", file=sys.stderr)
+        return 2
+    try:
+        if args.keys_command == "create":
+            kf = KeyFile.read_or_new(path)
+            entry, key = kf.create(args.role, args.tenant, args.node)
+            kf.write(path)
+            print(key)
+            owner = f" for tenant {entry.tenant}" if entry.role == auth.TENANT else ""
+            print(f"created {entry.role} key {entry.id}{owner}: it is shown only now", file=sys.stderr)
+        elif args.keys_command == "list":
+            kf = KeyFile.read(path)
+            print(f"{'ID':10}{'ROLE':8}{'TENANT':16}{'NODE':12}{'CREATED':22}REVOKED")
+            for k in kf.keys:
+                print(f"{k.id:10}{k.role:8}{k.tenant or '-':16}{k.node or '-':12}{k.created:22}{k.revoked or '-'}")
+            for tenant, q in sorted(kf.quotas.items()):
+                print(f"quota {tenant}: devices {q.devices or 'any'}, memory {q.memory_bytes or 'any'} bytes, "
+                      f"sessions {q.sessions or 'any'}")
+        elif args.keys_command == "revoke":
+            kf = KeyFile.read(path)
+            entry = kf.revoke(args.id)
+            kf.write(path)
+            print(f"revoked {entry.role} key {entry.id} ({entry.revoked})")
+        else:
+            kf = KeyFile.read(path)
+            q = kf.set_quota(args.tenant, args.devices, args.memory, args.sessions)
+            kf.write(path)
+            print(f"quota {args.tenant}: devices {q.devices or 'any'}, memory {q.memory_bytes or 'any'} bytes, "
+                  f"sessions {q.sessions or 'any'}")
+    except (KeyFileError, ValueError, OSError) as e:
+        print(f"dtorch-controller keys {args.keys_command}: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def admin(args: argparse.Namespace) -> int:
@@ -202,6 +308,8 @@ def admin(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "keys":
+        return keys_command(args)
     if args.command == "status":
         return status(args)
     if args.command in ("drain", "migrate"):

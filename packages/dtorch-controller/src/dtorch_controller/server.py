@@ -4,6 +4,12 @@ Thin on purpose. Every handler turns its request into an event, feeds the core u
 core is single-threaded), performs the effects outside the lock and blocks, bounded, on the future
 its Reply completes. Execute batches go out asynchronously; a failed send comes back to the core as
 WorkerUnreachable. All logic lives in `dtorch_controller.core`, which the simulator drives too.
+
+Authentication happens before a handler runs (`wire`: API keys from the key file, roles per method,
+mutual TLS for workers). The adapter then does what needs the credentials, never the core: it keeps each
+worker's secret (`credentials.py`), signs Execute batches with it, checks that a Report comes from the
+process that registered, sets a worker's node label from its key (the admin's word, not the worker's), and
+hands the owner of a session capabilities next to every location it is told.
 """
 
 from __future__ import annotations
@@ -12,21 +18,26 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 import grpc
+import msgspec
 
 from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.config import format_seconds
 from dtorch_controller.core.policies import Policy
+from dtorch_controller.credentials import Credentials, check_secret
 from dtorch_controller.timers import TimerThread
+from dtorch_protocol import auth, wire
 from dtorch_protocol import messages as m
-from dtorch_protocol import wire
+from dtorch_protocol.health import Health
+from dtorch_protocol.tls import Tls
 
 log = logging.getLogger("dtorch_controller.server")
 
@@ -34,6 +45,28 @@ REPLY_WAIT_S = 30.0  # how long a handler waits for an immediate answer (the cor
 SYNC_GRACE_S = 10.0  # a Sync handler waits for the core's own timeout plus this
 EXECUTE_TIMEOUT_S = 60.0  # Execute only enqueues on the worker, so this is about reaching it at all
 SERVER_THREADS = 256  # Syncs park a thread each; heartbeats must never starve behind them
+TENANT_THREADS = 192  # at most this many handler threads serve tenants at once: the rest stay free for workers
+CALLS_PER_TENANT = 64  # concurrent calls of one tenant
+SYNCS_PER_SESSION = 8  # Syncs of one session waiting at once
+MAX_WAIT_S = 120.0  # longest a Sync waits at the controller (clients ask for 30 s at a time)
+
+
+_GAVE_UP = object()  # what a waiter's future holds when its caller cancelled or its deadline passed
+
+
+def _settle(future: Future, value: Any) -> None:
+    try:
+        future.set_result(value)
+    except InvalidStateError:  # answered just before
+        pass
+
+
+class InternalError(Exception):
+    """The core raised: a bug, answered INTERNAL (never a refusal the caller could act on)."""
+
+
+REFUSALS: dict[str, type[Exception]] = {  # a core Refusal's kind -> what the caller gets (its status code)
+    "protocol": wire.ProtocolError, "quota": wire.LimitExceeded, "conflict": wire.Conflict, "refused": wire.RemoteError}
 
 
 def wall_clock_formatter(clock: Callable[[], float] = time.monotonic) -> Callable[[float], str]:
@@ -45,10 +78,13 @@ def wall_clock_formatter(clock: Callable[[], float] = time.monotonic) -> Callabl
 class ControllerService:
     """Implements wire.SERVICES["dtorch.Controller"] around a ControllerCore."""
 
-    def __init__(self, core: ControllerCore, token: str, clock: Callable[[], float] = time.monotonic,
-                 execute_timeout_s: float = EXECUTE_TIMEOUT_S) -> None:
+    def __init__(self, core: ControllerCore, clock: Callable[[], float] = time.monotonic,
+                 execute_timeout_s: float = EXECUTE_TIMEOUT_S, tls: Tls | None = None,
+                 quotas: Callable[[str], ev.Quota] | None = None) -> None:
         self.core = core
-        self._token = token
+        self.tls = tls
+        self.quotas = quotas or (lambda tenant: ev.Quota())  # the admin's limits per tenant (the key file)
+        self.credentials = Credentials()
         self._clock = clock
         self._execute_timeout_s = execute_timeout_s
         self._lock = threading.Lock()  # guards the core
@@ -57,6 +93,8 @@ class ControllerService:
         self._ids = itertools.count(1)
         self._stubs: dict[str, wire.Stub] = {}
         self._stubs_lock = threading.Lock()
+        self._syncs: dict[str, int] = {}  # session -> its Syncs in flight
+        self._registering: dict[Hashable, tuple[m.RegisterWorker, str]] = {}  # request id -> (request, key id)
         self.timers = TimerThread(lambda key: self.feed(ev.TimerFired(key)), clock)
 
     # ------------------------------------------------------------ driving the core
@@ -65,6 +103,11 @@ class ControllerService:
         """Hand one event to the core and perform its effects."""
         with self._lock:
             effects = self.core.handle(self._clock(), event)
+        for effect in effects:  # a worker's credentials before anything is sent its way (growth, in this batch)
+            if isinstance(effect, Reply) and isinstance(effect.message, m.Registered):
+                pending = self._registering.pop(effect.request_id, None)
+                if pending is not None:
+                    self.credentials.registered(effect.message.worker, *pending)
         for effect in effects:
             try:
                 self._perform(effect)
@@ -75,8 +118,8 @@ class ControllerService:
         if isinstance(effect, Reply):
             with self._waiters_lock:
                 future = self._waiters.get(effect.request_id)
-            if future is not None and not future.done():
-                future.set_result(effect.message)
+            if future is not None:
+                _settle(future, effect.message)
         elif isinstance(effect, SendExecute):
             self._send(effect)
         elif isinstance(effect, SetTimer):
@@ -88,13 +131,17 @@ class ControllerService:
         with self._stubs_lock:
             stub = self._stubs.get(address)
             if stub is None:
-                stub = self._stubs[address] = wire.Stub("dtorch.Worker", address, self._token)
+                stub = self._stubs[address] = wire.Stub("dtorch.Worker", address, "", tls=self.tls)
             return stub
 
     def _send(self, effect: SendExecute) -> None:
         stub = self._stub(effect.address)
         try:
-            call = stub.call_future("Execute", effect.execute, timeout=self._execute_timeout_s)
+            token = self.credentials.execute_token(effect.address)
+            if token is None:
+                raise ConnectionError(f"no credentials for a worker at {effect.address}")
+            execute = self.credentials.with_peer_caps(effect.execute, effect.address)
+            call = stub.call_future("Execute", execute, timeout=self._execute_timeout_s, credential=token)
         except Exception as e:  # noqa: BLE001 - any failure to start the call means the batch is not delivered
             self.feed(ev.WorkerUnreachable(effect.worker_id, effect.address, str(e)))
             return
@@ -119,19 +166,21 @@ class ControllerService:
         try:
             try:
                 self.feed(make(request_id))
-            except Exception as e:
-                log.exception("controller core failed on request %s", request_id)
-                raise wire.RemoteError(f"internal controller error: {type(e).__name__}: {e}") from None
+            except Exception as e:  # a bug in the core: the call gets INTERNAL (and the log a traceback)
+                raise InternalError(f"internal controller error: {type(e).__name__}: {e}") from e
+            wire.on_call_end(lambda: _settle(future, _GAVE_UP))  # a caller that gave up frees this thread at once
             try:
                 message = future.result(timeout=wait_s)
             except FutureTimeout:
                 raise wire.RemoteError(f"the controller did not answer within {wait_s:g}s") from None
+            if message is _GAVE_UP:
+                raise wire.RemoteError("the caller gave up")
         finally:
             with self._waiters_lock:
                 self._waiters.pop(request_id, None)
         if isinstance(message, Refusal):
             text = " ".join(message.message.split())  # gRPC details travel best as one line
-            raise (wire.ProtocolError if message.kind == "protocol" else wire.RemoteError)(text)
+            raise REFUSALS.get(message.kind, wire.RemoteError)(text)
         return message
 
     def close(self) -> None:
@@ -139,61 +188,128 @@ class ControllerService:
         with self._waiters_lock:
             parked = list(self._waiters.values())
         for future in parked:
-            if not future.done():
-                future.set_result(Refusal("refused", "the controller is shutting down"))
+            _settle(future, Refusal("refused", "the controller is shutting down"))
         self.timers.stop()
         with self._stubs_lock:
             stubs, self._stubs = list(self._stubs.values()), {}
         for stub in stubs:
             stub.close()
 
-    # ------------------------------------------------------------ the service table
+    # ------------------------------------------------------------ the service table (callers are authenticated)
 
-    def OpenSession(self, request: m.OpenSession) -> m.SessionOpened:
-        return self.request(lambda rid: ev.OpenSession(rid, request))
+    def _who(self, caller: auth.Caller) -> ev.Principal:
+        """The core's view of a tenant or admin caller (its sessions are its tenant's; quotas from the key file)."""
+        return ev.Principal(tenant=caller.name, admin=caller.role == auth.ADMIN, quota=self.quotas(caller.name))
 
-    def OpenMesh(self, request: m.OpenMesh) -> m.MeshPlaced:
-        return self.request(lambda rid: ev.OpenMesh(rid, request))
+    def OpenSession(self, request: m.OpenSession, caller: auth.Caller) -> m.SessionOpened:
+        who = self._who(caller)
+        return self.request(lambda rid: ev.OpenSession(rid, request, who))
 
-    def Submit(self, request: m.Submit) -> m.SubmitReply:
-        return self.request(lambda rid: ev.Submit(rid, request))
+    def OpenMesh(self, request: m.OpenMesh, caller: auth.Caller) -> m.MeshPlaced:
+        who = self._who(caller)
+        reply: m.MeshPlaced = self.request(lambda rid: ev.OpenMesh(rid, request, who))
+        if not reply.placed:
+            return reply
+        locations, caps = self.credentials.for_client(request.session, reply.locations)
+        return msgspec.structs.replace(reply, locations=locations, caps=caps)
 
-    def Sync(self, request: m.Sync) -> m.SyncReply:
-        timeout = request.timeout_s if request.timeout_s == request.timeout_s else 0.0  # NaN: answer at once
-        wait = min(max(timeout, 0.0), self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
-        return self.request(lambda rid: ev.Sync(rid, request), wait_s=wait)
+    def Submit(self, request: m.Submit, caller: auth.Caller) -> m.SubmitReply:
+        who = self._who(caller)
+        return self.request(lambda rid: ev.Submit(rid, request, who))
 
-    def CloseSession(self, request: m.CloseSession) -> m.Ack:
-        return self.request(lambda rid: ev.CloseSession(rid, request))
+    def Sync(self, request: m.Sync, caller: auth.Caller) -> m.SyncReply:
+        who = self._who(caller)
+        if request.timeout_s > MAX_WAIT_S:
+            request = msgspec.structs.replace(request, timeout_s=MAX_WAIT_S)
+        wait = min(request.timeout_s, self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
+        with self._sync_slot(request.session):
+            reply: m.SyncReply = self.request(lambda rid: ev.Sync(rid, request, who), wait_s=wait)
+        locations, caps = self.credentials.for_client(request.session, reply.locations)
+        return msgspec.structs.replace(reply, locations=locations, caps=caps)
 
-    def KeepAlive(self, request: m.KeepAlive) -> m.Ack:
-        return self.request(lambda rid: ev.KeepAlive(rid, request))
+    @contextmanager
+    def _sync_slot(self, session: str) -> Iterator[None]:
+        with self._waiters_lock:
+            n = self._syncs.get(session, 0)
+            if n >= SYNCS_PER_SESSION:
+                raise wire.LimitExceeded(f"Sync refused: session {session[:8]} already has {n} Syncs waiting "
+                                         f"(limit {SYNCS_PER_SESSION})")
+            self._syncs[session] = n + 1
+        try:
+            yield
+        finally:
+            with self._waiters_lock:
+                n = self._syncs.pop(session) - 1
+                if n:
+                    self._syncs[session] = n
 
-    def Status(self, request: m.StatusRequest) -> m.StatusReply:
-        return self.request(lambda rid: ev.Status(rid, request))
+    def CloseSession(self, request: m.CloseSession, caller: auth.Caller) -> m.Ack:
+        who = self._who(caller)
+        return self.request(lambda rid: ev.CloseSession(rid, request, who))
 
-    def Register(self, request: m.RegisterWorker) -> m.Registered:
-        return self.request(lambda rid: ev.Register(rid, request))
+    def KeepAlive(self, request: m.KeepAlive, caller: auth.Caller) -> m.Ack:
+        who = self._who(caller)
+        return self.request(lambda rid: ev.KeepAlive(rid, request, who))
 
-    def Report(self, request: m.WorkerReport) -> m.ReportReply:
+    def Status(self, request: m.StatusRequest, caller: auth.Caller) -> m.StatusReply:
+        """The core's view for this caller, with client addresses, and capabilities for the caller's own sessions
+        (a client that lost track of a device finds it, and its capability, here)."""
+        who = self._who(caller)
+        reply: m.StatusReply = self.request(lambda rid: ev.Status(rid, request, who))
+        address = {w.worker: w.address for w in reply.workers}
+        sessions = []
+        for s in reply.sessions:
+            if s.tenant == caller.name:
+                where = {d: address[w] for d, w in s.devices.items() if w in address}
+                s = msgspec.structs.replace(s, caps=self.credentials.for_client(s.session, where)[1])
+            sessions.append(s)
+        workers = [msgspec.structs.replace(w, address=self.credentials.client_address(w.address))
+                   for w in reply.workers]
+        return msgspec.structs.replace(reply, workers=workers, sessions=sessions)
+
+    def Register(self, request: m.RegisterWorker, caller: auth.Caller) -> m.Registered:
+        check_secret(request.secret)
+        labels = {k: v for k, v in request.labels.items() if k != "node"}  # a node is the admin's word
+        if caller.node:
+            labels["node"] = caller.node
+        request = msgspec.structs.replace(request, labels=labels)
+        rids: list[Hashable] = []
+
+        def register(rid: Hashable) -> ev.Register:
+            rids.append(rid)
+            self._registering[rid] = (request, caller.key_id)  # recorded by `feed` if the core accepts it
+            return ev.Register(rid, request)
+
+        try:
+            reply: m.Registered = self.request(register)
+        finally:
+            for rid in rids:
+                self._registering.pop(rid, None)
+        return reply
+
+    def Report(self, request: m.WorkerReport, caller: auth.Caller) -> m.ReportReply:
+        self.credentials.check_report(caller, request)
         return self.request(lambda rid: ev.Report(rid, request))
 
-    def Drain(self, request: m.DrainRequest) -> m.AdminReply:
-        wait = min(max(request.timeout_s, 0.0), self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
+    def Drain(self, request: m.DrainRequest, caller: auth.Caller) -> m.AdminReply:
+        wait = min(request.timeout_s, self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
         return self.request(lambda rid: ev.Drain(rid, request), wait_s=wait)
 
-    def Migrate(self, request: m.MigrateRequest) -> m.AdminReply:
-        wait = min(max(request.timeout_s, 0.0), self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
+    def Migrate(self, request: m.MigrateRequest, caller: auth.Caller) -> m.AdminReply:
+        wait = min(request.timeout_s, self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
         return self.request(lambda rid: ev.Migrate(rid, request), wait_s=wait)
 
 
 class ControllerServer:
     """A running controller: the gRPC server and the service that drives the core."""
 
-    def __init__(self, grpc_server: grpc.Server, service: ControllerService, address: str) -> None:
+    def __init__(self, grpc_server: grpc.Server, service: ControllerService, address: str,
+                 worker_address: str | None = None, health: Health | None = None) -> None:
         self.grpc_server = grpc_server
         self.service = service
-        self.address = address
+        self.address = address  # clients and admins
+        self.worker_address = worker_address or address  # workers (the mutual-TLS port under TLS)
+        self.health = health
 
     @property
     def core(self) -> ControllerCore:
@@ -201,6 +317,8 @@ class ControllerServer:
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving: calls in flight get `grace` seconds, then parked ones are answered and timers stop."""
+        if self.health is not None:
+            self.health.stop()
         stopped = self.grpc_server.stop(grace)
         stopped.wait((grace or 0) + 0.1)
         self.service.close()
@@ -210,19 +328,33 @@ class ControllerServer:
         return self.grpc_server.wait_for_termination(timeout)
 
 
-def run_server(listen: str = "127.0.0.1:0", token: str = "", config: Config | None = None,
-               core: ControllerCore | None = None, policy: Policy | None = None) -> tuple[ControllerServer, str]:
-    """Start a controller on `listen` ("HOST:PORT", port 0 picks one); returns it and the address it serves on."""
+def run_server(listen: str = "127.0.0.1:0", keys: wire.Authenticate | None = None, config: Config | None = None,
+               core: ControllerCore | None = None, policy: Policy | None = None, tls: Tls | None = None,
+               worker_listen: str | None = None, quotas: Callable[[str], ev.Quota] | None = None,
+               threads: int = SERVER_THREADS, tenant_threads: int = TENANT_THREADS,
+               ) -> tuple[ControllerServer, str]:
+    """Start a controller on `listen` ("HOST:PORT", port 0 picks one); returns it and the address it serves on.
+
+    `keys` authenticates every call (`Keyring.authenticate`): there is no open mode. With `tls`, clients use
+    `listen` (server TLS) and workers `worker_listen` (mutual TLS). Of the `threads` handler threads, tenants'
+    calls hold at most `tenant_threads` at once: the rest always serve workers (heartbeats) and admins.
+    """
+    if keys is None:
+        raise ValueError("a controller needs keys to authenticate its callers (a Keyring over the key file)")
     if core is None:
         config = config or Config()
         if config.format_time is format_seconds:  # the default: show wall-clock times instead
             config = replace(config, format_time=wall_clock_formatter())
         core = ControllerCore(config, policy=policy)
-    service = ControllerService(core, token)
+    service = ControllerService(core, tls=tls, quotas=quotas)
+    health = Health("dtorch.Controller", ready=True)
     try:
-        grpc_server, address = wire.serve("dtorch.Controller", service, token, listen=listen,
-                                          max_workers=SERVER_THREADS)
+        served = wire.serve("dtorch.Controller", service, keys, listen=listen, max_workers=threads, tls=tls,
+                            cluster_listen=worker_listen,
+                            admission=wire.Admission(min(CALLS_PER_TENANT, tenant_threads), tenant_threads),
+                            health=health)
     except BaseException:
         service.close()
         raise
-    return ControllerServer(grpc_server, service, address), address
+    return (ControllerServer(served.server, service, served.address, served.cluster_address, health),
+            served.address)

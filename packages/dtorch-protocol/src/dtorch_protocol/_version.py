@@ -1,1 +1,1 @@
-__version__ = "0.1.0"
+__version__ = "1.5.0"  # MAJOR.MINOR is the protocol it speaks (messages.PROTOCOL_VERSION); PATCH: fixes only

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = "1.5"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
-# collectives (CmdGroup, CmdCollective, RegisterWorker.rendezvous and .device_id) and
-# WorkerReport/WorkerStatus.received_bytes
+# collectives (CmdGroup, CmdCollective, RegisterWorker.rendezvous and .device_id,
+# WorkerReport/WorkerStatus.received_bytes); API keys and capabilities (RegisterWorker.secret/.client_address,
+# WorkerReport.proof, `caps` next to every location, Execute.caps for peers), anonymous counts in StatusReply,
+# bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint)
 
 
 class ErrorKind(str, enum.Enum):
@@ -51,12 +53,23 @@ class ErrorKind(str, enum.Enum):
     POISONED = "poisoned"  # the shard was poisoned by an earlier failure (its report rides along)
 
 
+# Bounds checked on receipt (msgspec refuses a message outside them, naming the field): what a peer may send.
+MAX_TIMEOUT_S = 3600.0  # any timeout in a request: finite, >= 0 and at most an hour (NaN and inf are refused)
+MAX_SUBMIT_INSTRS = 4096  # instructions per Submit (the client batches at most this many)
+MAX_NAME = 128  # session names: they show up in every Status and event line
+MAX_DIMS = 64  # tensor and mesh dimensions
+Timeout = Annotated[float, Meta(ge=0.0, le=MAX_TIMEOUT_S)]
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+Ident = Annotated[str, Meta(max_length=256)]  # ids, addresses, versions, dtype names, capabilities, labels
+Dims = Annotated[list[int], Meta(max_length=MAX_DIMS)]
+
+
 class Hello(Struct, frozen=True):
     """Opens every connection: refused when the protocol major differs."""
 
-    protocol_version: str
-    package_version: str
-    role: str  # "client" | "worker"
+    protocol_version: Annotated[str, Meta(max_length=32)]
+    package_version: Annotated[str, Meta(max_length=64)]
+    role: Annotated[str, Meta(max_length=16)]  # "client" | "worker"
 
 
 class ErrorReport(Struct, frozen=True):
@@ -122,10 +135,11 @@ class OutSpec(Struct, frozen=True):
 
 class OpenSession(Struct, frozen=True):
     hello: Hello
-    name: str = ""
-    priority: str = "normal"  # "high" | "normal" | "low"
-    kind: str = "batch"  # "batch" | "realtime"
-    memory_cap: int = 0  # bytes each device may hold for this session (0: whole devices; > 0: may share one)
+    name: Name = ""
+    priority: Ident = "normal"  # "high" | "normal" | "low"
+    kind: Ident = "batch"  # "batch" | "realtime"
+    memory_cap: Annotated[int, Meta(ge=0)] = 0  # bytes each device may hold (0: whole devices; > 0: may share one)
+    expected_steps: Annotated[int, Meta(ge=0)] = 0  # sync points the program expects to reach (0: unknown): a hint
 
 
 class SessionOpened(Struct, frozen=True):
@@ -137,16 +151,16 @@ class SessionOpened(Struct, frozen=True):
 class KeepAlive(Struct, frozen=True):
     """The client is still there: a session silent for the controller's session timeout is closed."""
 
-    session: str
+    session: Ident
 
 
 class OpenMesh(Struct, frozen=True):
     """Ask for a mesh's logical devices to be placed on workers (all-or-nothing)."""
 
-    session: str
+    session: Ident
     mesh: int
-    devices: list[int]  # logical ids, row-major
-    shape: list[int]
+    devices: Annotated[list[int], Meta(max_length=1 << 16)]  # logical ids, row-major
+    shape: Dims
     min_devices: int = 0  # elastic range (0: exactly len(set(devices)))
 
 
@@ -156,6 +170,7 @@ class MeshPlaced(Struct, frozen=True):
     queue_position: int = 0  # when not placed yet
     locations: dict[int, str] = {}  # logical device -> worker address
     message: str = ""
+    caps: dict[str, str] = {}  # worker address -> this session's client capability there (auth.py)
 
 
 class InstrCreate(Struct, frozen=True, tag="create"):
@@ -208,9 +223,9 @@ Instr = InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete
 
 
 class Submit(Struct, frozen=True):
-    session: str
+    session: Ident
     seq: int  # batches are numbered from 1 and applied in order
-    instrs: list[Instr]
+    instrs: Annotated[list[Instr], Meta(max_length=MAX_SUBMIT_INSTRS)]
 
 
 class SubmitReply(Struct, frozen=True):
@@ -220,9 +235,9 @@ class SubmitReply(Struct, frozen=True):
 class Sync(Struct, frozen=True):
     """Wait until every worker of the session has executed batches up to `upto`."""
 
-    session: str
+    session: Ident
     upto: int
-    timeout_s: float = 60.0
+    timeout_s: Timeout = 60.0
 
 
 class SyncReply(Struct, frozen=True):
@@ -230,10 +245,11 @@ class SyncReply(Struct, frozen=True):
     errors: list[ErrorReport] = []
     locations: dict[int, str] = {}  # logical device -> worker address, for fetches
     message: str = ""
+    caps: dict[str, str] = {}  # worker address -> this session's client capability there
 
 
 class CloseSession(Struct, frozen=True):
-    session: str
+    session: Ident
 
 
 class StatusRequest(Struct, frozen=True):
@@ -273,14 +289,22 @@ class SessionStatus(Struct, frozen=True):
     schedule: str = ""  # idle | waiting | running | frozen
     memory_cap: int = 0
     attained_s: float = 0.0  # device-seconds of service so far
+    tenant: str = ""
+    caps: dict[str, str] = {}  # the caller's own sessions: worker address -> client capability there
 
 
 class StatusReply(Struct, frozen=True):
+    """An admin sees everything; a tenant its own sessions, the workers they use and the events about them,
+    and everyone else's work only as the anonymous counts below."""
+
     workers: list[WorkerStatus]
     sessions: list[SessionStatus]
     events: list[str]
     policy: str = ""
     queued: int = 0  # sessions waiting or frozen
+    other_sessions: int = 0  # tenants: other tenants' open sessions
+    other_devices: int = 0  # tenants: logical devices other tenants' sessions hold
+    other_workers: int = 0  # tenants: workers not used by the caller's sessions
 
 
 # ---------------------------------------------------------------- worker <-> controller
@@ -288,12 +312,14 @@ class StatusReply(Struct, frozen=True):
 
 class RegisterWorker(Struct, frozen=True):
     hello: Hello
-    address: str  # where peers and clients reach this worker's gRPC server
-    device_type: str
-    memory_bytes: int
-    labels: dict[str, str] = {}
-    rendezvous: str = ""  # host:port of this worker's TCPStore for process groups ("": it joins no collectives)
-    device_id: str = ""  # the physical device ("host/GPU-uuid"; "" for CPUs): workers sharing one join no group
+    address: Ident  # where the controller and peers reach this worker's gRPC server (its mutual-TLS port)
+    device_type: Ident
+    memory_bytes: Annotated[int, Meta(ge=0)]
+    labels: Annotated[dict[Ident, Ident], Meta(max_length=32)] = {}
+    secret: Ident = ""  # the worker's own secret (auth.WorkerAuth): the controller derives its credentials from it
+    client_address: Ident = ""  # where clients reach it ("" = `address`; differs under TLS)
+    rendezvous: Ident = ""  # host:port of this worker's TCPStore for process groups ("": it joins no collectives)
+    device_id: Ident = ""  # the physical device ("host/GPU-uuid"; "" for CPUs): workers sharing one join no group
 
 
 class Registered(Struct, frozen=True):
@@ -309,12 +335,13 @@ class ShardStats(Struct, frozen=True):
 class WorkerReport(Struct, frozen=True):
     """Heartbeat and completion report in one: sent periodically and whenever a batch finishes."""
 
-    worker: str
+    worker: Ident
     completed: int  # highest Execute seq finished
     errors: dict[str, list[ErrorReport]] = {}  # session -> new op failures
     sessions: dict[str, ShardStats] = {}  # live shards per session
     utilization: float = -1.0  # fraction of the time since the last report spent executing (-1: unknown)
-    received_bytes: int = 0  # tensor bytes received from peer workers since it started (pieces and collectives)
+    received_bytes: Annotated[int, Meta(ge=0)] = 0  # tensor bytes received from peers since it started
+    proof: Ident = ""  # auth.report_proof(secret): only the process that registered can report for the worker
 
 
 class ReportReply(Struct, frozen=True):
@@ -517,9 +544,10 @@ class Execute(Struct, frozen=True):
     """One ordered batch for one worker; workers run batches strictly in `seq` order."""
 
     seq: int
-    session: str
+    session: Ident
     cmds: list[Cmd]
     memory_cap: int = 0  # bytes the session may hold on this worker (0: no cap; the latest Execute's value holds)
+    caps: dict[str, str] = {}  # peer address -> a peer capability for this session there (pulls, shard copies)
 
 
 class Ack(Struct, frozen=True):
@@ -533,12 +561,12 @@ class Ack(Struct, frozen=True):
 class PullRequest(Struct, frozen=True):
     """Read (a box of) one shard; waits up to `timeout_s` for it to be produced."""
 
-    session: str
+    session: Ident
     tid: int
     device: int
-    offset: list[int] | None = None
-    size: list[int] | None = None
-    timeout_s: float = 60.0
+    offset: Dims | None = None
+    size: Dims | None = None
+    timeout_s: Timeout = 60.0
     expected: bool = False  # a peer's planned read, announced by CmdExpectReads: counted as served when done
     dst: int = -1  # with `expected`: served only after the source ran the CmdExpectReads of redistribution `dst`
 
@@ -555,11 +583,11 @@ class Chunk(Struct, frozen=True):
 
 
 class PutChunk(Struct, frozen=True):
-    session: str
+    session: Ident
     tid: int
     device: int
-    dtype: str
-    shape: list[int]
+    dtype: Ident
+    shape: Dims
     data: bytes
 
 
@@ -579,9 +607,9 @@ class ShardView(Struct, frozen=True, array_like=True):
 class ShardsRequest(Struct, frozen=True):
     """PullShards: whole shards of `session` (any namespace) on this worker, waiting for missing ones."""
 
-    session: str
+    session: Ident
     devices: dict[int, list[int]]  # logical device -> tids
-    timeout_s: float = 60.0
+    timeout_s: Timeout = 60.0
     move: list[int] = []  # devices moving to the puller (CmdFetchShards.move)
 
 
@@ -605,17 +633,17 @@ class ShardsChunk(Struct, frozen=True):
 class DrainRequest(Struct, frozen=True):
     """Move every tensor off `worker` (devices to other workers, backups re-made elsewhere), then release it."""
 
-    worker: str
-    timeout_s: float = 300.0
+    worker: Ident
+    timeout_s: Timeout = 300.0
 
 
 class MigrateRequest(Struct, frozen=True):
     """Move logical device `device` of `session` (an id or a unique prefix) to worker `to_worker`."""
 
-    session: str
+    session: Ident
     device: int
-    to_worker: str
-    timeout_s: float = 300.0
+    to_worker: Ident
+    timeout_s: Timeout = 300.0
 
 
 class MoveReport(Struct, frozen=True):

@@ -19,12 +19,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dtorch_sim import __version__
-from dtorch_sim.jobs import node_groups
+from dtorch_sim.jobs import generate, node_groups, warnings
 from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
+from dtorch_sim.harness import Stalled
 from dtorch_sim.scenario import Scenario, ScenarioError, load
 
 
-def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: bool = True) -> tuple[dict, float]:
+def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: bool = True):
+    """Run one scenario; (summary, wall seconds, the plots' series). Raises Stalled."""
     from dtorch_sim import metrics
     from dtorch_sim.harness import Simulation
 
@@ -38,7 +40,7 @@ def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: boo
             progress.update(task, completed=sim.jobs_ended(), now=now)
     wall = time.perf_counter() - started
     summary = metrics.write(sim, out, plots=plots)
-    return summary, wall
+    return summary, wall, metrics.series(sim)
 
 
 def _table(rows: list[tuple[dict, float]]) -> Table:
@@ -55,7 +57,11 @@ def _table(rows: list[tuple[dict, float]]) -> Table:
         ("jobs finished", lambda s, w: f"{s['jobs']['finished']}/{s['jobs']['submitted']}"),
         ("jobs failed / restarts", lambda s, w: f"{s['jobs']['failed']} / {s['jobs']['restarts']}"),
         ("JCT mean / p50 / p99 (s)", lambda s, w: " / ".join(f(s["jct_s"][k]) for k in ("mean", "p50", "p99"))),
-        ("queueing delay mean (s)", lambda s, w: f(s["queueing_delay_s"]["mean"])),
+        ("queueing delay mean / p50 / p99 (s)", lambda s, w: " / ".join(f(s["queueing_delay_s"][k])
+                                                                        for k in ("mean", "p50", "p99"))),
+        ("frozen per job mean / p99 (s)", lambda s, w: " / ".join(f(s["frozen_s"][k]) for k in ("mean", "p99"))),
+        ("frozen share of JCT mean / p99", lambda s, w: " / ".join(f(s["frozen_share_of_jct"][k], "{:.1%}")
+                                                                   for k in ("mean", "p99"))),
         ("makespan (s)", lambda s, w: f(s["makespan_s"])),
         ("devices busy / allocated", lambda s, w: f"{f(s['utilization']['busy_mean'], '{:.1%}')} / "
                                                   f"{f(s['utilization']['allocated_mean'], '{:.1%}')}"),
@@ -109,16 +115,32 @@ def main(argv: list[str] | None = None) -> int:
         for line in e.lines:
             print(line, file=sys.stderr)
         return 1
+    notes = warnings(sc, generate(sc))
     if args.command == "validate":
         print(f"{args.scenario}: ok ({sum(g.count * g.devices_per_node for g in node_groups(sc))} devices, "
               f"policy {sc.policy.name})")
+        for line in notes:
+            print(line)
         return 0
-    console = Console(highlight=False)
-    if args.command == "run":
-        summary, wall = _simulate(sc, Path(args.out), err, args.quiet, not args.no_plots)
-        console.print(_table([(summary, wall)]))
-        console.print(f"wrote {args.out}/metrics.json, jobs.csv, utilization.csv, failures.csv (+ plots)")
-        return 0
+    for line in notes:
+        print(line, file=sys.stderr)
+    # Piped or redirected output gets a wide console: a table that wraps at 80 columns cannot be read in a file.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+    try:
+        if args.command == "run":
+            summary, wall, _run = _simulate(sc, Path(args.out), err, args.quiet, not args.no_plots)
+            console.print(_table([(summary, wall)]))
+            console.print(f"wrote {args.out}/metrics.json, jobs.csv, utilization.csv, failures.csv (+ plots)")
+            return 0
+        return _compare(args, sc, console, err)
+    except Stalled as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _compare(args: argparse.Namespace, sc: Scenario, console: Console, err: Console) -> int:
+    from dtorch_sim import metrics
+
     names = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
     unknown = [p for p in names if not is_known(p)]
     if unknown or not names:
@@ -131,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         except UnknownPolicy as e:
             print(f"policy.params_for.{name}: {e}", file=sys.stderr)
             return 1
-    rows = []
+    rows, runs = [], []
     for name in names:
-        rows.append(_simulate(sc.with_policy(name), Path(args.out) / name, err, args.quiet, not args.no_plots))
+        summary, wall, run = _simulate(sc.with_policy(name), Path(args.out) / name, err, args.quiet, not args.no_plots)
+        rows.append((summary, wall))
+        runs.append(run)
+    if not args.no_plots:
+        metrics.plot_compare(runs, Path(args.out))
     console.print(_table(rows))
-    console.print(f"wrote one folder per policy under {args.out}")
+    console.print(f"wrote one folder per policy under {args.out}"
+                  + ("" if args.no_plots else ", and jct_cdf.png, utilization.png overlaying them"))
     return 0
 
 

@@ -37,6 +37,19 @@ WAITING = "waiting"  # the scheduler's tenant state of a queued request
 SCHEDULER_CALLS = ("place", "close", "add_worker", "worker_changed", "tick", "moved", "shrink")
 FOREVER_S = 1e12
 DRAIN_RETRY_S = 30.0  # a refused drain (nowhere to move a session yet) is asked again this often
+STALL_CHECK = 0xFFFF  # the run's watchdog looks at the clock every 65,536 simulator events
+STALL_EVENTS = 1 << 22  # simulator events at one simulated time (plus 64 per job and worker) that mean a stall
+
+
+class Stalled(RuntimeError):
+    """The simulated clock stopped advancing: a bug, or a setting the simulator cannot handle."""
+
+    def __init__(self, at: float, events: int, core_events: int) -> None:
+        super().__init__(f"the simulation stopped making progress at t={at:.6f}s: {events:,} simulator events "
+                         f"({core_events:,} of them fed to the controller core) without the simulated clock "
+                         "advancing; this is a simulator bug or a setting it cannot handle: please report it "
+                         "with the scenario")
+        self.at = at
 
 
 @dataclass
@@ -121,12 +134,16 @@ class Simulation:
         self.preemptions = 0
         self.resumes = 0
         self.relocations = 0  # frozen sessions resumed on free devices (their state moved there)
+        self.moved_bytes = 0  # bytes of logical devices moved between workers (relocations, growth, drains)
+        self.move_s = 0.0  # device-seconds those copies took
+        self.swapped_bytes = 0  # bytes of frozen state offloaded to host memory and loaded back
+        self.swap_s = 0.0
         self.recoveries = 0  # sessions the core rebuilt after a worker loss
         self.redone_device_s = 0.0  # step work done again (replays, restarts) or cut short by a failure
         self.session_jobs: dict[str, JobRecord] = {}  # open session -> its job
         self._placing: dict[str, simpy.Event] = {}  # session -> event fired when the scheduler places it
         self._rebuilding: set[str] = set()
-        self._frozen_now: set[str] = set()  # sessions frozen now (from the scheduler's Changes)
+        self._frozen_now: dict[str, float] = {}  # sessions frozen now (from the scheduler's Changes) -> since when
         self._high: dict[str, dict[int, int]] = {}  # job id -> logical device -> highest step finished
         self.specs = generate(sc)
         self.jobs = [JobRecord(spec) for spec in self.specs]
@@ -139,6 +156,7 @@ class Simulation:
         for group in node_groups(sc):
             self.add_nodes(group)
         self.initial_devices = len(self.all_workers)
+        self.stall_events = STALL_EVENTS + 64 * (len(self.jobs) + self.initial_devices)
         self.env.process(self.arrivals())
         for i, fault in enumerate(sc.faults):
             self.env.process(self.inject(fault, i))
@@ -283,8 +301,18 @@ class Simulation:
                 rec.preemptions += 1
         self.resumes += len(changes.resumed)
         self.relocations += len(changes.relocated)
-        self._frozen_now.update(changes.frozen)
-        self._frozen_now.difference_update(changes.resumed)
+        now = self.env.now
+        for session in changes.frozen:
+            self._frozen_now.setdefault(session, now)
+        for session in changes.resumed:
+            self._thaw(session)
+
+    def _thaw(self, session: str) -> None:
+        """`session` is no longer frozen (resumed or closed): its job counts the time it spent frozen."""
+        since = self._frozen_now.pop(session, None)
+        rec = self.session_jobs.get(session)
+        if since is not None and rec is not None:
+            rec.frozen_s += self.env.now - since
 
     def placed_or_timeout(self, session: str, retry_s: float) -> simpy.Event:
         """For a queued job: fires when the scheduler places its session, or after `retry_s` at the latest."""
@@ -329,7 +357,7 @@ class Simulation:
         return int(spec.share * self._share_memory * GB) if spec.share < 1 else 0
 
     def state_bytes(self, spec: JobSpec, cap: int) -> int:
-        size = int(self.scenario.workload.state_gb * GB)
+        size = int(spec.state_gb * GB)
         return min(size, cap // 4) if cap else size
 
     def session_opened(self, session: str, rec: JobRecord) -> None:
@@ -337,9 +365,9 @@ class Simulation:
         rec.sessions.append(session)
 
     def session_closed(self, session: str) -> None:
+        self._thaw(session)
         rec = self.session_jobs.pop(session, None)
         self._placing.pop(session, None)
-        self._frozen_now.discard(session)
         if rec is not None:
             self._unstall(rec)
 
@@ -379,6 +407,19 @@ class Simulation:
                 self.redone_device_s += per_device
             else:
                 high[d] = step
+
+    def moved(self, session: str, nbytes: int, seconds: float) -> None:
+        """A worker copied `nbytes` of a session's devices that move (relocation, growth, shrink, drain)."""
+        self.moved_bytes += nbytes
+        self.move_s += seconds
+        rec = self.session_jobs.get(session)
+        if rec is not None:
+            rec.moved_bytes += nbytes
+
+    def swapped(self, nbytes: int, seconds: float) -> None:
+        """A worker offloaded frozen state to host memory or loaded it back (workers.Worker._swap)."""
+        self.swapped_bytes += nbytes
+        self.swap_s += seconds
 
     def work_lost(self, rec: JobRecord | None, work: float) -> None:
         """A failure cut a step short: what it had done is lost."""
@@ -669,12 +710,39 @@ class Simulation:
     # ------------------------------------------------------------ running
 
     def run(self, chunks: int = 200) -> Iterator[float]:
-        """Advance until every job ended or the end time; yields the simulated time after each slice."""
+        """Advance until every job ended or the end time; yields the simulated time after each slice. Raises
+        `Stalled` when the clock stops advancing (see `_advance`)."""
         step = self.end_guess() / chunks
         while not self.all_jobs_done.triggered and self.env.now < self.end_time:
-            self.env.run(until=min(self.env.now + step, self.end_time))
+            self._advance(min(self.env.now + step, self.end_time))
             yield self.env.now
         self._check_detected()
+
+    def _advance(self, until: float) -> None:
+        """`env.run(until)`, with a watchdog: every `STALL_CHECK` events it checks that the clock moved; after
+        `stall_events` events at one simulated time it raises `Stalled` instead of looping forever."""
+        env = self.env
+        stop = simpy.Event(env)
+        stop._ok, stop._value = True, None
+        env.schedule(stop, simpy.core.URGENT, until - env.now)
+        stop.callbacks.append(simpy.core.StopSimulation.callback)
+        step = env.step
+        n = 0
+        frozen_at, since = env.now, self.events
+        try:
+            while True:
+                step()
+                n += 1
+                if not n & STALL_CHECK:
+                    if env.now != frozen_at:
+                        frozen_at, since = env.now, self.events
+                        n = 0
+                    elif n >= self.stall_events:
+                        raise Stalled(env.now, n, self.events - since)
+        except simpy.core.StopSimulation:
+            return
+        except simpy.core.EmptySchedule:
+            return
 
     def run_all(self) -> None:
         for _ in self.run():

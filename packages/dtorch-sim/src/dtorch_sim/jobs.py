@@ -19,8 +19,9 @@ from __future__ import annotations
 import csv
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
@@ -47,6 +48,11 @@ class JobSpec:
     duration: float  # seconds of work on a speed-1.0 device, alone on its devices
     share: float = 1.0  # < 1: a fraction of one device (packing policies may share the device)
     priority: str = "normal"
+    group: str = ""  # the trace's partition value (workload.trace.partition), if any
+    parallel: float = 1.0  # Amdahl parallel fraction (workload.scaling): how its step time follows its devices
+    state_gb: float = 2.0  # its live state per device (what moves, snapshots and offloads copy)
+    declares: float = 0.0  # > 0: it declares its steps to the controller, times this error factor
+    min_devices: int = 0  # > 0: elastic, it accepts this few physical devices (workload.elastic_jobs)
 
 
 @dataclass
@@ -63,6 +69,8 @@ class JobRecord:
     recoveries: int = 0  # core rebuilds of its session after a worker loss
     steps_done: int = 0  # steps behind the last durable point (a Sync that came back done)
     work_s: float = 0.0  # device-seconds of step work executed (speed-normalized), redone work included
+    frozen_s: float = 0.0  # seconds its sessions spent frozen (preempted), all sessions together
+    moved_bytes: int = 0  # bytes of its state moved between workers (relocations, growth, shrink, drains)
     sessions: list[str] = field(default_factory=list)
 
 
@@ -76,7 +84,28 @@ def generate(sc: Scenario) -> list[JobSpec]:
         rng = random.Random(f"priorities-{sc.seed}")
         classes, weights = list(wl.priorities), list(wl.priorities.values())
         jobs = [replace(j, priority=rng.choices(classes, weights=weights)[0]) for j in jobs]
-    return jobs
+    return _costs(sc, jobs)
+
+
+def _costs(sc: Scenario, jobs: list[JobSpec]) -> list[JobSpec]:
+    """Each job's parallel fraction and state size, drawn from their own seeded stream (scenario.Scaling)."""
+    wl = sc.workload
+    rng = random.Random(f"costs-{sc.seed}")
+    low, high = wl.scaling.parallel_fraction[0], wl.scaling.parallel_fraction[-1]
+    memory = min(dt.memory_gb for dt in sc.cluster.device_types.values())
+    declared = random.Random(f"declared-{sc.seed}")  # their own streams: these shares do not change the others
+    elastic = random.Random(f"elastic-{sc.seed}")
+    ej = wl.elastic_jobs
+    out = []
+    for j in jobs:
+        parallel = 1.0 if wl.scaling.model == "linear" else (low if low == high else rng.uniform(low, high))
+        state = wl.state_gb if isinstance(wl.state_gb, (int, float)) else wl.state_gb.sample(rng)
+        draw, noise = declared.random(), declared.lognormvariate(0.0, wl.expected_steps.error)
+        floor = math.ceil(j.devices * ej.min_fraction) if elastic.random() < ej.share and j.devices > 1 else 0
+        out.append(replace(j, parallel=parallel, state_gb=min(float(state), memory),
+                           declares=noise if draw < wl.expected_steps.share else 0.0,
+                           min_devices=floor if floor < j.devices else 0))
+    return out
 
 
 def _synthetic(sc: Scenario) -> Iterator[JobSpec]:
@@ -99,41 +128,111 @@ def _columns(reader: csv.DictReader, cols: dict[str, str], needed: list[str], wh
             raise TraceError(f"{where}: column {cols.get(role)!r} (for {role}) is not in the CSV header {header}")
 
 
+def _time_reader(fmt: str) -> Callable[[str], float]:
+    """`time_format` -> a function from a cell to seconds: numbers, ISO 8601, or a strptime pattern (POSIX seconds,
+    UTC unless the value carries its zone)."""
+    if fmt == "seconds":
+        return float
+    parse = datetime.fromisoformat if fmt == "iso" else (lambda v: datetime.strptime(v, fmt))
+
+    def read(value: str) -> float:
+        when = parse(value.strip())
+        return (when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)).timestamp()
+
+    return read
+
+
+@dataclass
+class _Row:
+    submit: float
+    id: str
+    gpus: int
+    duration: float
+    share: float
+    priority: str
+    group: str
+
+
 def _trace(sc: Scenario) -> Iterator[JobSpec]:
+    tr = sc.workload.trace
+    assert tr is not None
+    rows = sorted(_rows(sc), key=lambda r: (r.submit, r.id))
+    if tr.partition is not None:
+        quota, kept, taken = tr.partition.quotas, [], {}
+        for r in rows:
+            n = taken.get(r.group, 0)
+            if n < quota.get(r.group, tr.partition.others):
+                taken[r.group] = n + 1
+                kept.append(r)
+        rows = kept
+    rows = rows[::tr.every]
+    if tr.limit is not None:
+        rows = rows[:tr.limit]
+    t0 = rows[0].submit if rows else 0.0
+    arrival_scale = tr.arrival_scale if tr.arrival_scale is not None else tr.time_scale
+    for r in rows:
+        yield JobSpec(id=r.id, arrival=(r.submit - t0) * arrival_scale, devices=r.gpus,
+                      duration=r.duration * tr.time_scale, share=r.share, priority=r.priority, group=r.group)
+
+
+def _rows(sc: Scenario) -> Iterator[_Row]:
+    """The trace's rows that make jobs, in file order (rules in `scenario.Trace`)."""
     tr = sc.workload.trace
     assert tr is not None
     cols = tr.column_map()
     prios = tr.priorities()
-    rows = []
-    with open(sc.trace_path(), newline="") as f:
+    path = sc.trace_path()
+    read_time = _time_reader(tr.time_format)
+    with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        timing = ["duration"] if tr.format == "itp" and "duration" in cols else ["end"]
-        _columns(reader, cols, ["job_id", "submit", "num_gpu", *timing], "workload.trace.columns")
-        has = set(reader.fieldnames or [])
+        header = reader.fieldnames or []
+        timing = "duration" if "duration" in cols else "end"
+        named = tr.format != "csv" or "job_id" in cols
+        _columns(reader, cols, [*(["job_id"] if named else []), "submit", "num_gpu", timing],
+                 "workload.trace.columns")
+        for field_name, rule in (("filter", tr.filter), ("partition", tr.partition)):
+            if rule is not None and rule.column not in header:
+                raise TraceError(f"workload.trace.{field_name}.column: column {rule.column!r} is not in the CSV "
+                                 f"header {header}")
+        keep = set(tr.filter.values) if tr.filter is not None else None
+        has = {role for role, col in cols.items() if col in header}
         for n, row in enumerate(reader, start=2):
-            try:
-                submit = float(row[cols["submit"]])
-                if submit < tr.start_s:
+            if keep is not None and row[tr.filter.column] not in keep:  # type: ignore[union-attr]
+                continue
+
+            def cell(role: str, read: Callable[[str], float], row=row, n=n) -> float:
+                value = row[cols[role]]
+                try:
+                    return read(value)
+                except (TypeError, ValueError):
+                    how = "a number" if read is float else f"in time_format {tr.time_format!r}"
+                    raise TraceError(f"workload.trace.path: line {n} of {path}: {role} value {value!r} (column "
+                                     f"{cols[role]!r}) is not {how}") from None
+
+            submit = cell("submit", read_time)
+            if submit < tr.start_s:
+                continue
+            if timing == "duration":
+                if not row[cols["duration"]]:
+                    continue  # still running when the trace ended: no duration
+                duration = cell("duration", float)
+            else:
+                start = row[cols["start"]] if "start" in has else None
+                if start == "":
+                    if tr.unscheduled == "skip":
+                        continue
+                    start = None
+                if not row[cols["end"]]:
                     continue
-                if timing == ["duration"]:
-                    duration = float(row[cols["duration"]])
-                else:
-                    start = row.get(cols.get("start", ""), "") if cols.get("start") in has else None
-                    if start == "":
-                        if tr.unscheduled == "skip":
-                            continue
-                        start = None
-                    begin = float(start) if start is not None and tr.duration_from == "start" else submit
-                    duration = float(row[cols["end"]]) - begin
-                gpus = int(float(row[cols["num_gpu"]] or 0))
-            except (TypeError, ValueError) as e:
-                raise TraceError(f"workload.trace.path: line {n} of {sc.trace_path()}: {e}") from None
+                begin = cell("start", read_time) if start is not None and tr.duration_from == "start" else submit
+                duration = cell("end", read_time) - begin
+            gpus = int(cell("num_gpu", float)) if row[cols["num_gpu"]] else 0
             share = 1.0
             if gpus == 0:
                 if tr.zero_gpu == "skip":
                     continue
                 gpus = 1
-            milli = row.get(cols["gpu_milli"], "") if cols.get("gpu_milli") in has else ""
+            milli = row[cols["gpu_milli"]] if "gpu_milli" in has else ""
             if gpus == 1 and milli and float(milli) < 1000:
                 if tr.fractional == "skip":
                     continue
@@ -143,24 +242,36 @@ def _trace(sc: Scenario) -> Iterator[JobSpec]:
                 continue
             if tr.max_duration_s is not None:
                 duration = min(duration, tr.max_duration_s)
-            prio = prios.get(row.get(cols["priority"], ""), "normal") if cols.get("priority") in has else "normal"
-            rows.append((submit, row[cols["job_id"]], gpus, duration, share, prio))
-    rows.sort()
-    rows = rows[::tr.every]
-    if tr.limit is not None:
-        rows = rows[:tr.limit]
-    t0 = rows[0][0] if rows else 0.0
-    arrival_scale = tr.arrival_scale if tr.arrival_scale is not None else tr.time_scale
-    for submit, job_id, gpus, duration, share, prio in rows:
-        yield JobSpec(id=job_id, arrival=(submit - t0) * arrival_scale, devices=gpus, duration=duration * tr.time_scale,
-                      share=share, priority=prio)
+            prio = prios.get(row[cols["priority"]], "normal") if "priority" in has else "normal"
+            job_id = row[cols["job_id"]] if named else f"row{n}"
+            group = row[tr.partition.column] if tr.partition is not None else ""
+            yield _Row(submit, job_id, gpus, duration, share, prio, group)
 
 
 def check_trace(sc: Scenario) -> None:
-    """Raise TraceError when the trace CSV lacks a mapped column or has a bad value (read once, cheaply)."""
-    if sc.workload.trace is not None:
-        for _ in _trace(sc):
-            pass
+    """Raise TraceError when the trace CSV lacks a mapped column, has a bad value, or leaves no job."""
+    if sc.workload.trace is not None and next(_trace(sc), None) is None:
+        tr = sc.workload.trace
+        rules = [f"{name} on column {rule.column!r}" for name, rule in (("filter", tr.filter),
+                                                                         ("partition", tr.partition)) if rule]
+        raise TraceError(f"workload.trace: no job left to simulate from {sc.trace_path()} (every row was skipped: "
+                         f"{', '.join(rules + ['start_s, zero_gpu, unscheduled, max_gpus'])}; check them)")
+
+
+def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
+    """What may surprise in a scenario that is valid: one line each (printed by validate, run and compare)."""
+    lines = []
+    devices = sum(g.count * g.devices_per_node for g in node_groups(sc))
+    big = [j.devices for j in specs if j.devices > devices]
+    if big:
+        lines.append(f"warning: workload: {len(big):,} of {len(specs):,} jobs ask for more devices than the cluster's "
+                     f"{devices:,} at the start (up to {max(big):,}): they run with several logical devices per "
+                     "device (virtual devices), slower (drop them with workload.trace.max_gpus, or add nodes)")
+    tr = sc.workload.trace
+    if tr is not None and (tr.time_scale != 1 or tr.arrival_scale is not None):
+        lines.append(f"note: policy times (LAS thresholds, relocate_after, ...) are simulated seconds: they do not "
+                     f"follow workload.trace.time_scale ({tr.time_scale:g}); scale them yourself (policy.params)")
+    return lines
 
 
 def node_groups(sc: Scenario) -> list[NodeGroup]:
@@ -215,15 +326,29 @@ class Steps:
         else:
             self.steps = wl.steps_per_job
         self.step_s = spec.duration / self.steps
+        # Amdahl (scenario.Scaling): on its n devices a step takes step_s = T1 * ((1 - p) + p / n). Each worker pays
+        # the serial part T1 * (1 - p) once per step and the parallel part T1 * p / n per logical device it hosts,
+        # so a job on fewer workers than logical devices (shrunk, or doubled up) runs T1 * ((1 - p) + p / k).
         # A job asking for a share f < 1 of a device keeps it busy f of the time: each step is f * step_s of
         # device work, then (1 - f) * step_s of the job's own time (waiting for input, serving requests). Alone on
         # a device it runs as fast as on a whole one; sharing a device with others, the busy parts interleave.
-        self.flops = self.step_s * spec.share * reference_tflops * 1e12
+        p, n = spec.parallel, spec.devices
+        one_device = self.step_s / ((1 - p) + p / n)
+        rate = spec.share * reference_tflops * 1e12
+        self.flops = one_device * p / n * rate  # per logical device
+        self.serial_flops = one_device * (1 - p) * rate  # per worker
         self.think_s = self.step_s * (1 - spec.share)
         rows = max(1, state_bytes // (4 * STATE_COLS))
         n = spec.devices
         self.spec = m.TensorSpec(shape=[n * rows, STATE_COLS], dtype="float32", mesh=0, placements=["S0"])
         self.tid = 1  # the live state tensor of the current session
+
+    def syncs_left(self, done: int, sync_every: int, factor: float) -> int:
+        """What the job declares as its expected steps (sync points) from step `done` on; 0 when it does not."""
+        if not factor:
+            return 0
+        every = 1 if self.think_s else sync_every  # a fractional job syncs every step (run_steps)
+        return max(1, round(math.ceil((self.steps - done) / every) * factor))
 
     def setup(self) -> list[m.Instr]:
         self.tid = 1
@@ -231,7 +356,8 @@ class Steps:
 
     def step(self, i: int) -> list[m.Instr]:
         prev, self.tid = self.tid, self.tid + 1
-        call = m.InstrCall(op=STEP_OP, mesh=0, args=[m.tensor_slot(prev)], kwargs={"flops": self.flops, "step": i},
+        call = m.InstrCall(op=STEP_OP, mesh=0, args=[m.tensor_slot(prev)],
+                           kwargs={"flops": self.flops, "serial_flops": self.serial_flops, "step": i},
                            outs=[m.OutSpec(tid=self.tid, spec=self.spec)], src=f"train.py:{i}")
         return [call, m.InstrDelete(tids=[prev])]
 
@@ -245,14 +371,16 @@ def job(sim, rec: JobRecord):
     cap = sim.memory_cap(spec)
     work = Steps(spec, wl, sim.scenario.cost.reference_tflops, sim.state_bytes(spec, cap))
     while True:
-        opened = yield sim.request(lambda r: ev.OpenSession(r, m.OpenSession(
-            hello=HELLO, name=spec.id, priority=spec.priority, memory_cap=cap)))
+        expected = work.syncs_left(rec.steps_done, wl.sync_every, spec.declares)
+        opened = yield sim.request(lambda r, expected=expected: ev.OpenSession(r, m.OpenSession(
+            hello=HELLO, name=spec.id, priority=spec.priority, memory_cap=cap, expected_steps=expected)))
         if isinstance(opened, fx.Refusal):
             rec.failed, rec.error = env.now, f"OpenSession refused: {opened.message}"
             return
         session = opened.session
         sim.session_opened(session, rec)
-        mesh = m.OpenMesh(session=session, mesh=0, devices=list(range(spec.devices)), shape=[spec.devices])
+        mesh = m.OpenMesh(session=session, mesh=0, devices=list(range(spec.devices)), shape=[spec.devices],
+                          min_devices=spec.min_devices)
         placed = yield sim.request(lambda r, mesh=mesh: ev.OpenMesh(r, mesh))
         while not isinstance(placed, fx.Refusal) and not placed.placed:
             yield sim.placed_or_timeout(session, wl.retry_s)

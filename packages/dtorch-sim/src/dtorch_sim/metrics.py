@@ -5,7 +5,10 @@ bytes. Wall-clock numbers (events per second) belong to the CLI's printed summar
 
 Definitions (metrics.json):
 
-* `jct_s`: finish - arrival of finished jobs; `queueing_delay_s`: first placement - arrival (mean, p50, p99, max).
+* `jct_s`: finish - arrival of finished jobs; `queueing_delay_s`: first placement - arrival (mean, p50, p90, p99,
+  max); `frozen_s`: seconds a finished job spent frozen (preempted), in all, and `frozen_share_of_jct` that time
+  as a fraction of its JCT (a queueing delay of 0 under preemption hides frozen time: these show it);
+  `jct_s_by_priority`, `jct_s_by_group` (the trace's partition values).
 * `makespan_s`: last finish - first arrival.
 * `utilization`: time averages over the samples, weighted by alive devices: `busy` (executing), `allocated`
   (leased to a session), `unallocated_share` (capacity no session leases: a whole device, or the room left by
@@ -23,7 +26,9 @@ Definitions (metrics.json):
   devices, or on free ones their state is moved to), per sample.
 * `preemptions` (sessions frozen), `resumes`, `relocations` (resumes on free devices the session's state was
   moved to, rather than on its own), `recoveries` (sessions rebuilt by the core), `migrations` (logical-device
-  moves by drains: count, bytes, downtime).
+  moves by drains: count, bytes, downtime); `moved_bytes` / `move_device_s` (every copy of a moving logical
+  device: relocations, growth, shrinks, drains) and `offloaded_bytes` / `offload_device_s` (frozen state
+  offloaded to host memory and loaded back: the freeze and resume cost), all charged on the simulated clock.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from dtorch_sim.harness import Simulation
@@ -52,7 +58,8 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def _stats(values: list[float]) -> dict[str, float | None]:
     return {"mean": _r(sum(values) / len(values)) if values else None, "p50": _r(percentile(values, 50)),
-            "p99": _r(percentile(values, 99)), "max": _r(max(values)) if values else None}
+            "p90": _r(percentile(values, 90)), "p99": _r(percentile(values, 99)),
+            "max": _r(max(values)) if values else None}
 
 
 def _weighted(samples, value) -> float:
@@ -90,6 +97,10 @@ def summarize(sim: Simulation) -> dict:
         "jct_s_by_priority": {p: _stats([r.finished - r.spec.arrival for r in done if r.spec.priority == p])
                               for p in PRIORITIES if any(r.spec.priority == p for r in sim.jobs)},
         "queueing_delay_s": _stats(queued),
+        "frozen_s": _stats([r.frozen_s for r in done]),
+        "frozen_share_of_jct": _stats([r.frozen_s / jct_s if jct_s > 0 else 0.0 for r, jct_s in zip(done, jct)]),
+        "jct_s_by_group": {g: _stats([r.finished - r.spec.arrival for r in done if r.spec.group == g])
+                           for g in sorted({r.spec.group for r in sim.jobs} - {""})},
         "makespan_s": _r(max((r.finished for r in done), default=0.0) - (sim.jobs[0].spec.arrival if sim.jobs else 0)),
         "utilization": {
             "busy_mean": _weighted(samples, lambda s: s.busy),
@@ -107,6 +118,8 @@ def summarize(sim: Simulation) -> dict:
         },
         "scheduling": {"preemptions": sim.preemptions, "resumes": sim.resumes,
                        "relocations": sim.relocations, "recoveries": sim.recoveries,
+                       "moved_bytes": sim.moved_bytes, "move_device_s": _r(sim.move_s),
+                       "offloaded_bytes": sim.swapped_bytes, "offload_device_s": _r(sim.swap_s),
                        "migrations": len(sim.moves), "migrated_bytes": sum(mv.bytes for mv in sim.moves),
                        "drains_refused": sim.drains_refused,
                        "migration_downtime_s": _stats([mv.downtime_s for mv in sim.moves])},
@@ -141,14 +154,14 @@ def write(sim: Simulation, out: str | Path, plots: bool = True) -> dict:
     with open(out / "jobs.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["job_id", "arrival_s", "devices", "share", "priority", "duration_s", "placed_s", "finished_s",
-                    "failed_s", "jct_s", "queueing_delay_s", "restarts", "preemptions", "recoveries", "steps_done",
-                    "work_device_s"])
+                    "failed_s", "jct_s", "queueing_delay_s", "frozen_s", "restarts", "preemptions", "recoveries",
+                    "steps_done", "work_device_s", "group"])
         for r in sim.jobs:
             s = r.spec
             w.writerow([s.id, _r(s.arrival), s.devices, _r(s.share), s.priority, _r(s.duration), _r(r.placed),
                         _r(r.finished), _r(r.failed), _r(r.finished - s.arrival) if r.finished is not None else None,
-                        _r(r.placed - s.arrival) if r.placed is not None else None, r.restarts, r.preemptions,
-                        r.recoveries, r.steps_done, _r(r.work_s)])
+                        _r(r.placed - s.arrival) if r.placed is not None else None, _r(r.frozen_s), r.restarts,
+                        r.preemptions, r.recoveries, r.steps_done, _r(r.work_s), s.group])
     with open(out / "utilization.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["t_s", "alive", "allocated", "bound", "allocated_frac", "busy_frac", "queued", "frozen",
@@ -168,50 +181,125 @@ def write(sim: Simulation, out: str | Path, plots: bool = True) -> dict:
     return summary
 
 
-def plot(sim: Simulation, out: Path) -> list[Path]:
-    """utilization.png, jct_cdf.png and queue.png; nothing (and no error) without matplotlib."""
+@dataclass(frozen=True)
+class Series:
+    """What the plots of one run need (kept by `compare` for the overlays, without the whole simulation)."""
+
+    policy: str
+    scenario: str
+    jct: list[float]  # finished jobs' JCTs, ascending
+    t: list[float]
+    allocated: list[float]
+    busy: list[float]
+    requested: list[float]
+    queued: list[int]
+    frozen: list[int]
+    failures: list[float]
+
+
+def series(sim: Simulation) -> Series:
+    samples = sim.samples
+    return Series(sim.scenario.policy.name, sim.scenario.name,
+                  sorted(r.finished - r.spec.arrival for r in sim.jobs if r.finished is not None),
+                  [x.t for x in samples], [x.allocated / x.alive if x.alive else 0.0 for x in samples],
+                  [x.busy for x in samples], [x.requested for x in samples], [x.queued for x in samples],
+                  [x.frozen for x in samples], [f.at for f in sim.failures])
+
+
+TIME_UNITS = ((3 * 86400, 86400.0, "days"), (3 * 3600, 3600.0, "hours"), (600, 60.0, "minutes"),
+              (-math.inf, 1.0, "s"))
+
+
+def time_unit(span_s: float) -> tuple[float, str]:
+    """The unit a time axis reads best in: days beyond 3 days, hours beyond 3 hours, minutes beyond 10 minutes."""
+    return next((size, name) for above, size, name in TIME_UNITS if span_s > above)
+
+
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(sim: Simulation, out: Path) -> list[Path]:
+    """utilization.png, jct_cdf.png and queue.png of one run; nothing (and no error) without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
         return []
-    name, policy = sim.scenario.name, sim.scenario.policy.name
+    run = series(sim)
+    name, policy = run.scenario, run.policy
+    size, unit = time_unit(run.t[-1] if run.t else 0.0)
+    t = [x / size for x in run.t]
     paths = []
-    t = [s.t for s in sim.samples]
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.plot(t, [s.allocated / s.alive if s.alive else 0 for s in sim.samples], label="allocated")
-    ax.plot(t, [s.busy for s in sim.samples], label="busy")
-    if any(s.requested < (s.allocated / s.alive if s.alive else 0) - 1e-9 for s in sim.samples):
-        ax.plot(t, [s.requested for s in sim.samples], label="requested", lw=0.8)
-    ax.set(xlabel="simulated time (s)", ylabel="fraction of alive devices", ylim=(0, 1.05),
+    ax.plot(t, run.allocated, label="allocated")
+    ax.plot(t, run.busy, label="busy")
+    if any(r < a - 1e-9 for r, a in zip(run.requested, run.allocated)):
+        ax.plot(t, run.requested, label="requested", lw=0.8)
+    ax.set(xlabel=f"simulated time ({unit})", ylabel="fraction of alive devices", ylim=(0, 1.05),
            title=f"{name}: device utilization ({policy})")
-    for f in sim.failures:
-        ax.axvline(f.at, color="red", alpha=0.3, lw=0.8)
+    for at in run.failures:
+        ax.axvline(at / size, color="red", alpha=0.3, lw=0.8)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    paths.append(out / "utilization.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    jct = sorted(r.finished - r.spec.arrival for r in sim.jobs if r.finished is not None)
+    paths.append(_save(plt, fig, out / "utilization.png"))
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    if jct:
-        ax.step(jct, [(i + 1) / len(jct) for i in range(len(jct))], where="post")
-        ax.set_xscale("log")
-    ax.set(xlabel="job completion time (s)", ylabel="fraction of finished jobs", title=f"JCT CDF ({policy})")
-    fig.tight_layout()
-    paths.append(out / "jct_cdf.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    _cdf(ax, [run])
+    ax.set_title(f"JCT CDF ({policy})")
+    paths.append(_save(plt, fig, out / "jct_cdf.png"))
     fig, ax = plt.subplots(figsize=(8, 3))
-    ax.step(t, [s.queued for s in sim.samples], where="post", label="waiting to be placed")
-    if any(s.frozen for s in sim.samples):
-        ax.step(t, [s.frozen for s in sim.samples], where="post", label="frozen (preempted)")
+    ax.step(t, run.queued, where="post", label="waiting to be placed")
+    if any(run.frozen):
+        ax.step(t, run.frozen, where="post", label="frozen (preempted)")
     ax.legend(loc="upper right")
-    ax.set(xlabel="simulated time (s)", ylabel="sessions", title=f"{name}: queue length ({policy})")
-    fig.tight_layout()
-    paths.append(out / "queue.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    ax.set(xlabel=f"simulated time ({unit})", ylabel="sessions", title=f"{name}: queue length ({policy})")
+    paths.append(_save(plt, fig, out / "queue.png"))
     return paths
+
+
+def plot_compare(runs: list[Series], out: Path) -> list[Path]:
+    """The policies of a `compare` overlaid: jct_cdf.png (one CDF each) and utilization.png (busy, solid, and
+    allocated, dotted, one color per policy), in `out`."""
+    plt = _pyplot()
+    if plt is None or not runs:
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _cdf(ax, runs)
+    ax.set_title(f"{runs[0].scenario}: JCT CDF")
+    ax.legend(loc="lower right")
+    paths.append(_save(plt, fig, out / "jct_cdf.png"))
+    size, unit = time_unit(max((r.t[-1] for r in runs if r.t), default=0.0))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for i, run in enumerate(runs):
+        t = [x / size for x in run.t]
+        color = f"C{i}"
+        ax.plot(t, run.busy, color=color, label=f"{run.policy} busy")
+        ax.plot(t, run.allocated, color=color, ls=":", lw=1, label=f"{run.policy} allocated")
+    ax.set(xlabel=f"simulated time ({unit})", ylabel="fraction of alive devices", ylim=(0, 1.05),
+           title=f"{runs[0].scenario}: device utilization")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    paths.append(_save(plt, fig, out / "utilization.png"))
+    return paths
+
+
+def _cdf(ax, runs: list[Series]) -> None:
+    size, unit = time_unit(max((r.jct[-1] for r in runs if r.jct), default=0.0))
+    for run in runs:
+        if run.jct:
+            n = len(run.jct)
+            ax.step([x / size for x in run.jct], [(i + 1) / n for i in range(n)], where="post", label=run.policy)
+    if any(r.jct for r in runs):
+        ax.set_xscale("log")
+    ax.set(xlabel=f"job completion time ({unit})", ylabel="fraction of finished jobs", ylim=(0, 1.02))
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,13 +1,6 @@
-"""Scheduling policies the simulator can run: the controller core's own, plus named presets of them.
-
-The core's registry (`dtorch_controller.core.policies`) is the one list of policies; the simulator adds no
-scheduling logic. A *preset* is a core policy with fixed parameters under a name of its own:
-
-    dtorch    the DTorch policy: `priority` with preemption and packing on (the controller's default policy)
-
-A preset's parameters may be extended by the scenario (`policy.params`), never contradicted silently: the
-scenario's values win, as they would on the controller's command line.
-"""
+"""Scheduling policies the simulator can run: the controller core's own (`dtorch_controller.core.policies`), the
+one list of policies; the simulator adds no scheduling logic. `policy.params` go to the scenario's policy,
+`policy.params_for: {name: params}` to each policy `compare` runs."""
 
 from __future__ import annotations
 
@@ -16,11 +9,7 @@ from collections.abc import Mapping
 from dtorch_controller.core.policies import POLICIES, Policy, PolicyError
 from dtorch_controller.core.policies import make_policy as _make_policy
 
-__all__ = ["PRESETS", "UnknownPolicy", "is_known", "known", "make_policy", "names"]
-
-PRESETS: dict[str, tuple[str, dict[str, object]]] = {
-    "dtorch": ("priority", {"preempt": True, "pack": True}),
-}
+__all__ = ["UnknownPolicy", "is_known", "known", "make_policy", "names"]
 
 
 class UnknownPolicy(ValueError):
@@ -28,7 +17,7 @@ class UnknownPolicy(ValueError):
 
 
 def names() -> list[str]:
-    return sorted({*POLICIES, *PRESETS})
+    return sorted(POLICIES)
 
 
 def known() -> str:
@@ -36,14 +25,13 @@ def known() -> str:
 
 
 def is_known(name: str) -> bool:
-    return name in POLICIES or name in PRESETS
+    return name in POLICIES
 
 
 def make_policy(name: str, params: Mapping[str, object] | None = None) -> Policy:
     if not is_known(name):
         raise UnknownPolicy(f"unknown policy {name!r}: known policies are {known()}")
-    base, fixed = PRESETS.get(name, (name, {}))
     try:
-        return _make_policy(base, {**fixed, **(params or {})})
+        return _make_policy(name, dict(params or {}))
     except PolicyError as e:
-        raise UnknownPolicy(str(e).replace(f"policy {base!r}", f"policy {name!r}")) from None
+        raise UnknownPolicy(str(e)) from None

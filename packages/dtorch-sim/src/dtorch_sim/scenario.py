@@ -159,16 +159,48 @@ OPENB_COLUMNS = {"job_id": "name", "submit": "creation_time", "end": "deletion_t
                  "num_gpu": "num_gpu", "gpu_milli": "gpu_milli", "priority": "qos"}
 OPENB_PRIORITIES = {"LS": "high", "Guaranteed": "high", "Burstable": "normal", "BE": "low"}
 Column = Literal["job_id", "submit", "duration", "start", "end", "num_gpu", "gpu_milli", "priority"]
+TIMED = ("submit", "start", "end")  # the roles `time_format` applies to (a duration is always seconds)
+
+
+class RowFilter(_Model):
+    """Keep only the rows whose `column` holds one of `values` (e.g. one virtual cluster of a multi-cluster trace)."""
+
+    column: str
+    values: list[str] = Field(min_length=1)
+
+
+class Partition(_Model):
+    """Split the jobs by the value of `column` (e.g. the virtual cluster): each job is tagged with its value (its
+    *group*: a column of jobs.csv, JCT per group in metrics.json), and at most `quotas[value]` jobs of each value
+    are kept, the earliest submitted first. Values without a quota are dropped (`others: N` keeps N of each)."""
+
+    column: str
+    quotas: dict[str, int] = Field(min_length=1)
+    others: int = Field(0, ge=0)
+
+    @field_validator("quotas")
+    @classmethod
+    def _counts(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = sorted(k for k, n in v.items() if n < 1)
+        if bad:
+            raise ValueError(f"a quota is a number of jobs >= 1, got {', '.join(f'{k}: {v[k]}' for k in bad)}")
+        return v
 
 
 class Trace(_Model):
-    """Jobs from a CSV: ITP (`job_id, submission_time, duration, num_gpu`) or openb pods (`name, creation_time,
-    scheduled_time, deletion_time, num_gpu, gpu_milli, qos`). `columns` maps these roles to other column names,
-    so any CSV with an id, a submit time, a duration (or an end time) and a device count can be replayed."""
+    """Jobs from a CSV: ITP (`job_id, submission_time, duration, num_gpu`), openb pods (`name, creation_time,
+    scheduled_time, deletion_time, num_gpu, gpu_milli, qos`), or any CSV (`csv`: `columns` names the column of
+    each role; at least submit, num_gpu, and duration or end; without a job_id column jobs are named by their
+    row). Rows may come in any order (jobs are sorted by submit time)."""
 
-    format: Literal["itp", "openb"]
+    format: Literal["itp", "openb", "csv"]
     path: str
     columns: dict[Column, str] = {}
+    # how submit, start and end values read: "seconds" (numbers), "iso" (ISO 8601 dates and times) or a strptime
+    # pattern such as "%Y-%m-%d %H:%M:%S"; dates become POSIX seconds (UTC unless the value names its zone)
+    time_format: str = "seconds"
+    filter: RowFilter | None = None
+    partition: Partition | None = None
     start_s: float = Field(0.0, ge=0)  # skip jobs submitted before this trace time
     every: int = Field(1, ge=1)  # keep every k-th job (a lighter load over the same time span)
     limit: int | None = Field(None, ge=1)  # at most this many jobs (after start_s and filtering)
@@ -180,17 +212,69 @@ class Trace(_Model):
     # openb pods with gpu_milli < 1000: a whole device, skipped, or that share of a device (packing policies
     # then put several on one device, others still give each a whole device)
     fractional: Literal["whole", "skip", "share"] = "whole"
-    duration_from: Literal["start", "submit"] = "start"  # openb: duration = end - scheduled (or - creation) time
-    unscheduled: Literal["skip", "keep"] = "skip"  # openb pods never scheduled in production (no scheduled_time)
+    duration_from: Literal["start", "submit"] = "start"  # with start and end: duration = end - start (or - submit)
+    unscheduled: Literal["skip", "keep"] = "skip"  # rows with an empty start (never scheduled in production)
     priority_map: dict[str, Priority] | None = None  # column value -> priority (openb default: LS high, BE low)
 
+    @model_validator(mode="after")
+    def _roles(self) -> Trace:
+        if self.format == "csv":
+            cols = self.columns
+            missing = [r for r in ("submit", "num_gpu") if r not in cols]
+            if "duration" not in cols and "end" not in cols:
+                missing.append("duration or end")
+            if missing:
+                raise ValueError(f"format csv needs columns for submit, num_gpu, and duration or end: add "
+                                 f"{', '.join(missing)} to workload.trace.columns (role: CSV column name)")
+        if self.time_format not in ("seconds", "iso") and "%" not in self.time_format:
+            raise ValueError(f"time_format must be 'seconds', 'iso' or a strptime pattern such as "
+                             f"'%Y-%m-%d %H:%M:%S', got {self.time_format!r}")
+        return self
+
     def column_map(self) -> dict[str, str]:
-        return {**(ITP_COLUMNS if self.format == "itp" else OPENB_COLUMNS), **self.columns}
+        base = {"itp": ITP_COLUMNS, "openb": OPENB_COLUMNS, "csv": {}}[self.format]
+        return {**base, **self.columns}
 
     def priorities(self) -> dict[str, str]:
         if self.priority_map is not None:
             return dict(self.priority_map)
         return dict(OPENB_PRIORITIES) if self.format == "openb" else {}
+
+
+class Scaling(_Model):
+    """How a job's step time depends on the devices it runs on (Amdahl's law with a per-job parallel fraction p).
+
+    A job's trace duration is its time on the devices it asked for (n). On k workers (k < n after a shrink, or
+    with several logical devices per worker) a step takes `T1 * ((1 - p) + p / k)`, `T1` being its one-device step
+    time, so it runs `((1 - p) + p / k) / ((1 - p) + p / n)` times slower than on n. `linear` is p = 1 (half the
+    devices, twice the time). p is drawn per job, uniformly in `parallel_fraction` ([low, high]; one value: fixed)."""
+
+    model: Literal["amdahl", "linear"] = "amdahl"
+    parallel_fraction: list[float] = Field([0.95, 1.0], min_length=1, max_length=2)
+
+    @field_validator("parallel_fraction")
+    @classmethod
+    def _fraction(cls, v: list[float]) -> list[float]:
+        if any(not 0 < p <= 1 for p in v) or v != sorted(v):
+            raise ValueError(f"a parallel fraction is in (0, 1]: give [low, high] or one value, got {v}")
+        return v
+
+
+class Declared(_Model):
+    """Jobs that tell the controller how many steps they will run (`dtorch.connect(expected_steps=...)`): a share
+    of the jobs, each declaring its true count of sync points times a lognormal error (median 1, sigma `error`)."""
+
+    share: float = Field(0.0, ge=0, le=1)
+    error: float = Field(0.0, ge=0)
+
+
+class ElasticJobs(_Model):
+    """Jobs that accept fewer devices than they ask for (`dtorch.connect(min_devices=k)`): a share of the
+    multi-device jobs, each accepting `ceil(devices * min_fraction)`. A policy that shrinks may take the rest
+    instead of freezing them; every policy may start them on that few when devices are short."""
+
+    share: float = Field(0.0, ge=0, le=1)
+    min_fraction: float = Field(0.5, gt=0, le=1)
 
 
 class Workload(_Model):
@@ -202,11 +286,23 @@ class Workload(_Model):
     step_s: float | None = Field(None, gt=0)
     max_steps: int = Field(100, ge=1)
     sync_every: int = Field(5, ge=1)  # steps between Syncs; a Sync is the job's durable point for restarts
-    state_gb: float = Field(2.0, gt=0)  # live state (weights, optimizer) per device: what snapshots and moves copy
+    # live state (weights, optimizer) per device, what moves, snapshots and offloads copy: a number, or a
+    # distribution drawn per job (capped at the smallest device memory)
+    state_gb: float | Distribution = Field(2.0)
+    scaling: Scaling = Scaling()
+    expected_steps: Declared = Declared()
+    elastic_jobs: ElasticJobs = ElasticJobs()
     on_failure: Literal["restart", "fail"] = "restart"  # a job whose data was lost: resume elsewhere, or give up
     retry_s: float = Field(60.0, gt=0)  # a queued job asks again at least this often (it is also woken when placed)
     # weights of each job's priority class, drawn per job (empty: "normal", or the trace's own classes)
     priorities: dict[Priority, float] = {}
+
+    @field_validator("state_gb")
+    @classmethod
+    def _state(cls, v: float | Distribution) -> float | Distribution:
+        if not isinstance(v, Distribution) and not v > 0:
+            raise ValueError(f"state_gb is gigabytes > 0 per device, or a distribution, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> Workload:

@@ -62,6 +62,8 @@ class Worker:
         self.store: dict[str, dict[tuple[int, int], int]] = {}  # session/namespace -> (tid, device) -> bytes
         self.totals: dict[str, int] = {}  # session/namespace -> bytes
         self.errors: dict[str, list[m.ErrorReport]] = {}
+        self.offloaded: dict[str, int] = {}  # session -> bytes of its state offloaded to host memory (see _swap)
+        self._stats: dict[str, m.ShardStats] | None = None  # the last report's shard stats, while they hold
         self.busy_s = 0.0  # finished busy time
         self.last_report = 0.0
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
@@ -114,9 +116,13 @@ class Worker:
         self.beat_armed = False
         if not self.alive or token != self.token:
             return
-        due = self.last_report + self.interval
-        if self.env.now < due - 1e-9:  # it reported since: the next heartbeat is an interval after that
-            self._arm(due - self.env.now)
+        # The next heartbeat is due in the slot an interval after its last report. Compared on the slot grid (the
+        # same rounding `_arm` used), with a relative tolerance: re-arming is for a strictly later time, so the
+        # clock always advances (an absolute 1e-9 s against a rounding of 1e-9 slot looped forever at 3600 s).
+        due = self.sim.slot_after(self.last_report + self.interval)
+        now = self.env.now
+        if due > now + 1e-9 * max(1.0, abs(due)):  # it reported since
+            self._arm(due - now)
             return
         self.report()
 
@@ -131,7 +137,10 @@ class Worker:
         utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
         self.reported_at, self.busy_at_report = now, busy
         errors, self.errors = self.errors, {}
-        sessions = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b) for k, b in self.totals.items() if b}
+        sessions = self._stats
+        if sessions is None:  # the shards changed since the last report (cached: frozen sessions' shards stay put)
+            sessions = self._stats = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b)
+                                      for k, b in self.totals.items() if b}
         report = m.WorkerReport(worker=self.id, completed=self.completed, errors=errors,  # type: ignore[arg-type]
                                 sessions=sessions, utilization=utilization)
         reply = self.sim.call(lambda r: ev.Report(r, report))
@@ -187,6 +196,7 @@ class Worker:
     # ------------------------------------------------------------ the cost model
 
     def _put(self, key: str, shard: tuple[int, int], nbytes: int) -> None:
+        self._stats = None
         store = self.store.get(key)
         if store is None:
             store = self.store[key] = {}
@@ -195,6 +205,7 @@ class Worker:
         store[shard] = nbytes
 
     def _drop(self, key: str, shard: tuple[int, int]) -> None:
+        self._stats = None
         store = self.store.get(key)
         if store is not None and shard in store:
             self.totals[key] -= store.pop(shard)
@@ -209,7 +220,7 @@ class Worker:
         ref_flops = cost.reference_tflops * 1e12
         rate = ref_flops * self.speed * self.slow
         session = batch.session
-        seconds = 0.0
+        seconds = self._swap(batch) if any(type(c) is m.CmdRun for c in batch.cmds) else 0.0
         work = 0.0
         steps: dict[int, int] = {}
         for cmd in batch.cmds:
@@ -218,8 +229,9 @@ class Worker:
             if kind is m.CmdRun:
                 store = self.store.get(session, {})
                 inputs = list(m.tensor_refs(cmd.args))
-                if cmd.op == STEP_OP:
-                    flops = float(cmd.kwargs.get("flops", 0.0)) * len(cmd.devices)
+                if cmd.op == STEP_OP:  # jobs.Steps: per logical device, plus the serial part once per worker
+                    kw = cmd.kwargs
+                    flops = float(kw.get("flops", 0.0)) * len(cmd.devices) + float(kw.get("serial_flops", 0.0))
                     step = cmd.kwargs.get("step")
                     if step is not None:
                         steps.update((d, step) for d in cmd.devices)
@@ -245,6 +257,8 @@ class Worker:
             elif kind is m.CmdCloseSession:
                 self.store.pop(session, None)
                 self.totals.pop(session, None)
+                self._stats = None
+                self.offloaded.pop(session, None)
             elif kind is m.CmdSendShards:
                 seconds += self._send_shards(batch, cmd)
             elif kind is m.CmdFetchShards:
@@ -266,6 +280,25 @@ class Worker:
         self.work = (rec, steps, work) if rec is not None and work else None
         return seconds
 
+    def _swap(self, batch: m.Execute) -> float:
+        """Device memory (the freeze and resume cost): a session running on a whole device (memory_cap 0) uses all of
+        its memory, so the state of every other session on this worker (a frozen one's) is offloaded to host memory
+        first; a session whose state was offloaded here loads it back before it computes here again. Both copies
+        take bytes / `host_gbps`, on this batch's clock. Packed (capped) sessions fit by their caps: no swapping."""
+        session = batch.session
+        nbytes = self.totals.get(session, 0) if self.offloaded.pop(session, None) is not None else 0  # loaded back
+        if not batch.memory_cap:
+            live = self.sim.session_jobs
+            for other, held in self.totals.items():
+                if held and other != session and other in live and other not in self.offloaded:
+                    self.offloaded[other] = held
+                    nbytes += held
+        if not nbytes:
+            return 0.0
+        seconds = nbytes * 8 / (self.sim.scenario.cost.host_gbps * 1e9)
+        self.sim.swapped(nbytes, seconds)
+        return seconds
+
     def _send_shards(self, batch: m.Execute, cmd: m.CmdSendShards) -> float:
         cost = self.sim.scenario.cost
         store = self.store.get(batch.session, {})
@@ -280,7 +313,10 @@ class Worker:
         for shard, b in shards:
             dest._put(cmd.namespace, shard, b)
         gbps = cost.network_gbps if remote else cost.host_gbps
-        return nbytes * 8 / (gbps * 1e9)
+        seconds = nbytes * 8 / (gbps * 1e9)
+        if cmd.move:
+            self.sim.moved(batch.session, nbytes, seconds)
+        return seconds
 
     def _fetch_shards(self, batch: m.Execute, cmd: m.CmdFetchShards) -> float:
         cost = self.sim.scenario.cost
@@ -303,4 +339,7 @@ class Worker:
                 self._put(batch.session, (tid, d), b)
                 nbytes += b
         gbps = cost.network_gbps if remote else cost.host_gbps
-        return nbytes * 8 / (gbps * 1e9)
+        seconds = nbytes * 8 / (gbps * 1e9)
+        if cmd.move:
+            self.sim.moved(batch.session, nbytes, seconds)
+        return seconds

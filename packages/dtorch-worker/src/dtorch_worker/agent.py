@@ -6,6 +6,10 @@ while a report is in flight coalesce into the next one, so at most one is ever
 in flight. The controller fences a worker it declared lost (ok=False): such a
 worker must stop executing and exit, since its shards were rebuilt elsewhere.
 A worker that cannot reach the controller for `lost_after_s` exits too.
+
+It registers over its worker API key (and its certificate under TLS), handing the controller the
+secret it checks every later credential against (`dtorch_protocol.auth`); each report carries the proof
+derived from that secret, so nobody else can report for this worker.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from dtorch_protocol import wire
+from dtorch_protocol import auth, wire
 from dtorch_protocol.messages import Registered, RegisterWorker, ReportReply, WorkerReport
+from dtorch_protocol.tls import Tls
 from dtorch_worker import __version__
 from dtorch_worker.executor import Executor
 from dtorch_worker.store import TensorStore
@@ -34,11 +39,13 @@ class ControllerUnreachable(ConnectionError):
 class Agent:
     """Registers with the controller and runs the report loop; `on_exit(code, reason)` ends the worker."""
 
-    def __init__(self, controller: str, token: str, executor: Executor, store: TensorStore,
+    def __init__(self, controller: str, api_key: str, executor: Executor, store: TensorStore,
                  on_exit: Callable[[int, str], None], lost_after_s: float = 10.0,
-                 report_timeout_s: float = 5.0) -> None:
+                 report_timeout_s: float = 5.0, secret: str = "", tls: Tls | None = None) -> None:
         self.controller = controller
-        self.stub = wire.Stub("dtorch.Controller", controller, token)
+        self.stub = wire.Stub("dtorch.Controller", controller, api_key, tls=tls)
+        self.secret = secret  # the worker's own (auth.WorkerAuth.secret)
+        self.proof = auth.report_proof(secret) if secret else ""
         self.executor = executor
         self.store = store
         self.on_exit = on_exit
@@ -53,16 +60,19 @@ class Agent:
         self._thread: threading.Thread | None = None
 
     def register(self, address: str, device_type: str, memory_bytes: int, labels: dict[str, str],
-                 attempts: int = 10, delay_s: float = 0.25, rendezvous: str = "", device_id: str = "") -> Registered:
-        """Register, retrying while the controller is unreachable; raises ControllerUnreachable at the end."""
+                 attempts: int = 10, delay_s: float = 0.25, client_address: str = "", rendezvous: str = "",
+                 device_id: str = "") -> Registered:
+        """Register, retrying while the controller is unreachable (or a lost predecessor still holds the
+        address); raises ControllerUnreachable at the end."""
         request = RegisterWorker(hello=wire.hello("worker", __version__), address=address, device_type=device_type,
-                                 memory_bytes=memory_bytes, labels=dict(labels), rendezvous=rendezvous,
-                                 device_id=device_id)
+                                 memory_bytes=memory_bytes, labels=dict(labels), secret=self.secret,
+                                 client_address=client_address if client_address != address else "",
+                                 rendezvous=rendezvous, device_id=device_id)
         last: Exception | None = None
         for attempt in range(max(attempts, 1)):
             try:
                 reply: Registered = self.stub.call("Register", request, timeout=self.report_timeout_s)
-            except (ConnectionError, TimeoutError) as e:  # not up yet: retry; refusals are final
+            except (ConnectionError, TimeoutError, wire.Conflict) as e:  # not up yet: retry; refusals are final
                 last = e
                 if attempt + 1 < attempts:
                     time.sleep(min(delay_s * 2 ** attempt, 2.0))
@@ -98,7 +108,8 @@ class Agent:
         then, busy_then = self._busy_mark
         utilization = min(1.0, max(0.0, (busy - busy_then) / (now - then))) if now > then else 0.0
         report = WorkerReport(worker=self.worker_id, completed=completed, errors=errors, sessions=self.store.stats(),
-                              utilization=utilization, received_bytes=self.executor.received_bytes)
+                              utilization=utilization, received_bytes=self.executor.received_bytes,
+                              proof=self.proof)
         try:
             reply: ReportReply = self.stub.call("Report", report, timeout=self.report_timeout_s)
         except Exception:

@@ -30,6 +30,7 @@ them. Peaks inside one command (temporaries, all devices' results before they ar
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -66,11 +67,12 @@ from dtorch_protocol.messages import (
     ShardPlan,
     ShardsRequest,
 )
+from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import decode_value, dtype_from_name
-from dtorch_worker import collectives, shards
+from dtorch_worker import collectives, hygiene, shards
 from dtorch_worker.device import backend_for
 from dtorch_worker.groups import GroupError, Groups
-from dtorch_worker.ops import resolve_op
+from dtorch_worker.ops import prepare_args, resolve_op
 from dtorch_worker.store import Pending, Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
 
@@ -117,6 +119,14 @@ def narrow_box(t: torch.Tensor, box: Sequence[Sequence[int]]) -> torch.Tensor:
     return t
 
 
+MAX_AHEAD_PER_SESSION = 1024  # batches of one session waiting behind a batch number that has not arrived
+MAX_AHEAD = 8192  # ... of all sessions together
+
+
+class BatchRefused(ValueError):
+    """A batch the executor will not queue; str() is the one-line reason the controller gets."""
+
+
 class MemoryCapExceeded(Exception):
     """A command took its session over its memory cap on this worker; str() is the one-line report."""
 
@@ -124,7 +134,7 @@ class MemoryCapExceeded(Exception):
 class Executor:
     """Owns the executor thread, the ordering buffer and the error queue of one worker."""
 
-    def __init__(self, store: TensorStore, device: str | torch.device = "cpu", token: str = "",
+    def __init__(self, store: TensorStore, device: str | torch.device = "cpu", tls: Tls | None = None,
                  on_complete: Callable[[int], None] | None = None, input_timeout_s: float = 10.0,
                  pull_timeout_s: float = 60.0, fetch_threads: int = 8, first_seq: int = 1,
                  reads_timeout_s: float = 60.0) -> None:
@@ -136,7 +146,7 @@ class Executor:
         self.pull_timeout_s = pull_timeout_s
         self.reads_timeout_s = reads_timeout_s  # bound on holding an in-place write for peers' reads
         self.address = ""  # our own server address: pieces naming it are read locally
-        self.peers = PeerPool(token, self.backend)
+        self.peers = PeerPool(tls, self.backend)
         self._fetch_pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="dtorch-fetch")
         self._cond = threading.Condition()
         self._pending: dict[int, Execute] = {}
@@ -178,7 +188,8 @@ class Executor:
         return self
 
     def submit(self, batch: Execute) -> bool:
-        """Queue a batch for its turn; False for a duplicate (already done or already queued).
+        """Queue a batch for its turn; False for a duplicate (already done or already queued), which the
+        Execute handler answers as an error: batch numbers come from the controller alone, once each.
 
         A batch with a CmdAbandon acts on arrival: the session's earlier batches are skipped, and whatever
         the session is waiting for now (shards, peers' reads, pulls) ends, so its rebuild starts promptly.
@@ -187,6 +198,7 @@ class Executor:
         with self._cond:
             if self._stopped or batch.seq <= self._executed or batch.seq in self._pending:
                 return False
+            self._check_ahead(batch)
             self._pending[batch.seq] = batch
             if abandon is not None:
                 self._skip_below[batch.session] = max(self._skip_below.get(batch.session, 0), batch.seq)
@@ -195,6 +207,22 @@ class Executor:
             self._abandon_now(batch.session, abandon)
         self.store.set_cap(batch.session, batch.memory_cap)  # known at once: client uploads are checked too
         return True
+
+    def _check_ahead(self, batch: Execute) -> None:
+        """Out-of-order batches are bounded per session: a batch arriving behind a gap in the numbering waits in
+        memory until the gap fills, and the controller never leaves gaps for long (every seq it assigns is sent),
+        so more than MAX_AHEAD_PER_SESSION of them means a lost batch: refused, the controller hears of it."""
+        gap = self._executed + 1
+        while gap in self._pending:
+            gap += 1
+        if batch.seq <= gap:
+            return
+        waiting = [b.session for seq, b in self._pending.items() if seq > gap]
+        ahead = waiting.count(batch.session)
+        if ahead >= MAX_AHEAD_PER_SESSION or len(waiting) >= MAX_AHEAD:
+            raise BatchRefused(f"batch {batch.seq} refused: {ahead} batches of session {batch.session[:8]} "
+                               f"({len(waiting)} in all) already wait behind batch {gap}, which never arrived "
+                               f"(limits {MAX_AHEAD_PER_SESSION} per session, {MAX_AHEAD} in all)")
 
     def _abandon_now(self, session: str, cmd: CmdAbandon) -> None:
         with self._errors_lock:
@@ -285,6 +313,7 @@ class Executor:
         """Run every command of a batch now, in order, on the calling thread."""
         self._seq = batch.seq
         self.store.set_cap(batch.session, batch.memory_cap)
+        self.peers.grant(batch.session, batch.caps)
         for cmd in batch.cmds:
             self.run_command(batch.session, cmd)
 
@@ -316,6 +345,7 @@ class Executor:
                 self.groups.close(session)
                 self.store.drop_session(session)
                 self.store.drop_derived(session)
+                self.peers.forget(session)
             elif isinstance(cmd, CmdGroup):
                 self.groups.join(session, cmd, self.address)
             elif isinstance(cmd, CmdCollective):
@@ -365,6 +395,9 @@ class Executor:
         dtype = dtype_from_name(cmd.dtype)
         shape = list(cmd.shape)
         boxes = {dev: (box, check_box(shape, box)) for dev, box in cmd.boxes.items()}
+        cap = self.store.cap(session)
+        if cap and (new := sum(math.prod(b) for _, b in boxes.values()) * dtype.itemsize) > cap:
+            raise MemoryCapExceeded(cap_message(new, cap))  # before allocating: it could never fit
         zero = set(cmd.zero)
         full: torch.Tensor | None = None
         if cmd.init in RANDOM_INITS and any(dev not in zero for dev in boxes):
@@ -413,12 +446,14 @@ class Executor:
             def resolve(tid: int, device: int = device) -> torch.Tensor:
                 return self._input(session, tid, device)
 
-            a = decode_value(list(args), resolve, self.device)
+            a = prepare_args(cmd.op, decode_value(list(args), resolve, self.device))
             k = {key: decode_value(v, resolve, self.device) for key, v in (kwargs or {}).items()}
             self._wait_reads(cmd.op, [t for i, name in written_args(op) for t in _tensors(
                 a[i] if i < len(a) else k.get(name))])
+            before = hygiene.sizes_before(cmd.op, (a, k))
             with self._rng(cmd.seed):
                 flat = flatten(op(*a, **k))
+            hygiene.scrub(cmd.op, flat, before)  # no bytes another session left behind
             if len(cmd.outs) > len(flat):
                 raise ValueError(f"{cmd.op} returned {len(flat)} outputs, expected {len(cmd.outs)}")
             for i, tid in enumerate(cmd.outs):

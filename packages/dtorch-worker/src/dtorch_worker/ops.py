@@ -53,3 +53,20 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
     if not isinstance(overload, torch._ops.OpOverload) or overload.namespace != namespace:
         raise _refuse(name)
     return overload
+
+
+# Ops whose kernels require their first input contiguous in its own suggested memory format, which torch's
+# composite (F.group_norm) ensures just before calling them. The client decides that from its metadata, whose
+# strides of size-1 dims come from meta kernels and can differ from the real kernels' (a (1, C, H, W) tensor
+# channels-last to the client may be neither layout here): the worker makes sure again, as the composite would.
+_CONTIGUOUS_FIRST = frozenset({"aten.native_group_norm.default"})
+
+
+def prepare_args(name: str, args: list) -> list:
+    """Adjust decoded arguments where a kernel's layout demands differ from what the client could see."""
+    if name in _CONTIGUOUS_FIRST and args and isinstance(args[0], torch.Tensor):
+        x = args[0]
+        from torch._prims_common import suggest_memory_format  # the format the kernel checks against
+
+        args = [x.contiguous(memory_format=suggest_memory_format(x)), *args[1:]]
+    return args

@@ -1,5 +1,12 @@
 """The `dtorch.Worker` gRPC service: Execute (enqueue), Pull (serve a shard box), Put (upload a shard).
 
+Who may call what is `dtorch_protocol.auth`: Execute only with the controller's execute token; Pull and Put
+with a capability for the session named in the request (a client's for its own session; a peer's, from
+the controller, also for the session's backup namespaces); PullShards and PutShards with a peer's. Checked
+here on top: the request's session is the one the capability covers, a client cannot pose as a planned
+peer read (`expected`), a Put never replaces a live shard, and a Put's declared size is admitted (the
+session's memory cap here, `max_put_bytes`) before a byte of it is kept.
+
 A Put that would take a capped session over its memory cap on this worker is refused with a one-line
 reason (the client raises it); so is one for a device that moved away (kind MOVED: the client retries).
 
@@ -18,34 +25,56 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from dtorch_protocol import wire
+from dtorch_protocol import auth, wire
+from dtorch_protocol.health import Health
 from dtorch_protocol.messages import Ack, Chunk, ErrorKind, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol.tls import Tls
 from dtorch_worker import shards
-from dtorch_worker.executor import Executor, one_line
-from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore
+from dtorch_worker.executor import BatchRefused, Executor, one_line
+from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore, format_bytes
 from dtorch_worker.transfer import poison_chunk, receive_put, take_box, tensor_chunks
 
 log = logging.getLogger("dtorch_worker.server")
 
-SERVER_THREADS = 64  # Pulls may wait for shards; keep room for Execute and Put meanwhile
+SERVER_THREADS = 128  # Pulls may wait for shards; keep room for Execute, peers and Put meanwhile
+CLIENT_THREADS = 48  # at most this many handler threads serve clients at once: peers and Execute keep the rest
+CALLS_PER_SESSION = 16  # concurrent client calls (Pulls waiting for shards, Puts) of one session
+
+
+def _covered(caller: auth.Caller, session: str, method: str) -> None:
+    if not auth.covers(caller, session):
+        raise wire.PermissionDenied(f"{method} of session {session[:16]!r} refused: the call came with "
+                                    f"{caller.describe()}")
 
 
 class WorkerService:
     """Implements the methods of wire.SERVICES["dtorch.Worker"] over a store and an executor."""
 
-    def __init__(self, store: TensorStore, executor: Executor, max_pull_wait_s: float = 600.0) -> None:
+    def __init__(self, store: TensorStore, executor: Executor, max_pull_wait_s: float = 600.0,
+                 max_put_bytes: int = 0) -> None:
         self.store = store
         self.executor = executor
         self.max_pull_wait_s = max_pull_wait_s
+        self.max_put_bytes = max_put_bytes  # largest shard one Put may declare (0: no bound but the caps)
 
-    def Execute(self, request: Execute) -> Ack:
-        if self.executor.submit(request):
-            return Ack()
+    def Execute(self, request: Execute, caller: auth.Caller) -> Ack:
+        try:
+            if self.executor.submit(request):
+                return Ack()
+        except BatchRefused as e:
+            return Ack(ok=False, message=str(e))
         if self.executor.stopped:
             return Ack(ok=False, message="the worker is stopping")
-        return Ack(ok=True, message=f"batch {request.seq} is a duplicate: already done or queued")
+        # batch numbers come from the controller alone, once each: a repeat means the stream is not what it
+        # thinks it is, so it must hear about it (it declares this worker lost) rather than get a silent ok
+        return Ack(ok=False, message=f"batch {request.seq} is a duplicate: this worker already ran or queued it")
 
-    def Pull(self, request: PullRequest) -> Iterator[Chunk]:
+    def Pull(self, request: PullRequest, caller: auth.Caller) -> Iterator[Chunk]:
+        _covered(caller, request.session, "Pull")
+        wire.on_call_end(self.store.wake)  # a caller that gives up ends the wait for the shard
+        if request.expected and caller.role != auth.PEER:
+            raise wire.PermissionDenied("a planned read (expected=True) is a peer's: a client capability cannot "
+                                        "make one")
         key = (request.session, request.tid, request.device)
         counted = not request.expected  # a planned read holds back in-place writes of the shard until counted
         try:
@@ -94,12 +123,26 @@ class WorkerService:
                 return self.store.get(key, wait if first else max(0.0, deadline - time.monotonic()))
             except ShardMissing:
                 first = False
-                if time.monotonic() >= deadline or not self.store.rebuilding(key[0]):
+                if time.monotonic() >= deadline or not self.store.rebuilding(key[0]) or wire.call_ended():
                     raise
 
-    def Put(self, requests: Iterable[PutChunk]) -> Ack:
+    def _admit_put(self, caller: auth.Caller, key: tuple[str, int, int], declared: int) -> None:
+        """Before anything of a Put is kept: its session, that it replaces nothing, and its declared size."""
+        _covered(caller, key[0], "Put")
+        if self.store.peek(key) is not None:
+            raise wire.PermissionDenied(f"Put refused: tensor {key[1]} on logical device {key[2]} already exists "
+                                        "here (uploads never replace a live shard)")
+        if self.max_put_bytes and declared > self.max_put_bytes:
+            raise wire.LimitExceeded(f"Put refused: it declares {format_bytes(declared)}, over this worker's "
+                                     f"{format_bytes(self.max_put_bytes)} of memory")
+        refused = self.store.admit_upload(key[0], declared)  # over the session's memory cap here
+        if refused:
+            raise wire.LimitExceeded(refused, ErrorKind.MEMORY_CAP)
+
+    def Put(self, requests: Iterable[PutChunk], caller: auth.Caller) -> Ack:
         try:
-            key, tensor = receive_put(requests, self.executor.backend)
+            key, tensor = receive_put(requests, self.executor.backend,
+                                      lambda key, declared: self._admit_put(caller, key, declared))
         except (ValueError, TypeError) as e:
             raise wire.ProtocolError(one_line(e)) from None
         refused = self.store.put_upload(key, tensor)  # (MOVED or MEMORY_CAP, reason)
@@ -108,11 +151,13 @@ class WorkerService:
             raise wire.RemoteError(reason, kind)
         return Ack()
 
-    def PullShards(self, request: ShardsRequest) -> Iterator[ShardsChunk]:
+    def PullShards(self, request: ShardsRequest, caller: auth.Caller) -> Iterator[ShardsChunk]:
         """Whole shards with their aliasing (restores and copies between workers); waits for missing ones.
 
         With `move`, those devices are leaving for the puller: uploads for them are refused from now on, and
         the ones not adopted yet go along (and are dropped here once sent)."""
+        _covered(caller, request.session, "PullShards")
+        wire.on_call_end(self.store.wake)
         wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
         listed = {(tid, device) for device, tids in request.devices.items() for tid in tids}
         extra = []
@@ -131,11 +176,13 @@ class WorkerService:
         for k in extra:
             self.store.delete(k)
 
-    def PutShards(self, requests: Iterable[ShardsChunk]) -> Ack:
+    def PutShards(self, requests: Iterable[ShardsChunk], caller: auth.Caller) -> Ack:
         """Store whole shards a peer sends (CmdSendShards), under the namespace its first message names."""
-        receiver = shards.Receiver(self.executor.backend)
+        receiver = shards.Receiver(self.executor.backend, max_bytes=self.max_put_bytes)
         try:
             for chunk in requests:
+                if receiver.header is None:  # before the header's storages are allocated
+                    _covered(caller, chunk.namespace, "PutShards")
                 receiver.add(chunk)
             header, items = receiver.finish(host=receiver.header is not None and receiver.header.host)
         except (ValueError, TypeError, RuntimeError) as e:
@@ -153,24 +200,47 @@ class WorkerService:
 class WorkerHandle:
     """A running worker (store, executor, gRPC server) without a controller: tests and embedding use it."""
 
-    address: str
+    address: str  # where the controller and peers call (the mutual-TLS port under TLS)
     store: TensorStore
     executor: Executor
     server: grpc.Server
-    service: WorkerService = field(repr=False)
+    credentials: auth.WorkerAuth = field(repr=False)  # checks every caller's credential
+    client_address: str = ""  # where clients call (the server-TLS port under TLS)
+    service: WorkerService | None = field(default=None, repr=False)
+    health: Health = field(default_factory=lambda: Health("dtorch.Worker"), repr=False)
 
     def stop(self, grace: float = 1.0) -> None:
+        self.health.stop()
         self.executor.stop()
         self.server.stop(grace).wait(grace + 1.0)
 
+    # credentials a test (or an embedding) may hand out in the controller's place
+    def execute_token(self) -> str:
+        return auth.execute_token(self.credentials.secret)
 
-def start_worker(token: str = "", listen: str = "127.0.0.1:0", device: str | torch.device = "cpu",
+    def capability(self, session: str, role: str = auth.CLIENT) -> str:
+        return auth.mint(self.credentials.secret, role, session)
+
+
+def start_worker(listen: str = "127.0.0.1:0", device: str | torch.device = "cpu", tls: Tls | None = None,
+                 client_listen: str | None = None, max_put_bytes: int = 0,
                  **executor_options: object) -> WorkerHandle:
-    """Start a store, an executor thread and the Worker service; returns its handle (call .stop())."""
+    """Start a store, an executor thread and the Worker service; returns its handle (call .stop()).
+
+    With `tls`, the controller and peers call `listen` (mutual TLS) and clients `client_listen` (server TLS).
+    """
     store = TensorStore()
-    executor = Executor(store, device=device, token=token, **executor_options)  # type: ignore[arg-type]
-    service = WorkerService(store, executor)
-    server, address = wire.serve("dtorch.Worker", service, token, listen=listen, max_workers=SERVER_THREADS)
-    executor.address = address
+    executor = Executor(store, device=device, tls=tls, **executor_options)  # type: ignore[arg-type]
+    service = WorkerService(store, executor, max_put_bytes=max_put_bytes)
+    worker_auth = auth.WorkerAuth()
+    health = Health("dtorch.Worker", ready=False)  # ready once registered with a controller (cli.py)
+    if tls is not None and not client_listen:
+        client_listen = f"{listen.rpartition(':')[0] or '127.0.0.1'}:0"
+    served = wire.serve("dtorch.Worker", service, worker_auth.authenticate,
+                        listen=client_listen if tls is not None else listen, max_workers=SERVER_THREADS, tls=tls,
+                        cluster_listen=listen if tls is not None else None,
+                        admission=wire.Admission(CALLS_PER_SESSION, CLIENT_THREADS), health=health)
+    executor.address = served.cluster_address
     executor.start()
-    return WorkerHandle(address=address, store=store, executor=executor, server=server, service=service)
+    return WorkerHandle(address=served.cluster_address, store=store, executor=executor, server=served.server,
+                        credentials=worker_auth, client_address=served.address, service=service, health=health)

@@ -116,8 +116,9 @@ class Receiver:
     """Assembles a ShardsChunk stream into preallocated host storages (pinned for a GPU); `header` is the first
     message."""
 
-    def __init__(self, backend: DeviceBackend = CPU) -> None:
+    def __init__(self, backend: DeviceBackend = CPU, max_bytes: int = 0) -> None:
         self.backend = backend
+        self.max_bytes = max_bytes  # bound on the storages a header may announce (0: none)
         self.header: ShardsChunk | None = None
         self.storages: list[torch.Tensor] = []
         self._views: list[memoryview] = []
@@ -128,6 +129,11 @@ class Receiver:
         if chunk.error:
             raise RuntimeError(chunk.error)
         if self.header is None:
+            if any(n < 0 for n in chunk.storages):
+                raise ValueError(f"negative storage size in {chunk.storages[:8]}")
+            if self.max_bytes and sum(chunk.storages) > self.max_bytes:
+                raise ValueError(f"the shards announce {sum(chunk.storages)} bytes, over the {self.max_bytes} this "
+                                 "worker accepts")
             self.header = chunk
             # copies kept in host memory (backups) need no pinning: pinned memory is for copies to the device
             alloc = CPU.host_buffer if chunk.host else self.backend.host_buffer

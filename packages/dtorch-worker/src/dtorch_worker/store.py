@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
+from dtorch_protocol.wire import call_ended
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
 Storage = tuple[tuple[str, int], int]  # (identity: device and address, byte size) of a shard's storage
@@ -134,6 +135,11 @@ class TensorStore:
                     del self._by_session[key[0]]
         return value
 
+    def wake(self) -> None:
+        """Wake every wait on this store to look again (a call it serves ended: `wire.on_call_end`)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def put(self, key: Key, value: Shard) -> None:
         with self._cond:
             self._set(key, value)
@@ -176,7 +182,7 @@ class TensorStore:
                     raise ShardMissing(f"no shard for {describe(key)}: the session is being rebuilt after a "
                                        "worker loss")
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or call_ended():
                     waited = f" after waiting {timeout:g}s" if timeout > 0 else ""
                     raise ShardMissing(f"no shard for {describe(key)} on this worker{waited}")
                 self._cond.wait(left)
@@ -255,8 +261,14 @@ class TensorStore:
 
     def wait_rebuilt(self, session: str, timeout: float) -> bool:
         """Wait up to `timeout` s while the session is being rebuilt; True when it is not (any more)."""
+        deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
-            return self._cond.wait_for(lambda: session not in self._rebuilding, max(timeout, 0.0))
+            while session in self._rebuilding:
+                left = deadline - time.monotonic()
+                if left <= 0 or call_ended():
+                    return False
+                self._cond.wait(left)
+            return True
 
     def mark_moved(self, session: str, devices: list[int]) -> None:
         with self._cond:
@@ -271,12 +283,24 @@ class TensorStore:
         with self._cond:
             return (session, device) in self._moved
 
+    def admit_upload(self, session: str, declared: int) -> str:
+        """Whether an upload declaring `declared` bytes may even start: "" or why not (over the memory cap)."""
+        with self._cond:
+            cap = self._caps.get(session, 0)
+            if cap > 0 and (held := self._session_bytes(session) + declared) > cap:
+                return cap_message(held, cap)
+            return ""
+
     def put_upload(self, key: Key, value: Shard) -> tuple[ErrorKind, str] | None:
-        """A client upload: stored (None) unless its device moved away (MOVED) or it would take the session over
-        its memory cap here (MEMORY_CAP); then (kind, one-line reason)."""
+        """A client upload: stored (None) unless its device moved away (MOVED), the key holds a shard already
+        (REFUSED: uploads never replace one) or it would take the session over its memory cap here (MEMORY_CAP);
+        then (kind, one-line reason)."""
         with self._cond:
             if (key[0], key[2]) in self._moved:
                 return ErrorKind.MOVED, moved_message(key)
+            if key in self._data:
+                return ErrorKind.REFUSED, (f"tensor {key[1]} on logical device {key[2]} already exists here (uploads "
+                                           "never replace it)")
             cap = self._caps.get(key[0], 0)
             if cap > 0 and "#" not in key[0]:
                 held = self._session_bytes(key[0], {key: _storage(value)})
@@ -350,7 +374,7 @@ class TensorStore:
         with self._cond:
             while dst not in self._announced.get(key, ()):
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or call_ended():
                     return False
                 self._cond.wait(left)
             return True

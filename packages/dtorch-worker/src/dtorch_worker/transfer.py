@@ -3,15 +3,17 @@
 Payloads travel as raw little-endian bytes in wire.CHUNK_BYTES pieces, so a
 tensor of any size stays far below gRPC's message limit. Both ends avoid
 whole-payload copies where they can: the sender slices a byte view of the
-(contiguous) host tensor, the receiver fills one preallocated host buffer. Host
-copies of device tensors go through the device backend (`device.py`): pinned
-buffers and one DMA on CUDA, no numpy anywhere.
+(contiguous) host tensor; the receiver fills a host buffer (pinned for a GPU)
+that grows with the bytes that actually arrive, doubling (a stream declaring a
+gigabyte and sending 64 bytes costs 64 bytes), after the declared size was
+admitted. Host copies of device tensors go through the device backend
+(`device.py`): pinned buffers and one DMA on CUDA, no numpy anywhere.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 
 from dtorch_protocol import wire
 from dtorch_protocol.messages import Chunk, ErrorKind, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import dtype_from_name, dtype_name
 from dtorch_worker import shards
 from dtorch_worker.device import CPU, DeviceBackend, host_bytes, typed
@@ -79,28 +82,37 @@ def poison_chunk(report: ErrorReport) -> Chunk:
                  report=report, kind=ErrorKind.POISONED)
 
 
-def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+def nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes a tensor of `dtype` and `shape` holds; ValueError for a negative size or an unknown dtype."""
     n = 1
     for s in shape:
+        if s < 0:
+            raise ValueError(f"negative size in shape {list(shape)}")
         n *= s
     return n * torch.empty((), dtype=dtype_from_name(dtype)).element_size()
 
 
 class _Assembler:
-    """Collects payload pieces into one preallocated host buffer (pinned for a GPU) and checks the total size."""
+    """Collects payload pieces into a host buffer (pinned for a GPU) that grows with what arrives, never with
+    what the stream declares, and checks the total size."""
 
     def __init__(self, dtype: str, shape: Sequence[int], what: str, backend: DeviceBackend = CPU) -> None:
         self.dtype, self.shape, self.what = dtype, list(shape), what
-        self.size = _nbytes(dtype, shape)
+        self.size = nbytes(dtype, shape)
         self.backend = backend
-        self.host = backend.host_buffer(self.size)
-        self.buf = host_bytes(self.host)
+        self.host: torch.Tensor | None = None  # allocated as bytes arrive
+        self.buf = memoryview(bytearray())
         self.pos = 0
 
     def add(self, data: bytes) -> None:
         end = self.pos + len(data)
         if end > self.size:
             raise ValueError(f"{self.what}: more bytes than a {self.dtype} tensor of shape {self.shape} holds")
+        if end > len(self.buf):  # double, up to the declared size: copies stay O(size), memory O(arrived)
+            host = self.backend.host_buffer(min(self.size, max(end, 2 * len(self.buf))))
+            buf = host_bytes(host)
+            buf[:self.pos] = self.buf[:self.pos]
+            self.host, self.buf = host, buf
         self.buf[self.pos:end] = data
         self.pos = end
 
@@ -108,7 +120,8 @@ class _Assembler:
         """The payload as a tensor on the backend's device (one host-to-device copy for a GPU)."""
         if self.pos != self.size:
             raise ValueError(f"{self.what}: got {self.pos} of {self.size} bytes")
-        return self.backend.to_device(typed(self.host, dtype_from_name(self.dtype), self.shape))
+        host = self.host if self.host is not None else self.backend.host_buffer(0)
+        return self.backend.to_device(typed(host, dtype_from_name(self.dtype), self.shape))
 
 
 def receive_chunks(stream: Iterable[Chunk], what: str, backend: DeviceBackend = CPU) -> torch.Tensor:
@@ -129,9 +142,13 @@ def receive_chunks(stream: Iterable[Chunk], what: str, backend: DeviceBackend = 
 
 
 def receive_put(stream: Iterable[PutChunk], backend: DeviceBackend = CPU,
+                admit: Callable[[tuple[str, int, int], int], None] = lambda k, n: None,
                 ) -> tuple[tuple[str, int, int], torch.Tensor]:
     """Assemble a Put upload on the backend's device; every chunk names the same shard, the first fixes dtype
-    and shape."""
+    and shape.
+
+    `admit(key, declared bytes)` runs on the first chunk, before anything is kept: it raises to refuse.
+    """
     asm: _Assembler | None = None
     key: tuple[str, int, int] | None = None
     for chunk in stream:
@@ -139,6 +156,7 @@ def receive_put(stream: Iterable[PutChunk], backend: DeviceBackend = CPU,
         if asm is None:
             key = k
             asm = _Assembler(chunk.dtype, chunk.shape, f"Put of tensor {chunk.tid} on device {chunk.device}", backend)
+            admit(k, asm.size)
         elif k != key:
             raise ValueError(f"Put stream mixes shards {key[1:] if key else None} and {k[1:]}")
         asm.add(chunk.data)
@@ -151,12 +169,14 @@ class PeerPool:
     """One gRPC channel per peer address, reused by every pull.
 
     Calls are tracked per session so a recovery can cut them short (`cancel`), and addresses of workers
-    the controller declared lost are fenced: calls to them fail at once, calls in flight end.
+    the controller declared lost are fenced: calls to them fail at once, calls in flight end. Each call
+    carries the peer capability the controller sent for its session and that peer (`grant`, from Execute).
     """
 
-    def __init__(self, token: str, backend: DeviceBackend = CPU) -> None:
-        self.token = token
+    def __init__(self, tls: Tls | None = None, backend: DeviceBackend = CPU) -> None:
+        self.tls = tls
         self.backend = backend
+        self._caps: dict[str, dict[str, str]] = {}  # session -> peer address -> capability
         self._stubs: dict[str, wire.Stub] = {}
         self._lock = threading.Lock()
         self._fenced: set[str] = set()
@@ -168,8 +188,26 @@ class PeerPool:
                 raise ConnectionError(f"{address} was declared lost by the controller (fenced)")
             stub = self._stubs.get(address)
             if stub is None:
-                stub = self._stubs[address] = wire.Stub("dtorch.Worker", address, self.token)
+                stub = self._stubs[address] = wire.Stub("dtorch.Worker", address, "", tls=self.tls)
             return stub
+
+    def grant(self, session: str, caps: dict[str, str]) -> None:
+        """Capabilities for `session` on peers (newer ones replace older ones for the same peer)."""
+        if caps:
+            with self._lock:
+                self._caps.setdefault(session, {}).update(caps)
+
+    def forget(self, session: str) -> None:
+        with self._lock:
+            self._caps.pop(session, None)
+
+    def cap(self, session: str, address: str) -> str:
+        with self._lock:
+            cap = self._caps.get(session.partition("#")[0], {}).get(address)
+        if cap is None:
+            raise PermissionError(f"no capability for session {session[:8]} on {address} (the controller sends "
+                                  "one with every batch that names a peer)")
+        return cap
 
     def fence(self, addresses: Iterable[str]) -> None:
         """Never talk to these addresses again; calls in flight to them end now."""
@@ -210,7 +248,8 @@ class PeerPool:
     def pull(self, address: str, request: PullRequest, transfer_timeout_s: float = 600.0) -> torch.Tensor:
         """Fetch a box of a peer's shard; raises PoisonedInput when the peer holds a poisoned shard."""
         what = f"pull of tensor {request.tid} on device {request.device} from {address}"
-        call, stream = self.stub(address).open_stream("Pull", request, timeout=request.timeout_s + transfer_timeout_s)
+        call, stream = self.stub(address).open_stream("Pull", request, timeout=request.timeout_s + transfer_timeout_s,
+                                                      credential=self.cap(request.session, address))
         with self._tracked(request.session, call):
             return receive_chunks(stream, what, self.backend)
 
@@ -219,7 +258,8 @@ class PeerPool:
         """Whole shards (aliasing kept) from a peer's store, on this worker's device; `session` is the one to
         cancel them with."""
         call, stream = self.stub(address).open_stream("PullShards", request,
-                                                      timeout=request.timeout_s + transfer_timeout_s)
+                                                      timeout=request.timeout_s + transfer_timeout_s,
+                                                      credential=self.cap(session, address))
         with self._tracked(session, call):
             return shards.receive(stream, self.backend)[1]
 
@@ -227,7 +267,7 @@ class PeerPool:
                    timeout_s: float = 600.0) -> None:
         """Send whole shards into a peer's store (PutShards); raises when the peer refuses them."""
         stub = self.stub(address)
-        future = stub.send_stream_future("PutShards", stream, timeout=timeout_s)
+        future = stub.send_stream_future("PutShards", stream, timeout=timeout_s, credential=self.cap(session, address))
         with self._tracked(session, future):
             ack = stub.decode_reply("PutShards", future)
         if not ack.ok:

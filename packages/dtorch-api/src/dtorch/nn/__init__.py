@@ -9,9 +9,10 @@ from dtorch.nn.api import (
     replicate_module,
     to_layout,
 )
-from dtorch.nn.plans import llama_tp_plan
+from dtorch.nn.plans import llama_tp_plan, moe_ep_plan
 from dtorch.nn.style import (
     ColwiseParallel,
+    ExpertParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
@@ -20,5 +21,5 @@ from dtorch.nn.style import (
 )
 
 __all__ = ["parallelize_module", "replicate_module", "fully_shard", "place_on_mesh", "microbatch_forward",
-           "copy_weights", "to_layout", "llama_tp_plan", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
-           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]
+           "copy_weights", "to_layout", "llama_tp_plan", "moe_ep_plan", "ParallelStyle", "ColwiseParallel",
+           "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ExpertParallel"]

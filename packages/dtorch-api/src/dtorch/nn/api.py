@@ -1,7 +1,8 @@
 """Parallelism as configuration: lay out an unmodified nn.Module's parameters and activations on a mesh.
 
-* `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names);
-  every parameter and buffer not named by the plan is replicated, so the whole model runs on the mesh.
+* `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names), expert
+  parallelism by `ExpertParallel`; every parameter and buffer not named by the plan is replicated, so the
+  whole model runs on the mesh. One plan per mesh dim: call it once per dim (`tp_mesh_dim`).
 * data parallelism: no plan (all replicated) and inputs `Shard(0)` on the `dp` mesh dim; gradients come
   out `Partial` over `dp` and are reduced as soon as autograd has accumulated each one (a post-accumulate-grad
   hook on every parameter placed here issues the redistribution to the parameter's placements), so the
@@ -84,7 +85,8 @@ def to_layout(x: Any, mesh: DeviceMesh, dim: int, layout: Placement | None) -> A
     return x if target == x.placements else x.redistribute(placements=target)
 
 
-def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim: int) -> None:
+def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim: int, name: str = "") -> None:
+    style.prepare(module, name or type(module).__name__, mesh, dim)
     replicate = (Replicate(),) * mesh.ndim
     for name, p in list(module.named_parameters(recurse=False)):
         placement = style.param_placements(module, name)
@@ -153,7 +155,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
                 raise ValueError(f"parallelize_plan key {pattern!r} matches no submodule of "
                                  f"{type(module).__name__}")
             for name in matched:
-                _apply_style(module.get_submodule(name), style, device_mesh, dim)
+                _apply_style(module.get_submodule(name), style, device_mesh, dim, name)
     return replicate_module(module, device_mesh)
 
 

@@ -18,6 +18,9 @@ from dtorch_protocol.placement_types import Placement, Replicate, Shard
 class ParallelStyle:
     """Base: how to lay out a module's parameters and move its inputs and outputs."""
 
+    def prepare(self, module: Any, name: str, mesh: Any, mesh_dim: int) -> None:
+        """Check the module (raise one line naming it) and add what the style needs beyond layouts."""
+
     def param_placements(self, module: Any, name: str) -> Placement | None:
         """Placement of parameter `name` on the TP mesh dim (None: Replicate)."""
         return None
@@ -131,3 +134,66 @@ def _as_tuple(v: Any) -> Any:
     if v is None:
         return None
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+
+@dataclass(frozen=True)
+class ExpertParallel(ParallelStyle):
+    """Shard a mixture-of-experts module's stacked expert weights on the expert dim (dim 0) over the mesh dim.
+
+    Apply it to the module that holds the experts as `[num_experts, ...]` parameters, e.g. transformers'
+    `MixtralExperts` / `Qwen2MoeExperts` (`"model.layers.*.mlp.experts"`). Routing runs unchanged: its grouped
+    matmuls compute each device's experts on the rows routed to them (`dtorch._experts`); the tokens are gathered
+    once on the mesh dim when they are sharded on it, and the outputs reduced once where the next op needs them.
+    """
+
+    def prepare(self, module: Any, name: str, mesh: Any, mesh_dim: int) -> None:
+        experts = _expert_count(module, name)
+        n, dim_name = mesh.shape[mesh_dim], _dim_name(mesh, mesh_dim)
+        if experts % n:
+            raise ValueError(f"ExpertParallel: {name!r} has {experts} experts, which mesh dim {dim_name} of size {n} "
+                             f"cannot split evenly; use a mesh dim whose size divides {experts}")
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", "grouped_mm")
+        if impl not in (None, "grouped_mm"):
+            raise ValueError(f"ExpertParallel: {name!r} runs transformers' {impl!r} experts, whose per-expert loop "
+                             "reads the routing on the client; build the model with "
+                             "experts_implementation='grouped_mm' (transformers' default)")
+        from dtorch._experts import new_routing_tag, routing_scope
+
+        tag, scopes = new_routing_tag(), []
+
+        def enter(_mod: Any, _args: Any) -> None:
+            scope = routing_scope(tag)
+            scope.__enter__()
+            scopes.append(scope)
+
+        def leave(_mod: Any, _args: Any, _out: Any) -> None:
+            if scopes:
+                scopes.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+
+    def param_placements(self, module: Any, name: str) -> Placement | None:
+        p = getattr(module, name)
+        return Shard(0) if p.ndim >= 2 and p.shape[0] == _expert_count(module, name) else None
+
+
+def _dim_name(mesh: Any, dim: int) -> str:
+    return repr(mesh.mesh_dim_names[dim]) if mesh.mesh_dim_names else str(dim)
+
+
+def _expert_count(module: Any, name: str) -> int:
+    """The experts a module stacks: its `num_experts`, else the leading size of its 3-d parameters."""
+    stacked = {p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3}
+    count = getattr(module, "num_experts", None)
+    if not stacked or (isinstance(count, int) and count not in stacked):
+        raise ValueError(f"ExpertParallel: {name!r} ({type(module).__name__}) has no stacked expert weights: "
+                         "expected parameters of shape [num_experts, out, in] such as transformers' "
+                         "MixtralExperts.gate_up_proj; apply it to the experts module, e.g. "
+                         "'model.layers.*.mlp.experts'")
+    if isinstance(count, int):
+        return count
+    if len(stacked) != 1:
+        raise ValueError(f"ExpertParallel: {name!r} has 3-d parameters of leading sizes {sorted(stacked)}; expected "
+                         "one expert count")
+    return stacked.pop()

@@ -19,8 +19,13 @@ Rules:
    changes and mesh requests and applies the `Changes` it returns (bind devices, flush a resumed session's
    held batches, set its wake-up timer). A frozen session's Submits are accepted and held, untranslated.
 9. A client session that says nothing (any request naming it, or KeepAlive) for `session_timeout_s` is
-   closed as if it had called CloseSession: every worker it used frees its shards (clients speaking
-   protocol 1.2 or later; older clients send no keep-alives and are never timed out).
+   closed as if it had called CloseSession: every worker it used frees its shards, whatever protocol
+   version the client speaks (one that sends no keep-alives must keep talking).
+10. A session belongs to the tenant that opened it (`event.who`): a request naming another tenant's session
+   is answered as for an unknown one, and keeps nothing alive. A tenant's Status shows its own sessions, the
+   workers they use (with its own shards only) and everyone else's work as anonymous counts; an admin sees
+   all. Quotas (`who.quota`) are checked when a session or mesh is asked for, and refused at once, naming
+   the quota.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from dtorch_controller import __version__
 from dtorch_controller.core import effects as fx
@@ -70,9 +77,11 @@ class ControllerCore:
         self._new_session_id = session_ids or random_session_id
         self._by_address: dict[str, str] = {}  # address -> id of the worker there that is not lost
         self._registrations = 0
+        self._sync_waits: dict[str, set[str]] = {}  # worker -> sessions whose parked Syncs wait for it to complete
         self.faults = Faults(self)  # snapshots, recovery after worker loss, migration, drain (recovery.py)
         self.sched.growth = True  # elastic sessions grow onto free workers: elastic.py moves their devices
         self.sched.relocation = True  # frozen sessions resume on free workers: elastic.py moves their devices
+        self.sched.moving = self.faults.mover.busy  # ... and are left alone while their devices move
         self._handlers: dict[type, Callable[[float, Any, Effects], None]] = {
             ev.OpenSession: self._open_session, ev.OpenMesh: self._open_mesh, ev.Submit: self._submit,
             ev.Sync: self._sync, ev.CloseSession: self._close_session, ev.Status: self._status,
@@ -89,7 +98,7 @@ class ControllerCore:
         out: Effects = []
         self.faults.now = now
         s = self.sessions.get(getattr(getattr(event, "msg", None), "session", None))  # type: ignore[arg-type]
-        if s is not None:
+        if s is not None and _owns(getattr(event, "who", ev.OPERATOR), s):
             s.last_heard = now
         handler(now, event, out)
         return out
@@ -103,23 +112,21 @@ class ControllerCore:
     def _refuse(self, out: Effects, request_id: Any, message: str, kind: str = "refused") -> None:
         out.append(fx.Reply(request_id, fx.Refusal(kind, message)))  # type: ignore[arg-type]
 
-    def _session(self, out: Effects, request_id: Any, session_id: str) -> Session | None:
+    def _session(self, out: Effects, request_id: Any, session_id: str, who: ev.Principal) -> Session | None:
+        """The session, if it exists and `who` owns it; otherwise refused (another's reads as unknown)."""
         s = self.sessions.get(session_id)
-        if s is None:
+        if s is None or not _owns(who, s):
             self._refuse(out, request_id, f"unknown session {session_id[:16]!r} (closed, or never opened here)")
+            return None
         return s
 
-    def _hello_refusal(self, hello: m.Hello, role: str) -> str | None:
+    @staticmethod
+    def _hello_refusal(hello: m.Hello, role: str) -> str | None:
+        """Why a Hello is refused (the table in `dtorch_protocol.wire`: older clients, newer workers), or None."""
         try:
-            check_hello(hello)
+            check_hello(hello, role)
         except ProtocolError as e:
             return str(e)
-        if hello.role != role:
-            return f"expected a {role} hello, got role {hello.role!r}"
-        if role == "worker" and _minor(hello.protocol_version) < _minor(m.PROTOCOL_VERSION):
-            # an older worker would decode newer commands and silently ignore their new fields (memory caps)
-            return (f"worker speaks protocol {hello.protocol_version} (dtorch {hello.package_version}), this "
-                    f"controller needs {m.PROTOCOL_VERSION} or newer from workers: upgrade dtorch-worker")
         return None
 
     def _send(self, s: Session, cmds: dict[str, list[m.Cmd]], out: Effects) -> None:
@@ -153,19 +160,24 @@ class ControllerCore:
             return self._refuse(out, e.request_id, f"bad priority {msg.priority!r}: expected one of {PRIORITIES}")
         if msg.kind not in KINDS:
             return self._refuse(out, e.request_id, f"bad session kind {msg.kind!r}: expected one of {KINDS}")
+        if msg.memory_cap < 0:
+            return self._refuse(out, e.request_id, f"bad memory_cap {msg.memory_cap}: expected bytes >= 0")
+        problem = self._session_quota(e.who, msg.memory_cap)
+        if problem:
+            return self._refuse(out, e.request_id, problem, "quota")
         sid = self._new_session_id()
         while sid in self.sessions:
             sid = self._new_session_id()
-        if msg.memory_cap < 0:
-            return self._refuse(out, e.request_id, f"bad memory_cap {msg.memory_cap}: expected bytes >= 0")
+        if msg.expected_steps < 0:
+            return self._refuse(out, e.request_id, f"bad expected_steps {msg.expected_steps}: expected a count >= 0")
         self.sessions[sid] = Session(id=sid, name=msg.name, priority=msg.priority, kind=msg.kind, opened_at=now,
-                                     last_heard=now)
+                                     last_heard=now, tenant=e.who.tenant)
         self.sessions[sid].comm.timeout_s = self.config.collective_timeout_s
-        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap)
+        self.sched.open(sid, msg.priority, msg.kind, msg.memory_cap, msg.expected_steps)
         self.log.add(now, f"session {_short(sid)} opened ({msg.name or 'unnamed'}, {msg.priority}, {msg.kind})")
         timeout = self.config.session_timeout_s
         keepalive = 0.0
-        if timeout > 0 and _minor(msg.hello.protocol_version) >= 2:
+        if timeout > 0:
             keepalive = min(1.0, timeout / 4)
             out.append(fx.SetTimer(now + timeout, ("session", sid)))
         self._reply(out, e.request_id, m.SessionOpened(session=sid, controller_version=self.version,
@@ -173,7 +185,7 @@ class ControllerCore:
 
     def _open_mesh(self, now: float, e: ev.OpenMesh, out: Effects) -> None:
         msg = e.msg
-        s = self._session(out, e.request_id, msg.session)
+        s = self._session(out, e.request_id, msg.session, e.who)
         if s is None:
             return
         devices, shape = tuple(msg.devices), tuple(msg.shape)
@@ -185,6 +197,8 @@ class ControllerCore:
             return self._refuse(out, e.request_id, f"mesh {msg.mesh} is already open with devices "
                                                    f"{list(known.devices)} and shape {list(known.shape)}")
         new = tuple(d for d in devices if d not in s.devices)
+        if new and (problem := self._device_quota(e.who, s, len(new))):
+            return self._refuse(out, e.request_id, problem, "quota")
         if new:
             queued = self.sched.position(s.id)
             changes, answer = self.sched.place(now, s.id, msg.mesh, new, msg.min_devices)
@@ -208,7 +222,7 @@ class ControllerCore:
 
     def _submit(self, now: float, e: ev.Submit, out: Effects) -> None:
         msg = e.msg
-        s = self._session(out, e.request_id, msg.session)
+        s = self._session(out, e.request_id, msg.session, e.who)
         if s is None:
             return
         if msg.seq != s.seq + 1:
@@ -226,7 +240,7 @@ class ControllerCore:
 
     def _close_session(self, now: float, e: ev.CloseSession, out: Effects) -> None:
         s = self.sessions.get(e.msg.session)
-        if s is None:
+        if s is None or not _owns(e.who, s):
             return self._reply(out, e.request_id, m.Ack(ok=False, message="unknown session (already closed?)"))
         self._end_session(now, s, "closed", out)
         self._reply(out, e.request_id, m.Ack(ok=True))
@@ -261,19 +275,31 @@ class ControllerCore:
                 busy.append(w)
         return busy
 
+    def _first_busy(self, s: Session) -> str | None:
+        """A worker of `_busy(s)`, or None (stops at the first, looking at the latest sent to first: a report of
+        each of a wide session's workers asks this, and a relocated session keeps its old workers in `sent`)."""
+        workers = self.workers
+        for worker_id, seq in reversed(s.sent.items()):
+            w = workers.get(worker_id)
+            if w is not None and w.completed < seq and w.state != st.LOST:
+                return worker_id
+        return None
+
     def _sync(self, now: float, e: ev.Sync, out: Effects) -> None:
         msg = e.msg
-        s = self._session(out, e.request_id, msg.session)
+        s = self._session(out, e.request_id, msg.session, e.who)
         if s is None:
             return
         if msg.upto > s.seq:
             return self._refuse(out, e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted "
                                                    f"for session {_short(s.id)} is {s.seq}")
+        self._apply(now, self.sched.progress(now, s.id, msg.upto), out)  # a sync point is a step of its progress
         if not self._busy(s) and not self._held(s):
             return self._reply(out, e.request_id, self._done(s))
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)
         s.syncs[e.request_id] = PendingSync(e.request_id, msg.upto, timeout)
         out.append(fx.SetTimer(now + timeout, ("sync", s.id, e.request_id)))
+        self._resolve_syncs(s, out)  # files it under a busy worker (answered when that one completes)
 
     def _held(self, s: Session) -> bool:
         """Batches accepted but not sent yet: frozen by the scheduler, or held by recovery or a move."""
@@ -285,7 +311,14 @@ class ControllerCore:
         return m.SyncReply(done=True, errors=errors, locations=self._locations(s))
 
     def _resolve_syncs(self, s: Session, out: Effects) -> None:
-        if s.syncs and not self._busy(s) and not self._held(s):
+        # held first: it is O(1), and a frozen session's parked Syncs are looked at by every report of the workers
+        # it stays bound to (with LAS, hundreds of frozen sessions), where `_busy` walks every worker it used
+        if not s.syncs or self._held(s):
+            return
+        busy = self._first_busy(s)
+        if busy is not None:  # its report of a completion looks again, even if it hosts no device of `s` now
+            self._sync_waits.setdefault(busy, set()).add(s.id)
+        else:
             for pending in s.syncs.values():
                 self._reply(out, pending.request_id, self._done(s))
             s.syncs.clear()
@@ -324,8 +357,10 @@ class ControllerCore:
         if not msg.address:
             return self._refuse(out, e.request_id, "a worker must register with the address peers reach it at")
         previous = self._by_address.get(msg.address)
-        if previous is not None:
-            self._lose(now, self.workers[previous], st.REPLACED, f"a new worker registered at {msg.address}", out)
+        if previous is not None:  # a registration never fences a live worker: the old one must be lost first
+            return self._refuse(out, e.request_id, f"address {msg.address} belongs to live worker {previous}: a "
+                                                   "worker restarting there is accepted once that one is declared "
+                                                   "lost", "conflict")
         worker_id = f"w{self._registrations}"
         self._registrations += 1
         self.workers[worker_id] = Worker(
@@ -351,6 +386,7 @@ class ControllerCore:
         w.last_seen = now
         if w.state != was:
             self._apply(now, self.sched.worker_changed(now, w), out)
+        before = w.completed
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = dict(msg.sessions)
         w.received_bytes = msg.received_bytes
@@ -361,10 +397,12 @@ class ControllerCore:
         if msg.sessions:
             self._check_caps(now, w, msg.sessions)
         self.faults.progress(now, w, msg, out)  # snapshots, rebuilds and moves waiting for this worker
-        for session_id in sorted(w.sessions):
-            s = self.sessions[session_id]
-            self._flush_deferred(s, out)
-            self._resolve_syncs(s, out)
+        if w.completed > before:  # only a completion lets deletes and Syncs go (a hold resolves its own on release)
+            for session_id in sorted(w.sessions | self._sync_waits.pop(w.id, set())):
+                s = self.sessions.get(session_id)
+                if s is not None:
+                    self._flush_deferred(s, out)
+                    self._resolve_syncs(s, out)
         self._reply(out, e.request_id, m.ReportReply(ok=True))
 
     def _timer(self, now: float, e: ev.TimerFired, out: Effects) -> None:
@@ -407,6 +445,10 @@ class ControllerCore:
             del self._by_address[w.address]
         self.log.add(now, f"worker {w.id} at {w.address} lost: {reason}")
         taken = self.faults.losing(w, reason)  # sessions rebuilt from their copies instead (recovery.py)
+        waiting = self._sync_waits.pop(w.id, set()) - w.sessions  # it completes nothing more: they look again
+        for session_id in sorted(waiting):
+            if session_id in self.sessions and session_id not in taken:
+                self._resolve_syncs(self.sessions[session_id], out)
         for session_id in sorted(w.sessions):
             if session_id in taken:
                 continue
@@ -476,13 +518,16 @@ class ControllerCore:
             for instrs in self.sched.take_backlog(session_id):
                 self._dispatch(s, instrs, out)
             self._resolve_syncs(s, out)
+        for session_id, workers in changes.shrunk:
+            elastic.shrink(self, now, session_id, workers, out)
         for session_id, workers in changes.grown:
             elastic.grow(self, now, session_id, workers, out)
         if changes.wake is not None:
             out.append(fx.SetTimer(changes.wake, ("schedule",)))
 
     def _keepalive(self, now: float, e: ev.KeepAlive, out: Effects) -> None:
-        known = e.msg.session in self.sessions  # handle() already noted that the client is alive
+        s = self.sessions.get(e.msg.session)
+        known = s is not None and _owns(e.who, s)  # handle() already noted that the client is alive
         self._reply(out, e.request_id, m.Ack(ok=known, message="" if known else "unknown session (timed out?)"))
 
     def _check_session(self, now: float, session_id: Any, out: Effects) -> None:
@@ -504,6 +549,36 @@ class ControllerCore:
             s.errors.append(m.ErrorReport(op="memory cap", src="", message=text, kind=m.ErrorKind.MEMORY_CAP))
             self.log.add(now, f"session {_short(session_id)}: {text}")
 
+    # ------------------------------------------------------------ quotas
+
+    def _tenant_sessions(self, tenant: str) -> list[Session]:
+        return [s for s in self.sessions.values() if s.tenant == tenant]
+
+    def _session_quota(self, who: ev.Principal, memory_cap: int) -> str | None:
+        q = who.quota
+        if q.memory_bytes and not memory_cap:
+            return (f"quota: tenant {who.tenant!r} may lease {q.memory_bytes} bytes of device memory (quota "
+                    "memory_bytes): open sessions with memory_cap (bytes per device), not whole devices")
+        if q.sessions and (n := len(self._tenant_sessions(who.tenant))) >= q.sessions:
+            return f"quota: tenant {who.tenant!r} has {n} sessions open, its quota (sessions) is {q.sessions}"
+        return None
+
+    def _device_quota(self, who: ev.Principal, s: Session, new: int) -> str | None:
+        q = who.quota
+        if not (q.devices or q.memory_bytes):
+            return None
+        mine = self._tenant_sessions(who.tenant)
+        held = sum(len(t.devices) for t in mine)
+        if q.devices and held + new > q.devices:
+            return (f"quota: tenant {who.tenant!r} may hold {q.devices} logical devices (quota devices); it holds "
+                    f"{held} and this mesh asks for {new} more")
+        caps = {t.id: self.sched.tenants[t.id].cap for t in mine}
+        leased = sum(caps[t.id] * len(t.devices) for t in mine)
+        if q.memory_bytes and leased + caps[s.id] * new > q.memory_bytes:
+            return (f"quota: tenant {who.tenant!r} may lease {q.memory_bytes} bytes of device memory (quota "
+                    f"memory_bytes); it leases {leased} and this mesh asks for {caps[s.id] * new} more")
+        return None
+
     # ------------------------------------------------------------ status
 
     def _status(self, now: float, e: ev.Status, out: Effects) -> None:
@@ -519,15 +594,42 @@ class ControllerCore:
                                   leases=dict(pool[w.id].leases) if w.id in pool else {})
                    for w in sorted(self.workers.values(), key=lambda w: w.order)]
         workers = self.faults.worker_status(workers)
-        sessions = [m.SessionStatus(session=s.id, name=s.name, priority=s.priority, state=s.state,
+        sessions = [m.SessionStatus(session=s.id, name=s.name, priority=s.priority, state=s.state, tenant=s.tenant,
                                     devices=dict(sorted(s.devices.items())), tensors=len(s.tensors),
                                     queue_position=self.sched.position(s.id), kind=s.kind,
                                     schedule=self.sched.state(s.id), memory_cap=tenants[s.id].cap,
                                     attained_s=tenants[s.id].service(now))
                     for s in sorted(self.sessions.values(), key=lambda s: s.opened_at)]
         sessions = self.faults.session_status(sessions)
-        self._reply(out, e.request_id, m.StatusReply(workers=workers, sessions=sessions, events=self.log.lines(),
-                                                     policy=self.policy.describe(), queued=self.sched.queued))
+        reply = m.StatusReply(workers=workers, sessions=sessions, events=self.log.lines(),
+                              policy=self.policy.describe(), queued=self.sched.queued)
+        self._reply(out, e.request_id, reply if e.who.admin else self._tenant_view(reply, e.who.tenant))
+
+    def _tenant_view(self, reply: m.StatusReply, tenant: str) -> m.StatusReply:
+        """What a tenant may see: its sessions, the workers they use with only its own shards and leases, no
+        event lines (they name everyone's sessions), and the rest as anonymous counts."""
+        mine = {s.id: s for s in self._tenant_sessions(tenant)}
+        used = {w for s in mine.values() for w in s.devices.values()}
+        workers = []
+        for ws in reply.workers:
+            if ws.worker not in used:
+                continue
+            w = self.workers[ws.worker]
+            own = [st_ for sid, st_ in w.stats.items() if sid in mine]
+            workers.append(msgspec.structs.replace(
+                ws, tensors=sum(x.tensors for x in own), bytes=sum(x.bytes for x in own), utilization=-1.0,
+                backup_bytes=0, devices=[d for d in ws.devices if d.partition(":")[0] in mine],
+                leases={sid: cap for sid, cap in ws.leases.items() if sid in mine}))
+        others = [s for s in self.sessions.values() if s.id not in mine]
+        return msgspec.structs.replace(
+            reply, workers=workers, sessions=[s for s in reply.sessions if s.session in mine], events=[],
+            other_sessions=len(others), other_devices=sum(len(s.devices) for s in others),
+            other_workers=len(reply.workers) - len(workers))
+
+
+def _owns(who: ev.Principal, s: Session) -> bool:
+    """Whether `who` may name session `s`: its own (in-process callers, the simulator, own everything)."""
+    return who is ev.OPERATOR or s.tenant == who.tenant
 
 
 def _minor(version: str) -> int:

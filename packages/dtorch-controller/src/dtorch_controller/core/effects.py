@@ -16,9 +16,11 @@ from dtorch_protocol import messages as m
 @dataclass(frozen=True)
 class Refusal:
     """A request the core declines. The server raises `wire.ProtocolError` for kind "protocol" (bad
-    handshake) and `wire.RemoteError` for kind "refused" (unknown session, out-of-order batch, ...)."""
+    handshake), `wire.LimitExceeded` for "quota" (a tenant's quota), `wire.Conflict` for "conflict" (may
+    change: an address held by a live worker) and `wire.RemoteError` for "refused" (unknown session,
+    out-of-order batch, ...)."""
 
-    kind: Literal["protocol", "refused"]
+    kind: Literal["protocol", "refused", "quota", "conflict"]
     message: str
 
 

@@ -12,7 +12,11 @@ Rules:
    devices its preemptor took; every logical device bound to such a device moves to its substitute, one
    move per device pair, pulled by the substitute from the lost device's server (migration.py rule 3: not
    behind the preemptor's work queued there). Its held batches go out once the moves are done.
-4. Pure planning (`plan`) is separate from effects, so it is tested on its own.
+4. Shrink (scheduler.py rule 10, `Changes.shrunk`): an elastic session gives up some of its workers to a
+   preemptor and keeps running on the rest; every logical device bound to a worker given up moves to the kept
+   worker hosting the fewest of its devices, as a pull (rule 3: the preemptor's work may be queued there). It
+   runs on fewer workers (virtual devices) until it grows again (rule 1).
+5. Pure planning (`plan`) is separate from effects, so it is tested on its own.
 """
 
 from __future__ import annotations
@@ -67,6 +71,27 @@ def relocate(core: ControllerCore, now: float, session: str, swap: Mapping[str, 
     if unused:
         core._apply(now, core.sched.shrink(now, session, unused, stop_growing=False), out)
     _queue(core, now, session, moves, "relocates", out, pull=True)
+
+
+def shrink(core: ControllerCore, now: float, session: str, workers: list[str], out: Effects) -> None:
+    """Queue the moves of `session`'s logical devices off `workers` (given up to a preemptor: scheduler rule 10)
+    onto the workers it keeps, each to the kept worker hosting the fewest of its devices so far (rule 4). They
+    are pulls (rule 3): the preemptor's work may already be queued on the workers given up."""
+    s = core.sessions.get(session)
+    if s is None:
+        return
+    gone = set(workers)
+    load: dict[str, int] = {}
+    for d, w in sorted(s.devices.items()):
+        if w not in gone:
+            load[w] = load.get(w, 0) + 1
+    moves: dict[tuple[str, str], list[int]] = {}
+    for d, src in sorted(s.devices.items()):
+        if src in gone and load:
+            dst = min(load, key=lambda w: (load[w], core.workers[w].order))
+            load[dst] += 1
+            moves.setdefault((src, dst), []).append(d)
+    _queue(core, now, session, [(src, dst, ds) for (src, dst), ds in moves.items()], "shrinks", out, pull=True)
 
 
 def _mover(core: ControllerCore):  # noqa: ANN202 - the core's Mover, when it has one

@@ -2,7 +2,8 @@
 
 Requests that need an answer carry a `request_id` chosen by the adapter (any hashable value, unique
 among requests in flight); the answer comes back as `effects.Reply(request_id, ...)`, at once or later.
-`msg` is the validated wire message.
+`msg` is the validated wire message. `who` is the tenant the adapter authenticated (from its API key):
+a session belongs to the tenant that opened it, and only that tenant may name it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,27 @@ from dtorch_protocol import messages as m
 
 RequestId = Hashable
 
+
+@dataclass(frozen=True)
+class Quota:
+    """What a tenant may hold at once, set by the admin (`dtorch-controller keys quota`); 0 = no limit."""
+
+    devices: int = 0  # logical devices over all its sessions
+    memory_bytes: int = 0  # device memory its leases may take (a whole device counts all of its memory)
+    sessions: int = 0  # open sessions
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request: a tenant (its sessions only) or an admin (also sees everyone's in Status)."""
+
+    tenant: str
+    admin: bool = False
+    quota: Quota = Quota()
+
+
+OPERATOR = Principal(tenant="", admin=True)  # in-process callers the adapter is not between: simulator, tests
+
 # ---------------------------------------------------------------- from clients
 
 
@@ -21,18 +43,21 @@ RequestId = Hashable
 class OpenSession:
     request_id: RequestId
     msg: m.OpenSession
+    who: Principal = OPERATOR
 
 
 @dataclass(frozen=True)
 class OpenMesh:
     request_id: RequestId
     msg: m.OpenMesh
+    who: Principal = OPERATOR
 
 
 @dataclass(frozen=True)
 class Submit:
     request_id: RequestId
     msg: m.Submit
+    who: Principal = OPERATOR
 
 
 @dataclass(frozen=True)
@@ -41,12 +66,14 @@ class Sync:
 
     request_id: RequestId
     msg: m.Sync
+    who: Principal = OPERATOR
 
 
 @dataclass(frozen=True)
 class CloseSession:
     request_id: RequestId
     msg: m.CloseSession
+    who: Principal = OPERATOR
 
 
 @dataclass(frozen=True)
@@ -55,12 +82,14 @@ class KeepAlive:
 
     request_id: RequestId
     msg: m.KeepAlive
+    who: Principal = OPERATOR
 
 
 @dataclass(frozen=True)
 class Status:
     request_id: RequestId
     msg: m.StatusRequest = m.StatusRequest()
+    who: Principal = OPERATOR
 
 
 # ---------------------------------------------------------------- from workers

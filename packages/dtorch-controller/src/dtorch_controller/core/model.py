@@ -85,6 +85,7 @@ class Session:
     priority: str
     kind: str
     opened_at: float
+    tenant: str = ""  # who opened it: only that tenant may name it
     last_heard: float = 0.0  # the last request naming this session (liveness)
     state: str = st.OPEN
     devices: dict[int, str] = field(default_factory=dict)  # logical device -> worker id

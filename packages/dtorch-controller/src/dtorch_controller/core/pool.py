@@ -19,6 +19,12 @@ Rules:
    only when no other node has one) and `free_off`/`free_on` (a free worker off or on a given node, for drains).
    Workers are also kept in registration order (`_ring`), so `backup_for` steps over the primary's node in
    O(1) when nodes register one after another (the usual case), O(workers skipped) otherwise.
+7. Packed leases are placed fragmentation-aware (after FGD, Weng et al., ATC '23): the pool keeps a decayed
+   count of the shares of a device recent requests asked for (`saw`; whole devices count as 1.0). A device's
+   *fragmentation* is its free room times the share of requests too big for it; a packed lease goes where it
+   grows the fragmentation least (a shared device or a free one), best fit among equals. Whole-device requests
+   are always expected (a prior of one), so with no history it is plain best fit: the shared device with the
+   least room that fits, then free ones.
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ from bisect import bisect_left, insort
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+
+_BINS = 20  # request shares are counted in 5% steps of a device (of the largest memory)
+_WHOLE = _BINS + 1  # ... and whole-device requests apart
+_DEMAND_WINDOW = 512  # every this many requested devices, older counts are halved
+_WHOLE_PRIOR = 1.0  # whole-device requests are always expected (the default request): a partly leased device
+# never counts as fully usable
 
 
 @dataclass
@@ -66,6 +78,9 @@ class Pool:
         self._ring: list[tuple[int, str]] = []  # (order, worker) of every worker in the pool, sorted
         self._node_size: dict[str, int] = {}  # node -> its workers in the pool
         self._placeable: dict[str, dict[str, None]] = {}  # node -> its placeable workers
+        self._demand: dict[int, float] = {}  # recent requests per share of a device (in 1/_BINS), decayed
+        self._seen = 0.0
+        self._memory = 0  # the largest worker memory: the unit of request shares
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -77,6 +92,7 @@ class Pool:
 
     def add(self, worker: str, node: str, memory: int, order: int, placeable: bool = True) -> None:
         slot = self.slots[worker] = Slot(worker, node, memory, order, placeable)
+        self._memory = max(self._memory, memory)
         insort(self._ring, (order, worker))
         self._node_size[node] = self._node_size.get(node, 0) + 1
         self._refresh(slot)
@@ -194,13 +210,68 @@ class Pool:
             remaining -= len(take)
         return chosen
 
-    def pick_packed(self, k: int, cap: int, exclude: Collection[str] = ()) -> list[str]:
-        """Up to `k` workers for packed leases of `cap` bytes: shared workers with the least room that fits
-        first (keeping whole devices whole), then free workers on the fewest nodes."""
-        shared = sorted((self.slots[w] for w in self._shared if w not in exclude and self.slots[w].room >= cap),
-                        key=lambda s: (s.room, s.order))
-        chosen = [s.worker for s in shared[:k]]
-        return chosen + self.pick(k - len(chosen), exclude)
+    def pick_packed(self, k: int, cap: int, exclude: Collection[str] = (), shared_only: bool = False) -> list[str]:
+        """Up to `k` workers for packed leases of `cap` bytes, fragmentation-aware (rule 7): each in turn the
+        candidate (a shared worker with room, or a free one) whose lease strands the least capacity for the
+        requests seen lately; ties: least room (best fit), registration order. `shared_only`: no free worker."""
+        chosen: list[str] = []
+        skip = set(exclude)
+        rooms: dict[tuple[int, int], list[Slot]] = {}  # (room, memory) -> shared slots, by registration order
+        for w in self._shared:
+            slot = self.slots[w]
+            if w not in skip and slot.room >= cap:
+                rooms.setdefault((slot.room, slot.memory), []).append(slot)
+        for group in rooms.values():
+            group.sort(key=lambda s: s.order, reverse=True)
+        while len(chosen) < k:
+            best, best_key = None, None
+            for (room, memory), group in rooms.items():
+                if group:
+                    key = (self._stranding(room, cap, memory), room, group[-1].order)
+                    if best_key is None or key < best_key:
+                        best, best_key = (room, memory), key
+            fresh = None if shared_only else self.pick(1, [w for w in skip if self.is_free(w)])
+            if fresh:
+                slot = self.slots[fresh[0]]
+                key = (self._stranding(slot.memory, cap, slot.memory), slot.memory, slot.order)
+                if best_key is None or key < best_key:
+                    chosen.append(fresh[0])
+                    skip.add(fresh[0])
+                    continue
+            if best is None:
+                break
+            slot = rooms[best].pop()
+            chosen.append(slot.worker)
+            skip.add(slot.worker)
+        return chosen
+
+    # ------------------------------------------------------------ fragmentation (rule 7)
+
+    def saw(self, cap: int, devices: int = 1) -> None:
+        """A request for `devices` devices was made, packed leases of `cap` bytes each (0: whole devices)."""
+        b = _WHOLE if not cap or not self._memory else min(_BINS, max(1, round(cap / self._memory * _BINS)))
+        self._demand[b] = self._demand.get(b, 0.0) + devices
+        self._seen += devices
+        if self._seen >= _DEMAND_WINDOW:  # decay: the recent requests count most
+            self._seen = 0
+            self._demand = {b: n / 2 for b, n in self._demand.items() if n >= 1}
+
+    def _stranding(self, room: int, cap: int, memory: int) -> float:
+        """How much capacity a packed lease of `cap` on a device with `room` bytes free (of `memory`) strands: the
+        growth of the device's fragmentation (FGD's measure, for one device)."""
+        return self._fragment(room - cap, memory) - self._fragment(room, memory)
+
+    def _fragment(self, free: int, memory: int) -> float:
+        """Free bytes of a device that the recent requests could not use, weighted by how often each was asked
+        for: all of them for a device that is partly leased (a whole-device request cannot use it) and a
+        share of them for a request bigger than the room; none for a free device."""
+        if free >= memory or free <= 0:
+            return 0.0
+        total = sum(self._demand.values()) + _WHOLE_PRIOR
+        unusable = _WHOLE_PRIOR + sum(n for b, n in self._demand.items()
+                                      if b == _WHOLE or b * self._memory > free * _BINS)
+        return free * unusable / total
+
 
     # ------------------------------------------------------------ fault protection (pure queries)
 

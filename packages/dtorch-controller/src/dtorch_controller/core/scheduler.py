@@ -19,6 +19,9 @@ Rules:
    every new request: first every frozen tenant that got all its devices back resumes, then the queue is
    walked in order. A request that cannot be placed blocks the later ones unless it could preempt them
    later (policies/base.py), so the walk jumps to the next rank at once: a pass costs O(ranks), not O(queue).
+   One exception, when the policy packs: a blocked request lets the packed requests just behind it (a window
+   of `_FIT_WINDOW`) use the room left on shared devices, which it cannot use (it is blocked with that room
+   there): they take no free device and freeze nobody, so they cannot delay it.
 5. Elastic tenants (asked with a minimum below their size) that run on fewer devices than they have
    logical devices grow onto free devices when nobody waits (`growth`, set by the core when it can move
    logical devices): the core moves some of their logical devices there and reports it with `moved`.
@@ -29,7 +32,10 @@ Rules:
    several frozen tenants wanting one device: the best ranked gets it). It resumes, with its batches
    flushed in order, once it holds all of them again. A higher-ranked request may take reserved devices
    (before freezing running work). With ranks that change over time (LAS), a frozen tenant that comes to
-   outrank the holders of its devices takes them back at the next tick.
+   outrank the holders of its devices takes them back at the next tick. A policy that `lends` keeps no idle
+   reservations: a device a frozen tenant waits for is leased back to it only when it completes it (it resumes
+   at once); until then it serves anyone, and the frozen tenant takes back its own devices that are free (no
+   move) when it relocates.
    *Relocation* (the core sets `relocation` when it can move logical devices; the policy's `relocates`): a
    frozen tenant need not wait for the devices it lost. Once it has been frozen `relocate_after` seconds
    (most preemptions end sooner: moving would cost more than waiting), when as many free devices as it
@@ -42,6 +48,15 @@ Rules:
 7. Attained service (device-seconds) accrues while running, with the number of devices leased.
 8. Every public call returns `Changes`: devices to bind (placed), tenants frozen and resumed, log lines, and
    when to call `tick` next. The controller applies them; the scheduler never touches sessions or workers.
+9. Progress: a session may declare the steps (sync points) it expects; the core reports each Sync (`progress`):
+   one past the batch the last one reached is a new step (a Sync repeated while the client waits is not). A
+   tenant keeps its steps, its service at the last one and the time it spent queued or frozen before the
+   current wait (`waited`); policies may rank by them (policies/dtorch.py). A policy's rank of a running
+   tenant is refreshed at each of its steps.
+10. Elastic shrink (a policy that `shrinks`): before freezing running tenants of a rank, preemption takes the
+    spare devices of that rank's running elastic tenants (above the minimum they asked for, leased to them
+    alone): they keep running on the rest, as virtual devices (the core moves their logical devices off the
+    devices they give up, `Changes.shrunk`), and grow back when devices free up and nobody waits (rule 5).
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,9 +127,15 @@ class Tenant:
     frozen_by: str = ""
     logical: int = 0  # logical devices placed: the most physical devices it can use
     elastic: bool = False  # asked with a minimum below its size: it grows onto devices that come free
+    floor: int = 0  # elastic: the fewest physical devices it accepts (it may be shrunk down to them)
     backlog: list[Any] = field(default_factory=list)  # Submit batches held while frozen
     over_cap: set[str] = field(default_factory=set)  # workers where it was told it exceeds its cap
     stamp: int = 0  # invalidates stale wake-ups
+    expected_steps: int = 0  # steps (sync points) the client said it will reach; 0: unknown
+    steps: int = 0  # sync points reached so far
+    synced_upto: int = 0  # the batch its last sync point reached
+    step_service: float = 0.0  # attained service at its last sync point
+    waited: float = 0.0  # seconds spent queued or frozen before the current wait
 
     @property
     def running(self) -> bool:
@@ -123,6 +144,11 @@ class Tenant:
     @property
     def held_devices(self) -> int:
         return len(self.workers) if self.running else 0
+
+    @property
+    def wanted_devices(self) -> int:
+        """Logical devices it has and asks for: how wide it is, whether running or not."""
+        return self.logical + (len(self.request.devices) if self.request is not None else 0)
 
     def service(self, now: float) -> float:
         return self.attained + (len(self.workers) * max(0.0, now - self.since) if self.running else 0.0)
@@ -135,6 +161,7 @@ class Tenant:
 class Changes:
     placed: list[tuple[str, dict[int, str]]] = field(default_factory=list)  # session -> devices to bind
     grown: list[tuple[str, list[str]]] = field(default_factory=list)  # session -> workers leased to grow onto
+    shrunk: list[tuple[str, list[str]]] = field(default_factory=list)  # session -> workers it gave up (rule 10)
     relocated: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # session -> {lost worker: substitute}
     frozen: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
@@ -181,6 +208,10 @@ class Scheduler:
         self.growth = False  # the core can move logical devices: elastic tenants may grow (see _grow)
         self.relocation = False  # ... and frozen tenants may resume on substitutes (see _relocate)
         self.relocations = 0  # frozen tenants resumed on substitutes (for tests and benchmarks, like `decisions`)
+        # Does a session have moves of its logical devices in flight (the core's mover, read only)? Such a tenant
+        # is neither preempted nor relocated nor shrunk again until they are done: its moves go to the devices
+        # it leases now, which it would give up meanwhile (rules 6 and 10).
+        self.moving: Callable[[str], bool] = lambda session: False
 
     # ------------------------------------------------------------ queries
 
@@ -213,8 +244,29 @@ class Scheduler:
 
     # ------------------------------------------------------------ tenants
 
-    def open(self, session: str, priority: str, kind: str, cap: int = 0) -> None:
-        self.tenants[session] = Tenant(session, priority, kind, max(0, cap))
+    def open(self, session: str, priority: str, kind: str, cap: int = 0, expected_steps: int = 0) -> None:
+        self.tenants[session] = Tenant(session, priority, kind, max(0, cap), expected_steps=max(0, expected_steps))
+
+    def progress(self, now: float, session: str, upto: int) -> Changes:
+        """The session synced up to batch `upto`: a new sync point (a step) when `upto` is past the last one (a
+        client repeats a Sync while it waits), and policies that rank by progress may rank it anew (rule 9)."""
+        t = self.tenants.get(session)
+        if t is None or upto <= t.synced_upto:
+            return Changes()
+        t.synced_upto = upto
+        t.steps += 1
+        t.step_service = t.service(now)
+        if not t.running:
+            return Changes()
+        ch = Changes()
+        moved: dict[str, None] = {}
+        self._accrue(now, t)
+        if self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch):
+            self._wanters(t, moved)
+        self._watch(t, now)
+        if moved and self._reclaim_all(now, moved, ch):
+            return self._pass(now, ch)
+        return self._finish(ch)
 
     def close(self, now: float, session: str) -> Changes:
         ch = Changes()
@@ -386,10 +438,12 @@ class Scheduler:
             if t is not None and t.stamp == stamp:
                 due.append(t)
         ch = Changes()
+        moved: dict[str, None] = {}  # frozen tenants that may now outrank the holders of their devices
         for t in due:
             if t.running:
                 self._accrue(now, t)
-                self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch)
+                if self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch):
+                    self._wanters(t, moved)
                 self._watch(t, now)
                 continue
             starving = getattr(self.policy, "starving", None)
@@ -401,26 +455,44 @@ class Scheduler:
                 self._dequeue(t)
                 self._enqueue(t, now)
             elif t.state == FROZEN:
-                self._rerank(t, self.policy.rank(t, now), self._frozen, now, ch)
+                if self._rerank(t, self.policy.rank(t, now), self._frozen, now, ch):
+                    self._wanters(t, moved)
+                moved[t.session] = None
                 self._watch(t, now)
-        if due:  # ranks moved: frozen tenants that now outrank the holders of their devices take them back
-            for t in [self.tenants[s] for b in list(self._frozen.values()) for s in b]:
-                if t.state == FROZEN and t.missing:
-                    self._reclaim(now, t, ch)
+        self._reclaim_all(now, moved, ch)
         return self._pass(now, ch)
 
-    def _rerank(self, t: Tenant, rank: int, buckets: dict[int, dict[str, None]], now: float, ch: Changes) -> None:
+    def _wanters(self, t: Tenant, into: dict[str, None]) -> None:
+        """`t`'s rank changed: the frozen tenants waiting for the devices it holds may now outrank it."""
+        for w in t.workers:
+            if not (t.state == FROZEN and w in t.missing):
+                into.update(self._wanted.get(w, {}))
+
+    def _reclaim_all(self, now: float, moved: Mapping[str, None], ch: Changes) -> bool:
+        """Ranks moved: the frozen tenants among `moved` that now outrank the holders of their devices take them
+        back, best ranked first (only those whose rank, or whose devices' holders' ranks, changed: not a walk over
+        every frozen tenant). True when any did."""
+        took = False
+        for t in sorted((self.tenants[s] for s in moved if s in self.tenants), key=lambda t: (t.rank, t.arrival)):
+            if t.state == FROZEN and t.missing:
+                took = self._reclaim(now, t, ch) or took
+        return took
+
+    def _rerank(self, t: Tenant, rank: int, buckets: dict[int, dict[str, None]], now: float, ch: Changes) -> bool:
+        """Move `t` to bucket `rank`; True when its rank changed."""
         if rank == t.rank:
-            return
+            return False
         self._unbucket(t, buckets)
         ch.notes.append(f"session {_short(t.session)} now at rank {rank} ({t.service(now):.0f} device-s attained)")
         t.rank = rank
         buckets.setdefault(rank, {})[t.session] = None
+        return True
 
-    def _reclaim(self, now: float, t: Tenant, ch: Changes) -> None:
+    def _reclaim(self, now: float, t: Tenant, ch: Changes) -> bool:
         holders = {h for w in t.missing for h in self.pool.holders(w)}
-        if not holders or not self.policy.preempts or any(self.tenants[h].rank <= t.rank for h in holders):
-            return
+        if not holders or not self.policy.preempts or any(self.tenants[h].rank <= t.rank or self.moving(h)
+                                                          for h in holders):
+            return False
         for h in sorted(holders, key=lambda h: self.tenants[h].arrival):
             v = self.tenants[h]
             if v.running:
@@ -428,6 +500,7 @@ class Scheduler:
             else:
                 self._unreserve(v)
         self._offer()
+        return True
 
     # ------------------------------------------------------------ the pass
 
@@ -438,25 +511,40 @@ class Scheduler:
         self._offer()
         self._relocate(now, ch, self._queue[0][0] if self._queue else None)
         self._resume_ready(now, ch)
-        entries = list(self._queue)
+        # The live queue, not a copy (a pass must not cost O(queue)): an admission removes only its own entry.
+        queue = self._queue
         blocked: int | None = None  # rank of the first request that could not be placed
         i = 0
-        while i < len(entries):
-            entry = entries[i]
-            t = self.tenants[entry[-1]]
-            if t.key == entry and not self._admit(now, t, ch):
-                blocked = entry[0] if blocked is None else blocked
-                if not self.policy.preempts:
-                    break  # nobody may overtake a blocked request
-                i = bisect.bisect_left(entries, (entry[0] + 1,), i + 1)  # only a lower rank may go ahead
+        while i < len(queue):
+            entry = queue[i]
+            if self._admit(now, self.tenants[entry[-1]], ch):
+                self._resume_ready(now, ch)  # an admission may have handed devices back
                 continue
-            i += 1
-            self._resume_ready(now, ch)  # an admission may have handed devices back
+            blocked = entry[0] if blocked is None else blocked
+            self._fill_fragments(now, i + 1, ch)
+            if not self.policy.preempts:
+                break  # nobody may overtake a blocked request
+            i = bisect.bisect_left(queue, (entry[0] + 1,), i + 1)  # only a lower rank may go ahead
         self._relocate(now, ch, blocked)
         self._resume_ready(now, ch)
         if self.growth and not self._queue and self.pool.free_total:
             self._grow(now, ch)
         return self._finish(ch)
+
+    def _fill_fragments(self, now: float, start: int, ch: Changes) -> None:
+        """A request is blocked: later packed requests (up to `_FIT_WINDOW` of them) that fit in the room left on
+        shared devices go ahead. They take no free device and freeze nobody, so they cannot delay it: that room
+        is of no use to it (it is blocked with that room there) and would stay unallocated (rule 4)."""
+        if not self.policy.packs or not self.pool.shared_room():
+            return
+        queue = self._queue
+        i, end = start, start + _FIT_WINDOW
+        while i < min(end, len(queue)) and self.pool.shared_room():
+            t = self.tenants[queue[i][-1]]
+            if self._packs(t) and self._admit(now, t, ch, fragments=True):
+                end -= 1  # its entry left the queue: the window keeps its length
+                continue
+            i += 1
 
     def _resume_ready(self, now: float, ch: Changes) -> None:
         for session in list(self._resumable):
@@ -470,21 +558,33 @@ class Scheduler:
         if not self.pool.free_total and not self.pool.shared_room():
             return  # nothing to take (the usual case in a busy cluster): no walk over the frozen
         patience = getattr(self.policy, "relocate_after", 0.0) - _EPS
+        lends = getattr(self.policy, "lends", False)
         for rank in sorted(self._frozen):
             if upto is not None and rank > upto:
                 return
             for session in list(self._frozen.get(rank, ())):
                 t = self.tenants[session]
-                if not t.missing or session in self._resumable or now < (t.waiting_since or now) + patience:
+                if not t.missing or session in self._resumable or now < (t.waiting_since or now) + patience \
+                        or self.moving(session):
                     continue
                 if not self.pool.free_total and not (self._packs(t) and self.pool.shared_room()):
                     return
                 if len(t.missing) > self.pool.free_total and not self._packs(t):
                     continue
-                subs = self._pick(t, len(t.missing), t.workers)
-                if len(subs) < len(t.missing):
-                    continue
-                self._substitute(t, subs, ch)
+                cap = self._cap(t)
+                own = [w for w in t.missing if self.pool.is_free(w) or (cap and self.pool.fits(w, cap)
+                                                                        and self.pool.slots[w].placeable)] \
+                    if lends else []  # its own devices that are free now come back as they are (no move)
+                subs = self._pick(t, len(t.missing) - len(own), t.workers)
+                if len(own) + len(subs) < len(t.missing):
+                    continue  # all or nothing: a lending policy keeps no idle reservation
+                for w in own:
+                    self.pool.lease(w, t.session, cap)
+                    self._unwant(t, w)
+                if t.missing:
+                    self._substitute(t, subs, ch)
+                else:
+                    self._resumable[t.session] = None
 
     def _substitute(self, t: Tenant, subs: list[str], ch: Changes) -> None:
         lost = sorted(t.missing, key=lambda w: self.workers[w].order)
@@ -582,19 +682,26 @@ class Scheduler:
             return self.pool.pick_packed(k, t.cap, exclude)
         return self.pool.pick(k, exclude)
 
-    def _admit(self, now: float, t: Tenant, ch: Changes) -> bool:
+    def _admit(self, now: float, t: Tenant, ch: Changes, fragments: bool = False) -> bool:
+        """Place `t`'s request now, freezing victims if the policy preempts; `fragments`: only on room left on
+        shared devices (no free device, no preemption: a backfill that cannot delay a blocked request)."""
         req = t.request
         assert req is not None
         if not self.pool:
             return False
         want = len(req.devices)
         need = max(1, min(req.need, len(self.pool)))
-        picked = self._pick(t, want) if self.pool.free_total or self._packs(t) else []
-        if len(picked) < need and self.policy.preempts:
+        if fragments:
+            picked = self.pool.pick_packed(want, t.cap, shared_only=True)
+        else:
+            picked = self._pick(t, want) if self.pool.free_total or self._packs(t) else []
+        if len(picked) < need and self.policy.preempts and not fragments:
             victims = self._victims(t, need - len(picked), now)
             if victims:
-                for v in victims:
-                    if v.running:
+                for v, give in victims:
+                    if give:
+                        self._shrink_for(now, v, give, t, ch)
+                    elif v.running:
                         self._freeze(now, v, t, ch)
                     else:
                         self._unreserve(v)
@@ -608,6 +715,7 @@ class Scheduler:
         self._offer()  # devices the victims gave up and this request did not take go back to them
         t.workers = dict.fromkeys(picked)
         t.logical += want
+        t.floor = need if t.elastic else 0
         assignment = self._spread(req.devices, picked)
         t.request = None
         self._dequeue(t)
@@ -620,25 +728,40 @@ class Scheduler:
                         f"({_plural(nodes, 'node')}) after {now - (t.waiting_since or now):.2f}s in the queue")
         return True
 
-    def _victims(self, t: Tenant, short: int, now: float) -> list[Tenant] | None:
+    def _victims(self, t: Tenant, short: int, now: float) -> list[tuple[Tenant, list[str]]] | None:
         """Tenants of a higher rank to give up devices so that `short` more come free, or None when they cannot:
-        per rank from the least important, reservations of frozen tenants first, then running tenants, most
-        recent first."""
+        per rank from the least important, reservations of frozen tenants first, then the spare devices of
+        running elastic tenants (shrunk, when the policy `shrinks`: rule 10), then running tenants (frozen), most
+        recent first. Each comes with the workers it gives up when shrunk (empty: frozen, or its reservations
+        go)."""
         mine = t.key[0] if t.key is not None else self.policy.rank(t, now)
-        victims: list[Tenant] = []
+        victims: list[tuple[Tenant, list[str]]] = []
         chosen: set[str] = set()
         pending: set[str] = set()
         freed: set[str] = set()
+        shrinks = getattr(self.policy, "shrinks", False)
         for rank in sorted(self._ranks.keys() | self._frozen.keys(), reverse=True):
             if rank <= mine:
                 break
             frozen = (self.tenants[s] for s in reversed(self._frozen.get(rank, {})))
             running = self._best_fit_first(self._ranks.get(rank, {}), short - len(freed))
-            for v in itertools.chain(frozen, running):
+            for v in itertools.chain(frozen, (None,), running):
+                if v is None:  # the frozen tenants' reservations were not enough: shrink, then freeze
+                    for e, give in self._spares(self._ranks.get(rank, {}), short - len(freed)) if shrinks else ():
+                        victims.append((e, give))
+                        chosen.add(e.session)
+                        freed.update(give)
+                        if len(freed) >= short:
+                            return victims
+                    continue
+                if v.session in chosen or self.moving(v.session):
+                    continue  # shrunk already, or its devices are on the move
+                if v.state == FROZEN and len(v.missing) >= len(v.workers):
+                    continue  # reserves nothing
                 held = [w for w in v.workers if w not in v.missing] if v.state == FROZEN else list(v.workers)
                 if not held:
                     continue
-                victims.append(v)
+                victims.append((v, []))
                 chosen.add(v.session)
                 pending.update(held)
                 for w in list(pending):
@@ -651,6 +774,34 @@ class Scheduler:
                 if len(freed) >= short:
                     return victims
         return None
+
+    def _spares(self, bucket: Mapping[str, None], left: int) -> Iterator[tuple[Tenant, list[str]]]:
+        """Running elastic tenants of one rank above their floor, most recent first, with the devices each can give
+        up (leased to it alone, the most recently leased first) until `left` are found."""
+        for session in reversed(bucket):
+            if left <= 0:
+                return
+            v = self.tenants[session]
+            spare = len(v.workers) - max(1, v.floor)
+            if not v.elastic or spare <= 0 or self.moving(session):
+                continue
+            give = [w for w in reversed(v.workers) if len(self.pool.holders(w)) == 1][:min(spare, left)]
+            if give:
+                left -= len(give)
+                yield v, give
+
+    def _shrink_for(self, now: float, v: Tenant, give: list[str], by: Tenant, ch: Changes) -> None:
+        """`v` gives up `give` instead of being frozen (rule 10): it keeps running on the rest; the core moves its
+        logical devices off them onto the ones it keeps (`Changes.shrunk`); it may grow again later (rule 5)."""
+        self._accrue(now, v)
+        for w in give:
+            del v.workers[w]
+            self._release(w, v.session)
+        self._watch(v, now)
+        self.decisions += 1
+        ch.shrunk.append((v.session, list(give)))
+        ch.notes.append(f"session {_short(v.session)} shrinks to {_plural(len(v.workers), 'device')} "
+                        f"({v.logical} logical): preempted by session {_short(by.session)}")
 
     def _best_fit_first(self, bucket: Mapping[str, None], left: int) -> Iterator[Tenant]:
         """Running tenants of one rank, most recent first, except that the smallest one among the most recent
@@ -695,6 +846,15 @@ class Scheduler:
         self._unbucket(t, self._frozen)
         self._resumable.pop(t.session, None)
 
+    def _unwant(self, t: Tenant, w: str) -> None:
+        """`t` holds `w` again."""
+        t.missing.discard(w)
+        wanting = self._wanted.get(w)
+        if wanting is not None:
+            wanting.pop(t.session, None)
+            if not wanting:
+                del self._wanted[w]
+
     def _unfreeze_wants(self, t: Tenant) -> None:
         for w in t.missing:
             wanting = self._wanted.get(w)
@@ -710,15 +870,18 @@ class Scheduler:
             self._freed.append(worker)
 
     def _offer(self) -> None:
-        """Reserve each released device that frozen tenants want for the best ranked one it fits."""
+        """Reserve each released device that frozen tenants want for the best ranked one it fits. A policy that
+        `lends` reserves a device only for a tenant it completes (it resumes at once): the others stay free for
+        anyone meanwhile (rule 6)."""
         freed, self._freed = self._freed, []
+        lends = getattr(self.policy, "lends", False)
         for w in freed:
             wanting = self._wanted.get(w)
             if not wanting or w not in self.pool:
                 continue
             for t in sorted((self.tenants[s] for s in wanting), key=lambda t: (t.rank, t.arrival)):
                 cap = self._cap(t)
-                if not self.pool.fits(w, cap):
+                if not self.pool.fits(w, cap) or (lends and t.missing != {w}):
                     continue
                 self.pool.lease(w, t.session, cap)
                 t.missing.discard(w)
@@ -749,6 +912,8 @@ class Scheduler:
 
     def _start(self, now: float, t: Tenant, buckets: dict[int, dict[str, None]]) -> None:
         t.since = now
+        if t.waiting_since is not None:
+            t.waited += now - t.waiting_since
         t.waiting_since = None
         t.frozen_by = ""
         t.rank = self.policy.rank(t, now)
@@ -774,6 +939,8 @@ class Scheduler:
             t.since = now
 
     def _enqueue(self, t: Tenant, now: float) -> None:
+        if t.request is not None:  # what requests look like: packing avoids stranding room they need (pool rule 7)
+            self.pool.saw(self._cap(t), len(t.request.devices))
         t.key = (self.policy.rank(t, now), *self.policy.key(t, now), t.arrival, t.session)
         bisect.insort(self._queue, t.key)
         self._watch(t, now)

@@ -1,7 +1,9 @@
 """Scheduling policies behind one interface (`base.Policy`), by name.
 
+    dtorch    the default: strict classes; within a class least remaining work (declared progress) or least
+              attained service, with credit for waiting; preemption by freezing, relocation, lending, packing
     fifo      strict first come, first served; whole devices; no preemption
-    priority  high/normal/low classes, preemption by freezing, packing of memory-capped sessions (default)
+    priority  high/normal/low classes, preemption by freezing, packing of memory-capped sessions
     las       Tiresias-style discretized least-attained-service, preemption by freezing
 
 `make_policy(name, params)` builds one; `dtorch-controller --policy NAME` and the simulator's `policy:` use it.
@@ -13,13 +15,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dtorch_controller.core.policies.base import BasePolicy, Policy, PolicyError
+from dtorch_controller.core.policies.dtorch import DTorchPolicy
 from dtorch_controller.core.policies.fifo import FifoPolicy
 from dtorch_controller.core.policies.las import LasPolicy
 from dtorch_controller.core.policies.priority import PriorityPolicy
 
-DEFAULT_POLICY = "priority"
+DEFAULT_POLICY = "dtorch"
 
 POLICIES: dict[str, Callable[[Mapping[str, Any] | None], Policy]] = {
+    "dtorch": DTorchPolicy,
     "fifo": FifoPolicy,
     "priority": PriorityPolicy,
     "las": LasPolicy,
@@ -37,5 +41,5 @@ def make_policy(name: str = DEFAULT_POLICY, params: Mapping[str, Any] | None = N
     return factory(params)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "BasePolicy", "FifoPolicy", "LasPolicy", "Policy", "PolicyError",
+__all__ = ["DEFAULT_POLICY", "POLICIES", "BasePolicy", "DTorchPolicy", "FifoPolicy", "LasPolicy", "Policy", "PolicyError",
            "PriorityPolicy", "known", "make_policy"]

@@ -1,0 +1,62 @@
+"""Emitting an op on each device's own shards, for decompositions that know the layout of what it produces.
+
+A decomposition (`_registry.register_decomposition`) runs several ops in place of one; the ops whose per-device
+work is not what torch's rules would derive from the inputs' layouts (each device gathering its own rows, say)
+are emitted here with the layout the decomposition declares. Arguments may differ per device (`per_device`: the
+args of each mesh position, in the mesh's row-major order), as for ops planned with per-device args.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from dtorch._source import user_src
+from dtorch._spec import Spec, contiguous_stride
+from dtorch_protocol import messages as m
+from dtorch_protocol.placement_types import Placement, Replicate
+from dtorch_protocol.values import encode_value
+
+_R = Replicate()
+
+
+def on_dim(ndim: int, dim: int, p: Placement, others: tuple[Placement, ...] | None = None) -> tuple[Placement, ...]:
+    """Placements with `p` on mesh dim `dim` and `others` (default Replicate) elsewhere."""
+    base = others or (_R,) * ndim
+    return tuple(p if i == dim else q for i, q in enumerate(base))
+
+
+def spec(mesh: Any, placements: tuple[Placement, ...], shape: tuple[int, ...], dtype: torch.dtype) -> Spec:
+    return Spec(mesh, placements, tuple(shape), contiguous_stride(shape), dtype)
+
+
+def emit(op: Any, args: tuple, out: Spec | list[Spec | None], per_device: list[tuple] | None = None,
+         kwargs: dict | None = None) -> Any:
+    """Run `op` on every device's shards of the DTensors in `args` (or in `per_device[i]` on the i-th device of the
+    mesh); `out` declares the global layout of what it gives (a list for ops with several outputs, None to drop one).
+    """
+    ref = next(a for a in pytree.tree_leaves((args, per_device)) if is_dtensor(a))
+    session, mesh, make = ref._session, ref.device_mesh, type(ref)
+    ref_of = lambda t: {"$t": t._tid} if is_dtensor(t) else None  # noqa: E731
+    encode = lambda v: encode_value(v, ref_of)  # noqa: E731
+    kw = {k: encode(v) for k, v in (kwargs or {}).items()}
+    local = None if per_device is None else {dev: [encode(list(a)), kw] for dev, a in zip(mesh.devices, per_device)}
+    specs = out if isinstance(out, list) else [out]
+    tids = [None if s is None else session.new_tid() for s in specs]
+    session.emit(m.InstrCall(op=str(op), mesh=mesh.id, args=encode(list(args)), kwargs=kw,
+                             outs=[None if s is None else m.OutSpec(t, s.wire) for t, s in zip(tids, specs)],
+                             local=local, src=user_src(3)))
+    results = [None if s is None else make(s, t, session) for t, s in zip(tids, specs)]
+    return results if isinstance(out, list) else results[0]
+
+
+def to(t: Any, placements: tuple[Placement, ...]) -> Any:
+    """`t` redistributed to `placements` on its mesh (inside a decomposition autograd is off: a plain move)."""
+    return t if t.placements == placements else t.redistribute(placements=placements)
+
+
+def is_dtensor(v: Any) -> bool:
+    """A DTensor, told without importing the module (decompositions sit below `dtensor`)."""
+    return isinstance(v, torch.Tensor) and getattr(v, "_spec", None) is not None and hasattr(v, "_tid")

@@ -1,0 +1,229 @@
+"""The DTorch policy (policies/dtorch.py), through the core on a fake clock: one test per rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtorch_controller.core import ControllerCore
+from dtorch_controller.core import events as ev
+from dtorch_controller.core.policies import DEFAULT_POLICY, DTorchPolicy, PolicyError
+from dtorch_protocol import messages as m
+
+QUIET = dict(heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6, session_timeout_s=0)
+
+
+def harness(make_harness, **params):
+    return make_harness(policy=DTorchPolicy({"fairness": 0, **params}), **QUIET)
+
+
+def workers(h, n):
+    return [h.register(f"10.0.0.{i}:7000") for i in range(n)]
+
+
+def state(h, sid):
+    return h.core.sched.state(sid)
+
+
+def step(h, sid, n=1):
+    """`sid` reaches `n` sync points: a batch each (it creates a tensor), and a Sync."""
+    t = h.core.sched.tenants[sid]
+    for _ in range(n):
+        seq = h.core.sessions[sid].seq + 1
+        h.submit(sid, seq, [m.InstrCreate(tid=seq, spec=m.TensorSpec(shape=[4], dtype="float32", mesh=1,
+                                                                      placements=["R"]), init="zeros")])
+        before = t.steps
+        h.sync(sid, seq)
+        h.sync(sid, seq)  # the same sync point again (a client waiting): not a step
+        assert t.steps == before + 1
+
+
+def test_it_is_the_default_policy():
+    assert DEFAULT_POLICY == "dtorch" and ControllerCore().policy.name == "dtorch"
+
+
+def test_least_attained_service_within_a_class_and_strict_classes_above_it(make_harness):
+    h = harness(make_harness, thresholds=[10])
+    workers(h, 1)
+    old = h.open_session()
+    assert h.open_mesh(old, 1, [0]).placed
+    h.advance(11)  # 11 device-s: level 1
+    new = h.open_session()
+    assert h.open_mesh(new, 1, [0]).placed and state(h, old) == "frozen"  # less attained: preempts
+    h.advance(20)  # new is at level 1 too: no preemption either way
+    assert state(h, new) == "running" and state(h, old) == "frozen"
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed and state(h, new) == "frozen"
+    h.advance(1000)  # the high session has attained far more than anyone: classes stay strict
+    low = h.open_session(priority="normal")
+    assert not h.open_mesh(low, 1, [0]).placed and state(h, high) == "running"
+
+
+def test_declared_steps_rank_by_remaining_work(make_harness):
+    # long: 100 steps declared, 10 done in 10 s -> 90 device-s left (level 1). short: 2 of 3 steps done in 4 s
+    # (2 device-s each) -> 2 device-s left (level 0). Least attained would favour neither; remaining work does.
+    h = harness(make_harness, thresholds=[10])
+    workers(h, 1)
+    long = h.open_session(expected_steps=100)
+    assert h.open_mesh(long, 1, [0]).placed
+    for _ in range(10):
+        h.advance(1)
+        step(h, long)
+    assert h.core.sched.tenants[long].rank == 1 * 2 + 1  # class normal, level 1
+    short = h.open_session(expected_steps=3)
+    assert h.open_mesh(short, 1, [0]).placed and state(h, long) == "frozen"  # a newcomer (0 attained) preempts
+    for _ in range(2):
+        h.advance(2)
+        step(h, short)
+    assert h.core.sched.tenants[short].rank == 1 * 2 + 0  # 2 device-s left: level 0, although it attained 4
+    h.advance(100)  # its attained service (104 device-s) would make least attained service demote it: it stays
+    assert state(h, short) == "running" and state(h, long) == "frozen"
+
+
+def test_a_session_past_its_declared_steps_falls_back_to_attained_service(make_harness):
+    h = harness(make_harness, thresholds=[10])
+    workers(h, 1)
+    liar = h.open_session(expected_steps=2)
+    assert h.open_mesh(liar, 1, [0]).placed
+    h.advance(1)
+    step(h, liar)  # 1 of 2 done in 1 device-s: 1 device-s left, level 0
+    h.advance(30)
+    assert h.core.sched.tenants[liar].rank == 2  # level 0 by its estimate, after 31 device-s
+    step(h, liar, 2)  # 3 steps of the 2 it declared: the estimate is not trusted, 31 device-s attained
+    assert h.core.sched.tenants[liar].rank == 3
+    new = h.open_session()
+    assert h.open_mesh(new, 1, [0]).placed and state(h, liar) == "frozen"
+
+
+def test_waiting_earns_credit_until_a_waiting_session_preempts(make_harness):
+    # fairness 2: a 1-device session waiting 1 s earns 0.5 device-s. old has 40 device-s (level 1 of [10]);
+    # it needs 30 device-s of credit (60 s of waiting) to come back to level 0 and take its device back
+    h = make_harness(policy=DTorchPolicy({"thresholds": [10], "fairness": 2}), **QUIET)
+    workers(h, 1)
+    old = h.open_session()
+    assert h.open_mesh(old, 1, [0]).placed
+    h.advance(40)
+    new = h.open_session()
+    assert h.open_mesh(new, 1, [0]).placed and state(h, old) == "frozen"
+    h.advance(9)
+    assert state(h, new) == "running"  # new: 9 device-s, level 0; old: 40 - 4.5, level 1
+    h.advance(55)  # new reached level 1 at 10 device-s; at 60 s of waiting old's credit brings it to level 0
+    assert state(h, old) == "running" and state(h, new) == "frozen"
+    assert h.core.sched.tenants[old].waited == pytest.approx(60, abs=0.01)
+
+
+def test_frozen_sessions_lend_the_devices_they_wait_for(make_harness):
+    # a (2 devices) is frozen by a newcomer that takes one of them; the other comes free and is not kept idle
+    # for a: a third session, of a lower class, uses it; a gets both back when they free (its own, no move)
+    h = harness(make_harness, thresholds=[10])
+    w0, w1 = workers(h, 2)
+    a = h.open_session()
+    assert h.open_mesh(a, 1, [0, 1]).placed
+    h.advance(20)  # 40 device-s: level 1
+    b = h.open_session()
+    assert h.open_mesh(b, 1, [0]).placed and state(h, a) == "frozen"
+    c = h.open_session(priority="low")
+    assert h.open_mesh(c, 1, [0]).placed  # the device a waits for serves c meanwhile
+    assert not h.core.sched.reserved(w0) and not h.core.sched.reserved(w1)
+    h.call(ev.CloseSession, m.CloseSession(session=b))
+    h.call(ev.CloseSession, m.CloseSession(session=c))
+    assert state(h, a) == "running" and sorted(h.core.sched.tenants[a].workers) == [w0, w1]
+    assert h.core.sched.relocations == 0
+    h2 = harness(make_harness, thresholds=[10], lend=False)  # without lending: the device is reserved for a
+    workers(h2, 2)
+    a = h2.open_session()
+    assert h2.open_mesh(a, 1, [0, 1]).placed
+    h2.advance(20)
+    assert h2.open_mesh(h2.open_session(), 1, [0]).placed and state(h2, a) == "frozen"
+    assert not h2.open_mesh(h2.open_session(priority="low"), 1, [0]).placed
+
+
+def test_parameters_are_checked():
+    with pytest.raises(PolicyError, match="ascending"):
+        DTorchPolicy({"thresholds": [5, 1]})
+    with pytest.raises(PolicyError, match="'fairness' must be a number >= 0"):
+        DTorchPolicy({"fairness": -1})
+    with pytest.raises(PolicyError, match="'lend' must be true or false"):
+        DTorchPolicy({"lend": "yes"})
+    with pytest.raises(PolicyError, match="takes no parameter 'starve_factor'"):
+        DTorchPolicy({"starve_factor": 1})
+
+
+def test_a_negative_expected_steps_is_refused(h, refused):
+    from dtorch_protocol.wire import hello
+
+    reply = h.call(ev.OpenSession, m.OpenSession(hello=hello("client"), expected_steps=-1))
+    assert refused(reply) and "bad expected_steps -1: expected a count >= 0" in reply.message
+
+
+# ---------------------------------------------------------------- packing (pool.py rule 7, scheduler.py rule 4)
+
+
+def test_packing_strands_the_least_room_for_the_requests_seen():
+    from dtorch_controller.core.pool import Pool
+
+    def pool():
+        p = Pool()
+        for i in range(3):
+            p.add(f"w{i}", f"n{i}", 1000, i)
+        p.lease("w0", "s0", 550)  # 450 left
+        p.lease("w1", "s1", 200)  # 800 left
+        return p
+
+    assert pool().pick_packed(1, 400) == ["w0"]  # no history: best fit, although it leaves 50 that nothing uses
+    p = pool()
+    for _ in range(10):
+        p.saw(400)  # requests of 400 are what comes: 800 -> 400 leaves room one can use, 450 -> 50 does not
+    assert p.pick_packed(1, 400) == ["w1"]
+    assert p.pick_packed(2, 400) == ["w1", "w0"]
+    p.saw(0, 50)  # now mostly whole devices are asked for: the free device is kept whole while others have room
+    assert sorted(p.pick_packed(2, 400)) == ["w0", "w1"] and p.pick_packed(3, 400)[2] == "w2"
+
+
+def test_packed_requests_fill_the_room_a_blocked_request_cannot_use(make_harness):
+    # w0 is half leased; a whole-device request is blocked (no free device); a packed request behind it fits
+    # in w0's room: it goes ahead (it takes nothing the blocked one could use), a second one does not fit
+    h = make_harness(policy=DTorchPolicy({"fairness": 0}), **QUIET)
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    half = h.open_session(memory_cap=500)
+    assert h.open_mesh(half, 1, [0]).placed
+    whole = h.open_session()
+    assert not h.open_mesh(whole, 1, [0]).placed
+    small, big = h.open_session(memory_cap=400), h.open_session(memory_cap=600)
+    assert h.open_mesh(small, 1, [0]).placed and h.core.sched.tenants[small].workers == {w0: None}
+    assert not h.open_mesh(big, 1, [0]).placed
+    assert h.core.sched.state(whole) == "waiting" and h.core.sched.position(whole) == 1
+
+
+# ---------------------------------------------------------------- elastic shrink (scheduler.py rule 10)
+
+
+def test_an_elastic_session_is_shrunk_instead_of_frozen_and_grows_back(make_harness):
+    h = harness(make_harness, thresholds=[10])
+    w = workers(h, 4)
+    e = h.open_session(priority="low")
+    assert h.open_mesh(e, 1, [0, 1, 2, 3], min_devices=2).placed
+    assert sorted(h.core.sessions[e].devices.values()) == sorted(w)
+    h.submit(e, 1, [m.InstrCreate(tid=1, spec=m.TensorSpec(shape=[8], dtype="float32", mesh=1, placements=["S0"]),
+                                  init="zeros")])
+    h.report_all()
+    h.take_sent()
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1]).placed
+    assert state(h, e) == "running"  # not frozen: it gave up two devices
+    t = h.core.sched.tenants[e]
+    given = sorted(set(w) - set(t.workers))
+    assert len(t.workers) == 2 and sorted(h.core.sched.tenants[high].workers) == given
+    assert any("shrinks to 2 devices (4 logical)" in line for line in h.core.log.lines())
+    fetches = [x for x in h.take_sent() if isinstance(x.execute.cmds[0], m.CmdFetchShards)]
+    # each device given up is pulled by a kept worker, one at a time (one move per session at a time)
+    assert len(fetches) == 1 and fetches[0].worker_id in t.workers and fetches[0].execute.cmds[0].move
+    for _ in range(4):
+        h.report_all()
+    assert sorted(set(h.core.sessions[e].devices.values())) == sorted(t.workers)  # 4 logical on 2 workers
+    rid, _ = h.sync(e, 1)
+    assert h.replies[rid].done
+    h.call(ev.CloseSession, m.CloseSession(session=high))  # devices free, nobody waits: it grows back
+    for _ in range(4):
+        h.report_all()
+    assert len(h.core.sched.tenants[e].workers) == 4
+    assert len(set(h.core.sessions[e].devices.values())) == 4

@@ -1,0 +1,108 @@
+"""Pointing the simulator at any trace: the generic `csv` format, its checks, and the warnings of `validate`."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from dtorch_sim.jobs import generate, warnings
+from dtorch_sim.scenario import ScenarioError, parse
+
+
+def errors(data: dict) -> list[str]:
+    with pytest.raises(ScenarioError) as e:
+        parse(data)
+    return e.value.lines
+
+
+def csv_trace(base: dict, path, text: str, **trace) -> dict:
+    path.write_text(text)
+    base["workload"] = {"trace": {"format": "csv", "path": str(path), **trace}}
+    return base
+
+
+# Unsorted rows, datetimes, no job id column, two virtual clusters.
+ROWS = ("when,gpus,secs,vc\n"
+        "2024-03-01 10:00:30,2,60,a\n"
+        "2024-03-01 10:00:00,1,30,b\n"
+        "2024-03-01 10:01:00,4,90,a\n"
+        "2024-03-01 10:00:10,1,45,a\n")
+COLUMNS = {"submit": "when", "num_gpu": "gpus", "duration": "secs"}
+
+
+def test_csv_maps_columns_names_jobs_by_row_reads_datetimes_and_sorts(base, tmp_path):
+    csv_trace(base, tmp_path / "t.csv", ROWS, columns=COLUMNS, time_format="%Y-%m-%d %H:%M:%S")
+    jobs = generate(parse(base))
+    assert [(j.id, j.arrival, j.devices, j.duration) for j in jobs] == [
+        ("row3", 0.0, 1, 30.0), ("row5", 10.0, 1, 45.0), ("row2", 30.0, 2, 60.0), ("row4", 60.0, 4, 90.0)]
+
+
+def test_csv_iso_times_and_end_column(base, tmp_path):
+    text = "id,t0,t1,n\nx,2024-03-01T10:00:00+00:00,2024-03-01T10:02:00+00:00,1\ny,2024-03-01T11:00:00+01:00,2024-03-01T10:01:00Z,2\n"
+    csv_trace(base, tmp_path / "t.csv", text, columns={"job_id": "id", "submit": "t0", "end": "t1", "num_gpu": "n"},
+              time_format="iso")
+    assert [(j.id, j.arrival, j.duration) for j in generate(parse(base))] == [("x", 0.0, 120.0), ("y", 0.0, 60.0)]
+
+
+def test_csv_filter_keeps_one_virtual_cluster(base, tmp_path):
+    csv_trace(base, tmp_path / "t.csv", ROWS, columns=COLUMNS, time_format="%Y-%m-%d %H:%M:%S",
+              filter={"column": "vc", "values": ["a"]})
+    assert [j.id for j in generate(parse(base))] == ["row5", "row2", "row4"]
+
+
+def test_csv_partition_tags_groups_and_applies_quotas(base, tmp_path):
+    csv_trace(base, tmp_path / "t.csv", ROWS, columns=COLUMNS, time_format="%Y-%m-%d %H:%M:%S",
+              partition={"column": "vc", "quotas": {"a": 2, "b": 5}})
+    jobs = generate(parse(base))
+    assert [(j.id, j.group) for j in jobs] == [("row3", "b"), ("row5", "a"), ("row2", "a")]  # a's third is over quota
+    base["workload"]["trace"]["partition"] = {"column": "vc", "quotas": {"a": 1}, "others": 0}
+    assert [j.id for j in generate(parse(base))] == ["row5"]
+
+
+def test_csv_checks_each_give_one_line(base, tmp_path):
+    path = tmp_path / "t.csv"
+    assert errors(csv_trace(base, path, ROWS, columns={"submit": "when"})) == [
+        "workload.trace: format csv needs columns for submit, num_gpu, and duration or end: add num_gpu, duration "
+        "or end to workload.trace.columns (role: CSV column name)"]
+    assert errors(csv_trace(base, path, ROWS, columns=COLUMNS, time_format="YYYY-MM-DD")) == [
+        "workload.trace: time_format must be 'seconds', 'iso' or a strptime pattern such as '%Y-%m-%d %H:%M:%S', "
+        "got 'YYYY-MM-DD'"]
+    (line,) = errors(csv_trace(base, path, ROWS, columns=COLUMNS, time_format="%d/%m/%Y"))
+    assert line.startswith("workload.trace.path: line 2 of ") and line.endswith(
+        ": submit value '2024-03-01 10:00:30' (column 'when') is not in time_format '%d/%m/%Y'")
+    assert errors(csv_trace(base, path, ROWS, columns={**COLUMNS, "submit": "t"})) == [
+        "workload.trace.columns: column 't' (for submit) is not in the CSV header ['when', 'gpus', 'secs', 'vc']"]
+    assert errors(csv_trace(base, path, ROWS, columns=COLUMNS, time_format="%Y-%m-%d %H:%M:%S",
+                            filter={"column": "cluster", "values": ["a"]})) == [
+        "workload.trace.filter.column: column 'cluster' is not in the CSV header ['when', 'gpus', 'secs', 'vc']"]
+    assert errors(csv_trace(base, path, ROWS, columns=COLUMNS, time_format="%Y-%m-%d %H:%M:%S",
+                            partition={"column": "cluster", "quotas": {"a": 1}})) == [
+        "workload.trace.partition.column: column 'cluster' is not in the CSV header ['when', 'gpus', 'secs', 'vc']"]
+    lines = errors(csv_trace(base, path, ROWS, columns=COLUMNS, partition={"column": "vc", "quotas": {"a": 0}}))
+    assert lines == ["workload.trace.partition.quotas: a quota is a number of jobs >= 1, got a: 0"]
+    (line,) = errors(csv_trace(base, path, ROWS, columns=COLUMNS, time_format="%Y-%m-%d %H:%M:%S",
+                               filter={"column": "vc", "values": ["zz"]}))
+    assert line.startswith("workload.trace: no job left to simulate from ") and "filter on column 'vc'" in line
+
+
+def test_validate_warns_about_jobs_larger_than_the_cluster_and_time_units(base, tmp_path):
+    csv_trace(base, tmp_path / "t.csv", "t,n,d\n0,4,10\n1,16,10\n2,9,10\n", columns={"submit": "t", "num_gpu": "n",
+                                                                                   "duration": "d"})
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == [
+        "warning: workload: 2 of 3 jobs ask for more devices than the cluster's 8 at the start (up to 16): they run "
+        "with several logical devices per device (virtual devices), slower (drop them with workload.trace.max_gpus, "
+        "or add nodes)"]
+    base["workload"]["trace"]["max_gpus"] = 8
+    base["workload"]["trace"]["time_scale"] = 0.01
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == [
+        "note: policy times (LAS thresholds, relocate_after, ...) are simulated seconds: they do not follow "
+        "workload.trace.time_scale (0.01); scale them yourself (policy.params)"]
+    scenario = tmp_path / "s.yaml"
+    base["workload"]["trace"].pop("max_gpus")
+    scenario.write_text(yaml.safe_dump(base))
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and "warning: workload: 2 of 3 jobs ask for more devices" in out.stdout
