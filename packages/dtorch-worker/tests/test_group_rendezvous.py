@@ -72,15 +72,20 @@ def test_the_store_listens_on_the_workers_host_only(workers):
         socket.create_connection(("127.0.0.2", int(port)), timeout=5).close()
 
 
-def test_the_group_meets_with_its_secret_and_gives_the_values(workers):
+@pytest.mark.parametrize("keyed", [True, False], ids=["key", "protocol 1.5 (no key)"])
+def test_the_group_meets_and_gives_the_values(workers, keyed):
+    """With its secret; without one (a controller of protocol 1.5, which newer workers serve) as before."""
     session = f"sess-meet-{next(_SESSIONS)}"
-    out = run(workers, session, gather_commands(workers, session))
+    cmds = gather_commands(workers, session)
+    if not keyed:
+        cmds = {w: replace_group(batch, key="") for w, batch in cmds.items()}
+    out = run(workers, session, cmds)
     for value in out:
         assert torch.equal(value, torch.tensor([1.0, 1.0, 2.0, 2.0])), value
 
 
 @pytest.mark.parametrize("case,why", [
-    ("no key", "carries no key of at least 16 characters"),
+    ("short key", "carries a key shorter than 16 characters"),
     ("another worker", "names another worker at this worker's rank"),
     ("another store", "puts the rendezvous on another store than this worker's, at rank 0"),
 ])
@@ -88,7 +93,7 @@ def test_a_group_command_failing_a_check_is_refused(workers, case, why):
     session = f"sess-check-{next(_SESSIONS)}"
     cmds = gather_commands(workers, session, timeout_s=3.0)
     group = next(c for c in cmds["w0"] if isinstance(c, CmdGroup))
-    change = {"no key": {"key": ""}, "another store": {"store": "127.0.0.1:1"},
+    change = {"short key": {"key": "0123456789abcde"}, "another store": {"store": "127.0.0.1:1"},
               "another worker": {"members": ["w9 at 10.0.0.9:7000", group.members[1]]}}[case]
     cmds["w0"] = replace_group(cmds["w0"], **change)
     out = run(workers, session, cmds)

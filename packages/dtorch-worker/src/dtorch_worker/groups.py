@@ -8,8 +8,9 @@ Rules:
    `dtorch/{key}/{group}/{generation}`, where `key` is the group's secret (`CmdGroup.key`, drawn by the
    controller for each group and generation, sent to its members only), so only they can name its keys: a
    member of another group, generation or session, or anyone else who reaches the port, never meets them. The
-   session id never travels to the store (it is a secret of its own).
-2. Membership is checked, not trusted (table CHECKS): a CmdGroup without a key, naming another worker at this
+   session id never travels to the store (it is a secret of its own). A controller of protocol 1.5 sends no key:
+   then the prefix names the session instead, as it did (workers may be newer than the controller).
+2. Membership is checked, not trusted (table CHECKS): a CmdGroup with a short key, naming another worker at this
    rank, or (rank 0) another store than this worker's, is refused; every member claims its rank's slot in the
    store once (`compare_set`) with the fingerprint of the membership it was told, and every member waits for all
    slots and refuses the group unless each holds the member named there with the same fingerprint: a group
@@ -69,7 +70,8 @@ KEY_CHARS = 16  # a group key has at least this many characters (the controller 
 
 Check = Callable[[CmdGroup, str, str], bool]  # (command, this worker's address, its store's address) -> acceptable
 CHECKS: tuple[tuple[str, Check], ...] = (  # (why a CmdGroup is refused, what it must satisfy), checked in order
-    (f"carries no key of at least {KEY_CHARS} characters", lambda c, me, store: len(c.key) >= KEY_CHARS),
+    (f"carries a key shorter than {KEY_CHARS} characters",
+     lambda c, me, store: not c.key or len(c.key) >= KEY_CHARS),  # none: a 1.5 controller (rule 1)
     ("names a rank outside its members", lambda c, me, store: 0 <= c.rank < len(c.members)),
     ("has a timeout that is not positive", lambda c, me, store: c.timeout_s > 0),
     ("names another worker at this worker's rank",
@@ -260,7 +262,7 @@ class Groups:
         try:
             client = TCPStore(host, int(port), None, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=g.timeout_s))
-            g.store = PrefixStore(f"dtorch/{g.key}/{g.id}/{g.generation}", client)
+            g.store = PrefixStore(f"dtorch/{g.key or g.session}/{g.id}/{g.generation}", client)
             _meet(g)
             # the backend's own bound a little longer than ours, so our line (naming who is missing) comes first
             g.pg = self.backend.new_group(g.store, g.rank, g.size, g.timeout_s + 5.0, self.host)
