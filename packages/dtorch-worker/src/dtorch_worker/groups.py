@@ -413,8 +413,8 @@ def _meet(g: Group) -> None:
     mine = f"{g.fingerprint} {g.members[g.rank]}"
     held = g.store.compare_set(f"joined/{g.rank}", "", mine).decode(errors="replace")
     if held != mine:
-        raise GroupError(f"rank {g.rank}'s slot was already taken (by {held.partition(' ')[2] or 'someone'!r}); "
-                         "refused")
+        raise GroupError(f"rank {g.rank}'s slot was already taken (by {held.partition(' ')[2][:100] or 'someone'!r}"
+                         "); refused")
     keys = [f"joined/{r}" for r in range(g.size)]
     deadline = time.monotonic() + g.timeout_s
     while not g.store.check(keys):
@@ -426,7 +426,7 @@ def _meet(g: Group) -> None:
     for r, member in enumerate(g.members):
         held = bytes(g.store.get(keys[r])).decode(errors="replace")
         if held != f"{g.fingerprint} {member}":
-            fp, _, who = held.partition(" ")
+            who = held.partition(" ")[2][:100]  # whatever a stranger wrote: bounded in the line
             what = f"as {who!r}" if who != member else "with a different membership"
             raise GroupError(f"rank {r} ({member}) joined {what}; refused")
 
