@@ -186,7 +186,7 @@ def core_scale(workers: int, per_node: int, sessions: int) -> None:
     used = {w for sid in sids for w in b.core.sessions[sid].devices.values()}
     print(f"core only: {workers} workers on {workers // per_node} nodes, {len(sids)} sessions on {len(used)} "
           f"workers, a snapshot after every batch (setup {time.perf_counter() - t0:.1f} s)")
-    faults = b.core.faults
+    recs = b.core.pipeline.recs
 
     nodes_of = {wid: w.labels["node"] for wid, w in b.core.workers.items()}
 
@@ -203,10 +203,10 @@ def core_scale(workers: int, per_node: int, sessions: int) -> None:
         for wid in b.ids:
             b.report(wid)
         took = time.perf_counter() - t
-        done = sum(1 for sid in sids if faults.recs[sid].snapshot is not None and faults.recs[sid].snapshot.upto == seq)
+        done = sum(1 for sid in sids if recs[sid].snapshot is not None and recs[sid].snapshot.upto == seq)
         print(f"  round {seq}: reports    {len(b.ids) / took:10.0f} reports/s ({took:.2f} s), "
               f"{done}/{len(sids)} snapshots complete")
-    remote = [(p, h) for sid in sids for d, (p, h) in faults.recs[sid].snapshot.holders.items()]
+    remote = [(p, h) for sid in sids for d, (p, h) in recs[sid].snapshot.holders.items()]
     off = sum(1 for p, h in remote if node(p) != node(h))
     print(f"  backup copies on another node than their device: {off}/{len(remote)}")
 
@@ -221,10 +221,10 @@ def core_scale(workers: int, per_node: int, sessions: int) -> None:
             b.report(wid)
     took = time.perf_counter() - t
     states = [b.core.sessions[sid].state for sid in hit]
-    rebuilt = sum(1 for sid in hit if faults.recs[sid].recoveries)
+    rebuilt = sum(1 for sid in hit if recs[sid].recoveries)
     print(f"  node loss: {len(nodes)} nodes, {len(hit)} sessions hit: {rebuilt} rebuilt, "
           f"{states.count('degraded')} degraded ({took:.2f} s in the core, 6 report rounds)")
-    for why in sorted({faults.recs[sid].why for sid in hit if faults.recs[sid].why}):
+    for why in sorted({recs[sid].why for sid in hit if recs[sid].why}):
         print(f"    not rebuilt: {why}")
 
     drained = [w for w in sorted(used - {w for w in b.ids if node(w) in nodes}, key=lambda w: int(w[1:]))

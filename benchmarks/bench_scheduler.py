@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from dtorch_controller.core import Config, ControllerCore, counter_ids, make_policy
 from dtorch_controller.core import events as ev
+from dtorch_controller.core.timers import PolicyTick
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
 
@@ -58,7 +59,7 @@ class Bench:
         return self.call(ev.OpenMesh, m.OpenMesh(session=sid, mesh=0, devices=list(range(n)), shape=[n]))
 
     def decisions(self) -> int:
-        return self.core.sched.decisions
+        return self.core.view.decisions
 
 
 def timed(bench: Bench, fn: Callable[[], None]) -> tuple[float, int]:
@@ -119,7 +120,7 @@ def run(policy: str, workers: int, per_node: int, queued: int) -> dict[str, floa
 
         if policy == "las":  # the running work attains service, so that newcomers outrank it
             b.now += 1e5
-            b.core.handle(b.now, ev.TimerFired(("schedule",)))
+            b.core.handle(b.now, ev.TimerFired(PolicyTick()))
         secs, n = timed(b, preempt)
         out["preempt"] = n / secs
         out["frozen"] = sum(t.state == "frozen" for t in b.core.sched.tenants.values())

@@ -35,4 +35,12 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "unreachable: a drain of a draining worker does not step its state (migration.py, `if w.state != DRAINING`)",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_sim.scenario.xǁNodeListǁcolumn_map",
+     'return {"XXnameXX": "sn", "devices": "gpu", "model": "model", **self.columns}'):
+        "the name column of a node list is never read (jobs.node_groups reads devices and model; nodes are named "
+        "by the simulator)",
+    ("dtorch_sim.scenario.x_override",
+     "raise ScenarioError([f\"--set {assignment}: the value is not valid YAML: {getattr(e, 'problem', ) or e}\"]) \\"):
+        "yaml.safe_load raises only MarkedYAMLErrors, which always have `problem`: getattr without a default is the "
+        "same",
 }

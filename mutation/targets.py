@@ -15,8 +15,10 @@ TARGETS: dict[str, list[str]] = {
     "scheduler and policies": ["dtorch_controller/core/scheduler.py", "dtorch_controller/core/pool.py",
                                "dtorch_controller/core/policies/*.py"],
     "worker and session state tables": ["dtorch_controller/core/state.py"],
-    "recovery and lineage": ["dtorch_controller/core/recovery.py", "dtorch_controller/core/lineage.py"],
-    "wire authentication and validation": ["dtorch_protocol/wire.py"],
+    "recovery and lineage": ["dtorch_controller/core/recovery.py", "dtorch_controller/core/moves.py",
+                             "dtorch_controller/core/drain.py", "dtorch_controller/core/snapshots.py",
+                             "dtorch_controller/core/pipeline.py", "dtorch_controller/core/lineage.py"],
+    "wire authentication and validation": ["dtorch_protocol/auth.py", "dtorch_protocol/wire.py"],
     "scenario validation": ["dtorch_sim/scenario.py"],
     "client planner": ["dtorch/_planner.py", "dtorch/_sharding.py", "dtorch/_spec.py"],
 }

@@ -3,22 +3,10 @@ drain targets off the drained node, and a report advancing only the sessions tha
 
 from __future__ import annotations
 
+from _core_helpers import add_, create
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.pool import Pool
 from dtorch_protocol import messages as m
-
-
-def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
-    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
-
-
-def create(tid, shape=(8,)):
-    return m.InstrCreate(tid=tid, spec=spec(shape), init="rand", seed=tid, src="train.py:3")
-
-
-def add_(tid):
-    return m.InstrCall(op="aten.add_.Scalar", mesh=1, args=[{"$t": tid}, 1.0], kwargs={},
-                       outs=[m.OutSpec(tid=tid, spec=spec([8]))], src="train.py:9")
 
 
 def cluster(make_harness, nodes=("a", "b"), per_node=3, every=2):
@@ -44,9 +32,9 @@ def snapshot(h, sid):
 
 def test_backups_of_a_nodes_workers_land_on_another_node_spread_over_it(make_harness):
     h, ids = cluster(make_harness, per_node=4)
-    faults = h.core.faults
+    pool = h.core.sched.pool
     for a, b in zip(ids["a"], ids["b"]):
-        assert faults.backup_holder(a) == b and faults.backup_holder(b) == a  # worker i of A <-> worker i of B
+        assert pool.backup_for(a) == b and pool.backup_for(b) == a  # worker i of A <-> worker i of B
     sid = h.open_session()
     assert h.open_mesh(sid, 1, [0, 1, 2, 3]).placed
     s = h.core.sessions[sid]
@@ -56,7 +44,7 @@ def test_backups_of_a_nodes_workers_land_on_another_node_spread_over_it(make_har
     addresses = {h.core.workers[w].address: w for w in ids["b"]}
     assert len(remote) == 4 and all(to in addresses for _w, to in remote)
     assert len({to for _w, to in remote}) == 4  # one copy per worker of B, not all on its first one
-    rec = faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert rec.snapshot.upto == 2
     assert all({node(h, x) for x in holders} == {"a", "b"} for holders in rec.snapshot.holders.values())
 
@@ -81,26 +69,25 @@ def test_a_whole_node_loss_is_rebuilt_from_the_copies_on_the_other_node(make_har
     assert s.state == "open"
     assert {node(h, w) for w in s.devices.values()} == {"b"}
     assert h.replies[rid].done and not h.replies[rid].errors
-    assert h.core.faults.recs[sid].recoveries == 1
+    assert h.core.pipeline.recs[sid].recoveries == 1
     assert h.status().sessions[0].recoveries == 1
 
 
 def test_a_single_node_cluster_keeps_both_copies_on_its_node_and_recovers_a_worker_loss(make_harness):
     h, ids = cluster(make_harness, nodes=("a",), per_node=3)
     a = ids["a"]
-    faults = h.core.faults
-    assert [faults.backup_holder(w) for w in a] == [a[1], a[2], a[0]]  # the next one, as before
+    assert [h.core.sched.pool.backup_for(w) for w in a] == [a[1], a[2], a[0]]  # the next one, as before
     sid = h.open_session()
     assert h.open_mesh(sid, 1, [0, 1]).placed
     s = h.core.sessions[sid]
     snapshot(h, sid)
-    assert faults.recs[sid].snapshot.upto == 2
+    assert h.core.pipeline.recs[sid].snapshot.upto == 2
     victim = s.devices[1]
     h.handle(ev.WorkerUnreachable(victim, "", "killed"))
     for _ in range(6):
         h.take_sent()
         h.report_all()
-    assert s.state == "open" and victim not in s.devices.values() and faults.recs[sid].recoveries == 1
+    assert s.state == "open" and victim not in s.devices.values() and h.core.pipeline.recs[sid].recoveries == 1
 
 
 def test_a_drain_moves_to_a_free_worker_of_another_node(make_harness):
@@ -166,14 +153,11 @@ def test_a_report_advances_only_the_sessions_waiting_for_it(make_harness):
         h.submit(sid, 1, [create(1)])
         h.submit(sid, 2, [add_(1)])  # every session is taking a snapshot
     h.take_sent()
-    faults = h.core.faults
-    assert set(faults.active) == set(sids)
+    waits = h.core.waits
+    assert waits.active == set(sids) and not waits.fresh  # each filed under the copies it waits for
     seen = []
-    advance = faults.mover.advance
-    faults.mover.advance = lambda s, out: (seen.append(s.id), advance(s, out))[1]
-    h.report(idle)  # sessions that just started waiting are filed by the next report, whoever sends it
-    assert sorted(seen) == sorted(sids)
-    seen.clear()
+    advance = h.core.snapshots.advance  # every session the settle pass looks at goes through it
+    h.core.snapshots.advance = lambda step, s, rec: (seen.append(s.id), advance(step, s, rec))[1]
     h.report(idle)
     assert seen == []  # nobody waits for it
     first = h.core.sessions[sids[0]]
@@ -181,11 +165,11 @@ def test_a_report_advances_only_the_sessions_waiting_for_it(make_harness):
     assert seen == [sids[0]]  # its snapshot waits for the other device's worker too
     h.report(first.devices[1])
     assert seen == [sids[0]] * 2
-    rec = faults.recs[sids[0]]
-    assert rec.taking is None and rec.snapshot.upto == 2 and sids[0] not in faults.active
+    rec = h.core.pipeline.recs[sids[0]]
+    assert rec.taking is None and rec.snapshot.upto == 2 and sids[0] not in waits.active
     for w in list(h.core.workers):
         h.report(w)
-    assert all(faults.recs[sid].snapshot.upto == 2 for sid in sids) and not faults.active
+    assert all(h.core.pipeline.recs[sid].snapshot.upto == 2 for sid in sids) and not waits.active
 
 
 # ---------------------------------------------------------------- the pool's queries

@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
+from _core_helpers import add_, cmds_of, create, spec
 from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
-
-
-def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
-    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
-
-
-def create(tid, shape=(8,), src="train.py:3"):
-    return m.InstrCreate(tid=tid, spec=spec(shape), init="rand", seed=tid, src=src)
-
-
-def add_(tid, src="train.py:9"):
-    return m.InstrCall(op="aten.add_.Scalar", mesh=1, args=[{"$t": tid}, 1.0], kwargs={},
-                       outs=[m.OutSpec(tid=tid, spec=spec([8]))], src=src)
 
 
 def setup(make_harness, workers=3, **config):
@@ -25,11 +13,6 @@ def setup(make_harness, workers=3, **config):
     sid = h.open_session()
     assert h.open_mesh(sid, 1, [0, 1]).placed
     return h, ids, sid
-
-
-def cmds_of(sent, worker=None, kind=None):
-    return [c for e in sent if worker is None or e.worker_id == worker for c in e.execute.cmds
-            if kind is None or isinstance(c, kind)]
 
 
 def session(h, sid):
@@ -49,7 +32,7 @@ def test_snapshots_copy_every_device_locally_and_to_another_worker_then_truncate
         assert local.to == "" and remote.to and remote.host and local.devices[d] == [1]
         assert remote.to != h.core.workers[s.devices[d]].address
         assert local.namespace == remote.namespace == f"{sid}#s1"
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert rec.taking is not None and len(rec.log) == 2
     h.report_all()
     assert rec.taking is None and rec.snapshot.upto == 2 and rec.log == []
@@ -70,7 +53,7 @@ def test_uploads_are_copied_at_the_adopt(make_harness):
     for e in sent:
         kinds = [type(c).__name__ for c in e.execute.cmds]
         assert kinds[:2] == ["CmdSendShards", "CmdSendShards"] and kinds[2] == "CmdRun"  # before the op writes it
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert rec.adopts[5].pending
     h.report_all()
     assert rec.adopts[5].complete
@@ -107,7 +90,7 @@ def test_a_lost_worker_is_rebuilt_from_the_snapshot_and_the_log(make_harness):
     abandons = cmds_of(sent, kind=m.CmdAbandon)
     assert abandons and all(c.tids == [1] and c.lost == ["10.0.0." + victim[1:] + ":7000"] for c in abandons)
     fetches = cmds_of(sent, kind=m.CmdFetchShards)
-    holders = h.core.faults.recs[sid].snapshot.holders[1]  # device 1: from a surviving copy, local if it is there
+    holders = h.core.pipeline.recs[sid].snapshot.holders[1]  # device 1: from a surviving copy, local if it is there
     assert {(tuple(c.devices), c.address == "") for c in fetches} == {((0,), True), ((1,), s.devices[1] in holders)}
     assert all(c.namespace == f"{sid}#s1" and list(c.devices.values()) == [[1]] for c in fetches)
     replayed = [c for c in cmds_of(sent, kind=m.CmdRun)]
@@ -229,7 +212,7 @@ def test_a_worker_holding_only_copies_triggers_a_new_snapshot(make_harness):
     h.submit(sid, 1, [create(1)])
     h.submit(sid, 2, [add_(1)])
     h.report_all()
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     holders = {w for hs in rec.snapshot.holders.values() for w in hs}
     spare = next(w for w in holders if w not in s.devices.values())
     h.take_sent()
@@ -244,7 +227,7 @@ def test_a_failed_copy_is_not_a_snapshot_and_is_not_shown_to_the_client(make_har
     h.submit(sid, 1, [create(1)])
     h.submit(sid, 2, [add_(1)])
     sent = h.take_sent()
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     w = s.devices[0]
     seq = rec.taking.pending[w]
     err = m.ErrorReport(op="copy shards to 10.0.0.9:1 (x#s1)", src="", message="unreachable", seq=seq,
@@ -289,6 +272,40 @@ def test_migrate_moves_one_device_holds_batches_and_reports_the_downtime(make_ha
     assert h.status().sessions[0].migrations == 1
 
 
+def test_the_scheduler_sees_a_session_moving_while_its_moves_are_in_flight(make_harness):
+    """Scheduler.moving is the moves feature's answer (preemption, relocation and shrink leave such a session be)."""
+    h, ids, sid = setup(make_harness, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    assert not h.core.sched.moving(sid)
+    dst = next(w for w in ids if w not in s.devices.values())
+    h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    assert h.core.sched.moving(sid)
+    h.report_all()
+    h.report_all()  # the copy, then the source's delete of the old shards
+    assert s.devices[1] == dst and not h.core.sched.moving(sid)
+
+
+def test_a_parked_sync_is_answered_by_a_worker_that_no_longer_hosts_the_session(make_harness):
+    """After a move, the source still runs the session's delete of the moved shards; a Sync waits for it, and the
+    source's report of that completion answers it although the source hosts none of the session's devices now."""
+    h, ids, sid = setup(make_harness, every=0)  # no snapshots: nothing else to wait for
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    src = s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    h.report_all()  # the copy is done: the device is on dst, src got the delete of the old shards
+    assert s.devices[1] == dst and src not in s.devices.values()
+    assert cmds_of(h.take_sent(), src, m.CmdDelete)
+    rid, reply = h.sync(sid, 1)
+    assert reply is None  # src has not run the delete yet
+    h.report(src)
+    assert h.replies[rid].done
+
+
 def test_migrate_refuses_unknown_ids_in_one_line(make_harness, refused):
     h, ids, sid = setup(make_harness)
     for msg, text in [(m.MigrateRequest(session="nope", device=0, to_worker=ids[0]), "unknown session"),
@@ -328,7 +345,7 @@ def test_drain_moves_devices_and_copies_then_releases_the_worker(make_harness):
     reply = h.replies[rid]
     assert reply.ok and reply.moves and reply.moves[0].from_worker == victim
     assert victim not in s.devices.values() and h.core.workers[victim].state == "lost"
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert all(victim not in hs for hs in rec.snapshot.holders.values())
     assert h.report(victim).ok is False  # released: fenced, it exits
     assert any("released after draining" in line for line in h.status().events)
@@ -348,7 +365,7 @@ def test_a_loss_while_a_snapshot_is_taken_rebuilds_from_the_previous_one(make_ha
     h.report_all()  # snapshot 1 after batch 2
     h.submit(sid, 3, [add_(1)])
     h.submit(sid, 4, [add_(1)])  # snapshot 2 starts: not complete when the worker dies
-    rec = h.core.faults.recs[sid]
+    rec = h.core.pipeline.recs[sid]
     assert rec.taking is not None and rec.snapshot.upto == 2
     h.take_sent()
     sent = lose_and_recover(h, sid, s.devices[1])

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from _core_helpers import create
+from dtorch_controller.core import elastic
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.policies import FifoPolicy, LasPolicy, PolicyError, PriorityPolicy, make_policy
 from dtorch_controller.core.pool import Pool
 from dtorch_controller.core.scheduler import TENANT_TABLE, IllegalTenantTransition
+from dtorch_controller.core.timers import PolicyTick
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
 
 QUIET = dict(heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6)  # workers never go suspect on their own
-
-
-def spec(shape, mesh=1, placements=("S0",)):
-    return m.TensorSpec(shape=list(shape), dtype="float32", mesh=mesh, placements=list(placements))
-
-
-def create(tid, mesh=1):
-    return m.InstrCreate(tid=tid, spec=spec([4], mesh), init="zeros")
 
 
 def workers(h, n, node=None, start=0):
@@ -445,7 +440,7 @@ def test_las_demotes_with_attained_service_and_lets_newcomers_preempt(make_harne
     w0, w1 = workers(h, 2)
     old = h.open_session()
     assert h.open_mesh(old, 1, [0, 1]).placed
-    assert h.timers[("schedule",)] == pytest.approx(h.now + 5)  # 10 device-s on 2 devices
+    assert h.timers[PolicyTick()] == pytest.approx(h.now + 5)  # 10 device-s on 2 devices
     new = h.open_session()
     assert not h.open_mesh(new, 1, [0]).placed  # same level: no preemption
     h.advance(6)
@@ -608,11 +603,23 @@ def test_moves_swap_leases_and_free_the_source(h):
 
 
 def test_growth_plan_takes_from_the_most_loaded_worker():
-    from dtorch_controller.core.elastic import plan
+    assert elastic.grow({0: "a", 1: "a", 2: "a", 3: "a"}, ["b"]) == ([("a", "b", [2, 3])], [])
+    assert elastic.grow({0: "a", 1: "a", 2: "b", 3: "b", 4: "a", 5: "b"}, ["c"]) == (
+        [("b", "c", [5]), ("a", "c", [4])], [])
+    assert elastic.grow({0: "a"}, ["b"]) == ([], ["b"])  # one logical device: nothing to spread, b goes back
 
-    assert plan({0: "a", 1: "a", 2: "a", 3: "a"}, ["b"]) == [("a", "b", [2, 3])]
-    assert plan({0: "a", 1: "a", 2: "b", 3: "b", 4: "a", 5: "b"}, ["c"]) == [("b", "c", [5]), ("a", "c", [4])]
-    assert plan({0: "a"}, ["b"]) == []  # one logical device: nothing to spread
+
+def test_relocation_plan_moves_every_device_of_a_lost_worker_to_its_substitute():
+    assert elastic.relocate({0: "a", 1: "a", 2: "b"}, {"a": "x", "c": "y"}) == ([("a", "x", [0, 1])], ["y"])
+
+
+def test_shrink_plan_moves_each_device_given_up_to_the_least_loaded_kept_worker():
+    order = {"a": 0, "b": 1, "c": 2, "d": 3}.__getitem__
+    # c and d are given up; a and b host one device each: c's go to a then b, d's to a then b (ties: order)
+    assert elastic.shrink({0: "a", 1: "b", 2: "c", 3: "c", 4: "d", 5: "d"}, {"c", "d"}, order) == [
+        ("c", "a", [2]), ("c", "b", [3]), ("d", "a", [4]), ("d", "b", [5])]
+    assert elastic.shrink({0: "a", 1: "a", 2: "b"}, {"b"}, order) == [("b", "a", [2])]
+    assert elastic.shrink({0: "a"}, {"a"}, order) == []  # nothing kept: nowhere to move (the scheduler keeps one)
 
 
 def test_a_growing_session_moves_devices_through_the_mover_and_swaps_leases(h):

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from _core_helpers import spec
 from dtorch_controller.core import Refusal
 from dtorch_controller.core import events as ev
+from dtorch_controller.core.timers import Heartbeat, SyncDeadline
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
-
-
-def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
-    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
 
 
 def cluster(h, workers=2, devices=(0, 1, 2, 3), shape=None):
@@ -345,9 +343,10 @@ def test_close_session_tells_every_holder_and_answers_pending_syncs(h):
 
 
 def test_garbage_timer_keys_and_unknown_workers_are_ignored(h):
-    h.handle(ev.TimerFired("nonsense"))
-    h.handle(ev.TimerFired(("sync", "nope", 1)))
-    h.handle(ev.TimerFired(("heartbeat", "w404")))
+    h.handle(ev.TimerFired("nonsense"))  # type: ignore[arg-type]
+    h.handle(ev.TimerFired(("sync", "nope", 1)))  # type: ignore[arg-type]
+    h.handle(ev.TimerFired(SyncDeadline("nope", 1)))
+    h.handle(ev.TimerFired(Heartbeat("w404")))
     h.handle(ev.WorkerUnreachable("w404"))
     with pytest.raises(TypeError):
         h.core.handle(0.0, object())  # an adapter bug, not client input

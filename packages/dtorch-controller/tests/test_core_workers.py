@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+from _core_helpers import spec
 from dtorch_controller.core import Config, ControllerCore, Refusal
 from dtorch_controller.core import events as ev
+from dtorch_controller.core.timers import Heartbeat
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
-
-
-def spec(shape, mesh=1, placements=("S0",), dtype="float32"):
-    return m.TensorSpec(shape=list(shape), dtype=dtype, mesh=mesh, placements=list(placements))
 
 
 def test_register_assigns_sequential_ids_and_the_heartbeat_interval(make_harness):
@@ -19,7 +17,7 @@ def test_register_assigns_sequential_ids_and_the_heartbeat_interval(make_harness
     assert reply == m.Registered(worker="w0", heartbeat_interval_s=0.25)
     assert h.register("10.0.0.2:7000") == "w1"
     assert h.core.workers["w0"].labels == {"rack": "a"}
-    assert ("heartbeat", "w0") in h.timers
+    assert Heartbeat("w0") in h.timers
 
 
 def test_register_with_another_protocol_major_is_refused_naming_both_versions(h):

@@ -24,6 +24,10 @@ PLANTED = {
     "controller-torch-free": ("dtorch_controller/core/pool.py", "def _planted():\n    import dtorch\n"),
     "controller-layers": ("dtorch_controller/core/model.py",
                           "def _planted():\n    from dtorch_controller import server\n"),
+    "core-layers": ("dtorch_controller/core/pipeline.py",  # a mechanism calling back into a feature
+                    "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                    "    from dtorch_controller.core import moves\n"),
+    "sim-uses-core-surface": ("dtorch_sim/harness.py", "from dtorch_controller.core.scheduler import Scheduler\n"),
     # the client's stream reaching up into the session that owns it; a cycle through the rule registry
     "client-layers": ("dtorch/_stream.py", "def _planted():\n    from dtorch import session\n"),
     "client-acyclic": ("dtorch/_registry.py", "def _planted():\n    from dtorch import _rules\n"),

@@ -113,8 +113,7 @@ def test_packing_shares_devices_between_fractional_jobs(base):
     assert p["utilization"]["unallocated_share_when_queued"] is None or \
         p["utilization"]["unallocated_share_when_queued"] <= fifo["utilization"]["unallocated_share_when_queued"]
     assert fifo["utilization"]["requested_share_mean"] < fifo["utilization"]["allocated_mean"]  # half of each idle
-    caps = [c for slot in packed.core.sched.pool.slots.values() for c in slot.leases.values()]
-    assert not caps  # everything released at the end
+    assert not list(packed.core.view.leases())  # everything released at the end
 
 
 def test_partition_is_detected_and_the_fenced_worker_comes_back(base):

@@ -234,7 +234,7 @@ def test_several_mistakes_give_several_lines_with_the_source(base: dict) -> None
 OVERRIDES = [
     ("seed", "--set seed: expected path=value, e.g. cluster.nodes.0.count=48"),
     ("=3", "--set =3: expected path=value, e.g. cluster.nodes.0.count=48"),
-    ("seed=[1", "--set seed=[1: the value is not valid YAML: "),
+    ("seed=[1", "--set seed=[1: the value is not valid YAML: expected ',' or ']', but got '<stream end>'"),
     ("cluster.nodes.5.count=1", "--set cluster.nodes.5.count=1: cluster.nodes has no item '5'"),
     ("seed.x=1", "--set seed.x=1: seed is not a mapping or a list"),
 ]
@@ -261,8 +261,8 @@ def test_load_mistakes(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("a: [1\n")
     with pytest.raises(ScenarioError) as e:
         load(tmp_path / "bad.yaml")
-    (line,) = e.value.lines
-    assert line.startswith(f"{tmp_path / 'bad.yaml'}:") and "not valid YAML" in line
+    assert e.value.lines == [f"{tmp_path / 'bad.yaml'}: line 2 not valid YAML: expected ',' or ']', but got "
+                             "'<stream end>'"]  # where, and yaml's own words for what is wrong
 
 
 def _messages(module: object) -> list[str]:

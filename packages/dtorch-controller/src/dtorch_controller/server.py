@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 import msgspec
 
-from dtorch_controller.core import Config, ControllerCore, Refusal, Reply, SendExecute, SetTimer
+from dtorch_controller.core import Config, ControllerCore, Notice, Refusal, Reply, SendExecute, SetTimer
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.config import format_seconds
 from dtorch_controller.core.policies import Policy
@@ -124,6 +124,8 @@ class ControllerService:
             self._send(effect)
         elif isinstance(effect, SetTimer):
             self.timers.set(effect.at, effect.key)
+        elif isinstance(effect, Notice):
+            log.debug("%s", effect)  # for observers; the event log (Status) has its own line
         else:
             raise TypeError(f"unknown effect {effect!r}")
 

@@ -4,10 +4,11 @@ The harness is the core's adapter, like the gRPC server: it feeds events with `e
 effects it gets back (a Reply wakes the process waiting for it, a SendExecute lands in a fake worker, a
 SetTimer becomes a simpy timeout with replace-by-key semantics). Nothing in the core knows it is simulated.
 
-What the harness observes, it observes from outside the core: the `Changes` the scheduler's public calls
-return (placements wake queued jobs, freezes count as preemptions), the core's table of rebuilds in
-progress (a session leaving it has recovered), the worker records (a failed worker turning `lost` is a
-detection), and the replies to admin requests (a drain's moves are the migrations).
+What the harness observes, it observes from outside the core, through the core's observer surface only: the
+notices among the effects (a `Placed` session wakes its queued job, `Frozen` counts as a preemption, `Recovered`
+ends a job's stall, a `Fenced` worker is a detected failure), the read-only `core.view` (queue length, leases
+and bound devices for the samples, the sessions on a worker when it fails), and the replies to admin requests
+(a drain's moves are the migrations).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import simpy
 from dtorch_controller.core import Config, ControllerCore, counter_ids
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
-from dtorch_controller.core import state as st
+from dtorch_controller.core.timers import Heartbeat
 from dtorch_protocol import messages as m
 from dtorch_sim.jobs import GB, JobRecord, JobSpec, generate, job, node_groups
 from dtorch_sim.policies import make_policy
@@ -33,8 +34,8 @@ from dtorch_sim.scenario import Elastic, Fault, NodeGroup, Scenario
 from dtorch_sim.workers import Worker
 
 _SYNC = object()  # a request whose reply the caller reads at once (workers: Register, Report)
-WAITING = "waiting"  # the scheduler's tenant state of a queued request
-SCHEDULER_CALLS = ("place", "close", "add_worker", "worker_changed", "tick", "moved", "shrink")
+WAITING = "waiting"  # the schedule of a session whose mesh request is queued (core.view.schedule)
+LOST = "lost"  # the state of a worker the core declared lost (core.view.worker_state)
 FOREVER_S = 1e12
 DRAIN_RETRY_S = 30.0  # a refused drain (nowhere to move a session yet) is asked again this often
 STALL_CHECK = 0xFFFF  # the run's watchdog looks at the clock every 65,536 simulator events
@@ -103,8 +104,6 @@ class Simulation:
         known = {f.name for f in dataclasses.fields(Config)}
         self.core = ControllerCore(Config(**{k: v for k, v in config.items() if k in known}),
                                    session_ids=counter_ids("s"), policy=make_policy(sc.policy.name, sc.policy.params))
-        self._faults = getattr(self.core, "faults", None)  # the core's recovery component, if it has one
-        self._watch_scheduler()
         self.events = 0  # events fed to the core
         self.notes: list[str] = []  # harness remarks (refused drains, ...), in metrics.json
         self._request_ids = itertools.count()
@@ -142,8 +141,7 @@ class Simulation:
         self.redone_device_s = 0.0  # step work done again (replays, restarts) or cut short by a failure
         self.session_jobs: dict[str, JobRecord] = {}  # open session -> its job
         self._placing: dict[str, simpy.Event] = {}  # session -> event fired when the scheduler places it
-        self._rebuilding: set[str] = set()
-        self._frozen_now: dict[str, float] = {}  # sessions frozen now (from the scheduler's Changes) -> since when
+        self._frozen_now: dict[str, float] = {}  # sessions frozen now (Frozen and Resumed notices) -> since when
         self._high: dict[str, dict[int, int]] = {}  # job id -> logical device -> highest step finished
         self.specs = generate(sc)
         self.jobs = [JobRecord(spec) for spec in self.specs]
@@ -209,10 +207,8 @@ class Simulation:
                     waiter.succeed(effect.message)  # type: ignore[attr-defined]
             elif kind is fx.SetTimer:
                 self.set_timer(effect.at, effect.key)
-        if self._undetected and type(event) in (ev.TimerFired, ev.WorkerUnreachable, ev.Register):
-            self._check_detected()
-        if self._faults is not None and (self._rebuilding or self._faults.rebuilds):
-            self._check_rebuilds()
+            else:
+                self.notice(effect)  # type: ignore[arg-type]
         return more
 
     def later(self, at: float, fn: Callable[[object], None], arg: object) -> None:
@@ -255,7 +251,7 @@ class Simulation:
         gen = self._timers[key] = next(self._timer_gen)
         if at > self.end_time:
             return  # the run ends first (parked Syncs wait "forever"): keep it out of the event heap
-        if self._slot and type(key) is tuple and key and key[0] == "heartbeat":
+        if self._slot and type(key) is Heartbeat:
             self.later(self.slot_after(at), self._fire_key, (key, gen))
         else:
             self.env.timeout(max(0.0, at - self.env.now), (key, gen)).callbacks.append(self._fire)
@@ -271,41 +267,37 @@ class Simulation:
 
     # ------------------------------------------------------------ what the harness watches
 
-    def _watch_scheduler(self) -> None:
-        """Wrap the scheduler's public calls (rule: each returns the `Changes` it made) to see placements,
-        freezes and resumes as they happen, without polling and without touching the core's code."""
-        sched = self.core.sched
-        for name in SCHEDULER_CALLS:
-            call = getattr(sched, name, None)
-            if call is None:
-                continue
-
-            def watched(*args, _call=call, **kwargs):
-                out = _call(*args, **kwargs)
-                changes = out[0] if isinstance(out, tuple) else out
-                if changes.placed or changes.frozen or changes.resumed:
-                    self._changes(changes)
-                return out
-
-            setattr(sched, name, watched)
-
-    def _changes(self, changes) -> None:
-        for session, _assignment in changes.placed:
-            waiter = self._placing.pop(session, None)
+    def notice(self, n: fx.Notice) -> None:
+        """What the core says happened: the only way the harness learns about placements, preemptions,
+        recoveries and failures it detected."""
+        kind = type(n)
+        if kind is fx.Placed:
+            waiter = self._placing.pop(n.session, None)  # type: ignore[attr-defined]
             if waiter is not None and not waiter.triggered:
                 waiter.succeed()
-        for session in changes.frozen:
+        elif kind is fx.Frozen:
             self.preemptions += 1
-            rec = self.session_jobs.get(session)
+            self._frozen_now.setdefault(n.session, self.env.now)  # type: ignore[attr-defined]
+            rec = self.session_jobs.get(n.session)  # type: ignore[attr-defined]
             if rec is not None:
                 rec.preemptions += 1
-        self.resumes += len(changes.resumed)
-        self.relocations += len(changes.relocated)
-        now = self.env.now
-        for session in changes.frozen:
-            self._frozen_now.setdefault(session, now)
-        for session in changes.resumed:
-            self._thaw(session)
+        elif kind is fx.Resumed:
+            self.resumes += 1
+            self._thaw(n.session)  # type: ignore[attr-defined]
+        elif kind is fx.Relocated:
+            self.relocations += 1
+        elif kind is fx.Recovered:
+            rec = self.session_jobs.get(n.session)  # type: ignore[attr-defined]
+            if rec is not None:
+                self.recoveries += 1
+                rec.recoveries += 1
+                self.job_running(rec)
+        elif kind is fx.Fenced or kind is fx.Drained:  # declared lost, or released after a drain
+            record = self._undetected.pop(n.worker, None)  # type: ignore[attr-defined]
+            if record is not None:
+                record.detected = self.env.now
+                if not record.pending:
+                    record.recovered = self.env.now
 
     def _thaw(self, session: str) -> None:
         """`session` is no longer frozen (resumed or closed): its job counts the time it spent frozen."""
@@ -316,31 +308,10 @@ class Simulation:
 
     def placed_or_timeout(self, session: str, retry_s: float) -> simpy.Event:
         """For a queued job: fires when the scheduler places its session, or after `retry_s` at the latest."""
-        tenant = self.core.sched.tenants.get(session)
-        if tenant is None or tenant.state != WAITING:
+        if self.core.view.schedule(session) != WAITING:
             return self.env.timeout(0)
         placed = self._placing[session] = self.env.event()
         return placed | self.env.timeout(retry_s)
-
-    def _check_detected(self) -> None:
-        for worker_id in list(self._undetected):
-            w = self.core.workers.get(worker_id)
-            if w is None or w.state == st.LOST:
-                record = self._undetected.pop(worker_id)
-                record.detected = self.env.now
-                if not record.pending:
-                    record.recovered = self.env.now
-
-    def _check_rebuilds(self) -> None:
-        now = set(self._faults.rebuilds)  # type: ignore[union-attr]
-        for session in sorted(self._rebuilding - now):
-            s = self.core.sessions.get(session)
-            rec = self.session_jobs.get(session)
-            if s is not None and s.state == st.OPEN and rec is not None:  # rebuilt (else: gave up, or closed)
-                self.recoveries += 1
-                rec.recoveries += 1
-                self.job_running(rec)
-        self._rebuilding = now
 
     # ------------------------------------------------------------ jobs
 
@@ -478,10 +449,10 @@ class Simulation:
     def _record_failure(self, worker: Worker, kind: str) -> FailureRecord:
         record = FailureRecord(kind, worker.address, self.env.now)
         self.failures.append(record)
-        core_worker = self.core.workers.get(worker.id) if worker.id is not None else None
-        if core_worker is not None and core_worker.state != st.LOST:
+        state = self.core.view.worker_state(worker.id) if worker.id is not None else None
+        if state is not None and state != LOST:
             self._undetected[worker.id] = record  # type: ignore[index]
-            for session in sorted(core_worker.sessions):
+            for session in sorted(self.core.view.sessions_on(worker.id)):  # type: ignore[arg-type]
                 rec = self.session_jobs.get(session)
                 if rec is not None and rec.spec.id not in record.pending:
                     record.jobs.append(rec.spec.id)
@@ -585,7 +556,7 @@ class Simulation:
         core never moves a session onto a worker of the node that is drained away under it (it picks a free
         worker, else one the session already uses). A refused or failed drain (nowhere to move a session yet)
         is asked again after DRAIN_RETRY_S; a worker not drained by the deadline is stopped."""
-        hosting = {w.id for w in workers if self.core.workers[w.id].sessions}  # type: ignore[index]
+        hosting = {w.id for w in workers if self.core.view.sessions_on(w.id)}  # type: ignore[arg-type]
         for w in sorted(workers, key=lambda w: (w.id in hosting, w.address)):
             while w.alive:
                 request = m.DrainRequest(worker=w.id, timeout_s=FOREVER_S)  # type: ignore[arg-type]
@@ -613,7 +584,7 @@ class Simulation:
         added: list[str] = []  # nodes it added, oldest first
         provisioning = 0
         idle_since: dict[str, float] = {}
-        pool = self.core.sched.pool
+        view = self.core.view
 
         def arrive(_e) -> None:
             nonlocal provisioning
@@ -623,7 +594,7 @@ class Simulation:
         while True:
             yield self.env.timeout(rule.check_interval_s)
             now = self.env.now
-            queued = self.core.sched.queued
+            queued = view.queued
             live = [n for n in added if n not in self.removed_nodes]
             if queued >= rule.scale_up_queued and len(live) + provisioning < rule.max_nodes:
                 for _ in range(min(rule.step, rule.max_nodes - len(live) - provisioning)):
@@ -632,7 +603,7 @@ class Simulation:
                 continue
             for node in live:
                 ids = [w.id for w in self.nodes[node] if w.alive and w.id is not None]
-                if all(not pool.holders(i) for i in ids):
+                if all(not view.leased(i) for i in ids):
                     idle_since.setdefault(node, now)
                 else:
                     idle_since.pop(node, None)
@@ -660,8 +631,7 @@ class Simulation:
     def sampler(self):
         """Every sample interval: devices alive, allocated, busy; the queue; capacity unallocated and asked for.
         One pass over the pool's slots per sample, nothing per worker per event (10,000 workers is normal)."""
-        pool = self.core.sched.pool
-        core_workers = self.core.workers
+        view = self.core.view
         sessions = self.session_jobs
         frozen = self._frozen_now
         before = self.busy_seconds()
@@ -671,27 +641,24 @@ class Simulation:
             n = self.alive_n
             allocated = 0
             leased = requested = 0.0
-            for slot in pool.slots.values():
-                leases = slot.leases
-                if not leases:
-                    continue
+            for memory, leases in view.leases():
                 allocated += 1
-                if 0 in leases.values() or not slot.memory:
+                if 0 in leases.values() or not memory:
                     leased += 1.0
                 else:
-                    leased += min(1.0, sum(leases.values()) / slot.memory)
+                    leased += min(1.0, sum(leases.values()) / memory)
                 asked = 0.0
                 for session, cap in leases.items():
                     if session in frozen:
                         continue  # a reservation: the frozen session asks for nothing while frozen
                     rec = sessions.get(session)
-                    asked += rec.spec.share if rec is not None else (cap / slot.memory if cap and slot.memory else 1.0)
+                    asked += rec.spec.share if rec is not None else (cap / memory if cap and memory else 1.0)
                 requested += min(1.0, asked)
-            bound = sum(w.bound for w in core_workers.values() if w.state != st.LOST)
+            bound = view.bound_devices()
             busy = min(1.0, (busy_s - before) / (self.sample_interval * n)) if n else 0.0
             before = busy_s
             allocated = min(allocated, n)
-            self.samples.append(Sample(self.env.now, n, allocated, bound, busy, self.core.sched.queued,
+            self.samples.append(Sample(self.env.now, n, allocated, bound, busy, view.queued,
                                        len(self._frozen_now),
                                        max(0.0, 1.0 - leased / n) if n else 0.0, min(1.0, requested / n) if n else 0.0))
 
@@ -716,7 +683,6 @@ class Simulation:
         while not self.all_jobs_done.triggered and self.env.now < self.end_time:
             self._advance(min(self.env.now + step, self.end_time))
             yield self.env.now
-        self._check_detected()
 
     def _advance(self, until: float) -> None:
         """`env.run(until)`, with a watchdog: every `STALL_CHECK` events it checks that the clock moved; after

@@ -1,15 +1,19 @@
-"""What the controller asks its adapter to do: the outputs of `ControllerCore.handle`.
+"""What the controller asks its adapter to do, and what it tells observers: the outputs of `ControllerCore.handle`.
 
-The adapter performs them in list order, outside any lock it holds around the core; their outcomes
-come back as new events (a failed send as `events.WorkerUnreachable`, a due timer as `events.TimerFired`).
+The adapter performs `Reply`, `SendExecute` and `SetTimer` in list order, outside any lock it holds around the
+core; their outcomes come back as new events (a failed send as `events.WorkerUnreachable`, a due timer as
+`events.TimerFired`). A `Notice` asks for nothing: it says what happened (a session placed, frozen, recovered;
+a worker fenced, drained) for whoever watches the core from outside (the simulator counts them; the server
+ignores them). Notices are the core's observer surface, with `view.CoreView` for counts at any time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dtorch_controller.core.timers import TimerKey
 from dtorch_protocol import messages as m
 
 
@@ -46,7 +50,98 @@ class SetTimer:
     """Feed `TimerFired(key)` once the clock reaches `at`; replaces an earlier timer with the same key."""
 
     at: float
-    key: Hashable
+    key: TimerKey
 
 
-Effect = Reply | SendExecute | SetTimer
+# ---------------------------------------------------------------- notices (nothing to perform)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something happened that an observer may count; the adapter has nothing to do."""
+
+
+@dataclass(frozen=True)
+class Placed(Notice):
+    """Logical devices of `session` were bound to workers (a mesh placed, a rebuild placing lost devices)."""
+
+    session: str
+    devices: Mapping[int, str]  # logical device -> worker
+
+
+@dataclass(frozen=True)
+class Queued(Notice):
+    """A mesh request of `session` waits in the scheduler's queue."""
+
+    session: str
+    position: int
+
+
+@dataclass(frozen=True)
+class Frozen(Notice):
+    """`session` was preempted: its batches are held, its shards stay where they are."""
+
+    session: str
+
+
+@dataclass(frozen=True)
+class Resumed(Notice):
+    """A frozen `session` runs again (its held batches go out)."""
+
+    session: str
+
+
+@dataclass(frozen=True)
+class Relocated(Notice):
+    """A frozen `session` resumes on substitute workers: its devices move off the workers it lost (lost -> new)."""
+
+    session: str
+    swap: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Recovered(Notice):
+    """`session` was rebuilt after a worker loss: `replayed` logged batches ran again on the new binding."""
+
+    session: str
+    seconds: float
+    replayed: int
+
+
+@dataclass(frozen=True)
+class DataLost(Notice):
+    """`session` lost data with a worker and could not be rebuilt (its next Sync raises); `why`: why not."""
+
+    session: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Fenced(Notice):
+    """`worker` was declared lost (silent or unreachable): fenced for good."""
+
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Moved(Notice):
+    """Logical `devices` of `session` moved from worker `src` to `dst` (migrate, drain, growth, relocation)."""
+
+    session: str
+    devices: tuple[int, ...]
+    src: str
+    dst: str
+    bytes: int
+    downtime_s: float
+
+
+@dataclass(frozen=True)
+class Drained(Notice):
+    """`worker` held nothing any more after a drain and was released (fenced: it exits)."""
+
+    worker: str
+    moves: int
+
+
+Effect = Reply | SendExecute | SetTimer | Notice

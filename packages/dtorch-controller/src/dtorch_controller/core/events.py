@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from dtorch_controller.core.timers import TimerKey
 from dtorch_protocol import messages as m
 
 RequestId = Hashable
@@ -133,9 +134,9 @@ class Migrate:
 
 @dataclass(frozen=True)
 class TimerFired:
-    """A `SetTimer` came due. Stale or early firings are harmless: the core rechecks its state."""
+    """A `SetTimer` came due. Stale or early firings are harmless: the core rechecks its state (timers.py)."""
 
-    key: Hashable
+    key: TimerKey
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,17 @@ Rules:
    n, `{session}#a{n}` for uploads adopted in window n); the log is truncated and older namespaces are
    dropped when a newer snapshot is complete. Memory is bounded by two copies of the session's live
    tensors plus its uploads of one window, and the log by the snapshot interval.
-5. Nothing here does I/O or reads a clock: `recovery.py` drives it from the core's events.
+5. Nothing here does I/O or reads a clock: the pipeline (the log, uploads' copies at their adopt), snapshots.py
+   and recovery.py drive it from the core's events.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from dtorch_controller.core.model import Mesh
+from dtorch_controller.core.model import Mesh, Session
 from dtorch_controller.core.redistribute import parse_placements
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import shard_box
@@ -41,7 +42,6 @@ class LoggedBatch:
 
     seq: int
     instrs: list[m.Instr]
-    ready: bool = False  # the scheduler let it go (not held for a frozen session)
     sent: bool = False  # translated and sent to workers
 
 
@@ -89,12 +89,6 @@ class Lineage:
 
     def sent_batches(self) -> Iterator[LoggedBatch]:
         return (b for b in self.log if b.sent)
-
-    def find(self, instrs: list[m.Instr]) -> LoggedBatch | None:
-        for b in self.log:
-            if b.instrs is instrs:
-                return b
-        return None
 
     def batches_since_snapshot(self) -> int:
         upto = self.snapshot.upto if self.snapshot is not None else 0
@@ -149,3 +143,55 @@ def tensors_on(tensors: dict[int, m.TensorSpec], meshes: dict[int, Mesh], device
     """Tensors (sorted ids) with a shard on logical `device`."""
     return sorted(tid for tid, spec in tensors.items()
                   if (mesh := meshes.get(spec.mesh)) is not None and device in mesh.coord)
+
+
+def copy_source(copies: Copies, device: int, target: str, alive: Callable[[str], bool]) -> str | None:
+    """Where `target` restores `device`'s copies from: itself when it holds them, else a live holder."""
+    holders = [w for w in copies.holders.get(device, []) if alive(w)]
+    if target in holders:
+        return target
+    return holders[0] if holders else None
+
+
+def copy_upload(s: Session, rec: Lineage, instr: m.InstrAdopt, seq: int, now: float, cmds: dict[str, list[m.Cmd]],
+                backup_for: Callable[[str], str | None], address: Callable[[str], str]) -> Copies | None:
+    """Append to `cmds` the copies of an upload at its adopt (rule 3: on its worker and on `backup_for` it)."""
+    mesh = s.meshes.get(instr.spec.mesh)
+    if mesh is None:
+        return None
+    namespace = f"{s.id}#a{rec.window}"
+    copies = Copies(namespace=namespace, upto=seq, tensors={instr.tid: instr.spec}, started=now)
+    by_worker: dict[str, list[int]] = {}
+    for d in mesh.devices:
+        by_worker.setdefault(s.devices[d], []).append(d)
+    for primary, devices in by_worker.items():
+        holder = backup_for(primary)
+        shards = {d: [instr.tid] for d in devices}
+        cmds.setdefault(primary, []).append(m.CmdSendShards(devices=shards, namespace=namespace, host=True))
+        holders = [primary]
+        if holder is not None:
+            cmds[primary].append(m.CmdSendShards(devices=shards, namespace=namespace, to=address(holder), host=True))
+            holders.append(holder)
+        for d in devices:
+            copies.holders[d] = holders
+        copies.pending[primary] = 0  # the seq is known once sent
+        for w in holders:
+            rec.namespaces.setdefault(namespace, set()).add(w)
+    rec.adopts[instr.tid] = copies
+    return copies
+
+
+def restore_upload(s: Session, rec: Lineage, instr: m.InstrAdopt, cmds: dict[str, list[m.Cmd]],
+                   alive: Callable[[str], bool], address: Callable[[str], str]) -> None:
+    """Append to `cmds` the restore of an upload from its copies, replaying its adopt after a loss."""
+    copies = rec.adopts.get(instr.tid)
+    mesh = s.meshes.get(instr.spec.mesh)
+    if copies is None or not copies.tensors or mesh is None:
+        return
+    for d in mesh.devices:
+        target = s.devices[d]
+        source = copy_source(copies, d, target, alive)
+        if source is None:
+            continue  # checked before the rebuild started; a read of it will say it is missing
+        cmds.setdefault(target, []).append(m.CmdFetchShards(
+            devices={d: [instr.tid]}, namespace=copies.namespace, address="" if source == target else address(source)))

@@ -1,8 +1,18 @@
-"""The records the core keeps: workers, sessions, meshes. Plain data, mutated only by the core."""
+"""The records the core keeps (workers, sessions, meshes) and `Cluster`, the tables that hold them.
+
+Rules:
+
+1. `Cluster.bind` and `Cluster.unbind` are the only code that binds a logical device to a worker or takes it
+   off: they keep `Session.devices`, `Worker.sessions` and `Worker.bound` consistent, and an unbind starts a
+   new generation of the session's process groups (collectives.py rule 6).
+2. A worker is `alive` (for sending and waiting) until it is declared lost; `waits_for(worker, seq)` is whether
+   waiting for its Execute `seq` still makes sense (alive and not done yet).
+3. A lost worker is forgotten once nothing refers to it, keeping the most recent `lost_workers_kept` for Status.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -41,6 +51,7 @@ class Worker:
     order: int  # registration order, for deterministic tie-breaks
     last_seen: float
     state: str = st.ALIVE
+    utilization: float = -1.0  # share of the last report interval spent executing (-1: not reported)
     sent: int = 0  # last Execute seq handed to the adapter for this worker
     completed: int = 0  # highest Execute seq the worker reported finished
     stats: dict[str, m.ShardStats] = field(default_factory=dict)  # session -> live shards, from the last report
@@ -86,6 +97,7 @@ class Session:
     kind: str
     opened_at: float
     tenant: str = ""  # who opened it: only that tenant may name it
+    memory_cap: int = 0  # bytes per device each Execute carries (packed leases; 0: whole devices, no cap)
     last_heard: float = 0.0  # the last request naming this session (liveness)
     state: str = st.OPEN
     devices: dict[int, str] = field(default_factory=dict)  # logical device -> worker id
@@ -98,3 +110,104 @@ class Session:
     readers: dict[int, dict[str, int]] = field(default_factory=dict)  # tid -> remote reader worker -> Execute seq
     deferred: list[DeferredDelete] = field(default_factory=list)
     comm: CommGroups = field(default_factory=CommGroups)  # process groups of its collectives (collectives.py)
+
+
+class Cluster:
+    """Every worker and session the core knows, by id, and which worker serves which address."""
+
+    def __init__(self, lost_workers_kept: int) -> None:
+        self.workers: dict[str, Worker] = {}
+        self.sessions: dict[str, Session] = {}
+        self.by_address: dict[str, str] = {}  # address -> id of the worker there that is not lost
+        self.lost_workers_kept = lost_workers_kept
+        self._registrations = 0
+
+    # ------------------------------------------------------------ workers
+
+    def add_worker(self, msg: m.RegisterWorker, now: float) -> Worker:
+        worker_id = f"w{self._registrations}"
+        self._registrations += 1
+        w = self.workers[worker_id] = Worker(
+            id=worker_id, address=msg.address, device_type=msg.device_type, memory_bytes=msg.memory_bytes,
+            labels=dict(msg.labels), order=self._registrations, last_seen=now, rendezvous=msg.rendezvous,
+            device_id=msg.device_id)
+        self.by_address[msg.address] = worker_id
+        return w
+
+    def at(self, address: str) -> Worker | None:
+        """The worker at `address` that is not lost."""
+        worker_id = self.by_address.get(address)
+        return self.workers[worker_id] if worker_id is not None else None
+
+    def fence(self, w: Worker) -> None:
+        """`w` was declared lost (or released): its address no longer names it."""
+        if self.by_address.get(w.address) == w.id:
+            del self.by_address[w.address]
+
+    def alive(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        return w is not None and w.state != st.LOST
+
+    def waits_for(self, worker_id: str, seq: int) -> bool:
+        """Is Execute `seq` of the worker still to be waited for (alive, not completed)?"""
+        w = self.workers.get(worker_id)
+        return w is not None and w.state != st.LOST and w.completed < seq
+
+    def address(self, worker_id: str) -> str:
+        return self.workers[worker_id].address
+
+    def order(self, worker_ids: Iterable[str]) -> list[str]:
+        """`worker_ids` in registration order."""
+        return sorted(worker_ids, key=lambda w: self.workers[w].order)
+
+    def prune_lost(self) -> None:
+        """Forget the oldest lost workers nothing refers to, keeping `lost_workers_kept` for Status."""
+        idle = sorted((w for w in self.workers.values() if w.state == st.LOST and not w.sessions),
+                      key=lambda w: w.order)
+        for w in idle[:max(0, len(idle) - self.lost_workers_kept)]:
+            del self.workers[w.id]
+
+    def recall(self, w: Worker) -> None:
+        """Know a lost worker again that was forgotten meanwhile (a rebuild gives up: devices go back to it)."""
+        self.workers.setdefault(w.id, w)
+
+    def describe_workers(self) -> str:
+        return ", ".join(f"{w.id} {w.state}" for w in sorted(self.workers.values(), key=lambda w: w.order)) or "none"
+
+    # ------------------------------------------------------------ sessions
+
+    def bind(self, s: Session, device: int, worker_id: str) -> None:
+        w = self.workers[worker_id]
+        s.devices[device] = worker_id
+        w.sessions.add(s.id)
+        w.bound += 1
+
+    def unbind(self, s: Session, device: int) -> None:
+        w = self.workers[s.devices.pop(device)]
+        s.comm.bump()  # the device moves (rebuild, migration, relocation, growth, shrink, drain): new process groups
+        w.bound -= 1
+        if w.id not in s.devices.values():
+            w.sessions.discard(s.id)
+
+    def unbind_all(self, s: Session) -> None:
+        """The session closed: its workers host nothing of it any more (`s.devices` stays, for the record)."""
+        for worker_id in s.devices.values():
+            w = self.workers[worker_id]
+            w.bound -= 1
+            w.sessions.discard(s.id)
+
+    def locations(self, s: Session) -> dict[int, str]:
+        """Logical device -> address of its worker, for the client."""
+        return {d: self.workers[w].address for d, w in sorted(s.devices.items())}
+
+    def find_session(self, text: str) -> tuple[Session | None, str]:
+        """A session by id or unique prefix (of 4 characters or more); else None and a one-line reason."""
+        if text in self.sessions:
+            return self.sessions[text], ""
+        hits = [s for sid, s in self.sessions.items() if len(text) >= 4 and sid.startswith(text)]
+        if len(hits) == 1:
+            return hits[0], ""
+        known = ", ".join(sorted(sid[:8] for sid in self.sessions)) or "none"
+        if len(hits) > 1:
+            return None, f"session prefix {text[:16]!r} is ambiguous ({len(hits)} sessions match)"
+        return None, f"unknown session {text[:16]!r} (sessions: {known})"

@@ -14,7 +14,7 @@ Rules:
 4. No query scans every worker: free workers are indexed by node and nodes by their free count, so picking
    costs O(distinct free counts + nodes used), whatever the cluster size (10,000 workers is normal).
 5. The pool holds no session logic. The scheduler decides who leases what; the pool keeps the counts right.
-6. Fault protection asks two things (recovery.py, migration.py): `backup_for` (where a worker's remote copies
+6. Fault protection asks two things (snapshots.py, moves.py): `backup_for` (where a worker's remote copies
    go: a placeable worker on *another* node, so that losing a whole node never takes both copies; its own node
    only when no other node has one) and `free_off`/`free_on` (a free worker off or on a given node, for drains).
    Workers are also kept in registration order (`_ring`), so `backup_for` steps over the primary's node in

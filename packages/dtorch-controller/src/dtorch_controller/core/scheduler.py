@@ -4,8 +4,9 @@ Rules:
 
 1. Each session is a *tenant* whose scheduling state follows `TENANT_TABLE` (through `_step` only):
    idle (nothing asked yet) -> waiting (a mesh request queued) -> running (leases devices) <-> frozen
-   (preempted: its logical devices stay bound, its shards stay on its workers, its batches are held in the
-   core) -> closed. A running tenant whose every worker was lost asks again (running -> waiting).
+   (preempted: its logical devices stay bound, its shards stay on its workers, the core holds its batches
+   from the `Changes` that froze it to the one that resumes it) -> closed. A running tenant whose every worker
+   was lost asks again (running -> waiting).
 2. Admission is all-or-nothing per mesh. A mesh of n logical devices wants n physical devices and needs at
    least `need` of them: n, or the elastic minimum `min_devices`, capped by the number of workers known when
    it asks (and at the time of each try, if workers were lost): a mesh never waits for devices that do not
@@ -66,7 +67,6 @@ import heapq
 import itertools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from dtorch_controller.core import state as st
 from dtorch_controller.core.model import Worker
@@ -128,7 +128,6 @@ class Tenant:
     logical: int = 0  # logical devices placed: the most physical devices it can use
     elastic: bool = False  # asked with a minimum below its size: it grows onto devices that come free
     floor: int = 0  # elastic: the fewest physical devices it accepts (it may be shrunk down to them)
-    backlog: list[Any] = field(default_factory=list)  # Submit batches held while frozen
     over_cap: set[str] = field(default_factory=set)  # workers where it was told it exceeds its cap
     stamp: int = 0  # invalidates stale wake-ups
     expected_steps: int = 0  # steps (sync points) the client said it will reach; 0: unknown
@@ -233,11 +232,6 @@ class Scheduler:
         t = self.tenants.get(session)
         return t is not None and t.state == FROZEN
 
-    def holding(self, session: str) -> bool:
-        """Frozen with batches held: its syncs wait for the resume."""
-        t = self.tenants.get(session)
-        return t is not None and bool(t.backlog)
-
     def reserved(self, worker: str) -> list[str]:
         """Frozen tenants holding a reservation lease on `worker`."""
         return [s for s in self.pool.holders(worker) if self.tenants[s].state == FROZEN]
@@ -282,26 +276,15 @@ class Scheduler:
         for w in t.workers:
             self._release(w, session)
         t.workers.clear()
-        t.backlog.clear()
         self._step(t, CLOSE)
         del self.tenants[session]
         self._elastic.pop(session, None)
         return self._pass(now, ch)
 
-    def hold(self, session: str, batch: Any) -> bool:
-        """Keep a frozen tenant's batch for later; False when the tenant is not frozen."""
+    def cap(self, session: str) -> int:
+        """The memory cap its leases carry: its declared cap when the policy packs it, else 0 (whole devices)."""
         t = self.tenants.get(session)
-        if t is None or t.state != FROZEN:
-            return False
-        t.backlog.append(batch)
-        return True
-
-    def take_backlog(self, session: str) -> list[Any]:
-        t = self.tenants.get(session)
-        if t is None:
-            return []
-        backlog, t.backlog = t.backlog, []
-        return backlog
+        return self._cap(t) if t is not None else 0
 
     def over_cap(self, worker: str, usage: Mapping[str, int]) -> list[tuple[str, int, int]]:
         """(session, bytes, cap) for tenants that just went over their memory cap on `worker`."""
@@ -446,8 +429,7 @@ class Scheduler:
                     self._wanters(t, moved)
                 self._watch(t, now)
                 continue
-            starving = getattr(self.policy, "starving", None)
-            if starving is not None and starving(t, now):
+            if self.policy.starving(t, now):
                 t.base = t.service(now)
                 ch.notes.append(f"session {_short(t.session)} promoted after waiting "
                                 f"{now - (t.waiting_since or now):.0f}s")
@@ -553,12 +535,12 @@ class Scheduler:
     def _relocate(self, now: float, ch: Changes, upto: int | None) -> None:
         """Frozen tenants of rank <= `upto` (all when None), best first, that miss devices lease free devices
         as substitutes when there are enough for all they miss (rule 6)."""
-        if not self.relocation or not self._frozen or not getattr(self.policy, "relocates", False):
+        if not self.relocation or not self._frozen or not self.policy.relocates:
             return
         if not self.pool.free_total and not self.pool.shared_room():
             return  # nothing to take (the usual case in a busy cluster): no walk over the frozen
-        patience = getattr(self.policy, "relocate_after", 0.0) - _EPS
-        lends = getattr(self.policy, "lends", False)
+        patience = self.policy.relocate_after - _EPS
+        lends = self.policy.lends
         for rank in sorted(self._frozen):
             if upto is not None and rank > upto:
                 return
@@ -739,7 +721,7 @@ class Scheduler:
         chosen: set[str] = set()
         pending: set[str] = set()
         freed: set[str] = set()
-        shrinks = getattr(self.policy, "shrinks", False)
+        shrinks = self.policy.shrinks
         for rank in sorted(self._ranks.keys() | self._frozen.keys(), reverse=True):
             if rank <= mine:
                 break
@@ -874,7 +856,7 @@ class Scheduler:
         `lends` reserves a device only for a tenant it completes (it resumes at once): the others stay free for
         anyone meanwhile (rule 6)."""
         freed, self._freed = self._freed, []
-        lends = getattr(self.policy, "lends", False)
+        lends = self.policy.lends
         for w in freed:
             wanting = self._wanted.get(w)
             if not wanting or w not in self.pool:
@@ -957,8 +939,8 @@ class Scheduler:
         """(Re)schedule the policy's next look at `t`; older wake-ups for it become stale."""
         t.stamp += 1
         at = self.policy.next_change(t, now)
-        if t.state == FROZEN and self.relocation and getattr(self.policy, "relocates", False):
-            patient = (t.waiting_since or now) + getattr(self.policy, "relocate_after", 0.0)
+        if t.state == FROZEN and self.relocation and self.policy.relocates:
+            patient = (t.waiting_since or now) + self.policy.relocate_after
             if patient > now:  # look again when its patience runs out: it may relocate then
                 at = patient if at is None else min(at, patient)
         if at is not None:

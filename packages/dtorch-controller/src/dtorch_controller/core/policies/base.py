@@ -18,18 +18,44 @@ Rules:
    preempt.
 6. `next_change(t, now)`: when `rank` or `key` of `t` may change by itself (attained service crossing a
    threshold, a starvation promotion), or None. The scheduler sets a timer for the earliest one.
+7. `starving(t, now)`: a waiting or frozen session waited so long that its counted service restarts from zero.
+8. `lends`: frozen sessions keep no idle reservations (scheduler.py rule 6); `shrinks`: preemption takes the spare
+   devices of running elastic sessions before it freezes anyone (scheduler.py rule 10).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from dtorch_controller.core.scheduler import Tenant
+from typing import Any, Protocol
 
 PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
 RELOCATE_AFTER_S = 600.0  # a frozen session waits this long for its own devices before it may move elsewhere
+
+
+class Tenant(Protocol):
+    """What a policy reads of a session's scheduling record (`scheduler.Tenant`), and nothing more."""
+
+    session: str
+    priority: str  # "high" | "normal" | "low"
+    kind: str  # "batch" | "realtime"
+    waiting_since: float | None  # waiting or frozen since
+    waited: float  # seconds spent queued or frozen before the current wait
+    expected_steps: int  # steps (sync points) it said it will reach; 0: unknown (scheduler.py rule 9)
+    steps: int  # sync points reached so far
+    step_service: float  # attained service at its last sync point
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def wanted_devices(self) -> int: ...  # logical devices it has and asks for
+
+    @property
+    def held_devices(self) -> int: ...
+
+    def service(self, now: float) -> float: ...  # device-seconds attained
+
+    def counted(self, now: float) -> float: ...  # ... since the last starvation promotion
 
 
 class Policy(Protocol):
@@ -38,12 +64,16 @@ class Policy(Protocol):
     packs: bool
     relocates: bool
     relocate_after: float
+    lends: bool  # frozen sessions keep no idle reservations (scheduler.py rule 6)
+    shrinks: bool  # preemption shrinks elastic sessions before freezing anyone (scheduler.py rule 10)
 
     def rank(self, t: Tenant, now: float) -> int: ...
 
     def key(self, t: Tenant, now: float) -> tuple: ...
 
     def next_change(self, t: Tenant, now: float) -> float | None: ...
+
+    def starving(self, t: Tenant, now: float) -> bool: ...
 
     def describe(self) -> str: ...
 
@@ -60,6 +90,8 @@ class BasePolicy:
     packs = False
     relocates = False
     relocate_after = 0.0
+    lends = False
+    shrinks = False
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         params = dict(params or {})
@@ -80,6 +112,9 @@ class BasePolicy:
 
     def next_change(self, t: Tenant, now: float) -> float | None:
         return None
+
+    def starving(self, t: Tenant, now: float) -> bool:
+        return False
 
     def describe(self) -> str:
         return self.name

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dtorch_controller.core.policies.base import RELOCATE_AFTER_S, BasePolicy, PolicyError, flag, number, relocation
-
-if TYPE_CHECKING:
-    from dtorch_controller.core.scheduler import Tenant
+from dtorch_controller.core.policies.base import (
+    RELOCATE_AFTER_S,
+    BasePolicy,
+    PolicyError,
+    Tenant,
+    flag,
+    number,
+    relocation,
+)
 
 DEFAULT_THRESHOLDS = (60.0, 600.0, 3600.0)
 _SLACK = 1e-6  # device-seconds: a threshold reached up to float rounding counts as crossed

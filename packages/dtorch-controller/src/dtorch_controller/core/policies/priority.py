@@ -14,12 +14,9 @@ Parameters: `preempt` (default true), `pack` (default true), `relocate` (default
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dtorch_controller.core.policies.base import PRIORITY_RANK, RELOCATE_AFTER_S, BasePolicy, flag, relocation
-
-if TYPE_CHECKING:
-    from dtorch_controller.core.scheduler import Tenant
+from dtorch_controller.core.policies.base import PRIORITY_RANK, RELOCATE_AFTER_S, BasePolicy, Tenant, flag, relocation
 
 
 class PriorityPolicy(BasePolicy):

@@ -1,0 +1,239 @@
+"""The command path: from an accepted client batch to Execute batches on the workers. Sans-IO.
+
+Rules:
+
+1. Every accepted client batch is logged (lineage.py) and goes out strictly in order, translated for the session's
+   binding at the moment it goes out (translate.py). Nothing goes out while something holds the session
+   (`state.Hold`: frozen by the scheduler, recovering, migrating): held batches are accepted at once and go out,
+   in order, when the last hold ends. The log is the frozen backlog too: there is no other list of held batches.
+2. Only this module numbers Execute batches: each worker's seqs are contiguous from 1 across sessions. `send`
+   counts them in the session's `sent` (its Syncs wait for them); `send_raw` sends under another namespace (copies
+   kept for recovery). Every Execute carries the session's memory cap.
+3. An upload (InstrAdopt) is copied at its point in the stream (lineage.py rule 3): the batch is cut after the
+   adopt; translating for a replay restores the upload from its copies there instead.
+4. `translate` does not send: a feature may translate a program again (a rebuild replays its log on a new binding)
+   and send it with `send`, or leave it. `_send_batch` is the one place where a logged batch becomes commands:
+   a captured program re-sent with new tensor ids (issue #12) would be a kind of logged batch turned into
+   commands there, still in log order, held like any batch, and replayed by a rebuild like any batch.
+5. A Sync is answered done when no live worker the session sent to is behind and no hold makes it wait
+   (`state.HOLDS`: a frozen session's only while batches are held; recovering and migrating always).
+6. A delete of a tensor that remote readers (redistributions on other workers) still have to read is held back
+   until those readers completed (or were lost).
+"""
+
+from __future__ import annotations
+
+from dtorch_controller.core import effects as fx
+from dtorch_controller.core import state as st
+from dtorch_controller.core.lineage import Copies, Lineage, LoggedBatch, copy_upload, note_origins, restore_upload
+from dtorch_controller.core.model import Cluster, Session, Worker
+from dtorch_controller.core.pool import Pool
+from dtorch_controller.core.step import Step
+from dtorch_controller.core.translate import Batch, translate
+from dtorch_protocol import messages as m
+
+Cmds = dict[str, list[m.Cmd]]  # worker id -> commands, in order
+
+
+class Pipeline:
+    def __init__(self, cluster: Cluster, pool: Pool, recovery: bool) -> None:
+        self.cluster = cluster
+        self.pool = pool
+        self.recovery = recovery  # sessions keep lineage (snapshots and their log) to be rebuilt after a loss
+        self.recs: dict[str, Lineage] = {}  # session -> its log and copies (read them here, change them in place)
+        self.holds: dict[str, set[st.Hold]] = {}  # session -> what holds its batches
+
+    def rec(self, s: Session, now: float) -> Lineage:
+        """The session's lineage, made at first use: the empty registry before batch 1 is a complete snapshot."""
+        rec = self.recs.get(s.id)
+        if rec is None:
+            rec = self.recs[s.id] = Lineage(enabled=self.recovery, last_snapshot_at=now,
+                                            snapshot=Copies(namespace="", upto=0, tensors={}) if self.recovery
+                                            else None)
+        return rec
+
+    def close(self, s: Session) -> Lineage | None:
+        """Forget the session's log and holds; returns its lineage (its copies are still to be dropped)."""
+        self.holds.pop(s.id, None)
+        return self.recs.pop(s.id, None)
+
+    # ------------------------------------------------------------ accepting and holding (rule 1)
+
+    def accept(self, step: Step, s: Session, instrs: list[m.Instr]) -> None:
+        """Batch `s.seq` was accepted: log it and send it, unless the session is held."""
+        self.rec(s, step.now).log.append(LoggedBatch(s.seq, instrs))
+        self.pump(step, s)
+
+    def hold(self, s: Session, reason: st.Hold) -> None:
+        self.holds.setdefault(s.id, set()).add(reason)
+
+    def release(self, step: Step, s: Session, reason: st.Hold) -> None:
+        """`reason` no longer holds the session: what nothing else holds goes out, its Syncs may be answered."""
+        reasons = self.holds.get(s.id)
+        if reasons is not None:
+            reasons.discard(reason)
+            if not reasons:
+                del self.holds[s.id]
+        self.pump(step, s)
+        step.touch(s.id)
+
+    def holding(self, s: Session) -> frozenset[st.Hold]:
+        return frozenset(self.holds.get(s.id, ()))
+
+    def unsent(self, s: Session) -> bool:
+        """Accepted batches not sent yet."""
+        rec = self.recs.get(s.id)
+        return rec is not None and rec.sent_upto < s.seq
+
+    def pump(self, step: Step, s: Session) -> None:
+        """Send the logged batches not sent yet, in order, unless the session is held."""
+        if s.id not in self.cluster.sessions or self.holds.get(s.id):
+            return
+        rec = self.rec(s, step.now)
+        for b in rec.log:
+            if not b.sent:
+                b.sent = True
+                rec.sent_upto = b.seq
+                self._send_batch(step, s, rec, b)
+        if not rec.enabled:
+            rec.log = [b for b in rec.log if not b.sent]
+        step.pumped.add(s.id)
+
+    def _send_batch(self, step: Step, s: Session, rec: Lineage, b: LoggedBatch) -> None:
+        note_origins(rec.origin, b.instrs)  # for loss messages, with or without recovery (bounded: live tensors)
+        cmds, adopts, errors = self.translate(step.now, s, rec, b, replay=False)
+        s.errors.extend(errors)
+        seqs = self.send(step, s, cmds)
+        for copies in adopts:
+            copies.pending = {w: seqs[w] for w in copies.pending}
+
+    # ------------------------------------------------------------ translating (rules 3 and 4)
+
+    def translate(self, now: float, s: Session, rec: Lineage, b: LoggedBatch, replay: bool,
+                  ) -> tuple[Cmds, list[Copies], list[m.ErrorReport]]:
+        """Translate a batch for the session's binding, cut at each InstrAdopt to copy the upload there (or restore
+        it, `replay`). Returns the commands, the copies started (their seqs are known once sent) and the errors."""
+        instrs = b.instrs
+        cmds: Cmds = {}
+        errors: list[m.ErrorReport] = []
+        adopts: list[Copies] = []
+        start = 0
+
+        def run(segment: list[m.Instr]) -> None:
+            if not segment:
+                return
+            batch: Batch = translate(s, segment, self.cluster.workers)
+            errors.extend(batch.errors)
+            s.deferred.extend(batch.deferred)
+            for w, batch_cmds in batch.cmds.items():
+                cmds.setdefault(w, []).extend(batch_cmds)
+
+        for i, instr in enumerate(instrs):
+            if not isinstance(instr, m.InstrAdopt):
+                continue
+            run(instrs[start:i + 1])
+            start = i + 1
+            if replay:
+                restore_upload(s, rec, instr, cmds, self.cluster.alive, self.cluster.address)
+            elif instr.tid not in s.tensors:  # refused by translate: nothing to restore either
+                rec.adopts[instr.tid] = Copies(namespace="", upto=b.seq, tensors={})
+            elif rec.enabled:
+                copies = copy_upload(s, rec, instr, b.seq, now, cmds, self.pool.backup_for, self.cluster.address)
+                if copies is not None:
+                    adopts.append(copies)
+        run(instrs[start:])
+        return cmds, adopts, errors
+
+    # ------------------------------------------------------------ sending (rule 2)
+
+    def send(self, step: Step, s: Session, cmds: Cmds) -> dict[str, int]:
+        """One Execute per worker with commands, with the worker's next seq; returns worker -> seq."""
+        seqs = {}
+        for worker_id, batch in cmds.items():
+            if not batch:
+                continue
+            w = self.cluster.workers[worker_id]
+            w.sent += 1
+            s.sent[worker_id] = seqs[worker_id] = w.sent
+            step.emit(fx.SendExecute(worker_id, w.address, m.Execute(seq=w.sent, session=s.id, cmds=batch,
+                                                                     memory_cap=s.memory_cap)))
+        return seqs
+
+    def send_raw(self, step: Step, worker_id: str, namespace: str, cmds: list[m.Cmd]) -> int:
+        """One Execute under another session key (a namespace of copies), outside the session's `sent`."""
+        w = self.cluster.workers[worker_id]
+        w.sent += 1
+        step.emit(fx.SendExecute(w.id, w.address, m.Execute(seq=w.sent, session=namespace, cmds=cmds)))
+        return w.sent
+
+    # ------------------------------------------------------------ syncs (rule 5)
+
+    def first_busy(self, s: Session) -> str | None:
+        """A worker of `busy(s)`, or None: stops at the first, looking at the latest sent to first (a report of each
+        of a wide session's workers may ask this, and a relocated session keeps its old workers in `sent`)."""
+        workers = self.cluster.workers
+        for worker_id, seq in reversed(s.sent.items()):
+            w = workers.get(worker_id)
+            if w is not None and w.completed < seq and w.state != st.LOST:
+                return worker_id
+        return None
+
+    def busy(self, s: Session) -> list[Worker]:
+        """Workers that have not finished the session's batches yet (lost ones are reported, not waited for)."""
+        busy = []
+        for worker_id, seq in s.sent.items():
+            w = self.cluster.workers.get(worker_id)  # a forgotten worker was lost: nothing to wait for
+            if w is not None and w.state != st.LOST and w.completed < seq:
+                busy.append(w)
+        return busy
+
+    def held(self, s: Session) -> bool:
+        """Does a hold make a Sync wait (rule 5)?"""
+        reasons = self.holds.get(s.id)
+        return bool(reasons) and (any(st.HOLDS[r].sync_waits for r in reasons) or self.unsent(s))
+
+    def done(self, s: Session) -> m.SyncReply:
+        """A Sync answered done: every error of the batches sent so far reaches the client now."""
+        rec = self.recs.get(s.id)
+        if rec is not None:
+            rec.delivered = rec.sent_upto
+            rec.window_errors.clear()
+        errors, s.errors = s.errors, []
+        return m.SyncReply(done=True, errors=errors, locations=self.cluster.locations(s))
+
+    def answer_syncs(self, step: Step, s: Session) -> str | None:
+        """Answer the session's parked Syncs if they can be (rule 5); else the worker they wait for, if any (the
+        controller files them under it), or None (a hold: its release looks at them again)."""
+        # held first: it is O(1), and a frozen session's parked Syncs are looked at by every report of the workers
+        # it stays bound to (with LAS, hundreds of frozen sessions), where `first_busy` walks the workers it used
+        if not s.syncs or self.held(s):
+            return None
+        busy = self.first_busy(s)
+        if busy is None:
+            for pending in s.syncs.values():
+                step.reply(pending.request_id, self.done(s))
+            s.syncs.clear()
+        return busy
+
+    # ------------------------------------------------------------ deletes held back (rule 6)
+
+    def flush_deferred(self, step: Step, s: Session) -> None:
+        """Send the deletes whose remote readers have finished (or were lost)."""
+        if not s.deferred:
+            return
+        ready, waiting = [], []
+        for dd in s.deferred:
+            done = all(not self.cluster.waits_for(wid, seq) for wid, seq in dd.waits.items())
+            (ready if done else waiting).append(dd)
+        s.deferred = waiting
+        groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        for dd in ready:
+            if dd.tid in s.tensors:  # the id was reused: the new tensor already replaced the old shards
+                continue
+            for worker_id, devices in dd.devices.items():
+                if self.cluster.workers[worker_id].state != st.LOST:
+                    groups.setdefault((worker_id, tuple(devices)), []).append(dd.tid)
+        cmds: Cmds = {}
+        for (worker_id, devices), tids in groups.items():
+            cmds.setdefault(worker_id, []).append(m.CmdDelete(tids=tids, devices=list(devices)))
+        self.send(step, s, cmds)

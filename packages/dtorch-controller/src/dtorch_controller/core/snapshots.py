@@ -1,0 +1,174 @@
+"""Snapshots: consistent copies of a session's shards, taken in the workers' own streams. Sans-IO.
+
+Rules:
+
+1. A snapshot rides in the workers' streams: after client batch k, each worker hosting a logical device copies
+   that device's live shards locally and to another worker's host memory (CmdSendShards), at exactly the point
+   after k. No pause, no race with later in-place writes.
+2. It is due after `snapshot_every_batches` batches or `snapshot_every_s` seconds (checked when batches go out),
+   and at once when `force`d (copies were lost, a drain or a move changed where they must be). None is taken
+   while one is being made, while a hold forbids it (`state.HOLDS`), or while the session is not open.
+3. It counts once every copying batch completed without error; then the log up to k and older copies are dropped
+   (lineage.py rule 4). A failed copy (a report of kind COPY) makes it fail: its copies are dropped and a new one
+   is forced. Uploads' copies (made at their adopt, pipeline.py) count the same way.
+4. Remote copies go to another node than the primary's (`Pool.backup_for`): losing a whole node leaves a copy of
+   every device it hosted. With no other worker to keep copies on, the session is not protected: its log and
+   copies are dropped.
+"""
+
+from __future__ import annotations
+
+from dtorch_controller.core import state as st
+from dtorch_controller.core.config import Config
+from dtorch_controller.core.lineage import Copies, Lineage, instr_tids, shard_bytes, tensors_on
+from dtorch_controller.core.model import Cluster, Session, Worker
+from dtorch_controller.core.pipeline import Cmds, Pipeline
+from dtorch_controller.core.pool import Pool
+from dtorch_controller.core.step import Step
+from dtorch_protocol import messages as m
+
+
+class Snapshots:
+    def __init__(self, config: Config, cluster: Cluster, pool: Pool, pipeline: Pipeline) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.pool = pool
+        self.pipeline = pipeline
+
+    def busy(self, rec: Lineage) -> bool:
+        """Copies being made (a snapshot, uploads), or a snapshot wanted and not started yet."""
+        return rec.taking is not None or any(c.pending for c in rec.adopts.values()) or (rec.force and rec.enabled)
+
+    # ------------------------------------------------------------ taking (rules 1, 2, 4)
+
+    def maybe(self, step: Step, s: Session) -> None:
+        """Take a snapshot if one is due (rule 2)."""
+        rec = self.pipeline.rec(s, step.now)
+        cfg = self.config
+        if not rec.enabled or rec.taking is not None or s.state != st.OPEN \
+                or any(not st.HOLDS[h].snapshots for h in self.pipeline.holding(s)):
+            return
+        since = rec.batches_since_snapshot()
+        due = rec.force or rec.snapshot is None and (since or s.tensors) or since >= cfg.snapshot_every_batches \
+            or since and step.now - rec.last_snapshot_at >= cfg.snapshot_every_s
+        if due:
+            self.take(step, s, rec)
+
+    def take(self, step: Step, s: Session, rec: Lineage) -> None:
+        """Copy every live shard after the last sent batch (rule 1)."""
+        upto = rec.sent_upto
+        primaries = self.cluster.order(set(s.devices.values()))
+        holders = {p: self.pool.backup_for(p) for p in primaries}
+        rec.force = False
+        rec.last_snapshot_at = step.now
+        if any(h is None for h in holders.values()) or not all(self.cluster.alive(p) for p in primaries):
+            self._unprotect(step, s, rec)  # nowhere to keep copies (a single worker): the log is useless
+            return
+        rec.window += 1
+        namespace = f"{s.id}#s{rec.window}"
+        tensors = dict(s.tensors)
+        # errors of the session come only from workers it sent to: one not among them sends errors of later work
+        workers = set(s.sent) | set(s.devices.values())
+        copies = Copies(namespace=namespace, upto=upto, tensors=tensors, started=step.now,
+                        first_seq={w: self.cluster.workers[w].sent + 1 for w in workers
+                                   if w in self.cluster.workers})
+        cmds: Cmds = {}
+        for primary in primaries:
+            devices = {d: tensors_on(tensors, s.meshes, d) for d, w in sorted(s.devices.items()) if w == primary}
+            devices = {d: tids for d, tids in devices.items() if tids}
+            for d in (d for d, w in s.devices.items() if w == primary):
+                copies.holders[d] = [primary, holders[primary]]  # type: ignore[list-item]
+            if not devices:
+                continue
+            holder = holders[primary]
+            assert holder is not None
+            cmds[primary] = [m.CmdSendShards(devices=devices, namespace=namespace, host=True),
+                             m.CmdSendShards(devices=devices, namespace=namespace, to=self.cluster.address(holder),
+                                             host=True)]
+            copies.bytes += sum(shard_bytes(tensors[t], s.meshes[tensors[t].mesh], d)
+                                for d, tids in devices.items() for t in tids)
+            rec.namespaces.setdefault(namespace, set()).update((primary, holder))
+        copies.pending = self.pipeline.send(step, s, cmds)
+        rec.taking = copies
+        if not copies.pending:
+            self.advance(step, s, rec)
+
+    def _unprotect(self, step: Step, s: Session, rec: Lineage) -> None:
+        if rec.snapshot is not None:
+            step.note(f"session {s.id[:8]} is not protected against worker loss: no other worker to keep copies on")
+        rec.snapshot = None
+        rec.log = [b for b in rec.log if not b.sent]
+        rec.adopts.clear()
+        self.drop(step, rec, set(rec.namespaces))
+
+    def drop(self, step: Step, rec: Lineage, namespaces: set[str]) -> None:
+        """Drop copies: every live worker holding some of a namespace forgets it."""
+        for ns in sorted(namespaces):
+            for w in sorted(rec.namespaces.pop(ns, set())):
+                if self.cluster.alive(w):
+                    self.pipeline.send_raw(step, w, ns, [m.CmdCloseSession()])
+
+    # ------------------------------------------------------------ counting copies (rule 3)
+
+    def advance(self, step: Step, s: Session, rec: Lineage) -> None:
+        """Count completed copying batches; commit a complete snapshot."""
+        for copies in [c for c in (rec.taking, *rec.adopts.values()) if c is not None]:
+            for w, seq in list(copies.pending.items()):
+                if not self.cluster.alive(w):
+                    copies.failed = copies.failed or f"worker {w} was lost while copying"
+                elif seq and self.cluster.workers[w].completed >= seq:
+                    del copies.pending[w]
+        taking = rec.taking
+        if taking is not None and taking.failed:
+            step.note(f"session {s.id[:8]} snapshot at batch {taking.upto} failed: {taking.failed}")
+            rec.taking = None
+            self.drop(step, rec, {taking.namespace})
+            rec.force = True
+        elif taking is not None and taking.complete:
+            self._commit(step, s, rec, taking)
+        if any(c.failed for c in rec.adopts.values()):
+            rec.force = True  # a snapshot after the adopt covers the upload
+
+    def _commit(self, step: Step, s: Session, rec: Lineage, snap: Copies) -> None:
+        rec.snapshot, rec.taking = snap, None
+        rec.log = [b for b in rec.log if b.seq > snap.upto]
+        rec.adopts = {t: c for t, c in rec.adopts.items() if c.upto > snap.upto}
+        keep = {snap.namespace} | {c.namespace for c in rec.adopts.values()}
+        window = int(snap.namespace.rsplit("#s", 1)[1])
+        old = {ns for ns in rec.namespaces if ns not in keep and _window(ns) < window}
+        self.drop(step, rec, old)
+        rec.window_errors = [(w, e) for w, e in rec.window_errors if e.seq >= snap.first_seq.get(w, 0)]
+        for w, seqs in rec.replayed.items():
+            rec.replayed[w] = {q: k for q, k in seqs.items() if k > snap.upto}
+        live = set(s.tensors) | {t for b in rec.log for i in b.instrs for t in instr_tids(i)}
+        rec.origin = {t: o for t, o in rec.origin.items() if t in live}
+        if rec.force:
+            self.maybe(step, s)
+
+    def copy_failed(self, rec: Lineage, w: Worker, e: m.ErrorReport) -> None:
+        """A copy of this worker's failed (kind COPY): the copies it made are no good."""
+        for copies in (rec.taking, *rec.adopts.values()):
+            if copies is not None and copies.pending.get(w.id) == e.seq:
+                copies.failed = e.message
+
+    # ------------------------------------------------------------ what waits
+
+    def awaits(self, rec: Lineage) -> list[tuple[str, int]] | None:
+        """(worker, Execute seq) pairs the copies wait on; None when a forced snapshot could not start yet (look
+        at the session on every report)."""
+        if rec.force and rec.enabled and rec.taking is None:
+            return None
+        waits: list[tuple[str, int]] = []
+        for copies in (rec.taking, *rec.adopts.values()):
+            for w, seq in copies.pending.items() if copies is not None else ():
+                if not seq:
+                    return None
+                waits.append((w, seq))
+        return waits
+
+
+def _window(namespace: str) -> int:
+    try:
+        return int(namespace.rsplit("#", 1)[1][1:])
+    except (IndexError, ValueError):
+        return -1
