@@ -139,7 +139,8 @@ def stage(targets: dict[str, list[str]]) -> dict[str, list[str]]:
     files = files_of(targets, src)
     for path in {f for fs in files.values() for f in fs}:
         (src / path).write_text(lift_decorators((src / path).read_text()))
-    selection = [*TESTS, *[f"--ignore={x}" for x in EXCLUDE], "-k", EXCLUDE_NAMES, "-m", "not gpu"]
+    folders = [t for t in TESTS if not ARGS.tests or t in ARGS.tests]
+    selection = [*folders, *[f"--ignore={x}" for x in EXCLUDE], "-k", EXCLUDE_NAMES, "-m", "not gpu"]
     only = [f"src/{f}" for fs in files.values() for f in fs]
     (STAGE / "pyproject.toml").write_text(textwrap.dedent(f"""\
         [tool.mutmut]
@@ -481,8 +482,11 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=100, metavar="N",
                         help="mutmut mutants per target (a fixed sample; a third as many table mutants); default 100")
     parser.add_argument("--cap", type=int, default=40, metavar="K",
-                        help="run each mutant against the K fastest tests that call its function; default 40")
+                        help="run each mutant against K of the tests that call its function (its own package's "
+                             "first, fastest first); default 40")
     parser.add_argument("--full", action="store_true", help="every mutant against every covering test (hours)")
+    parser.add_argument("--tests", action="append", default=[], metavar="FOLDER", choices=TESTS,
+                        help="only these test folders may kill mutants (repeatable; default: all of targets.TESTS)")
     ARGS = parser.parse_args()
     unknown = [t for t in ARGS.only if t not in TARGETS]
     if unknown:
@@ -503,7 +507,7 @@ def main() -> None:
     report(files, results, time.monotonic() - start)
 
 
-ARGS = argparse.Namespace(only=[])
+ARGS = argparse.Namespace(only=[], tests=[])
 
 if __name__ == "__main__":
     main()
