@@ -187,8 +187,8 @@ def sample(names: list[str], n: int) -> list[str]:
 
 def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
     """Run the named mutants. The first one alone collects the per-test coverage; then each function keeps only `cap`
-    of its covering tests (0: all): its own package's tests first, fastest first, so that a survivor costs seconds,
-    not every test of the core."""
+    of its covering tests (0: all): those of a test file named for its module first, then its package's, fastest
+    first within each, so that a survivor costs seconds, not every test of the core."""
     mutmut = [str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(max_children)]
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     stats_path, config = STAGE / "mutants" / "mutmut-stats.json", STAGE / "pyproject.toml"
@@ -213,9 +213,18 @@ def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
             stats = json.loads(stats_path.read_text())
             durations = stats["duration_by_test"]
             stats["tests_by_mangled_function_name"] = {
-                fn: sorted(tests, key=lambda t: (not t.startswith(_own_tests(fn)), durations.get(t, 0.0)))[:cap]
+                fn: sorted(tests, key=lambda t: (_distance(fn, t), durations.get(t, 0.0)))[:cap]
                 for fn, tests in stats["tests_by_mangled_function_name"].items()}
             stats_path.write_text(json.dumps(stats))
+
+
+def _distance(function: str, test: str) -> int:
+    """0: a test file named for the function's module (test_redistribute.py for redistribute.py, test_planner*.py
+    for _planner.py), 1: another test of its package, 2: any other test."""
+    module = function.split(".x")[0].rpartition(".")[2].lstrip("_")
+    if not test.startswith(_own_tests(function)):
+        return 2
+    return 0 if test.partition("::")[0].rpartition("/")[2].startswith(f"test_{module}") else 1
 
 
 def _own_tests(function: str) -> str:
