@@ -142,6 +142,7 @@ def stage(targets: dict[str, list[str]]) -> dict[str, list[str]]:
     folders = [t for t in TESTS if not ARGS.tests or t in ARGS.tests]
     selection = [*folders, *[f"--ignore={x}" for x in EXCLUDE], "-k", EXCLUDE_NAMES, "-m", "not gpu"]
     only = [f"src/{f}" for fs in files.values() for f in fs]
+    helpers = folders  # test helpers live beside the tests (`_core_helpers`, imported by the controller's conftest)
     (STAGE / "pyproject.toml").write_text(textwrap.dedent(f"""\
         [tool.mutmut]
         source_paths = ["src"]
@@ -155,6 +156,7 @@ def stage(targets: dict[str, list[str]]) -> dict[str, list[str]]:
 
         [tool.pytest.ini_options]
         addopts = "--import-mode=importlib"
+        pythonpath = {json.dumps(helpers)}
         markers = ["gpu: needs a CUDA device"]
         timeout = 120
         """))
