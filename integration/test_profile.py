@@ -74,7 +74,7 @@ def test_a_worker_left_idle_is_pointed_out_and_a_balanced_step_is_not(cluster):
         for _ in range(12):
             z = (z * 1.01).tanh()
         z.sum().item()
-    assert "imbalance" not in rules(q) and "small_ops" not in rules(q) and not q.report.moves
+    assert "imbalance" not in rules(q) and "small_ops" not in rules(q) and not q.report.moves, q.table()
 
 
 def test_many_tiny_ops_are_pointed_out(mesh1):
