@@ -122,8 +122,9 @@ def conformance(session: nox.Session) -> None:
 def gpu_integration(session: nox.Session) -> None:
     """GPU-marked tests (integration/test_gpu.py): one CUDA device tests the backend, ops and training, a mixed
     cuda/cpu cluster and recovery; two add NCCL collectives, TP and DP x TP. Whatever the machine lacks is skipped
-    with a one-line reason listed at the end (-rs); without CUDA every test is skipped and the session passes."""
+    with a one-line reason: each test is named with its outcome (-v) and the skips are listed with their reasons at
+    the end (-rs); without CUDA every test is skipped and the session passes."""
     install(session, *TEST_DEPS)
     has_cuda = session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True)
     session.log(f"CUDA devices on this machine: {(has_cuda or '0').strip()}")
-    session.run("pytest", "-q", "-rs", "-m", "gpu", *session.posargs)
+    session.run("pytest", "-v", "-rs", "-m", "gpu", *session.posargs)

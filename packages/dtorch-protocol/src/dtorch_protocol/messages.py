@@ -30,14 +30,15 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.5"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.6"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
 # collectives (CmdGroup, CmdCollective, RegisterWorker.rendezvous and .device_id,
 # WorkerReport/WorkerStatus.received_bytes); API keys and capabilities (RegisterWorker.secret/.client_address,
 # WorkerReport.proof, `caps` next to every location, Execute.caps for peers), anonymous counts in StatusReply,
-# bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint)
+# bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint); 1.6: CmdGroup.key (a
+# group's secret: the rendezvous store's keys are under it)
 
 
 class ErrorKind(str, enum.Enum):
@@ -420,9 +421,9 @@ class CmdGroup(Struct, frozen=True, tag="group"):
     """Join communication group `group` of this batch's session as `rank` (sent before its first op).
 
     The worker builds the process group in the background (rendezvous on the TCPStore at `store`, under a
-    prefix naming the session, the group and the generation), so the batch goes on; the group's first op waits
-    for it. A CmdGroup of a newer generation fences the session's groups of older ones on this worker (their ops
-    in flight finish first, then they are shut down and later ops naming them are refused).
+    prefix naming the group's secret `key`, the group and the generation), so the batch goes on; the group's
+    first op waits for it. A CmdGroup of a newer generation fences the session's groups of older ones on this
+    worker (their ops in flight finish first, then they are shut down and later ops naming them are refused).
     """
 
     group: str  # unique within the session
@@ -431,6 +432,8 @@ class CmdGroup(Struct, frozen=True, tag="group"):
     members: list[str]  # each rank's worker, "w3 at host:port", for messages naming a missing one
     store: str  # host:port of rank 0's worker's TCPStore
     timeout_s: float = 60.0  # bound on the rendezvous and on each op: past it the op fails naming who is missing
+    key: str = ""  # the group's secret, drawn per group and generation and sent to its members only: the store
+    # keys are under it, so no one else who reaches the store can meet or disturb the group (1.6; "" from 1.5)
 
 
 class GroupOp(Struct, frozen=True, array_like=True):

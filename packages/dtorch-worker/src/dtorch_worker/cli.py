@@ -150,10 +150,14 @@ def run(argv: Sequence[str] | None = None) -> int:
                   lost_after_s=args.lost_after, secret=worker.credentials.secret, tls=tls)
     worker.executor.on_complete = agent.poke
     try:
+        rendezvous = "" if args.no_collectives else worker.executor.groups.rendezvous
+    except ValueError as e:  # the advertised host is not this machine's: the store cannot listen there
+        print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)
+        worker.stop(0.0)
+        return EXIT_USAGE
+    try:
         reg = agent.register(address, device.type, memory, labels, attempts=args.register_attempts,
-                             client_address=client_address,
-                             rendezvous="" if args.no_collectives else worker.executor.groups.rendezvous,
-                             device_id=backend.identity())
+                             client_address=client_address, rendezvous=rendezvous, device_id=backend.identity())
     except ControllerUnreachable as e:
         print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)
         worker.stop(0.0)

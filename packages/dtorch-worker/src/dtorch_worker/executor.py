@@ -19,7 +19,7 @@ Collectives (CmdGroup, CmdCollective; groups.py, collectives.py): a collective i
 and finishes on its group's lane while the executor goes on; its outputs are `Pending` in the store, so the
 first command that uses one waits for it there (as do peers' pulls and whole-shard copies). A batch counts as
 completed (reported to the controller) only once its collectives are done, and their errors are reported
-with it. Why the waits cannot deadlock across sessions: groups.py, rule 4.
+with it. Why the waits cannot deadlock across sessions: groups.py, rule 5.
 
 Memory caps: a session packed with others onto this device carries its cap on every Execute. A command that
 makes a capped session hold more than its cap here (created or grown shards: runs, creates, redistributions,
@@ -347,7 +347,7 @@ class Executor:
                 self.store.drop_derived(session)
                 self.peers.forget(session)
             elif isinstance(cmd, CmdGroup):
-                self.groups.join(session, cmd)
+                self.groups.join(session, cmd, self.address)
             elif isinstance(cmd, CmdCollective):
                 self._collective(session, cmd)
             elif isinstance(cmd, CmdSendShards):
