@@ -6,8 +6,10 @@ Rules:
    and sends A one CmdSendShards(move=...): at that point of A's stream (after everything sent before)
    A copies every shard of those devices whole to B, worker to worker, with their aliasing. Once A
    completed it the devices are rebound to B (later batches go to B, Sync locations name B), held
-   batches go out, and A drops its shards when the readers planned before the move are done. The time
-   the batches were held is the move's downtime, reported to the operator and in the event log.
+   batches go out, and A drops its shards when the readers planned before the move are done (the session's
+   Syncs do not wait for that drop when A hosts none of its devices any more: it may be queued behind
+   another session's work there). The time the batches were held is the move's downtime, reported to the
+   operator and in the event log.
 2. Uploads under way: from the copy on, A refuses client Puts for the moving devices ("moved:"), and
    uploads that arrived before it travel with them. The client asks the controller where the device
    went and uploads again (session.py).
@@ -478,7 +480,10 @@ class Mover:
                 continue
             devices = [d for d in drop.devices if s.devices.get(d) != drop.worker]  # unless it came back
             if devices and drop.tids:
+                before = s.sent.get(drop.worker)
                 self.faults.send(s, {drop.worker: [m.CmdDelete(tids=drop.tids, devices=devices)]}, out)
+                if before is not None and drop.worker not in s.devices.values():
+                    s.sent[drop.worker] = before  # cleanup on a worker it left: its Syncs do not wait for it
         self.drops = keep
 
     # ------------------------------------------------------------ losses and closing
