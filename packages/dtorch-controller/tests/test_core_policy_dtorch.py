@@ -200,6 +200,15 @@ def test_packed_requests_fill_the_room_a_blocked_request_cannot_use(make_harness
     assert h.core.sched.state(whole) == "waiting" and h.core.sched.position(whole) == 1
 
 
+def test_fgd_false_keeps_no_demand_history_so_packing_is_plain_best_fit(make_harness):
+    # the baseline of packing studies (openb in docs/simulation.md): pool.py rule 7 with no history is best fit
+    for fgd in (True, False):
+        h = make_harness(policy=DTorchPolicy({"fairness": 0, "fgd": fgd}), **QUIET)
+        h.register("10.0.0.0:7000", memory=1000)
+        assert h.open_mesh(h.open_session(memory_cap=400), 1, [0]).placed
+        assert bool(h.core.sched.pool._demand) is fgd
+
+
 # ---------------------------------------------------------------- elastic shrink (scheduler.py rule 10)
 
 

@@ -13,11 +13,12 @@ Rules (a session's *score* is in device-seconds; lower goes first):
    Otherwise its attained service since its last promotion (least attained service, Tiresias's 2D-LAS).
 3. Promotion (the one fairness knob): a session that has waited (queued or frozen, this time) `fairness` times
    as long as it ran since its last promotion (and at least `promote_min_s`) is promoted: its counted service
-   restarts from zero (level 0 of its class; a promoted session with an estimate takes the lower of the two).
-   So a session's wait is bounded by about `fairness` times its running time, and a promotion is a step, not
-   a slope: the promoted session and the one it preempts do not trade places at every threshold crossing
-   (a continuous credit for waiting did, a million times on ITP cluster04). Small `fairness`: close to first
-   come, first served; large: pure shortest-remaining / least-attained; 0: no promotion.
+   restarts at minus `promote_min_s` seconds of its devices: it runs at least `promote_min_s` at level 0 of
+   its class before it can be demoted (a promoted session with an estimate takes the lower of the two). So a
+   session's wait is bounded by about `fairness` times its running time, and a promotion is a step with a
+   quantum, not a slope: the promoted session and the one it preempts do not trade places at every threshold
+   crossing (a continuous credit for waiting did, a million times on ITP cluster04). Small `fairness`: close
+   to first come, first served; large: pure shortest-remaining / least-attained; 0: no promotion.
 4. Within a rank, the queue is ordered realtime first, then by score, then arrival.
 5. Preemption freezes sessions of a strictly worse rank; a frozen session may resume on substitutes at once
    (`relocate_after`, default 0: moving a session's state costs seconds, waiting for its devices minutes);
@@ -28,9 +29,9 @@ Rules (a session's *score* is in device-seconds; lower goes first):
    above their minimum and run on the rest as virtual devices, growing back when devices free up
    (scheduler.py rule 10).
 
-Parameters: `thresholds` (device-seconds, ascending; default 60, 600, 3600), `fairness` (default 1.0; 0: no
-promotion), `promote_min_s` (default 60), `preempt`, `pack`, `relocate`, `lend`, `shrink` (default true),
-`relocate_after` (default 0 s).
+Parameters: `thresholds` (device-seconds, ascending; default 60, 600, 3600), `fairness` (default 4; 0: no
+promotion), `promote_min_s` (default 60), `preempt`, `pack`, `fgd` (fragmentation-aware packing; false: best
+fit), `relocate`, `lend`, `shrink` (default true), `relocate_after` (default 0 s).
 """
 
 from __future__ import annotations
@@ -60,16 +61,18 @@ class DTorchPolicy(BasePolicy):
             raise PolicyError(f"policy parameter 'thresholds' must be ascending positive device-seconds, got {raw!r}")
         self.thresholds = tuple(float(x) for x in raw)
         self.levels = len(self.thresholds) + 1
-        self.fairness = number(self.params, "fairness", 1.0)
+        self.fairness = number(self.params, "fairness", 4.0)
         self.promote_min_s = number(self.params, "promote_min_s", 60.0)
         self.preempts = flag(self.params, "preempt", True)
         self.packs = flag(self.params, "pack", True)
+        self.fgd = flag(self.params, "fgd", True)  # fragmentation-aware packing (pool.py rule 7); false: best fit
         self.lends = flag(self.params, "lend", True)
         self.shrinks = flag(self.params, "shrink", True)
         relocation(self, 0.0)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("thresholds", "fairness", "promote_min_s", "preempt", "pack", "relocate", "relocate_after", "lend", "shrink")
+        return ("thresholds", "fairness", "promote_min_s", "preempt", "pack", "fgd", "relocate", "relocate_after", "lend",
+                "shrink")
 
     # ------------------------------------------------------------ the score (rules 2 and 3)
 
@@ -81,9 +84,10 @@ class DTorchPolicy(BasePolicy):
 
     def score(self, t: Tenant, now: float) -> float:
         left = self.remaining(t)
-        if left is None:
-            return t.counted(now)
-        return min(left, t.counted(now)) if t.base else left
+        if not t.base:
+            return t.counted(now) if left is None else left
+        counted = t.counted(now) - self.promote_min_s * max(1, t.wanted_devices)  # promoted: a quantum first
+        return counted if left is None else min(left, counted)
 
     def starving(self, t: Tenant, now: float) -> bool:
         """A waiting session that waited long enough for its running time: the scheduler restarts its counted
