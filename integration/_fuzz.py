@@ -69,8 +69,8 @@ def hostile_value(rng: random.Random, depth: int = 0) -> Any:
     if kind == 1:
         return rng.choice([float("nan"), float("inf"), -float("inf"), -0.0, 1e308, -1e-308, 0.5, 3600.5, -1.0])
     if kind == 2:
-        return rng.choice(["", "x" * rng.randint(1, 5000), "\x00", "é" * 100, "aten.add.Tensor", "../" * 2 + "etc/passwd",
-                           "float32", "$t", "w99", "127.0.0.1:1", "s#s1"])
+        return rng.choice(["", "x" * rng.randint(1, 5000), "\x00", "é" * 100, "aten.add.Tensor",
+                           "../" * 2 + "etc/passwd", "float32", "$t", "w99", "127.0.0.1:1", "s#s1"])
     if kind == 3:
         return rng.randbytes(rng.randint(0, 300))
     if kind == 4:

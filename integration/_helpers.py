@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-from dtorch_controller.keys import new_key_file
-
 # The CLIs, found through the running interpreter (its environment has the packages), never through PATH
 CONTROLLER = (sys.executable, "-m", "dtorch_controller")
 WORKER = (sys.executable, "-m", "dtorch_worker")
@@ -42,6 +40,8 @@ class Keys:
 
     @classmethod
     def make(cls, directory: Path) -> Keys:
+        from dtorch_controller.keys import new_key_file  # here: compat.py imports this module without the packages
+
         path = directory / "keys.json"
         keys = new_key_file(path, ("admin", ""), ("worker", ""), ("tenant", "alice"), ("tenant", "bob"))
         return cls(path, *keys)

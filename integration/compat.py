@@ -142,8 +142,26 @@ def relabel(b: Build, protocol: tuple[int, int], work: Path) -> Build:
 # ---------------------------------------------------------------- one combination
 
 
-def env_for(b: Build, **extra: str) -> dict[str, str]:
-    return {**os.environ, "DTORCH_TOKEN": "compat-token", "PYTHONPATH": os.pathsep.join(b.paths), **extra}
+KEYS: dict[str, str] = {}  # "file" -> the key file, and role -> a key of it (made by HEAD's controller: `make_keys`)
+
+
+def make_keys(controller: Build, work: Path) -> None:
+    """A key file with a worker key and a tenant key, made with the controller's own CLI as an operator would."""
+    KEYS["file"] = str(work / "keys.json")
+    for role, extra in (("worker", []), ("tenant", ["--tenant", "compat"])):
+        made = subprocess.run([sys.executable, "-m", "dtorch_controller", "keys", "create", "--keys", KEYS["file"],
+                               "--role", role, *extra], env=env_for(controller), capture_output=True, text=True,
+                              timeout=60)
+        if made.returncode != 0:
+            raise SystemExit(f"compat: making a {role} key failed: {made.stderr.strip()[-500:]}")
+        KEYS[role] = made.stdout.strip()
+
+
+def env_for(b: Build, role: str = "", **extra: str) -> dict[str, str]:
+    """The environment of a process of build `b`: only its own packages, the key file, and `role`'s key."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+    keys = {"DTORCH_KEYS": KEYS["file"], **({"DTORCH_API_KEY": KEYS[role]} if role else {})} if KEYS else {}
+    return {**base, **keys, "PYTHONPATH": os.pathsep.join(b.paths), **extra}
 
 
 def last_line(text: str) -> str:
@@ -161,7 +179,7 @@ def check(client: Build, controller: Build, worker: Build, work: Path) -> tuple[
         ctl, address = start_controller(logs / "address", env_for(controller), "--heartbeat-timeout", "30",
                                         log=logs / "controller.log", limit=WAIT_S)
         procs.append(ctl)
-        workers = [start_worker(address, env_for(worker), log=logs / f"worker{i}.log") for i in range(2)]
+        workers = [start_worker(address, env_for(worker, "worker"), log=logs / f"worker{i}.log") for i in range(2)]
         procs += workers
         if expected and expected[0] == "worker":
             for i, w in enumerate(workers):
@@ -174,7 +192,7 @@ def check(client: Build, controller: Build, worker: Build, work: Path) -> tuple[
                 if problem:
                     return f"worker {i}: {problem}", line
             return None, line
-        out = subprocess.run([sys.executable, "-c", CLIENT], env=env_for(client, DTORCH_CONTROLLER=address,
+        out = subprocess.run([sys.executable, "-c", CLIENT], env=env_for(client, "tenant", DTORCH_CONTROLLER=address,
                                                                           DTORCH_TIMEOUT=str(WAIT_S)),
                              capture_output=True, text=True, timeout=WAIT_S + 30)
         (logs / "client.log").write_text(out.stdout + out.stderr)
@@ -211,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         releases = {role: previous_tag(ROLES[role]) for role in ROLES}
         builds = {role: [build(role, releases[role], work), build(role, None, work)] for role in ROLES}
         head = {role: bs[1] for role, bs in builds.items()}
+        make_keys(head["controller"], work)
         major, minor = head["controller"].protocol
         combos = list(product(builds["client"], builds["controller"], builds["worker"])) + [
             (relabel(head["client"], (major, minor - 1), work), head["controller"], head["worker"]),

@@ -39,7 +39,8 @@ def test_csv_maps_columns_names_jobs_by_row_reads_datetimes_and_sorts(base, tmp_
 
 
 def test_csv_iso_times_and_end_column(base, tmp_path):
-    text = "id,t0,t1,n\nx,2024-03-01T10:00:00+00:00,2024-03-01T10:02:00+00:00,1\ny,2024-03-01T11:00:00+01:00,2024-03-01T10:01:00Z,2\n"
+    text = ("id,t0,t1,n\nx,2024-03-01T10:00:00+00:00,2024-03-01T10:02:00+00:00,1\n"
+            "y,2024-03-01T11:00:00+01:00,2024-03-01T10:01:00Z,2\n")
     csv_trace(base, tmp_path / "t.csv", text, columns={"job_id": "id", "submit": "t0", "end": "t1", "num_gpu": "n"},
               time_format="iso")
     assert [(j.id, j.arrival, j.duration) for j in generate(parse(base))] == [("x", 0.0, 120.0), ("y", 0.0, 60.0)]

@@ -19,9 +19,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dtorch_sim import __version__
+from dtorch_sim.harness import Stalled
 from dtorch_sim.jobs import generate, node_groups, warnings
 from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
-from dtorch_sim.harness import Stalled
 from dtorch_sim.scenario import Scenario, ScenarioError, load
 
 

@@ -82,7 +82,7 @@ def shrink(core: ControllerCore, now: float, session: str, workers: list[str], o
         return
     gone = set(workers)
     load: dict[str, int] = {}
-    for d, w in sorted(s.devices.items()):
+    for _d, w in sorted(s.devices.items()):
         if w not in gone:
             load[w] = load.get(w, 0) + 1
     moves: dict[tuple[str, str], list[int]] = {}

@@ -41,5 +41,5 @@ def make_policy(name: str = DEFAULT_POLICY, params: Mapping[str, Any] | None = N
     return factory(params)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "BasePolicy", "DTorchPolicy", "FifoPolicy", "LasPolicy", "Policy", "PolicyError",
-           "PriorityPolicy", "known", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "BasePolicy", "DTorchPolicy", "FifoPolicy", "LasPolicy", "Policy",
+           "PolicyError", "PriorityPolicy", "known", "make_policy"]
