@@ -71,8 +71,8 @@ class DTorchPolicy(BasePolicy):
         relocation(self, 0.0)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("thresholds", "fairness", "promote_min_s", "preempt", "pack", "fgd", "relocate", "relocate_after", "lend",
-                "shrink")
+        return ("thresholds", "fairness", "promote_min_s", "preempt", "pack", "fgd", "relocate", "relocate_after",
+                "lend", "shrink")
 
     # ------------------------------------------------------------ the score (rules 2 and 3)
 
