@@ -271,3 +271,4 @@ def test_a_shrunk_sessions_syncs_do_not_wait_for_the_cleanup_on_the_workers_it_g
     for wid in kept:
         h.report(wid)
     assert rid in h.replies and h.replies[rid].done
+

@@ -430,7 +430,8 @@ class Mover:
         rec = self.faults.rec(s)
         rec.migrations += 1
         rec.force = True  # the copies' holders may now include the devices' own worker
-        s.state = st.step(st.SESSION_TABLE, s.state, st.MOVED)
+        if s.state == st.MIGRATING:  # not when it lost data meanwhile (degraded): it stays so (as in _call_off)
+            s.state = st.step(st.SESSION_TABLE, s.state, st.MOVED)
         report = mv.report(self.now)
         self.core.log.add(self.now, f"session {_short(s.id)} logical device{'s' if len(mv.devices) > 1 else ''} "
                                     f"{', '.join(map(str, mv.devices))} moved {mv.src} -> {mv.dst}: {mv.tensors} "
