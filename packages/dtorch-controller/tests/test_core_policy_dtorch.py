@@ -111,7 +111,7 @@ def test_a_session_that_waited_fairness_times_its_running_time_is_promoted(make_
     assert state(h, old) == "running" and state(h, new) == "frozen"
     assert h.core.sched.tenants[old].waited == pytest.approx(80, abs=0.01)
     assert any("promoted after waiting 80s" in line for line in h.core.log.lines())
-    h.advance(158)  # old is at level 1 again after 10 s: new waits for its own promotion (160 s), not less
+    h.advance(158)  # old is at level 1 again after 11 s (a 1 s quantum, then 10): new waits 160 s for its own
     assert state(h, old) == "running" and state(h, new) == "frozen"
     h.advance(3)
     assert state(h, new) == "running" and state(h, old) == "frozen"
