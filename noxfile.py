@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -47,6 +48,17 @@ def fuzz(session: nox.Session) -> None:
     refusals, unhandled exceptions, RSS before and after, then a real computation compared with torch."""
     install(session, *TEST_DEPS)
     session.run("python", "integration/_fuzz.py", "--messages", "100000", *session.posargs)
+
+
+@nox.session
+def observability(session: nox.Session) -> None:
+    """Metrics scraped by a real Prometheus and usage records (integration/test_observability.py). Installs the
+    Debian `prometheus` package where it can (root with apt-get); where it cannot, the test skips with one line."""
+    install(session, *TEST_DEPS)
+    if shutil.which("prometheus") is None and shutil.which("apt-get") and os.geteuid() == 0:
+        session.run("sh", "-c", "apt-get update -qq && apt-get install -y -qq prometheus", external=True,
+                    success_codes=[0, 100])
+    session.run("pytest", "-q", "-rs", "integration/test_observability.py", *session.posargs)
 
 
 @nox.session
@@ -123,8 +135,9 @@ def conformance(session: nox.Session) -> None:
 def gpu_integration(session: nox.Session) -> None:
     """GPU-marked tests (integration/test_gpu.py): one CUDA device tests the backend, ops and training, a mixed
     cuda/cpu cluster and recovery; two add NCCL collectives, TP and DP x TP. Whatever the machine lacks is skipped
-    with a one-line reason listed at the end (-rs); without CUDA every test is skipped and the session passes."""
+    with a one-line reason: each test is named with its outcome (-v) and the skips are listed with their reasons at
+    the end (-rs); without CUDA every test is skipped and the session passes."""
     install(session, *TEST_DEPS)
     has_cuda = session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True)
     session.log(f"CUDA devices on this machine: {(has_cuda or '0').strip()}")
-    session.run("pytest", "-q", "-rs", "-m", "gpu", *session.posargs)
+    session.run("pytest", "-v", "-rs", "-m", "gpu", *session.posargs)

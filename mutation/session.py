@@ -139,8 +139,10 @@ def stage(targets: dict[str, list[str]]) -> dict[str, list[str]]:
     files = files_of(targets, src)
     for path in {f for fs in files.values() for f in fs}:
         (src / path).write_text(lift_decorators((src / path).read_text()))
-    selection = [*TESTS, *[f"--ignore={x}" for x in EXCLUDE], "-k", EXCLUDE_NAMES, "-m", "not gpu"]
+    folders = [t for t in TESTS if not ARGS.tests or t in ARGS.tests]
+    selection = [*folders, *[f"--ignore={x}" for x in EXCLUDE], "-k", EXCLUDE_NAMES, "-m", "not gpu"]
     only = [f"src/{f}" for fs in files.values() for f in fs]
+    helpers = folders  # test helpers live beside the tests (`_core_helpers`, imported by the controller's conftest)
     (STAGE / "pyproject.toml").write_text(textwrap.dedent(f"""\
         [tool.mutmut]
         source_paths = ["src"]
@@ -154,6 +156,7 @@ def stage(targets: dict[str, list[str]]) -> dict[str, list[str]]:
 
         [tool.pytest.ini_options]
         addopts = "--import-mode=importlib"
+        pythonpath = {json.dumps(helpers)}
         markers = ["gpu: needs a CUDA device"]
         timeout = 120
         """))
@@ -186,8 +189,8 @@ def sample(names: list[str], n: int) -> list[str]:
 
 def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
     """Run the named mutants. The first one alone collects the per-test coverage; then each function keeps only `cap`
-    of its covering tests (0: all): its own package's tests first, fastest first, so that a survivor costs seconds,
-    not every test of the core."""
+    of its covering tests (0: all): those of a test file named for its module first, then its package's, fastest
+    first within each, so that a survivor costs seconds, not every test of the core."""
     mutmut = [str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(max_children)]
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     stats_path, config = STAGE / "mutants" / "mutmut-stats.json", STAGE / "pyproject.toml"
@@ -212,9 +215,18 @@ def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
             stats = json.loads(stats_path.read_text())
             durations = stats["duration_by_test"]
             stats["tests_by_mangled_function_name"] = {
-                fn: sorted(tests, key=lambda t: (not t.startswith(_own_tests(fn)), durations.get(t, 0.0)))[:cap]
+                fn: sorted(tests, key=lambda t: (_distance(fn, t), durations.get(t, 0.0)))[:cap]
                 for fn, tests in stats["tests_by_mangled_function_name"].items()}
             stats_path.write_text(json.dumps(stats))
+
+
+def _distance(function: str, test: str) -> int:
+    """0: a test file named for the function's module (test_redistribute.py for redistribute.py, test_planner*.py
+    for _planner.py), 1: another test of its package, 2: any other test."""
+    module = function.split(".x")[0].rpartition(".")[2].lstrip("_")
+    if not test.startswith(_own_tests(function)):
+        return 2
+    return 0 if test.partition("::")[0].rpartition("/")[2].startswith(f"test_{module}") else 1
 
 
 def _own_tests(function: str) -> str:
@@ -459,7 +471,7 @@ def report(files: dict[str, list[str]], results: dict[str, FileResult], seconds:
         for name, line in r.survivors:
             print(f"  {name}: {line}")
     stale = sorted(set(EQUIVALENT) - USED)
-    if stale and not ARGS.only:
+    if stale and not ARGS.only and ARGS.full and not ARGS.no_tables:  # a sample or no tables misses survivors
         print("\nstale entries in mutation/equivalent.py (no survivor matches them any more):")
         for function, line in stale:
             print(f"  {function}: {line}")
@@ -481,8 +493,11 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=100, metavar="N",
                         help="mutmut mutants per target (a fixed sample; a third as many table mutants); default 100")
     parser.add_argument("--cap", type=int, default=40, metavar="K",
-                        help="run each mutant against the K fastest tests that call its function; default 40")
+                        help="run each mutant against K of the tests that call its function (its own package's "
+                             "first, fastest first); default 40")
     parser.add_argument("--full", action="store_true", help="every mutant against every covering test (hours)")
+    parser.add_argument("--tests", action="append", default=[], metavar="FOLDER", choices=TESTS,
+                        help="only these test folders may kill mutants (repeatable; default: all of targets.TESTS)")
     ARGS = parser.parse_args()
     unknown = [t for t in ARGS.only if t not in TARGETS]
     if unknown:
@@ -503,7 +518,7 @@ def main() -> None:
     report(files, results, time.monotonic() - start)
 
 
-ARGS = argparse.Namespace(only=[])
+ARGS = argparse.Namespace(only=[], tests=[], full=False, no_tables=False)
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dtorch._planner import plan
+from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
 aten = torch.ops.aten
@@ -81,3 +82,15 @@ def test_a_rule_of_our_own_gives_torchs_output_shapes(spec, mesh2):
     assert p.route == "sharded"
     assert _shapes(p.outputs) == [tuple(t.shape) for t in real]
     assert [o.placements for o in p.outputs] == [(Shard(1),), (Shard(1),)]
+
+
+def test_filling_a_partial_sum_puts_the_value_on_one_device_of_each_group(spec, mesh2):
+    """The shares of a Partial("sum") add up to the tensor: filling every share with v would make it 2v."""
+    p = plan(aten.fill_.Scalar, (spec((4,), [Partial("sum")], mesh2), 3.0), {})
+    assert p.route == "sharded" and p.outputs.placements == (Partial("sum"),)
+    assert {d: args[1] for d, (args, _) in p.local.items()} == {0: 3.0, 1: 0.0}
+    mesh4 = DeviceMesh("cpu", [[0, 1], [2, 3]])  # summed over mesh dim 0; dim 1 shards rows
+    p = plan(aten.fill_.Scalar, (spec((4, 4), [Partial("sum"), Shard(0)], mesh4), 3.0), {})
+    assert {d: args[1] for d, (args, _) in p.local.items()} == {0: 3.0, 1: 3.0, 2: 0.0, 3: 0.0}
+    p = plan(aten.fill_.Scalar, (spec((4,), [Partial("max")], mesh2), 3.0), {})  # max of equal shares is v
+    assert p.local is None and p.args == [{"$t": 0}, 3.0]

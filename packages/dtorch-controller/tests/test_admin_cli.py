@@ -68,3 +68,34 @@ def test_status_shows_utilization_copies_and_snapshots(controller, capsys, regis
     out = console.export_text()
     assert "25%" in out and "2.0 KiB" in out and "copies" in out
     stub.close()
+
+
+def test_top_shows_workers_sessions_the_queue_and_each_sessions_throughput(controller, capsys, register_worker):
+    from dtorch_controller import top
+
+    server, address, keys = controller
+    stub = wire.Stub("dtorch.Controller", address, keys.admin)
+    worker = wire.Stub("dtorch.Controller", address, keys.worker)
+    register_worker(worker, "127.0.0.1:9", memory=1 << 30)
+    worker.close()
+    opened = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client"), name="trainer"))
+    assert cli.main(["top", "--iterations", "2", "--interval", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert f"dtorch-controller {address}" in out and "workers 1/1 alive" in out and "trainer" in out
+    # the rates come from two replies: 30 batches and 2 device-seconds in 2 s
+    before = stub.call("Status", m.StatusRequest())
+    s0 = before.sessions[0]
+    after = m.StatusReply(workers=before.workers, events=[], queued=1, sessions=[
+        m.SessionStatus(**{f: getattr(s0, f) for f in s0.__struct_fields__ if f not in ("batches", "attained_s")},
+                        batches=s0.batches + 30, attained_s=s0.attained_s + 2.0),
+        m.SessionStatus(session="waiting-one", name="next", priority="low", state="open", devices={}, tensors=0,
+                        queue_position=1, schedule="waiting")])
+    console = Console(width=250, record=True)
+    console.print(top.frame(top.Snapshot(10.0, before), top.Snapshot(12.0, after), address))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if opened.session[:8] in line)
+    assert "15.0" in row and "1.00" in row  # batches/s, devices busy
+    assert "queue (1)" in text and "waiting-" in text
+    assert cli.main(["top", "--controller", "127.0.0.1:1", "--iterations", "1"]) == 1
+    assert "cannot reach 127.0.0.1:1" in capsys.readouterr().err
+    stub.close()

@@ -95,3 +95,27 @@ def test_oversized_and_malformed_requests_are_refused_before_the_core(controller
     big = wire.encode(m.Submit(session="s", seq=1, instrs=[m.InstrDelete(tids=[1])] * (m.MAX_SUBMIT_INSTRS + 1)))
     code, details = wire.raw_call(channel, SERVICE, "Submit", big, auth.bearer(keys.alice))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "instrs" in details
+
+
+def test_a_workers_node_is_its_keys_unless_the_key_trusts_the_workers_own(tmp_path, register_worker):
+    """`keys create --role worker --node rack7`: its workers are on rack7, whatever they claim; `--node '*'`: each
+    names its own (Kubernetes' node name); no node: the claim is dropped (the host of the address counts)."""
+    from dtorch_controller.keys import KeyFile, Keyring
+
+    kf = KeyFile()
+    keys = {node: kf.create(auth.WORKER, node=node)[1] for node in ("", "rack7", auth.ANY_NODE)}
+    admin = kf.create(auth.ADMIN)[1]
+    kf.write(tmp_path / "keys.json")
+    server, address = run_server(keys=Keyring(tmp_path / "keys.json").authenticate)
+    try:
+        for i, key in enumerate(keys.values()):
+            stub = wire.Stub("dtorch.Controller", address, key)
+            register_worker(stub, f"10.0.0.{i}:7000", labels={"node": "claimed", "rack": "r"})
+            stub.close()
+        stub = wire.Stub("dtorch.Controller", address, admin)
+        workers = stub.call("Status", m.StatusRequest()).workers
+        stub.close()
+        assert [(w.node, w.labels.get("node", ""), w.labels["rack"]) for w in workers] == [
+            ("10.0.0.0", "", "r"), ("rack7", "rack7", "r"), ("claimed", "claimed", "r")]
+    finally:
+        server.stop(0)

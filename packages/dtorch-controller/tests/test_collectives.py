@@ -122,6 +122,8 @@ def test_a_partial_to_replicate_becomes_a_group_then_numbered_ops(make_harness):
     h, ids, sid = setup(make_harness)
     h.submit(sid, 1, [create(1, ["Psum"]), redist(1, 2, ["Psum"], ["R"]), redist(1, 3, ["Psum"], ["S0"])])
     sent = h.take_sent()
+    keys = {g.key for g in cmds_of(sent, None, m.CmdGroup)}
+    assert len(keys) == 1 and len(keys.pop()) >= 32  # the members share the group's secret, unguessable
     for rank, w in enumerate(ids):
         group, = cmds_of(sent, w, m.CmdGroup)
         assert (group.group, group.generation, group.rank, group.store) == ("g1", 1, rank, "10.0.0.0:29000")
@@ -164,7 +166,8 @@ def test_moving_a_device_makes_a_new_generation(make_harness):
     """A migration rebinds a device: the next collective names a new group of generation 2."""
     h, ids, sid = setup(make_harness, n=3, devices=[0, 1], snapshot_every_batches=100)
     h.submit(sid, 1, [create(1, ["Psum"]), redist(1, 2, ["Psum"], ["R"])])
-    first = {g.group: g.generation for g in cmds_of(h.take_sent(), None, m.CmdGroup)}
+    first_cmds = cmds_of(h.take_sent(), None, m.CmdGroup)
+    first = {g.group: g.generation for g in first_cmds}
     assert first == {"g1": 1}
     h.report_all()
     s = h.core.sessions[sid]
@@ -178,6 +181,7 @@ def test_moving_a_device_makes_a_new_generation(make_harness):
     sent = h.take_sent()
     groups = cmds_of(sent, None, m.CmdGroup)
     assert {(g.group, g.generation) for g in groups} == {("g2", 2)}
+    assert len({g.key for g in groups}) == 1 and groups[0].key != first_cmds[0].key  # a new generation, a new secret
     assert {e.worker_id for e in sent if any(isinstance(c, m.CmdGroup) for c in e.execute.cmds)} == \
         {s.devices[0], spare}
     assert {c.steps[0].ops[0].seq for c in cmds_of(sent, None, m.CmdCollective)} == {1}

@@ -94,21 +94,27 @@ def test_a_session_past_its_declared_steps_falls_back_to_attained_service(make_h
     assert h.open_mesh(new, 1, [0]).placed and state(h, liar) == "frozen"
 
 
-def test_waiting_earns_credit_until_a_waiting_session_preempts(make_harness):
-    # fairness 2: a 1-device session waiting 1 s earns 0.5 device-s. old has 40 device-s (level 1 of [10]);
-    # it needs 30 device-s of credit (60 s of waiting) to come back to level 0 and take its device back
-    h = make_harness(policy=DTorchPolicy({"thresholds": [10], "fairness": 2}), **QUIET)
+def test_a_session_that_waited_fairness_times_its_running_time_is_promoted(make_harness):
+    # fairness 2: old ran 40 s (level 1 of [10]) and is frozen by a newcomer; after waiting 80 s it is promoted
+    # (counted service back to 0: level 0) and takes its device back from new, which ran 80 s (level 1) and now
+    # waits 160 s for its own promotion: a step each, not a trade at every threshold crossing
+    h = make_harness(policy=DTorchPolicy({"thresholds": [10], "fairness": 2, "promote_min_s": 1}), **QUIET)
     workers(h, 1)
     old = h.open_session()
     assert h.open_mesh(old, 1, [0]).placed
     h.advance(40)
     new = h.open_session()
     assert h.open_mesh(new, 1, [0]).placed and state(h, old) == "frozen"
-    h.advance(9)
-    assert state(h, new) == "running"  # new: 9 device-s, level 0; old: 40 - 4.5, level 1
-    h.advance(55)  # new reached level 1 at 10 device-s; at 60 s of waiting old's credit brings it to level 0
+    h.advance(79)
+    assert state(h, new) == "running"  # new reached level 1 at 10 device-s: the same level as old, no preemption
+    h.advance(2)
     assert state(h, old) == "running" and state(h, new) == "frozen"
-    assert h.core.sched.tenants[old].waited == pytest.approx(60, abs=0.01)
+    assert h.core.sched.tenants[old].waited == pytest.approx(80, abs=0.01)
+    assert any("promoted after waiting 80s" in line for line in h.core.log.lines())
+    h.advance(158)  # old is at level 1 again after 11 s (a 1 s quantum, then 10): new waits 160 s for its own
+    assert state(h, old) == "running" and state(h, new) == "frozen"
+    h.advance(3)
+    assert state(h, new) == "running" and state(h, old) == "frozen"
 
 
 def test_frozen_sessions_lend_the_devices_they_wait_for(make_harness):
@@ -194,6 +200,15 @@ def test_packed_requests_fill_the_room_a_blocked_request_cannot_use(make_harness
     assert h.core.sched.state(whole) == "waiting" and h.core.sched.position(whole) == 1
 
 
+def test_fgd_false_keeps_no_demand_history_so_packing_is_plain_best_fit(make_harness):
+    # the baseline of packing studies (openb in docs/simulation.md): pool.py rule 7 with no history is best fit
+    for fgd in (True, False):
+        h = make_harness(policy=DTorchPolicy({"fairness": 0, "fgd": fgd}), **QUIET)
+        h.register("10.0.0.0:7000", memory=1000)
+        assert h.open_mesh(h.open_session(memory_cap=400), 1, [0]).placed
+        assert bool(h.core.sched.pool._demand) is fgd
+
+
 # ---------------------------------------------------------------- elastic shrink (scheduler.py rule 10)
 
 
@@ -227,3 +242,33 @@ def test_an_elastic_session_is_shrunk_instead_of_frozen_and_grows_back(make_harn
         h.report_all()
     assert len(h.core.sched.tenants[e].workers) == 4
     assert len(set(h.core.sessions[e].devices.values())) == 4
+
+
+def test_a_shrunk_sessions_syncs_do_not_wait_for_the_cleanup_on_the_workers_it_gave_up(make_harness):
+    # the copies a move leaves behind are dropped on the worker given up, after the preemptor's work queued there:
+    # the shrunk session's Syncs wait for its own workers only (they waited for that drop: devices idle a step)
+    h = harness(make_harness, thresholds=[10])
+    workers(h, 4)
+    e = h.open_session(priority="low")
+    assert h.open_mesh(e, 1, [0, 1, 2, 3], min_devices=2).placed
+    spec = m.TensorSpec(shape=[8], dtype="float32", mesh=1, placements=["S0"])
+    h.submit(e, 1, [m.InstrCreate(tid=1, spec=spec, init="zeros")])
+    h.report_all()
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1]).placed
+    given = sorted(h.core.sched.tenants[high].workers)
+    h.submit(high, 1, [m.InstrCreate(tid=1, spec=spec, init="zeros")])  # queued on the given workers, not done
+    stuck = given[0]  # the first device given up: its move is a pull, its drop is queued behind high's batch
+    upto = h.core.workers[stuck].sent - 1  # e's own work there is done, high's is not
+    for _ in range(6):  # the moves: every worker reports, `stuck` stays busy with high's batch
+        for wid in list(h.core.workers):
+            h.report(wid, completed=upto if wid == stuck else None)
+    kept = h.core.sched.tenants[e].workers
+    assert sorted(set(h.core.sessions[e].devices.values())) == sorted(kept)
+    assert h.core.workers[stuck].sent > upto + 1  # the drop went out, behind high's batch
+    h.submit(e, 2, [m.InstrCreate(tid=2, spec=spec, init="zeros")])
+    rid, _ = h.sync(e, 2)
+    for wid in kept:
+        h.report(wid)
+    assert rid in h.replies and h.replies[rid].done
+

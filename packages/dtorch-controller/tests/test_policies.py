@@ -43,7 +43,7 @@ def test_policies_by_name_with_their_defaults():
     assert (las.thresholds, las.starve_factor, las.starve_min_s) == ((60.0, 600.0, 3600.0), 0.0, 60.0)
     assert (dt.preempts, dt.packs, dt.relocates, dt.relocate_after, dt.lends, dt.shrinks) == \
         (True, True, True, 0.0, True, True)
-    assert (dt.thresholds, dt.levels, dt.fairness) == ((60.0, 600.0, 3600.0), 4, 1.0)
+    assert (dt.thresholds, dt.levels, dt.fairness) == ((60.0, 600.0, 3600.0), 4, 4.0)
 
 
 def test_parameters_are_taken_as_given():
@@ -61,7 +61,7 @@ def test_parameters_are_taken_as_given():
 @pytest.mark.parametrize("policy, params, message", [
     (FifoPolicy, {"preempt": True}, "policy 'fifo' takes no parameter 'preempt'"),
     (PriorityPolicy, {"zz": 1, "aa": 2}, "policy 'priority' takes no parameter 'aa', 'zz' (it takes preempt, pack, "
-                                         "relocate, relocate_after)"),
+                                         "fgd, relocate, relocate_after)"),
     (PriorityPolicy, {"pack": "yes"}, "policy parameter 'pack' must be true or false, got 'yes'"),
     (PriorityPolicy, {"preempt": 1}, "policy parameter 'preempt' must be true or false, got 1"),
     (LasPolicy, {"relocate": None}, "policy parameter 'relocate' must be true or false, got None"),
@@ -97,10 +97,11 @@ def test_policies_describe_themselves():
     assert LasPolicy({"thresholds": [1.5, 60], "starve_factor": 2}).describe() == \
         "las (thresholds 1.5, 60 device-s, starve_factor 2)"
     assert DTorchPolicy().describe() == ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, "
-                                         "fairness 1, preempt=on, pack=on, lend=on)")
+                                         "promotion after waiting 4x the running time, preempt=on, pack=on, "
+                                         "lend=on)")
     assert DTorchPolicy({"preempt": False, "pack": False, "lend": False, "fairness": 0.5}).describe() == \
-        ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, fairness 0.5, preempt=off, "
-         "pack=off, lend=off)")
+        ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, promotion after waiting 0.5x "
+         "the running time, preempt=off, pack=off, lend=off)")
 
 
 # ---------------------------------------------------------------- fifo and priority
@@ -180,15 +181,15 @@ def test_dtorch_scores_by_remaining_work_when_progress_is_trustworthy():
     assert dt.key(tenant(attained=10), 0) < dt.key(tenant(attained=20), 0)
 
 
-def test_dtorch_waiting_earns_credit_per_wanted_device():
+def test_dtorch_promotes_a_waiting_session_after_fairness_times_its_running_time():
     dt = DTorchPolicy({"fairness": 2})
-    t = tenant(attained=700, waiting_since=100, waited=50, logical=4)
-    assert dt.credit(t, 100) == 50 * 4 / 2
-    assert dt.credit(t, 110) == 60 * 4 / 2
-    assert dt.key(t, 110) == (1, 700 - 120)
-    assert dt.credit(tenant(waiting_since=0), 10) == 10 / 2  # at least one device
-    assert DTorchPolicy({"fairness": 0}).credit(t, 110) == 0
-    assert dt.rank(t, 100) == 4 + 2 and dt.rank(t, 151) == 4 + 1  # 700 - 101 < 600
+    t = tenant(attained=700, waiting_since=100, logical=4)  # ran 700 / 4 = 175 s on its devices
+    assert dt.next_change(t, 100) == pytest.approx(100 + 2 * 175)
+    assert not dt.starving(t, 449) and dt.starving(t, 450)
+    short = tenant(attained=80, waiting_since=100, logical=4)  # ran 20 s: promote_min_s (60) bounds the wait below
+    assert dt.next_change(short, 100) == pytest.approx(100 + 60)
+    assert dt.next_change(tenant(attained=10, waiting_since=100), 100) is None  # already at level 0
+    assert DTorchPolicy({"fairness": 0}).next_change(t, 100) is None  # no promotion
 
 
 def test_dtorch_next_change():
@@ -198,10 +199,6 @@ def test_dtorch_next_change():
     assert dt.next_change(tenant(RUNNING, devices=2, attained=5000), 0) is None
     assert dt.next_change(tenant(RUNNING, devices=0), 0) is None
     assert dt.next_change(tenant(RUNNING, devices=2, expected_steps=10, steps=2, step_service=4), 0) is None
-    waiting = tenant(attained=700, waiting_since=100, logical=4)  # credit 2 device-s per second
-    assert dt.next_change(waiting, 100) == pytest.approx(100 + (700 - 600) / 2 + 1e-6)
-    assert dt.next_change(tenant(attained=10, waiting_since=100), 100) is None  # already at level 0
-    assert DTorchPolicy({"fairness": 0}).next_change(waiting, 100) is None  # no credit: no change by waiting
 
 
 # ---------------------------------------------------------------- the scheduler's books (through the core)

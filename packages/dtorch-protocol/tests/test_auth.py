@@ -164,7 +164,7 @@ POLICY = {
               "Migrate"},
     "worker": {"Register", "Report"},
     "controller": {"Execute"},
-    "client": {"Pull", "Put"},
+    "client": {"Profile", "Pull", "Put"},
     "peer": {"Pull", "PullShards", "PutShards"},
 }
 

@@ -41,9 +41,10 @@ class Worker:
         return m.Ack(message=f"{caller.role} {caller.name} mtls={caller.mtls} ended={wire.call_ended()}")
 
     def Pull(self, req: m.PullRequest, caller: auth.Caller) -> Iterator[m.Chunk]:
+        if req.session == "wait":  # registered before the first reply: gRPC stops iterating once the caller is gone
+            wire.on_call_end(self.gave_up.set)
         yield m.Chunk(data=b"ab", dtype="uint8", shape=[4])
         if req.session == "wait":
-            wire.on_call_end(self.gave_up.set)
             self.gave_up.wait(30)
             return
         yield m.Chunk(data=b"cd")

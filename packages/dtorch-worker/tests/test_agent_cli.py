@@ -239,3 +239,13 @@ def test_worker_process_is_refused_with_a_wrong_key(controller: tuple) -> None:
     out = subprocess.run([sys.executable, "-m", "dtorch_worker", "--controller", address], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "registration refused" in out.stderr and "not the worker key" in out.stderr
+
+
+def test_worker_process_whose_advertised_host_is_not_its_own_says_so(controller: tuple) -> None:
+    """The rendezvous store listens on the advertised host only: one that is not this machine's is one line."""
+    _fake, address, _ = controller
+    proc = spawn(address, "--advertise", "192.0.2.1:7000")  # TEST-NET-1: never an address of this machine
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "dtorch-worker: cannot listen for rendezvous on '192.0.2.1', the host this worker is reached at" in err
+    assert "Traceback" not in err

@@ -32,6 +32,7 @@ def samples(tid: int) -> dict[str, bytes | list[bytes]]:
         "Put": [wire.encode(c) for c in put_chunks(S, tid, 0, torch.ones(2))],
         "PullShards": wire.encode(m.ShardsRequest(session=S, devices={0: [1]}, timeout_s=0.0)),
         "PutShards": [wire.encode(m.ShardsChunk(namespace=f"{S}#s1"))],
+        "Profile": wire.encode(m.ProfileRequest(session=S, start=False)),
     }
 
 
@@ -92,11 +93,11 @@ def test_each_method_takes_exactly_its_roles(worker, method):
             assert code == grpc.StatusCode.PERMISSION_DENIED, (method, role, code, details)
 
 
-@pytest.mark.parametrize("method", ["Pull", "Put", "PullShards", "PutShards"])
+@pytest.mark.parametrize("method", ["Pull", "Put", "PullShards", "PutShards", "Profile"])
 def test_a_capability_reaches_its_own_session_only(worker, method):
-    """A tenant holding a capability for its session cannot read, write or copy another session's shards."""
+    """A tenant holding a capability for its session cannot read, write, copy or profile another session."""
     w, channel = worker
-    role = auth.CLIENT if method in ("Pull", "Put") else auth.PEER
+    role = auth.CLIENT if method in ("Pull", "Put", "Profile") else auth.PEER
     cap = auth.bearer(w.capability("someone-else", role))
     code, details = wire.raw_call(channel, SERVICE, method, samples(300)[method], cap, timeout=5)
     assert code == grpc.StatusCode.PERMISSION_DENIED and "refused" in details, (code, details)
@@ -111,6 +112,10 @@ def test_a_client_capability_does_not_reach_backup_namespaces(worker):
     assert code == grpc.StatusCode.PERMISSION_DENIED
     code, _ = wire.raw_call(channel, SERVICE, "Pull", pull, auth.bearer(w.capability(S, auth.PEER)))
     assert code == grpc.StatusCode.OK
+    for role in (auth.CLIENT, auth.PEER):  # nor does any capability profile one (only its session's own client)
+        code, _ = wire.raw_call(channel, SERVICE, "Profile", wire.encode(m.ProfileRequest(session=f"{S}#s1",
+                                start=True)), auth.bearer(w.capability(S, role)))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_a_duplicate_batch_is_an_error_the_controller_sees(worker):

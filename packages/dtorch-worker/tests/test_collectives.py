@@ -403,3 +403,35 @@ def test_both_gather_primitives_give_the_same_values(workers, monkeypatch, by_al
     for src, binding in [([Shard(0)], {0: "w0", 1: "w1", 2: "w2"}), ([Shard(1)], {0: "w0", 1: "w1", 2: "w0"})]:
         got, expected, _ = redistribute(cluster, (7, 5), (3,), binding, src, [Replicate()], seed=21)
         check(got, expected)
+
+
+def test_one_lane_for_every_group_as_on_nccl(monkeypatch):
+    """A backend that asks for one lane and polls its Works (what the CUDA backend does, here on gloo): every
+    group of every session runs on the worker's one lane, values are the same, and aborting a session's groups
+    leaves the lane serving the others."""
+    from dtorch_worker import device as dev
+
+    class OneLane(dev.DeviceBackend):
+        one_lane = True
+
+        def completion(self, work):
+            return dev._Polled(work)
+
+    monkeypatch.setitem(dev._REGISTRY, "cpu", OneLane)
+    ws = [start_worker() for _ in range(3)]
+    try:
+        for src, dst in TWO_D[:3]:
+            cluster = Cluster(ws)
+            got, expected, _ = redistribute(cluster, (6, 5), (2, 2), {0: "w0", 1: "w1", 2: "w2", 3: "w0"}, src, dst)
+            check(got, expected)
+        lanes = {g.lane for w in ws for g in w.executor.groups._groups.values()}
+        assert lanes == {w.executor.groups._one_lane for w in ws} and len(lanes) == 3
+        cluster.wait(cluster.send({w: [CmdAbandon(tids=[])] for w in ("w0", "w1", "w2")}))
+        got, expected, _ = redistribute(Cluster(ws), (6, 5), (2, 2), {0: "w0", 1: "w1", 2: "w2", 3: "w0"},
+                                        *TWO_D[3])
+        check(got, expected)
+    finally:
+        for w in ws:
+            w.stop()
+        for w in ws:
+            w.executor.groups.stop(reap_s=30.0)

@@ -125,3 +125,38 @@ def test_a_plugged_in_backend_carries_every_host_copy_of_a_worker(monkeypatch):
         peer.close()
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("polled", [False, True], ids=["future", "polled"])
+def test_a_collectives_completion_ends_when_it_is_done_or_when_set(polled):
+    """Both completions a backend hands a lane, on real gloo Works of a 2-rank group in this process: the CPU's
+    (the Work's future) and the accelerators' (`is_completed` polled: NCCL's future is done when the op is queued).
+    Rank 1 holds back, so rank 0's all-reduce stays in flight: the wait times out, `set` (an abort) ends it, and
+    once rank 1 joins in, a fresh completion sees the op done."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    pgs: dict[int, object] = {}
+
+    def make(rank: int) -> None:
+        pgs[rank] = CPU.new_group(dist.PrefixStore("t", store), rank, 2, 10.0, "127.0.0.1")
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    a, b = torch.ones(4), torch.full((4,), 2.0)
+    work = pgs[0].allreduce([a])
+    done = dev._Polled(work) if polled else CPU.completion(work)
+    assert not done.wait(0.2) and not done.is_set()
+    done.set()
+    assert done.wait(0.0) and done.is_set()
+    pgs[1].allreduce([b]).wait(datetime.timedelta(seconds=10))
+    again = dev._Polled(work) if polled else CPU.completion(work)
+    assert again.wait(10.0)
+    work.wait()
+    assert torch.equal(a, torch.full((4,), 3.0))

@@ -36,6 +36,7 @@ _LAZY = {
     "drain": "dtorch.runtime",
     "migrate": "dtorch.runtime",
     "compile": "dtorch.steps",
+    "profile": "dtorch.profiling",
 }
 
 __all__ = ["__version__", "Placement", "Shard", "Replicate", "Partial", *_LAZY]

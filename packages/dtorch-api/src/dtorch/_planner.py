@@ -312,5 +312,9 @@ class Planner:
     def plans(self) -> list[Plan]:
         return list(self._plans.values())
 
+    def clear(self) -> None:
+        """Forget every kept plan (the next use of each op plans again)."""
+        self._plans.clear()
+
     def __len__(self) -> int:
         return len(self._plans)

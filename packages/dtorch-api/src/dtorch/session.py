@@ -47,6 +47,7 @@ class Session:
                  priority: str = "normal", kind: str = "batch", memory_cap: int = 0, min_devices: int = 0,
                  expected_steps: int = 0) -> None:
         self.address = controller
+        self.tls = tls  # also for the workers' client ports (the data plane, profiles)
         self.api_key = auth.key_from_env() if api_key is None else api_key
         self.timeout = env_float("DTORCH_TIMEOUT", 300.0)  # bound on any single wait for workers
         self.stub = wire.Stub("dtorch.Controller", controller, self.api_key, tls=tls)

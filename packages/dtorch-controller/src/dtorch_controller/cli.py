@@ -3,11 +3,14 @@
     dtorch-controller --keys FILE [--listen HOST:PORT] [--worker-listen HOST:PORT]
                       [--tls-cert PEM --tls-key PEM --tls-ca PEM] [--port-file PATH] [--heartbeat-interval S]
                       [--heartbeat-timeout S] [--session-timeout S] [--policy NAME]
-                      [--policy-param K=V ...] [--parent-pid PID]
+                      [--policy-param K=V ...] [--metrics-port PORT] [--usage-file PATH [--usage-interval S]]
+                      [--parent-pid PID]
     dtorch-controller keys create --keys FILE --role tenant|admin|worker [--tenant NAME] [--node NODE]
     dtorch-controller keys list|revoke ID --keys FILE
     dtorch-controller keys quota TENANT --keys FILE [--devices N] [--memory BYTES] [--sessions N]
     dtorch-controller status [--controller HOST:PORT] [--json]
+    dtorch-controller top [--controller HOST:PORT] [--interval S]
+    dtorch-controller usage [--usage-file PATH] [--since T] [--by tenant|session] [--format table|csv|json]
     dtorch-controller drain WORKER [--controller HOST:PORT] [--timeout S]
     dtorch-controller migrate SESSION --device N --to WORKER [--controller HOST:PORT] [--timeout S]
 
@@ -67,12 +70,16 @@ def serve(args: argparse.Namespace) -> int:
     from dtorch_controller.core.policies import make_policy
     from dtorch_controller.keys import KeyFileError, Keyring, key_file_from_env
     from dtorch_controller.server import run_server
+    from dtorch_controller.usage import UsageLog
+    from dtorch_protocol import exposition
 
     try:
         config = Config(heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                         snapshot_every_batches=args.snapshot_batches, snapshot_every_s=args.snapshot_interval,
                         session_timeout_s=args.session_timeout, collective_timeout_s=args.collective_timeout)
         policy = make_policy(args.policy, _policy_params(args.policy_param))
+        if args.usage_interval <= 0:
+            raise ValueError(f"--usage-interval must be > 0 seconds, got {args.usage_interval:g}")
         tls = _tls(args)
         if tls is not None and not args.worker_listen:
             raise ValueError("with TLS, workers need a port of their own (mutual TLS): add --worker-listen HOST:PORT")
@@ -88,12 +95,16 @@ def serve(args: argparse.Namespace) -> int:
     worker_listen = _normalize_listen(args.worker_listen) if args.worker_listen else None
     if tls is None and (warning := cleartext_warning("dtorch-controller", listen)):
         print(warning, file=sys.stderr, flush=True)
+    usage = UsageLog(args.usage_file) if args.usage_file else None  # unwritable: one line, no records
     try:
         server, address = run_server(listen, keyring.authenticate, config, policy=policy, tls=tls,
-                                     worker_listen=worker_listen, quotas=keyring.quota)
+                                     worker_listen=worker_listen, quotas=keyring.quota,
+                                     usage=usage if usage is not None and usage.enabled else None,
+                                     usage_interval_s=args.usage_interval)
     except (OSError, RuntimeError) as e:
         print(f"dtorch-controller: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 1
+    exposition.serve(args.metrics_port, server.service.metrics.registry, "dtorch-controller")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -191,9 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--snapshot-interval", type=float, metavar="S",
                         default=float(os.environ.get("DTORCH_SNAPSHOT_INTERVAL", "30")),
                         help="... or at the next batch once the last copy is this old (default 30)")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="serve Prometheus metrics on this port (default 0: none; metrics.py lists the series)")
+    parser.add_argument("--usage-file", metavar="PATH", default=os.environ.get("DTORCH_USAGE_FILE", ""),
+                        help="append usage records (JSON lines, one per session and interval) to this file "
+                             "(default $DTORCH_USAGE_FILE; none when unset)")
+    parser.add_argument("--usage-interval", type=float, default=60.0, metavar="S",
+                        help="one usage record per session every S seconds, and one when it closes (default 60)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process exits")
-    commands = parser.add_subparsers(dest="command", metavar="{keys,status,drain,migrate}")
+    commands = parser.add_subparsers(dest="command", metavar="{keys,status,top,usage,drain,migrate}")
     _keys_parser(commands)
+    us = commands.add_parser("usage", help="sum the usage records by tenant or session")
+    us.add_argument("--usage-file", metavar="PATH", default=os.environ.get("DTORCH_USAGE_FILE", ""),
+                    help="the controller's --usage-file (default $DTORCH_USAGE_FILE)")
+    us.add_argument("--since", default="", metavar="T",
+                    help="only intervals ending after T: unix seconds, an ISO time (2026-12-01T00:00), or an age "
+                         "(90s, 30m, 24h, 7d)")
+    us.add_argument("--by", choices=("tenant", "session"), default="tenant")
+    us.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    tp = commands.add_parser("top", help="a live view of workers, sessions, the queue and throughput")
+    tp.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
+    tp.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh every S seconds (default 1)")
+    tp.add_argument("--iterations", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N frames
+    tp.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
     st = commands.add_parser("status", help="show workers, sessions and recent events of a running controller")
     st.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
     st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
@@ -209,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="print the raw AdminReply as JSON")
         sub.add_argument("--timeout", type=float, default=300.0, metavar="S",
                          help="answer after this long even if still in progress (default 300)")
-    for sub in (st, dr, mg):
+    for sub in (st, tp, dr, mg):
         sub.add_argument("--tls-ca", metavar="PEM", help="the CA of a TLS controller (default $DTORCH_TLS_CA)")
     return parser
 
@@ -227,7 +258,8 @@ def _keys_parser(commands: argparse._SubParsersAction) -> None:
     create = sub.add_parser("create", help="make a key and print it (once: only its hash is stored)")
     create.add_argument("--role", required=True, choices=auth.KEY_ROLES)
     create.add_argument("--tenant", default="", help="the tenant a tenant key belongs to")
-    create.add_argument("--node", default="", help="worker keys: the node label their workers get")
+    create.add_argument("--node", default="", help="worker keys: the node label their workers get ('*': the "
+                                                    "node each worker names with --label node=NAME)")
     sub.add_parser("list", help="every key: id, role, tenant, node, created, revoked")
     revoke = sub.add_parser("revoke", help="revoke a key (a running controller notices within a second)")
     revoke.add_argument("id")
@@ -281,6 +313,15 @@ def keys_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def top(args: argparse.Namespace) -> int:
+    from dtorch_controller import top as view
+    from dtorch_protocol import messages as m
+
+    target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
+    return view.run(lambda: _ask(args, "Status", m.StatusRequest(), args.timeout), target, args.interval,
+                    args.iterations)
+
+
 def admin(args: argparse.Namespace) -> int:
     """`drain` and `migrate`: one request, answered when the move is done; one line on refusal."""
     from dtorch_controller import status_view
@@ -312,6 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return keys_command(args)
     if args.command == "status":
         return status(args)
+    if args.command == "top":
+        return top(args)
+    if args.command == "usage":
+        from dtorch_controller import usage_view
+
+        return usage_view.main(args)
     if args.command in ("drain", "migrate"):
         return admin(args)
     return serve(args)

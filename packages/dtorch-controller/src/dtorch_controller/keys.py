@@ -6,7 +6,8 @@ Rules:
    controller at start: a missing, unreadable or malformed file is a fatal error there, never "open".
 2. A key is shown once, when created; the file keeps the SHA-256 of its secret, its id, role, tenant (tenant
    and admin keys) and node (worker keys: the node label the controller gives every worker registering with
-   it, whatever the worker claims). Revoking marks the key; it never comes back.
+   it, whatever the worker claims; `*`: each worker's own `node` label, for workers whose node an orchestrator
+   names, such as Kubernetes' downward API). Revoking marks the key; it never comes back.
 3. A tenant's quotas (`keys quota`): devices its sessions may hold at once, device memory it may lease,
    sessions it may have open. 0 = no limit.
 4. The running controller re-reads the file when it changes (checked at most once a second), so a

@@ -8,8 +8,12 @@ WorkerUnreachable. All logic lives in `dtorch_controller.core`, which the simula
 Authentication happens before a handler runs (`wire`: API keys from the key file, roles per method,
 mutual TLS for workers). The adapter then does what needs the credentials, never the core: it keeps each
 worker's secret (`credentials.py`), signs Execute batches with it, checks that a Report comes from the
-process that registered, sets a worker's node label from its key (the admin's word, not the worker's), and
-hands the owner of a session capabilities next to every location it is told.
+process that registered, sets a worker's node label from its key (the admin's word, not the worker's, unless
+the key says `*`), and hands the owner of a session capabilities next to every location it is told.
+
+Observing (`metrics.py`, `usage.py`) happens here too, from what passes through: request times, instructions,
+queue waits, the bytes in workers' reports; and from the core's own status, asked like any admin would
+(`snapshot`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from dtorch_controller.core import events as ev
 from dtorch_controller.core.config import format_seconds
 from dtorch_controller.core.policies import Policy
 from dtorch_controller.credentials import Credentials, check_secret
+from dtorch_controller.metrics import ControllerMetrics
 from dtorch_controller.timers import TimerThread
+from dtorch_controller.usage import Accounting, UsageLog
 from dtorch_protocol import auth, wire
 from dtorch_protocol import messages as m
 from dtorch_protocol.health import Health
@@ -49,6 +55,7 @@ TENANT_THREADS = 192  # at most this many handler threads serve tenants at once:
 CALLS_PER_TENANT = 64  # concurrent calls of one tenant
 SYNCS_PER_SESSION = 8  # Syncs of one session waiting at once
 MAX_WAIT_S = 120.0  # longest a Sync waits at the controller (clients ask for 30 s at a time)
+USAGE_INTERVAL_S = 60.0  # usage records: one per session and interval (usage.py)
 
 
 _GAVE_UP = object()  # what a waiter's future holds when its caller cancelled or its deadline passed
@@ -96,6 +103,11 @@ class ControllerService:
         self._syncs: dict[str, int] = {}  # session -> its Syncs in flight
         self._registering: dict[Hashable, tuple[m.RegisterWorker, str]] = {}  # request id -> (request, key id)
         self.timers = TimerThread(lambda key: self.feed(ev.TimerFired(key)), clock)
+        self.accounts = Accounting()  # usage per session (records, per-tenant metrics)
+        self.metrics = ControllerMetrics(self.snapshot, self.accounts, clock)
+        self.usage: UsageLog | None = None  # where records go (`keep_accounts`)
+        self._usage_stop = threading.Event()
+        self._usage_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ driving the core
 
@@ -185,8 +197,41 @@ class ControllerService:
             raise REFUSALS.get(message.kind, wire.RemoteError)(text)
         return message
 
+    def snapshot(self) -> m.StatusReply | None:
+        """The core's status as an admin sees it (metrics, usage); None when the core does not answer."""
+        try:
+            return self.request(lambda rid: ev.Status(rid, m.StatusRequest(), ev.OPERATOR), wait_s=5.0)
+        except Exception:  # noqa: BLE001 - observing must never break anything
+            log.exception("status snapshot failed")
+            return None
+
+    def keep_accounts(self, interval_s: float = USAGE_INTERVAL_S, usage: UsageLog | None = None) -> None:
+        """Settle each session's usage every `interval_s` seconds (and when it closes), appending the records to
+        `usage` when given (usage.py); the per-tenant metrics come from the same accounts."""
+        self.usage = usage
+
+        def loop() -> None:
+            while not self._usage_stop.wait(interval_s):
+                self._write_usage()
+
+        self._usage_thread = threading.Thread(target=loop, name="dtorch-usage", daemon=True)
+        self._usage_thread.start()
+
+    def _write_usage(self, only: str | None = None) -> None:
+        status = self.snapshot()
+        if status is not None:
+            records = self.accounts.take(status, only)
+            if self.usage is not None:
+                self.usage.append(records)
+
     def close(self) -> None:
         """Answer requests still parked (a Sync may wait for minutes), stop the timers, close worker channels."""
+        if self._usage_thread is not None:  # the last interval, while the core still answers
+            self._usage_stop.set()
+            self._usage_thread.join(10.0)
+            self._write_usage()
+            if self.usage is not None:
+                self.usage.close()
         with self._waiters_lock:
             parked = list(self._waiters.values())
         for future in parked:
@@ -203,13 +248,26 @@ class ControllerService:
         """The core's view of a tenant or admin caller (its sessions are its tenant's; quotas from the key file)."""
         return ev.Principal(tenant=caller.name, admin=caller.role == auth.ADMIN, quota=self.quotas(caller.name))
 
+    @contextmanager
+    def _timed(self, method: str) -> Iterator[None]:
+        started = self._clock()
+        try:
+            yield
+        finally:
+            self.metrics.timed(method, self._clock() - started)
+
     def OpenSession(self, request: m.OpenSession, caller: auth.Caller) -> m.SessionOpened:
         who = self._who(caller)
-        return self.request(lambda rid: ev.OpenSession(rid, request, who))
+        with self._timed("OpenSession"):
+            reply: m.SessionOpened = self.request(lambda rid: ev.OpenSession(rid, request, who))
+        self.accounts.opened(reply.session, caller.name, request.name)
+        return reply
 
     def OpenMesh(self, request: m.OpenMesh, caller: auth.Caller) -> m.MeshPlaced:
         who = self._who(caller)
-        reply: m.MeshPlaced = self.request(lambda rid: ev.OpenMesh(rid, request, who))
+        with self._timed("OpenMesh"):
+            reply: m.MeshPlaced = self.request(lambda rid: ev.OpenMesh(rid, request, who))
+        self.metrics.mesh(request.session, reply)
         if not reply.placed:
             return reply
         locations, caps = self.credentials.for_client(request.session, reply.locations)
@@ -217,14 +275,18 @@ class ControllerService:
 
     def Submit(self, request: m.Submit, caller: auth.Caller) -> m.SubmitReply:
         who = self._who(caller)
-        return self.request(lambda rid: ev.Submit(rid, request, who))
+        with self._timed("Submit"):
+            reply: m.SubmitReply = self.request(lambda rid: ev.Submit(rid, request, who))
+        self.metrics.instructions.inc(len(request.instrs))
+        self.accounts.submitted(request.session, len(request.instrs))
+        return reply
 
     def Sync(self, request: m.Sync, caller: auth.Caller) -> m.SyncReply:
         who = self._who(caller)
         if request.timeout_s > MAX_WAIT_S:
             request = msgspec.structs.replace(request, timeout_s=MAX_WAIT_S)
         wait = min(request.timeout_s, self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
-        with self._sync_slot(request.session):
+        with self._sync_slot(request.session), self._timed("Sync"):
             reply: m.SyncReply = self.request(lambda rid: ev.Sync(rid, request, who), wait_s=wait)
         locations, caps = self.credentials.for_client(request.session, reply.locations)
         return msgspec.structs.replace(reply, locations=locations, caps=caps)
@@ -247,17 +309,23 @@ class ControllerService:
 
     def CloseSession(self, request: m.CloseSession, caller: auth.Caller) -> m.Ack:
         who = self._who(caller)
-        return self.request(lambda rid: ev.CloseSession(rid, request, who))
+        self._write_usage(only=request.session)  # its usage up to now; its last record follows once it is gone
+        with self._timed("CloseSession"):
+            reply: m.Ack = self.request(lambda rid: ev.CloseSession(rid, request, who))
+        self.metrics.closed(request.session)
+        return reply
 
     def KeepAlive(self, request: m.KeepAlive, caller: auth.Caller) -> m.Ack:
         who = self._who(caller)
-        return self.request(lambda rid: ev.KeepAlive(rid, request, who))
+        with self._timed("KeepAlive"):
+            return self.request(lambda rid: ev.KeepAlive(rid, request, who))
 
     def Status(self, request: m.StatusRequest, caller: auth.Caller) -> m.StatusReply:
         """The core's view for this caller, with client addresses, and capabilities for the caller's own sessions
         (a client that lost track of a device finds it, and its capability, here)."""
         who = self._who(caller)
-        reply: m.StatusReply = self.request(lambda rid: ev.Status(rid, request, who))
+        with self._timed("Status"):
+            reply: m.StatusReply = self.request(lambda rid: ev.Status(rid, request, who))
         address = {w.worker: w.address for w in reply.workers}
         sessions = []
         for s in reply.sessions:
@@ -271,8 +339,11 @@ class ControllerService:
 
     def Register(self, request: m.RegisterWorker, caller: auth.Caller) -> m.Registered:
         check_secret(request.secret)
-        labels = {k: v for k, v in request.labels.items() if k != "node"}  # a node is the admin's word
-        if caller.node:
+        labels = {k: v for k, v in request.labels.items() if k != "node"}  # a node is the admin's word ...
+        if caller.node == auth.ANY_NODE:  # ... who may let the key's workers say it (Kubernetes: the node name)
+            if request.labels.get("node"):
+                labels["node"] = request.labels["node"]
+        elif caller.node:
             labels["node"] = caller.node
         request = msgspec.structs.replace(request, labels=labels)
         rids: list[Hashable] = []
@@ -291,7 +362,10 @@ class ControllerService:
 
     def Report(self, request: m.WorkerReport, caller: auth.Caller) -> m.ReportReply:
         self.credentials.check_report(caller, request)
-        return self.request(lambda rid: ev.Report(rid, request))
+        reply: m.ReportReply = self.request(lambda rid: ev.Report(rid, request))
+        if reply.ok:
+            self.accounts.reported(request.worker, request.sessions)
+        return reply
 
     def Drain(self, request: m.DrainRequest, caller: auth.Caller) -> m.AdminReply:
         wait = min(request.timeout_s, self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
@@ -334,6 +408,7 @@ def run_server(listen: str = "127.0.0.1:0", keys: wire.Authenticate | None = Non
                core: ControllerCore | None = None, policy: Policy | None = None, tls: Tls | None = None,
                worker_listen: str | None = None, quotas: Callable[[str], ev.Quota] | None = None,
                threads: int = SERVER_THREADS, tenant_threads: int = TENANT_THREADS,
+               usage: UsageLog | None = None, usage_interval_s: float = USAGE_INTERVAL_S,
                ) -> tuple[ControllerServer, str]:
     """Start a controller on `listen` ("HOST:PORT", port 0 picks one); returns it and the address it serves on.
 
@@ -358,5 +433,6 @@ def run_server(listen: str = "127.0.0.1:0", keys: wire.Authenticate | None = Non
     except BaseException:
         service.close()
         raise
+    service.keep_accounts(usage_interval_s, usage)
     return (ControllerServer(served.server, service, served.address, served.cluster_address, health),
             served.address)

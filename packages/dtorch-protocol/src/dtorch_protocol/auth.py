@@ -13,7 +13,7 @@ Rules:
    * the controller's **execute token** (Execute only);
    * **capabilities** the controller mints per (session, worker): `cap1.<role>.<session>.<expiry>.<mac>`,
      an HMAC over role, session and expiry, checked by the worker with no round trip. Role `client`
-     (given to the session's owner: Pull, Put of its own session) or `peer` (put by the controller into the
+     (given to the session's owner: Pull, Put, Profile of its own session) or `peer` (put by the controller into the
      session's Execute batches for the workers they name: Pull, PullShards, PutShards of the session and of
      its backup namespaces `{session}#...`). A capability is scoped to one worker, since the MAC is keyed
      with that worker's secret: a compromised worker can mint capabilities for itself only.
@@ -44,6 +44,7 @@ TENANT, ADMIN, WORKER = "tenant", "admin", "worker"  # API key roles
 CONTROLLER, CLIENT, PEER = "controller", "client", "peer"  # roles proven by a worker's derived credentials
 KEY_ROLES = (TENANT, ADMIN, WORKER)
 USERS = frozenset({TENANT, ADMIN})
+ANY_NODE = "*"  # a worker key's node meaning "its workers name their own node" (`keys create --node '*'`)
 
 ROLES: dict[str, dict[str, frozenset[str]]] = {
     "dtorch.Controller": {
@@ -65,6 +66,7 @@ ROLES: dict[str, dict[str, frozenset[str]]] = {
         "Put": frozenset({CLIENT}),
         "PullShards": frozenset({PEER}),
         "PutShards": frozenset({PEER}),
+        "Profile": frozenset({CLIENT}),  # and only of the capability's own session (worker server.py)
     },
 }
 CLUSTER_ROLES = frozenset({WORKER, CONTROLLER, PEER})
@@ -83,7 +85,7 @@ class Caller:
     role: str
     name: str = ""
     key_id: str = ""  # API keys: the key's id (workers must Report over the key they registered with)
-    node: str = ""  # worker keys: the node the admin assigned to the key ("" = none)
+    node: str = ""  # worker keys: the node the admin assigned to the key ("" = none; ANY_NODE: the worker's own)
     mtls: bool = False  # the call came with a client certificate the server verified
 
     def describe(self) -> str:

@@ -37,8 +37,9 @@ PROTOCOL_VERSION = "1.6"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # collectives (CmdGroup, CmdCollective, RegisterWorker.rendezvous and .device_id,
 # WorkerReport/WorkerStatus.received_bytes); API keys and capabilities (RegisterWorker.secret/.client_address,
 # WorkerReport.proof, `caps` next to every location, Execute.caps for peers), anonymous counts in StatusReply,
-# bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint); 1.6: captured programs
-# (InstrDefine, InstrReplay: `dtorch.compile`)
+# bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint); 1.6: CmdGroup.key (a
+# group's secret: the rendezvous store's keys are under it), captured programs (InstrDefine, InstrReplay:
+# `dtorch.compile`)
 
 
 class ErrorKind(str, enum.Enum):
@@ -318,6 +319,7 @@ class SessionStatus(Struct, frozen=True):
     attained_s: float = 0.0  # device-seconds of service so far
     tenant: str = ""
     caps: dict[str, str] = {}  # the caller's own sessions: worker address -> client capability there
+    batches: int = 0  # Submit batches accepted so far (`dtorch-controller top` shows their rate)
 
 
 class StatusReply(Struct, frozen=True):
@@ -357,6 +359,7 @@ class Registered(Struct, frozen=True):
 class ShardStats(Struct, frozen=True):
     tensors: int
     bytes: int
+    moved_bytes: int = 0  # tensor bytes moved for the session here so far: in from peers and clients, out to clients
 
 
 class WorkerReport(Struct, frozen=True):
@@ -447,9 +450,9 @@ class CmdGroup(Struct, frozen=True, tag="group"):
     """Join communication group `group` of this batch's session as `rank` (sent before its first op).
 
     The worker builds the process group in the background (rendezvous on the TCPStore at `store`, under a
-    prefix naming the session, the group and the generation), so the batch goes on; the group's first op waits
-    for it. A CmdGroup of a newer generation fences the session's groups of older ones on this worker (their ops
-    in flight finish first, then they are shut down and later ops naming them are refused).
+    prefix naming the group's secret `key`, the group and the generation), so the batch goes on; the group's
+    first op waits for it. A CmdGroup of a newer generation fences the session's groups of older ones on this
+    worker (their ops in flight finish first, then they are shut down and later ops naming them are refused).
     """
 
     group: str  # unique within the session
@@ -458,6 +461,8 @@ class CmdGroup(Struct, frozen=True, tag="group"):
     members: list[str]  # each rank's worker, "w3 at host:port", for messages naming a missing one
     store: str  # host:port of rank 0's worker's TCPStore
     timeout_s: float = 60.0  # bound on the rendezvous and on each op: past it the op fails naming who is missing
+    key: str = ""  # the group's secret, drawn per group and generation and sent to its members only: the store
+    # keys are under it, so no one else who reaches the store can meet or disturb the group (1.6; "" from 1.5)
 
 
 class GroupOp(Struct, frozen=True, array_like=True):
@@ -650,6 +655,40 @@ class ShardsChunk(Struct, frozen=True):
     host: bool = False  # PutShards: keep them in host memory
     move: list[int] = []  # PutShards: devices moving to the receiver (clears its "moved" marks for them)
     error: str = ""
+
+
+# ---------------------------------------------------------------- profiles (client -> worker)
+
+
+class ProfileRequest(Struct, frozen=True):
+    """`dtorch.profile()`: start recording the session's commands on this worker, or stop and return them."""
+
+    session: Ident
+    start: bool
+
+
+class OpRecord(Struct, frozen=True, array_like=True):
+    """One command a worker ran for the profiled session."""
+
+    op: str  # the aten op, or create, redistribute, copy_shards, restore_shards
+    src: str  # the user's source line
+    tid: int  # its (first) output tensor (-1: none)
+    comm: bool  # moves data (redistributions, copies) rather than computing
+    start: float  # wall-clock time (seconds since the epoch) it started on the worker
+    seconds: float
+    moved_bytes: int  # bytes it pulled from other workers
+    out_bytes: int  # bytes of its outputs on this worker
+    devices: int  # the logical devices it ran for here
+
+
+class ProfileReply(Struct, frozen=True):
+    records: list[OpRecord] = []
+    started: float = 0.0  # wall-clock time the window opened
+    window_s: float = 0.0  # from start to stop on this worker
+    busy_s: float = 0.0  # time this worker ran any session's commands in the window
+    session_s: float = 0.0  # ... of which the profiled session's (its bookkeeping commands included)
+    dropped: int = 0  # records past the worker's bound
+    message: str = ""  # why there is nothing (no profile was started)
 
 
 # ---------------------------------------------------------------- admin: drain and migration

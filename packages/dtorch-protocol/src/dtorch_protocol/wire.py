@@ -65,6 +65,7 @@ SERVICES: dict[str, dict[str, tuple[type, type, str]]] = {
         "Put": (m.PutChunk, m.Ack, "stream_in"),
         "PullShards": (m.ShardsRequest, m.ShardsChunk, "stream_out"),
         "PutShards": (m.ShardsChunk, m.Ack, "stream_in"),
+        "Profile": (m.ProfileRequest, m.ProfileReply, "unary"),
     },
 }
 
@@ -76,7 +77,7 @@ REQUEST_LIMITS: dict[str, int] = {
     "CloseSession": 4 * KIB, "KeepAlive": 4 * KIB, "Status": 1 * KIB, "Register": 64 * KIB, "Report": 16 * MIB,
     "Drain": 4 * KIB, "Migrate": 4 * KIB,
     "Execute": MAX_MESSAGE_BYTES, "Pull": 64 * KIB, "Put": CHUNK_BYTES + 64 * KIB, "PullShards": 16 * MIB,
-    "PutShards": MAX_MESSAGE_BYTES,
+    "PutShards": MAX_MESSAGE_BYTES, "Profile": 4 * KIB,
 }
 
 
@@ -99,6 +100,10 @@ class PermissionDenied(RemoteError):
 
 class LimitExceeded(RemoteError):
     """A limit or quota refused the call at once; the message names the limit."""
+
+
+class Unimplemented(RemoteError):
+    """The server has no such method: it runs an older version (a client goes on without what it asked for)."""
 
 
 class Conflict(RemoteError):
@@ -465,6 +470,8 @@ def _describe(err: grpc.RpcError, target: str, method: str) -> Exception:
         return LimitExceeded(f"{target} refused {method}: {detail}", _kind(err))
     if code == grpc.StatusCode.ALREADY_EXISTS:
         return Conflict(f"{target} refused {method}: {detail}", _kind(err))
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return Unimplemented(f"{target} has no {method} (an older version): {detail}")
     return RemoteError(f"{method} on {target} failed: {detail}", _kind(err))
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dtorch_protocol import auth, wire
+from dtorch_protocol import auth, exposition, wire
 from dtorch_protocol.process import watch_parent
 from dtorch_protocol.tls import Tls, TlsError, cleartext_warning
 from dtorch_worker import node
@@ -54,13 +54,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "device, the i-th on --listen's port + i (node.py); other device types plug in through "
                         "dtorch_worker.device.register")
     p.add_argument("--label", action="append", default=[], metavar="K=V",
-                   help="a label (repeatable); `node` is ignored: the node comes from the worker key")
+                   help="a label (repeatable); `node` counts only when the worker key was made with --node '*' "
+                        "(otherwise the node comes from the key)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default: 1 on CPU, since workers share cores; torch's own on GPU)")
     p.add_argument("--register-attempts", type=int, default=10,
                    help="tries to reach the controller at start (with backoff up to 2 s) before giving up")
     p.add_argument("--lost-after", type=float, default=10.0, help="exit after the controller is unreachable this long")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus metrics on this port (default 0: none; telemetry.py lists the series)")
     p.add_argument("--no-collectives", action="store_true",
                    help="join no process groups (redistributions with this worker use point-to-point pieces)")
     p.add_argument("--log-level", default="WARNING")
@@ -104,7 +107,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="dtorch-worker %(levelname)s %(message)s")
     devices = node.expand(args.device, torch.cuda.device_count() if args.device.startswith("cuda") else 0)
     if devices is not None:
-        return node.run_node(sys.argv[1:] if argv is None else argv, devices, args.listen, args.advertise, 0)
+        return node.run_node(sys.argv[1:] if argv is None else argv, devices, args.listen, args.advertise,
+                             args.metrics_port)
     backend = parse_device(args.device)
     device = backend.device
     labels = parse_labels(args.label)
@@ -141,7 +145,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(warning, file=sys.stderr, flush=True)
     memory = backend.memory_bytes()
     worker = start_worker(listen=args.listen, device=device, tls=tls, client_listen=args.client_listen or None,
-                          max_put_bytes=memory)
+                          max_put_bytes=memory, memory_bytes=memory)
+    exposition.serve(args.metrics_port, worker.service.telemetry.registry, "dtorch-worker")
     address = advertised(worker.address, args.advertise)
     client_address = advertised(worker.client_address, args.client_advertise)
     worker.executor.address = address
@@ -150,10 +155,14 @@ def run(argv: Sequence[str] | None = None) -> int:
                   lost_after_s=args.lost_after, secret=worker.credentials.secret, tls=tls)
     worker.executor.on_complete = agent.poke
     try:
+        rendezvous = "" if args.no_collectives else worker.executor.groups.rendezvous
+    except ValueError as e:  # the advertised host is not this machine's: the store cannot listen there
+        print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)
+        worker.stop(0.0)
+        return EXIT_USAGE
+    try:
         reg = agent.register(address, device.type, memory, labels, attempts=args.register_attempts,
-                             client_address=client_address,
-                             rendezvous="" if args.no_collectives else worker.executor.groups.rendezvous,
-                             device_id=backend.identity())
+                             client_address=client_address, rendezvous=rendezvous, device_id=backend.identity())
     except ControllerUnreachable as e:
         print(f"dtorch-worker: {e}", file=sys.stderr, flush=True)
         worker.stop(0.0)

@@ -11,10 +11,11 @@ Rules:
    blocks it overlaps: O(shard)) and copied over. Random ops (dropout) run under `seeded(seed)` on the device's
    own generator, so every device of one type draws the same values; two device types draw different ones (a
    mesh mixing them is refused for random ops by the controller's translation, see docs/architecture.md).
-4. The comm backend (`comm`: "gloo", "nccl") and the construction of a process group object belong to the
-   backend: `new_group` builds one group of its own (never the global default group: one worker serves many
-   sessions), and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is
-   several times slower than its all_to_all; NCCL's is its best).
+4. The comm backend (`comm`: "gloo", "nccl"), how a lane waits for a collective (`completion`), whether all
+   groups share one lane (`one_lane`) and the construction of a process group object belong to the backend:
+   `new_group` builds one group of its own (never the global default group: one worker serves many sessions),
+   and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is several
+   times slower than its all_to_all; NCCL's is its best).
 5. `start` tunes the process for the device once, at worker start: on the CPU, glibc's allocator keeps freed
    memory for reuse (one arena, no per-allocation mappings, up to 1 GiB kept at the top of the heap) instead of
    mapping large buffers fresh each time (every fresh 4 KiB page costs a fault and zeroing: as much as moving
@@ -34,6 +35,8 @@ import ctypes
 import datetime
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -50,6 +53,7 @@ class DeviceBackend:
 
     type = "cpu"
     comm = "gloo"
+    one_lane = False  # True: every process group's ops run on one thread, in order (worker groups.py, rule 4)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -136,6 +140,14 @@ class DeviceBackend:
 
     # ------------------------------------------------------------ collectives
 
+    def completion(self, work: Any) -> Any:
+        """What a lane waits on for a collective's Work (groups.Ctx.wait): an object with `wait(timeout) -> bool`,
+        `is_set()` and `set()` (an abort wakes it), done when the op has finished. gloo completes the Work's
+        future when the transfer is over."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())
+        return done
+
     def new_group(self, store: Any, rank: int, size: int, timeout_s: float, host: str = "") -> Any:
         """A process group object of its own (not the default group) over `store`; blocks until every rank joined
         (gloo) or returns at once and connects at the first collective (NCCL). gloo listens on `host`, the host the
@@ -194,14 +206,24 @@ class AcceleratorBackend(DeviceBackend):
         nbytes = t.numel() * t.element_size()
         host = typed(self.host_buffer(nbytes), t.dtype, list(t.shape))
         host.copy_(t, non_blocking=True)
-        self.synchronize()
+        self._stream_synchronize()
         return host
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         out = host.to(self.device, non_blocking=host.is_pinned())
         if host.is_pinned():
-            self.synchronize()  # the pinned buffer goes back to the cache: the copy must be done with it
+            self._stream_synchronize()  # the pinned buffer goes back to the cache: the copy must be done with it
         return out
+
+    def _stream_synchronize(self) -> None:
+        """Wait for this thread's stream only: a device-wide synchronize would also wait for a collective stuck on
+        a dead peer in another group (until its timeout)."""
+        self.module.current_stream(self.device).synchronize()
+
+    def completion(self, work: Any) -> Any:
+        """Polled: NCCL (like other accelerators' libraries) marks a Work's future done when the op is queued on
+        its stream, not when it finished; `Work.is_completed` asks the device without blocking."""
+        return _Polled(work)
 
     def _rng_devices(self) -> list[int]:
         return [self.device.index or 0]
@@ -211,6 +233,7 @@ class CudaBackend(AcceleratorBackend):
     type = "cuda"
     comm = "nccl"
     module = torch.cuda
+    one_lane = True  # NCCL: two communicators' kernels issued in different orders on two GPUs can deadlock
 
     def new_group(self, store: Any, rank: int, size: int, timeout_s: float, host: str = "") -> Any:
         import torch.distributed as dist
@@ -221,6 +244,31 @@ class CudaBackend(AcceleratorBackend):
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+class _Polled:
+    """A device Work's completion, asked of the device with backoff (50 us doubling to 2 ms) and never blocking it;
+    `set` ends the wait (an abort)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self._ended = False
+
+    def set(self) -> None:
+        self._ended = True
+
+    def is_set(self) -> bool:
+        return self._ended or bool(self.work.is_completed())  # True as well when the op failed: wait() raises
+
+    def wait(self, timeout: float) -> bool:
+        deadline, pause = time.monotonic() + timeout, 50e-6
+        while not self.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 2e-3)
+        return True
 
 
 def typed(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

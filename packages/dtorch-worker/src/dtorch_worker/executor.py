@@ -19,7 +19,7 @@ Collectives (CmdGroup, CmdCollective; groups.py, collectives.py): a collective i
 and finishes on its group's lane while the executor goes on; its outputs are `Pending` in the store, so the
 first command that uses one waits for it there (as do peers' pulls and whole-shard copies). A batch counts as
 completed (reported to the controller) only once its collectives are done, and their errors are reported
-with it. Why the waits cannot deadlock across sessions: groups.py, rule 4.
+with it. Why the waits cannot deadlock across sessions: groups.py, rule 5.
 
 Memory caps: a session packed with others onto this device carries its cap on every Execute. A command that
 makes a capped session hold more than its cap here (created or grown shards: runs, creates, redistributions,
@@ -164,6 +164,11 @@ class Executor:
         # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
         self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
         self.pulled_bytes = 0  # tensor bytes pulled from peers (pieces)
+        self.batches = 0  # batches run
+        # told (session, cmd, started, ended, output bytes) after each command: metrics and profiles (telemetry.py)
+        self.observe: Callable[[str, Cmd, float, float, Callable[[], int]], None] | None = None
+        # told (session, dst tensor, bytes) when a collective op of a redistribution into dst received them
+        self.on_received: Callable[[str, int, int], None] | None = None
 
     # ------------------------------------------------------------ ordering
 
@@ -271,6 +276,7 @@ class Executor:
             if not self._abandoned(batch.session, batch.seq):
                 self.run_batch(batch)
             self.busy_s += time.monotonic() - started
+            self.batches += 1
             with self._cond:
                 self._executed = batch.seq
                 self._cond.notify_all()
@@ -315,7 +321,11 @@ class Executor:
         self.store.set_cap(batch.session, batch.memory_cap)
         self.peers.grant(batch.session, batch.caps)
         for cmd in batch.cmds:
+            started = time.perf_counter()
             self.run_command(batch.session, cmd)
+            if self.observe is not None:
+                self.observe(batch.session, cmd, started, time.perf_counter(),
+                             lambda cmd=cmd: self.store.output_bytes(batch.session, _outputs(cmd)))
 
     def run_command(self, session: str, cmd: Cmd) -> None:
         """Run one command; failures poison its outputs instead of raising.
@@ -347,7 +357,7 @@ class Executor:
                 self.store.drop_derived(session)
                 self.peers.forget(session)
             elif isinstance(cmd, CmdGroup):
-                self.groups.join(session, cmd)
+                self.groups.join(session, cmd, self.address)
             elif isinstance(cmd, CmdCollective):
                 self._collective(session, cmd)
             elif isinstance(cmd, CmdSendShards):
@@ -594,7 +604,7 @@ class Executor:
                 finish = collectives.prepare(step, op, current, poisoned, dtype, self.buffers,
                                              self.backend.gather_by_all_to_all(len(op.layout)))
                 if op.group:
-                    flying.append((op, self.groups.submit(session, op, what, finish)))
+                    flying.append((op, self.groups.submit(session, op, what, self._counted(session, cmd.dst, finish))))
                 else:
                     _merge(done, finish(collectives.LocalCtx(poisoned)))
             if k == len(cmd.steps) - 1:
@@ -602,6 +612,20 @@ class Executor:
             for op, future in flying:  # an intermediate step: the next one packs its outputs
                 _merge(done, future.result(timeout=self.groups.bound(session, op)))
             current, poisoned = done.outputs, done.poisoned
+
+    def _counted(self, session: str, dst: int, finish: collectives.Finish) -> collectives.Finish:
+        """`finish`, telling `on_received` what its collective op received (metrics, profiles, usage)."""
+        on_received = self.on_received
+        if on_received is None:
+            return finish
+
+        def run(ctx: Any) -> collectives.Result:
+            try:
+                return finish(ctx)
+            finally:
+                if ctx.received:
+                    on_received(session, dst, ctx.received)
+        return run
 
     def _issue(self, session: str, cmd: CmdCollective, what: str, done: collectives.Result,
                flying: list[tuple[GroupOp, Future]]) -> None:

@@ -3,24 +3,38 @@
 Rules:
 
 1. Rendezvous: every worker serves one TCPStore (started with it, advertised at registration as
-   `RegisterWorker.rendezvous`). A group's members meet on rank 0's store under the prefix
-   `dtorch/{session}/{group}/{generation}`, so a member of another generation or session never meets them.
-2. Each group is its own process group object, built by the device backend (`ProcessGroupGloo` on CPU,
+   `RegisterWorker.rendezvous`), listening on the worker's advertised host only (torch's own store would listen
+   on every interface). A group's members meet on rank 0's store under the prefix
+   `dtorch/{key}/{group}/{generation}`, where `key` is the group's secret (`CmdGroup.key`, drawn by the
+   controller for each group and generation, sent to its members only), so only they can name its keys: a
+   member of another group, generation or session, or anyone else who reaches the port, never meets them. The
+   session id never travels to the store (it is a secret of its own). A controller of protocol 1.5 sends no key:
+   then the prefix names the session instead, as it did (workers may be newer than the controller).
+2. Membership is checked, not trusted (table CHECKS): a CmdGroup with a short key, naming another worker at this
+   rank, or (rank 0) another store than this worker's, is refused; every member claims its rank's slot in the
+   store once (`compare_set`) with the fingerprint of the membership it was told, and every member waits for all
+   slots and refuses the group unless each holds the member named there with the same fingerprint: a group
+   whose members disagree, or whose slot someone else took, never runs an op. The exposure that remains (an
+   on-path reader of the store's plaintext, the backends' own connections): docs/architecture.md, Threat model.
+3. Each group is its own process group object, built by the device backend (`ProcessGroupGloo` on CPU,
    `ProcessGroupNCCL` on CUDA), never the default group: one worker serves many sessions.
-3. Lanes: a group is built, and each of its ops runs, on the group's own thread (its *lane*), one op at a time
+4. Lanes: a group is built, and each of its ops runs, on the group's own thread (its *lane*), one op at a time
    in the order the executor submitted them, which is the group's seq order (checked: a gap is refused). So the
    executor never waits for a rendezvous or a transfer; it waits only where it uses an op's output
-   (`TensorStore.get` on a pending shard). Ops of different groups never wait for each other.
-4. Why this cannot deadlock across sessions: the controller assigns every worker's Execute seqs in the one order
+   (`TensorStore.get` on a pending shard). Ops of different groups never wait for each other, except on a
+   device whose backend asks for one lane for all groups (`DeviceBackend.one_lane`: NCCL, where kernels of two
+   communicators issued in different orders on two GPUs can deadlock): there every group's ops run on the
+   worker's one lane, in the executor's order, which is the controller's total order (rule 5 holds as well).
+5. Why this cannot deadlock across sessions: the controller assigns every worker's Execute seqs in the one order
    it handles events in, so any two batches reach all their common workers in the same relative order; a group's
    ops are issued (submitted to its lane) by every member at the same place of that order, and the only blocking
    waits (an op's output at its first use, an intermediate step) wait for ops issued earlier in it. The earliest
    waited-for op can always complete, so every one does.
-5. Bounds: the rendezvous and every op are bounded by the group's timeout. An op slower than a second marks the
+6. Bounds: the rendezvous and every op are bounded by the group's timeout. An op slower than a second marks the
    member's arrival in the store; an op or rendezvous that times out fails with one line naming the op, the group
    and the members that never arrived (`CollectiveTimeout`), and breaks the group: its later ops fail at once with
    that line. A peer that dies (SIGKILL) fails the op at once (gloo) or at the timeout (NCCL).
-6. Fencing: a CmdGroup of a newer generation fences the session's groups of older generations here once their
+7. Fencing: a CmdGroup of a newer generation fences the session's groups of older generations here once their
    submitted ops are done (bounded); CmdAbandon (a rebuild) aborts all the session's groups at once: their waits
    end now, ops in flight fail as aborted; CmdCloseSession closes them. An op naming a fenced group is refused.
    Process group objects of fenced groups are dropped on a reaper thread (gloo's destructor waits for a stuck op).
@@ -29,8 +43,11 @@ Rules:
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +65,20 @@ log = logging.getLogger("dtorch_worker.groups")
 
 SLOW_S = 1.0  # an op still waiting after this long marks its member's arrival in the store
 FENCE_WAIT_S = 30.0  # bound on waiting for an older generation's ops before fencing it anyway
+POLL_S = 0.02  # how often a member looks for the others' slots while the group meets
+KEY_CHARS = 16  # a group key has at least this many characters (the controller draws 32 hex digits)
+
+Check = Callable[[CmdGroup, str, str], bool]  # (command, this worker's address, its store's address) -> acceptable
+CHECKS: tuple[tuple[str, Check], ...] = (  # (why a CmdGroup is refused, what it must satisfy), checked in order
+    (f"carries a key shorter than {KEY_CHARS} characters",
+     lambda c, me, store: not c.key or len(c.key) >= KEY_CHARS),  # none: a 1.5 controller (rule 1)
+    ("names a rank outside its members", lambda c, me, store: 0 <= c.rank < len(c.members)),
+    ("has a timeout that is not positive", lambda c, me, store: c.timeout_s > 0),
+    ("names another worker at this worker's rank",
+     lambda c, me, store: not me or c.members[c.rank].endswith(f" at {me}")),
+    ("puts the rendezvous on another store than this worker's, at rank 0",
+     lambda c, me, store: c.rank != 0 or c.store == store),
+)
 
 
 class GroupError(RuntimeError):
@@ -68,12 +99,14 @@ class Group:
     store_address: str
     timeout_s: float
     lane: ThreadPoolExecutor
+    key: str  # the group's secret: its keys in the store are under it (rule 1)
+    fingerprint: str  # of the membership this member was told (rule 2)
     pg: Any = None
     store: Any = None
     issued: int = 0  # the last op seq submitted to the lane
     broken: str = ""  # why the group cannot run ops any more ("" while it can)
     aborted: threading.Event = field(default_factory=threading.Event)
-    waiting: set[threading.Event] = field(default_factory=set)  # waits in progress: an abort wakes them
+    waiting: set[Any] = field(default_factory=set)  # completions waited for (device.completion): an abort sets them
 
     @property
     def size(self) -> int:
@@ -101,15 +134,14 @@ class Ctx:
     def wait(self, work: Any) -> None:
         """Wait for a collective's Work within the group's timeout; raise one line naming who is missing."""
         g = self.group
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _f: done.set())
+        done = self.backend.completion(work)
         g.waiting.add(done)
         try:
             self._wait(work, done)
         finally:
             g.waiting.discard(done)
 
-    def _wait(self, work: Any, done: threading.Event) -> None:
+    def _wait(self, work: Any, done: Any) -> None:
         g = self.group
         deadline = time.monotonic() + g.timeout_s
         marked = False
@@ -171,11 +203,14 @@ class Groups:
     def __init__(self, backend: DeviceBackend, host: str = "127.0.0.1") -> None:
         self.backend = backend
         self._server: Any = None  # this worker's TCPStore, started when first asked for (`rendezvous`)
+        self._listener: socket.socket | None = None  # its listening socket (kept open as long as the store)
         self.host = host  # the host peers reach this worker at (the CLI sets its advertised one)
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, str], Group] = {}  # (session, group id) -> group
         self._fenced: dict[tuple[str, str], str] = {}  # (session, group id) -> why (bounded: sessions close)
         self._reapers: list[threading.Thread] = []
+        self._one_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-groups") \
+            if backend.one_lane else None  # every group's lane on such a device (rule 4)
         self.received = 0  # bytes received from other workers by collectives
 
     @property
@@ -185,25 +220,32 @@ class Groups:
 
         with self._lock:
             if self._server is None:
-                self._server = TCPStore(self.host, 0, None, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=60))
+                # torch's store listens on every interface; on a socket of ours it listens where we bound it
+                self._listener = _listen(self.host)
+                self._server = TCPStore(self.host, self._listener.getsockname()[1], None, is_master=True,
+                                        wait_for_workers=False, timeout=datetime.timedelta(seconds=60),
+                                        master_listen_fd=self._listener.fileno(), use_libuv=True)
             return f"{self.host}:{self._server.port}"
 
     # ------------------------------------------------------------ membership (executor thread)
 
-    def join(self, session: str, cmd: CmdGroup) -> None:
-        """CmdGroup: fence the session's older generations here, then build the group on its lane."""
-        if not 0 <= cmd.rank < len(cmd.members) or cmd.timeout_s <= 0:
-            raise ValueError(f"bad CmdGroup: rank {cmd.rank} of {len(cmd.members)} members, timeout "
-                             f"{cmd.timeout_s}")
+    def join(self, session: str, cmd: CmdGroup, me: str = "") -> None:
+        """CmdGroup (to the worker reached at `me`): fence the session's older generations here, then build the group
+        on its lane. ValueError when the command fails a check (table CHECKS)."""
+        with self._lock:
+            store = f"{self.host}:{self._server.port}" if self._server is not None else ""
+        why = next((why for why, ok in CHECKS if not ok(cmd, me, store)), "")
+        if why:
+            raise ValueError(f"CmdGroup of group {cmd.group} (generation {cmd.generation}) refused: it {why}")
         with self._lock:
             older = [g for (s, _i), g in self._groups.items() if s == session and g.generation < cmd.generation]
         for g in older:
             self._drain(g)
             self._fence(g, f"superseded by generation {cmd.generation}")
         g = Group(session=session, id=cmd.group, generation=cmd.generation, rank=cmd.rank, members=list(cmd.members),
-                  store_address=cmd.store, timeout_s=cmd.timeout_s,
-                  lane=ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dtorch-group-{cmd.group}"))
+                  store_address=cmd.store, timeout_s=cmd.timeout_s, key=cmd.key, fingerprint=_fingerprint(cmd),
+                  lane=self._one_lane or ThreadPoolExecutor(max_workers=1,
+                                                            thread_name_prefix=f"dtorch-group-{cmd.group}"))
         with self._lock:
             old = self._groups.get((session, cmd.group))
             self._groups[(session, cmd.group)] = g
@@ -220,12 +262,15 @@ class Groups:
         try:
             client = TCPStore(host, int(port), None, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=g.timeout_s))
-            g.store = PrefixStore(f"dtorch/{g.session}/{g.id}/{g.generation}", client)
-            g.store.set(f"joined/{g.rank}", "1")
+            g.store = PrefixStore(f"dtorch/{g.key or g.session}/{g.id}/{g.generation}", client)
+            _meet(g)
             # the backend's own bound a little longer than ours, so our line (naming who is missing) comes first
             g.pg = self.backend.new_group(g.store, g.rank, g.size, g.timeout_s + 5.0, self.host)
+        except GroupError as e:
+            g.broken = f"rendezvous of {g.name()} failed: {e}"
+            log.warning("%s", g.broken)
         except Exception as e:  # noqa: BLE001 - any failure to meet: the group is broken, its ops say why
-            missing = _missing(g, "joined", 1) if g.store is not None else ""
+            missing = _missing(g, "joined", 0) if g.store is not None else ""
             why = f"timed out after {g.timeout_s:g}s waiting for {missing}" if missing else _first_line(e)
             g.broken = f"rendezvous of {g.name()} failed: {why}"
             log.warning("%s", g.broken)
@@ -282,7 +327,8 @@ class Groups:
         g.aborted.set()
         for done in list(g.waiting):
             done.set()  # waits in progress see `aborted` now
-        g.lane.shutdown(wait=False, cancel_futures=True)
+        if g.lane is not self._one_lane:  # on the one lane, its queued ops see `aborted` and fail at once
+            g.lane.shutdown(wait=False, cancel_futures=True)
         if g.pg is not None:
             owned = [g.pg]  # the reaper holds the last reference: the destructor runs there, never here
             g.pg = None
@@ -339,6 +385,52 @@ def _reap(owned: list[Any]) -> None:
     del pg
 
 
+def _listen(host: str) -> socket.socket:
+    """A socket listening on `host` only (any free port); ValueError in one line when `host` is not this machine's."""
+    sock = None
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.bind(address)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise ValueError(f"cannot listen for rendezvous on {host!r}, the host this worker is reached at ({e}): "
+                         "advertise an address of this machine, or start it with --no-collectives") from None
+    sock.listen(128)
+    return sock
+
+
+def _fingerprint(cmd: CmdGroup) -> str:
+    """What every member must have been told alike: the group, its generation, its members and its store."""
+    told = json.dumps([cmd.group, cmd.generation, list(cmd.members), cmd.store])
+    return hashlib.sha256(told.encode()).hexdigest()[:32]
+
+
+def _meet(g: Group) -> None:
+    """Claim this rank's slot, wait (bounded, abortable) for every member's, and check each holds the member named
+    there with the same fingerprint (rule 2). GroupError says what was wrong or who never came."""
+    mine = f"{g.fingerprint} {g.members[g.rank]}"
+    held = g.store.compare_set(f"joined/{g.rank}", "", mine).decode(errors="replace")
+    if held != mine:
+        raise GroupError(f"rank {g.rank}'s slot was already taken (by {held.partition(' ')[2][:100] or 'someone'!r}"
+                         "); refused")
+    keys = [f"joined/{r}" for r in range(g.size)]
+    deadline = time.monotonic() + g.timeout_s
+    while not g.store.check(keys):
+        if g.aborted.wait(POLL_S):
+            raise GroupError("aborted (the session is being rebuilt)")
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeout(f"timed out after {g.timeout_s:g}s waiting for "
+                                    f"{_missing(g, 'joined', 0) or 'a member (unknown which)'}")
+    for r, member in enumerate(g.members):
+        held = bytes(g.store.get(keys[r])).decode(errors="replace")
+        if held != f"{g.fingerprint} {member}":
+            who = held.partition(" ")[2][:100]  # whatever a stranger wrote: bounded in the line
+            what = f"as {who!r}" if who != member else "with a different membership"
+            raise GroupError(f"rank {r} ({member}) joined {what}; refused")
+
+
 def _mark(g: Group, what: str, seq: int) -> None:
     try:
         g.store.set(f"{what}/{g.rank}", str(seq))
@@ -354,7 +446,7 @@ def _missing(g: Group, what: str, seq: int) -> str:
             continue
         try:
             key = f"{what}/{r}"
-            there = g.store.check([key]) and int(g.store.get(key)) >= seq
+            there = g.store.check([key]) and (seq == 0 or int(g.store.get(key)) >= seq)
         except Exception:  # noqa: BLE001 - an unreachable store: cannot tell
             return ""
         if not there:

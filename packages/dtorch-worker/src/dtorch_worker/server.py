@@ -5,7 +5,8 @@ with a capability for the session named in the request (a client's for its own s
 the controller, also for the session's backup namespaces); PullShards and PutShards with a peer's. Checked
 here on top: the request's session is the one the capability covers, a client cannot pose as a planned
 peer read (`expected`), a Put never replaces a live shard, and a Put's declared size is admitted (the
-session's memory cap here, `max_put_bytes`) before a byte of it is kept.
+session's memory cap here, `max_put_bytes`) before a byte of it is kept. Profile (`dtorch.profile()`) only
+with the client capability of the very session it names.
 
 A Put that would take a capped session over its memory cap on this worker is refused with a one-line
 reason (the client raises it); so is one for a device that moved away (kind MOVED: the client retries).
@@ -27,11 +28,23 @@ import torch
 
 from dtorch_protocol import auth, wire
 from dtorch_protocol.health import Health
-from dtorch_protocol.messages import Ack, Chunk, ErrorKind, Execute, PullRequest, PutChunk, ShardsChunk, ShardsRequest
+from dtorch_protocol.messages import (
+    Ack,
+    Chunk,
+    ErrorKind,
+    Execute,
+    ProfileReply,
+    ProfileRequest,
+    PullRequest,
+    PutChunk,
+    ShardsChunk,
+    ShardsRequest,
+)
 from dtorch_protocol.tls import Tls
 from dtorch_worker import shards
 from dtorch_worker.executor import BatchRefused, Executor, one_line
 from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore, format_bytes
+from dtorch_worker.telemetry import Telemetry
 from dtorch_worker.transfer import poison_chunk, receive_put, take_box, tensor_chunks
 
 log = logging.getLogger("dtorch_worker.server")
@@ -51,11 +64,12 @@ class WorkerService:
     """Implements the methods of wire.SERVICES["dtorch.Worker"] over a store and an executor."""
 
     def __init__(self, store: TensorStore, executor: Executor, max_pull_wait_s: float = 600.0,
-                 max_put_bytes: int = 0) -> None:
+                 max_put_bytes: int = 0, telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.executor = executor
         self.max_pull_wait_s = max_pull_wait_s
         self.max_put_bytes = max_put_bytes  # largest shard one Put may declare (0: no bound but the caps)
+        self.telemetry = telemetry or Telemetry()
 
     def Execute(self, request: Execute, caller: auth.Caller) -> Ack:
         try:
@@ -77,8 +91,10 @@ class WorkerService:
                                         "make one")
         key = (request.session, request.tid, request.device)
         counted = not request.expected  # a planned read holds back in-place writes of the shard until counted
+        path = "point_to_point" if request.expected else "client"
         try:
             for chunk in self._pull(key, request):
+                self.telemetry.bytes_moved(path, "out", len(chunk.data), key[0] if path == "client" else "")
                 if chunk.error and not counted:
                     # an error chunk is the last and reads nothing: count it before the reader can see it
                     counted = True
@@ -149,6 +165,7 @@ class WorkerService:
         if refused is not None:
             kind, reason = refused
             raise wire.RemoteError(reason, kind)
+        self.telemetry.bytes_moved("client", "in", tensor.numel() * tensor.element_size(), key[0])
         return Ack()
 
     def PullShards(self, request: ShardsRequest, caller: auth.Caller) -> Iterator[ShardsChunk]:
@@ -172,7 +189,9 @@ class WorkerService:
         except (ShardMissing, TypeError) as e:
             yield ShardsChunk(error=one_line(e) if not isinstance(e, ShardMissing) else str(e))
             return
-        yield from shards.chunks(packed, backend=self.executor.backend)
+        for chunk in shards.chunks(packed, backend=self.executor.backend):
+            self.telemetry.bytes_moved("copy", "out", len(chunk.data))
+            yield chunk
         for k in extra:
             self.store.delete(k)
 
@@ -184,6 +203,7 @@ class WorkerService:
                 if receiver.header is None:  # before the header's storages are allocated
                     _covered(caller, chunk.namespace, "PutShards")
                 receiver.add(chunk)
+                self.telemetry.bytes_moved("copy", "in", len(chunk.data))
             header, items = receiver.finish(host=receiver.header is not None and receiver.header.host)
         except (ValueError, TypeError, RuntimeError) as e:
             return Ack(ok=False, message=one_line(e))
@@ -194,6 +214,19 @@ class WorkerService:
         if header.move:
             self.store.clear_moved(header.namespace, list(header.move))
         return Ack()
+
+    def Profile(self, request: ProfileRequest, caller: auth.Caller) -> ProfileReply:
+        """Start recording the session's commands here (`dtorch.profile()`), or stop and return the records.
+
+        Only the session's own client may: its capability names exactly that session (not a peer's, not one for
+        a backup namespace), so no tenant can watch, or stop, another's profile."""
+        if caller.role != auth.CLIENT or caller.name != request.session:
+            raise wire.PermissionDenied(f"Profile of session {request.session[:16]!r} refused: the call came with "
+                                        f"{caller.describe()}")
+        if request.start:
+            self.telemetry.profiler.start(request.session)
+            return ProfileReply()
+        return self.telemetry.profiler.stop(request.session)
 
 
 @dataclass
@@ -223,15 +256,22 @@ class WorkerHandle:
 
 
 def start_worker(listen: str = "127.0.0.1:0", device: str | torch.device = "cpu", tls: Tls | None = None,
-                 client_listen: str | None = None, max_put_bytes: int = 0,
+                 client_listen: str | None = None, max_put_bytes: int = 0, memory_bytes: int = 0,
                  **executor_options: object) -> WorkerHandle:
     """Start a store, an executor thread and the Worker service; returns its handle (call .stop()).
 
     With `tls`, the controller and peers call `listen` (mutual TLS) and clients `client_listen` (server TLS).
+    Its Prometheus series are in `handle.service.telemetry.registry` (served by the CLI's --metrics-port).
     """
     store = TensorStore()
     executor = Executor(store, device=device, tls=tls, **executor_options)  # type: ignore[arg-type]
-    service = WorkerService(store, executor, max_put_bytes=max_put_bytes)
+    telemetry = Telemetry(used_bytes=lambda: store.memory()[0], capacity_bytes=memory_bytes,
+                          capped_bytes=lambda: store.memory()[1], batches=lambda: executor.batches,
+                          busy_s=lambda: executor.busy_s, traffic=store.count_traffic)
+    telemetry.is_local = executor._is_local
+    executor.observe = telemetry.observe
+    executor.on_received = telemetry.collective_in
+    service = WorkerService(store, executor, max_put_bytes=max_put_bytes, telemetry=telemetry)
     worker_auth = auth.WorkerAuth()
     health = Health("dtorch.Worker", ready=False)  # ready once registered with a controller (cli.py)
     if tls is not None and not client_listen:

@@ -120,6 +120,7 @@ class TensorStore:
         self._gen: dict[str, int] = {}  # session -> bumped when it is abandoned: waits on its shards end
         self._moved: set[tuple[str, int]] = set()  # (session, device) that moved away from this worker
         self._rebuilding: set[str] = set()  # sessions whose shards are being rebuilt: client reads wait
+        self._traffic: dict[str, int] = {}  # session -> tensor bytes moved for it here (usage records)
 
     def _set(self, key: Key, value: Shard) -> None:
         self._data[key] = value
@@ -211,6 +212,7 @@ class TensorStore:
             self._moved = {m for m in self._moved if m[0] != session}
             self._rebuilding.discard(session)
             self._caps.pop(session, None)
+            self._traffic.pop(session, None)
             self._cond.notify_all()
             return len(keys)
 
@@ -423,6 +425,26 @@ class TensorStore:
                     return pending
                 self._cond.wait(left_s)
 
+    def count_traffic(self, session: str, n: int) -> None:
+        """`n` tensor bytes moved for `session` here: received from peers or clients, or sent to its client."""
+        if n and "#" not in session:  # backups' namespaces are the controller's business, not the tenant's
+            with self._cond:
+                self._traffic[session] = self._traffic.get(session, 0) + n
+
+    def output_bytes(self, session: str, outputs: list[tuple[int, int]]) -> int:
+        """Bytes of the shards at (tid, device) of `session` (a profile's output sizes; views count their own)."""
+        with self._cond:
+            values = [self._data.get((session, tid, device)) for tid, device in outputs]
+        return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes held by every shard and copy here, the sum of the memory caps of capped sessions)."""
+        with self._cond:
+            items = list(self._data.values())
+            capped = sum(self._caps.values())
+        storages = {st[0]: st[1] for v in items if (st := _storage(v)) is not None}
+        return sum(storages.values()), capped
+
     def keys(self, session: str | None = None) -> list[Key]:
         with self._cond:
             return list(self._data) if session is None else list(self._by_session.get(session, ()))
@@ -438,4 +460,10 @@ class TensorStore:
             seen = storages.setdefault(session, {})
             if (st := _storage(value)) is not None:
                 seen[st[0]] = st[1]
-        return {s: ShardStats(tensors=n, bytes=sum(storages[s].values())) for s, n in counts.items()}
+        with self._cond:
+            traffic = dict(self._traffic)
+        stats = {s: ShardStats(tensors=n, bytes=sum(storages[s].values()), moved_bytes=traffic.get(s, 0))
+                 for s, n in counts.items()}
+        for s, moved in traffic.items():  # a session with nothing left here still moved bytes
+            stats.setdefault(s, ShardStats(tensors=0, bytes=0, moved_bytes=moved))
+        return stats

@@ -30,16 +30,22 @@ Rules:
    session's current generation. Any change of where the session's devices are bound (loss and rebuild,
    migration, relocation, elastic growth, drain) bumps the generation (`CommGroups.bump`): later steps name
    new groups, and workers fence the older generations (worker `groups.py`). Each op of a group gets the
-   group's next sequence number; every member issues a group's ops in that order.
+   group's next sequence number; every member issues a group's ops in that order. Each group (and generation)
+   gets a fresh secret `key`, sent in its CmdGroup to its members only: the workers' rendezvous stores are
+   reachable by anyone on the network, and only a holder of the key can name the group's keys there. Keys are
+   drawn by `CommGroups.new_key` (the one random input here, like session ids: unguessable by default,
+   replaceable for reproducible runs).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from dtorch_controller.core.ids import random_session_id
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import Box, coords, shard_box
 from dtorch_protocol.placement_types import Placement, Replicate
@@ -349,6 +355,7 @@ class CommGroup:
     id: str
     generation: int
     ranks: tuple[str, ...]  # worker ids by rank
+    key: str  # the group's secret (CmdGroup.key): only its members can name its keys in the rendezvous store
     seq: int = 0  # the last op number handed out
 
 
@@ -360,6 +367,7 @@ class CommGroups:
     groups: dict[tuple[str, ...], CommGroup] = field(default_factory=dict)
     made: int = 0
     timeout_s: float = 60.0  # bound on each rendezvous and op (Config.collective_timeout_s)
+    new_key: Callable[[], str] = field(default=random_session_id, repr=False)  # a fresh group's secret (rule 6)
 
     def bump(self) -> None:
         """Where the session's devices are bound changed: the next steps use groups of a new generation."""
@@ -372,7 +380,7 @@ class CommGroups:
         if g is not None:
             return g, False
         self.made += 1
-        g = self.groups[ranks] = CommGroup(f"g{self.made}", self.generation, ranks)
+        g = self.groups[ranks] = CommGroup(f"g{self.made}", self.generation, ranks, self.new_key())
         return g, True
 
 
@@ -404,7 +412,7 @@ def commands(lowering: Lowering, groups: CommGroups, members: dict[str, Member],
                     for r, w in enumerate(b.ranks):
                         cmds.setdefault(w, []).append(m.CmdGroup(
                             group=cg.id, generation=cg.generation, rank=r, members=names,
-                            store=members[b.ranks[0]].rendezvous, timeout_s=timeout_s))
+                            store=members[b.ranks[0]].rendezvous, timeout_s=timeout_s, key=cg.key))
                 cg.seq += 1
                 gid, gen, seq = cg.id, cg.generation, cg.seq
             layout = [list(ps) for ps in b.layout]

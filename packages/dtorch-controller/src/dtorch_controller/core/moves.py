@@ -6,8 +6,10 @@ Rules:
    and sends A one CmdSendShards(move=...): at that point of A's stream (after everything sent before)
    A copies every shard of those devices whole to B, worker to worker, with their aliasing. Once A
    completed it the devices are rebound to B (later batches go to B, Sync locations name B), held
-   batches go out, and A drops its shards when the readers planned before the move are done. The time
-   the batches were held is the move's downtime, reported to the operator and in the event log.
+   batches go out, and A drops its shards when the readers planned before the move are done (the session's
+   Syncs do not wait for that drop when A hosts none of its devices any more: it may be queued behind
+   another session's work there). The time the batches were held is the move's downtime, reported to the
+   operator and in the event log.
 2. Uploads under way: from the copy on, A refuses client Puts for the moving devices (kind MOVED), and
    uploads that arrived before it travel with them. The client asks the controller where the device
    went and uploads again (dtorch/_relocate.py).
@@ -327,7 +329,8 @@ class Moves:
         rec = self.pipeline.rec(s, step.now)
         rec.migrations += 1
         rec.force = True  # the copies' holders may now include the devices' own worker
-        s.state = st.step(st.SESSION_TABLE, s.state, st.MOVED)
+        if s.state == st.MIGRATING:  # not when it lost data meanwhile (degraded): it stays so (as in _call_off)
+            s.state = st.step(st.SESSION_TABLE, s.state, st.MOVED)
         mv.to(st.COPIED)
         report = mv.describe(step.now)
         step.note(f"session {s.id[:8]} logical device{'s' if len(mv.devices) > 1 else ''} "
@@ -384,7 +387,10 @@ class Moves:
                 continue
             devices = [d for d in drop.devices if s.devices.get(d) != drop.worker]  # unless it came back
             if devices and drop.tids:
+                before = s.sent.get(drop.worker)
                 self.pipeline.send(step, s, {drop.worker: [m.CmdDelete(tids=drop.tids, devices=devices)]})
+                if before is not None and drop.worker not in s.devices.values():
+                    s.sent[drop.worker] = before  # cleanup on a worker it left: its Syncs do not wait for it
         self.drops = keep
 
     # ------------------------------------------------------------ losses and closing

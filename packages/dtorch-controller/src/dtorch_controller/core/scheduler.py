@@ -921,8 +921,8 @@ class Scheduler:
             t.since = now
 
     def _enqueue(self, t: Tenant, now: float) -> None:
-        if t.request is not None:  # what requests look like: packing avoids stranding room they need (pool rule 7)
-            self.pool.saw(self._cap(t), len(t.request.devices))
+        if t.request is not None and getattr(self.policy, "fgd", True):  # what requests look like: packing avoids
+            self.pool.saw(self._cap(t), len(t.request.devices))  # stranding room they need (pool rule 7)
         t.key = (self.policy.rank(t, now), *self.policy.key(t, now), t.arrival, t.session)
         bisect.insort(self._queue, t.key)
         self._watch(t, now)

@@ -13,6 +13,8 @@ Rules:
 3. `key(t, now)` orders the queue within a rank (the scheduler appends the arrival number as the last tie-break).
 4. `packs`: sessions that declare a memory cap (and are not realtime) may share a device with other such
    sessions while their caps fit in its memory. Otherwise every device is leased to one session at a time.
+   `fgd` (parameter of the packing policies, default true): packed leases go where they strand the least room
+   for the requests seen lately (pool.py rule 7); false: plain best fit (the baseline of packing studies).
 5. `relocates`: a frozen session may resume on free devices instead of waiting for its own (its state is moved;
    scheduler.py rule 6), once it has been frozen `relocate_after` seconds. Only meaningful for policies that
    preempt.

@@ -8,7 +8,8 @@
   within a class the order is strict.
 * Packing: batch sessions that declare a memory cap share devices while the caps fit in a device's memory.
 
-Parameters: `preempt` (default true), `pack` (default true), `relocate` (default true), `relocate_after` (600 s).
+Parameters: `preempt` (default true), `pack` (default true), `fgd` (default true: fragmentation-aware packing,
+pool.py rule 7; false: best fit), `relocate` (default true), `relocate_after` (600 s).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ class PriorityPolicy(BasePolicy):
         super().__init__(params)
         self.preempts = flag(self.params, "preempt", True)
         self.packs = flag(self.params, "pack", True)
+        self.fgd = flag(self.params, "fgd", True)  # fragmentation-aware packing (pool.py rule 7); false: best fit
         relocation(self, RELOCATE_AFTER_S)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("preempt", "pack", "relocate", "relocate_after")
+        return ("preempt", "pack", "fgd", "relocate", "relocate_after")
 
     def rank(self, t: Tenant, now: float) -> int:
         return PRIORITY_RANK[t.priority]

@@ -1,0 +1,87 @@
+"""`dtorch-controller usage`: the usage records summed by tenant or session, as a table, CSV or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+import time
+from datetime import datetime
+
+from rich.console import Console
+from rich.table import Table
+
+from dtorch_controller.status_view import human_bytes
+from dtorch_controller.usage import Row, read, summarise
+
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+COLUMNS = ("tenant", "sessions", "devices", "device_seconds", "memory_byte_seconds", "moved_bytes", "instructions",
+           "start", "end")
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """Unix seconds from `--since`: unix seconds, an ISO time, or an age (90s, 30m, 24h, 7d); "" is 0."""
+    if not text:
+        return 0.0
+    now = time.time() if now is None else now
+    if age := _AGE.match(text):
+        return now - float(age.group(1)) * _UNITS[age.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ValueError(f"bad --since {text!r}: expected unix seconds, an ISO time (2026-12-01T00:00) or an age "
+                         "(90s, 30m, 24h, 7d)") from None
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t).isoformat(timespec="seconds")
+
+
+def _fields(row: Row, by: str) -> dict[str, object]:
+    return {by: row.key, **({"tenant": row.tenant} if by == "session" else {}), "sessions": len(row.sessions),
+            "devices": row.devices, "device_seconds": round(row.device_seconds, 6),
+            "memory_byte_seconds": round(row.memory_byte_seconds, 3), "moved_bytes": row.moved_bytes,
+            "instructions": row.instructions, "start": _iso(row.start), "end": _iso(row.end)}
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.usage_file:
+        print("dtorch-controller usage: pass --usage-file PATH or set DTORCH_USAGE_FILE", file=sys.stderr)
+        return 2
+    try:
+        since = parse_since(args.since)
+        rows = summarise(read(args.usage_file), args.by, since)
+    except ValueError as e:
+        print(f"dtorch-controller usage: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"dtorch-controller usage: cannot read {args.usage_file} ({e.strerror or e})", file=sys.stderr)
+        return 1
+    records = [_fields(r, args.by) for r in rows]
+    if args.format == "json":
+        print(json.dumps(records, indent=1))
+    elif args.format == "csv":
+        columns = list(records[0]) if records else [args.by, *COLUMNS[1:]]
+        writer = csv.DictWriter(sys.stdout, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+    else:
+        table = Table(title=f"usage by {args.by}" + (f" since {_iso(since)}" if since else ""), title_justify="left")
+        for c in (args.by, *(("tenant",) if args.by == "session" else ()), "sessions", "devices", "device-hours",
+                  "memory GiB-hours", "moved", "instructions", "from", "to"):
+            table.add_column(c, justify="left" if c in (args.by, "tenant", "from", "to") else "right")
+        for r in rows:
+            table.add_row(r.key[:16] if args.by == "session" else r.key or "-",
+                          *((r.tenant or "-",) if args.by == "session" else ()), str(len(r.sessions)),
+                          str(r.devices), f"{r.device_seconds / 3600:.4f}",
+                          f"{r.memory_byte_seconds / 3600 / (1 << 30):.4f}", human_bytes(r.moved_bytes),
+                          str(r.instructions), _iso(r.start), _iso(r.end))
+        Console(width=200).print(table)
+    return 0
