@@ -14,7 +14,9 @@ from dtorch_protocol.messages import (
     CmdCreate,
     CmdDelete,
     CmdExpectReads,
+    CmdProgram,
     CmdRedistribute,
+    CmdReplay,
     CmdRun,
     ErrorReport,
     Execute,
@@ -205,6 +207,32 @@ def test_error_reports(ex: Executor, cmd: object, op: str, message: str) -> None
     assert (report.op, report.src, report.tid) == (op, "a.py:1", 7)
     assert report.message.startswith(message), report.message
     assert isinstance(ex.store.get((S, 7, 0)), Poison)
+
+
+def test_a_kept_program_replays_with_new_ids_seeds_and_numbers_like_torch(ex: Executor) -> None:
+    boxes = {0: [[0, 4]], 1: [[4, 4]]}
+    program = CmdProgram(program=3, version=5, ntids=3, nseeds=1, nscalars=1, cmds=[
+        CmdCreate(tid=1, dtype="float32", shape=[8], init="randn", boxes=boxes, seed=0),
+        CmdRun(op="aten.add.Tensor", devices=[0, 1], args=[t(0), t(1)], kwargs={"alpha": {"$s": 0}}, outs=[2]),
+        CmdDelete(tids=[1], devices=[0, 1])])
+    run(ex, CmdCreate(tid=10, dtype="float32", shape=[8], init="ones", boxes=boxes), program)
+    assert (S, 1, 0) not in ex.store  # kept, not run
+    for n, (seed, alpha) in enumerate([(7, 0.5), (8, -2.0)]):
+        run(ex, CmdReplay(program=3, version=5, tids=[10, 20 + n, 30 + n], seeds=[seed], scalars=[alpha]))
+        r = random_blocks.draw("randn", seed, [8], [[0, 8]], torch.float32)
+        got = torch.cat([ex.store.get((S, 30 + n, d)) for d in (0, 1)])
+        assert torch.equal(got, torch.ones(8) + alpha * r)  # plain torch on the full tensors
+        assert (S, 20 + n, 0) not in ex.store  # the program's delete ran too
+    assert ex.take_errors() == {}
+    run(ex, CmdReplay(program=3, version=4, tids=[10, 40, 41], seeds=[1], scalars=[1.0]),
+        CmdReplay(program=3, version=5, tids=[10, 40], seeds=[1], scalars=[1.0]),
+        CmdReplay(program=9, version=5, tids=[], seeds=[], scalars=[]))
+    assert [e.message for e in ex.take_errors()[S]] == [
+        "translation 4 of program 3 is not on this worker (it has 5)",
+        "replay of program 3 names 2 tensors, 1 seeds and 1 numbers; its commands take 3, 1 and 1",
+        "translation 5 of program 9 is not on this worker (it has none)"]
+    run(ex, CmdCloseSession(), CmdReplay(program=3, version=5, tids=[10, 40, 41], seeds=[1], scalars=[1.0]))
+    assert "has none" in ex.take_errors()[S][0].message
 
 
 def test_restore_errors_keeps_order(ex: Executor) -> None:

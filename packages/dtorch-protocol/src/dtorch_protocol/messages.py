@@ -39,7 +39,7 @@ PROTOCOL_VERSION = "1.6"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # WorkerReport.proof, `caps` next to every location, Execute.caps for peers), anonymous counts in StatusReply,
 # bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint); 1.6: CmdGroup.key (a
 # group's secret: the rendezvous store's keys are under it), captured programs (InstrDefine, InstrReplay:
-# `dtorch.compile`)
+# `dtorch.compile`; CmdProgram, CmdReplay: a program's commands kept on the workers)
 
 
 class ErrorKind(str, enum.Enum):
@@ -566,8 +566,38 @@ class CmdStay(Struct, frozen=True, tag="stay"):
     devices: list[int]
 
 
+StepCmd = CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCollective  # what a program holds
+
+
+class CmdProgram(Struct, frozen=True, tag="program"):
+    """Keep `cmds` as this worker's part of the session's captured program `program` (`InstrDefine`), as the
+    controller translated it for the session's current binding. Its tensor ids, seeds and numbers are slots, and
+    each collective's op number is an offset into its group's: a CmdReplay fills them in
+    (`dtorch_protocol.programs.fill_cmds`). Replaces the session's program of that id on this worker.
+    """
+
+    program: int
+    version: int  # which translation of it this is: a CmdReplay names the one it was sent for
+    cmds: list[StepCmd]
+    ntids: int
+    nseeds: int = 0
+    nscalars: int = 0
+
+
+class CmdReplay(Struct, frozen=True, tag="replay"):
+    """Run this worker's part of program `program` (translation `version`) here and now, its slots filled with these
+    tensor ids, seeds and numbers, each group's op numbers going on from `groups` (group -> its last op number)."""
+
+    program: int
+    version: int
+    tids: list[int]
+    seeds: list[int] = []
+    scalars: list[float] = []
+    groups: dict[str, int] = {}
+
+
 Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
-       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective)
+       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective | CmdProgram | CmdReplay)
 
 
 class Execute(Struct, frozen=True):
