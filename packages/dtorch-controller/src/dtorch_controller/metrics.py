@@ -135,9 +135,9 @@ class ControllerMetrics:
             series = self._noticed[name]
             child = series.labels(*labels) if labels else series
             if value is None:
-                child.inc()  # type: ignore[union-attr]
+                child.inc()
             else:
-                child.observe(value)  # type: ignore[union-attr]
+                child.observe(value)
 
     def timed(self, method: str, seconds: float) -> None:
         child = self._timed.get(method)
