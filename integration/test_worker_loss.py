@@ -19,10 +19,12 @@ SCRIPT = textwrap.dedent("""
     mesh = dtorch.DeviceMesh("cpu", [0, 1])
     x = dtorch.ones(8, 4, device_mesh=mesh, placements=[Shard(0)])
     x.mul_(3)
+    u = dtorch.distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])  # its backups are copied in the background
+    u.add_(1)  # an in-place write right after: the backups keep the uploaded values
     assert torch.equal(x.to_torch(), torch.full((8, 4), 3.0))
     os.kill(runtime._cluster.procs[2].pid, signal.SIGKILL)
     time.sleep(0.1)
-    y = x * 2
+    y = x * 2 + u
     t0 = time.monotonic()
     try:
         print("value", y.to_torch().unique().tolist())
@@ -44,7 +46,7 @@ def run(**env: str) -> list[str]:
 
 def test_killed_worker_is_rebuilt_on_the_survivor_unnoticed():
     value, waited, states = run()
-    assert value == "value [6.0]"  # the in-place mul_ before the kill was replayed exactly once
+    assert value == "value [8.0]"  # the in-place mul_ and add_ before the kill were replayed exactly once
     assert float(waited.split()[1]) < 10.0
     assert states == "states ['alive', 'lost']"
 

@@ -18,6 +18,7 @@ from dtorch_protocol.messages import (
     CmdRedistribute,
     CmdReplay,
     CmdRun,
+    CmdSendShards,
     ErrorReport,
     Execute,
     Piece,
@@ -233,6 +234,34 @@ def test_a_kept_program_replays_with_new_ids_seeds_and_numbers_like_torch(ex: Ex
         "translation 5 of program 9 is not on this worker (it has none)"]
     run(ex, CmdCloseSession(), CmdReplay(program=3, version=5, tids=[10, 40, 41], seeds=[1], scalars=[1.0]))
     assert "has none" in ex.take_errors()[S][0].message
+
+
+def test_an_upload_backup_is_copied_off_the_stream_and_in_place_writes_wait_for_it(ex: Executor, monkeypatch) -> None:
+    started, release = threading.Event(), threading.Event()
+    copy = ex._copy
+
+    def held(*args: object) -> None:
+        started.set()
+        release.wait(10)
+        copy(*args)
+
+    monkeypatch.setattr(ex, "_copy", held)
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=[4], init="ones", boxes={0: [[0, 4]]}),
+        CmdSendShards(devices={0: [1]}, namespace="backup", host=True, background=True),
+        CmdRun(op="aten.neg.default", devices=[0], args=[t(1)], kwargs={}, outs=[2]))
+    assert started.wait(10)  # the batch ran on while its copy is held
+    assert torch.equal(ex.store.get((S, 2, 0)), -torch.ones(4)) and ("backup", 1, 0) not in ex.store
+    assert ex.completed < 0  # the batch is not complete while its copy is in flight
+    writer = threading.Thread(target=run, args=(ex, CmdRun(op="aten.add_.Scalar", devices=[0], args=[t(1), 1.0],
+                                                           kwargs={}, outs=[1])))
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive()  # an in-place write of the shard waits for the copy to have read it
+    release.set()
+    writer.join(10)
+    assert torch.equal(ex.store.get(("backup", 1, 0)), torch.ones(4))  # the value at the copy's place
+    assert torch.equal(ex.store.get((S, 1, 0)), torch.full((4,), 2.0))
+    assert ex.completed == 0 and ex.backup_bytes == 0 and ex.take_errors() == {}
 
 
 def test_restore_errors_keeps_order(ex: Executor) -> None:

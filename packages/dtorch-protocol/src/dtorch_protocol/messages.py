@@ -517,7 +517,9 @@ class CmdSendShards(Struct, frozen=True, tag="send"):
     Runs at its place in this worker's stream, so it copies exactly the values every earlier command left.
     Shards that share storage here share it in the copy too (views stay views). `to` "" or this worker's
     own address makes a local copy. Snapshots and upload backups use a namespace derived from the session
-    (`{session}#...`); moving devices uses the session itself.
+    (`{session}#...`); moving devices uses the session itself. With `background` (upload backups), the copy is
+    made off the stream: later commands run meanwhile (one writing the shards in place waits for the copy to
+    have read them), and the batch counts as completed once the copy is done.
     """
 
     devices: dict[int, list[int]]  # logical device -> tids to copy
@@ -527,6 +529,7 @@ class CmdSendShards(Struct, frozen=True, tag="send"):
     move: list[int] = []  # devices leaving this worker: every shard of theirs is sent (uploads not adopted
     # yet too) and, from this command on, client Puts for them are refused and Pulls of missing shards
     # are answered "moved:" so the client asks the controller where they went
+    background: bool = False  # copy off the stream (bounded bytes in flight per worker)
 
 
 class CmdFetchShards(Struct, frozen=True, tag="fetch"):

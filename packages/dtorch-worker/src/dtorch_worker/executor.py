@@ -128,6 +128,7 @@ def narrow_box(t: torch.Tensor, box: Sequence[Sequence[int]]) -> torch.Tensor:
 
 MAX_AHEAD_PER_SESSION = 1024  # batches of one session waiting behind a batch number that has not arrived
 MAX_AHEAD = 8192  # ... of all sessions together
+BACKUP_BYTES_IN_FLIGHT = 256 << 20  # background copies (upload backups) in flight: past it the stream waits
 
 
 class BatchRefused(ValueError):
@@ -171,6 +172,11 @@ class Executor:
         self.buffers = collectives.BufferPool()  # scratch buffers of collectives, reused
         # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
         self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
+        # DTORCH_SYNC_BACKUPS=1: upload backups copied in the stream, as before (benchmarks compare)
+        self.sync_backups = os.environ.get("DTORCH_SYNC_BACKUPS", "") == "1"
+        self._backups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dtorch-backup",
+                                           initializer=self.backend.activate)
+        self.backup_bytes = 0  # bytes of background copies in flight (bounded by BACKUP_BYTES_IN_FLIGHT)
         self.pulled_bytes = 0  # tensor bytes pulled from peers (pieces)
         self.batches = 0  # batches run
         # told (session, cmd, started, ended, output bytes) after each command: metrics and profiles (telemetry.py)
@@ -264,6 +270,7 @@ class Executor:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._backups.shutdown(wait=False, cancel_futures=True)
         self.peers.close()
         self.groups.stop()
 
@@ -552,6 +559,15 @@ class Executor:
         for key in self.store.device_keys(session, list(cmd.move)):  # uploads not adopted yet travel too
             if (key[1], key[2]) not in listed and (value := self.store.peek(key)) is not None:
                 items.append((key[1], key[2], value))
+        if cmd.background and not cmd.move and not self.sync_backups:
+            self._copy_later(session, cmd, items)
+            return
+        self._copy(session, cmd, items)
+        for tid, device, _shard in items:  # uploads not adopted yet have no readers here: they moved
+            if (tid, device) not in listed:
+                self.store.delete((session, tid, device))
+
+    def _copy(self, session: str, cmd: CmdSendShards, items: list[tuple[int, int, Any]]) -> None:
         if self._is_local(cmd.to):
             device = torch.device("cpu") if cmd.host else self.device
             for tid, dev, shard in shards.clone(items, device):
@@ -560,9 +576,40 @@ class Executor:
         stream = shards.chunks(shards.pack(items), backend=self.backend, namespace=cmd.namespace,
                                sender=self.address, host=cmd.host, move=list(cmd.move))
         self.peers.put_shards(cmd.to, stream, session)
-        for tid, device, _shard in items:  # uploads not adopted yet have no readers here: they moved
-            if (tid, device) not in listed:
-                self.store.delete((session, tid, device))
+
+    def _copy_later(self, session: str, cmd: CmdSendShards, items: list[tuple[int, int, Any]]) -> None:
+        """A background copy: its shards count as read by a peer until it has copied them (an in-place write waits,
+        `_wait_reads`), its batch as in flight until it is done; it waits here while BACKUP_BYTES_IN_FLIGHT are
+        (one copy larger than that goes alone)."""
+        keys = [(session, tid, dev) for tid, dev, shard in items if isinstance(shard, torch.Tensor)]
+        nbytes = sum(shard.untyped_storage().nbytes() for _t, _d, shard in items if isinstance(shard, torch.Tensor))
+        seq = self._seq
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopped or not self.backup_bytes
+                                or self.backup_bytes + nbytes <= BACKUP_BYTES_IN_FLIGHT, self.pull_timeout_s)
+            self.backup_bytes += nbytes
+            self._inflight[seq] = self._inflight.get(seq, 0) + 1
+        for key in keys:
+            self.store.expect_reads(key, 1)
+
+        def copy() -> None:
+            try:
+                self._copy(session, cmd, items)
+            except Exception as e:  # noqa: BLE001 - reported like the copy in the stream would be
+                self._record(session, ErrorReport(op=_describe(cmd)[0], src="", message=one_line(e), seq=seq,
+                                                  kind=ErrorKind.COPY), seq)
+            finally:
+                for key in keys:
+                    self.store.read_served(key)
+                with self._cond:
+                    self.backup_bytes -= nbytes
+                    self._inflight[seq] -= 1
+                    if not self._inflight[seq]:
+                        del self._inflight[seq]
+                    self._cond.notify_all()
+                self._poke(seq)
+
+        self._backups.submit(copy)
 
     def _fetch_shards(self, session: str, cmd: CmdFetchShards) -> None:
         if self._is_local(cmd.address):

@@ -10,8 +10,10 @@ Rules:
    from when that worker survives) and in host memory of another worker, on another node whenever the
    cluster has one (survives the loss of the first, and of its whole node). A session is *protected* when
    it has a complete snapshot; with a single worker it is not.
-3. Uploads (InstrAdopt) have no lineage: their shards are copied (local + another worker) at the point of
-   the adopt in the stream, kept while the adopt is in the log.
+3. Uploads (InstrAdopt) have no lineage: their shards are copied (local + another worker) from the point of
+   the adopt in the stream, kept while the adopt is in the log. The copies are made in the background
+   (`CmdSendShards.background`: the worker's next commands do not wait, bounded bytes in flight); they count
+   as complete when the adopt's batch does, so a loss before that is one without a complete copy, as before.
 4. Copies live on workers under namespaces derived from the session id (`{session}#s{n}` for snapshot
    n, `{session}#a{n}` for uploads adopted in window n); the log is truncated and older namespaces are
    dropped when a newer snapshot is complete. Memory is bounded by two copies of the session's live
@@ -183,10 +185,12 @@ def copy_upload(s: Session, rec: Lineage, instr: m.InstrAdopt, seq: int, now: fl
     for primary, devices in by_worker.items():
         holder = backup_for(primary)
         shards = {d: [instr.tid] for d in devices}
-        cmds.setdefault(primary, []).append(m.CmdSendShards(devices=shards, namespace=namespace, host=True))
+        cmds.setdefault(primary, []).append(m.CmdSendShards(devices=shards, namespace=namespace, host=True,
+                                                            background=True))
         holders = [primary]
         if holder is not None:
-            cmds[primary].append(m.CmdSendShards(devices=shards, namespace=namespace, to=address(holder), host=True))
+            cmds[primary].append(m.CmdSendShards(devices=shards, namespace=namespace, to=address(holder), host=True,
+                                                 background=True))
             holders.append(holder)
         for d in devices:
             copies.holders[d] = holders
