@@ -39,6 +39,11 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      'why = rec.why if (rec is not None) or True else ""'):
         "rec is never None here: both callers (_report_loss, _give_up) run after unrecoverable(), whose "
         "pipeline.rec() creates the session's lineage",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
+     "if v.state != FROZEN and len(v.missing) >= len(v.workers):"):
+        "the check is a shortcut of the next one: a frozen tenant whose missing devices are all its devices holds "
+        "none (held == []), and a running tenant with no workers holds none either; both are skipped by "
+        "`if not held: continue`",
     ("dtorch_controller.core.lineage.x_restore_upload",
      "break  # checked before the rebuild started; a read of it will say it is missing"):
         "unreachable: Recovery.unrecoverable() gives the rebuild up before the replay when a device of a logged "

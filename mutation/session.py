@@ -141,7 +141,14 @@ def stage(targets: dict[str, list[str]]) -> dict[str, list[str]]:
     for path in {f for fs in files.values() for f in fs}:
         (src / path).write_text(lift_decorators((src / path).read_text()))
     folders = [t for t in TESTS if not ARGS.tests or t in ARGS.tests]
-    selection = [*folders, *[f"--ignore={x}" for x in EXCLUDE], "-k", EXCLUDE_NAMES, "-m", "not gpu"]
+    # the unit tests of the chosen targets' rules (targets.FIRST: the core's fake-clock tests, the planners', the
+    # wire's, scenario validation's), nothing that starts processes or servers for long
+    chosen = dict.fromkeys(str(p.relative_to(ROOT)) for target in targets for glob in FIRST[target]
+                           for p in sorted(ROOT.glob(glob)))
+    tests = [t for t in chosen if t not in EXCLUDE and any(t.startswith(f + "/") for f in folders)]
+    if not tests:
+        raise SystemExit(f"mutation: no test of targets.FIRST for {', '.join(targets)} in {', '.join(folders)}")
+    selection = [*tests, "-k", EXCLUDE_NAMES, "-m", "not gpu"]
     only = [f"src/{f}" for fs in files.values() for f in fs]
     helpers = folders  # test helpers live beside the tests (`_core_helpers`, imported by the controller's conftest)
     (STAGE / "pyproject.toml").write_text(textwrap.dedent(f"""\
