@@ -223,17 +223,34 @@ def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
             stats = json.loads(stats_path.read_text())
             durations = stats["duration_by_test"]
             stats["tests_by_mangled_function_name"] = {
-                fn: sorted(tests, key=lambda t, fn=fn: _order(fn, t, durations))[:cap]
+                fn: _prefer(fn, tests, durations)[:cap]
                 for fn, tests in stats["tests_by_mangled_function_name"].items()}
             stats_path.write_text(json.dumps(stats))
 
 
+def _prefer(function: str, tests: list[str], durations: dict[str, float]) -> list[str]:
+    """The tests that call `function`, best first: by `_order`'s group, then one case of each test function before
+    a second case of any (a parametrized plan checker has hundreds of fast cases: the cap must not keep only the
+    fastest few of one of them), then fastest first."""
+    ordered = sorted(tests, key=lambda t: _order(function, t, durations))
+    seen: dict[tuple[int, str], int] = {}
+    nth = {}
+    for t in ordered:
+        key = (_order(function, t, durations)[0], t.partition("[")[0])
+        nth[t] = seen[key] = seen.get(key, -1) + 1
+    return sorted(ordered, key=lambda t: (_order(function, t, durations)[0], nth[t], durations.get(t, 0.0)))
+
+
 def _order(function: str, test: str, durations: dict[str, float]) -> tuple[int, float]:
-    """Where `test` goes among the tests that call `function` (mutmut's name: `package.module.x_name`): the
-    target's FIRST globs in their order, then the module's own package's tests, then any other; fastest first."""
+    """Where `test` goes among the tests that call `function` (mutmut's name: `package.module.x_name`): the test
+    file named for the module first, then the target's FIRST globs in their order, then the module's own package's
+    tests, then any other; fastest first."""
     module = function.split(".x")[0]
     globs = FIRST.get(MODULE_TARGET.get(module, ""), [])
     file = test.partition("::")[0]
+    name = module.rpartition(".")[2].lstrip("_")
+    if file.rpartition("/")[2].startswith((f"test_{name}", f"test_core_{name}")):
+        return -1, durations.get(test, 0.0)  # the test file named for the module (test_wire.py for wire.py)
     group = next((i for i, glob in enumerate(globs) if fnmatch(file, glob)), None)
     if group is None:
         group = len(globs) + (0 if file.startswith(f"packages/{_package_of(module.replace('.', '/'))}/tests/") else 1)
@@ -494,11 +511,11 @@ def main() -> None:
                         help=f"only these targets (repeatable): {', '.join(TARGETS)}")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--no-tables", action="store_true", help="skip the table mutants")
-    parser.add_argument("--sample", type=int, default=100, metavar="N",
-                        help="mutmut mutants per target (a fixed sample; a third as many table mutants); default 100")
+    parser.add_argument("--sample", type=int, default=60, metavar="N",
+                        help="mutmut mutants per target (a fixed sample; a third as many table mutants); default 60")
     parser.add_argument("--cap", type=int, default=40, metavar="K",
-                        help="run each mutant against K of the tests that call its function (its own package's "
-                             "first, fastest first); default 40")
+                        help="run each mutant against K of the tests that call its function (the target's own test "
+                             "files first: targets.FIRST; fastest first); default 40")
     parser.add_argument("--full", action="store_true", help="every mutant against every covering test (hours)")
     parser.add_argument("--tests", action="append", default=[], metavar="FOLDER", choices=TESTS,
                         help="only these test folders may kill mutants (repeatable; default: all of targets.TESTS)")
