@@ -195,10 +195,10 @@ def sample(names: list[str], n: int) -> list[str]:
     return sorted(random.Random(0).sample(sorted(names), n))
 
 
-def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
-    """Run the named mutants. The first one alone collects the per-test coverage; then each function keeps only `cap`
-    of its covering tests (0: all), in the order of `_order` (the target's own test files first: targets.FIRST), so
-    that a survivor costs seconds, not every test of the core."""
+def run_mutmut(names: list[str], max_children: int, cap: int, budget: float) -> None:
+    """Run the named mutants. The first one alone collects the per-test coverage; then each function keeps at most
+    `cap` of its covering tests (0: all) that took at most `budget` seconds together, in the order of `_prefer` (the
+    target's own test files first: targets.FIRST), so that a survivor costs seconds, not every test of the core."""
     mutmut = [str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(max_children)]
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     stats_path, config = STAGE / "mutants" / "mutmut-stats.json", STAGE / "pyproject.toml"
@@ -223,9 +223,25 @@ def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
             stats = json.loads(stats_path.read_text())
             durations = stats["duration_by_test"]
             stats["tests_by_mangled_function_name"] = {
-                fn: _prefer(fn, tests, durations)[:cap]
+                fn: _within(_prefer(fn, tests, durations), durations, cap, budget)
                 for fn, tests in stats["tests_by_mangled_function_name"].items()}
             stats_path.write_text(json.dumps(stats))
+
+
+def _within(tests: list[str], durations: dict[str, float], cap: int, budget: float) -> list[str]:
+    """The first of `tests` up to `cap` of them, skipping those that would take the total past `budget` seconds
+    (the first is always kept): a function called by many fast tests keeps many, one called by slow tests few."""
+    kept: list[str] = []
+    spent = 0.0
+    for t in tests:
+        if len(kept) >= cap:
+            break
+        took = durations.get(t, 0.0)
+        if kept and spent + took > budget:
+            continue
+        kept.append(t)
+        spent += took
+    return kept
 
 
 def _prefer(function: str, tests: list[str], durations: dict[str, float]) -> list[str]:
@@ -513,9 +529,11 @@ def main() -> None:
     parser.add_argument("--no-tables", action="store_true", help="skip the table mutants")
     parser.add_argument("--sample", type=int, default=60, metavar="N",
                         help="mutmut mutants per target (a fixed sample; a third as many table mutants); default 60")
-    parser.add_argument("--cap", type=int, default=40, metavar="K",
-                        help="run each mutant against K of the tests that call its function (the target's own test "
-                             "files first: targets.FIRST; fastest first); default 40")
+    parser.add_argument("--cap", type=int, default=100, metavar="K",
+                        help="run each mutant against at most K of the tests that call its function (the target's own "
+                             "test files first: targets.FIRST; one case of each test function first); default 100")
+    parser.add_argument("--budget", type=float, default=2.0, metavar="S",
+                        help="... that took at most S seconds together when mutmut timed them; default 2")
     parser.add_argument("--full", action="store_true", help="every mutant against every covering test (hours)")
     parser.add_argument("--tests", action="append", default=[], metavar="FOLDER", choices=TESTS,
                         help="only these test folders may kill mutants (repeatable; default: all of targets.TESTS)")
@@ -534,7 +552,7 @@ def main() -> None:
     CHOSEN.update(chosen)
     print(f"mutation: {len(chosen)} of {sum(map(len, names.values()))} mutmut mutants"
           + ("" if ARGS.full else f" (a fixed sample of up to {per_target} per target; --full for all)"), flush=True)
-    run_mutmut(chosen, ARGS.max_children, 0 if ARGS.full else ARGS.cap)
+    run_mutmut(chosen, ARGS.max_children, 0 if ARGS.full else ARGS.cap, ARGS.budget)
     results = mutmut_results(files)
     if not ARGS.no_tables:
         run_tables(files, results, ARGS.max_children, 0 if ARGS.full else ARGS.sample // 3)
