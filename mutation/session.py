@@ -429,6 +429,8 @@ def run_tables(files: dict[str, list[str]], results: dict[str, FileResult], work
             own = f"packages/{_package_of(path)}/tests/"
             order = sorted((t for t in durations if t in first or t.startswith(own)),
                            key=lambda t: (t not in first, *_order(f"{module}.x", t, durations)))
+            if per_target:  # a sample: each table mutant gets the --cap/--budget share of tests a function gets
+                order = _within(order, durations, ARGS.cap, ARGS.budget)
             for where, label, mutated in table_mutants(source):
                 mine.append((path, module, where, label, mutated, order))
         jobs += [mine[i] for i in sample(list(range(len(mine))), per_target)] if per_target else mine
