@@ -38,7 +38,8 @@ FIRST: dict[str, list[str]] = {
     "worker and session state tables": ["packages/dtorch-controller/tests/test_core_workers.py",
                                         "packages/dtorch-controller/tests/test_core_sessions.py", _CORE],
     "recovery and lineage": ["packages/dtorch-controller/tests/test_core_recovery.py",
-                             "packages/dtorch-controller/tests/test_core_nodes.py", _CORE],
+                             "packages/dtorch-controller/tests/test_core_nodes.py",
+                             "packages/dtorch-controller/tests/test_core_scheduling.py", _CORE],  # relocations: pull
     "wire authentication and validation": ["packages/dtorch-protocol/tests/test_auth.py",
                                            "packages/dtorch-protocol/tests/test_wire.py",
                                            "packages/dtorch-protocol/tests/test_protocol.py",
