@@ -248,13 +248,14 @@ def _prefer(function: str, tests: list[str], durations: dict[str, float]) -> lis
     """The tests that call `function`, best first: by `_order`'s group, then one case of each test function before
     a second case of any (a parametrized plan checker has hundreds of fast cases: the cap must not keep only the
     fastest few of one of them), then fastest first."""
-    ordered = sorted(tests, key=lambda t: _order(function, t, durations))
+    group = {t: _order(function, t, durations)[0] for t in tests}
+    ordered = sorted(tests, key=lambda t: (group[t], durations.get(t, 0.0)))
     seen: dict[tuple[int, str], int] = {}
     nth = {}
-    for t in ordered:
-        key = (_order(function, t, durations)[0], t.partition("[")[0])
+    for t in ordered:  # the how-manieth case of its test function
+        key = (group[t], t.partition("[")[0])
         nth[t] = seen[key] = seen.get(key, -1) + 1
-    return sorted(ordered, key=lambda t: (_order(function, t, durations)[0], nth[t], durations.get(t, 0.0)))
+    return sorted(ordered, key=lambda t: (group[t], nth[t], durations.get(t, 0.0)))
 
 
 def _order(function: str, test: str, durations: dict[str, float]) -> tuple[int, float]:
