@@ -328,6 +328,18 @@ def test_a_future_call_has_its_deadline_too(server):
     stub.close()
 
 
+def _ipv6() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6(), reason="this host has no IPv6 loopback (::1)")
 def test_a_server_listens_on_an_ipv6_address_and_says_where():
     served = wire.serve(SERVICE, Worker(), auth.WorkerAuth(SECRET).authenticate, listen="[::1]:0")
     try:
