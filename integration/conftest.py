@@ -24,7 +24,18 @@ def _cli_only_through_the_interpreter():
 
 @pytest.fixture(scope="session")
 def cluster():
-    session = dtorch.connect(workers=2)
+    """The cluster most tests share. Its workers may be silent for 10 s before they count as lost (the default is
+    1 s): a loaded 2-core machine, or `test_async`'s SIGSTOPped workers, must not cost every later test its
+    workers. Tests of failure detection start clusters of their own."""
+    old = os.environ.get("DTORCH_HEARTBEAT_TIMEOUT")
+    os.environ["DTORCH_HEARTBEAT_TIMEOUT"] = "10"
+    try:
+        session = dtorch.connect(workers=2)
+    finally:
+        if old is None:
+            del os.environ["DTORCH_HEARTBEAT_TIMEOUT"]
+        else:
+            os.environ["DTORCH_HEARTBEAT_TIMEOUT"] = old
     yield session
     dtorch.shutdown()
 
