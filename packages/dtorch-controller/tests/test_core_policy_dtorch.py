@@ -94,8 +94,8 @@ def test_a_session_past_its_declared_steps_falls_back_to_attained_service(make_h
     assert h.open_mesh(new, 1, [0]).placed and state(h, liar) == "frozen"
 
 
-def test_a_session_that_waited_fairness_times_its_running_time_is_shielded_until_it_ran_that_long(make_harness):
-    # old runs 40 s (level 1 of [10]), is frozen by `new` and waits 100 s; when it resumes it has waited 100 s for
+def test_a_session_frozen_fairness_times_its_running_time_is_shielded_until_it_ran_that_long(make_harness):
+    # old runs 40 s (level 1 of [10]), is frozen by `new` for 100 s; when it resumes it has been frozen 100 s for
     # 40 s of running: with fairness 1 it keeps level 0 until it has run 100 s (60 s more), so a newcomer cannot
     # freeze it again before; then it is demoted and the waiting newcomer preempts it. Fairness 0: at once.
     for fairness, shield_s in ((1, 60), (0, 0)):
@@ -120,6 +120,24 @@ def test_a_session_that_waited_fairness_times_its_running_time_is_shielded_until
         assert state(h, old) == "running" and state(h, late) == "waiting"
         h.advance(2)  # it ran as long as it waited: level 1 again, the newcomer (level 0) preempts it
         assert state(h, late) == "running" and state(h, old) == "frozen"
+
+
+def test_time_spent_queued_does_not_shield(make_harness):
+    # the shield is for sessions preempted again and again, not for every session that queued: a session that
+    # queued 100 s and then ran 40 s is frozen by a newcomer as under least attained service (shielded sessions
+    # that only queued would hold level 0 and block the level-0 queue behind a wide request: ITP cluster02)
+    h = make_harness(policy=DTorchPolicy({"thresholds": [10], "fairness": 1}), **QUIET)
+    workers(h, 1)
+    first = h.open_session(priority="high")
+    assert h.open_mesh(first, 1, [0]).placed
+    queued = h.open_session()
+    assert not h.open_mesh(queued, 1, [0]).placed  # a higher class holds the device
+    h.advance(100)
+    h.call(ev.CloseSession, m.CloseSession(session=first))
+    assert state(h, queued) == "running" and h.core.sched.tenants[queued].waited == pytest.approx(100, abs=0.01)
+    h.advance(40)
+    late = h.open_session()
+    assert h.open_mesh(late, 1, [0]).placed and state(h, queued) == "frozen"
 
 
 def test_frozen_sessions_lend_the_devices_they_wait_for(make_harness):

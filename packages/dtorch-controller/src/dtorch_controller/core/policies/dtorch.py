@@ -1,6 +1,6 @@
 """The DTorch policy (the controller's default): strict priority classes; within a class, least remaining work
 first when a session's progress says how much is left, least attained service otherwise; a session treated
-unfairly (it waited long for its running time) is shielded from preemption for a while (bounded unfairness);
+unfairly (it was frozen long for its running time) is shielded from preemption for a while (bounded unfairness);
 packing of memory-capped sessions; preemption by freezing, relocation at once, and no idle reservations (frozen
 sessions lend the devices they wait for).
 
@@ -11,16 +11,18 @@ Rules (a session's *score* is in device-seconds; lower goes first):
 2. Score: the session's *estimated remaining work* when its progress is trustworthy (it declared its expected
    steps, has done at least one and fewer than declared): the service per step so far x the steps left.
    Otherwise its attained service (least attained service, Tiresias's 2D-LAS).
-3. Shield (the one fairness knob): a running session that has waited, queued or frozen, more than `fairness`
-   times as long as it has run (attained service / its devices) keeps level 0 of its class while it runs, so
-   nobody of its class preempts it, until it has run that long (waited / `fairness`). Least attained service
-   demotes a wide job to the last level within a minute or two of running, and every newcomer may then freeze
-   it again: without the shield the widest long jobs wait out the whole busy period (docs/simulation.md: the
-   tail). The shield bounds how often a session is interrupted, not how long it waits for devices: a frozen
-   session still gets devices in rank order. 1 (the default): a session runs at least as long, uninterrupted,
-   as it has waited; larger: less shielding, closer to pure least attained service; 0: off. (A promotion that
-   restarted a waiting session's attained service, the previous mechanism, preempted the holders at every
-   promotion and cost 1.3x in mean JCT with no better tail: docs/simulation.md.)
+3. Shield (the one fairness knob): a running session that has been frozen (preempted), in all, more than
+   `fairness` times as long as it has run (attained service / its devices) keeps level 0 of its class while it
+   runs, so nobody of its class preempts it, until it has run that long (frozen time / `fairness`). Least
+   attained service demotes a wide job to the last level within a minute or two of running, and every newcomer
+   may then freeze it again: without the shield the widest long jobs are frozen again and again. Time spent
+   queued does not count: sessions that only queued, shielded, would hold level 0 and block the level-0 queue
+   behind a wide request (ITP cluster02 in docs/simulation.md). The shield bounds how often a session is
+   interrupted, not how long it waits for devices: a frozen session still gets devices in rank order. 1 (the
+   default): a session runs at least as long, uninterrupted, as it has been frozen; larger: less shielding,
+   closer to pure least attained service; 0: off. (A promotion that restarted a waiting session's attained
+   service, the previous mechanism, preempted the holders at every promotion and cost 1.3x in mean JCT with no
+   better tail: docs/simulation.md.)
 4. Within a rank, the queue is ordered realtime first, then by score, then arrival.
 5. Preemption freezes sessions of a strictly worse rank; a frozen session may resume on substitutes at once
    (`relocate_after`, default 0: moving a session's state costs seconds, waiting for its devices minutes);
@@ -96,7 +98,7 @@ class DTorchPolicy(BasePolicy):
         if not self.fairness or not t.running or not t.held_devices:
             return None
         ran = t.service(now) / max(1, t.wanted_devices)  # seconds of running, on all its devices
-        due = t.waited / self.fairness
+        due = t.frozen_s / self.fairness
         if due <= ran + _SLACK:
             return None
         return now + (due - ran) * max(1, t.wanted_devices) / t.held_devices
@@ -127,7 +129,7 @@ class DTorchPolicy(BasePolicy):
 
     def describe(self) -> str:
         limits = ", ".join(f"{x:g}" for x in self.thresholds)
-        return (f"dtorch (levels at {limits} device-s of remaining or attained work, shielded after waiting "
-                f"{self.fairness:g}x the running time, "
+        return (f"dtorch (levels at {limits} device-s of remaining or attained work, shielded once frozen "
+                f"{self.fairness:g}x its running time, "
                 f"preempt={'on' if self.preempts else 'off'}, pack={'on' if self.packs else 'off'}, "
                 f"lend={'on' if self.lends else 'off'})")
