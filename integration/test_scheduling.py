@@ -450,9 +450,9 @@ SHRINKING = """
 
 
 def test_an_elastic_session_is_shrunk_instead_of_frozen_and_grows_back_with_torch_results(make_cluster):
-    # the default policy (dtorch) shrinks elastic sessions before it freezes anyone; sessions are not expired here
-    # (4 workers and 2 clients on a loaded machine: a client's keepalive may come late)
-    cluster = make_cluster(4, "--session-timeout", "60")
+    # the default policy (dtorch) shrinks elastic sessions before it freezes anyone; neither sessions nor workers
+    # are expired here (4 workers and 2 clients on a loaded machine: a keepalive or a report may come late)
+    cluster = make_cluster(4, "--session-timeout", "60", "--heartbeat-timeout", "30")
     elastic = cluster.client("elastic", SHRINKING)
     expect_line(elastic, "running")
     (s,) = cluster.status().sessions
