@@ -4,8 +4,11 @@ A controller (with --metrics-port, --usage-file) and two workers (with --metrics
 a tenant's program runs a known workload: MM matrix products on each of 2 workers, one read of a 16 KiB result,
 then holds its 2 devices for HOLD_S seconds. A Prometheus server (the Debian `prometheus` binary; skipped with
 one line where it is absent, `nox -s observability` installs it) scrapes the three endpoints, and its HTTP API
-must return the values that workload produces. The usage records must add up to the device-time the program
-really held (within 1%), and survive a controller restart (and a torn last line) without double counting.
+must return the values that workload produces. Then a second tenant's program has one of the workers killed under
+it: its session is rebuilt on the survivor, and the controller's /metrics (read directly, and through Prometheus
+where it runs) count one recovery with its detection and recovery latencies. The usage records must add up to the
+device-time the first program really held (within 1%), and survive a controller restart (and a torn last line)
+without double counting.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from _helpers import CONTROLLER, Keys, start_controller, start_worker, stop_all
+from dtorch_controller.keys import KeyFile
 from dtorch_protocol import messages as m
 from dtorch_protocol import wire
 
@@ -51,6 +56,20 @@ WORKLOAD = textwrap.dedent("""
     print(json.dumps({"times": [t0, t1, t2, t3]}), flush=True)
 """).replace("MM", str(MM)).replace("HOLD", str(HOLD_S))
 
+LOSS = textwrap.dedent("""
+    import os, signal, sys, torch, dtorch
+    from dtorch import Shard
+    dtorch.connect(name="survivor")
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    x = dtorch.ones(8, 4, device_mesh=mesh, placements=[Shard(0)])
+    x.mul_(3)
+    assert torch.equal(x.to_torch(), torch.full((8, 4), 3.0))
+    os.kill(int(sys.argv[1]), signal.SIGKILL)                                 # one of its two workers
+    y = x * 2
+    assert torch.equal(y.to_torch(), torch.full((8, 4), 6.0))                # rebuilt on the survivor
+    dtorch.shutdown()
+""")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -72,6 +91,9 @@ class Cluster:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.keys = Keys.make(tmp)
+        keys = KeyFile.read(self.keys.path)
+        self.carol = keys.create("tenant", "carol")[1]  # the tenant whose worker is killed (not in alice's bill)
+        keys.write(self.keys.path)
         self.usage = tmp / "usage.jsonl"
         self.ports = {"controller": free_port(), "w0": free_port(), "w1": free_port()}
         self.procs: list[subprocess.Popen] = []
@@ -92,12 +114,26 @@ class Cluster:
     def status(self) -> m.StatusReply:
         return self.admin.call("Status", m.StatusRequest(), timeout=10)
 
-    def run_workload(self) -> list[float]:
-        (self.tmp / "workload.py").write_text(WORKLOAD)
-        out = subprocess.run([sys.executable, str(self.tmp / "workload.py")], capture_output=True, text=True,
-                             timeout=WAIT_S, env=self.keys.env(self.keys.alice, DTORCH_CONTROLLER=self.address))
+    def run(self, script: str, key: str, *args: str) -> str:
+        (self.tmp / "program.py").write_text(script)
+        out = subprocess.run([sys.executable, str(self.tmp / "program.py"), *args], capture_output=True, text=True,
+                             timeout=WAIT_S, env=self.keys.env(key, DTORCH_CONTROLLER=self.address))
         assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])["times"]
+        return out.stdout
+
+    def run_workload(self) -> list[float]:
+        return json.loads(self.run(WORKLOAD, self.keys.alice).strip().splitlines()[-1])["times"]
+
+    def run_loss(self) -> None:
+        """Carol's program, with the first worker killed under it."""
+        self.run(LOSS, self.carol, str(self.procs[1].pid))
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The controller's /metrics, read directly: (sample name, labels) -> value."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['controller']}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
 
     def close(self) -> None:
         self.admin.close()
@@ -107,12 +143,24 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("observability"))
+    c.scraped, c.scraped_loss, prom = {}, {}, None
     try:
+        if PROMETHEUS:
+            prom = Prometheus(tmp_path_factory.mktemp("prometheus"), list(c.ports.values()))
         c.times = c.run_workload()
-        c.scraped = scrape(c, tmp_path_factory.mktemp("prometheus")) if PROMETHEUS else {}
+        if prom:
+            until(lambda: prom.value(QUERIES["up"]) == 3, "prometheus to scrape all three targets")
+            c.scraped = scrape(prom, QUERIES, "mm")
+        c.run_loss()
+        c.after_loss = until(lambda: (v := c.metrics()).get(REBUILT) and v, "the recovery in /metrics")
+        if prom:
+            c.scraped_loss = scrape(prom, LOSS_QUERIES, "rebuilt")
     except BaseException:
         c.close()
         raise
+    finally:
+        if prom is not None:
+            prom.close()
     yield c
     c.close()
 
@@ -176,15 +224,24 @@ QUERIES = {
 }
 
 
-def scrape(cluster: Cluster, tmp: Path) -> dict[str, float | None]:
-    """Every query's value once Prometheus has scraped the workload (done while the first controller runs)."""
-    prom = Prometheus(tmp, list(cluster.ports.values()))
-    try:
-        until(lambda: prom.value(QUERIES["up"]) == 3, "prometheus to scrape all three targets")
-        until(lambda: prom.value(QUERIES["mm"]), "op histograms")
-        return {name: prom.value(q) for name, q in QUERIES.items()}
-    finally:
-        prom.close()
+LOSS_QUERIES = {
+    "rebuilt": 'dtorch_controller_recoveries_total{outcome="rebuilt"}',
+    "data_lost": 'dtorch_controller_recoveries_total{outcome="data_lost"}',
+    "detected": "sum(dtorch_controller_failure_detection_seconds_count)",
+    "detection_s": "sum(dtorch_controller_failure_detection_seconds_sum)",
+    "recovered": "dtorch_controller_recovery_seconds_count",
+    "recovery_s": "dtorch_controller_recovery_seconds_sum",
+    "preemptions": "dtorch_controller_preemptions_total",
+    "lost": 'dtorch_controller_workers{state="lost"}',
+}
+REBUILT = ("dtorch_controller_recoveries_total", (("outcome", "rebuilt"),))
+
+
+def scrape(prom: Prometheus, queries: dict[str, str], ready: str) -> dict[str, float | None]:
+    """Every query's value once Prometheus has scraped what the `ready` query shows (while the first controller
+    runs)."""
+    until(lambda: prom.value(queries[ready]), f"prometheus to see {ready}")
+    return {name: prom.value(q) for name, q in queries.items()}
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus; "
@@ -204,6 +261,27 @@ def test_a_real_prometheus_scrapes_the_values_a_known_workload_produces(cluster)
     assert v["moved"] >= 64 * 64 * 4
 
 
+def test_a_worker_killed_under_a_session_shows_as_a_recovery_with_its_latencies(cluster):
+    v = cluster.after_loss
+
+    def total(name: str) -> float:
+        return sum(value for (sample, _labels), value in v.items() if sample == name)
+
+    assert v[REBUILT] == 1 and v[("dtorch_controller_recoveries_total", (("outcome", "data_lost"),))] == 0
+    assert total("dtorch_controller_failure_detection_seconds_count") == 1  # by cause: timeout or unreachable
+    assert total("dtorch_controller_failure_detection_seconds_sum") >= 0
+    assert v[("dtorch_controller_recovery_seconds_count", ())] == 1
+    assert v[("dtorch_controller_recovery_seconds_sum", ())] > 0  # placing, resetting, replaying took reports
+    assert v[("dtorch_controller_preemptions_total", ())] == 0
+    assert v[("dtorch_controller_workers", (("state", "lost"),))] == 1
+    if PROMETHEUS:  # the same values through a real Prometheus
+        p = cluster.scraped_loss
+        assert (p["rebuilt"], p["data_lost"], p["detected"], p["recovered"], p["preemptions"], p["lost"]) == \
+            (1, 0, 1, 1, 0, 1)
+        assert p["recovery_s"] == v[("dtorch_controller_recovery_seconds_sum", ())]
+        assert p["detection_s"] == total("dtorch_controller_failure_detection_seconds_sum")
+
+
 def usage(cluster: Cluster, *args: str) -> list[dict]:
     out = subprocess.run([*CONTROLLER, "usage", "--usage-file", str(cluster.usage), "--format", "json", *args],
                          capture_output=True, text=True, timeout=60)
@@ -216,7 +294,7 @@ def test_usage_records_add_up_to_the_device_time_held_and_survive_a_restart(clus
     t0, t1, t2, t3 = cluster.times
     records = until(lambda: [json.loads(line) for line in cluster.usage.read_text().splitlines()
                              if '"final":true' in line and '"tenant":"alice"' in line], "the session's last record")
-    (alice,) = usage(cluster, "--by", "tenant")
+    alice = {r["tenant"]: r for r in usage(cluster, "--by", "tenant")}["alice"]  # (and carol's session)
     assert alice["tenant"] == "alice" and alice["sessions"] == 1 and alice["devices"] == 2
     assert 2 * (t2 - t1) * 0.99 <= alice["device_seconds"] <= 2 * (t3 - t0) * 1.01, (alice, cluster.times)
     assert alice["moved_bytes"] >= 64 * 64 * 4 and alice["instructions"] >= MM * 2 + 2

@@ -35,6 +35,14 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "unreachable: a drain of a draining worker does not step its state (migration.py, `if w.state != DRAINING`)",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁlost_detail",
+     'why = rec.why if (rec is not None) or True else ""'):
+        "rec is never None here: both callers (_report_loss, _give_up) run after unrecoverable(), whose "
+        "pipeline.rec() creates the session's lineage",
+    ("dtorch_controller.core.lineage.x_restore_upload",
+     "break  # checked before the rebuild started; a read of it will say it is missing"):
+        "unreachable: Recovery.unrecoverable() gives the rebuild up before the replay when a device of a logged "
+        "upload has no live copy, so copy_source never returns None during a replay",
     ("dtorch_sim.scenario.xǁNodeListǁcolumn_map",
      'return {"XXnameXX": "sn", "devices": "gpu", "model": "model", **self.columns}'):
         "the name column of a node list is never read (jobs.node_groups reads devices and model; nodes are named "

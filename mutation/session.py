@@ -32,11 +32,12 @@ import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from equivalent import EQUIVALENT  # noqa: E402
-from targets import EXCLUDE, EXCLUDE_NAMES, PACKAGES, TARGETS, TESTS  # noqa: E402
+from targets import EXCLUDE, EXCLUDE_NAMES, FIRST, PACKAGES, TARGETS, TESTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE = ROOT / ".mutation"
@@ -189,8 +190,8 @@ def sample(names: list[str], n: int) -> list[str]:
 
 def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
     """Run the named mutants. The first one alone collects the per-test coverage; then each function keeps only `cap`
-    of its covering tests (0: all): those of a test file named for its module first, then its package's, fastest
-    first within each, so that a survivor costs seconds, not every test of the core."""
+    of its covering tests (0: all), in the order of `_order` (the target's own test files first: targets.FIRST), so
+    that a survivor costs seconds, not every test of the core."""
     mutmut = [str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(max_children)]
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     stats_path, config = STAGE / "mutants" / "mutmut-stats.json", STAGE / "pyproject.toml"
@@ -215,27 +216,21 @@ def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
             stats = json.loads(stats_path.read_text())
             durations = stats["duration_by_test"]
             stats["tests_by_mangled_function_name"] = {
-                fn: sorted(tests, key=lambda t: (_distance(fn, t), durations.get(t, 0.0)))[:cap]
+                fn: sorted(tests, key=lambda t, fn=fn: _order(fn, t, durations))[:cap]
                 for fn, tests in stats["tests_by_mangled_function_name"].items()}
             stats_path.write_text(json.dumps(stats))
 
 
-def _distance(function: str, test: str) -> int:
-    """0: a test file named for the function's module (test_redistribute.py for redistribute.py, test_planner*.py
-    for _planner.py), 1: another test of its package, 2: any other test."""
-    module = function.split(".x")[0].rpartition(".")[2].lstrip("_")
-    if not test.startswith(_own_tests(function)):
-        return 2
-    return 0 if test.partition("::")[0].rpartition("/")[2].startswith(f"test_{module}") else 1
-
-
-def _own_tests(function: str) -> str:
-    """The test folder of the package that holds `function` (mutmut's name: `package.module.x_name`): a module's
-    own tests go first when a function's covering tests are capped (a server's every test calls the wire, but the
-    wire's own tests are the ones that look at what it answers)."""
-    top = function.split(".")[0]
-    return next((f"packages/{pkg}/tests/" for pkg in PACKAGES if (ROOT / "packages" / pkg / "src" / top).is_dir()),
-                "packages/")
+def _order(function: str, test: str, durations: dict[str, float]) -> tuple[int, float]:
+    """Where `test` goes among the tests that call `function` (mutmut's name: `package.module.x_name`): the
+    target's FIRST globs in their order, then the module's own package's tests, then any other; fastest first."""
+    module = function.split(".x")[0]
+    globs = FIRST.get(MODULE_TARGET.get(module, ""), [])
+    file = test.partition("::")[0]
+    group = next((i for i, glob in enumerate(globs) if fnmatch(file, glob)), None)
+    if group is None:
+        group = len(globs) + (0 if file.startswith(f"packages/{_package_of(module.replace('.', '/'))}/tests/") else 1)
+    return group, durations.get(test, 0.0)
 
 
 def mutmut_results(files: dict[str, list[str]]) -> dict[str, FileResult]:
@@ -273,6 +268,7 @@ def _record(res: FileResult, function: str, name: str, line: str) -> None:
 
 
 USED: set[tuple[str, str]] = set()
+MODULE_TARGET: dict[str, str] = {}  # dotted module name -> its target (for the order of its tests)
 CHOSEN: set[str] = set()  # the mutmut mutants of this run (a sample unless --full)
 
 
@@ -387,11 +383,12 @@ def run_tables(files: dict[str, list[str]], results: dict[str, FileResult], work
         for path in paths:
             module = path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
             source = (ROOT / "packages" / _package_of(path) / "src" / path).read_text()
-            # the tests that call into the module first, then the rest of its package's tests; fastest first
+            # the tests that call into the module first (the target's own test files first), then the rest of its
+            # package's tests; fastest first
             first = {t for fn, tests in covering.items() if fn.startswith(module + ".") for t in tests}
             own = f"packages/{_package_of(path)}/tests/"
             order = sorted((t for t in durations if t in first or t.startswith(own)),
-                           key=lambda t: (t not in first, durations[t]))
+                           key=lambda t: (t not in first, *_order(f"{module}.x", t, durations)))
             for where, label, mutated in table_mutants(source):
                 mine.append((path, module, where, label, mutated, order))
         jobs += [mine[i] for i in sample(list(range(len(mine))), per_target)] if per_target else mine
@@ -505,6 +502,8 @@ def main() -> None:
     targets = {k: v for k, v in TARGETS.items() if not ARGS.only or k in ARGS.only}
     start = time.monotonic()
     files = stage(targets)
+    MODULE_TARGET.update({path.removesuffix(".py").replace("/", ".").removesuffix(".__init__"): target
+                          for target, paths in files.items() for path in paths})
     names = mutant_names(files)
     per_target = 0 if ARGS.full else ARGS.sample
     chosen = [n for target in targets for n in sample(names[target], per_target)]

@@ -3,6 +3,12 @@
 TARGETS: a name -> the source files of that target, relative to the packages' `src/` folders. A file may be
 a glob (`dtorch_controller/core/policies/*.py`). The kill rate is reported per target and per file.
 
+FIRST: a target -> globs of the test files (from the repository root) that test its rules, best first. Each mutant runs
+against up to `--cap` of the tests that call the mutated function: those of the first glob first, then the next
+glob's, ..., then the rest of the mutated module's package's tests, then any other; fastest first within each. The
+core's rules are tested through `ControllerCore.handle` on a fake clock (`test_core_*.py`), so a core module's
+mutants go to those before anything else.
+
 TESTS: the test folders whose tests may kill mutants (mutmut runs, for each mutant, the tests that call the
 mutated function). EXCLUDE: tests that cannot see a mutant (they start other processes, which import the
 packages from the working tree, not the mutated copy) or that only cost time.
@@ -21,6 +27,28 @@ TARGETS: dict[str, list[str]] = {
     "wire authentication and validation": ["dtorch_protocol/auth.py", "dtorch_protocol/wire.py"],
     "scenario validation": ["dtorch_sim/scenario.py"],
     "client planner": ["dtorch/_planner.py", "dtorch/_sharding.py", "dtorch/_spec.py"],
+}
+
+_CORE = "packages/dtorch-controller/tests/test_core_*.py"
+FIRST: dict[str, list[str]] = {
+    "redistribution planner": ["packages/dtorch-controller/tests/test_redistribute.py"],
+    "scheduler and policies": ["packages/dtorch-controller/tests/test_policies.py",
+                               "packages/dtorch-controller/tests/test_core_scheduling.py",
+                               "packages/dtorch-controller/tests/test_core_policy_dtorch.py",
+                               "packages/dtorch-controller/tests/test_core_tenants.py", _CORE],
+    "worker and session state tables": ["packages/dtorch-controller/tests/test_core_workers.py",
+                                        "packages/dtorch-controller/tests/test_core_sessions.py", _CORE],
+    "recovery and lineage": ["packages/dtorch-controller/tests/test_core_recovery.py",
+                             "packages/dtorch-controller/tests/test_core_nodes.py", _CORE],
+    "wire authentication and validation": ["packages/dtorch-protocol/tests/test_auth.py",
+                                           "packages/dtorch-protocol/tests/test_wire.py",
+                                           "packages/dtorch-protocol/tests/test_protocol.py",
+                                           "packages/dtorch-controller/tests/test_auth.py"],
+    "scenario validation": ["packages/dtorch-sim/tests/test_validation.py",
+                            "packages/dtorch-sim/tests/test_scenario.py",
+                            "packages/dtorch-sim/tests/test_scenario_values.py"],
+    "client planner": ["packages/dtorch-api/tests/test_planner*.py", "packages/dtorch-api/tests/test_mesh_and_specs.py",
+                       "packages/dtorch-api/tests/test_conformance_rules.py"],
 }
 
 # packages whose `src/` is copied into the mutation stage (everything a mutated module imports from this repo

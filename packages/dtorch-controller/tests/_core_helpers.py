@@ -15,9 +15,9 @@ from dtorch_protocol.wire import hello
 class Harness:
     """Feeds events at a fake time, keeps the timers the core asks for and fires them as time advances."""
 
-    def __init__(self, policy: Any = None, **config: Any) -> None:
+    def __init__(self, policy: Any = None, session_ids: Any = None, **config: Any) -> None:
         self.now = 100.0
-        self.core = ControllerCore(Config(**config), session_ids=counter_ids("sess"), policy=policy)
+        self.core = ControllerCore(Config(**config), session_ids=session_ids or counter_ids("sess"), policy=policy)
         self.timers: dict[Any, float] = {}
         self.sent: list[SendExecute] = []  # every SendExecute so far
         self.replies: dict[Any, Any] = {}  # request id -> reply message (also late ones)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,3 +158,28 @@ def test_cleartext_off_loopback_warns_once(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_busy_metrics_port_and_an_unwritable_usage_file_are_one_line_each_and_it_serves_without_them(
+        tmp_path, monkeypatch, capsys):
+    (admin,) = new_key_file(tmp_path / "keys.json", ("admin", ""))
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen()
+        busy = blocker.getsockname()[1]
+        proc, address = start(tmp_path, "--metrics-port", str(busy), "--usage-file", str(tmp_path))  # a directory
+        try:
+            monkeypatch.setenv("DTORCH_API_KEY", admin)
+            assert cli.main(["status", "--json", "--controller", address]) == 0  # it serves
+            assert json.loads(capsys.readouterr().out)["workers"] == []
+            proc.terminate()
+            _, err = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0
+    usage, metrics = [line for line in err.splitlines() if line.startswith("dtorch-controller:")]
+    assert f"cannot write usage records to {tmp_path}" in usage and usage.endswith("running without usage records")
+    assert metrics.startswith(f"dtorch-controller: cannot serve metrics on 0.0.0.0:{busy}")
+    assert metrics.endswith("running without metrics")

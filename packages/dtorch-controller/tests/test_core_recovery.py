@@ -442,3 +442,183 @@ def test_closing_a_session_while_its_device_moves_closes_it(make_harness):
     assert rid in h.replies
     h.report_all()
     assert h.status().sessions == []
+
+
+def test_a_rebuild_is_noticed_with_its_duration_and_the_batches_it_replayed(make_harness):
+    """fx.Recovered: the seconds from the loss to the session being open again, and the logged batches run again."""
+    from dtorch_controller.core import effects as fx
+
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()  # snapshot after batch 2
+    h.submit(sid, 3, [add_(1)])
+    h.report_all()
+    lost_at = h.now
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    while s.state != "open":  # each round of reports takes the rebuild one phase further
+        assert h.now - lost_at < 5
+        h.advance(0.5)
+        h.report_all()
+    assert [n for n in h.notices if isinstance(n, fx.Recovered)] == [fx.Recovered(sid, h.now - lost_at, 1)]
+
+
+def test_a_drain_past_its_timeout_is_answered_in_progress_once_and_goes_on(make_harness):
+    """drain.py rule 4: exactly one reply per Drain request; at its timeout it says the drain goes on."""
+    from dtorch_controller.core import effects as fx
+
+    h, ids, sid = setup(make_harness, every=1, heartbeat_interval_s=10.0, heartbeat_timeout_s=60.0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    victim = s.devices[1]
+    rid, reply = h.ask(ev.Drain, m.DrainRequest(worker=victim, timeout_s=2.0))
+    assert reply is None
+    h.advance(2.0)  # nobody reported: the move's copy is not done
+    reply = h.replies[rid]
+    assert not reply.ok and reply.seconds == 2.0
+    assert reply.message == f"still in progress (draining {victim}: moving); it goes on"
+    for _ in range(6):
+        h.report_all()  # the drain finishes; its request is not answered again (the harness checks)
+    assert h.core.workers[victim].state == "lost" and victim not in s.devices.values()
+    assert [n for n in h.notices if isinstance(n, fx.Drained)] == [fx.Drained(victim, 1)]
+
+
+def test_migrate_to_a_worker_that_cannot_take_devices_or_already_has_it_says_so(make_harness, refused):
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    free = next(w for w in ids if w not in s.devices.values())
+    h.handle(ev.Drain(99, m.DrainRequest(worker=free)))  # nothing to move: released at once
+    reply = h.call(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=free))
+    assert refused(reply) and reply.message == f"worker {free} is lost: it cannot take devices"
+    reply = h.call(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=s.devices[0]))
+    assert reply.ok and reply.message == f"logical device 0 of session {sid} is already on {s.devices[0]}"
+
+
+def test_log_lines_name_a_session_by_its_first_eight_characters(make_harness):
+    """Event-log lines and messages name a session by an 8-character prefix (what `--session` accepts)."""
+    h = make_harness(snapshot_every_batches=2, session_ids=iter(["0123456789abcdef", "fedcba9876543210"]).__next__)
+    for i in range(4):
+        h.register(f"10.0.0.{i}:7000")
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1, 2]).placed
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1, shape=(9,))])
+    h.submit(sid, 2, [create(2, shape=(9,))])
+    h.report_all()
+    victim = s.devices[1]
+    rid, _ = h.ask(ev.Drain, m.DrainRequest(worker=victim))
+    for _ in range(6):
+        h.report_all()
+    assert h.replies[rid].ok
+    h.handle(ev.WorkerUnreachable(s.devices[0], "", "killed"))
+    for _ in range(4):
+        h.report_all()
+    events = [line.partition(" ")[2] for line in h.status().events]
+    assert f"worker {victim} draining: 1 logical devices of 1 sessions to move" in events
+    mentions = [line for line in events if "01234567" in line]
+    assert len(mentions) >= 3 and not any("012345678" in line for line in mentions)
+    assert any(line.startswith("session 01234567 logical device 1 moved") for line in mentions)
+    assert any(line.startswith("session 01234567 recovered in") for line in mentions)
+
+
+def test_an_unrecoverable_loss_is_noticed_with_why(make_harness):
+    from dtorch_controller.core import effects as fx
+
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()  # a snapshot: the loss of one worker is rebuilt ...
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    h.handle(ev.WorkerUnreachable(s.devices[0], "", "killed"))  # ... until the copies' holders go too
+    for _ in range(3):
+        h.report_all()
+    (lost,) = [n for n in h.notices if isinstance(n, fx.DataLost)]
+    assert lost.session == sid and lost.why.startswith("every copy of logical device")
+
+
+def test_a_drain_forces_a_snapshot_that_takes_the_copies_off_the_worker(make_harness):
+    """drain.py rule 2: copies on the drained worker are made again elsewhere before it is released, even when the
+    next snapshot is far away."""
+    h, ids, sid = setup(make_harness, every=2, snapshot_every_s=1e6)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()
+    rec = h.core.pipeline.recs[sid]
+    holder = next(w for w in ids if w not in s.devices.values())  # holds only copies (host memory)
+    assert any(holder in hs for hs in rec.snapshot.holders.values())
+    rid, _ = h.ask(ev.Drain, m.DrainRequest(worker=holder))
+    for _ in range(4):
+        h.report_all()
+    assert h.replies[rid].ok and h.core.workers[holder].state == "lost"
+    assert rec.snapshot.upto == 2 and all(holder not in hs for hs in rec.snapshot.holders.values())
+
+
+def test_an_upload_in_the_replayed_log_is_restored_from_a_surviving_copy_before_its_ops_run(make_harness):
+    """recovery.py rule 1: uploads are restored from their copies at the adopt's point of the replay (lineage rule 3:
+    each device's shard is copied on its worker and to another worker's host memory)."""
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
+    copies = cmds_of(h.take_sent(), kind=m.CmdSendShards)
+    assert sorted((tuple(c.devices.items()), c.to == "") for c in copies) == [
+        (((0, [5]),), False), (((0, [5]),), True), (((1, [5]),), False), (((1, [5]),), True)]
+    h.report_all()
+    upload = h.core.pipeline.recs[sid].adopts[5]
+    assert upload.complete
+    victim = s.devices[1]
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    sent = []
+    while s.state != "open":
+        sent += h.take_sent()
+        h.report_all()
+    alive = {w for w in ids if w != victim}
+    for d in (0, 1):
+        worker = s.devices[d]
+        cmds = cmds_of(sent, worker)
+        (fetch,) = [c for c in cmds if isinstance(c, m.CmdFetchShards) and c.namespace == upload.namespace]
+        holders = [w for w in upload.holders[d] if w in alive]
+        assert fetch.devices == {d: [5]} and holders
+        assert fetch.address == ("" if worker in holders else h.core.workers[holders[0]].address)
+        (run,) = [i for i, c in enumerate(cmds) if isinstance(c, m.CmdRun)]
+        assert cmds.index(fetch) < run  # restored before the logged op that reads it runs again
+
+
+def test_an_op_error_reported_with_a_failed_copy_still_reaches_the_client(make_harness):
+    """A failed copy (kind COPY) is internal; an op error in the same report is the client's (rule 1)."""
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.take_sent()
+    w = s.devices[0]
+    seq = h.core.pipeline.recs[sid].taking.pending[w]
+    copy = m.ErrorReport(op="copy shards", src="", message="unreachable", seq=seq, kind=m.ErrorKind.COPY)
+    bug = m.ErrorReport(op="aten.add_.Scalar", src="train.py:9", message="boom", tid=1, seq=seq - 1)
+    h.report(w, errors={sid: [copy, bug]})
+    h.report_all()
+    rid, reply = h.sync(sid, 2)
+    assert reply.done and [(e.op, e.message) for e in reply.errors] == [("aten.add_.Scalar", "boom")]
+
+
+def test_a_moved_devices_old_shards_are_dropped_only_after_the_reads_planned_before_the_move(make_harness):
+    """moves.py rule 1: the source drops its shards when the readers planned before the move are done."""
+    h, ids, sid = setup(make_harness, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    src, reader = s.devices[0], s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    h.submit(sid, 2, [m.InstrRedistribute(src=1, dst=2, src_spec=spec([8]), dst_spec=spec([8], placements=("R",)))])
+    h.take_sent()  # the reader's batch reads the source's shard of tensor 1 remotely
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=dst))
+    h.report(src)
+    h.report(dst)
+    assert h.replies[rid].ok and s.devices[0] == dst
+    assert not cmds_of(h.take_sent(), src, m.CmdDelete)  # the reader has not read it yet
+    h.report(reader)
+    (drop,) = cmds_of(h.take_sent(), src, m.CmdDelete)
+    assert drop.devices == [0] and 1 in drop.tids

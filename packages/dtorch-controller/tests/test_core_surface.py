@@ -71,7 +71,7 @@ def test_the_view_answers_what_a_simulator_samples(make_harness):
     assert sorted((memory, dict(leases)) for memory, leases in view.leases()) == [(1000, {sid: 0})] * 3
     assert view.worker_state(w1) == "alive" and view.worker_state("w99") is None
     h.handle(ev.WorkerUnreachable(w1, "", "gone"))
-    assert view.worker_state(w1) == "lost" and fx.Fenced(w1, "unreachable: gone") in h.notices
+    assert view.worker_state(w1) == "lost" and fx.Fenced(w1, "unreachable: gone", "unreachable", 0.0) in h.notices
 
 
 def test_a_loss_is_told_as_fenced_then_recovered(make_harness):
@@ -84,7 +84,8 @@ def test_a_loss_is_told_as_fenced_then_recovered(make_harness):
     h.report_all()  # the snapshot after batch 2 is complete
     victim = h.core.sessions[sid].devices[1]
     h.handle(ev.WorkerUnreachable(victim, "", "killed"))
-    assert notices(h, fx.Fenced) == [fx.Fenced(victim, "unreachable: killed")] and not notices(h, fx.Recovered)
+    assert notices(h, fx.Fenced) == [fx.Fenced(victim, "unreachable: killed", "unreachable", 0.0)]
+    assert not notices(h, fx.Recovered)
     for _ in range(4):
         h.report_all()
     (recovered,) = notices(h, fx.Recovered)

@@ -46,7 +46,8 @@ def test_api_keys_are_id_and_secret_and_only_the_secrets_hash_is_kept():
 
 @pytest.mark.parametrize("key", ["", "let-me-in", "dtorch_0123abcd_short", "dtorch_0123ABCD_" + "a" * 43,
                                  "dtorch_0123abcd_" + "a" * 44, "dtorch_0123abcd_" + "a" * 42 + "!",
-                                 "xtorch_0123abcd_" + "a" * 43])
+                                 "xtorch_0123abcd_" + "a" * 43, "dtorch_0123abcd_" + "a" * 43 + "\n",
+                                 " dtorch_0123abcd_" + "a" * 43])
 def test_a_malformed_key_is_refused(key):
     with pytest.raises(auth.Unauthenticated) as e:
         auth.parse_key(key)

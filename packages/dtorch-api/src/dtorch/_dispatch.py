@@ -29,12 +29,14 @@ from torch.utils._mode_utils import no_dispatch
 
 from dtorch import _planner
 from dtorch._planner import MixedMeshes, Plan, out_plan, outs, writes
-from dtorch._registry import Refused, decomposition_for
+from dtorch._registry import NoRule, Refused, decomposition_for
+from dtorch._sharding import NestedShard, check_strided, local_shape
 from dtorch._source import SKIP, caller, user_src
-from dtorch._spec import Spec, contiguous_stride
+from dtorch._spec import Spec, StridedShard, contiguous_stride
 from dtorch.errors import DTorchError, describe_src, env_int
 from dtorch_protocol import messages as m
-from dtorch_protocol.placement_types import Replicate
+from dtorch_protocol.layout import coords
+from dtorch_protocol.placement_types import Replicate, Shard
 from dtorch_protocol.values import dtype_name, tensor_to_bytes
 
 if TYPE_CHECKING:
@@ -54,8 +56,9 @@ class _Plain(Exception):
 _SCALARS = (int, float, bool, str, type(None), complex, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-def _key(v: Any, leaves: list) -> Any:
-    """Cache key of one argument; appends DTensors to `leaves` in traversal order."""
+def _key(v: Any, leaves: list, plain: Any = None) -> Any:
+    """Cache key of one argument; appends DTensors to `leaves` in traversal order. A plain tensor raises _Plain,
+    or is keyed by `plain(tensor)` when given."""
     t = type(v)
     if t in _SCALARS:
         return t, v
@@ -63,13 +66,15 @@ def _key(v: Any, leaves: list) -> Any:
         leaves.append(v)
         return v._spec.sid
     if t is list or t is tuple or t is torch.Size:
-        return t, tuple([_key(x, leaves) for x in v])
+        return t, tuple([_key(x, leaves, plain) for x in v])
     if t is dict:
-        return t, tuple([(k, _key(x, leaves)) for k, x in v.items()])
+        return t, tuple([(k, _key(x, leaves, plain)) for k, x in v.items()])
     if isinstance(v, torch.Tensor):
         spec = getattr(v, "_spec", None)
         if spec is None:
-            raise _Plain
+            if plain is None:
+                raise _Plain
+            return plain(v)
         leaves.append(v)
         return spec.sid
     raise TypeError(f"DTorch cannot pass a {t.__name__} to an op")
@@ -95,6 +100,13 @@ def _specs(tree: Any) -> Any:
 
 def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
     """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
+    if step_hook is not None:
+        return step_hook.run(("redistribute", x._spec.sid, mesh.id, tuple(placements)), [x],
+                             lambda: redistribute_to(x, mesh, placements, src))
+    if x._spec.unflattened() is not x._spec:
+        return _from_strided(x, mesh, placements, src)
+    if any(isinstance(p, StridedShard) for p in placements):
+        return _to_strided(x, mesh, placements, src)
     session = x._session
     if mesh != x.device_mesh:
         session.ensure_mesh(mesh)
@@ -104,6 +116,52 @@ def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTens
     tid = session.new_tid()
     session.emit(m.InstrRedistribute(src=x._tid, dst=tid, src_spec=x._spec.wire, dst_spec=spec.wire, src_line=src))
     return dtensor.DTensor(spec, tid, session)
+
+
+def _reshape_shards(x: DTensor, spec: Spec, src: str) -> DTensor:
+    """`x` as `spec`, which holds the same shards reshaped (a strided shard and its unflattened layout): each
+    device reshapes its own shard, no data moves."""
+    session, tid = x._session, x._session.new_tid()
+    local = {dev: [[{"$t": x._tid}, list(local_shape(spec, c))], {}]
+             for dev, c in zip(spec.mesh.devices, coords(spec.mesh.shape))}
+    session.emit(m.InstrCall(op="aten.reshape.default", mesh=spec.mesh.id, args=[{"$t": x._tid}, list(spec.shape)],
+                             kwargs={}, outs=[m.OutSpec(tid, spec.wire)], local=local, src=src))
+    return dtensor.DTensor(spec, tid, session)
+
+
+def _to_strided(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
+    """`x` laid out with a `StridedShard` (the gradient of a move from one): viewed in the unflattened shape, moved
+    to the unflattened layout there, each device's shard reshaped."""
+    try:
+        check_strided(tuple(placements), x._spec.shape)
+    except NoRule as e:
+        raise NotImplementedError(f"dtorch: {e}") from None
+    target = x._spec.with_placements(tuple(placements), mesh)
+    honest = target.unflattened()
+    unflat = torch.ops.aten.view.default(x, list(honest.shape))
+    moved = redistribute_to(unflat, mesh, honest.placements, src)
+    return _reshape_shards(moved, target, src)
+
+
+def _from_strided(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
+    """A tensor with a `StridedShard` (which the controller cannot move) laid out as `placements`: each device
+    reshapes its shard to the unflattened layout, which moves (the strided dim gathered unless it stays, another
+    mesh dim sharding it gathered too), a view flattens it back, and a last move reaches the target."""
+    spec = x._spec
+    d = next(p.dim for p in spec.placements if isinstance(p, StridedShard))
+    unflat = _reshape_shards(x, spec.unflattened(), src)
+    keep = mesh == spec.mesh
+    target = tuple(
+        Shard(d + 1) if keep and p == q and isinstance(p, StridedShard) else
+        Replicate() if isinstance(p, (StridedShard, NestedShard)) or (isinstance(p, Shard) and p.dim == d) else
+        Shard(p.dim + 1) if isinstance(p, Shard) and p.dim > d else p
+        for p, q in zip(placements, spec.placements if keep else placements))
+    moved = redistribute_to(unflat, mesh, target, src)
+    flat = torch.ops.aten.view.default(moved, list(spec.shape))
+    if flat._spec.unflattened() is not flat._spec and flat._spec.placements != tuple(placements):
+        raise NotImplementedError(f"dtorch: cannot lay out a tensor with strided shards {spec.placements} as "
+                                  f"{tuple(placements)}")
+    return redistribute_to(flat, mesh, tuple(placements), src)
 
 
 def _to_mesh(tree: Any, first: DTensor) -> Any:
@@ -179,6 +237,13 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     user's line, one record queued (the sender thread encodes it), the output wrapper. Nothing else.
     (Keys hold the op's id, not the op: OpOverload's `__hash__` is Python; the plan holds the op, so the id
     stays its own while the key is cached.)"""
+    if step_hook is not None:  # a compiled step is being recorded or replayed (dtorch.steps)
+        try:
+            key, leaves = op_key(func, args, kwargs)
+        except (_Plain, TypeError):
+            step_hook.interrupt("it mixes a plain torch.Tensor (or an argument DTorch cannot key) into an op")
+        else:
+            return step_hook.run(key, leaves, lambda: torch_dispatch(cls, func, types, args, kwargs), func)
     if kwargs:
         return dispatch(func, args, kwargs)
     if len(args) == 2 and type(args[0]) is cls and type(args[1]) is cls:  # binary ops: most of a model's
@@ -213,6 +278,41 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
                       out.mesh.torch_device)
     r._spec, r._tid, r._session = out, tid, session
     return r
+
+
+def op_key(func: Any, args: tuple, kwargs: dict | None) -> tuple[Any, list]:
+    """(key, DTensor leaves) of an op: the plan cache's key (the op's id, each DTensor's spec id, every other
+    argument; a small plain tensor by its values); raises _Plain (a large plain tensor) or TypeError."""
+    leaves: list = []
+    if not kwargs:
+        key = [id(func)]
+        for a in args:
+            t = type(a)
+            if t is dtensor.DTensor:
+                key.append(a._spec.sid)
+                leaves.append(a)
+            elif t in _FLAT:
+                key.append((t, a))
+            else:
+                break
+        else:
+            return tuple(key), leaves
+        leaves = []
+    try:
+        return (id(func), None, _key(args, leaves), _key(kwargs, leaves) if kwargs else None), leaves
+    except _Plain:  # small plain tensors ride in the instruction as literals: their values are part of the key
+        leaves = []
+        return (id(func), _literal_key, _key(args, leaves, _literal_key),
+                _key(kwargs, leaves, _literal_key) if kwargs else None), leaves
+
+
+def _literal_key(t: torch.Tensor) -> Any:
+    if t.numel() > LITERAL_MAX_NUMEL or t.requires_grad:
+        raise _Plain
+    return t.dtype, tuple(t.shape), tensor_to_bytes(t)
+
+
+step_hook: Any = None  # the compiled step recording or replaying now (`dtorch.steps`), else None
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -284,9 +384,13 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
     session: Session = leaves[0]._session
     src = user_src(3)
     tids, temps = [], []
-    for d, target in zip(leaves, plan.inputs):
+    held = {}  # inputs moved from strided shards (several instructions: `_from_strided`), kept alive until sent
+    for i, (d, target) in enumerate(zip(leaves, plan.inputs)):
         if target is None:
             tids.append(d._tid)
+        elif d._spec.unflattened() is not d._spec:
+            held[i] = redistribute_to(d, target.mesh, target.placements, src)
+            tids.append(held[i]._tid)
         else:
             tmp = session.new_tid()
             session.emit(m.InstrRedistribute(src=d._tid, dst=tmp, src_spec=d._spec.wire, dst_spec=target.wire,
@@ -308,7 +412,9 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
     written_back = []
     for i in plan.mutated:
         target = plan.inputs[i]
-        if target is not None:
+        if i in held:
+            written_back.append((leaves[i], held[i]))
+        elif target is not None:
             temps.remove(tids[i])
             written_back.append((leaves[i], dtensor.DTensor(target, tids[i], session)))
     if temps:

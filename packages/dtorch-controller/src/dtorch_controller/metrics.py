@@ -1,8 +1,9 @@
 """The controller's Prometheus series, served on `dtorch-controller --metrics-port` (prometheus-client).
 
-The adapter measures what passes through it (request times, instructions, queue waits) and reads the rest when
-scraped: counts from the core's own status (`snapshot`, the admin view of `Status`), and per-tenant totals from
-the usage accounts (`usage.Accounting`). Nothing here reaches into the core.
+The adapter measures what passes through it (request times, instructions, queue waits), counts and times what the
+core says happened (its notices, `NOTICES` below: the latencies are the core's own, measured on the clock the core
+is driven with), and reads the rest when scraped: counts from the core's own status (`snapshot`, the admin view of
+`Status`), and per-tenant totals from the usage accounts (`usage.Accounting`). Nothing here reaches into the core.
 
 series (prefix dtorch_controller_)  type       labels    meaning
 workers                             gauge      state     workers by state (alive, suspect, draining, lost)
@@ -16,6 +17,13 @@ request_seconds                     histogram  method    time the controller too
 instructions_total                  counter              instructions of accepted Submits (rate: per second)
 tenant_device_seconds_total         counter    tenant    physical device-seconds held by the tenant's sessions
 tenant_moved_bytes_total            counter    tenant    tensor bytes moved for the tenant's sessions
+preemptions_total                   counter              sessions frozen for a better-ranked request (notice Frozen)
+relocations_total                   counter              frozen sessions resumed on substitute devices (Relocated)
+recoveries_total                    counter    outcome   sessions that used a lost worker: rebuilt (Recovered) or
+                                                         data_lost (DataLost: not rebuildable, its next Sync raises)
+failure_detection_seconds           histogram  cause     from a lost worker's last report to its fencing (Fenced;
+                                                         cause: timeout = silent, unreachable = a send failed)
+recovery_seconds                    histogram            from the fencing to the session rebuilt (Recovered)
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dtorch_controller.core import effects as fx
 from dtorch_controller.usage import Accounting
 from dtorch_protocol import messages as m
 
@@ -36,6 +46,17 @@ SESSION_STATES = ("idle", "waiting", "running", "frozen")
 WAIT_BUCKETS = (0.0, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0)
 REQUEST_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 120.0)
 TIMED = ("OpenSession", "OpenMesh", "Submit", "Sync", "CloseSession", "KeepAlive", "Status")
+DETECTION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+RECOVERY_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+
+# notice -> what it adds to which series: (series, label values, the value observed, or None: counted once)
+NOTICES: dict[type[fx.Notice], Callable[[Any], list[tuple[str, tuple[str, ...], float | None]]]] = {
+    fx.Frozen: lambda n: [("preemptions", (), None)],
+    fx.Relocated: lambda n: [("relocations", (), None)],
+    fx.Recovered: lambda n: [("recoveries", ("rebuilt",), None), ("recovery_seconds", (), n.seconds)],
+    fx.DataLost: lambda n: [("recoveries", ("data_lost",), None)],
+    fx.Fenced: lambda n: [("failure_detection_seconds", (n.cause,), n.silent_s)],
+}
 
 
 class _FromStatus(Collector):
@@ -86,8 +107,37 @@ class ControllerMetrics:
         self.queue_wait = Histogram("dtorch_controller_queue_wait_seconds", "From a session's first queued mesh "
                                     "request to its placement", buckets=WAIT_BUCKETS, registry=self.registry)
         self.registry.register(_FromStatus(snapshot, accounts))
+        self._noticed: dict[str, Counter | Histogram] = {  # the series NOTICES feeds, by its name in the table
+            "preemptions": Counter("dtorch_controller_preemptions", "Sessions frozen for a better-ranked request",
+                                   registry=self.registry),
+            "relocations": Counter("dtorch_controller_relocations", "Frozen sessions resumed on substitute devices",
+                                   registry=self.registry),
+            "recoveries": Counter("dtorch_controller_recoveries", "Sessions that used a lost worker, by outcome "
+                                  "(rebuilt, data_lost)", ["outcome"], registry=self.registry),
+            "failure_detection_seconds": Histogram(
+                "dtorch_controller_failure_detection_seconds", "From a lost worker's last report to its fencing, by "
+                "cause (timeout, unreachable)", ["cause"], buckets=DETECTION_BUCKETS, registry=self.registry),
+            "recovery_seconds": Histogram("dtorch_controller_recovery_seconds", "From a worker's fencing to a "
+                                          "session that used it rebuilt", buckets=RECOVERY_BUCKETS,
+                                          registry=self.registry),
+        }
+        for outcome in ("rebuilt", "data_lost"):  # every series shows from the start (0, not absent)
+            self._noticed["recoveries"].labels(outcome)
+        for cause in ("timeout", "unreachable"):
+            self._noticed["failure_detection_seconds"].labels(cause)
         self._queued_since: dict[str, float] = {}  # session -> when its mesh request was first queued
         self._lock = threading.Lock()
+
+    def notice(self, notice: fx.Notice) -> None:
+        """Count or time what the core says happened (`NOTICES`); other notices add nothing."""
+        rule = NOTICES.get(type(notice))
+        for name, labels, value in rule(notice) if rule is not None else ():
+            series = self._noticed[name]
+            child = series.labels(*labels) if labels else series
+            if value is None:
+                child.inc()
+            else:
+                child.observe(value)
 
     def timed(self, method: str, seconds: float) -> None:
         child = self._timed.get(method)

@@ -12,8 +12,8 @@ process that registered, sets a worker's node label from its key (the admin's wo
 the key says `*`), and hands the owner of a session capabilities next to every location it is told.
 
 Observing (`metrics.py`, `usage.py`) happens here too, from what passes through: request times, instructions,
-queue waits, the bytes in workers' reports; and from the core's own status, asked like any admin would
-(`snapshot`).
+queue waits, the bytes in workers' reports, the core's notices (preemptions, recoveries, their latencies); and from
+the core's own status, asked like any admin would (`snapshot`).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class ControllerService:
         elif isinstance(effect, SetTimer):
             self.timers.set(effect.at, effect.key)
         elif isinstance(effect, Notice):
-            log.debug("%s", effect)  # for observers; the event log (Status) has its own line
+            self.metrics.notice(effect)  # counted and timed; the event log (Status) has its own line
         else:
             raise TypeError(f"unknown effect {effect!r}")
 

@@ -71,7 +71,7 @@ ROLES: dict[str, dict[str, frozenset[str]]] = {
 }
 CLUSTER_ROLES = frozenset({WORKER, CONTROLLER, PEER})
 
-_KEY_RE = re.compile(rf"^{KEY_PREFIX}_([0-9a-f]{{8}})_([A-Za-z0-9_-]{{43}})$")
+_KEY_RE = re.compile(rf"{KEY_PREFIX}_([0-9a-f]{{8}})_([A-Za-z0-9_-]{{43}})")  # whole keys only: fullmatch
 
 
 class Unauthenticated(Exception):
@@ -124,7 +124,7 @@ def new_key() -> tuple[str, str]:
 
 def parse_key(key: str) -> tuple[str, str]:
     """(key id, secret) of a well-formed API key; raises Unauthenticated otherwise."""
-    match = _KEY_RE.match(key)
+    match = _KEY_RE.fullmatch(key)  # `$` would accept a trailing newline
     if match is None:
         raise Unauthenticated("malformed API key (expected dtorch_<id>_<secret>)")
     return match.group(1), match.group(2)

@@ -513,7 +513,8 @@ class ControllerCore:
         w.state = st.step(st.WORKER_TABLE, w.state, event)
         self.cluster.fence(w)
         step.note(f"worker {w.id} at {w.address} lost: {reason}")
-        step.emit(fx.Fenced(w.id, reason))
+        cause = "timeout" if event == st.TIMEOUT else "unreachable"
+        step.emit(fx.Fenced(w.id, reason, cause, silent_s=step.now - w.last_seen))
         self.recovery.worker_lost(step, w, reason)
         self.drains.worker_lost(w)
         self.cluster.prune_lost()

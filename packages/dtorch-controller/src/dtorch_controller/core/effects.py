@@ -3,8 +3,9 @@
 The adapter performs `Reply`, `SendExecute` and `SetTimer` in list order, outside any lock it holds around the
 core; their outcomes come back as new events (a failed send as `events.WorkerUnreachable`, a due timer as
 `events.TimerFired`). A `Notice` asks for nothing: it says what happened (a session placed, frozen, recovered;
-a worker fenced, drained) for whoever watches the core from outside (the simulator counts them; the server
-ignores them). Notices are the core's observer surface, with `view.CoreView` for counts at any time.
+a worker fenced, drained) for whoever watches the core from outside (the simulator counts them; the server's
+metrics count and time them, metrics.py). Notices are the core's observer surface, with `view.CoreView` for
+counts at any time.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class Recovered(Notice):
 
 @dataclass(frozen=True)
 class DataLost(Notice):
-    """`session` lost data with a worker and could not be rebuilt (its next Sync raises); `why`: why not."""
+    """`session` lost data with a worker and could not be rebuilt (its next Sync raises); `why`: why not (recovery
+    off, no complete snapshot, a copy lost too, ...). Once per loss that took data, rebuild tried or not."""
 
     session: str
     why: str
@@ -118,10 +120,14 @@ class DataLost(Notice):
 
 @dataclass(frozen=True)
 class Fenced(Notice):
-    """`worker` was declared lost (silent or unreachable): fenced for good."""
+    """`worker` was declared lost, fenced for good: silent for the heartbeat timeout (`cause` "timeout") or a
+    batch could not be delivered ("unreachable"). `silent_s`: from its last report to this (the detection
+    latency, an upper bound on the time since it failed)."""
 
     worker: str
     reason: str
+    cause: Literal["timeout", "unreachable"]
+    silent_s: float
 
 
 @dataclass(frozen=True)

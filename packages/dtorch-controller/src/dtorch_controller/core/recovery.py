@@ -104,7 +104,7 @@ class Recovery:
                 self._disable(step, s, why)
                 self.moves.worker_lost(step, s, w, rebuilt=False)
                 if bound:
-                    self._report_loss(step, s, w, reason)
+                    self._report_loss(step, s, w, reason, why)
 
     def _forget_copies_on(self, step: Step, s: Session, rec: Lineage, w: Worker) -> None:
         held = False
@@ -123,8 +123,8 @@ class Recovery:
             rec.force = True  # rule 3
             step.touch(s.id)
 
-    def _report_loss(self, step: Step, s: Session, w: Worker, reason: str) -> None:
-        """Rule 2 for a session that was not being rebuilt: its next Sync raises what the loss took."""
+    def _report_loss(self, step: Step, s: Session, w: Worker, reason: str, why: str) -> None:
+        """Rule 2 for a session that was not being rebuilt (`why` not): its next Sync raises what the loss took."""
         devices = sorted(d for d, worker_id in s.devices.items() if worker_id == w.id)
         on_worker = {mesh.id for mesh in s.meshes.values() if any(s.devices[d] == w.id for d in mesh.devices)}
         lost = sorted(tid for tid, spec in s.tensors.items() if spec.mesh in on_worker)
@@ -136,6 +136,7 @@ class Recovery:
                 op="worker lost", src="", tid=lost[0] if lost else -1, kind=m.ErrorKind.WORKER_LOST,
                 message=f"worker {w.id} at {w.address} was lost ({reason}); logical devices {devices} "
                         f"lost their data: {what}"))
+            step.emit(fx.DataLost(s.id, why))
         step.note(f"session {s.id[:8]} lost logical devices {devices} with worker {w.id}")
         self.pipeline.flush_deferred(step, s)
         step.touch(s.id)

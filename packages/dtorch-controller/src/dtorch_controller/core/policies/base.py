@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 PRIORITY_RANK = {"high": 0, "normal": 1, "low": 2}
+DEFAULT_THRESHOLDS = (60.0, 600.0, 3600.0)  # device-seconds: the levels of las and dtorch
 RELOCATE_AFTER_S = 600.0  # a frozen session waits this long for its own devices before it may move elsewhere
 
 
@@ -141,3 +142,13 @@ def number(params: Mapping[str, Any], name: str, default: float, minimum: float 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
         raise PolicyError(f"policy parameter {name!r} must be a number >= {minimum:g}, got {value!r}")
     return float(value)
+
+
+def thresholds(params: Mapping[str, Any], default: tuple[float, ...] = DEFAULT_THRESHOLDS) -> tuple[float, ...]:
+    """The `thresholds` parameter: ascending positive device-seconds, at least one."""
+    value = params.get("thresholds", default)
+    if (not isinstance(value, (list, tuple)) or not value
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 for x in value)
+            or list(value) != sorted(set(value))):
+        raise PolicyError(f"policy parameter 'thresholds' must be ascending positive device-seconds, got {value!r}")
+    return tuple(float(x) for x in value)

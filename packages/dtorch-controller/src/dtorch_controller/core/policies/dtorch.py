@@ -47,14 +47,13 @@ from typing import Any
 from dtorch_controller.core.policies.base import (
     PRIORITY_RANK,
     BasePolicy,
-    PolicyError,
     Tenant,
     flag,
     number,
     relocation,
+    thresholds,
 )
 
-DEFAULT_THRESHOLDS = (60.0, 600.0, 3600.0)
 _SLACK = 1e-6  # device-seconds: a threshold reached up to float rounding counts as crossed
 
 
@@ -63,12 +62,7 @@ class DTorchPolicy(BasePolicy):
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(params)
-        raw = self.params.get("thresholds", DEFAULT_THRESHOLDS)
-        if (not isinstance(raw, (list, tuple)) or not raw
-                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 for x in raw)
-                or list(raw) != sorted(set(raw))):
-            raise PolicyError(f"policy parameter 'thresholds' must be ascending positive device-seconds, got {raw!r}")
-        self.thresholds = tuple(float(x) for x in raw)
+        self.thresholds = thresholds(self.params)
         self.levels = len(self.thresholds) + 1
         self.fairness = number(self.params, "fairness", 1.0)
         self.preempts = flag(self.params, "preempt", True)

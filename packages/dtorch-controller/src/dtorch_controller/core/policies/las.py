@@ -21,14 +21,13 @@ from typing import Any
 from dtorch_controller.core.policies.base import (
     RELOCATE_AFTER_S,
     BasePolicy,
-    PolicyError,
     Tenant,
     flag,
     number,
     relocation,
+    thresholds,
 )
 
-DEFAULT_THRESHOLDS = (60.0, 600.0, 3600.0)
 _SLACK = 1e-6  # device-seconds: a threshold reached up to float rounding counts as crossed
 
 
@@ -37,12 +36,7 @@ class LasPolicy(BasePolicy):
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(params)
-        raw = self.params.get("thresholds", DEFAULT_THRESHOLDS)
-        if (not isinstance(raw, (list, tuple)) or not raw
-                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 for x in raw)
-                or list(raw) != sorted(set(raw))):
-            raise PolicyError(f"policy parameter 'thresholds' must be ascending positive device-seconds, got {raw!r}")
-        self.thresholds = tuple(float(x) for x in raw)
+        self.thresholds = thresholds(self.params)
         self.starve_factor = number(self.params, "starve_factor", 0.0)
         self.starve_min_s = number(self.params, "starve_min_s", 60.0)
         self.preempts = flag(self.params, "preempt", True)
