@@ -62,6 +62,7 @@ class Pipeline:
     def accept(self, step: Step, s: Session, instrs: list[m.Instr]) -> None:
         """Batch `s.seq` was accepted: log it and send it, unless the session is held."""
         self.rec(s, step.now).log.append(LoggedBatch(s.seq, instrs))
+        step.emit(fx.Accepted(s.id, s.seq, len(instrs)))
         self.pump(step, s)
 
     def hold(self, s: Session, reason: st.Hold) -> None:
