@@ -205,9 +205,6 @@ def test_context_parallel_attention_forward_and_backward(mesh4, causal):
         torch.testing.assert_close(d.grad.to_torch(), t.grad, **TOL)
 
 
-@pytest.mark.xfail(reason="known regression: with a fresh plan cache the attention of this forward is planned "
-                          "replicated (values equal torch, the sequence sharding of attention is lost); it passed only "
-                          "when an earlier test's kept plan served it", strict=False)
 def test_llama_context_parallel(reference, mesh1, monkeypatch):
     from dtorch import _dispatch
 
@@ -223,3 +220,37 @@ def test_llama_context_parallel(reference, mesh1, monkeypatch):
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     plans = [p for p in made if p.func is flash and p.outputs[0].placements == (Shard(2),)]
     assert plans, "attention did not run sequence-sharded"
+
+
+@pytest.mark.parametrize("mesh_name", ["mesh4", "mesh2d"])
+def test_sequence_sharded_linear_keeps_strided_shards(request, mesh_name):
+    """A linear over sequence-sharded samples: `[B, S, H] -> [B*S, H]` is a strided shard (torch's `_StridedShard`,
+    split factor B), the matmul keeps it and the view back is Shard(1); a strided tensor reads, moves, feeds an op
+    that must move it, and differentiates, all equal to torch."""
+    from dtorch._spec import StridedShard
+
+    mesh = request.getfixturevalue(mesh_name)
+    seq = [Shard(1)] if mesh.ndim == 1 else [Replicate(), Shard(1)]
+    torch.manual_seed(0)
+    x = torch.randn(3, 9, 8, requires_grad=True)  # 9 positions over 2 or 4 devices: uneven shards
+    w = torch.randn(8, 5, requires_grad=True)
+    dx = dtorch.distribute_tensor(x.detach(), mesh, seq).requires_grad_()
+    dw = dtorch.distribute_tensor(w.detach(), mesh, [Replicate()] * mesh.ndim).requires_grad_()
+    flat = dx.view(27, 8)
+    strided = (*seq[:-1], StridedShard(0, 3))
+    assert flat.placements == strided
+    torch.testing.assert_close(flat.to_torch(), x.detach().view(27, 8))
+    y = (flat @ dw).view(3, 9, 5)
+    assert y.placements == tuple(seq)  # the sequence stayed sharded through the linear
+    torch.testing.assert_close(y.to_torch(), x.detach() @ w.detach())
+    for target in ([Replicate()], [Shard(0)], [Shard(1)]):
+        target = [*seq[:-1], *target]
+        moved = flat.redistribute(placements=target)
+        assert moved.placements == tuple(target)
+        torch.testing.assert_close(moved.to_torch(), x.detach().view(27, 8))
+    other = dtorch.distribute_tensor(torch.ones(27, 8), mesh, [*seq[:-1], Shard(0)])
+    torch.testing.assert_close((flat + other).to_torch(), x.detach().view(27, 8) + 1)  # the op moves it first
+    (y * y).sum().backward()
+    ((x @ w) ** 2).sum().backward()
+    torch.testing.assert_close(dx.grad.to_torch(), x.grad, **TOL)
+    torch.testing.assert_close(dw.grad.to_torch(), w.grad, **TOL)

@@ -122,7 +122,9 @@ class DataPlane:
 
     # ------------------------------------------------------------------ reads
     def read(self, tid: int, spec: Spec) -> torch.Tensor:
-        """The full value of tensor `tid` laid out as `spec`: one replica of each distinct shard."""
+        """The full value of tensor `tid` laid out as `spec`: one replica of each distinct shard (a strided shard is
+        read in its unflattened layout, each piece reshaped to its box there)."""
+        shape, spec = spec.shape, spec.unflattened()
         groups, op = gather_groups(spec.shape, spec.mesh.shape, spec.placements)
         jobs = [[(box, self._pool.submit(self._pull, tid, spec.mesh.devices[flat]))
                  for flat, box in group if all(n for _, n in box)] for group in groups]
@@ -130,9 +132,9 @@ class DataPlane:
         for group in jobs:
             full = torch.empty(spec.shape, dtype=spec.dtype)
             for box, future in group:
-                full[_slices(box)] = future.result()
+                full[_slices(box)] = future.result().reshape([n for _, n in box])
             parts.append(full)
-        return parts[0] if op is None else _reduce(parts, op, spec.dtype)
+        return (parts[0] if op is None else _reduce(parts, op, spec.dtype)).reshape(shape)
 
     def _pull(self, tid: int, device: int) -> torch.Tensor:
         return self._relocating(device, lambda address: self._pull_from(address, tid, device))

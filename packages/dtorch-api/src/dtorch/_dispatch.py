@@ -30,11 +30,13 @@ from torch.utils._mode_utils import no_dispatch
 from dtorch import _planner
 from dtorch._planner import MixedMeshes, Plan, out_plan, outs, writes
 from dtorch._registry import Refused, decomposition_for
+from dtorch._sharding import NestedShard, local_shape
 from dtorch._source import SKIP, caller, user_src
-from dtorch._spec import Spec, contiguous_stride
+from dtorch._spec import Spec, StridedShard, contiguous_stride
 from dtorch.errors import DTorchError, describe_src, env_int
 from dtorch_protocol import messages as m
-from dtorch_protocol.placement_types import Replicate
+from dtorch_protocol.layout import coords
+from dtorch_protocol.placement_types import Replicate, Shard
 from dtorch_protocol.values import dtype_name, tensor_to_bytes
 
 if TYPE_CHECKING:
@@ -95,6 +97,8 @@ def _specs(tree: Any) -> Any:
 
 def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
     """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
+    if x._spec.unflattened() is not x._spec:
+        return _from_strided(x, mesh, placements, src)
     session = x._session
     if mesh != x.device_mesh:
         session.ensure_mesh(mesh)
@@ -104,6 +108,34 @@ def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTens
     tid = session.new_tid()
     session.emit(m.InstrRedistribute(src=x._tid, dst=tid, src_spec=x._spec.wire, dst_spec=spec.wire, src_line=src))
     return dtensor.DTensor(spec, tid, session)
+
+
+def _from_strided(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
+    """A tensor with a `StridedShard` (which the controller cannot move) laid out as `placements`: each device
+    reshapes its shard to the unflattened layout, which moves (the strided dim gathered unless it stays, another
+    mesh dim sharding it gathered too), a view flattens it back, and a last move reaches the target."""
+    session, spec = x._session, x._spec
+    honest = spec.unflattened()
+    d = next(p.dim for p in spec.placements if isinstance(p, StridedShard))
+    tid = session.new_tid()
+    local = {dev: [[{"$t": x._tid}, list(local_shape(honest, c))], {}]
+             for dev, c in zip(honest.mesh.devices, coords(honest.mesh.shape))}
+    session.emit(m.InstrCall(op="aten.reshape.default", mesh=spec.mesh.id, args=[{"$t": x._tid}, list(honest.shape)],
+                             kwargs={}, outs=[m.OutSpec(tid, honest.wire)], local=local, src=src))
+    unflat = dtensor.DTensor(honest, tid, session)
+    keep = mesh == spec.mesh
+    target = tuple(
+        Shard(d + 1) if keep and p == q and isinstance(p, StridedShard) else
+        Replicate() if isinstance(p, (StridedShard, NestedShard)) or (isinstance(p, Shard) and p.dim == d) else
+        Shard(p.dim + 1) if isinstance(p, Shard) and p.dim > d else p
+        for p, q in zip(placements, spec.placements if keep else placements))
+    moved = redistribute_to(unflat, mesh, target, src)
+    flat = torch.ops.aten.view.default(moved, list(spec.shape))
+    strided = flat._spec.unflattened() is not flat._spec or any(isinstance(p, StridedShard) for p in placements)
+    if strided and flat._spec.placements != tuple(placements):
+        raise NotImplementedError(f"dtorch: cannot lay out a tensor with strided shards {spec.placements} as "
+                                  f"{tuple(placements)}")
+    return redistribute_to(flat, mesh, tuple(placements), src)
 
 
 def _to_mesh(tree: Any, first: DTensor) -> Any:
@@ -284,9 +316,13 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
     session: Session = leaves[0]._session
     src = user_src(3)
     tids, temps = [], []
-    for d, target in zip(leaves, plan.inputs):
+    held = {}  # inputs moved from strided shards (several instructions: `_from_strided`), kept alive until sent
+    for i, (d, target) in enumerate(zip(leaves, plan.inputs)):
         if target is None:
             tids.append(d._tid)
+        elif d._spec.unflattened() is not d._spec:
+            held[i] = redistribute_to(d, target.mesh, target.placements, src)
+            tids.append(held[i]._tid)
         else:
             tmp = session.new_tid()
             session.emit(m.InstrRedistribute(src=d._tid, dst=tmp, src_spec=d._spec.wire, dst_spec=target.wire,
@@ -308,7 +344,9 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
     written_back = []
     for i in plan.mutated:
         target = plan.inputs[i]
-        if target is not None:
+        if i in held:
+            written_back.append((leaves[i], held[i]))
+        elif target is not None:
             temps.remove(tids[i])
             written_back.append((leaves[i], dtensor.DTensor(target, tids[i], session)))
     if temps:

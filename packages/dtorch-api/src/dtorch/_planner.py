@@ -35,7 +35,7 @@ from dtorch._source import src_text
 from dtorch._spec import Spec
 from dtorch._templates import SRC_HOLE, Template, sentinel
 from dtorch_protocol import messages as m
-from dtorch_protocol.layout import coords, shard_box
+from dtorch_protocol.layout import coords
 from dtorch_protocol.placement_types import Partial, Replicate
 from dtorch_protocol.values import encode_value
 
@@ -286,7 +286,7 @@ def _non_sum_partial(outputs: Any) -> bool:
 
 def _has_empty_shard(spec: Spec) -> bool:
     return any(n == 0 and full > 0 for c in coords(spec.mesh.shape)
-               for (_, n), full in zip(shard_box(spec.shape, spec.mesh.shape, spec.placements, c), spec.shape))
+               for n, full in zip(_sharding.local_shape(spec, c), spec.shape))
 
 
 class Planner:

@@ -4,8 +4,10 @@ torch 2.13 knows sharding rules for ~1,160 aten overloads and can apply them to 
 alone, with process-group-free meshes. Everything private we touch is in this file:
 `ShardingPropagator`, `OpSchema`, `DTensorSpec`, `TensorMeta`, and fake tensors (`FakeTensorMode`, to tell
 an op whose output shapes depend on the values from one that refuses its shapes). When torch has no rule, or
-answers with private placements (`_StridedShard`, `_MaskPartial`), we raise `NoRule` and
-the caller falls back to running the op on replicated inputs, which is always correct.
+answers with private placements (`_MaskPartial`, or a `_StridedShard` we cannot carry), we raise `NoRule` and
+the caller falls back to running the op on replicated inputs, which is always correct. torch's strided shards we
+carry: split factor 1 as `NestedShard` (nested chunking, Shard's boxes), a larger one as `_spec.StridedShard` where it
+is the only mesh dim sharding its tensor dim (a linear's flattened batch x sequence under context parallelism).
 Rules DTorch writes itself are registered in `_registry` and read here before torch's.
 """
 
@@ -33,7 +35,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 
 from dtorch import _disjoint
 from dtorch._registry import NoRule, Propagation, Refused, ValueDependent, rule_for
-from dtorch._spec import Spec
+from dtorch._spec import Spec, StridedShard
 from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.layout import box_shape, coords, shard_box
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
@@ -64,6 +66,8 @@ class NestedShard(Shard):
 
 
 def _to_torch(p: Placement) -> Any:
+    if isinstance(p, StridedShard):
+        return tp._StridedShard(p.dim, split_factor=p.split_factor)
     if isinstance(p, NestedShard):
         return tp._StridedShard(p.dim, split_factor=1)
     if isinstance(p, Shard):
@@ -83,6 +87,8 @@ def _from_torch(p: Any) -> Placement:
         return Partial(p.reduce_op)
     if kind is tp._StridedShard and p.split_factor == 1:
         return NestedShard(p.dim)
+    if kind is tp._StridedShard and p.split_factor > 1:
+        return StridedShard(p.dim, p.split_factor)
     raise NoRule(f"torch chose the private placement {p}")
 
 
@@ -95,7 +101,20 @@ def _our_spec(ts: DTensorSpec, mesh: DeviceMesh) -> Spec:
     meta = ts.tensor_meta
     if meta is None:
         raise NoRule("torch gave an output spec without tensor metadata")
-    return Spec(mesh, tuple(_from_torch(p) for p in ts.placements), tuple(meta.shape), tuple(meta.stride), meta.dtype)
+    spec = Spec(mesh, tuple(_from_torch(p) for p in ts.placements), tuple(meta.shape), tuple(meta.stride), meta.dtype)
+    _check_strided(spec.placements, spec.shape)
+    return spec
+
+
+def _check_strided(placements: tuple[Placement, ...], shape: tuple[int, ...]) -> None:
+    """A StridedShard we carry: one per tensor, alone on its tensor dim, which its split factor divides."""
+    strided = [p for p in placements if isinstance(p, StridedShard)]
+    if not strided:
+        return
+    p = strided[0]
+    if len(strided) > 1 or sum(isinstance(q, Shard) and q.dim == p.dim for q in placements) or \
+            shape[p.dim] % p.split_factor:
+        raise NoRule(f"torch chose strided shards {placements} that DTorch does not carry")
 
 
 def _convert(tree: Any, fn: Any) -> Any:
@@ -120,6 +139,8 @@ def _apply_suggestion(func: Any, args: tuple, kwargs: dict, out: Any, mesh: Devi
     for i, orig in enumerate(leaves):
         if isinstance(orig, Spec):
             wanted = tuple(_from_torch(p) for p in sugg_leaves[i].placements)
+            if any(isinstance(p, StridedShard) and p != q for p, q in zip(wanted, orig.placements)):
+                raise NoRule("torch would move an input to a strided shard")  # only ops keep them, moves do not
             # legacy empty 1-d tensors in cat take any layout in torch's rules; keep them valid for their rank
             wanted = tuple(Replicate() if isinstance(p, Shard) and p.dim >= len(orig.shape) else p for p in wanted)
             new.append(orig.with_placements(wanted))
@@ -276,8 +297,14 @@ def _flat(outputs: Any) -> list:
     return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 
-def _local_shape(spec: Spec, coord: tuple[int, ...]) -> tuple[int, ...]:
-    return box_shape(shard_box(spec.shape, spec.mesh.shape, spec.placements, coord))
+def local_shape(spec: Spec, coord: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the shard at mesh position `coord` (a StridedShard's: its unflattened box, merged back)."""
+    honest = spec.unflattened()
+    shape = box_shape(shard_box(honest.shape, spec.mesh.shape, honest.placements, coord))
+    if honest is spec:
+        return shape
+    d = next(p.dim for p in spec.placements if isinstance(p, StridedShard))
+    return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2:])
 
 
 def check_local(func: Any, prop: Propagation, mesh: DeviceMesh) -> None:
@@ -294,7 +321,7 @@ def check_local(func: Any, prop: Propagation, mesh: DeviceMesh) -> None:
     for rank, coord in enumerate(coords(mesh.shape)):
         args, kwargs = per_rank[rank]
         specs = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, Spec)]
-        shapes = [_local_shape(s, coord) for s in specs]
+        shapes = [local_shape(s, coord) for s in specs]
         key = (tuple(shapes), repr(_nontensor_leaves((args, kwargs))))
         if key in seen:
             continue
@@ -316,7 +343,7 @@ def check_local(func: Any, prop: Propagation, mesh: DeviceMesh) -> None:
             if spec is None or (i in (1, 2) and _empty_stats(func, args)):
                 continue
             t = got[i] if i < len(got) else None
-            want = _local_shape(spec, coord)
+            want = local_shape(spec, coord)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != spec.dtype:
                 have = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise NoRule(f"torch's rule promises output {i} of {spec.dtype}{list(want)} at mesh position "

@@ -1,4 +1,5 @@
-"""The client's metadata for one DTensor: mesh, placements and global shape, stride and dtype."""
+"""The client's metadata for one DTensor: mesh, placements and global shape, stride and dtype; and `StridedShard`,
+the one client-side placement whose wire form changes the shape (see `Spec.unflattened`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,22 @@ from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol import messages as m
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 from dtorch_protocol.values import dtype_name
+
+
+@dataclass(frozen=True)
+class StridedShard(Placement):
+    """torch's `_StridedShard(dim, split_factor)` with split_factor > 1: tensor dim `dim` seen as
+    `(split_factor, n // split_factor)` with the second part sharded (torch.chunk style), each device holding its
+    chunk of every group. A linear's `[B, S, H] -> [B*S, H]` with the sequence sharded gives it (split_factor B), its
+    matmul keeps it and the view back to `[B, S, N]` makes it Shard(1) again: context parallelism stays sharded.
+    Client-side only, and only where no other mesh dim shards `dim`: on the wire the tensor is its unflattened
+    layout (`Spec.unflattened`), whose boxes hold exactly each device's shard (reshaped)."""
+
+    dim: int
+    split_factor: int
+
+    def __repr__(self) -> str:
+        return f"StridedShard(dim={self.dim}, split_factor={self.split_factor})"
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -91,7 +108,23 @@ class Spec:
     def with_placements(self, placements: tuple[Placement, ...], mesh: DeviceMesh | None = None) -> Spec:
         return Spec(mesh or self.mesh, placements, self.shape, self.stride, self.dtype)
 
+    def unflattened(self) -> Spec:
+        """This spec, or where a placement is a `StridedShard(d, f)`, the same shards in a layout the controller and
+        the workers know: dim d split into (f, n // f), the second part sharded, later tensor dims one further
+        (each device's shard reshaped to its box there, no data moved)."""
+        found = [(i, p) for i, p in enumerate(self.placements) if isinstance(p, StridedShard)]
+        if not found:
+            return self
+        _, strided = found[0]
+        d, f = strided.dim, strided.split_factor
+        shape = (*self.shape[:d], f, self.shape[d] // f, *self.shape[d + 1:])
+        placements = tuple(Shard(d + 1) if isinstance(p, StridedShard) else
+                           Shard(p.dim + 1) if isinstance(p, Shard) and p.dim > d else p for p in self.placements)
+        return Spec(self.mesh, placements, shape, contiguous_stride(shape), self.dtype)
+
     def to_wire(self) -> m.TensorSpec:
+        if any(isinstance(p, StridedShard) for p in self.placements):
+            return self.unflattened().to_wire()
         return m.TensorSpec(shape=list(self.shape), dtype=dtype_name(self.dtype), mesh=self.mesh.id,
                             placements=[p.to_wire() for p in self.placements])
 
