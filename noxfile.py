@@ -118,6 +118,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_recovery.py", "--core")  # the same core at 10,000 workers
     session.run("python", "benchmarks/bench_sim.py")  # simulator: 10,000 fake workers, 20,000 jobs; events/s
     session.run("python", "benchmarks/bench_vs_torch.py")  # DTorch vs torch DTensor (2 gloo ranks) vs plain torch
+    session.run("python", "benchmarks/bench_instructions.py")  # controller: instructions/s, eager vs replayed steps
 
 
 @nox.session

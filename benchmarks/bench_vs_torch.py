@@ -24,6 +24,13 @@ Items (those of issue #11):
     issued (workers started with DTORCH_SYNC_COLLECTIVES=1): each gradient's all-reduce is issued as soon as
     autograd accumulated it, so with overlap it runs during the rest of the backward pass.
 
+(g) step capture (issue #12 item 2): user-thread time per training step of the Llama DPxTP example (2x2 mesh,
+    AdamW, 20 steps), eager against `dtorch.compile` (steps 3-20 replayed: one InstrReplay each), against plain
+    torch eager's whole step on one process; the losses of both DTorch runs must be identical;
+(h) random factories (issue #12 item 4): time and elements drawn per device for a 4096x4096 randn sharded
+    over 1-8 devices, block-seeded (each device draws the blocks of its shard) against drawing the whole
+    tensor and keeping the box (what workers did before).
+
 Figures are medians of `--repeats` runs; ratios are DTorch / peer (below 1.0x: DTorch is faster).
 Each worker and each torch rank uses one intra-op thread; plain torch uses as many as there are ranks.
 """
@@ -363,6 +370,86 @@ def received_per_device(devices: int, nbytes: int = 4 << 20) -> dict[str, float]
         dtorch.shutdown()
 
 
+# ---------------------------------------------------------------------------- (g) step capture, (h) factories
+
+LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def llama_step_times(steps: int, compiled: bool | None) -> tuple[list[float], list[float]]:
+    """(user-thread seconds per step, losses) of the DPxTP Llama example: DTorch eager (False), DTorch compiled
+    (True) or plain torch (None, one process, whole step)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    if compiled is not None:
+        import dtorch
+        from dtorch import Replicate, Shard
+        from dtorch.nn import llama_tp_plan, parallelize_module
+
+        mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh, llama_tp_plan(), tp_mesh_dim="tp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def body(ids):  # noqa: ANN001, ANN202
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    step = dtorch.compile(body) if compiled else body
+    data = torch.Generator().manual_seed(1)
+    times, losses = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, LLAMA["vocab_size"], (4, 16), generator=data)
+        if compiled is not None:
+            ids = dtorch.distribute_tensor(ids, mesh, [Shard(0), Replicate()])
+        t0 = time.thread_time()
+        losses.append(step(ids))
+        times.append(time.thread_time() - t0)
+    if compiled:
+        assert step.replays == steps - 2, (step.replays, step.fallbacks, step.unreplayable)
+    return times, [float(loss.item()) for loss in losses]
+
+
+def run_capture(args: argparse.Namespace) -> dict:
+    import dtorch
+
+    torch.set_num_threads(2)
+    plain, _ = llama_step_times(args.steps, None)
+    torch.set_num_threads(1)
+    dtorch.connect(workers=2)
+    try:
+        eager, eager_losses = llama_step_times(args.steps, False)
+        captured, captured_losses = llama_step_times(args.steps, True)
+    finally:
+        dtorch.shutdown()
+    tail = slice(2, None)  # steps 3.. : warmed up; compiled ones replayed
+    return {"plain": statistics.median(plain[tail]) * 1e3, "eager": statistics.median(eager[tail]) * 1e3,
+            "captured": statistics.median(captured[tail]) * 1e3,
+            "diff": max(abs(a - b) for a, b in zip(eager_losses, captured_losses))}
+
+
+def run_factories(args: argparse.Namespace) -> dict[int, tuple[float, float, int]]:
+    """devices -> (ms block-seeded, ms whole tensor, elements drawn per device), for device 0's shard."""
+    from dtorch_protocol.layout import shard_box
+    from dtorch_protocol.placement_types import Shard
+    from dtorch_worker import random_blocks
+
+    torch.set_num_threads(1)
+    shape, out = (4096, 4096), {}
+    for n in (1, 2, 4, 8):
+        box = [list(b) for b in shard_box(shape, (n,), (Shard(0),), (0,))]
+        ours = median_ms(lambda box=box: random_blocks.draw("randn", 7, shape, box, torch.float32), args.repeats)
+        whole = median_ms(lambda box=box: torch.randn(shape, generator=torch.Generator().manual_seed(7))
+                          .narrow(0, box[0][0], box[0][1]).clone(), args.repeats)
+        out[n] = (ours, whole, box[0][1] * shape[1])
+    return out
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -377,8 +464,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--iters", type=int, default=5000, help="(a): loop length")
     p.add_argument("--quick", action="store_true", help="(d): 4 sizes up to 16 MiB")
-    p.add_argument("--only", default="a,b,c,d,e,f", help="comma-separated items to run")
+    p.add_argument("--only", default="a,b,c,d,e,f,g,h", help="comma-separated items to run")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--steps", type=int, default=20, help="(g): training steps per run")
     args = p.parse_args()
     args.only = set(args.only.split(","))
     args.sizes = QUICK_SIZES if args.quick else SIZES
@@ -387,7 +475,9 @@ def main() -> None:
 
     plain = run_plain(args)
     torch_dt = run_torch(args) if args.only & {"a", "b", "c", "d"} else {}
-    dt = run_dtorch(args)
+    dt = run_dtorch(args) if args.only & {"a", "b", "c", "d", "e", "f"} else {}
+    capture = run_capture(args) if "g" in args.only else {}
+    factories = run_factories(args) if "h" in args.only else {}
 
     print(f"\nDTorch vs torch DTensor (2 {'gloo' if args.device == 'cpu' else 'NCCL'} ranks) vs plain torch "
           f"(torch {torch.__version__}, device {args.device}, medians of {args.repeats})")
@@ -434,6 +524,19 @@ def main() -> None:
         print(f"    collectives in flight while computing  {f['overlapped']:9.2f} ms")
         print(f"    each collective waited for at issue    {f['waited']:9.2f} ms   "
               f"(overlapped / waited {ratio(f['overlapped'], f['waited'])})")
+    if capture:
+        print(f"(g) Llama DPxTP training step (2x2 mesh, AdamW), user-thread time, median of steps 3-{args.steps}")
+        print(f"    dtorch eager              {capture['eager']:9.2f} ms")
+        print(f"    dtorch.compile (replayed) {capture['captured']:9.2f} ms   captured/eager "
+              f"{ratio(capture['captured'], capture['eager'])}")
+        print(f"    plain torch eager step    {capture['plain']:9.2f} ms   captured/plain "
+              f"{ratio(capture['captured'], capture['plain'])}   (target <= 0.4x)")
+        print(f"    max |loss difference| eager vs captured: {capture['diff']:.1e} (identical: 0)")
+    if factories:
+        print("(h) randn 4096x4096 float32, Shard(0): time and elements drawn by one device")
+        print("    devices     blocks (ours)        whole tensor, then the box   elements drawn (ours / whole)")
+        for n, (ours, whole, drawn) in factories.items():
+            print(f"    {n:7d}   {ours:17.2f} ms   {whole:23.2f} ms   {drawn:>12,} / {4096 * 4096:,}")
 
 
 if __name__ == "__main__":

@@ -55,3 +55,39 @@ def test_rand_like_and_factories_follow_the_seed(mesh4):
     b2 = torch.rand_like(a2)
     assert torch.equal(a.to_torch(), a2.to_torch()) and torch.equal(b.to_torch(), b2.to_torch())
     assert not torch.equal(a.to_torch(), b.to_torch())
+
+
+def test_factories_give_the_same_values_on_every_layout(mesh1, mesh4, mesh2d):
+    """1-D, 2-D, uneven (7 rows on 4 devices) and replicated: each device draws only the blocks of its shard."""
+    layouts = [(mesh1, [Replicate()]), (mesh4, [Shard(0)]), (mesh4, [Shard(1)]), (mesh4, [Replicate()]),
+               (mesh2d, [Shard(0), Shard(1)]), (mesh2d, [Shard(1), Replicate()])]
+    for make in (dtorch.rand, dtorch.randn):
+        values = []
+        for mesh, placements in layouts:
+            dtorch.manual_seed(5)
+            values.append(make(7, 5, device_mesh=mesh, placements=placements).to_torch())
+        for other in values[1:]:
+            assert torch.equal(values[0], other)
+        assert values[0].unique().numel() == 35
+
+
+def test_dropout_and_init_on_shards_draw_and_move_only_shards(mesh4, cluster):
+    """No replicated copy: each device draws the blocks of its own shard (a factory), then elementwise ops."""
+    from dtorch_protocol import messages as m
+
+    x = dtorch.distribute_tensor(torch.randn(64, 8), mesh4, [Shard(0)])
+    w = dtorch.zeros(16, 64, device_mesh=mesh4, placements=[Shard(1)])
+    sent, eager_emit = [], cluster.emit
+    cluster.emit = lambda item: (sent.append(item), eager_emit(item))[1]
+    try:
+        y = F.dropout(x, p=0.25, training=True)
+        torch.nn.init.uniform_(w, -1, 1)
+        torch.nn.init.normal_(w, std=2.0)
+    finally:
+        cluster.emit = eager_emit
+    assert not [i for i in sent if isinstance(i, m.InstrRedistribute)]
+    assert [i.spec.placements for i in sent if isinstance(i, m.InstrCreate)] == [["S0"], ["S1"], ["S1"]]
+    kept = y.to_torch() != 0
+    assert 0.6 < kept.float().mean() < 0.9
+    torch.testing.assert_close(y.to_torch()[kept], x.to_torch()[kept] / 0.75)
+    assert 1.5 < w.to_torch().std() < 2.5

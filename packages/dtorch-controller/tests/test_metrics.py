@@ -51,6 +51,12 @@ def test_instructions_are_counted_when_the_core_accepts_their_batch(make_harness
     assert refused(h.submit(sid, 5, [add_(1), add_(2)]))  # out of order: refused, not counted
     assert [(n.seq, n.instructions) for n in h.notices if isinstance(n, fx.Accepted)] == [(1, 2), (2, 1)]
     assert value(metrics_of(h), "instructions_total") == 3
+    step = [create(0), add_(0), m.InstrDelete(tids=[0])]  # in slots: tid 0 is the replay's first id
+    assert h.submit(sid, 3, [m.InstrDefine(program=1, instrs=step, ntids=1, nseeds=1),
+                             m.InstrReplay(program=1, tids=[3], seeds=[3])]).accepted == 3
+    assert h.submit(sid, 4, [m.InstrReplay(program=1, tids=[4], seeds=[4]),
+                             m.InstrReplay(program=1, tids=[5], seeds=[5])]).accepted == 4
+    assert value(metrics_of(h), "instructions_total") == 3 + 3 + 2 * 3  # a replay: the instructions it stands for
 
 
 def test_a_preemption_and_the_relocation_that_ends_it_are_counted(make_harness):

@@ -14,7 +14,9 @@ from dtorch_protocol.messages import (
     CmdCreate,
     CmdDelete,
     CmdExpectReads,
+    CmdProgram,
     CmdRedistribute,
+    CmdReplay,
     CmdRun,
     ErrorReport,
     Execute,
@@ -22,6 +24,7 @@ from dtorch_protocol.messages import (
     ShardPlan,
 )
 from dtorch_protocol.placement_types import Replicate, Shard
+from dtorch_worker import random_blocks
 from dtorch_worker.executor import Executor
 from dtorch_worker.store import Poison, TensorStore
 
@@ -82,9 +85,33 @@ def test_random_create_is_independent_of_the_layout(ex: Executor, init: str, dty
         CmdCreate(tid=2, dtype=name, shape=shape, init=init, boxes=layout_b, seed=seed))
     a = h.assemble(h.shards_of(ex.store, S, 1, layout_a), layout_a, shape, dtype)
     b = h.assemble(h.shards_of(ex.store, S, 2, layout_b), layout_b, shape, dtype)
-    maker = torch.rand if init == "rand" else torch.randn
-    expected = maker(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    expected = random_blocks.draw(init, seed, shape, [[0, 7], [0, 6]], dtype)
     assert torch.equal(a, expected) and torch.equal(b, expected)
+    assert not torch.equal(expected, random_blocks.draw(init, seed + 1, shape, [[0, 7], [0, 6]], dtype))
+
+
+def test_random_create_draws_only_the_shard(ex: Executor) -> None:
+    """A 2**40-element tensor (4 TiB): drawing it whole would fail; a device draws its 6 elements."""
+    shape, box = [1 << 20, 1 << 20], [[(1 << 20) - 2, 2], [5, 3]]
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=shape, init="randn", boxes={0: box}, seed=3))
+    shard = ex.store.get((S, 1, 0))
+    assert shard.shape == (2, 3) and torch.equal(shard, random_blocks.draw("randn", 3, shape, box, torch.float32))
+    assert ex.take_errors() == {}
+
+
+def test_block_values_cross_block_edges_and_look_uniform_and_normal() -> None:
+    shape = [600, 300]  # blocks of 256 x 256: boxes below cross their edges
+    whole = random_blocks.draw("randn", 1, shape, [[0, 600], [0, 300]], torch.float32)
+    for box in ([[250, 20], [0, 300]], [[0, 600], [255, 2]], [[511, 89], [290, 10]]):
+        part = random_blocks.draw("randn", 1, shape, box, torch.float32)
+        assert torch.equal(part, whole[box[0][0]:sum(box[0]), box[1][0]:sum(box[1])])
+    assert abs(whole.mean()) < 0.02 and abs(whole.std() - 1) < 0.02 and whole.unique().numel() > 0.99 * whole.numel()
+    assert not torch.equal(whole[:256, :256], whole[256:512, :256])  # each block its own seed
+    u = random_blocks.draw("rand", 1, [200000], [[0, 200000]], torch.float64)  # 1-d: blocks of 65536
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
+    assert torch.equal(u[65530:65540], random_blocks.draw("rand", 1, [200000], [[65530, 10]], torch.float64))
+    assert random_blocks.block_shape([4096, 4096]) == [256, 256] and random_blocks.block_shape([9, 1, 1]) == [9, 1, 1]
+    assert random_blocks.block_shape([64, 512, 1024]) == [1, 256, 256]
 
 
 def test_replicated_create_does_not_share_storage_and_partial_zeros(ex: Executor, h: SimpleNamespace) -> None:
@@ -180,6 +207,32 @@ def test_error_reports(ex: Executor, cmd: object, op: str, message: str) -> None
     assert (report.op, report.src, report.tid) == (op, "a.py:1", 7)
     assert report.message.startswith(message), report.message
     assert isinstance(ex.store.get((S, 7, 0)), Poison)
+
+
+def test_a_kept_program_replays_with_new_ids_seeds_and_numbers_like_torch(ex: Executor) -> None:
+    boxes = {0: [[0, 4]], 1: [[4, 4]]}
+    program = CmdProgram(program=3, version=5, ntids=3, nseeds=1, nscalars=1, cmds=[
+        CmdCreate(tid=1, dtype="float32", shape=[8], init="randn", boxes=boxes, seed=0),
+        CmdRun(op="aten.add.Tensor", devices=[0, 1], args=[t(0), t(1)], kwargs={"alpha": {"$s": 0}}, outs=[2]),
+        CmdDelete(tids=[1], devices=[0, 1])])
+    run(ex, CmdCreate(tid=10, dtype="float32", shape=[8], init="ones", boxes=boxes), program)
+    assert (S, 1, 0) not in ex.store  # kept, not run
+    for n, (seed, alpha) in enumerate([(7, 0.5), (8, -2.0)]):
+        run(ex, CmdReplay(program=3, version=5, tids=[10, 20 + n, 30 + n], seeds=[seed], scalars=[alpha]))
+        r = random_blocks.draw("randn", seed, [8], [[0, 8]], torch.float32)
+        got = torch.cat([ex.store.get((S, 30 + n, d)) for d in (0, 1)])
+        assert torch.equal(got, torch.ones(8) + alpha * r)  # plain torch on the full tensors
+        assert (S, 20 + n, 0) not in ex.store  # the program's delete ran too
+    assert ex.take_errors() == {}
+    run(ex, CmdReplay(program=3, version=4, tids=[10, 40, 41], seeds=[1], scalars=[1.0]),
+        CmdReplay(program=3, version=5, tids=[10, 40], seeds=[1], scalars=[1.0]),
+        CmdReplay(program=9, version=5, tids=[], seeds=[], scalars=[]))
+    assert [e.message for e in ex.take_errors()[S]] == [
+        "translation 4 of program 3 is not on this worker (it has 5)",
+        "replay of program 3 names 2 tensors, 1 seeds and 1 numbers; its commands take 3, 1 and 1",
+        "translation 5 of program 9 is not on this worker (it has none)"]
+    run(ex, CmdCloseSession(), CmdReplay(program=3, version=5, tids=[10, 40, 41], seeds=[1], scalars=[1.0]))
+    assert "has none" in ex.take_errors()[S][0].message
 
 
 def test_restore_errors_keeps_order(ex: Executor) -> None:

@@ -23,6 +23,7 @@ from dtorch_protocol.messages import (
     ShardPlan,
 )
 from dtorch_protocol.placement_types import Shard
+from dtorch_worker import random_blocks
 from dtorch_worker.server import WorkerHandle, start_worker
 from dtorch_worker.store import Poison
 from dtorch_worker.transfer import put_chunks, receive_chunks
@@ -83,7 +84,7 @@ def test_all_gather_shard0_to_replicate(pair: tuple[WorkerHandle, WorkerHandle],
                    CmdRedistribute(src=1, dst=2, dtype="float32", plans={0: plan["a"]}))
     wait(a, sa)
     wait(b, sb)
-    expected = torch.randn(shape, generator=torch.Generator().manual_seed(42))
+    expected = random_blocks.draw("randn", 42, shape, [[0, 5], [0, 3]], torch.float32)
     assert torch.equal(a.store.get((S, 2, 0)), expected)
     assert torch.equal(b.store.get((S, 2, 1)), expected)
     assert a.executor.take_errors() == {} and b.executor.take_errors() == {}

@@ -35,6 +35,7 @@ _LAZY = {
     "status": "dtorch.runtime",
     "drain": "dtorch.runtime",
     "migrate": "dtorch.runtime",
+    "compile": "dtorch.steps",
     "profile": "dtorch.profiling",
 }
 

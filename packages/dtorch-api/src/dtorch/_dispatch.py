@@ -56,8 +56,9 @@ class _Plain(Exception):
 _SCALARS = (int, float, bool, str, type(None), complex, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-def _key(v: Any, leaves: list) -> Any:
-    """Cache key of one argument; appends DTensors to `leaves` in traversal order."""
+def _key(v: Any, leaves: list, plain: Any = None) -> Any:
+    """Cache key of one argument; appends DTensors to `leaves` in traversal order. A plain tensor raises _Plain,
+    or is keyed by `plain(tensor)` when given."""
     t = type(v)
     if t in _SCALARS:
         return t, v
@@ -65,13 +66,15 @@ def _key(v: Any, leaves: list) -> Any:
         leaves.append(v)
         return v._spec.sid
     if t is list or t is tuple or t is torch.Size:
-        return t, tuple([_key(x, leaves) for x in v])
+        return t, tuple([_key(x, leaves, plain) for x in v])
     if t is dict:
-        return t, tuple([(k, _key(x, leaves)) for k, x in v.items()])
+        return t, tuple([(k, _key(x, leaves, plain)) for k, x in v.items()])
     if isinstance(v, torch.Tensor):
         spec = getattr(v, "_spec", None)
         if spec is None:
-            raise _Plain
+            if plain is None:
+                raise _Plain
+            return plain(v)
         leaves.append(v)
         return spec.sid
     raise TypeError(f"DTorch cannot pass a {t.__name__} to an op")
@@ -97,6 +100,9 @@ def _specs(tree: Any) -> Any:
 
 def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
     """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
+    if step_hook is not None:
+        return step_hook.run(("redistribute", x._spec.sid, mesh.id, tuple(placements)), [x],
+                             lambda: redistribute_to(x, mesh, placements, src))
     if x._spec.unflattened() is not x._spec:
         return _from_strided(x, mesh, placements, src)
     session = x._session
@@ -211,6 +217,13 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     user's line, one record queued (the sender thread encodes it), the output wrapper. Nothing else.
     (Keys hold the op's id, not the op: OpOverload's `__hash__` is Python; the plan holds the op, so the id
     stays its own while the key is cached.)"""
+    if step_hook is not None:  # a compiled step is being recorded or replayed (dtorch.steps)
+        try:
+            key, leaves = op_key(func, args, kwargs)
+        except (_Plain, TypeError):
+            step_hook.interrupt("it mixes a plain torch.Tensor (or an argument DTorch cannot key) into an op")
+        else:
+            return step_hook.run(key, leaves, lambda: torch_dispatch(cls, func, types, args, kwargs), func)
     if kwargs:
         return dispatch(func, args, kwargs)
     if len(args) == 2 and type(args[0]) is cls and type(args[1]) is cls:  # binary ops: most of a model's
@@ -245,6 +258,41 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
                       out.mesh.torch_device)
     r._spec, r._tid, r._session = out, tid, session
     return r
+
+
+def op_key(func: Any, args: tuple, kwargs: dict | None) -> tuple[Any, list]:
+    """(key, DTensor leaves) of an op: the plan cache's key (the op's id, each DTensor's spec id, every other
+    argument; a small plain tensor by its values); raises _Plain (a large plain tensor) or TypeError."""
+    leaves: list = []
+    if not kwargs:
+        key = [id(func)]
+        for a in args:
+            t = type(a)
+            if t is dtensor.DTensor:
+                key.append(a._spec.sid)
+                leaves.append(a)
+            elif t in _FLAT:
+                key.append((t, a))
+            else:
+                break
+        else:
+            return tuple(key), leaves
+        leaves = []
+    try:
+        return (id(func), None, _key(args, leaves), _key(kwargs, leaves) if kwargs else None), leaves
+    except _Plain:  # small plain tensors ride in the instruction as literals: their values are part of the key
+        leaves = []
+        return (id(func), _literal_key, _key(args, leaves, _literal_key),
+                _key(kwargs, leaves, _literal_key) if kwargs else None), leaves
+
+
+def _literal_key(t: torch.Tensor) -> Any:
+    if t.numel() > LITERAL_MAX_NUMEL or t.requires_grad:
+        raise _Plain
+    return t.dtype, tuple(t.shape), tensor_to_bytes(t)
+
+
+step_hook: Any = None  # the compiled step recording or replaying now (`dtorch.steps`), else None
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass

@@ -1,7 +1,8 @@
 """Creating DTensors: random and constant factories, `distribute_tensor`, and the session RNG seed.
 
-Random factories give the same values whatever the mesh and placements: each worker draws
-the whole tensor from a generator seeded by the session's random stream and keeps its box.
+Random factories give the same values whatever the mesh and placements: the global tensor is cut into fixed
+blocks, each drawn from a seed of (the session's random stream, its index), and each worker draws only the blocks
+its box overlaps (`dtorch_worker.random_blocks`), so generation costs O(shard) per device.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dtorch import _dispatch
 from dtorch._source import user_src
 from dtorch._spec import Spec, contiguous_stride, normalize_placements
 from dtorch.device_mesh import DeviceMesh
@@ -40,6 +42,11 @@ def _check_mesh(name: str, mesh: Any) -> DeviceMesh:
 
 def _create(init: str, shape: tuple[int, ...], mesh: DeviceMesh | None, placements: Sequence[Placement] | None,
             dtype: torch.dtype | None, requires_grad: bool, value: Any = None, arange: list | None = None) -> DTensor:
+    hook = _dispatch.step_hook
+    if hook is not None:  # in a compiled step (dtorch.steps): an operation of its own
+        key = ("create", init, shape, getattr(mesh, "id", None), tuple(placements or ()), dtype, requires_grad,
+               type(value), value, tuple(arange or ()))
+        return hook.run(key, [], lambda: _create(init, shape, mesh, placements, dtype, requires_grad, value, arange))
     mesh = _check_mesh(init, mesh)
     dtype = dtype or torch.get_default_dtype()
     if init in _RANDOM and not dtype.is_floating_point:

@@ -79,6 +79,8 @@ class Session:
         # async fetches wait on pulls in the data plane's pool: they must not occupy its threads
         self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-fetch")
         self._closed = False
+        self.step: Any = None  # the compiled step running now (dtorch.steps): told of sync points and uploads
+        self._programs = itertools.count(1)
 
     def _call(self, method: str, request: Any, timeout: float) -> Any:
         return self.stub.call(method, request, timeout=timeout)
@@ -86,7 +88,12 @@ class Session:
     # ------------------------------------------------------------------ the instruction stream
     def flush(self) -> None:
         """Send everything queued so far, in order."""
+        if self.step is not None:
+            self.step.interrupt("a flush")
         self._stream.flush()
+
+    def new_program_id(self) -> int:
+        return next(self._programs)
 
     # ------------------------------------------------------------------ meshes and seeds
     def ensure_mesh(self, mesh: DeviceMesh) -> None:
@@ -106,6 +113,8 @@ class Session:
     # ------------------------------------------------------------------ sync points
     def sync(self) -> None:
         """Wait until the workers executed everything issued so far; raise the first op error, if any."""
+        if self.step is not None:
+            self.step.interrupt("a sync point")
         for reply in self._stream.sync(self.timeout):
             self._data.learn(reply.locations, reply.caps)
 
@@ -131,11 +140,15 @@ class Session:
 
     def fetch_async(self, tid: int, spec: Spec) -> Future:
         """`fetch` in the background, in call order (the tensor should not change meanwhile)."""
+        if self.step is not None:
+            self.step.interrupt("a sync point")
         return self._fetches.submit(self.fetch, tid, spec)
 
     # ------------------------------------------------------------------ uploads
     def upload(self, tensor: torch.Tensor, spec: Spec) -> int:
         """Write each device's shard of `tensor` straight to its worker; returns the new tensor id."""
+        if self.step is not None:
+            self.step.interrupt("an upload")
         self.ensure_mesh(spec.mesh)
         tensor = tensor.detach().to("cpu", spec.dtype)
         tid = self.new_tid()

@@ -38,7 +38,8 @@ PROTOCOL_VERSION = "1.6"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # WorkerReport/WorkerStatus.received_bytes); API keys and capabilities (RegisterWorker.secret/.client_address,
 # WorkerReport.proof, `caps` next to every location, Execute.caps for peers), anonymous counts in StatusReply,
 # bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint); 1.6: CmdGroup.key (a
-# group's secret: the rendezvous store's keys are under it)
+# group's secret: the rendezvous store's keys are under it), captured programs (InstrDefine, InstrReplay:
+# `dtorch.compile`; CmdProgram, CmdReplay: a program's commands kept on the workers)
 
 
 class ErrorKind(str, enum.Enum):
@@ -220,7 +221,33 @@ class InstrDelete(Struct, frozen=True, tag="delete"):
     tids: list[int]
 
 
-Instr = InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete
+StepInstr = InstrCreate | InstrCall | InstrRedistribute | InstrDelete  # what a captured program holds
+
+
+class InstrDefine(Struct, frozen=True, tag="define"):
+    """Keep `instrs` as program `program` of this session: a captured step (`dtorch.compile`), replayed later.
+
+    Its tensor ids are *slots*: tid n stands for `tids[n]` of each `InstrReplay`; the seed of a random op or
+    factory is an index into the replay's `seeds` (`dtorch_protocol.programs` fills and checks them).
+    """
+
+    program: int
+    instrs: list[StepInstr]
+    ntids: int  # every replay names this many tensor ids
+    nseeds: int = 0  # and this many seeds
+    nscalars: int = 0  # and this many numbers for the `{"$s": k}` holes in op arguments
+
+
+class InstrReplay(Struct, frozen=True, tag="replay"):
+    """Run program `program` again with these tensor ids, seeds and numbers (the only per-step data)."""
+
+    program: int
+    tids: list[int]
+    seeds: list[int] = []
+    scalars: list[float] = []
+
+
+Instr = InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete | InstrDefine | InstrReplay
 
 
 class Submit(Struct, frozen=True):
@@ -539,8 +566,38 @@ class CmdStay(Struct, frozen=True, tag="stay"):
     devices: list[int]
 
 
+StepCmd = CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCollective  # what a program holds
+
+
+class CmdProgram(Struct, frozen=True, tag="program"):
+    """Keep `cmds` as this worker's part of the session's captured program `program` (`InstrDefine`), as the
+    controller translated it for the session's current binding. Its tensor ids, seeds and numbers are slots, and
+    each collective's op number is an offset into its group's: a CmdReplay fills them in
+    (`dtorch_protocol.programs.fill_cmds`). Replaces the session's program of that id on this worker.
+    """
+
+    program: int
+    version: int  # which translation of it this is: a CmdReplay names the one it was sent for
+    cmds: list[StepCmd]
+    ntids: int
+    nseeds: int = 0
+    nscalars: int = 0
+
+
+class CmdReplay(Struct, frozen=True, tag="replay"):
+    """Run this worker's part of program `program` (translation `version`) here and now, its slots filled with these
+    tensor ids, seeds and numbers, each group's op numbers going on from `groups` (group -> its last op number)."""
+
+    program: int
+    version: int
+    tids: list[int]
+    seeds: list[int] = []
+    scalars: list[float] = []
+    groups: dict[str, int] = {}
+
+
 Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
-       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective)
+       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective | CmdProgram | CmdReplay)
 
 
 class Execute(Struct, frozen=True):
@@ -705,4 +762,5 @@ def all_message_types() -> list[type]:
 
 
 __all__ = [name for name, v in globals().items() if isinstance(v, type) and issubclass(v, msgspec.Struct)] + [
-    "Instr", "Cmd", "PROTOCOL_VERSION", "ErrorKind", "TENSOR_SLOT", "tensor_slot", "slot_tid", "tensor_refs"]
+    "Instr", "StepInstr", "Cmd", "PROTOCOL_VERSION", "ErrorKind", "TENSOR_SLOT", "tensor_slot", "slot_tid",
+    "tensor_refs"]

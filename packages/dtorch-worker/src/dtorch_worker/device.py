@@ -7,10 +7,10 @@ Rules:
 2. Host copies go through host buffers the backend hands out: plain memory on the CPU, page-locked (pinned) on
    CUDA, so a device <-> host copy is one DMA and never goes through numpy. `host_bytes` is a zero-copy byte
    view of a host tensor for the wire (ctypes over its memory, the tensor kept alive by the view).
-3. Random values of factories never depend on the device: they come from `generator(seed)`, a CPU generator,
-   and are copied over. Random ops (dropout) run under `seeded(seed)` on the device's own generator, so every
-   device of one type draws the same values; two device types draw different ones (a mesh mixing them is
-   refused for random ops by the controller's translation, see docs/architecture.md).
+3. Random values of factories never depend on the device: each box is drawn on the CPU by `random_blocks` (the
+   blocks it overlaps: O(shard)) and copied over. Random ops (dropout) run under `seeded(seed)` on the device's
+   own generator, so every device of one type draws the same values; two device types draw different ones (a
+   mesh mixing them is refused for random ops by the controller's translation, see docs/architecture.md).
 4. The comm backend (`comm`: "gloo", "nccl"), how a lane waits for a collective (`completion`), whether all
    groups share one lane (`one_lane`) and the construction of a process group object belong to the backend:
    `new_group` builds one group of its own (never the global default group: one worker serves many sessions),
@@ -127,10 +127,6 @@ class DeviceBackend:
         return self.to_device(typed(host, dtype, shape))
 
     # ------------------------------------------------------------ random numbers
-
-    def generator(self, seed: int) -> torch.Generator:
-        """The generator of random factories: on the CPU for every device, so values never depend on it."""
-        return torch.Generator().manual_seed(seed)
 
     @contextmanager
     def seeded(self, seed: int) -> Iterator[None]:

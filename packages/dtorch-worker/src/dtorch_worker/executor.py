@@ -21,6 +21,10 @@ first command that uses one waits for it there (as do peers' pulls and whole-sha
 completed (reported to the controller) only once its collectives are done, and their errors are reported
 with it. Why the waits cannot deadlock across sessions: groups.py, rule 5.
 
+Captured programs (`dtorch.compile`): a CmdProgram keeps this worker's commands of a session's program (slots for
+tensor ids, seeds, numbers and group op numbers, `dtorch_protocol.programs`); a CmdReplay runs them filled in, in
+its place in the batch, each as if it had been sent (errors, profiles and metrics per command).
+
 Memory caps: a session packed with others onto this device carries its cap on every Execute. A command that
 makes a capped session hold more than its cap here (created or grown shards: runs, creates, redistributions,
 restores) fails like any other: its outputs become Poison with a "memory cap exceeded" report, which frees
@@ -43,6 +47,7 @@ from typing import Any
 import msgspec
 import torch
 
+from dtorch_protocol import programs
 from dtorch_protocol.messages import (
     Cmd,
     CmdAbandon,
@@ -53,8 +58,10 @@ from dtorch_protocol.messages import (
     CmdExpectReads,
     CmdFetchShards,
     CmdGroup,
+    CmdProgram,
     CmdRebuilt,
     CmdRedistribute,
+    CmdReplay,
     CmdRun,
     CmdSendShards,
     CmdStay,
@@ -69,7 +76,7 @@ from dtorch_protocol.messages import (
 )
 from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import decode_value, dtype_from_name
-from dtorch_worker import collectives, hygiene, shards
+from dtorch_worker import collectives, hygiene, random_blocks, shards
 from dtorch_worker.device import backend_for
 from dtorch_worker.groups import GroupError, Groups
 from dtorch_worker.ops import prepare_args, resolve_op
@@ -157,6 +164,7 @@ class Executor:
         self._errors: dict[str, list[ErrorReport]] = {}
         self._errors_lock = threading.Lock()
         self._skip_below: dict[str, int] = {}  # session -> batches below this seq were abandoned (CmdAbandon)
+        self._programs: dict[str, dict[int, CmdProgram]] = {}  # session -> its captured programs' commands here
         self._seq = 0  # the batch running now
         self.busy_s = 0.0  # seconds spent running batches (utilization)
         self.groups = Groups(self.backend)  # process groups with other workers (CmdGroup)
@@ -321,11 +329,43 @@ class Executor:
         self.store.set_cap(batch.session, batch.memory_cap)
         self.peers.grant(batch.session, batch.caps)
         for cmd in batch.cmds:
-            started = time.perf_counter()
-            self.run_command(batch.session, cmd)
-            if self.observe is not None:
-                self.observe(batch.session, cmd, started, time.perf_counter(),
-                             lambda cmd=cmd: self.store.output_bytes(batch.session, _outputs(cmd)))
+            if type(cmd) is CmdReplay or type(cmd) is CmdProgram:
+                for filled in self._program(batch.session, cmd):
+                    self._observed(batch.session, filled)
+            else:
+                self._observed(batch.session, cmd)
+
+    def _observed(self, session: str, cmd: Cmd) -> None:
+        started = time.perf_counter()
+        self.run_command(session, cmd)
+        if self.observe is not None:
+            self.observe(session, cmd, started, time.perf_counter(),
+                         lambda: self.store.output_bytes(session, _outputs(cmd)))
+
+    def _program(self, session: str, cmd: CmdProgram | CmdReplay) -> list[Cmd]:
+        """Keep a captured program's commands (CmdProgram: nothing runs), or the commands a CmdReplay of it stands
+        for, filled in. What does not fit is reported (kind OP: the user's step fails at its next sync)."""
+        mine = self._programs.setdefault(session, {})
+        if type(cmd) is CmdProgram:
+            problem = programs.check_cmds(cmd)
+            if problem is None and cmd.program not in mine and len(mine) >= programs.MAX_PROGRAMS:
+                problem = f"a session keeps at most {programs.MAX_PROGRAMS} programs on a worker"
+            if problem is None:
+                mine[cmd.program] = cmd
+                return []
+        else:
+            kept = mine.get(cmd.program)
+            if kept is not None and kept.version == cmd.version:
+                try:
+                    return programs.fill_cmds(kept, cmd)
+                except ValueError as e:
+                    problem = str(e)
+            else:
+                problem = (f"translation {cmd.version} of program {cmd.program} is not on this worker (it has "
+                           f"{'none' if kept is None else kept.version})")
+        self._record(session, ErrorReport(op=f"program:{cmd.program}", src="", message=problem, seq=self._seq,
+                                          kind=ErrorKind.OP))
+        return []
 
     def run_command(self, session: str, cmd: Cmd) -> None:
         """Run one command; failures poison its outputs instead of raising.
@@ -352,6 +392,7 @@ class Executor:
                     for device in cmd.devices:
                         self.store.delete((session, tid, device))
             elif isinstance(cmd, CmdCloseSession):
+                self._programs.pop(session, None)
                 self.groups.close(session)
                 self.store.drop_session(session)
                 self.store.drop_derived(session)
@@ -410,12 +451,8 @@ class Executor:
             raise MemoryCapExceeded(cap_message(new, cap))  # before allocating: it could never fit
         zero = set(cmd.zero)
         full: torch.Tensor | None = None
-        if cmd.init in RANDOM_INITS and any(dev not in zero for dev in boxes):
-            # The whole tensor from the seed, then each box: values never depend on mesh or placements.
-            g = self.backend.generator(cmd.seed)
-            maker = torch.rand if cmd.init == "rand" else torch.randn
-            full = maker(shape, generator=g, dtype=dtype)
-        elif cmd.init == "arange":
+        drawn: dict[str, torch.Tensor] = {}  # a random box drawn once per worker (replicas clone it)
+        if cmd.init == "arange":
             if not cmd.arange or len(cmd.arange) != 3:
                 raise ValueError(f"arange needs [start, end, step], got {cmd.arange!r}")
             start, end, step = cmd.arange
@@ -432,9 +469,17 @@ class Executor:
                 if cmd.value is None:
                     raise ValueError("full needs a value")
                 t = torch.full(bshape, cmd.value, dtype=dtype, device=self.device)
+            elif cmd.init in RANDOM_INITS:
+                # only the blocks overlapping this box: O(shard), independent of the layout
+                key = repr(box)
+                if key not in drawn:
+                    # drawn on the CPU and copied over: values independent of the device (device.py rule 3)
+                    drawn[key] = random_blocks.draw(cmd.init, cmd.seed, shape, box, dtype).to(self.device)
+                    t = drawn[key]
+                else:  # devices must never share storage (an in-place op on one would change another)
+                    t = drawn[key].clone()
             else:
                 assert full is not None
-                # clone: devices must never share storage (an in-place op on one would change another)
                 t = narrow_box(full, box).clone(memory_format=torch.contiguous_format).to(self.device)
             made[dev] = t
         for dev, t in made.items():

@@ -23,7 +23,7 @@ Rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from dtorch_controller.core.model import Mesh, Session
@@ -41,8 +41,9 @@ class LoggedBatch:
     """One accepted client batch."""
 
     seq: int
-    instrs: list[m.Instr]
+    instrs: list[m.Instr]  # plain instructions, and replays of captured programs (never their definitions)
     sent: bool = False  # translated and sent to workers
+    programs: dict[int, m.InstrDefine] = field(default_factory=dict)  # the definition each replay here names
 
 
 @dataclass
@@ -104,27 +105,42 @@ def instr_tids(instr: m.Instr) -> set[int]:
         return out | {t for t in m.tensor_refs([instr.args, instr.kwargs, instr.local or {}]) if isinstance(t, int)}
     if isinstance(instr, m.InstrRedistribute):
         return {instr.src, instr.dst}
-    if isinstance(instr, m.InstrDelete):
+    if isinstance(instr, (m.InstrDelete, m.InstrReplay)):  # a replay names every tensor of its program
         return set(instr.tids)
     return set()
 
 
-def note_origins(origin: dict[int, tuple[str, str]], instrs: list[m.Instr]) -> None:
-    """Remember which op made each tensor (for the message when it cannot be rebuilt)."""
+Note = tuple[str, int, tuple[str, str]]  # ("set" | "first" | "drop", tid, (op, src))
+
+
+def origin_notes(instrs: list[m.Instr]) -> Iterator[Note]:
+    """Which op made each tensor, as notes for `note_origins` (a program keeps its own, in slots)."""
     for instr in instrs:
         if isinstance(instr, m.InstrCreate):
-            origin[instr.tid] = (f"create:{instr.init}", instr.src)
+            yield "set", instr.tid, (f"create:{instr.init}", instr.src)
         elif isinstance(instr, m.InstrAdopt):
-            origin[instr.tid] = ("upload (distribute_tensor)", "")
+            yield "set", instr.tid, ("upload (distribute_tensor)", "")
         elif isinstance(instr, m.InstrCall):
             for o in instr.outs:
                 if o is not None:
-                    origin.setdefault(o.tid, (instr.op, instr.src))  # in-place ops keep the first maker
+                    yield "first", o.tid, (instr.op, instr.src)  # in-place ops keep the first maker
         elif isinstance(instr, m.InstrRedistribute):
-            origin[instr.dst] = ("redistribute", instr.src_line)
+            yield "set", instr.dst, ("redistribute", instr.src_line)
         elif isinstance(instr, m.InstrDelete):
             for tid in instr.tids:
-                origin.pop(tid, None)
+                yield "drop", tid, ("", "")
+
+
+def note_origins(origin: dict[int, tuple[str, str]], notes: Iterable[Note], tids: Callable[[int], int] = int,
+                 ) -> None:
+    """Remember which op made each tensor (for the message when it cannot be rebuilt); `tids` maps a note's id."""
+    for how, tid, what in notes:
+        if how == "set":
+            origin[tids(tid)] = what
+        elif how == "first":
+            origin.setdefault(tids(tid), what)
+        else:
+            origin.pop(tids(tid), None)
 
 
 def shard_bytes(spec: m.TensorSpec, mesh: Mesh, device: int) -> int:

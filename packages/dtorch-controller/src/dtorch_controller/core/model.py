@@ -110,6 +110,7 @@ class Session:
     readers: dict[int, dict[str, int]] = field(default_factory=dict)  # tid -> remote reader worker -> Execute seq
     deferred: list[DeferredDelete] = field(default_factory=list)
     comm: CommGroups = field(default_factory=CommGroups)  # process groups of its collectives (collectives.py)
+    programs: dict[int, m.InstrDefine] = field(default_factory=dict)  # captured steps by id (core/programs.py)
 
 
 class Cluster:

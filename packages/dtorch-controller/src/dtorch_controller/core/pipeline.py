@@ -12,9 +12,11 @@ Rules:
 3. An upload (InstrAdopt) is copied at its point in the stream (lineage.py rule 3): the batch is cut after the
    adopt; translating for a replay restores the upload from its copies there instead.
 4. `translate` does not send: a feature may translate a program again (a rebuild replays its log on a new binding)
-   and send it with `send`, or leave it. `_send_batch` is the one place where a logged batch becomes commands:
-   a captured program re-sent with new tensor ids (issue #12) would be a kind of logged batch turned into
-   commands there, still in log order, held like any batch, and replayed by a rebuild like any batch.
+   and send it with `send`, or leave it. `_send_batch` is the one place where a logged batch becomes commands.
+   A captured program (issue #12, `programs.py`) is kept at `accept`; its replays stay in the log as they came
+   (with the definition they named). Going out, a replay is one CmdReplay per worker of its program compiled for
+   the session's binding (`compiled`; the workers keep the commands, CmdProgram; translated and compiled again
+   when the binding or the tensors it reads changed); a rebuild translates the instructions it stands for.
 5. A Sync is answered done when no live worker the session sent to is behind and no hold makes it wait
    (`state.HOLDS`: a frozen session's only while batches are held; recovering and migrating always).
 6. A delete of a tensor that remote readers (redistributions on other workers) still have to read is held back
@@ -23,9 +25,20 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
+
 from dtorch_controller.core import effects as fx
+from dtorch_controller.core import programs
 from dtorch_controller.core import state as st
-from dtorch_controller.core.lineage import Copies, Lineage, LoggedBatch, copy_upload, note_origins, restore_upload
+from dtorch_controller.core.lineage import (
+    Copies,
+    Lineage,
+    LoggedBatch,
+    copy_upload,
+    note_origins,
+    origin_notes,
+    restore_upload,
+)
 from dtorch_controller.core.model import Cluster, Session, Worker
 from dtorch_controller.core.pool import Pool
 from dtorch_controller.core.step import Step
@@ -42,6 +55,8 @@ class Pipeline:
         self.recovery = recovery  # sessions keep lineage (snapshots and their log) to be rebuilt after a loss
         self.recs: dict[str, Lineage] = {}  # session -> its log and copies (read them here, change them in place)
         self.holds: dict[str, set[st.Hold]] = {}  # session -> what holds its batches
+        self.compiled: dict[str, dict[int, programs.Compiled]] = {}  # session -> program -> its commands (rule 4)
+        self._versions = itertools.count(1)  # numbers each translation of a program the workers keep
 
     def rec(self, s: Session, now: float) -> Lineage:
         """The session's lineage, made at first use: the empty registry before batch 1 is a complete snapshot."""
@@ -55,14 +70,18 @@ class Pipeline:
     def close(self, s: Session) -> Lineage | None:
         """Forget the session's log and holds; returns its lineage (its copies are still to be dropped)."""
         self.holds.pop(s.id, None)
+        self.compiled.pop(s.id, None)
         return self.recs.pop(s.id, None)
 
     # ------------------------------------------------------------ accepting and holding (rule 1)
 
     def accept(self, step: Step, s: Session, instrs: list[m.Instr]) -> None:
-        """Batch `s.seq` was accepted: log it and send it, unless the session is held."""
-        self.rec(s, step.now).log.append(LoggedBatch(s.seq, instrs))
-        step.emit(fx.Accepted(s.id, s.seq, len(instrs)))
+        """Batch `s.seq` was accepted: log it and send it, unless the session is held. Captured programs are kept
+        and their replays filled in first (rule 4): the log holds plain instructions."""
+        instrs, named, refused = programs.accept(s.programs, instrs)
+        s.errors.extend(refused)
+        self.rec(s, step.now).log.append(LoggedBatch(s.seq, instrs, programs=named))
+        step.emit(fx.Accepted(s.id, s.seq, programs.size(instrs, named)))
         self.pump(step, s)
 
     def hold(self, s: Session, reason: st.Hold) -> None:
@@ -101,7 +120,6 @@ class Pipeline:
         step.pumped.add(s.id)
 
     def _send_batch(self, step: Step, s: Session, rec: Lineage, b: LoggedBatch) -> None:
-        note_origins(rec.origin, b.instrs)  # for loss messages, with or without recovery (bounded: live tensors)
         cmds, adopts, errors = self.translate(step.now, s, rec, b, replay=False)
         s.errors.extend(errors)
         seqs = self.send(step, s, cmds)
@@ -113,23 +131,38 @@ class Pipeline:
     def translate(self, now: float, s: Session, rec: Lineage, b: LoggedBatch, replay: bool,
                   ) -> tuple[Cmds, list[Copies], list[m.ErrorReport]]:
         """Translate a batch for the session's binding, cut at each InstrAdopt to copy the upload there (or restore
-        it, `replay`). Returns the commands, the copies started (their seqs are known once sent) and the errors."""
-        instrs = b.instrs
+        it, `replay`). Returns the commands, the copies started (their seqs are known once sent) and the errors.
+        Going out (not `replay`), it notes which op made each tensor, for loss messages (bounded: live tensors), and
+        a replay of a program is its compiled commands (rule 4); a rebuild translates what it stands for."""
+        instrs = b.instrs if not replay else programs.expand(b.instrs, b.programs)
         cmds: Cmds = {}
         errors: list[m.ErrorReport] = []
         adopts: list[Copies] = []
         start = 0
 
-        def run(segment: list[m.Instr]) -> None:
-            if not segment:
-                return
-            batch: Batch = translate(s, segment, self.cluster.workers)
+        def take(batch: Batch) -> None:
             errors.extend(batch.errors)
             s.deferred.extend(batch.deferred)
             for w, batch_cmds in batch.cmds.items():
-                cmds.setdefault(w, []).extend(batch_cmds)
+                mine = cmds.get(w)
+                if mine is None:
+                    cmds[w] = batch_cmds
+                else:
+                    mine.extend(batch_cmds)
+
+        def run(segment: list[m.Instr]) -> None:
+            if segment:
+                if not replay:
+                    note_origins(rec.origin, origin_notes(segment))
+                take(translate(s, segment, self.cluster.workers))
 
         for i, instr in enumerate(instrs):
+            if type(instr) is m.InstrReplay:
+                run(instrs[start:i])
+                start = i + 1
+                take(programs.replay(self.compiled.setdefault(s.id, {}), s, self.cluster.workers,
+                                     b.programs[instr.program], instr, rec.origin, next(self._versions)))
+                continue
             if not isinstance(instr, m.InstrAdopt):
                 continue
             run(instrs[start:i + 1])

@@ -39,6 +39,11 @@ def translate(session: Session, instrs: list[m.Instr], workers: Mapping[str, Wor
     return _Translator(session, workers).run(instrs)
 
 
+def translator(session: Session, workers: Mapping[str, Worker]) -> _Translator:
+    """A translator to feed one instruction at a time (`one`), seeing what each emits (programs.py compiles)."""
+    return _Translator(session, workers)
+
+
 def _describe(instr: m.Instr) -> tuple[str, str, int]:
     """(op, src, tid) for an ErrorReport about `instr`."""
     if isinstance(instr, m.InstrCreate):
@@ -59,6 +64,7 @@ class _Translator:
         self.workers = workers
         self.batch = Batch()
         self._lost_reported: set[str] = set()
+        self._hosted: dict[int, tuple[dict[str, list[int]], dict[str, list[int]], Mesh]] = {}  # mesh id -> hosts
 
     def run(self, instrs: list[m.Instr]) -> Batch:
         handlers = {m.InstrCreate: self._create, m.InstrCall: self._call, m.InstrRedistribute: self._redistribute,
@@ -71,6 +77,12 @@ class _Translator:
             except Exception as e:  # noqa: BLE001 - a client must never crash the controller
                 self._error(instr, f"internal controller error: {type(e).__name__}: {e}")
         return self.batch
+
+    def one(self, instr: m.Instr) -> dict[str, list[m.Cmd]]:
+        """Route one more instruction into `batch`; returns the commands it emitted, per worker."""
+        before = {w: len(cmds) for w, cmds in self.batch.cmds.items()}
+        self.run([instr])
+        return {w: cmds[before.get(w, 0):] for w, cmds in self.batch.cmds.items() if len(cmds) > before.get(w, 0)}
 
     # ------------------------------------------------------------ helpers
 
@@ -100,14 +112,19 @@ class _Translator:
         return spec
 
     def _hosts(self, mesh: Mesh, instr: m.Instr, report_lost: bool = True) -> dict[str, list[int]]:
-        """Worker -> the mesh devices it hosts (mesh order), leaving out lost workers (reported once a batch)."""
-        hosts: dict[str, list[int]] = {}
-        for device in mesh.devices:
-            hosts.setdefault(self.s.devices[device], []).append(device)
-        for worker in list(hosts):
-            if self.workers[worker].state == st.LOST:
-                devices = hosts.pop(worker)
-                if report_lost and worker not in self._lost_reported:
+        """Worker -> the mesh devices it hosts (mesh order), leaving out lost workers (reported once a batch). Worked
+        out once per mesh and batch (the binding does not change while a batch is translated); read-only."""
+        known = self._hosted.get(mesh.id)
+        if known is None or known[2] is not mesh:
+            hosts: dict[str, list[int]] = {}
+            for device in mesh.devices:
+                hosts.setdefault(self.s.devices[device], []).append(device)
+            lost = {w: hosts.pop(w) for w in list(hosts) if self.workers[w].state == st.LOST}
+            known = self._hosted[mesh.id] = (hosts, lost, mesh)
+        hosts, lost, _mesh = known
+        if report_lost:
+            for worker, devices in lost.items():
+                if worker not in self._lost_reported:
                     self._lost_reported.add(worker)
                     self._error(instr, f"logical devices {devices} were on worker {worker}, which was lost; "
                                        "their part of this batch was skipped")

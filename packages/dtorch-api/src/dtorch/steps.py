@@ -1,0 +1,621 @@
+"""Step capture and replay (issue #12 item 2): `dtorch.compile(step)` runs a repeated step as a program.
+
+    @dtorch.compile
+    def train_step(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+The first call runs eagerly (warm-up: optimizers make their state, autograd its gradients). The second runs
+eagerly too and is recorded, then defined at the controller as a program (`InstrDefine`). From the third on,
+the user's Python still runs (autograd, modules, optimizers keep their Python state), but each DTorch
+operation is only *matched* against the program: nothing is planned, encoded or emitted, and the step ends
+with one `InstrReplay(program, tensor ids, seeds, numbers)`.
+
+Rules:
+  1. An *operation* is a top-level aten op (`__torch_dispatch__`), a redistribution or a factory; what it
+     does inside (nested ops, temporaries) belongs to it. Recording one keeps its key (the op, the spec id of
+     each DTensor, every other argument), the slot of each DTensor it reads, how many tensor ids it makes and
+     seeds it draws, its instructions in slot form (`dtorch_protocol.programs`) and how its result is built.
+  2. Slots are numbered in order of first use: a DTensor from outside the step the first time an operation
+     reads it, a tensor id when an operation makes it. A replayed operation matches when its key is equal and
+     each DTensor sits in the recorded slot (a new outside tensor where the recording had one); it then makes
+     its tensor ids, draws its seeds from the session's stream (so later random values are those of an eager
+     run) and builds its result.
+  3. A mismatch (other shapes, placements, dtypes, mesh, ops or non-float arguments; a sync point, an upload
+     or any other instruction) ends the replay for this step: the instructions of the operations matched so far are
+     filled in and emitted, and the step goes on eagerly. The next call records again. Either way the same
+     instructions run in the same order with the same seeds, so results are identical to an eager run.
+  4. Deletes. A tensor made and dropped by one operation is deleted where it was. A tensor made in the step
+     and dropped by the user's code is deleted at its place in the program only if the replay dropped it
+     too (else the step falls back at its end, rule 3); dropped tensors the program does not delete, and
+     tensors from outside the step dropped during it, are released after the step's instructions.
+  5. A recording that holds what a replay cannot reproduce (a sync point, an upload, a plain tensor mixed
+     into an op, an operation that changes a DTensor's id or layout in place, another session's tensors)
+     makes the step run eagerly from then on, with one warning saying why.
+  6. Numbers. An op whose float arguments changed (an optimizer's step size, a learning rate schedule) is
+     planned again, into a list: when its instructions are the program's but for numbers in the op's
+     arguments, those numbers become holes of the program (`{"$s": k}`, defined again once) and the replay
+     sends their values; that op is planned again in each later replay, every other op only matched.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+import torch.utils._pytree as pytree
+
+from dtorch import _dispatch
+from dtorch.dtensor import DTensor
+from dtorch.runtime import get_session
+from dtorch.session import Session
+from dtorch_protocol import messages as m
+from dtorch_protocol import programs
+
+_decode_instr = msgspec.msgpack.Decoder(m.Instr).decode
+
+
+class Unreplayable(Exception):
+    """The recording holds something a replay cannot reproduce (rule 5); str() says what."""
+
+
+@dataclass
+class _Op:
+    key: Any
+    leaf_slots: tuple[int, ...]  # the slot of each DTensor read (== slots so far: a new outside tensor)
+    made: int  # tensor ids made (the next slots)
+    seeds: int
+    start: int  # its first instruction in the program
+    end: int  # past its last one
+    result: Any  # (treespec, [("in", i) | ("new", slot, spec, requires_grad) | ("val", v)])
+    # an elementwise op with number holes: (position among the key's floats, hole) of each hole, the floats
+    # baked into its instructions (position, value), how many floats its key holds (rule 6)
+    numbers: list[tuple[int, int]] | None = None
+    fixed: list[tuple[int, Any]] = field(default_factory=list)
+    nfloats: int = 0
+
+
+@dataclass
+class Program:
+    id: int
+    ops: list[_Op] = field(default_factory=list)
+    instrs: list[m.StepInstr] = field(default_factory=list)  # slot form
+    ntids: int = 0
+    nseeds: int = 0
+    nscalars: int = 0
+    external: set[int] = field(default_factory=set)  # slots of tensors from outside the step
+    holes: set[int] = field(default_factory=set)  # ops whose numbers are holes (planned again each step)
+    redefine: bool = False  # holes were added since the controller got the definition
+    user_deletes: dict[int, int] = field(default_factory=dict)  # instruction index -> slot (rule 4)
+
+
+class _Mode:
+    """What a step installs on its session while it runs: the step hook and the session's three per-op calls."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.emit, self.new_tid, self.release = session.emit, session.new_tid, session.release  # the eager ones
+        self.slot_of: dict[int, int] = {}
+        self.tids: list[int] = []
+        self.held: list[int] = []  # outside tensors dropped during the step (rule 4)
+        self.active = False
+
+    def install(self) -> None:
+        s = self.session
+        s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
+        s.step = self
+        _dispatch.step_hook = self
+        self.active = True
+
+    def uninstall(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        s = self.session
+        s.emit, s.new_tid, s.release = self.emit, self.new_tid, self.release
+        s.step = None
+        _dispatch.step_hook = None
+        for tid in self.held:
+            self.release(tid)
+        self.held.clear()
+
+    # overridden
+    def _emit(self, item: Any) -> None: ...
+    def _new_tid(self) -> int: ...
+    def _release(self, tid: int) -> None: ...
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any: ...
+    def interrupt(self, why: str) -> None: ...
+
+
+class _Recorder(_Mode):
+    """Runs a step eagerly and records it (rules 1, 2, 4, 5)."""
+
+    def __init__(self, session: Session, program_id: int) -> None:
+        super().__init__(session)
+        self.program = Program(program_id)
+        self.op: _Op | None = None  # the operation running now
+        self.op_made: set[int] = set()
+        self.seeds: list[int] = []
+        self.broken: str | None = None
+        self.external: set[int] = set()  # slots of tensors from outside the step
+
+    def abandon(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+        self.uninstall()
+
+    def interrupt(self, why: str) -> None:
+        self.abandon(why)
+
+    def _new_tid(self) -> int:
+        tid = self.new_tid()
+        self.slot_of[tid] = len(self.tids)
+        self.tids.append(tid)
+        if self.op is not None:
+            self.op_made.add(tid)
+        return tid
+
+    def _emit(self, item: Any) -> None:
+        self.emit(item)
+        if self.op is None:
+            return self.abandon("it issues an instruction outside DTorch's ops (an upload?)")
+        try:
+            self.program.instrs.append(programs.map_ids(_instruction(item), self._slot, self._seed))
+        except (TypeError, Unreplayable) as e:
+            self.abandon(str(e))
+
+    def _slot(self, tid: int) -> int:
+        slot = self.slot_of.get(tid)
+        if slot is None:
+            raise Unreplayable(f"an op reads tensor {tid}, which is not among its arguments")
+        return slot
+
+    def _seed(self, seed: int) -> int:
+        self.seeds.append(seed)
+        return len(self.seeds) - 1
+
+    def _release(self, tid: int) -> None:
+        slot = self.slot_of.get(tid)
+        if slot is None or slot in self.external:
+            self.held.append(tid)  # from outside the step: released after it
+            return
+        self.emit(m.InstrDelete(tids=[tid]))
+        if self.op is None or tid not in self.op_made:
+            self.program.user_deletes[len(self.program.instrs)] = slot
+        self.program.instrs.append(m.InstrDelete(tids=[slot]))
+
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any:
+        if any(leaf._session is not self.session for leaf in leaves):
+            self.abandon("it mixes DTensors of another session")
+            return thunk()
+        slots = []
+        for leaf in leaves:
+            slot = self.slot_of.get(leaf._tid)
+            if slot is None:
+                slot = self.slot_of[leaf._tid] = len(self.tids)
+                self.tids.append(leaf._tid)
+                self.external.add(slot)
+            slots.append(slot)
+        before = [(leaf._tid, leaf._spec) for leaf in leaves]
+        first_tid, first_seed = len(self.tids), len(self.seeds)
+        self.op = op = _Op(key, tuple(slots), 0, 0, len(self.program.instrs), 0, None)
+        _dispatch.step_hook = None  # nested ops are part of this one
+        try:
+            result = thunk()
+        finally:
+            if self.active:
+                _dispatch.step_hook = self
+            self.op = None
+        if not self.active:
+            return result
+        op.made, op.seeds = len(self.tids) - first_tid, len(self.seeds) - first_seed
+        op.end = len(self.program.instrs)
+        self.op_made.clear()
+        if [(leaf._tid, leaf._spec) for leaf in leaves] != before:
+            self.abandon(f"{func if func is not None else key[0]} changes a DTensor's id or layout in place")
+            return result
+        try:
+            op.result = self._recipe(result, leaves, first_tid)
+        except Unreplayable as e:
+            self.abandon(str(e))
+            return result
+        self.program.ops.append(op)
+        return result
+
+    def _recipe(self, result: Any, leaves: list, first_tid: int) -> Any:
+        flat, spec = pytree.tree_flatten(result)
+        out = []
+        for v in flat:
+            if isinstance(v, DTensor):
+                index = next((i for i, leaf in enumerate(leaves) if leaf is v), None)
+                slot = self.slot_of.get(v._tid, -1)
+                if index is not None:
+                    out.append(("in", index))
+                elif slot >= first_tid and slot not in self.external:
+                    out.append(("new", slot, v._spec, v.requires_grad))
+                else:
+                    raise Unreplayable("an op returns a DTensor that is neither an argument nor new")
+            elif isinstance(v, torch.Tensor):
+                raise Unreplayable("an op returns a plain torch.Tensor")
+            else:
+                out.append(("val", v))
+        return spec, out
+
+    def finish(self) -> Program | None:
+        """The recorded program, or None when the recording is unreplayable (`broken` says why)."""
+        self.uninstall()
+        if self.broken is not None:
+            return None
+        self.program.ntids, self.program.nseeds = len(self.tids), len(self.seeds)
+        self.program.external = self.external
+        return self.program
+
+
+class _Replayer(_Mode):
+    """Matches a step against its program and sends one InstrReplay (rules 2-4, 6)."""
+
+    def __init__(self, session: Session, program: Program) -> None:
+        super().__init__(session)
+        self.program = program
+        self.pos = 0
+        self.seeds: list[int] = []
+        self.scalars: list[Any] = [None] * program.nscalars
+        self.dropped: set[int] = set()  # tensor ids made in the step and dropped by the user's code
+        self.pending: list = []  # what an op planned again has emitted so far (a fallback sends it)
+        self.fell_back = False
+
+    def _new_tid(self) -> int:  # only outside our operations (an upload): the step goes eager first
+        self.interrupt("an upload")
+        return self.new_tid()
+
+    def _emit(self, item: Any) -> None:
+        self.interrupt("another instruction")
+        self.emit(item)
+
+    def _release(self, tid: int) -> None:
+        slot = self.slot_of.get(tid)
+        if slot is not None and slot not in self.program.external:
+            self.dropped.add(tid)
+        else:
+            self.held.append(tid)
+
+    def interrupt(self, why: str) -> None:
+        if self.active:
+            self.fall_back()
+
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any:
+        ops = self.program.ops
+        op = ops[self.pos] if self.pos < len(ops) else None
+        if op is None or not (op.key == key or _numbers_differ(op.key, key)) or not self._bind(op, leaves):
+            self.fall_back()
+            return thunk()
+        if (op.key != key or self.pos in self.program.holes) and not self._read_numbers(op, key):
+            return self._plan_again(op, key, leaves, thunk, func)
+        tids, slot_of, new = self.tids, self.slot_of, self.new_tid
+        for _ in range(op.made):
+            tid = new()
+            slot_of[tid] = len(tids)
+            tids.append(tid)
+        next_seed = self.session.next_seed
+        for _ in range(op.seeds):
+            self.seeds.append(next_seed())
+        self.pos += 1
+        spec, recipe = op.result
+        out = []
+        for how in recipe:
+            if how[0] == "new":
+                out.append(DTensor(how[2], tids[how[1]], self.session, how[3]))
+            elif how[0] == "in":
+                out.append(leaves[how[1]])
+            else:
+                out.append(how[1])
+        return pytree.tree_unflatten(out, spec)
+
+    def _bind(self, op: _Op, leaves: list) -> bool:
+        tids = self.tids
+        if len(leaves) != len(op.leaf_slots):
+            return False
+        for leaf, slot in zip(leaves, op.leaf_slots):
+            tid = leaf._tid
+            if slot == len(tids):
+                if tid in self.slot_of or leaf._session is not self.session:
+                    return False
+                self.slot_of[tid] = slot
+                tids.append(tid)
+            elif tids[slot] != tid:
+                return False
+        return True
+
+    def _read_numbers(self, op: _Op, key: Any) -> bool:
+        """An elementwise op whose holes are known takes their values from its key, unplanned (rule 6)."""
+        if op.numbers is None:
+            return False
+        floats: list = []
+        _floats(key, floats)
+        if len(floats) != op.nfloats or any(floats[j] != v for j, v in op.fixed):
+            return False
+        for j, k in op.numbers:
+            self.scalars[k] = floats[j]
+        return True
+
+    def _plan_again(self, op: _Op, key: Any, leaves: list, thunk: Callable[[], Any], func: Any) -> Any:
+        """An op whose numbers changed (an optimizer's step size): run it eagerly into a list, and when its
+        instructions are the program's but for numbers in its arguments, those become holes (rule 6)."""
+        s, made, items = self.session, [], []
+
+        def new_tid() -> int:
+            tid = self.new_tid()
+            self.slot_of[tid] = len(self.tids)
+            self.tids.append(tid)
+            made.append(tid)
+            return tid
+
+        def release(tid: int) -> None:
+            if tid not in made:  # the op's own temporaries are deleted by its instructions
+                self._release(tid)
+
+        s.emit, s.new_tid, s.release = items.append, new_tid, release
+        _dispatch.step_hook, self.pending = None, items
+        try:
+            result = thunk()
+        finally:
+            self.pending = []
+            if self.active:
+                s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
+                _dispatch.step_hook = self
+        if not self.active:  # a sync point inside the op: the replay fell back (and sent `items`) meanwhile
+            return result
+        numbers = self._adopt_numbers(op, items, made, result, leaves)
+        if numbers is None:
+            self.fall_back(items)
+            return result
+        if func is not None and (torch.Tag.pointwise in func.tags or func.__name__.startswith("_foreach_")):
+            _learn_positions(op, key, numbers)  # its output shapes cannot depend on the numbers
+        self.pos += 1
+        return result
+
+    def _adopt_numbers(self, op: _Op, items: list, made: list, result: Any, leaves: list) -> dict | None:
+        """The op's numbers by hole, when its instructions are the program's but for numbers (new holes are added
+        to the program); None when they are not."""
+        p = self.program
+        if len(made) != op.made:
+            return None
+        try:
+            new = [programs.map_ids(_instruction(i), self._slot, self._seed) for i in items]
+        except (KeyError, TypeError):
+            return None
+        if len(new) != op.end - op.start or not _same_result(op, result, leaves, self.tids):
+            return None
+        found: list[tuple[int, list, Any]] = []  # (instruction, path, number) of new holes
+        numbers: dict[int, Any] = {}
+        for index, (old, now) in enumerate(zip(p.instrs[op.start:op.end], new)):
+            if not _match(_plain(old), _plain(now), [], lambda path, v, i=index: found.append((i, path, v)),
+                          numbers):
+                return None
+        for index, path, value in found:  # the program learns its holes (sent again before the replay)
+            plain = _plain(p.instrs[op.start + index])
+            _set(plain, path, {programs.SCALAR_HOLE: p.nscalars})
+            p.instrs[op.start + index] = _decode_step(msgspec.msgpack.encode(plain))
+            numbers[p.nscalars] = value
+            p.nscalars += 1
+            self.scalars.append(None)
+            p.redefine = True
+        for k, value in numbers.items():
+            self.scalars[k] = value
+        p.holes.add(self.pos)
+        return numbers
+
+    def _slot(self, tid: int) -> int:
+        return self.slot_of[tid]
+
+    def _seed(self, seed: int) -> int:
+        self.seeds.append(seed)
+        return len(self.seeds) - 1
+
+    def finish(self) -> None:
+        """The step ended: one InstrReplay, or the instructions of what ran (rule 3)."""
+        if not self.active:
+            return
+        p = self.program
+        slots_dropped = {self.slot_of[t] for t in self.dropped}
+        if self.pos < len(p.ops) or not set(p.user_deletes.values()) <= slots_dropped:
+            return self.fall_back()
+        if p.redefine:
+            self.emit(_definition(p))
+            p.redefine = False
+        self.emit(m.InstrReplay(program=p.id, tids=self.tids, seeds=self.seeds, scalars=self.scalars))
+        deleted = {self.tids[s] for s in p.user_deletes.values()}
+        self.held.extend(t for t in self.dropped if t not in deleted)
+        self.uninstall()
+
+    def fall_back(self, then: list = ()) -> None:
+        """Emit the filled-in instructions of the operations matched so far (and `then`), then go eager (rule 3)."""
+        if not self.active:
+            return
+        self.fell_back = True
+        p = self.program
+        end = p.ops[self.pos].start if self.pos < len(p.ops) else len(p.instrs)
+        dropped = {self.slot_of[t] for t in self.dropped}
+        tids, seeds, scalars = self.tids, self.seeds, self.scalars
+        deleted = set()
+        for index in range(end):
+            slot = p.user_deletes.get(index)
+            if slot is not None:
+                if slot not in dropped:
+                    continue  # the user's code still holds it
+                deleted.add(tids[slot])
+            self.emit(programs.map_ids(p.instrs[index], tids.__getitem__, seeds.__getitem__, scalars.__getitem__))
+        for item in then or self.pending:
+            self.emit(item)
+        self.held.extend(t for t in self.dropped if t not in deleted)
+        self.uninstall()
+
+
+_decode_step = msgspec.msgpack.Decoder(m.StepInstr).decode
+_NUMBER_FIELDS = ("args", "kwargs", "local")  # where a number may become a hole (rule 6)
+
+
+def _instruction(item: Any) -> Any:
+    """The wire instruction of an emitted item (a fast-path record is encoded by its plan)."""
+    if type(item) is tuple:
+        item = item[0](item)
+        if type(item) is msgspec.Raw:
+            return _decode_instr(item)
+    return item
+
+
+def _plain(instr: Any) -> Any:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(instr))
+
+
+def _numbers_differ(a: Any, b: Any) -> bool:
+    """Do two op keys differ only in float arguments?"""
+    if type(a) is tuple and type(b) is tuple and len(a) == len(b):
+        if len(a) == 2 and a[0] is float and b[0] is float:
+            return True
+        return all(x == y or _numbers_differ(x, y) for x, y in zip(a, b))
+    return False
+
+
+def _floats(key: Any, out: list) -> None:
+    """The float arguments in an op key, in order."""
+    if type(key) is tuple:
+        if len(key) == 2 and key[0] is float:
+            out.append(key[1])
+        else:
+            for x in key:
+                _floats(x, out)
+
+
+def _learn_positions(op: _Op, key: Any, numbers: dict[int, Any]) -> None:
+    """Where each hole's value sits among the floats of the op's `key`, when each sits at exactly one place."""
+    floats: list = []
+    _floats(key, floats)
+    op.numbers = None
+    places = []
+    for k, value in numbers.items():
+        at = [j for j, v in enumerate(floats) if v == value]
+        if len(at) != 1:
+            return
+        places.append((at[0], k))
+    taken = {j for j, _ in places}
+    op.numbers, op.nfloats = places, len(floats)
+    op.fixed = [(j, v) for j, v in enumerate(floats) if j not in taken]
+
+
+def _match(old: Any, new: Any, path: list, hole: Callable[[list, Any], None], numbers: dict[int, Any]) -> bool:
+    """Is `new` the instruction `old` but for numbers in its arguments? Reports each new hole to `hole` and the
+    value of each existing hole in `numbers`."""
+    if type(old) is dict and len(old) == 1 and programs.SCALAR_HOLE in old:
+        if type(new) is not float:
+            return False
+        numbers[old[programs.SCALAR_HOLE]] = new
+        return True
+    if type(old) is float and type(new) is float and path and path[0] in _NUMBER_FIELDS:
+        if not (old == new):  # nan too
+            hole(list(path), new)
+        return True
+    if type(old) is dict and type(new) is dict:
+        return old.keys() == new.keys() and all(_match(v, new[k], [*path, k], hole, numbers) for k, v in old.items())
+    if type(old) is list and type(new) is list:
+        return len(old) == len(new) and all(_match(v, w, [*path, i], hole, numbers)
+                                            for i, (v, w) in enumerate(zip(old, new)))
+    return type(old) is type(new) and old == new
+
+
+def _set(tree: Any, path: list, value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def _same_result(op: _Op, result: Any, leaves: list, tids: list[int]) -> bool:
+    flat, spec = pytree.tree_flatten(result)
+    recipe_spec, recipe = op.result
+    if spec != recipe_spec or len(flat) != len(recipe):
+        return False
+    for v, how in zip(flat, recipe):
+        if how[0] == "new":
+            if not (isinstance(v, DTensor) and v._tid == tids[how[1]] and v._spec == how[2]):
+                return False
+        elif how[0] == "in":
+            if v is not leaves[how[1]]:
+                return False
+        elif isinstance(v, torch.Tensor) or v != how[1]:
+            return False
+    return True
+
+
+def _definition(p: Program) -> m.InstrDefine:
+    return m.InstrDefine(program=p.id, instrs=p.instrs, ntids=p.ntids, nseeds=p.nseeds, nscalars=p.nscalars)
+
+
+class Compiled:
+    """A step function run as a captured program from its third call on (see the module docstring)."""
+
+    def __init__(self, fn: Callable[..., Any], warmup: int = 1) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.warmup = fn, warmup
+        self.calls = 0
+        self.program: Program | None = None
+        self.unreplayable: str | None = None  # why the step always runs eagerly (rule 5)
+        self.replays = 0  # calls that ran as one InstrReplay
+        self.fallbacks = 0  # replays that fell back to eager (rule 3)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        session = get_session()
+        if self.unreplayable is not None or self.calls <= self.warmup or _dispatch.step_hook is not None \
+                or session.step is not None:
+            return self.fn(*args, **kwargs)
+        if self.program is None:
+            return self._record(session, args, kwargs)
+        mode = _Replayer(session, self.program)
+        mode.install()
+        try:
+            result = self.fn(*args, **kwargs)
+        except BaseException:
+            mode.fall_back()
+            raise
+        mode.finish()
+        if mode.fell_back:
+            self.fallbacks += 1
+            self.program = None  # record again next time
+        else:
+            self.replays += 1
+        return result
+
+    def _record(self, session: Session, args: tuple, kwargs: dict) -> Any:
+        mode = _Recorder(session, session.new_program_id())
+        mode.install()
+        try:
+            result = self.fn(*args, **kwargs)
+        except BaseException:
+            mode.abandon("it raised")
+            raise
+        program = mode.finish()
+        if program is None:
+            self.unreplayable = mode.broken
+            warnings.warn(f"dtorch.compile: {getattr(self.fn, '__qualname__', self.fn)} runs eagerly: "
+                          f"{mode.broken}", stacklevel=3)
+        else:
+            self.program = program
+            session.emit(_definition(program))
+        return result
+
+
+def compile(fn: Callable[..., Any] | None = None, *, warmup: int = 1) -> Any:  # noqa: A001 - torch's name
+    """Run `fn` (a training or inference step over DTensors) as a captured program: call 1..`warmup` eagerly,
+    the next one recorded, later ones replayed with only (program id, tensor ids, seeds) sent. Use as
+    `@dtorch.compile` or `dtorch.compile(fn, warmup=2)`."""
+    if fn is None:
+        return lambda f: Compiled(f, warmup)
+    return Compiled(fn, warmup)

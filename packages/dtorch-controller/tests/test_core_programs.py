@@ -1,0 +1,343 @@
+"""Captured programs (core/programs.py): a definition is kept, a replay runs as its filled-in instructions, from
+the program's commands compiled for the session's binding (translated again whenever that binding changed)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from _core_helpers import Harness
+from dtorch_controller.core import events as ev
+from dtorch_controller.core import programs
+from dtorch_controller.core import translate as tr
+from dtorch_protocol import messages as m
+from dtorch_protocol import programs as p
+from dtorch_protocol.wire import hello
+
+
+def spec(shape):
+    return m.TensorSpec(shape=list(shape), dtype="float32", mesh=1, placements=["S0"])
+
+
+# A step in slot form: slot 0 an outside tensor, slot 1 a random factory, slot 2 their sum (seed slot 0),
+# slot 1 deleted by the user's code.
+STEP = [
+    m.InstrCreate(tid=1, spec=spec([8]), init="randn", seed=0, src="s.py:1"),
+    m.InstrCall(op="aten.add.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 1}], kwargs={},
+                outs=[m.OutSpec(2, spec([8]))], local={0: [[{"$t": 1}, {"$t": 0}], {}]}, src="s.py:2"),
+    m.InstrDelete(tids=[1]),
+]
+
+
+def define(program=7, instrs=STEP, ntids=3, nseeds=1):
+    return m.InstrDefine(program=program, instrs=instrs, ntids=ntids, nseeds=nseeds)
+
+
+def expand(store, instrs):
+    """What the batch stands for once accepted: its replays filled in."""
+    out, named, refused = programs.accept(store, instrs)
+    return programs.expand(out, named), refused
+
+
+def test_a_replay_becomes_its_program_with_the_tensor_ids_and_seeds_filled_in():
+    store: dict = {}
+    out, refused = expand(store, [define(), m.InstrReplay(program=7, tids=[40, 41, 42], seeds=[99])])
+    assert refused == [] and set(store) == {7}
+    create, call, delete = out
+    assert (create.tid, create.seed) == (41, 99)
+    assert call.args == [{"$t": 40}, {"$t": 41}] and call.outs[0].tid == 42
+    assert call.local == {0: [[{"$t": 41}, {"$t": 40}], {}]} and call.seed is None
+    assert delete.tids == [41]
+    # the same program again, other ids: nothing of the first replay is left in it
+    out, _ = expand(store, [m.InstrReplay(program=7, tids=[50, 51, 52], seeds=[5])])
+    assert (out[0].tid, out[0].seed, out[1].outs[0].tid, out[2].tids) == (51, 5, 52, [51])
+
+
+def test_number_holes_take_the_replays_numbers():
+    call = m.InstrCall(op="aten._foreach_add_.ScalarList", mesh=1, args=[[{"$t": 0}], [{"$s": 1}, 2.0]],
+                       kwargs={"alpha": {"$s": 0}}, outs=[])
+    store: dict = {}
+    out, refused = expand(store, [m.InstrDefine(program=1, instrs=[call], ntids=1, nscalars=2),
+                                           m.InstrReplay(program=1, tids=[9], scalars=[0.5, -3.0])])
+    assert refused == [] and out[0].args == [[{"$t": 9}], [-3.0, 2.0]] and out[0].kwargs == {"alpha": 0.5}
+    _, refused = expand(store, [m.InstrDefine(program=2, instrs=[call], ntids=1, nscalars=1)])
+    assert "number slot 1 is outside 0..0" in refused[0].message
+
+
+def test_the_log_keeps_a_replay_as_it_came_and_a_program_defined_again_later_in_the_batch_fills_it_in():
+    store: dict = {}
+    replay = m.InstrReplay(program=7, tids=[40, 41, 42], seeds=[99])
+    out, named, _ = programs.accept(store, [define(), replay])
+    assert out == [replay] and named == {7: define()}
+    out, named, _ = programs.accept(store, [replay, define(instrs=STEP[:1]), replay])
+    assert out == [*p.fill(STEP, [40, 41, 42], [99]), replay] and named == {7: define(instrs=STEP[:1])}
+
+
+def test_a_batch_of_replays_cannot_expand_without_bound(monkeypatch):
+    monkeypatch.setattr(programs, "MAX_EXPANDED", 7)
+    out, refused = expand({}, [define(), *[m.InstrReplay(program=7, tids=[1, 2, 3], seeds=[0])] * 3])
+    assert len(out) == 6 and len(refused) == 1 and "at most 7 instructions" in refused[0].message
+
+
+def test_batches_without_programs_pass_through_untouched():
+    instrs = [m.InstrDelete(tids=[1])]
+    out, named, refused = programs.accept({}, instrs)
+    assert out is instrs and named == {} and refused == []
+
+
+def test_bad_definitions_and_replays_are_refused_and_run_nothing():
+    store: dict = {}
+    bad_slot = [m.InstrDelete(tids=[3])]
+    bad_seed = [m.InstrCreate(tid=0, spec=spec([8]), init="rand", seed=1)]
+    out, refused = expand(store, [
+        define(program=1, instrs=bad_slot), define(program=2, instrs=bad_seed), define(program=3, ntids=-1),
+        m.InstrReplay(program=9, tids=[]), define(program=4),
+        m.InstrReplay(program=4, tids=[1, 2], seeds=[0]), m.InstrReplay(program=4, tids=[1, 2, 3], seeds=[]),
+        m.InstrDelete(tids=[5])])
+    assert out == [m.InstrDelete(tids=[5])] and set(store) == {4}
+    text = [r.message for r in refused]
+    assert "tensor slot 3 is outside 0..2" in text[0] and "seed slot 1 is outside 0..0" in text[1]
+    assert "must be >= 0" in text[2] and text[3] == "unknown program 9"
+    assert "names 2 tensors, 1 seeds and 0 numbers; it was defined with 3, 1 and 0" in text[4]
+    assert "0 seeds" in text[5]
+    assert all(r.kind == m.ErrorKind.REFUSED for r in refused)
+
+
+def test_a_session_holds_a_bounded_number_of_programs():
+    store = {n: define(program=n) for n in range(p.MAX_PROGRAMS)}
+    _, refused = expand(store, [define(program=p.MAX_PROGRAMS), define(program=0, ntids=4)])
+    assert len(refused) == 1 and "at most" in refused[0].message and store[0].ntids == 4  # a redefinition is fine
+
+
+def test_through_the_core_a_replay_is_translated_like_the_instructions_it_stands_for(h):
+    w0, w1 = h.register("10.0.0.1:7001"), h.register("10.0.0.2:7002")
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed
+    h.submit(sid, 1, [m.InstrCreate(tid=10, spec=spec([8]), init="zeros")])
+    h.take_sent()
+    h.submit(sid, 2, [define(), m.InstrReplay(program=7, tids=[10, 11, 12], seeds=[3])])
+    replayed = {s.worker_id: s.execute for s in h.take_sent()}
+    h.submit(sid, 3, [m.InstrDelete(tids=[12]), *p.fill(STEP, [10, 21, 22], [4])])
+    eager = {s.worker_id: s.execute for s in h.take_sent()}
+    assert replayed[w0].cmds[1] == m.CmdCreate(tid=11, dtype="float32", shape=[8], init="randn",
+                                                boxes={0: [[0, 4]]}, zero=[], seed=3, src="s.py:1")
+    assert [type(c) for c in replayed[w0].cmds] == [m.CmdProgram, m.CmdCreate, m.CmdRun, m.CmdDelete]
+    assert replayed[w0].cmds[0].cmds[0] == m.CmdCreate(tid=1, dtype="float32", shape=[8], init="randn",
+                                                        boxes={0: [[0, 4]]}, zero=[], seed=0, src="s.py:1")
+    assert [type(c) for c in eager[w1].cmds] == [m.CmdDelete, m.CmdCreate, m.CmdRun, m.CmdDelete]
+    assert set(h.core.sessions[sid].tensors) == {10, 22}
+    # a bad replay is reported at the next sync, with the program it named
+    h.submit(sid, 4, [m.InstrReplay(program=8, tids=[])])
+    h.report_all()
+    _, reply = h.sync(sid, 4)
+    assert [(e.op, e.message) for e in reply.errors] == [("program:8", "unknown program 8")]
+
+
+# ---------------------------------------------------------------- compiled programs: replays against eager twins
+
+
+def sp(shape, placements=("S0",), mesh=1):
+    return m.TensorSpec(shape=list(shape), dtype="float32", mesh=mesh, placements=list(placements))
+
+
+# Slot 0 comes from outside; 1 = randn (seed slot 0); 2 = 0 + 1 * alpha (a number hole); 3 = 2 gathered on mesh 1
+# (a collective when the workers can join one); 4 = 2 moved to mesh 2 (other device order: point-to-point pieces,
+# workers pull 2 from each other); then 1 and 2 are deleted (2 while its remote readers may still be pulling).
+BIG = [
+    m.InstrCreate(tid=1, spec=sp([8, 4]), init="randn", seed=0, src="s.py:1"),
+    m.InstrCall(op="aten.add.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 1}], kwargs={"alpha": {"$s": 0}},
+                outs=[m.OutSpec(2, sp([8, 4]))], src="s.py:2"),
+    m.InstrRedistribute(src=2, dst=3, src_spec=sp([8, 4]), dst_spec=sp([8, 4], ["R"]), src_line="s.py:3"),
+    m.InstrRedistribute(src=2, dst=4, src_spec=sp([8, 4]), dst_spec=sp([8, 4], mesh=2), src_line="s.py:4"),
+    m.InstrDelete(tids=[1, 2]),
+]
+
+
+class Workers:
+    """What workers run of what they are sent: a program's replays filled in from the commands they keep
+    (`dtorch_protocol.programs`, as the worker's executor does)."""
+
+    def __init__(self):
+        self.kept = {}
+
+    def run(self, sent):
+        out = []
+        for e in sent:
+            cmds = []
+            for c in e.execute.cmds:
+                if type(c) is m.CmdProgram:
+                    assert p.check_cmds(c) is None
+                    self.kept[e.worker_id, c.program] = c
+                elif type(c) is m.CmdReplay:
+                    kept = self.kept[e.worker_id, c.program]
+                    assert kept.version == c.version
+                    cmds += p.fill_cmds(kept, c)
+                else:
+                    cmds.append(c)
+            out.append((e.worker_id, e.execute.seq, e.execute.memory_cap, cmds))
+        return out
+
+
+class Twins:
+    """Two cores fed the same events, but for the steps: one gets a program's replays, the other the instructions
+    they stand for. Everything the core does must be the same."""
+
+    def __init__(self, workers=3, rendezvous=True, **config):
+        self.pair = [Harness(**config), Harness(**config)]
+        for h in self.pair:
+            for i in range(workers):
+                h.call(ev.Register, m.RegisterWorker(
+                    hello=hello("worker"), address=f"10.0.0.{i}:700{i}", device_type="cpu", memory_bytes=1 << 30,
+                    rendezvous=f"10.0.0.{i}:2900{i}" if rendezvous else ""))
+            self.sid = h.open_session()
+            assert h.open_mesh(self.sid, 1, [0, 1]).placed and h.open_mesh(self.sid, 2, [1, 0]).placed
+            h.core.sessions[self.sid].comm.new_key = iter(f"key{n}" for n in itertools.count()).__next__
+        self.seq = 0
+        self.workers = Workers(), Workers()
+        self.both([m.InstrCreate(tid=100, spec=sp([8, 4]), init="ones")])
+
+    def both(self, instrs, eager=None):
+        self.seq += 1
+        for h, batch in zip(self.pair, (instrs, instrs if eager is None else eager)):
+            assert h.submit(self.sid, self.seq, batch).accepted == self.seq
+
+    def step(self, program, instrs, tids, seeds=(), scalars=()):
+        r = m.InstrReplay(program=program, tids=list(tids), seeds=list(seeds), scalars=list(scalars))
+        self.both([r], eager=p.fill(instrs, list(tids), list(seeds), list(scalars)))
+
+    def each(self, f):
+        for h in self.pair:
+            f(h)
+
+    def same(self):
+        (a, b) = self.pair
+        sa, sb = a.take_sent(), b.take_sent()
+        assert self.workers[0].run(sa) == self.workers[1].run(sb)
+        x, y = a.core.sessions[self.sid], b.core.sessions[self.sid]
+        assert (x.tensors, x.readers, x.deferred, x.devices) == (y.tensors, y.readers, y.deferred, y.devices)
+        assert [(g.id, g.seq) for g in x.comm.groups.values()] == [(g.id, g.seq) for g in y.comm.groups.values()]
+        assert a.core.pipeline.recs[self.sid].origin == b.core.pipeline.recs[self.sid].origin
+        return sa
+
+
+def translated(monkeypatch):
+    """Counts the instructions the core translates."""
+    count = [0]
+    run = tr._Translator.run
+
+    def counting(self, instrs):
+        count[0] += len(instrs)
+        return run(self, instrs)
+
+    monkeypatch.setattr(tr._Translator, "run", counting)
+    return count
+
+
+@pytest.mark.parametrize("rendezvous", [True, False], ids=["collectives", "pieces"])
+def test_replays_send_what_the_instructions_would_and_change_the_session_alike(rendezvous):
+    t = Twins(rendezvous=rendezvous)
+    t.both([m.InstrDefine(program=1, instrs=BIG, ntids=5, nseeds=1, nscalars=1)], eager=[])
+    t.same()
+    tid = 200
+    kinds = set()
+    for n in range(4):
+        t.step(1, BIG, [100, tid, tid + 1, tid + 2, tid + 3], seeds=[n], scalars=[0.5 * n])
+        sent = t.same()
+        kinds |= {type(c) for e in sent for c in e.execute.cmds}
+        if n % 2:
+            t.each(Harness.report_all)  # readers done: the next step's delete goes out at once
+        t.same()
+        t.both([m.InstrDelete(tids=[tid + 2, tid + 3])])
+        t.same()
+        tid += 10
+    assert (m.CmdCollective in kinds) == rendezvous and m.CmdRedistribute in kinds and m.CmdExpectReads in kinds
+
+
+def test_a_replay_is_translated_once_then_only_filled_in(monkeypatch):
+    count = translated(monkeypatch)
+    t = Twins()
+    program = BIG[:3]  # no remote readers: nothing is translated on the spot
+    t.both([m.InstrDefine(program=1, instrs=program, ntids=4, nseeds=1, nscalars=1)], eager=[])
+    t.same()
+    for n in range(3):
+        count[0] = 0
+        t.pair[0].submit(t.sid, t.seq + 1, [m.InstrReplay(program=1, tids=[100, 10 + n, 20 + n, 30 + n], seeds=[n],
+                                                          scalars=[float(n)])])
+        t.pair[1].submit(t.sid, t.seq + 1, p.fill(program, [100, 10 + n, 20 + n, 30 + n], [n], [float(n)]))
+        t.seq += 1
+        assert count[0] == (3 if n == 0 else 0) + 3  # the first replay and the eager twin; then the twin only
+        sent = t.same()
+        kinds = [type(c) for e in sent for c in e.execute.cmds]
+        assert kinds[:2] == [m.CmdProgram, m.CmdCreate] if n == 0 else kinds == [m.CmdReplay, m.CmdReplay], kinds
+
+
+def test_what_a_replay_reads_with_another_layout_is_translated_again(monkeypatch):
+    count = translated(monkeypatch)
+    t = Twins()
+    t.both([m.InstrDefine(program=1, instrs=BIG[:3], ntids=4, nseeds=1, nscalars=1),
+            m.InstrCreate(tid=101, spec=sp([8, 4], ["R"]), init="ones")], eager=[
+        m.InstrCreate(tid=101, spec=sp([8, 4], ["R"]), init="ones")])
+    t.step(1, BIG[:3], [100, 10, 11, 12], seeds=[1], scalars=[1.0])
+    t.same()
+    count[0] = 0
+    t.step(1, BIG[:3], [101, 20, 21, 22], seeds=[2], scalars=[2.0])  # a replicated input: not what it was compiled for
+    assert count[0] == 6
+    t.same()
+
+
+def migrate(h, sid, device, to):
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=device, to_worker=to))
+    for _ in range(3):
+        h.report_all()
+    assert h.replies[rid].ok
+
+
+def lose(h, sid, victim):
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    for _ in range(4):
+        h.report_all()
+    assert h.core.sessions[sid].state == "open"
+
+
+@pytest.mark.parametrize("change", ["migration", "loss"])
+def test_a_moved_binding_is_never_replayed_stale(monkeypatch, change):
+    count = translated(monkeypatch)
+    t = Twins(workers=4, snapshot_every_batches=2)
+    t.both([m.InstrDefine(program=1, instrs=BIG, ntids=5, nseeds=1, nscalars=1)], eager=[])
+    for n in range(2):
+        t.step(1, BIG, [100, 10 + n, 20 + n, 30 + n, 40 + n], seeds=[n], scalars=[1.0])
+        t.each(Harness.report_all)
+        t.same()
+    s = t.pair[0].core.sessions[t.sid]
+    before = dict(s.devices)
+    if change == "migration":
+        to = next(w for w in t.pair[0].core.workers if w not in s.devices.values())
+        t.each(lambda h: migrate(h, t.sid, 1, to))
+    else:
+        victim = s.devices[1]
+        t.each(lambda h: lose(h, t.sid, victim))
+    assert s.devices != before
+    t.same()  # a rebuild translates the logged replays on the new binding, like the instructions they stand for
+    count[0] = 0
+    t.step(1, BIG, [100, 50, 51, 52, 53], seeds=[7], scalars=[3.0])
+    sent = t.same()
+    assert count[0] >= 2 * len(BIG)  # translated again, on the new binding
+    assert {e.worker_id for e in sent} == set(s.devices.values())
+
+
+def test_a_program_deleting_an_input_peers_still_read_holds_that_delete_back():
+    t = Twins()
+    step = [m.InstrCall(op="aten.add.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 0}], kwargs={},
+                        outs=[m.OutSpec(1, sp([8, 4]))], src="s.py:1"), m.InstrDelete(tids=[0])]
+    ones = [m.InstrCreate(tid=tid, spec=sp([8, 4]), init="ones") for tid in (300, 400)]
+    t.both([m.InstrDefine(program=1, instrs=step, ntids=2), *ones], eager=ones)
+    t.step(1, step, [300, 301])  # compiled while its input has no readers
+    t.same()
+    t.both([m.InstrRedistribute(src=400, dst=401, src_spec=sp([8, 4]), dst_spec=sp([8, 4], mesh=2))])
+    t.same()
+    t.step(1, step, [400, 402])  # 400 is still being pulled by the other worker
+    t.same()
+    assert [dd.tid for dd in t.pair[0].core.sessions[t.sid].deferred] == [400]
+    t.each(Harness.report_all)
+    t.same()
