@@ -1,6 +1,7 @@
 """DTorch against PyTorch's own DTensor and plain torch, side by side in one run (printed, never asserted).
 
-    python benchmarks/bench_vs_torch.py [--repeats 10] [--quick] [--only a,b,c,d,e] [--device cpu|cuda]
+    python benchmarks/bench_vs_torch.py [--repeats 10] [--quick] [--only a,b,c,d,e,f] [--device cpu|cuda]
+                                        [--rounds 1]
 
 Three contenders, one after the other on the same machine (never at the same time):
 
@@ -115,6 +116,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fmt_load(load: tuple[float, float, float]) -> str:
+    return ", ".join(f"{x:.1f}" for x in load)
 
 
 def fmt_size(n: int) -> str:
@@ -466,6 +471,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="(d): 4 sizes up to 16 MiB")
     p.add_argument("--only", default="a,b,c,d,e,f,g,h", help="comma-separated items to run")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--rounds", type=int, default=1, help="(d): raw gloo and DTorch measured this many times, in "
+                   "turns; figures are medians over the rounds (on a shared machine the load moves between them)")
     p.add_argument("--steps", type=int, default=20, help="(g): training steps per run")
     args = p.parse_args()
     args.only = set(args.only.split(","))
@@ -473,14 +480,21 @@ def main() -> None:
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("bench_vs_torch --device cuda needs 2 CUDA devices")
 
+    load_before = os.getloadavg()
     plain = run_plain(args)
     torch_dt = run_torch(args) if args.only & {"a", "b", "c", "d"} else {}
     dt = run_dtorch(args) if args.only & {"a", "b", "c", "d", "e", "f"} else {}
+    rounds = [(torch_dt["d"], dt["d"])] if "d" in args.only else []
+    only_d = argparse.Namespace(**{**vars(args), "only": {"d"}})
+    for _ in range(args.rounds - 1 if rounds else 0):
+        rounds.append((run_torch(only_d)["d"], run_dtorch(only_d)["d"]))
     capture = run_capture(args) if "g" in args.only else {}
     factories = run_factories(args) if "h" in args.only else {}
 
     print(f"\nDTorch vs torch DTensor (2 {'gloo' if args.device == 'cpu' else 'NCCL'} ranks) vs plain torch "
           f"(torch {torch.__version__}, device {args.device}, medians of {args.repeats})")
+    print(f"load average (1, 5, 15 min) at the start {fmt_load(load_before)}, at the end {fmt_load(os.getloadavg())} "
+          f"on {os.cpu_count()} CPUs: figures from a loaded machine are noise beyond their order of magnitude")
     if "a" in args.only:
         print(f"(a) shape-(1,) add, user-thread time per op ({args.iters} iterations)")
         print(f"    dtorch            {dt['a']:9.2f} us   (incl. execution {dt['a_total']:.2f} us)")
@@ -503,15 +517,22 @@ def main() -> None:
         print(f"    plain torch       {plain['c']:9.2f} ms   dtorch/plain   {ratio(dt['c'], plain['c'])}")
     if "d" in args.only:
         print("(d) bandwidth on 2 devices: MB/s of the whole tensor, ops issued back to back (up to 8 per sync); "
-              "ratio = dtorch time / raw gloo time (target <= 1.25x, i.e. >= 0.8x the bandwidth, from 1 MiB)")
+              "ratio = dtorch time / raw gloo time (target <= 1.25x, i.e. >= 0.8x the bandwidth, from 1 MiB)"
+              + (f"; medians over {len(rounds)} rounds, raw gloo and DTorch in turns, and the ratios' range"
+                 if len(rounds) > 1 else ""))
         for op, peer in (("all_reduce", "Partial -> Replicate"), ("all_gather", "Shard(0) -> Replicate")):
             print(f"    {op} ({peer})")
             print("      size        dtorch MB/s   raw MB/s   time ratio" +
                   ("   dtorch one op + sync" if op == "all_reduce" else ""))
             for n in args.sizes:
-                a, b = dt["d"][op][n], torch_dt["d"][op][n]
-                one = f"   {dt['d']['all_reduce_one'][n]:9.2f} ms" if op == "all_reduce" else ""
-                print(f"      {fmt_size(n):>8}   {n / a / 1e3:11.1f} {n / b / 1e3:10.1f}   {ratio(a, b)}{one}")
+                a = statistics.median(d[op][n] for _, d in rounds)
+                b = statistics.median(t[op][n] for t, _ in rounds)
+                ratios = sorted(d[op][n] / t[op][n] for t, d in rounds)
+                spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(rounds) > 1 else ""
+                one = statistics.median(d["all_reduce_one"][n] for _, d in rounds)
+                one = f"   {one:9.2f} ms" if op == "all_reduce" else ""
+                print(f"      {fmt_size(n):>8}   {n / a / 1e3:11.1f} {n / b / 1e3:10.1f}   "
+                      f"{statistics.median(ratios):.2f}x{spread}{one}")
     if "e" in args.only:
         print("(e) bytes received per device, Partial -> Replicate of 4 MiB (target: O(size), not O(n x size))")
         for n, e in dt["e"].items():

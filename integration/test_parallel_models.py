@@ -250,7 +250,8 @@ def test_sequence_sharded_linear_keeps_strided_shards(request, mesh_name):
         torch.testing.assert_close(moved.to_torch(), x.detach().view(27, 8))
     other = dtorch.distribute_tensor(torch.ones(27, 8), mesh, [*seq[:-1], Shard(0)])
     torch.testing.assert_close((flat + other).to_torch(), x.detach().view(27, 8) + 1)  # the op moves it first
-    (y * y).sum().backward()
-    ((x @ w) ** 2).sum().backward()
+    gathered = flat.redistribute(placements=[*seq[:-1], Replicate()])  # its gradient moves back to strided shards
+    ((y * y).sum() + (gathered * 3).sum()).backward()
+    (((x @ w) ** 2).sum() + (x.view(27, 8) * 3).sum()).backward()
     torch.testing.assert_close(dx.grad.to_torch(), x.grad, **TOL)
     torch.testing.assert_close(dw.grad.to_torch(), w.grad, **TOL)

@@ -435,3 +435,98 @@ def test_one_lane_for_every_group_as_on_nccl(monkeypatch):
             w.stop()
         for w in ws:
             w.executor.groups.stop(reap_s=30.0)
+
+
+def _big_gather(cluster, src_tid, dst_tid, shards, timeout_s=20.0):
+    """Commands of an all_gather (Shard(0) -> Replicate) of `shards` (device -> tensor) on w0 and w1."""
+    binding = {0: "w0", 1: "w1"}
+    for d, t in shards.items():
+        cluster.worker[binding[d]].store.put((cluster.session, src_tid, d), t)
+    shape = (sum(t.shape[0] for t in shards.values()), *shards[0].shape[1:])
+    low = lowering.lower(shape, "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), tuple(sorted(binding.items())),
+                         (("w0", "cpu", True), ("w1", "cpu", True), ("w2", "cpu", True)))
+    shapes = ({d: list(t.shape) for d, t in shards.items()}, {d: list(shape) for d in shards})
+    return lowering.commands(low, cluster.groups, cluster.members, src_tid, dst_tid, "float32", shapes,
+                             timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("by_all_to_all", [True, False], ids=["all_to_all to the peer", "all_gather"])
+def test_a_large_even_all_gather_goes_from_the_shards_straight_into_the_output(workers, monkeypatch, by_all_to_all):
+    """Rule 7: no send buffer, no concatenation: the output is the tensor the backend wrote; values equal torch,
+    and a poisoned shard still poisons every output (its report found in the group's store)."""
+    from dtorch_worker import collectives
+    from dtorch_worker.device import DeviceBackend
+
+    monkeypatch.setattr(DeviceBackend, "gather_by_all_to_all", lambda self, ranks: by_all_to_all)
+    direct = []
+    made = collectives._all_gather_direct
+    monkeypatch.setattr(collectives, "_all_gather_direct", lambda pk: direct.append(pk.op.rank) or made(pk))
+    cluster = Cluster(workers)
+    shards = {d: torch.randn(256, 1024, generator=torch.Generator().manual_seed(d)) for d in range(2)}  # 1 MiB each
+    cluster.wait(cluster.send(_big_gather(cluster, 70, 71, shards)))
+    for w, d in (("w0", 0), ("w1", 1)):
+        assert torch.equal(cluster.worker[w].store.get((cluster.session, 71, d)), torch.cat([shards[0], shards[1]]))
+    assert sorted(direct) == [0, 1]
+    report = __import__("dtorch_protocol.messages", fromlist=["ErrorReport"]).ErrorReport(
+        op="aten.div.Tensor", src="user.py:8", message="boom", tid=72)
+    cmds = _big_gather(cluster, 72, 73, shards)
+    cluster.worker["w1"].store.put((cluster.session, 72, 1), Poison(report))  # w1 contributes poison
+    cluster.wait(cluster.send(cmds))
+    for w, d in (("w0", 0), ("w1", 1)):
+        value = cluster.worker[w].store.get((cluster.session, 73, d))
+        assert isinstance(value, Poison) and value.report == report, (d, value)
+    assert len(direct) == 4
+
+
+def test_an_in_place_write_waits_for_the_collective_sending_straight_from_its_storage(workers):
+    """Rule 7: the all_gather sends w0's stored shard itself; an in-place add on it, next in w0's stream, runs only
+    once the op is done (w1 joins late), so w1 receives the value from before the add."""
+    from dtorch_protocol.messages import CmdRun
+
+    cluster = Cluster(workers)
+    shards = {d: torch.full((256, 1024), float(d + 1)) for d in range(2)}
+    cmds = _big_gather(cluster, 80, 81, shards)
+    cmds["w0"].append(CmdRun(op="aten.add_.Tensor", devices=[0], args=[{"$t": 80}, 10.0], kwargs={}, outs=[80]))
+    late = cmds.pop("w1")
+    seqs = cluster.send(cmds)
+    sent: dict[str, int] = {}
+    threading.Timer(0.5, lambda: sent.update(cluster.send({"w1": late}))).start()
+    cluster.wait(seqs)  # w0's add ran after the all_gather, which needed w1
+    assert sent
+    cluster.wait(sent)
+    expected = torch.cat([torch.full((256, 1024), 1.0), torch.full((256, 1024), 2.0)])
+    assert torch.equal(cluster.worker["w1"].store.get((cluster.session, 81, 1)), expected)
+    assert torch.equal(cluster.worker["w0"].store.get((cluster.session, 81, 0)), expected)
+    assert torch.equal(cluster.worker["w0"].store.get((cluster.session, 80, 0)), torch.full((256, 1024), 11.0))
+
+
+@pytest.mark.parametrize("src,dst", [([Partial("sum")], [Replicate()]), ([Partial("max")], [Shard(0)]),
+                                     ([Shard(1)], [Shard(0)])], ids=str)
+def test_large_exchanges_send_the_shards_as_they_are(workers, monkeypatch, src, dst):
+    """Rule 7 on three workers: pieces lying back to back in the shard travel without a send buffer (the
+    all_reduce's reduce-scatter, a reduce_scatter, an all_to_all of rows); values equal torch bit for bit, and a
+    poisoned shard still poisons every output."""
+    from dtorch_worker import collectives
+
+    sent = []
+    real = collectives._back_to_back
+    monkeypatch.setattr(collectives, "_back_to_back", lambda pieces: sent.append(real(pieces)) or sent[-1])
+    cluster = Cluster(workers)
+    binding = {0: "w0", 1: "w1", 2: "w2"}
+    shape = (384, 3072 if src == [Shard(1)] else 1024)  # 1.5 MiB a rank; pieces are row blocks: back to back
+    got, expected, _ = redistribute(cluster, shape, (3,), binding, src, dst, seed=31, tid=(90, 91))
+    check(got, expected)
+    assert any(t is not None for t in sent)
+    report = __import__("dtorch_protocol.messages", fromlist=["ErrorReport"]).ErrorReport(
+        op="aten.mul.Tensor", src="user.py:9", message="bad", tid=92)
+    poisoned = {}
+
+    def put(self, key, value, _put=type(workers[1].store).put):
+        if key[1:] == (90, 1) and not poisoned:  # the second run's shard on w1 is poisoned
+            poisoned[key] = True
+            value = Poison(report)
+        return _put(self, key, value)
+
+    monkeypatch.setattr(type(workers[1].store), "put", put)
+    got, _, _ = redistribute(cluster, shape, (3,), binding, src, dst, seed=32, tid=(90, 93))
+    assert all(isinstance(v, Poison) and v.report == report for v in got.values()), got

@@ -29,8 +29,8 @@ from torch.utils._mode_utils import no_dispatch
 
 from dtorch import _planner
 from dtorch._planner import MixedMeshes, Plan, out_plan, outs, writes
-from dtorch._registry import Refused, decomposition_for
-from dtorch._sharding import NestedShard, local_shape
+from dtorch._registry import NoRule, Refused, decomposition_for
+from dtorch._sharding import NestedShard, check_strided, local_shape
 from dtorch._source import SKIP, caller, user_src
 from dtorch._spec import Spec, StridedShard, contiguous_stride
 from dtorch.errors import DTorchError, describe_src, env_int
@@ -105,6 +105,8 @@ def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTens
                              lambda: redistribute_to(x, mesh, placements, src))
     if x._spec.unflattened() is not x._spec:
         return _from_strided(x, mesh, placements, src)
+    if any(isinstance(p, StridedShard) for p in placements):
+        return _to_strided(x, mesh, placements, src)
     session = x._session
     if mesh != x.device_mesh:
         session.ensure_mesh(mesh)
@@ -116,19 +118,38 @@ def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTens
     return dtensor.DTensor(spec, tid, session)
 
 
+def _reshape_shards(x: DTensor, spec: Spec, src: str) -> DTensor:
+    """`x` as `spec`, which holds the same shards reshaped (a strided shard and its unflattened layout): each
+    device reshapes its own shard, no data moves."""
+    session, tid = x._session, x._session.new_tid()
+    local = {dev: [[{"$t": x._tid}, list(local_shape(spec, c))], {}]
+             for dev, c in zip(spec.mesh.devices, coords(spec.mesh.shape))}
+    session.emit(m.InstrCall(op="aten.reshape.default", mesh=spec.mesh.id, args=[{"$t": x._tid}, list(spec.shape)],
+                             kwargs={}, outs=[m.OutSpec(tid, spec.wire)], local=local, src=src))
+    return dtensor.DTensor(spec, tid, session)
+
+
+def _to_strided(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
+    """`x` laid out with a `StridedShard` (the gradient of a move from one): viewed in the unflattened shape, moved
+    to the unflattened layout there, each device's shard reshaped."""
+    try:
+        check_strided(tuple(placements), x._spec.shape)
+    except NoRule as e:
+        raise NotImplementedError(f"dtorch: {e}") from None
+    target = x._spec.with_placements(tuple(placements), mesh)
+    honest = target.unflattened()
+    unflat = torch.ops.aten.view.default(x, list(honest.shape))
+    moved = redistribute_to(unflat, mesh, honest.placements, src)
+    return _reshape_shards(moved, target, src)
+
+
 def _from_strided(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
     """A tensor with a `StridedShard` (which the controller cannot move) laid out as `placements`: each device
     reshapes its shard to the unflattened layout, which moves (the strided dim gathered unless it stays, another
     mesh dim sharding it gathered too), a view flattens it back, and a last move reaches the target."""
-    session, spec = x._session, x._spec
-    honest = spec.unflattened()
+    spec = x._spec
     d = next(p.dim for p in spec.placements if isinstance(p, StridedShard))
-    tid = session.new_tid()
-    local = {dev: [[{"$t": x._tid}, list(local_shape(honest, c))], {}]
-             for dev, c in zip(honest.mesh.devices, coords(honest.mesh.shape))}
-    session.emit(m.InstrCall(op="aten.reshape.default", mesh=spec.mesh.id, args=[{"$t": x._tid}, list(honest.shape)],
-                             kwargs={}, outs=[m.OutSpec(tid, honest.wire)], local=local, src=src))
-    unflat = dtensor.DTensor(honest, tid, session)
+    unflat = _reshape_shards(x, spec.unflattened(), src)
     keep = mesh == spec.mesh
     target = tuple(
         Shard(d + 1) if keep and p == q and isinstance(p, StridedShard) else
@@ -137,8 +158,7 @@ def _from_strided(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor
         for p, q in zip(placements, spec.placements if keep else placements))
     moved = redistribute_to(unflat, mesh, target, src)
     flat = torch.ops.aten.view.default(moved, list(spec.shape))
-    strided = flat._spec.unflattened() is not flat._spec or any(isinstance(p, StridedShard) for p in placements)
-    if strided and flat._spec.placements != tuple(placements):
+    if flat._spec.unflattened() is not flat._spec and flat._spec.placements != tuple(placements):
         raise NotImplementedError(f"dtorch: cannot lay out a tensor with strided shards {spec.placements} as "
                                   f"{tuple(placements)}")
     return redistribute_to(flat, mesh, tuple(placements), src)

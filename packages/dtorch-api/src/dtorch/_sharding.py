@@ -102,11 +102,11 @@ def _our_spec(ts: DTensorSpec, mesh: DeviceMesh) -> Spec:
     if meta is None:
         raise NoRule("torch gave an output spec without tensor metadata")
     spec = Spec(mesh, tuple(_from_torch(p) for p in ts.placements), tuple(meta.shape), tuple(meta.stride), meta.dtype)
-    _check_strided(spec.placements, spec.shape)
+    check_strided(spec.placements, spec.shape)
     return spec
 
 
-def _check_strided(placements: tuple[Placement, ...], shape: tuple[int, ...]) -> None:
+def check_strided(placements: tuple[Placement, ...], shape: tuple[int, ...]) -> None:
     """A StridedShard we carry: one per tensor, alone on its tensor dim, which its split factor divides."""
     strided = [p for p in placements if isinstance(p, StridedShard)]
     if not strided:

@@ -2,10 +2,10 @@
 
 Rules:
 
-1. Each step kind (table KINDS) is prepared on the executor thread when the command runs: its inputs are copied
-   into a send buffer then (so later in-place writes to them cannot race the transfer). What is left (the
-   transfer, then unpacking and reducing into fresh output tensors) is a `Finish` run on the group's lane
-   (groups.py), or at once for a group entirely on this worker (`GroupOp.group == ""`, a local exchange).
+1. Each step kind (table KINDS) is prepared on the executor thread when the command runs: its inputs are packed
+   into a send buffer then, unless rule 7 sends them as they are. What is left (the transfer, then unpacking and
+   reducing into fresh output tensors) is a `Finish` run on the group's lane (groups.py), or at once for a group
+   entirely on this worker (`GroupOp.group == ""`, a local exchange).
 2. Collectives move bytes (uint8 views: every dtype travels, bool and complex too), and reductions are done
    here with torch, by the rank that receives each piece, over the positions in mesh order: the same order and
    the same function (`reduce_in_order`) as the point-to-point plan, so both paths give identical values.
@@ -19,10 +19,18 @@ Rules:
 4. Virtual devices: a rank hosting several positions sends them together in position order and unpacks each.
 5. Scratch buffers (send and receive buffers, reduced chunks) come from the worker's `BufferPool` and go back
    once the outputs are built: a fresh large host buffer costs a page fault per 4 KiB, about as much as moving it.
-6. Poison travels in-band: each rank's contribution to each peer ends with one flag element, set when an input it
-   packed was poisoned (an earlier op failed there). The poisoned rank still takes part (with zeros), so its
-   peers never wait for it, and puts the original report in the group's store first; an output built from a
-   flagged contribution is poisoned with that report. Every device gets its own output tensor.
+6. Poison travels with the op: each rank's packed contribution to each peer ends with one flag element, set when
+   an input it packed was poisoned (an earlier op failed there). The poisoned rank still takes part (with zeros),
+   so its peers never wait for it, and puts the original report in the group's store first; an output built from
+   a flagged contribution is poisoned with that report. Every device gets its own output tensor.
+7. Direct sends: from DIRECT_MIN_BYTES up, where packing would copy the whole input, the backend reads the stored
+   shard itself. An all_gather of even shards, one position per rank, contiguous, gathered along a dim with only
+   size-1 dims before it (so rank order is the output's order), goes from the shard straight into the output
+   tensor (on two ranks where the backend gathers by all_to_all: the shard to the peer alone, its own slot filled
+   here). An exchange whose pieces for the ranks lie back to back in one shard (`_back_to_back`) sends that
+   shard as it is. No flag travels then: the poisoned rank's report is in the store before it takes part, so once
+   the op is done every rank looks there once (a mark per op). `prepare` names the shards it sends as they are;
+   the executor holds in-place writes to their storage until the op is done (`Executor._wait_sends`).
 """
 
 from __future__ import annotations
@@ -107,6 +115,9 @@ class LocalCtx:
     def published(self, rank: int) -> bool:
         return bool(self.reports)
 
+    def any_published(self) -> bool:
+        return bool(self.reports)
+
     def publish(self, report: ErrorReport) -> None:
         pass
 
@@ -179,6 +190,7 @@ class _Packing:
         self.pool = pool
         self.gather_by_all_to_all = gather_by_all_to_all
         self._taken: list[torch.Tensor] = []
+        self.direct: list[torch.Tensor] = []  # inputs the op sends as they are (rule 7)
 
     def scratch(self, elements: int) -> torch.Tensor:
         """A flat buffer of `elements` of the op's dtype, returned to the pool by `release`."""
@@ -204,22 +216,46 @@ class _Packing:
         return Result(outputs, {d: report for d in outputs} if report is not None else {})
 
 
+def _back_to_back(pieces: list[torch.Tensor]) -> torch.Tensor | None:
+    """The pieces as one flat tensor, where they lie back to back in order in one contiguous storage (rule 7)."""
+    pieces = [t for t in pieces if t.numel()]
+    if not pieces or any(not t.is_contiguous() for t in pieces):
+        return None
+    storage, at = pieces[0].untyped_storage(), pieces[0].data_ptr()
+    for t in pieces:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.data_ptr() != at:
+            return None
+        at += t.numel() * t.element_size()
+    flat = torch.empty(0, dtype=pieces[0].dtype, device=pieces[0].device)
+    return flat.set_(storage, pieces[0].storage_offset(), (sum(t.numel() for t in pieces),), (1,))
+
+
 def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
               recv_shapes: Callable[[int], list[list[int]]]) -> Callable[[Any], tuple[list[list[torch.Tensor]],
                                                                                         list[bool]]]:
     """Pack, for every rank r, `send_pieces(r)` plus a flag element; return what the lane runs: the all_to_all,
-    giving per source rank the pieces shaped `recv_shapes(r)` and its flag."""
+    giving per source rank the pieces shaped `recv_shapes(r)` and its flag. Where the pieces already lie back to
+    back in the input, from DIRECT_MIN_BYTES up, they are sent as they are, and flags come from the store
+    (rule 7)."""
     w = pk.w
-    counts_in = [sum(t.numel() for t in send_pieces(r)) + 1 for r in range(w)]
-    counts_out = [sum(math.prod(s) for s in recv_shapes(r)) + 1 for r in range(w)]
-    send = pk.scratch(sum(counts_in))
-    pos = 0
-    for r in range(w):
-        for t in send_pieces(r):
-            send[pos: pos + t.numel()].view(t.shape).copy_(t)
-            pos += t.numel()
-        _set_flag(send, pos, pk.own is not None)
-        pos += 1
+    pieces = [send_pieces(r) for r in range(w)]
+    sizes_in = [sum(t.numel() for t in ps) for ps in pieces]
+    send = _back_to_back([t for ps in pieces for t in ps]) if w > 1 and \
+        sum(sizes_in) * pk.template.element_size() >= DIRECT_MIN_BYTES else None
+    flag = 0 if send is not None else 1  # elements of flag after each rank's part
+    counts_in = [n + flag for n in sizes_in]
+    counts_out = [sum(math.prod(s) for s in recv_shapes(r)) + flag for r in range(w)]
+    if send is not None:
+        pk.direct.append(send)
+    else:
+        send = pk.scratch(sum(counts_in))
+        pos = 0
+        for r in range(w):
+            for t in pieces[r]:
+                send[pos: pos + t.numel()].view(t.shape).copy_(t)
+                pos += t.numel()
+            _set_flag(send, pos, pk.own is not None)
+            pos += 1
     itemsize = send.element_size()
 
     def run(ctx: Any) -> tuple[list[list[torch.Tensor]], list[bool]]:
@@ -230,15 +266,15 @@ def _exchange(pk: _Packing, send_pieces: Callable[[int], list[torch.Tensor]],
                        [c * itemsize for c in counts_in])
         got, marks, at = [], [], 0
         for r in range(w):
-            pieces = []
+            parts = []
             for s in recv_shapes(r):
                 k = math.prod(s)
-                pieces.append(out[at: at + k].view(s))
+                parts.append(out[at: at + k].view(s))
                 at += k
-            got.append(pieces)
+            got.append(parts)
             marks.append(at)
-            at += 1
-        return got, _flagged(out, marks)
+            at += flag
+        return got, _flagged(out, marks) if flag else _published_flags(pk, ctx)
 
     return run
 
@@ -271,10 +307,54 @@ def _gather(pk: _Packing, parts: list[torch.Tensor], slot: int, slots: int
     return run
 
 
+def _published_flags(pk: _Packing, ctx: Any) -> list[bool]:
+    """Rule 7's poison flags: which ranks published a report before taking part (one look when none did)."""
+    if not ctx.any_published():
+        return [False] * pk.w
+    return [ctx.published(r) for r in range(pk.w)]
+
+
 # ---------------------------------------------------------------------------- kinds
+
+DIRECT_MIN_BYTES = 1 << 20  # rule 7: below it, a copy costs less than the look in the store
+
+
+def _direct_gather(pk: _Packing) -> bool:
+    i, x = pk.step.dim, pk.template
+    return (x.numel() * x.element_size() >= DIRECT_MIN_BYTES and all(len(ps) == 1 for ps in pk.op.layout)
+            and len(set(pk.op.sizes)) == 1 and x.is_contiguous() and math.prod(x.shape[:i]) == 1
+            and (pk.w == 2 or not pk.gather_by_all_to_all))
+
+
+def _all_gather_direct(pk: _Packing) -> Finish:
+    """Rule 7: from the shard straight into the output: the backend's all_gather, or where the backend gathers by
+    all_to_all, on two ranks, an all_to_all sending the shard to the peer alone (nothing to self, so no copies to
+    pack) with the shard's own slot filled here."""
+    x = pk.template
+    pk.direct.append(x)
+    shape = list(x.shape)
+    shape[pk.step.dim] *= pk.w
+    out = torch.empty(shape, dtype=pk.dtype, device=pk.device)
+    slots, me = _bytes(out).view(pk.w, -1), pk.op.rank
+
+    def finish(ctx: Any) -> Result:
+        if pk.own is not None:
+            ctx.publish(pk.own)
+        if pk.gather_by_all_to_all:
+            peer, n = 1 - me, slots.shape[1]
+            splits = [n if r == peer else 0 for r in range(2)]
+            ctx.all_to_all(slots[peer], _bytes(x), splits, splits)
+            slots[me].copy_(_bytes(x))
+        else:
+            ctx.all_gather(_bytes(out), _bytes(x))
+        return pk.finish(ctx, _published_flags(pk, ctx), {pk.op.devices[pk.mine[0]]: out})
+
+    return finish
 
 
 def _all_gather(pk: _Packing) -> Finish:
+    if _direct_gather(pk):
+        return _all_gather_direct(pk)
     op, i = pk.op, pk.step.dim
     sizes = list(op.sizes)
     rest = [n for d, n in enumerate(pk.template.shape) if d != i]
@@ -423,8 +503,10 @@ REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
 
 
 def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,
-            dtype: torch.dtype, pool: BufferPool = NO_POOL, gather_by_all_to_all: bool = False) -> Finish:
-    """Pack this rank's inputs for `op` now (poisoned ones as they are: zeros); the result finishes on the lane."""
+            dtype: torch.dtype, pool: BufferPool = NO_POOL, gather_by_all_to_all: bool = False,
+            direct: list[torch.Tensor] | None = None) -> Finish:
+    """Pack this rank's inputs for `op` now (poisoned ones as they are: zeros); the result finishes on the lane.
+    `direct` receives the inputs it will send as they are, unpacked (rule 7): keep them unwritten until it is done."""
     make = KINDS.get(step.kind)
     if make is None:
         raise ValueError(f"unknown collective step {step.kind!r}")
@@ -433,6 +515,8 @@ def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], 
     inputs = {d: t if t.dtype == dtype else t.to(dtype) for d, t in inputs.items()}
     pk = _Packing(step, op, inputs, poisoned, dtype, pool, gather_by_all_to_all)
     finish = make(pk)
+    if direct is not None:
+        direct.extend(pk.direct)
 
     def finish_and_release(ctx: Any) -> Result:
         try:

@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import lru_cache
 from typing import Any
@@ -169,6 +169,7 @@ class Executor:
         self.busy_s = 0.0  # seconds spent running batches (utilization)
         self.groups = Groups(self.backend)  # process groups with other workers (CmdGroup)
         self.buffers = collectives.BufferPool()  # scratch buffers of collectives, reused
+        self._sending: dict[int, list[Future]] = {}  # storage -> collectives in flight that send from it (rule 7)
         # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
         self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
         self.pulled_bytes = 0  # tensor bytes pulled from peers (pieces)
@@ -521,10 +522,36 @@ class Executor:
                 if tid is not None:
                     self.store.put((session, tid, device), flat[i])
 
+    def _sends_from(self, tensors: list[torch.Tensor], future: Future) -> None:
+        """Collective `future` (in flight) may send straight from `tensors` (collectives.py, rule 7)."""
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr:
+                flying = [f for f in self._sending.get(ptr, ()) if not f.done()]
+                self._sending[ptr] = [*flying, future]
+        if len(self._sending) > 64:  # forget storages whose collectives are all done
+            self._sending = {p: fs for p, fs in self._sending.items() if not all(f.done() for f in fs)}
+
+    def _wait_sends(self, op: str, written: list[torch.Tensor]) -> None:
+        """Hold an in-place write until the collectives sending from the same storage are done (each bounded by its
+        group's timeout; a failed one has stopped reading, or its group is broken and its outputs poisoned)."""
+        for t in written:
+            for future in self._sending.pop(t.untyped_storage().data_ptr(), ()):
+                try:
+                    future.exception(timeout=self.reads_timeout_s)
+                except CancelledError:
+                    pass  # it never ran
+                except TimeoutError:
+                    log.warning("%s writes in place while a collective may still send from its storage (after "
+                                "%gs)", op, self.reads_timeout_s)
+
     def _wait_reads(self, op: str, written: list[torch.Tensor]) -> None:
-        """Hold an in-place write until peers served the reads of the same storage announced before it."""
+        """Hold an in-place write until peers served the reads of the same storage announced before it, and until
+        collectives sending straight from that storage are done."""
         if not written:
             return
+        if self._sending:
+            self._wait_sends(op, written)
         deadline = time.monotonic() + self.reads_timeout_s
         pending = self.store.wait_reads(written, 0.0)
         while pending and not self.stopped and (left := deadline - time.monotonic()) > 0:
@@ -642,10 +669,13 @@ class Executor:
             done = collectives.Result()
             flying = []
             for op in step.ops:
+                direct: list[torch.Tensor] = []
                 finish = collectives.prepare(step, op, current, poisoned, dtype, self.buffers,
-                                             self.backend.gather_by_all_to_all(len(op.layout)))
+                                             self.backend.gather_by_all_to_all(len(op.layout)), direct)
                 if op.group:
-                    flying.append((op, self.groups.submit(session, op, what, self._counted(session, cmd.dst, finish))))
+                    future = self.groups.submit(session, op, what, self._counted(session, cmd.dst, finish))
+                    flying.append((op, future))
+                    self._sends_from(direct, future)  # in-place writes to those storages wait for it
                 else:
                     _merge(done, finish(collectives.LocalCtx(poisoned)))
             if k == len(cmd.steps) - 1:

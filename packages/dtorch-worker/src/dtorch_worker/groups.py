@@ -161,8 +161,19 @@ class Ctx:
             raise GroupError(f"{self.op} on {g.name()} failed: {_first_line(e)}") from None
 
     def publish(self, report: ErrorReport) -> None:
-        """This rank contributes poison to this op: leave the original report where the peers read it."""
+        """This rank contributes poison to this op: leave the original report where the peers read it (and a mark
+        that some rank did, which `any_published` reads in one look)."""
         self.group.store.set(f"poison/{self.seq}/{self.rank}", wire.encode(report))
+        self.group.store.set(f"poison/{self.seq}", b"1")
+
+    def any_published(self) -> bool:
+        """Did any rank publish a report for this op? Asked once the op is done (every rank published before it took
+        part); a store that cannot say fails the op (its outputs are poisoned, never silently unpoisoned)."""
+        try:
+            return bool(self.group.store.check([f"poison/{self.seq}"]))
+        except Exception as e:  # noqa: BLE001 - the store's own failure, in one line
+            raise GroupError(f"{self.op} on {self.group.name()}: the group's store cannot say whether an input "
+                             f"was poisoned: {_first_line(e)}") from None
 
     def published(self, rank: int) -> bool:
         """Did rank `rank` publish a report for this op?"""
