@@ -66,7 +66,8 @@ def mutation(session: nox.Session) -> None:
     """Mutation testing of the modules where a wrong rule corrupts results or lets someone in (mutation/targets.py).
 
     Prints the kill rate per module and the surviving mutants; not part of `nox -s tests`. Options after `--`:
-    `--only "scheduler and policies"` (repeatable), `--max-children N`, `--no-tables`.
+    `--only "scheduler and policies"` (repeatable), `--sample N`, `--cap K`, `--full`, `--max-children N`,
+    `--no-tables`.
     """
     install(session, "pytest>=8", "pytest-timeout", "numpy", "expecttest", "mutmut==3.8.1")
     session.run("python", "mutation/session.py", *session.posargs)

@@ -39,10 +39,21 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      'why = rec.why if (rec is not None) or True else ""'):
         "rec is never None here: both callers (_report_loss, _give_up) run after unrecoverable(), whose "
         "pipeline.rec() creates the session's lineage",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
+     "if v.state != FROZEN and len(v.missing) >= len(v.workers):"):
+        "the check is a shortcut of the next one: a frozen tenant whose missing devices are all its devices holds "
+        "none (held == []), and a running tenant with no workers holds none either; both are skipped by "
+        "`if not held: continue`",
     ("dtorch_controller.core.lineage.x_restore_upload",
      "break  # checked before the rebuild started; a read of it will say it is missing"):
         "unreachable: Recovery.unrecoverable() gives the rebuild up before the replay when a device of a logged "
         "upload has no live copy, so copy_source never returns None during a replay",
+    ("dtorch._spec.x__intern", "sid = None"):
+        "the lock-free read is a shortcut: without it every key goes through the lock, where setdefault returns the "
+        "id already interned (same ids, slower)",
+    ("dtorch._sharding.x__fake_outputs", "mode = FakeTensorMode(allow_fallback_kernels=None)"):
+        "torch reads the flag only as `if not self.allow_fallback_kernels` (fake_tensor.py): None and False are the "
+        "same",
     ("dtorch_sim.scenario.xǁNodeListǁcolumn_map",
      'return {"XXnameXX": "sn", "devices": "gpu", "model": "model", **self.columns}'):
         "the name column of a node list is never read (jobs.node_groups reads devices and model; nodes are named "

@@ -141,7 +141,14 @@ def stage(targets: dict[str, list[str]]) -> dict[str, list[str]]:
     for path in {f for fs in files.values() for f in fs}:
         (src / path).write_text(lift_decorators((src / path).read_text()))
     folders = [t for t in TESTS if not ARGS.tests or t in ARGS.tests]
-    selection = [*folders, *[f"--ignore={x}" for x in EXCLUDE], "-k", EXCLUDE_NAMES, "-m", "not gpu"]
+    # the unit tests of the chosen targets' rules (targets.FIRST: the core's fake-clock tests, the planners', the
+    # wire's, scenario validation's), nothing that starts processes or servers for long
+    chosen = dict.fromkeys(str(p.relative_to(ROOT)) for target in targets for glob in FIRST[target]
+                           for p in sorted(ROOT.glob(glob)))
+    tests = [t for t in chosen if t not in EXCLUDE and any(t.startswith(f + "/") for f in folders)]
+    if not tests:
+        raise SystemExit(f"mutation: no test of targets.FIRST for {', '.join(targets)} in {', '.join(folders)}")
+    selection = [*tests, "-k", EXCLUDE_NAMES, "-m", "not gpu"]
     only = [f"src/{f}" for fs in files.values() for f in fs]
     helpers = folders  # test helpers live beside the tests (`_core_helpers`, imported by the controller's conftest)
     (STAGE / "pyproject.toml").write_text(textwrap.dedent(f"""\
@@ -188,10 +195,10 @@ def sample(names: list[str], n: int) -> list[str]:
     return sorted(random.Random(0).sample(sorted(names), n))
 
 
-def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
-    """Run the named mutants. The first one alone collects the per-test coverage; then each function keeps only `cap`
-    of its covering tests (0: all), in the order of `_order` (the target's own test files first: targets.FIRST), so
-    that a survivor costs seconds, not every test of the core."""
+def run_mutmut(names: list[str], max_children: int, cap: int, budget: float) -> None:
+    """Run the named mutants. The first one alone collects the per-test coverage; then each function keeps at most
+    `cap` of its covering tests (0: all) that took at most `budget` seconds together, in the order of `_prefer` (the
+    target's own test files first: targets.FIRST), so that a survivor costs seconds, not every test of the core."""
     mutmut = [str(Path(sys.executable).parent / "mutmut"), "run", "--max-children", str(max_children)]
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     stats_path, config = STAGE / "mutants" / "mutmut-stats.json", STAGE / "pyproject.toml"
@@ -216,17 +223,51 @@ def run_mutmut(names: list[str], max_children: int, cap: int) -> None:
             stats = json.loads(stats_path.read_text())
             durations = stats["duration_by_test"]
             stats["tests_by_mangled_function_name"] = {
-                fn: sorted(tests, key=lambda t, fn=fn: _order(fn, t, durations))[:cap]
+                fn: _within(_prefer(fn, tests, durations), durations, cap, budget)
                 for fn, tests in stats["tests_by_mangled_function_name"].items()}
             stats_path.write_text(json.dumps(stats))
 
 
+def _within(tests: list[str], durations: dict[str, float], cap: int, budget: float) -> list[str]:
+    """The first of `tests` up to `cap` of them, skipping those that would take the total past `budget` seconds
+    (the first is always kept): a function called by many fast tests keeps many, one called by slow tests few."""
+    kept: list[str] = []
+    spent = 0.0
+    for t in tests:
+        if len(kept) >= cap:
+            break
+        took = durations.get(t, 0.0)
+        if kept and spent + took > budget:
+            continue
+        kept.append(t)
+        spent += took
+    return kept
+
+
+def _prefer(function: str, tests: list[str], durations: dict[str, float]) -> list[str]:
+    """The tests that call `function`, best first: by `_order`'s group, then one case of each test function before
+    a second case of any (a parametrized plan checker has hundreds of fast cases: the cap must not keep only the
+    fastest few of one of them), then fastest first."""
+    group = {t: _order(function, t, durations)[0] for t in tests}
+    ordered = sorted(tests, key=lambda t: (group[t], durations.get(t, 0.0)))
+    seen: dict[tuple[int, str], int] = {}
+    nth = {}
+    for t in ordered:  # the how-manieth case of its test function
+        key = (group[t], t.partition("[")[0])
+        nth[t] = seen[key] = seen.get(key, -1) + 1
+    return sorted(ordered, key=lambda t: (group[t], nth[t], durations.get(t, 0.0)))
+
+
 def _order(function: str, test: str, durations: dict[str, float]) -> tuple[int, float]:
-    """Where `test` goes among the tests that call `function` (mutmut's name: `package.module.x_name`): the
-    target's FIRST globs in their order, then the module's own package's tests, then any other; fastest first."""
+    """Where `test` goes among the tests that call `function` (mutmut's name: `package.module.x_name`): the test
+    file named for the module first, then the target's FIRST globs in their order, then the module's own package's
+    tests, then any other; fastest first."""
     module = function.split(".x")[0]
     globs = FIRST.get(MODULE_TARGET.get(module, ""), [])
     file = test.partition("::")[0]
+    name = module.rpartition(".")[2].lstrip("_")
+    if file.rpartition("/")[2].startswith((f"test_{name}", f"test_core_{name}")):
+        return -1, durations.get(test, 0.0)  # the test file named for the module (test_wire.py for wire.py)
     group = next((i for i, glob in enumerate(globs) if fnmatch(file, glob)), None)
     if group is None:
         group = len(globs) + (0 if file.startswith(f"packages/{_package_of(module.replace('.', '/'))}/tests/") else 1)
@@ -389,6 +430,8 @@ def run_tables(files: dict[str, list[str]], results: dict[str, FileResult], work
             own = f"packages/{_package_of(path)}/tests/"
             order = sorted((t for t in durations if t in first or t.startswith(own)),
                            key=lambda t: (t not in first, *_order(f"{module}.x", t, durations)))
+            if per_target:  # a sample: each table mutant gets the --cap/--budget share of tests a function gets
+                order = _within(order, durations, ARGS.cap, ARGS.budget)
             for where, label, mutated in table_mutants(source):
                 mine.append((path, module, where, label, mutated, order))
         jobs += [mine[i] for i in sample(list(range(len(mine))), per_target)] if per_target else mine
@@ -487,11 +530,13 @@ def main() -> None:
                         help=f"only these targets (repeatable): {', '.join(TARGETS)}")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--no-tables", action="store_true", help="skip the table mutants")
-    parser.add_argument("--sample", type=int, default=100, metavar="N",
-                        help="mutmut mutants per target (a fixed sample; a third as many table mutants); default 100")
-    parser.add_argument("--cap", type=int, default=40, metavar="K",
-                        help="run each mutant against K of the tests that call its function (its own package's "
-                             "first, fastest first); default 40")
+    parser.add_argument("--sample", type=int, default=60, metavar="N",
+                        help="mutmut mutants per target (a fixed sample; a third as many table mutants); default 60")
+    parser.add_argument("--cap", type=int, default=100, metavar="K",
+                        help="run each mutant against at most K of the tests that call its function (the target's own "
+                             "test files first: targets.FIRST; one case of each test function first); default 100")
+    parser.add_argument("--budget", type=float, default=2.0, metavar="S",
+                        help="... that took at most S seconds together when mutmut timed them; default 2")
     parser.add_argument("--full", action="store_true", help="every mutant against every covering test (hours)")
     parser.add_argument("--tests", action="append", default=[], metavar="FOLDER", choices=TESTS,
                         help="only these test folders may kill mutants (repeatable; default: all of targets.TESTS)")
@@ -510,7 +555,7 @@ def main() -> None:
     CHOSEN.update(chosen)
     print(f"mutation: {len(chosen)} of {sum(map(len, names.values()))} mutmut mutants"
           + ("" if ARGS.full else f" (a fixed sample of up to {per_target} per target; --full for all)"), flush=True)
-    run_mutmut(chosen, ARGS.max_children, 0 if ARGS.full else ARGS.cap)
+    run_mutmut(chosen, ARGS.max_children, 0 if ARGS.full else ARGS.cap, ARGS.budget)
     results = mutmut_results(files)
     if not ARGS.no_tables:
         run_tables(files, results, ARGS.max_children, 0 if ARGS.full else ARGS.sample // 3)

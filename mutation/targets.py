@@ -3,15 +3,14 @@
 TARGETS: a name -> the source files of that target, relative to the packages' `src/` folders. A file may be
 a glob (`dtorch_controller/core/policies/*.py`). The kill rate is reported per target and per file.
 
-FIRST: a target -> globs of the test files (from the repository root) that test its rules, best first. Each mutant runs
-against up to `--cap` of the tests that call the mutated function: those of the first glob first, then the next
-glob's, ..., then the rest of the mutated module's package's tests, then any other; fastest first within each. The
-core's rules are tested through `ControllerCore.handle` on a fake clock (`test_core_*.py`), so a core module's
-mutants go to those before anything else.
+FIRST: a target -> globs of the test files (from the repository root) that test its rules, best first. Only these
+tests run: unit tests on a fake clock or in one process (the core's rules are tested through `ControllerCore.handle`
+on a fake clock, `test_core_*.py`), so that the session fits in 30 minutes. Each mutant runs against up to `--cap` of
+those that call the mutated function: the first glob's first, then the next glob's, ...; fastest first within each.
 
-TESTS: the test folders whose tests may kill mutants (mutmut runs, for each mutant, the tests that call the
-mutated function). EXCLUDE: tests that cannot see a mutant (they start other processes, which import the
-packages from the working tree, not the mutated copy) or that only cost time.
+TESTS: the test folders the tests may come from (`--tests` picks some; they are also on `sys.path` for the helpers
+beside the tests). EXCLUDE, EXCLUDE_NAMES: tests that cannot see a mutant (they start other processes, which import
+the packages from the working tree, not the mutated copy) or that read the sources.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ FIRST: dict[str, list[str]] = {
     "worker and session state tables": ["packages/dtorch-controller/tests/test_core_workers.py",
                                         "packages/dtorch-controller/tests/test_core_sessions.py", _CORE],
     "recovery and lineage": ["packages/dtorch-controller/tests/test_core_recovery.py",
-                             "packages/dtorch-controller/tests/test_core_nodes.py", _CORE],
+                             "packages/dtorch-controller/tests/test_core_nodes.py",
+                             "packages/dtorch-controller/tests/test_core_scheduling.py", _CORE],  # relocations: pull
     "wire authentication and validation": ["packages/dtorch-protocol/tests/test_auth.py",
                                            "packages/dtorch-protocol/tests/test_wire.py",
                                            "packages/dtorch-protocol/tests/test_protocol.py",
@@ -47,7 +47,8 @@ FIRST: dict[str, list[str]] = {
     "scenario validation": ["packages/dtorch-sim/tests/test_validation.py",
                             "packages/dtorch-sim/tests/test_scenario.py",
                             "packages/dtorch-sim/tests/test_scenario_values.py"],
-    "client planner": ["packages/dtorch-api/tests/test_planner*.py", "packages/dtorch-api/tests/test_mesh_and_specs.py",
+    "client planner": ["packages/dtorch-api/tests/test_planner*.py", "packages/dtorch-api/tests/test_templates.py",
+                       "packages/dtorch-api/tests/test_mesh_and_specs.py", "packages/dtorch-api/tests/test_disjoint.py",
                        "packages/dtorch-api/tests/test_conformance_rules.py"],
 }
 

@@ -67,3 +67,5 @@ def test_spec_ids_are_equal_for_equal_specs_and_never_reused(monkeypatch):
     b = Spec(mesh, (dtorch.Shard(1),), (4, 2), (2, 1), torch.float32)
     again = Spec(mesh, (dtorch.Shard(0),), (4, 2), (2, 1), torch.float32)
     assert len({a.sid, b.sid, again.sid}) == 3 and again.sid > b.sid > a.sid
+    assert again == a and hash(again) == hash(a) and b != a  # equality is of the specs, not of their ids
+    assert {a: 1}[again] == 1 and a != Spec(mesh, (dtorch.Shard(0),), (4, 2), (2, 1), torch.float64)

@@ -193,6 +193,11 @@ def test_pool_backup_for_steps_over_the_node_and_skips_unplaceable_and_removed_w
     assert pool.backup_for("a0") == "a1" and pool.backup_for("a1") == "a0"  # one node left
     pool.remove("a1")
     assert pool.backup_for("a0") is None
+    pool.add("a1", "a", 1 << 30, 7)
+    pool.add("b0", "b", 1 << 30, 8)
+    assert pool.backup_for("a0") == "b0"
+    pool.set_placeable("b0", False)  # no other node takes copies now: the copy stays on the node
+    assert pool.backup_for("a0") == "a1"
 
 
 def test_pool_free_off_prefers_the_given_nodes_then_the_best_fit_node():

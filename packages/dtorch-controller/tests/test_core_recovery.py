@@ -622,3 +622,23 @@ def test_a_moved_devices_old_shards_are_dropped_only_after_the_reads_planned_bef
     h.report(reader)
     (drop,) = cmds_of(h.take_sent(), src, m.CmdDelete)
     assert drop.devices == [0] and 1 in drop.tids
+
+
+def test_a_sessions_moves_go_one_at_a_time_in_order(make_harness):
+    """moves.py rule 3: one move per session at a time; a later one queues and starts when the first is over."""
+    h, ids, sid = setup(make_harness, workers=4, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    h.take_sent()
+    free = [w for w in ids if w not in s.devices.values()]
+    first, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=free[0]))
+    second, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=free[1]))
+    copies = cmds_of(h.take_sent(), kind=m.CmdSendShards)
+    assert [c.move for c in copies] == [[0]]  # only the first copies
+    h.report(s.devices[0])  # the first's copy is done
+    assert h.replies[first].ok and second not in h.replies
+    copies = cmds_of(h.take_sent(), kind=m.CmdSendShards)
+    assert [(c.move, c.to) for c in copies] == [([1], h.core.workers[free[1]].address)]
+    h.report_all()
+    assert h.replies[second].ok and s.devices == {0: free[0], 1: free[1]}

@@ -123,6 +123,7 @@ def test_pool_picks_without_scanning_and_keeps_counts():
     pool.lease("w0", "s", 0)
     assert pool.free_total == 9 and not pool.is_free("w0")
     assert pool.pick(4, exclude={"w5"}) == ["w1", "w2", "w3", "w8"]  # reserved workers are left out
+    assert pool.pick(2, exclude={"w5"}) == ["w8", "w9"]  # still best fit: the node with exactly 2 free
     pool.set_placeable("w4", False)
     assert "w4" not in pool.pick(10) and pool.free_total == 8
     assert pool.remove("w0") == {"s": 0} and pool.free_total == 8 and len(pool) == 9
@@ -607,6 +608,27 @@ def test_tenant_table_is_closed_under_its_events():
 # ---------------------------------------------------------------- elastic growth and moves
 
 
+def test_a_scheduler_whose_owner_cannot_move_devices_never_grows_a_session():
+    """Rule 5: growth moves logical devices, so it waits for the owner (the core) to say it can (`growth`)."""
+    from dtorch_controller.core.model import Worker
+    from dtorch_controller.core.scheduler import Scheduler
+
+    workers = {}
+    sched = Scheduler(FifoPolicy(), workers)
+
+    def add(wid):
+        workers[wid] = Worker(wid, f"{wid}:1", "cpu", 1 << 30, {}, len(workers), 0.0)
+        return sched.add_worker(0.0, workers[wid])
+
+    add("w0")
+    sched.open("s", "normal", "batch")
+    changes, answer = sched.place(0.0, "s", 1, (0, 1), min_devices=1)
+    assert answer.placed and changes.placed == [("s", {0: "w0", 1: "w0"})]
+    assert add("w1").grown == [] and sched.pool.is_free("w1")
+    sched.growth = True
+    assert sched.tick(1.0).grown == [("s", ["w1"])]
+
+
 def test_an_elastic_session_grows_onto_a_worker_that_joins_when_moves_are_possible(h):
     h.core.sched.growth = True
     w0 = h.register("10.0.0.0:7000")
@@ -671,3 +693,74 @@ def test_a_growing_session_moves_devices_through_the_mover_and_swaps_leases(h):
     assert h.core.sessions[a].devices == {0: w0, 1: w1}
     assert any("grows: logical [1] w0 -> w1" in line for line in h.core.log.lines())
     assert any("moved w0 -> w1" in line for line in h.core.log.lines())
+
+
+def test_a_session_asking_for_a_second_mesh_while_its_first_waits_is_told_so(h):
+    workers(h, 1)
+    first = h.open_session()
+    assert h.open_mesh(first, 1, [0]).placed
+    sid = h.open_session()
+    assert not h.open_mesh(sid, 1, [0]).placed
+    reply = h.open_mesh(sid, 2, [0])
+    assert not reply.placed and reply.queue_position == 1 and reply.message == "waiting for mesh 1 to be placed first"
+
+
+def test_decisions_count_placements_queueings_freezes_and_resumes(h):
+    workers(h, 1)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0]).placed  # 1: placed
+    other = h.open_session(priority="low")
+    assert not h.open_mesh(other, 1, [0]).placed  # 2: queued
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed  # 3: queued, 4: freezes low, 5: placed
+    before = h.core.view.decisions
+    close(h, high)  # low resumes (its own device back), the other still waits
+    assert sched_state(h, low) == "running" and h.core.view.decisions == before + 1
+    assert h.open_mesh(low, 2, [1]).placed  # a running session's later mesh: placed at once
+    assert h.core.view.decisions == before + 2
+
+
+def test_a_queued_session_is_promoted_after_waiting_fairness_times_its_running_time(make_harness):
+    """DTorch policy rule 3 for a session waiting in the queue (its only worker was lost, so it asks again): once it
+    waited `fairness` x its running time, its counted service restarts and it goes first again."""
+    h = make_harness(policy=make_policy("dtorch", {"fairness": 1, "promote_min_s": 5, "thresholds": [10]}),
+                     session_timeout_s=0, **QUIET)
+    w0, w1 = workers(h, 2)
+    old = h.open_session()
+    assert h.open_mesh(old, 1, [0]).placed and h.core.sessions[old].devices[0] == w0
+    h.advance(20)  # 20 device-s: level 1
+    new = h.open_session()
+    assert h.open_mesh(new, 1, [0]).placed  # on w1
+    h.handle(ev.WorkerUnreachable(w0, "", "killed"))
+    assert sched_state(h, old) == "waiting"  # asks again, behind nobody but with 20 device-s counted
+    h.advance(4)  # less than promote_min_s
+    assert sched_state(h, old) == "waiting" and sched_state(h, new) == "running"
+    h.advance(17)  # old waited 21 s > 1 x its 20 s of running (new: level 1 too by now)
+    assert any(f"session {old} promoted after waiting" in line for line in h.core.log.lines())
+    assert sched_state(h, old) == "running" and sched_state(h, new) == "frozen"
+
+
+def test_a_packed_request_behind_a_blocked_one_takes_only_room_on_shared_devices(h):
+    """scheduler.py rule 4: behind a blocked request, packed requests may use the room left on shared devices, never
+    a free device (the blocked one may need it)."""
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    w1 = h.register("10.0.0.1:7000", memory=1000)
+    packed = h.open_session(memory_cap=750)
+    assert h.open_mesh(packed, 1, [0]).placed and leases(h, w0) == {packed: 750}  # 250 left on w0
+    blocked = h.open_session()
+    assert not h.open_mesh(blocked, 1, [0, 1]).placed  # needs w0 and w1 to itself
+    small, large = h.open_session(memory_cap=200), h.open_session(memory_cap=500)
+    assert h.open_mesh(small, 1, [0]).placed and leases(h, w0) == {packed: 750, small: 200}
+    assert not h.open_mesh(large, 1, [0]).placed  # does not fit w0's room; w1 is free but not its to take
+    assert leases(h, w1) == {}
+
+
+def test_a_packed_sessions_later_mesh_leases_free_devices_with_its_cap(h):
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    w1 = h.register("10.0.0.1:7000", memory=1000)
+    s = h.open_session(memory_cap=400)
+    assert h.open_mesh(s, 1, [0]).placed
+    assert h.open_mesh(s, 2, [1]).placed  # nobody waits: the new logical device takes a free device
+    assert leases(h, w0) == {s: 400} and leases(h, w1) == {s: 400}
+    other = h.open_session(memory_cap=600)
+    assert h.open_mesh(other, 1, [0]).placed and leases(h, w0) == {s: 400, other: 600}  # 1000: fits exactly

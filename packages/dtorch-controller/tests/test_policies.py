@@ -202,6 +202,8 @@ def test_dtorch_next_change():
     assert dt.next_change(tenant(RUNNING, devices=2, attained=5000), 0) is None
     assert dt.next_change(tenant(RUNNING, devices=0), 0) is None
     assert dt.next_change(tenant(RUNNING, devices=2, expected_steps=10, steps=2, step_service=4), 0) is None
+    # exactly at a threshold (60 device-s) the session is in the next level: its next change is at 600
+    assert dt.next_change(tenant(RUNNING, devices=2, attained=60, since=100), 100) == pytest.approx(100 + 540 / 2)
 
 
 # ---------------------------------------------------------------- the scheduler's books (through the core)

@@ -29,8 +29,9 @@ REFUSALS = {  # Execute's session picks what the handler raises
 
 
 class Worker:
-    """Execute answers with the caller it saw (or raises REFUSALS[session]); Pull yields two chunks (or, for
-    session "wait", waits for its caller to give up); Put counts its chunks. No PullShards or PutShards."""
+    """Execute answers with the caller it saw (or raises REFUSALS[session]; for session "wait", first waits for its
+    caller to give up); Pull yields two chunks (or, for session "wait", waits for its caller to give up after the
+    first); Put counts its chunks. No PullShards or PutShards."""
 
     def __init__(self) -> None:
         self.gave_up = threading.Event()
@@ -38,6 +39,9 @@ class Worker:
     def Execute(self, req: m.Execute, caller: auth.Caller) -> m.Ack:
         if req.session in REFUSALS:
             raise REFUSALS[req.session]
+        if req.session == "wait":  # until its caller gives up
+            wire.on_call_end(self.gave_up.set)
+            self.gave_up.wait(30)
         return m.Ack(message=f"{caller.role} {caller.name} mtls={caller.mtls} ended={wire.call_ended()}")
 
     def Pull(self, req: m.PullRequest, caller: auth.Caller) -> Iterator[m.Chunk]:
@@ -310,6 +314,57 @@ def test_a_deadline_is_a_timeout_naming_method_and_peer(server):
     assert str(e.value) == f"Pull on {served.address} timed out"
     assert impl.gave_up.wait(30)
     stub.close()
+
+
+def test_a_future_call_has_its_deadline_too(server):
+    served, impl = server
+    impl.gave_up.clear()
+    stub = _stub(served.address, CONTROLLER)
+    future = stub.call_future("Execute", m.Execute(seq=1, session="wait", cmds=[]), timeout=0.5)
+    with pytest.raises(TimeoutError) as e:
+        stub.decode_reply("Execute", future)
+    assert str(e.value) == f"Execute on {served.address} timed out"
+    assert impl.gave_up.wait(30)
+    stub.close()
+
+
+def _ipv6() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6(), reason="this host has no IPv6 loopback (::1)")
+def test_a_server_listens_on_an_ipv6_address_and_says_where():
+    served = wire.serve(SERVICE, Worker(), auth.WorkerAuth(SECRET).authenticate, listen="[::1]:0")
+    try:
+        host, _, port = served.address.rpartition(":")
+        assert host == "[::1]" and int(port) > 0 and served.cluster_address == served.address
+        stub = _stub(served.address, CONTROLLER)
+        reply = stub.call("Execute", m.Execute(seq=1, session="s1", cmds=[]), timeout=10)
+        assert reply.message.startswith("controller")
+        stub.close()
+    finally:
+        served.server.stop(0)
+
+
+def test_a_failed_tls_handshake_says_what_to_check():
+    class Handshake(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "failed to connect to all addresses; last error: UNKNOWN: Ssl handshake failed"
+
+    e = wire._describe(Handshake(), "w:1", "Pull")
+    assert isinstance(e, ConnectionError) and str(e) == (
+        "TLS handshake with w:1 failed (Pull): its certificate is not signed by the CA given (--tls-ca, "
+        "DTORCH_TLS_CA), it does not speak TLS, or it wants a client certificate")
 
 
 def test_an_unknown_error_kind_reads_as_none():

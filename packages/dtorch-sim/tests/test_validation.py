@@ -252,6 +252,22 @@ def test_overrides_reach_mappings_and_list_items(base: dict) -> None:
     data = override(override(base, "cluster.nodes.0.count=48"), "policy={name: las}")
     assert data["cluster"]["nodes"][0]["count"] == 48 and data["policy"] == {"name": "las"}
     assert parse(data).policy.name == "las"
+    data = override(base, "cluster.nodes.0={count: 3, devices_per_node: 2, device_type: slow}")  # a whole item
+    assert data["cluster"]["nodes"] == [{"count": 3, "devices_per_node": 2, "device_type": "slow"}]
+    assert parse(data).cluster.nodes[0].count == 3
+
+
+def test_trace_roles_and_priorities(base: dict, tmp_path: Path) -> None:
+    """A csv trace needs an end or a duration (either will do); openb traces map its priority classes by default,
+    others keep priorities as they are unless a priority_map says otherwise."""
+    base["workload"].pop("synthetic")
+    for column in ("end", "duration"):
+        _csv("t.csv", f"submit,gpus,{column}\n0,1,10\n", "workload.trace",
+             {"format": "csv", "columns": {"submit": "submit", "num_gpu": "gpus", column: column}})(base, tmp_path)
+        assert parse(base).workload.trace.columns[column] == column
+    _csv("t.csv", ITP_ROWS, "workload.trace", TRACE)(base, tmp_path)
+    assert parse(base).workload.trace.priorities() == {}
+    assert scenario.Trace(format="openb", path="x").priorities() == scenario.OPENB_PRIORITIES
 
 
 def test_load_mistakes(tmp_path: Path) -> None:
