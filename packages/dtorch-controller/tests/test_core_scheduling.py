@@ -720,26 +720,6 @@ def test_decisions_count_placements_queueings_freezes_and_resumes(h):
     assert h.core.view.decisions == before + 2
 
 
-def test_a_queued_session_is_promoted_after_waiting_fairness_times_its_running_time(make_harness):
-    """DTorch policy rule 3 for a session waiting in the queue (its only worker was lost, so it asks again): once it
-    waited `fairness` x its running time, its counted service restarts and it goes first again."""
-    h = make_harness(policy=make_policy("dtorch", {"fairness": 1, "promote_min_s": 5, "thresholds": [10]}),
-                     session_timeout_s=0, **QUIET)
-    w0, w1 = workers(h, 2)
-    old = h.open_session()
-    assert h.open_mesh(old, 1, [0]).placed and h.core.sessions[old].devices[0] == w0
-    h.advance(20)  # 20 device-s: level 1
-    new = h.open_session()
-    assert h.open_mesh(new, 1, [0]).placed  # on w1
-    h.handle(ev.WorkerUnreachable(w0, "", "killed"))
-    assert sched_state(h, old) == "waiting"  # asks again, behind nobody but with 20 device-s counted
-    h.advance(4)  # less than promote_min_s
-    assert sched_state(h, old) == "waiting" and sched_state(h, new) == "running"
-    h.advance(17)  # old waited 21 s > 1 x its 20 s of running (new: level 1 too by now)
-    assert any(f"session {old} promoted after waiting" in line for line in h.core.log.lines())
-    assert sched_state(h, old) == "running" and sched_state(h, new) == "frozen"
-
-
 def test_a_packed_request_behind_a_blocked_one_takes_only_room_on_shared_devices(h):
     """scheduler.py rule 4: behind a blocked request, packed requests may use the room left on shared devices, never
     a free device (the blocked one may need it)."""
