@@ -7,7 +7,9 @@ nothing depends on timing luck.
 * a SIGKILLed client: the controller closes its silent session and every worker frees its shards;
 * a mesh that waits in the queue (the client shows its position) and is placed as soon as a worker joins;
 * a high-priority session freezes a low-priority one, which resumes afterwards and finishes correctly;
-* a frozen session relocates onto workers that join (its shards move there) and finishes while its preemptor runs.
+* a frozen session relocates onto workers that join (its shards move there) and finishes while its preemptor runs;
+* an elastic session is shrunk from 4 workers to 2 by a higher-priority one (not frozen), runs there, and grows
+  back to 4 when it leaves, with results equal to plain torch throughout.
 """
 
 from __future__ import annotations
@@ -416,3 +418,61 @@ def test_an_elastic_session_grows_onto_a_worker_that_joins(make_cluster):
     cluster.signal("grown")
     assert finish(proc, cluster, "elastic").split() == ["ok"]
     print(f"grew onto the new worker {grew_s:.1f}s after it was started (includes the worker's start-up)")
+
+
+# ---------------------------------------------------------------- an elastic session is shrunk, then grows back
+
+SHRINKING = """
+    dtorch.connect(name="elastic", priority="low", min_devices=2)  # elastic: may run on 2 of its 4 devices
+    mesh = dtorch.DeviceMesh("cpu", [0, 1, 2, 3])
+    torch.manual_seed(0)
+    w = torch.randn(16, 16) / 4
+    x = torch.randn(32, 16)
+    dw = dtorch.distribute_tensor(w, mesh, [Replicate()])
+    dx = dtorch.distribute_tensor(x, mesh, [Shard(0)])
+
+    def steps():
+        global dx, x
+        for _ in range(3):
+            dx = torch.tanh(dx @ dw)
+            x = torch.tanh(x @ w)
+        assert torch.allclose(dx.to_torch(), x, atol=1e-5)
+
+    steps()
+    say("running")
+    wait_for("shrunk")
+    steps()  # on 2 workers, two logical devices each (virtual devices)
+    say("ran-shrunk")
+    wait_for("grown")
+    steps()  # on 4 workers again
+    say("ok")
+"""
+
+
+def test_an_elastic_session_is_shrunk_instead_of_frozen_and_grows_back_with_torch_results(make_cluster):
+    # the default policy (dtorch) shrinks elastic sessions before it freezes anyone; neither sessions nor workers
+    # are expired here (4 workers and 2 clients on a loaded machine: a keepalive or a report may come late)
+    cluster = make_cluster(4, "--session-timeout", "60", "--heartbeat-timeout", "30")
+    elastic = cluster.client("elastic", SHRINKING)
+    expect_line(elastic, "running")
+    (s,) = cluster.status().sessions
+    assert len(set(s.devices.values())) == 4
+    high = cluster.client("high", HIGH)
+    expect_line(high, "placed")
+    st = cluster.wait(lambda st: len({w for x in st.sessions if x.name == "elastic" for w in x.devices.values()})
+                      == 2, "the elastic session's devices to move onto the 2 workers it keeps")
+    states = {x.name: x.schedule for x in st.sessions}
+    assert states == {"elastic": "running", "high": "running"}, states  # shrunk, not frozen
+    kept = {w for x in st.sessions if x.name == "elastic" for w in x.devices.values()}
+    high_workers = {w for x in st.sessions if x.name == "high" for w in x.devices.values()}
+    assert len(high_workers) == 2 and not kept & high_workers
+    assert any("shrinks to 2 devices (4 logical)" in line for line in st.events), st.events
+    cluster.signal("shrunk")
+    expect_line(elastic, "ran-shrunk")  # values equal plain torch on the 2 workers
+    cluster.signal("high-finish")
+    assert finish(high, cluster, "high").split() == ["ok"]
+    st = cluster.wait(lambda st: len({w for x in st.sessions if x.name == "elastic" for w in x.devices.values()})
+                      == 4, "the elastic session to grow back onto 4 workers")
+    assert any("grows: logical" in line for line in st.events), st.events
+    cluster.signal("grown")
+    assert finish(elastic, cluster, "elastic").split() == ["ok"]

@@ -307,6 +307,40 @@ def test_a_frozen_session_relocates_onto_a_free_device_and_resumes_after_the_mov
                for line in h.core.log.lines())
 
 
+def test_the_pulls_of_one_relocation_go_out_at_once_none_waits_behind_work_queued_on_another_target(make_harness):
+    # moves.py rule 3: a substitute that just came free may still run another session's batches; the pull it runs
+    # waits for them in its stream, but the relocation's other pulls do not wait for it (one at a time, they did:
+    # the session's other devices sat idle for the whole queue of the slowest target, then the copy)
+    h = make_harness(policy=PriorityPolicy({"relocate_after": 0}), **QUIET)
+    w0, w1, w2, w3 = workers(h, 4)
+    low, o2, o3 = h.open_session(priority="low"), h.open_session(), h.open_session()
+    assert h.open_mesh(low, 1, [0, 1]).placed and h.open_mesh(o2, 1, [0]).placed and h.open_mesh(o3, 1, [0]).placed
+    assert h.core.sessions[low].devices == {0: w0, 1: w1} and leases(h, w2) == {o2: 0} and leases(h, w3) == {o3: 0}
+    h.submit(low, 1, [create(1)])
+    h.report_all()
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1]).placed and sched_state(h, low) == "frozen"  # high takes w0 and w1
+    h.submit(high, 1, [create(1)])  # queued on w0 and w1 (the old devices): the pulls do not wait for it
+    h.submit(low, 2, [create(2)])  # held while frozen
+    close(h, o3)
+    h.report(w3)  # w3 free and idle; one free device is not enough for low's two
+    h.submit(o2, 1, [create(1)])
+    close(h, o2)  # w2 free too, but it has o2's batch and close still to run: low relocates onto w2 and w3
+    assert sched_state(h, low) == "running" and {leases(h, w)[low] for w in (w2, w3)} == {0}
+    fetches = {x.worker_id: x.execute for x in h.take_sent() if isinstance(x.execute.cmds[0], m.CmdFetchShards)}
+    assert sorted(fetches) == [w2, w3]  # both pulls at once, from the old devices' servers
+    assert {fetches[w].cmds[0].address for w in (w2, w3)} == {"10.0.0.0:7000", "10.0.0.1:7000"}
+    h.report(w3)  # w3's copy done; w2 still runs o2's work: the held batch waits for the whole relocation
+    assert not [x for x in h.take_sent() if isinstance(x.execute.cmds[0], m.CmdCreate)]
+    assert sorted(h.core.sessions[low].devices.values()) in ([w0, w3], [w1, w3])  # one device rebound already
+    h.report(w2)
+    assert sorted(h.core.sessions[low].devices.values()) == [w2, w3]
+    creates = sorted(x.worker_id for x in h.take_sent() if x.execute.session == low
+                     and isinstance(x.execute.cmds[0], m.CmdCreate))
+    assert creates == [w2, w3]  # the held batch goes out on the new devices
+    assert h.core.sched.relocations == 1
+
+
 def test_a_relocation_whose_pull_fails_is_called_off_and_the_device_stays(make_harness):
     h = make_harness(policy=PriorityPolicy({"relocate_after": 0}))
     w0, w1 = workers(h, 2)
@@ -684,26 +718,6 @@ def test_decisions_count_placements_queueings_freezes_and_resumes(h):
     assert sched_state(h, low) == "running" and h.core.view.decisions == before + 1
     assert h.open_mesh(low, 2, [1]).placed  # a running session's later mesh: placed at once
     assert h.core.view.decisions == before + 2
-
-
-def test_a_queued_session_is_promoted_after_waiting_fairness_times_its_running_time(make_harness):
-    """DTorch policy rule 3 for a session waiting in the queue (its only worker was lost, so it asks again): once it
-    waited `fairness` x its running time, its counted service restarts and it goes first again."""
-    h = make_harness(policy=make_policy("dtorch", {"fairness": 1, "promote_min_s": 5, "thresholds": [10]}),
-                     session_timeout_s=0, **QUIET)
-    w0, w1 = workers(h, 2)
-    old = h.open_session()
-    assert h.open_mesh(old, 1, [0]).placed and h.core.sessions[old].devices[0] == w0
-    h.advance(20)  # 20 device-s: level 1
-    new = h.open_session()
-    assert h.open_mesh(new, 1, [0]).placed  # on w1
-    h.handle(ev.WorkerUnreachable(w0, "", "killed"))
-    assert sched_state(h, old) == "waiting"  # asks again, behind nobody but with 20 device-s counted
-    h.advance(4)  # less than promote_min_s
-    assert sched_state(h, old) == "waiting" and sched_state(h, new) == "running"
-    h.advance(17)  # old waited 21 s > 1 x its 20 s of running (new: level 1 too by now)
-    assert any(f"session {old} promoted after waiting" in line for line in h.core.log.lines())
-    assert sched_state(h, old) == "running" and sched_state(h, new) == "frozen"
 
 
 def test_a_packed_request_behind_a_blocked_one_takes_only_room_on_shared_devices(h):

@@ -1,7 +1,7 @@
-"""The controller's series fed by the core's notices (metrics.py `NOTICES`): preemptions, relocations, recoveries
-and the detection and recovery latencies, on the fake clock the core is driven with (the latencies are the core's
-own times, not the adapter's). The wiring in the real server, scraped over HTTP and by a real Prometheus:
-integration/test_observability.py."""
+"""The controller's series fed by the core's notices (metrics.py `NOTICES`): instructions, preemptions,
+relocations, recoveries and the detection and recovery latencies, on the fake clock the core is driven with (the
+latencies are the core's own times, not the adapter's). The wiring in the real server, scraped over HTTP and by a
+real Prometheus: integration/test_observability.py."""
 
 from __future__ import annotations
 
@@ -32,12 +32,31 @@ def value(metrics: ControllerMetrics, name: str, **labels: str) -> float:
 
 def test_every_series_shows_zero_before_anything_happened():
     metrics = ControllerMetrics(lambda: None, Accounting())
+    assert value(metrics, "instructions_total") == 0
     assert value(metrics, "preemptions_total") == value(metrics, "relocations_total") == 0
     assert value(metrics, "recoveries_total", outcome="rebuilt") == value(metrics, "recoveries_total",
                                                                           outcome="data_lost") == 0
     assert value(metrics, "failure_detection_seconds_count", cause="timeout") == 0
     assert value(metrics, "failure_detection_seconds_count", cause="unreachable") == 0
     assert value(metrics, "recovery_seconds_count") == 0
+
+
+def test_instructions_are_counted_when_the_core_accepts_their_batch(make_harness, refused):
+    h = make_harness()
+    h.register("10.0.0.0:7000")
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0]).placed
+    h.submit(sid, 1, [create(1), create(2)])
+    h.submit(sid, 2, [add_(1)])
+    assert refused(h.submit(sid, 5, [add_(1), add_(2)]))  # out of order: refused, not counted
+    assert [(n.seq, n.instructions) for n in h.notices if isinstance(n, fx.Accepted)] == [(1, 2), (2, 1)]
+    assert value(metrics_of(h), "instructions_total") == 3
+    step = [create(0), add_(0), m.InstrDelete(tids=[0])]  # in slots: tid 0 is the replay's first id
+    assert h.submit(sid, 3, [m.InstrDefine(program=1, instrs=step, ntids=1, nseeds=1),
+                             m.InstrReplay(program=1, tids=[3], seeds=[3])]).accepted == 3
+    assert h.submit(sid, 4, [m.InstrReplay(program=1, tids=[4], seeds=[4]),
+                             m.InstrReplay(program=1, tids=[5], seeds=[5])]).accepted == 4
+    assert value(metrics_of(h), "instructions_total") == 3 + 3 + 2 * 3  # a replay: the instructions it stands for
 
 
 def test_a_preemption_and_the_relocation_that_ends_it_are_counted(make_harness):

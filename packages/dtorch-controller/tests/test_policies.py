@@ -43,7 +43,7 @@ def test_policies_by_name_with_their_defaults():
     assert (las.thresholds, las.starve_factor, las.starve_min_s) == ((60.0, 600.0, 3600.0), 0.0, 60.0)
     assert (dt.preempts, dt.packs, dt.relocates, dt.relocate_after, dt.lends, dt.shrinks) == \
         (True, True, True, 0.0, True, True)
-    assert (dt.thresholds, dt.levels, dt.fairness) == ((60.0, 600.0, 3600.0), 4, 4.0)
+    assert (dt.thresholds, dt.levels, dt.fairness) == ((60.0, 600.0, 3600.0), 4, 1.0)
 
 
 def test_parameters_are_taken_as_given():
@@ -97,11 +97,11 @@ def test_policies_describe_themselves():
     assert LasPolicy({"thresholds": [1.5, 60], "starve_factor": 2}).describe() == \
         "las (thresholds 1.5, 60 device-s, starve_factor 2)"
     assert DTorchPolicy().describe() == ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, "
-                                         "promotion after waiting 4x the running time, preempt=on, pack=on, "
+                                         "shielded once frozen 1x its running time, preempt=on, pack=on, "
                                          "lend=on)")
     assert DTorchPolicy({"preempt": False, "pack": False, "lend": False, "fairness": 0.5}).describe() == \
-        ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, promotion after waiting 0.5x "
-         "the running time, preempt=off, pack=off, lend=off)")
+        ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, shielded once frozen 0.5x "
+         "its running time, preempt=off, pack=off, lend=off)")
 
 
 # ---------------------------------------------------------------- fifo and priority
@@ -181,15 +181,18 @@ def test_dtorch_scores_by_remaining_work_when_progress_is_trustworthy():
     assert dt.key(tenant(attained=10), 0) < dt.key(tenant(attained=20), 0)
 
 
-def test_dtorch_promotes_a_waiting_session_after_fairness_times_its_running_time():
+def test_dtorch_shields_a_running_session_frozen_fairness_times_its_running_time():
     dt = DTorchPolicy({"fairness": 2})
-    t = tenant(attained=700, waiting_since=100, logical=4)  # ran 700 / 4 = 175 s on its devices
-    assert dt.next_change(t, 100) == pytest.approx(100 + 2 * 175)
-    assert not dt.starving(t, 449) and dt.starving(t, 450)
-    short = tenant(attained=80, waiting_since=100, logical=4)  # ran 20 s: promote_min_s (60) bounds the wait below
-    assert dt.next_change(short, 100) == pytest.approx(100 + 60)
-    assert dt.next_change(tenant(attained=10, waiting_since=100), 100) is None  # already at level 0
-    assert DTorchPolicy({"fairness": 0}).next_change(t, 100) is None  # no promotion
+    t = tenant(RUNNING, devices=4, logical=4, attained=400, since=100, waited=300, frozen_s=300)  # ran 100 s
+    assert dt.rank(t, 100) == 4 + 0  # level 0 of its class, although 400 device-s make it level 1
+    assert dt.next_change(t, 100) == pytest.approx(100 + 300 / 2 - 100)  # until it ran 150 s
+    assert dt.rank(t, 151) == 4 + 2  # 604 device-s: its own level again
+    half = tenant(RUNNING, devices=2, logical=4, attained=400, since=100, waited=300, frozen_s=300)  # shrunk
+    assert dt.next_change(half, 100) == pytest.approx(100 + 50 * 4 / 2)  # half the pace
+    assert dt.rank(tenant(WAITING, logical=4, attained=400, frozen_s=300), 100) == 4 + 1  # only while it runs
+    assert DTorchPolicy({"fairness": 0}).rank(t, 100) == 4 + 1  # no shield
+    queued = tenant(RUNNING, devices=4, logical=4, attained=400, since=100, waited=300)  # it only queued
+    assert dt.rank(queued, 100) == 4 + 1 and dt.next_change(queued, 100) == pytest.approx(100 + 200 / 4)
 
 
 def test_dtorch_next_change():

@@ -14,7 +14,8 @@ queue_wait_seconds                  histogram            from a session's first 
                                                          placement (0 when placed at once)
 request_seconds                     histogram  method    time the controller took to answer a client call
                                                          (Submit, Sync, OpenMesh, ...; a Sync waits for workers)
-instructions_total                  counter              instructions of accepted Submits (rate: per second)
+instructions_total                  counter              instructions of accepted Submits (rate: per second;
+                                                         notice Accepted: a replay counts what it stands for)
 tenant_device_seconds_total         counter    tenant    physical device-seconds held by the tenant's sessions
 tenant_moved_bytes_total            counter    tenant    tensor bytes moved for the tenant's sessions
 preemptions_total                   counter              sessions frozen for a better-ranked request (notice Frozen)
@@ -49,12 +50,14 @@ TIMED = ("OpenSession", "OpenMesh", "Submit", "Sync", "CloseSession", "KeepAlive
 DETECTION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 RECOVERY_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 60.0, 300.0, 900.0)
 
-# notice -> what it adds to which series: (series, label values, the value observed, or None: counted once)
-NOTICES: dict[type[fx.Notice], Callable[[Any], list[tuple[str, tuple[str, ...], float | None]]]] = {
-    fx.Frozen: lambda n: [("preemptions", (), None)],
-    fx.Relocated: lambda n: [("relocations", (), None)],
-    fx.Recovered: lambda n: [("recoveries", ("rebuilt",), None), ("recovery_seconds", (), n.seconds)],
-    fx.DataLost: lambda n: [("recoveries", ("data_lost",), None)],
+# notice -> what it adds to which series: (series, label values, value: a counter's increment, a histogram's
+# observation)
+NOTICES: dict[type[fx.Notice], Callable[[Any], list[tuple[str, tuple[str, ...], float]]]] = {
+    fx.Accepted: lambda n: [("instructions", (), n.instructions)],
+    fx.Frozen: lambda n: [("preemptions", (), 1)],
+    fx.Relocated: lambda n: [("relocations", (), 1)],
+    fx.Recovered: lambda n: [("recoveries", ("rebuilt",), 1), ("recovery_seconds", (), n.seconds)],
+    fx.DataLost: lambda n: [("recoveries", ("data_lost",), 1)],
     fx.Fenced: lambda n: [("failure_detection_seconds", (n.cause,), n.silent_s)],
 }
 
@@ -92,7 +95,8 @@ class _FromStatus(Collector):
 
 
 class ControllerMetrics:
-    """The controller's registry; the service tells it what passes through (`timed`, `submitted`, `mesh`)."""
+    """The controller's registry; the service tells it what passes through (`timed`, `mesh`, `closed`) and what
+    the core noticed (`notice`)."""
 
     def __init__(self, snapshot: Callable[[], m.StatusReply | None], accounts: Accounting,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -102,12 +106,12 @@ class ControllerMetrics:
                                   "client call, by method", ["method"], buckets=REQUEST_BUCKETS,
                                   registry=self.registry)
         self._timed = {method: self.requests.labels(method) for method in TIMED}
-        self.instructions = Counter("dtorch_controller_instructions", "Instructions of accepted Submits",
-                                    registry=self.registry)
         self.queue_wait = Histogram("dtorch_controller_queue_wait_seconds", "From a session's first queued mesh "
                                     "request to its placement", buckets=WAIT_BUCKETS, registry=self.registry)
         self.registry.register(_FromStatus(snapshot, accounts))
         self._noticed: dict[str, Counter | Histogram] = {  # the series NOTICES feeds, by its name in the table
+            "instructions": Counter("dtorch_controller_instructions", "Instructions of accepted Submits (a replay "
+                                    "of a captured step: the instructions it stands for)", registry=self.registry),
             "preemptions": Counter("dtorch_controller_preemptions", "Sessions frozen for a better-ranked request",
                                    registry=self.registry),
             "relocations": Counter("dtorch_controller_relocations", "Frozen sessions resumed on substitute devices",
@@ -134,8 +138,8 @@ class ControllerMetrics:
         for name, labels, value in rule(notice) if rule is not None else ():
             series = self._noticed[name]
             child = series.labels(*labels) if labels else series
-            if value is None:
-                child.inc()
+            if isinstance(series, Counter):
+                child.inc(value)
             else:
                 child.observe(value)
 

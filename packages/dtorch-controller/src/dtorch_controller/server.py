@@ -35,6 +35,7 @@ import msgspec
 from dtorch_controller.core import Config, ControllerCore, Notice, Refusal, Reply, SendExecute, SetTimer
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.config import format_seconds
+from dtorch_controller.core.effects import Accepted
 from dtorch_controller.core.policies import Policy
 from dtorch_controller.credentials import Credentials, check_secret
 from dtorch_controller.metrics import ControllerMetrics
@@ -138,6 +139,8 @@ class ControllerService:
             self.timers.set(effect.at, effect.key)
         elif isinstance(effect, Notice):
             self.metrics.notice(effect)  # counted and timed; the event log (Status) has its own line
+            if isinstance(effect, Accepted):
+                self.accounts.submitted(effect.session, effect.instructions)
         else:
             raise TypeError(f"unknown effect {effect!r}")
 
@@ -277,9 +280,7 @@ class ControllerService:
         who = self._who(caller)
         with self._timed("Submit"):
             reply: m.SubmitReply = self.request(lambda rid: ev.Submit(rid, request, who))
-        self.metrics.instructions.inc(len(request.instrs))
-        self.accounts.submitted(request.session, len(request.instrs))
-        return reply
+        return reply  # its instructions are counted when the core accepts them (`_perform`)
 
     def Sync(self, request: m.Sync, caller: auth.Caller) -> m.SyncReply:
         who = self._who(caller)

@@ -10,7 +10,8 @@ Rules:
    running; nothing while queued or frozen). Memory-byte-seconds integrate the bytes of the session's shards on
    its workers (their reports) over time. Bytes moved are what its workers received for it (pieces,
    collectives, uploads) and what its client read (`ShardStats.moved_bytes`, cumulative per worker: a worker
-   that restarted counts from zero again). Instructions are those of its accepted Submits.
+   that restarted counts from zero again). Instructions are those of its accepted Submits, as the core counts
+   them (notice `Accepted`).
 3. The file is append-only and durable: each interval's records are written together and fsync'd once (a batch).
    Every record names the controller run that wrote it and its number in that run (`run`, `seq`), so a reader
    counts a record once however often it appears. A line cut short by a crash is dropped when the next run

@@ -71,6 +71,16 @@ class Placed(Notice):
 
 
 @dataclass(frozen=True)
+class Accepted(Notice):
+    """Batch `seq` of `session` was accepted: `instructions` to run (what the batch stands for once the core
+    expanded it; the metrics' and usage records' instruction counts)."""
+
+    session: str
+    seq: int
+    instructions: int
+
+
+@dataclass(frozen=True)
 class Queued(Notice):
     """A mesh request of `session` waits in the scheduler's queue."""
 

@@ -13,11 +13,16 @@ Rules:
 2. Uploads under way: from the copy on, A refuses client Puts for the moving devices (kind MOVED), and
    uploads that arrived before it travel with them. The client asks the controller where the device
    went and uploads again (dtorch/_relocate.py).
-3. One move per session at a time; later ones queue, and none starts while the session is not open (recovering,
-   degraded). A *pull* move (a frozen session relocating off its preemptor's worker, elastic.py) holds the
-   session's batches at once, waits until A finished the session's work, then has B pull the shards from A's
-   server (CmdFetchShards(move=...)): not at A's place in its stream, which runs another session's work and
-   may be far behind. A then refuses uploads for the devices and hands over the ones not adopted yet.
+3. One move per session at a time (but for the pulls of one group, below); later ones queue, and none starts
+   while the session is not open (recovering, degraded). A *pull* move (a frozen session relocating off its
+   preemptor's worker, or an elastic one shrinking off the workers it gives up: elastic.py) holds the session's
+   batches at once, waits until A finished the session's work, then has B pull the shards from A's server
+   (CmdFetchShards(move=...)): not at A's place in its stream, which runs another session's work and may be far
+   behind. A then refuses uploads for the devices and hands over the ones not adopted yet. The pulls of one
+   relocation or shrink (a *group*: enqueued together) run at once, each as soon as its own source is done: none
+   waits for another's copy, which may be queued behind other sessions' work on its target (a substitute that
+   just came free may still run the batches of a session frozen there). The batches go out when the whole group
+   is done.
 4. A move that fails (the copy failed, B was lost) is called off: A keeps the devices (CmdStay) and the
    batches go on. If A is lost, recovery.py rebuilds the session instead (or reports the loss); a rebuild
    interrupts a running move (a drain's is tried again afterwards).
@@ -55,6 +60,7 @@ class Move:
     requests: list[Hashable] = field(default_factory=list)  # Migrate requests to answer
     drain: str = ""  # the worker being drained, when part of a drain
     pull: bool = False  # `dst` pulls once `src` finished the session's work (rule 3)
+    group: int = 0  # pulls enqueued together share a group and copy at once (rule 3); 0: alone
     phase: st.MovePhase = st.MovePhase.QUEUED
     seq: int = 0  # Execute seq of the copy on the worker that copies (0: not started)
     started: float = 0.0
@@ -71,6 +77,11 @@ class Move:
     @property
     def copying(self) -> bool:
         return self.phase == st.MovePhase.COPYING
+
+    @property
+    def active(self) -> bool:
+        """Holding the session's batches: waiting for its source (a pull) or copying."""
+        return self.phase in (st.MovePhase.WAITING, st.MovePhase.COPYING)
 
     def to(self, event: str) -> None:
         self.phase = st.step(st.MOVE_TABLE, self.phase, event)
@@ -100,12 +111,20 @@ class Moves:
         self.queues: dict[str, list[Move]] = {}  # session -> moves, the first one may be running
         self.drops: list[Drop] = []
         self.requests: dict[Hashable, Move] = {}  # Migrate request -> its move, while unanswered
+        self.groups = 0  # pull groups made so far (rule 3)
 
     # ------------------------------------------------------------ queries
 
-    def running(self, sid: str) -> Move | None:
+    def head(self, sid: str) -> list[Move]:
+        """The moves that run now or next: the first queued one, with the other pulls of its group (rule 3)."""
         q = self.queues.get(sid)
-        return q[0] if q and q[0].copying else None
+        if not q:
+            return []
+        group = q[0].group
+        return [mv for mv in q if mv is q[0] or (group and mv.group == group)]
+
+    def running(self, sid: str) -> list[Move]:
+        return [mv for mv in self.head(sid) if mv.copying]
 
     def busy(self, sid: str) -> bool:
         return bool(self.queues.get(sid)) or any(d.session == sid for d in self.drops)
@@ -114,9 +133,7 @@ class Moves:
         """(worker, Execute seq) pairs the session's move and drops wait on; None when they may go on without a
         report (a queued move waiting for the session, a failed copy, a drop ready to go): waits.py rule 2."""
         waits: list[tuple[str, int]] = []
-        q = self.queues.get(s.id)
-        if q:
-            mv = q[0]
+        for mv in self.head(s.id):
             before = s.sent.get(mv.src, 0) if mv.pull and not mv.copying else 0
             if before and self.cluster.waits_for(mv.src, before):
                 waits.append((mv.src, before))  # a pull waiting for the session's work on its source
@@ -133,8 +150,7 @@ class Moves:
         return waits
 
     def involves(self, sid: str, worker_id: str) -> bool:
-        mv = self.running(sid)
-        return mv is not None and worker_id in (mv.src, mv.dst)
+        return any(worker_id in (mv.src, mv.dst) for mv in self.running(sid))
 
     def lease_problem(self, s: Session, dst: str) -> str | None:
         """Why the session may not use worker `dst`, or None (leases: exclusive devices unless packed)."""
@@ -240,9 +256,13 @@ class Moves:
     # ------------------------------------------------------------ moves
 
     def enqueue(self, step: Step, s: Session, moves: list[Move], verb: str = "") -> None:
-        """Queue moves of the session's devices (one at a time, in order) and start the first if it can."""
+        """Queue moves of the session's devices (in order, one at a time but groups of pulls: rule 3); start one."""
         if not moves:
             return
+        if all(mv.pull for mv in moves) and len(moves) > 1:  # one relocation or shrink: its pulls copy at once
+            self.groups += 1
+            for mv in moves:
+                mv.group = self.groups
         self.queues.setdefault(s.id, []).extend(moves)
         if verb:
             step.note(f"session {s.id[:8]} {verb}: " + "; ".join(f"logical {mv.devices} {mv.src} -> {mv.dst}"
@@ -251,14 +271,21 @@ class Moves:
         step.touch(s.id)
 
     def start_next(self, step: Step, s: Session) -> None:
-        q = self.queues.get(s.id)
-        if not q or q[0].copying or s.state != st.OPEN:
+        """Start the first queued move, or the pulls of its group not started yet (rule 3)."""
+        head = self.head(s.id)
+        going = any(mv.copying for mv in head)
+        if not head or (going and not head[0].group) or s.state != (st.MIGRATING if going else st.OPEN):
             return
-        mv = q[0]
+        for mv in head:
+            if not mv.copying:
+                self._start(step, s, mv)
+
+    def _start(self, step: Step, s: Session, mv: Move) -> None:
+        q = self.queues[s.id]
         devices = [d for d in mv.devices if s.devices.get(d) == mv.src]
         dst = self.cluster.workers.get(mv.dst)
         if not devices:
-            q.pop(0)
+            q.remove(mv)
             if not mv.drain:
                 mv.failed = f"logical device {', '.join(map(str, mv.devices))} is no longer on {mv.src}"
             return self._done(step, s, mv)
@@ -269,7 +296,7 @@ class Moves:
                 mv.dst, dst = again, self.cluster.workers[again]
         if dst is None or dst.state not in st.PLACEABLE:
             mv.failed = f"worker {mv.dst} can no longer take devices"
-            q.pop(0)
+            q.remove(mv)
             return self._done(step, s, mv)
         src = self.cluster.workers[mv.src]
         if mv.pull:
@@ -284,7 +311,8 @@ class Moves:
         mv.bytes = sum(shard_bytes(s.tensors[t], s.meshes[s.tensors[t].mesh], d) for d, tids in shards.items()
                        for t in tids)
         self.pipeline.hold(s, st.Hold.MIGRATING)
-        s.state = st.step(st.SESSION_TABLE, s.state, st.MOVE)
+        if s.state == st.OPEN:  # the first of its group
+            s.state = st.step(st.SESSION_TABLE, s.state, st.MOVE)
         mv.started = step.now
         if mv.pull:
             cmd: m.Cmd = m.CmdFetchShards(devices=shards, namespace=s.id, address=src.address, move=devices)
@@ -294,24 +322,30 @@ class Moves:
         mv.to(st.START)
 
     def copy_failed(self, s: Session, w: Worker, e: m.ErrorReport) -> None:
-        mv = self.running(s.id)
-        if mv is not None and mv.copier == w.id and mv.seq == e.seq:
-            mv.failed = f"the copy to {mv.dst} failed: {e.message}"
+        for mv in self.running(s.id):
+            if mv.copier == w.id and mv.seq == e.seq:
+                mv.failed = f"the copy to {mv.dst} failed: {e.message}"
 
     def advance(self, step: Step, s: Session) -> None:
         self._flush_drops(step)
-        mv = self.running(s.id)
-        if mv is None:
-            self.start_next(step, s)
-            return
-        if self.cluster.workers[mv.copier].completed < mv.seq and not mv.failed:
-            return
-        self.queues[s.id].pop(0)
-        if mv.failed:
-            self._call_off(step, s, mv)
-        else:
-            self._commit(step, s, mv)
+        for mv in self.running(s.id):
+            if self.cluster.workers[mv.copier].completed < mv.seq and not mv.failed:
+                continue
+            self.queues[s.id].remove(mv)
+            if mv.failed:
+                self._call_off(step, s, mv)
+            else:
+                self._commit(step, s, mv)
         self.start_next(step, s)
+
+    def _settle(self, step: Step, s: Session) -> None:
+        """A move ended: once none of the session's is copying it is open again, and once none holds its batches
+        (a pull of its group still waiting) they go out."""
+        q = self.queues.get(s.id, [])
+        if s.state == st.MIGRATING and not any(mv.copying for mv in q):  # not when it lost data meanwhile
+            s.state = st.step(st.SESSION_TABLE, s.state, st.MOVED)
+        if not any(mv.active for mv in q):
+            self.pipeline.release(step, s, st.Hold.MIGRATING)
 
     def _commit(self, step: Step, s: Session, mv: Move) -> None:
         for d in mv.devices:
@@ -329,8 +363,6 @@ class Moves:
         rec = self.pipeline.rec(s, step.now)
         rec.migrations += 1
         rec.force = True  # the copies' holders may now include the devices' own worker
-        if s.state == st.MIGRATING:  # not when it lost data meanwhile (degraded): it stays so (as in _call_off)
-            s.state = st.step(st.SESSION_TABLE, s.state, st.MOVED)
         mv.to(st.COPIED)
         report = mv.describe(step.now)
         step.note(f"session {s.id[:8]} logical device{'s' if len(mv.devices) > 1 else ''} "
@@ -338,7 +370,7 @@ class Moves:
                   f"bytes, downtime {report.downtime_s:.3f}s")
         step.emit(fx.Moved(s.id, tuple(mv.devices), mv.src, mv.dst, mv.bytes, report.downtime_s))
         self._done(step, s, mv, report)
-        self.pipeline.release(step, s, st.Hold.MIGRATING)
+        self._settle(step, s)
 
     def _call_off(self, step: Step, s: Session, mv: Move) -> None:
         """Rule 4: the source keeps the devices; what reached the target is dropped there."""
@@ -349,10 +381,8 @@ class Moves:
             if tids:
                 self.pipeline.send(step, s, {mv.dst: [m.CmdDelete(tids=tids, devices=list(mv.devices))]})
         step.note(f"session {s.id[:8]} move of logical devices {mv.devices} to {mv.dst} called off: {mv.failed}")
-        if s.state == st.MIGRATING:
-            s.state = st.step(st.SESSION_TABLE, s.state, st.MOVED)
         self._done(step, s, mv)
-        self.pipeline.release(step, s, st.Hold.MIGRATING)
+        self._settle(step, s)
 
     def _done(self, step: Step, s: Session, mv: Move, report: m.MoveReport | None = None,
               closing: bool = False) -> None:
@@ -367,7 +397,7 @@ class Moves:
         elif mv.phase != st.MovePhase.CALLED_OFF:
             mv.to(st.FAIL)
         if waiting and not closing:  # a pull move held the batches while it waited for its source
-            self.pipeline.release(step, s, st.Hold.MIGRATING)
+            self._settle(step, s)
         for rid in mv.requests:
             if self.requests.pop(rid, None) is not None:
                 step.reply(rid, m.AdminReply(
@@ -398,17 +428,18 @@ class Moves:
     def abort(self, step: Step, s: Session, why: str) -> set[str]:
         """The session is being rebuilt: its running move stops (a drain's move is tried again after). Returns
         the workers that may hold shards of it without hosting a device (the move's target)."""
-        q = self.queues.get(s.id)
         extra: set[str] = set()
-        if q and q[0].copying:
-            mv = q[0]
-            extra.add(mv.dst)
+        q = self.queues.get(s.id, [])
+        running = self.running(s.id)
+        if running:
             self.pipeline.release(step, s, st.Hold.MIGRATING)  # the rebuild holds the batches now
+        for mv in running:
+            extra.add(mv.dst)
             if mv.drain:
                 mv.seq, mv.started = 0, 0.0
                 mv.to(st.RETRY)
             else:
-                q.pop(0)
+                q.remove(mv)
                 mv.failed = why
                 self._done(step, s, mv)
         self.drops = [d for d in self.drops if d.session != s.id]  # the rebuild drops everything anyway
@@ -421,9 +452,9 @@ class Moves:
             mv.failed = f"worker {w.id} was lost"
             q.remove(mv)
             self._done(step, s, mv)
-        mv = self.running(s.id)
-        if mv is not None and mv.dst == w.id and not rebuilt:
-            mv.failed = f"worker {w.id} was lost during the copy"
+        for mv in self.running(s.id):
+            if mv.dst == w.id and not rebuilt:
+                mv.failed = f"worker {w.id} was lost during the copy"
 
     def closed(self, step: Step, s: Session) -> None:
         for mv in self.queues.pop(s.id, []):

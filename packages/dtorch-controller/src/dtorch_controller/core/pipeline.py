@@ -81,6 +81,7 @@ class Pipeline:
         instrs, named, refused = programs.accept(s.programs, instrs)
         s.errors.extend(refused)
         self.rec(s, step.now).log.append(LoggedBatch(s.seq, instrs, programs=named))
+        step.emit(fx.Accepted(s.id, s.seq, programs.size(instrs, named)))
         self.pump(step, s)
 
     def hold(self, s: Session, reason: st.Hold) -> None:

@@ -100,6 +100,11 @@ def fill(d: m.InstrDefine, r: m.InstrReplay) -> list[m.StepInstr]:
     return p.fill(d.instrs, r.tids, r.seeds, r.scalars)
 
 
+def size(instrs: list[m.Instr], named: Mapping[int, m.InstrDefine]) -> int:
+    """How many instructions a logged batch stands for (a replay: its program's; the metrics and usage count)."""
+    return sum(len(named[r.program].instrs) if type(r) is m.InstrReplay else 1 for r in instrs)
+
+
 def expand(instrs: list[m.Instr], named: Mapping[int, m.InstrDefine]) -> list[m.Instr]:
     """A logged batch with each replay filled in (a rebuild translates these on its new binding)."""
     return [i for r in instrs for i in (fill(named[r.program], r) if type(r) is m.InstrReplay else [r])]

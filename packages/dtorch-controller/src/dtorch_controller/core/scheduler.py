@@ -52,8 +52,8 @@ Rules:
 9. Progress: a session may declare the steps (sync points) it expects; the core reports each Sync (`progress`):
    one past the batch the last one reached is a new step (a Sync repeated while the client waits is not). A
    tenant keeps its steps, its service at the last one and the time it spent queued or frozen before the
-   current wait (`waited`); policies may rank by them (policies/dtorch.py). A policy's rank of a running
-   tenant is refreshed at each of its steps.
+   current wait (`waited`, of which frozen: `frozen_s`); policies may rank by them (policies/dtorch.py). A
+   policy's rank of a running tenant is refreshed at each of its steps.
 10. Elastic shrink (a policy that `shrinks`): before freezing running tenants of a rank, preemption takes the
     spare devices of that rank's running elastic tenants (above the minimum they asked for, leased to them
     alone): they keep running on the rest, as virtual devices (the core moves their logical devices off the
@@ -135,6 +135,7 @@ class Tenant:
     synced_upto: int = 0  # the batch its last sync point reached
     step_service: float = 0.0  # attained service at its last sync point
     waited: float = 0.0  # seconds spent queued or frozen before the current wait
+    frozen_s: float = 0.0  # of which frozen (preempted)
 
     @property
     def running(self) -> bool:
@@ -878,6 +879,7 @@ class Scheduler:
         self._unfreeze(t)
         self._step(t, RESUME)
         waited = now - (t.waiting_since or now)
+        t.frozen_s += waited
         self._start(now, t, self._ranks)
         self.decisions += 1
         ch.resumed.append(t.session)

@@ -1,7 +1,8 @@
 """Scheduling policies behind one interface (`base.Policy`), by name.
 
     dtorch    the default: strict classes; within a class least remaining work (declared progress) or least
-              attained service, with credit for waiting; preemption by freezing, relocation, lending, packing
+              attained service, a shield from preemption for sessions that waited long; preemption by
+              freezing, relocation, lending, elastic shrink, packing
     fifo      strict first come, first served; whole devices; no preemption
     priority  high/normal/low classes, preemption by freezing, packing of memory-capped sessions
     las       Tiresias-style discretized least-attained-service, preemption by freezing

@@ -43,6 +43,7 @@ class Tenant(Protocol):
     kind: str  # "batch" | "realtime"
     waiting_since: float | None  # waiting or frozen since
     waited: float  # seconds spent queued or frozen before the current wait
+    frozen_s: float  # ... of which frozen (preempted)
     expected_steps: int  # steps (sync points) it said it will reach; 0: unknown (scheduler.py rule 9)
     steps: int  # sync points reached so far
     step_service: float  # attained service at its last sync point
