@@ -33,6 +33,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "unreachable: a drain of a draining worker does not step its state (migration.py, `if w.state != DRAINING`)",
     ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[DRAINING]: without DRAIN"):
         "unreachable: a drain of a draining worker does not step its state (migration.py, `if w.state != DRAINING`)",
+    ("dtorch_controller.core.state.MOVE_TABLE", "MOVE_TABLE[MovePhase.WAITING]: FAIL -> MovePhase.COPYING"):
+        "only pull moves wait, and a failed one has left its session's queue (moves.py): only drain.py reads a "
+        "finished move's phase, and a drain's moves are never pulls",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
     ("dtorch_controller.core.recovery.xǁRecoveryǁlost_detail",
@@ -48,6 +51,22 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      "break  # checked before the rebuild started; a read of it will say it is missing"):
         "unreachable: Recovery.unrecoverable() gives the rebuild up before the replay when a device of a logged "
         "upload has no live copy, so copy_source never returns None during a replay",
+    ("dtorch._planner.x__slot_templates", "counter = iter(range(1 << 31))"):
+        "the counter numbers one op's DTensor arguments: no op has 2**30 of them",
+    ("dtorch._planner.x_outs", "names = _out_names.get(None)"):
+        "a cache miss every time: the names are computed again from the same schema (the same tuple, slower)",
+    ("dtorch._planner.xǁPlanǁ__post_init__",
+     'simple = (self.route != "XXsyncXX" and not self.inplace and not self.mutated and not self.random'):
+        "a sync plan has no outputs (_planner.plan: outputs None), which `simple` refuses already",
+    ("dtorch._sharding.x_check_local", "raise NoRule(None)"):
+        "the message is never read: the only caller, _planner.plan, catches NoRule without it and plans the "
+        "replicate route",
+    ("dtorch._sharding.x_meta_outputs", "result = func(**pytree.tree_map(_to_meta, kwargs))"):
+        "the call without args fails, and the fake-tensor fallback runs the same meta kernels (FakeTensorMode "
+        "dispatches to them): the same specs, slower",
+    ("dtorch._sharding.x__fill_partial", "return Propagation(func, args, None, None, self)"):
+        "fill_.Scalar takes no keyword arguments and the plan's come from the caller's (_planner.plan); only "
+        "check_local reads these, and with None it skips a check that fill_ (output = self) passes anyway",
     ("dtorch._spec.x__intern", "sid = None"):
         "the lock-free read is a shortcut: without it every key goes through the lock, where setdefault returns the "
         "id already interned (same ids, slower)",

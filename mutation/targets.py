@@ -47,7 +47,8 @@ FIRST: dict[str, list[str]] = {
     "scenario validation": ["packages/dtorch-sim/tests/test_validation.py",
                             "packages/dtorch-sim/tests/test_scenario.py",
                             "packages/dtorch-sim/tests/test_scenario_values.py"],
-    "client planner": ["packages/dtorch-api/tests/test_planner*.py", "packages/dtorch-api/tests/test_templates.py",
+    "client planner": ["packages/dtorch-api/tests/test_planner*.py", "packages/dtorch-api/tests/test_sharding.py",
+                       "packages/dtorch-api/tests/test_templates.py",
                        "packages/dtorch-api/tests/test_mesh_and_specs.py", "packages/dtorch-api/tests/test_disjoint.py",
                        "packages/dtorch-api/tests/test_conformance_rules.py"],
 }

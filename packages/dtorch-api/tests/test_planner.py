@@ -162,3 +162,12 @@ def test_shapes_or_dtypes_torch_refuses_are_refused_with_torchs_own_error(spec, 
         plan(aten.linalg_inv.default, (spec((3, 3), None, mesh2, torch.int64),), {})
     with pytest.raises(Refused):
         plan(aten.add.Tensor, (spec((4, 3), [Shard(0)], mesh2), spec((4, 5), [Shard(0)], mesh2)), {})
+
+
+@pytest.mark.parametrize("op", [aten.view.default, aten._unsafe_view.default], ids=["view", "_unsafe_view"])
+def test_views_go_to_the_workers_as_reshapes(spec, mesh2, op):
+    """A shard's strides can differ from the global tensor's, so a view valid globally may not be locally: the
+    workers run reshape (`_WIRE_NAME`), which is that view wherever one exists."""
+    p = plan(op, (spec((4, 3), [Shard(0)], mesh2), [2, 6]), {})
+    assert p.route == "sharded" and p.op_name == "aten.reshape.default"
+    assert p.outputs.shape == tuple(op(torch.randn(4, 3), [2, 6]).shape)
