@@ -21,6 +21,14 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
     ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE: without LOST"):
         "LOST has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_controller.core.state.REBUILD_TABLE", "REBUILD_TABLE: without RebuildPhase.DONE"):
+        "DONE has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_controller.core.state.DRAIN_TABLE", "DRAIN_TABLE: without DrainPhase.RELEASED"):
+        "RELEASED has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_controller.core.state.MOVE_TABLE", "MOVE_TABLE: without MovePhase.DONE"):
+        "DONE has no transitions: a missing row and an empty row both raise IllegalTransition",
+    ("dtorch_controller.core.state.MOVE_TABLE", "MOVE_TABLE: without MovePhase.CALLED_OFF"):
+        "CALLED_OFF has no transitions: a missing row and an empty row both raise IllegalTransition",
     ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[SUSPECT]: SILENT -> DRAINING"):
         "unreachable: the core feeds SILENT only to alive workers (controller._check_heartbeat)",
     ("dtorch_controller.core.state.WORKER_TABLE", "WORKER_TABLE[SUSPECT]: without SILENT"):

@@ -309,6 +309,7 @@ def _record(res: FileResult, function: str, name: str, line: str) -> None:
 
 
 USED: set[tuple[str, str]] = set()
+PHASES: dict[str, float] = {}  # seconds of each phase: stage (and mutant generation), mutmut, tables
 MODULE_TARGET: dict[str, str] = {}  # dotted module name -> its target (for the order of its tests)
 CHOSEN: set[str] = set()  # the mutmut mutants of this run (a sample unless --full)
 
@@ -516,9 +517,10 @@ def report(files: dict[str, list[str]], results: dict[str, FileResult], seconds:
         for function, line in stale:
             print(f"  {function}: {line}")
     below = [row["target"] for row in rows if row["kill_rate"] < 90.0]
-    print(f"\nmutation: {seconds / 60:.1f} min; " +
+    phases = ", ".join(f"{name} {s / 60:.1f}" for name, s in PHASES.items())
+    print(f"\nmutation: {seconds / 60:.1f} min ({phases}); " +
           (f"below the 90% target: {', '.join(below)}" if below else "every target at or above 90% killed"))
-    out = {"seconds": round(seconds), "targets": rows}
+    out = {"seconds": round(seconds), "phases": {k: round(v) for k, v in PHASES.items()}, "targets": rows}
     (STAGE / "report.json").write_text(json.dumps(out, indent=1))
     return out
 
@@ -555,10 +557,13 @@ def main() -> None:
     CHOSEN.update(chosen)
     print(f"mutation: {len(chosen)} of {sum(map(len, names.values()))} mutmut mutants"
           + ("" if ARGS.full else f" (a fixed sample of up to {per_target} per target; --full for all)"), flush=True)
+    PHASES["stage"] = time.monotonic() - start
     run_mutmut(chosen, ARGS.max_children, 0 if ARGS.full else ARGS.cap, ARGS.budget)
     results = mutmut_results(files)
+    PHASES["mutmut"] = time.monotonic() - start - PHASES["stage"]
     if not ARGS.no_tables:
         run_tables(files, results, ARGS.max_children, 0 if ARGS.full else ARGS.sample // 3)
+    PHASES["tables"] = time.monotonic() - start - PHASES["stage"] - PHASES["mutmut"]
     report(files, results, time.monotonic() - start)
 
 
