@@ -75,6 +75,16 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("dtorch._sharding.x__fill_partial", "return Propagation(func, args, None, None, self)"):
         "fill_.Scalar takes no keyword arguments and the plan's come from the caller's (_planner.plan); only "
         "check_local reads these, and with None it skips a check that fill_ (output = self) passes anyway",
+    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'int32'"):
+        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is int32's size",
+    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'float32'"):
+        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is float32's size",
+    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'uint32'"):
+        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is uint32's size",
+    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'complex32'"):
+        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is complex32's size",
+    ("dtorch_sim.scenario.OPENB_PRIORITIES", "OPENB_PRIORITIES: without 'Burstable'"):
+        "a qos class missing from the map gets priority normal (jobs.py: `prios.get(..., \"normal\")`), Burstable's",
     ("dtorch._spec.x__intern", "sid = None"):
         "the lock-free read is a shortcut: without it every key goes through the lock, where setdefault returns the "
         "id already interned (same ids, slower)",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from _core_helpers import add_, cmds_of, create, spec
 from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
@@ -642,3 +644,23 @@ def test_a_sessions_moves_go_one_at_a_time_in_order(make_harness):
     assert [(c.move, c.to) for c in copies] == [([1], h.core.workers[free[1]].address)]
     h.report_all()
     assert h.replies[second].ok and s.devices == {0: free[0], 1: free[1]}
+
+
+_DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+           "complex32", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+def test_a_moves_report_counts_the_bytes_torch_would_hold_for_the_shard(make_harness, dtype):
+    """lineage.shard_bytes: a move reports its shards' bytes, numel times the dtype's size as torch has it (the
+    controller itself never imports torch)."""
+    torch = pytest.importorskip("torch")
+    h, ids, sid = setup(make_harness, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([8], dtype=dtype), init="zeros")])
+    h.report_all()
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    h.report_all()
+    [move] = h.replies[rid].moves
+    assert move.bytes == 4 * getattr(torch, dtype).itemsize  # device 1 holds 4 of the 8 elements

@@ -267,7 +267,23 @@ def test_trace_roles_and_priorities(base: dict, tmp_path: Path) -> None:
         assert parse(base).workload.trace.columns[column] == column
     _csv("t.csv", ITP_ROWS, "workload.trace", TRACE)(base, tmp_path)
     assert parse(base).workload.trace.priorities() == {}
-    assert scenario.Trace(format="openb", path="x").priorities() == scenario.OPENB_PRIORITIES
+    assert scenario.Trace(format="openb", path="x").priorities() == {"LS": "high", "Guaranteed": "high",
+                                                                      "Burstable": "normal", "BE": "low"}
+
+
+def test_an_openb_trace_is_read_by_its_own_column_names_and_qos_classes(tmp_path: Path) -> None:
+    """openb's pod list (Alibaba's GPU-sharing trace) needs no column map: name, creation/scheduled/deletion times,
+    num_gpu, gpu_milli and the qos class (LS and Guaranteed high, Burstable normal, BE low) by default."""
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,num_gpu,gpu_milli,qos,creation_time,scheduled_time,deletion_time\n"
+                    "a,1,1000,LS,0,10,110\nb,2,1000,Guaranteed,5,7,50\nc,1,1000,Burstable,20,25,300\n"
+                    "d,4,1000,BE,30,30,90\n")
+    sc = parse({"cluster": {"device_types": {"a100": {}},
+                            "nodes": [{"count": 1, "devices_per_node": 8, "device_type": "a100"}]},
+                "workload": {"trace": {"format": "openb", "path": str(pods)}}})
+    assert [(j.id, j.arrival, j.devices, j.priority, j.duration) for j in jobs.generate(sc)] == [
+        ("a", 0.0, 1, "high", 100.0), ("b", 5.0, 2, "high", 43.0), ("c", 20.0, 1, "normal", 275.0),
+        ("d", 30.0, 4, "low", 60.0)]
 
 
 def test_load_mistakes(tmp_path: Path) -> None:
