@@ -44,6 +44,18 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("dtorch_controller.core.state.MOVE_TABLE", "MOVE_TABLE[MovePhase.WAITING]: FAIL -> MovePhase.COPYING"):
         "only pull moves wait, and a failed one has left its session's queue (moves.py): only drain.py reads a "
         "finished move's phase, and a drain's moves are never pulls",
+    ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE[IDLE]: CLOSE -> WAITING"):
+        "Scheduler.close deletes the tenant right after this step and every other structure holds session ids: a "
+        "closed tenant's state is never read",
+    ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE[WAITING]: CLOSE -> RUNNING"):
+        "Scheduler.close deletes the tenant right after this step and every other structure holds session ids: a "
+        "closed tenant's state is never read",
+    ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE[RUNNING]: CLOSE -> WAITING"):
+        "Scheduler.close deletes the tenant right after this step and every other structure holds session ids: a "
+        "closed tenant's state is never read",
+    ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE[FROZEN]: CLOSE -> RUNNING"):
+        "Scheduler.close deletes the tenant right after this step and every other structure holds session ids: a "
+        "closed tenant's state is never read",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
     ("dtorch_controller.core.recovery.xǁRecoveryǁlost_detail",

@@ -55,6 +55,18 @@ def test_devices_are_exclusive_across_sessions_and_a_waiting_mesh_shows_its_posi
     assert any("placed on 1 device" in line for line in h.core.log.lines())
 
 
+def test_a_waiting_session_that_closes_leaves_the_queue_and_the_next_one_gets_the_device(h):
+    """TENANT_TABLE: waiting --close--> closed; the session behind it moves up and is placed when a device frees."""
+    (w0,) = workers(h, 1)
+    a, b, c = h.open_session("a"), h.open_session("b"), h.open_session("c")
+    assert h.open_mesh(a, 1, [0]).placed
+    assert h.open_mesh(b, 1, [0]).queue_position == 1 and h.open_mesh(c, 1, [0]).queue_position == 2
+    close(h, b)
+    assert sched_state(h, b) == "closed" and h.open_mesh(c, 1, [0]).queue_position == 1
+    close(h, a)
+    assert sched_state(h, c) == "running" and h.core.sessions[c].devices == {0: w0}
+
+
 def test_a_worker_that_registers_is_used_by_a_waiting_session_at_once(h):
     workers(h, 1)
     a, b = h.open_session(), h.open_session()
