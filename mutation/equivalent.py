@@ -56,6 +56,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE[FROZEN]: CLOSE -> RUNNING"):
         "Scheduler.close deletes the tenant right after this step and every other structure holds session ids: a "
         "closed tenant's state is never read",
+    ("dtorch_controller.core.pool.Slot.placeable", "placeable: bool = False"):
+        "the default is never used: Slot's only constructor call (Pool.add) passes placeable",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
     ("dtorch_controller.core.recovery.xǁRecoveryǁlost_detail",

@@ -33,6 +33,8 @@ def tenant(state: str = WAITING, *, devices: int = 0, attained: float = 0.0, sin
 def test_policies_by_name_with_their_defaults():
     assert known() == "dtorch, fifo, las, priority"
     assert isinstance(make_policy(), DTorchPolicy)
+    assert [type(make_policy(name)) for name in ("dtorch", "fifo", "las", "priority")] == [
+        DTorchPolicy, FifoPolicy, LasPolicy, PriorityPolicy]
     with pytest.raises(PolicyError) as e:
         make_policy("sjf")
     assert str(e.value) == "unknown policy 'sjf': known policies are dtorch, fifo, las, priority"
