@@ -664,3 +664,21 @@ def test_a_moves_report_counts_the_bytes_torch_would_hold_for_the_shard(make_har
     h.report_all()
     [move] = h.replies[rid].moves
     assert move.bytes == 4 * getattr(torch, dtype).itemsize  # device 1 holds 4 of the 8 elements
+
+
+def test_a_migrate_past_its_timeout_is_answered_in_progress_once_and_the_move_goes_on(make_harness):
+    """moves.py rule 6: exactly one reply per Migrate; at its timeout it says the copy goes on, which then ends."""
+    h, ids, sid = setup(make_harness, every=0, heartbeat_interval_s=10.0, heartbeat_timeout_s=60.0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, reply = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst, timeout_s=2.0))
+    assert reply is None
+    h.advance(2.0)  # nobody reported: the copy is not done
+    reply = h.replies[rid]
+    assert not reply.ok and reply.seconds == 2.0
+    assert reply.message == f"still in progress (moving logical device [1] of session {sid[:8]} to {dst}: copying); " \
+                            "it goes on"
+    h.report_all()  # the move ends; its request is not answered again (the harness checks)
+    assert s.devices[1] == dst and s.state == "open"
