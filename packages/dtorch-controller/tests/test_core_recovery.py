@@ -682,3 +682,17 @@ def test_a_migrate_past_its_timeout_is_answered_in_progress_once_and_the_move_go
                             "it goes on"
     h.report_all()  # the move ends; its request is not answered again (the harness checks)
     assert s.devices[1] == dst and s.state == "open"
+
+
+@pytest.mark.parametrize("n, more", [(6, ""), (7, " and 1 more")])
+def test_a_reported_loss_names_six_tensors_and_counts_the_rest(make_harness, n, more):
+    """Recovery.lost_detail: the first six lost tensors by name, then "and N more" (none at exactly six)."""
+    h, ids, sid = setup(make_harness, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(tid) for tid in range(1, n + 1)])
+    h.report_all()
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    rid, reply = h.sync(sid, 1)
+    [error] = reply.errors
+    named = ", ".join(f"tensor {tid} (made by create:rand at train.py:3)" for tid in range(1, 7))
+    assert f"{n} tensors lost: {named}{more}; not rebuilt: " in error.message
