@@ -696,3 +696,21 @@ def test_a_reported_loss_names_six_tensors_and_counts_the_rest(make_harness, n, 
     [error] = reply.errors
     named = ", ".join(f"tensor {tid} (made by create:rand at train.py:3)" for tid in range(1, 7))
     assert f"{n} tensors lost: {named}{more}; not rebuilt: " in error.message
+
+
+def test_a_queued_migrate_of_a_device_that_moved_meanwhile_fails_naming_it(make_harness):
+    """moves.py rule 3: a session's moves go one at a time; a later Migrate of the device an earlier one moved
+    finds it gone from its source and fails in one line (the device stays where the first move put it)."""
+    h, ids, sid = setup(make_harness, workers=4, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    src = s.devices[1]
+    first, second = [w for w in ids if w not in s.devices.values()]
+    rid1, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=first))
+    rid2, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=second))
+    h.report_all()
+    h.report_all()
+    assert h.replies[rid1].ok and s.devices[1] == first
+    assert not h.replies[rid2].ok
+    assert h.replies[rid2].message == f"move failed: logical device 1 is no longer on {src}"
