@@ -714,3 +714,23 @@ def test_a_queued_migrate_of_a_device_that_moved_meanwhile_fails_naming_it(make_
     assert h.replies[rid1].ok and s.devices[1] == first
     assert not h.replies[rid2].ok
     assert h.replies[rid2].message == f"move failed: logical device 1 is no longer on {src}"
+
+
+def test_a_rebuild_that_interrupts_a_copy_resets_the_copys_target_too(make_harness):
+    """moves.abort: the target of a copy under way may hold shards of the session without hosting a device; the
+    rebuild's reset (CmdAbandon) reaches it as well, so no stale shard stays there."""
+    h, ids, sid = setup(make_harness, workers=5)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()  # snapshot after batch 2
+    dst = [w for w in ids if w not in s.devices.values()][-1]  # the rebuild places the lost device on another
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    h.take_sent()
+    h.handle(ev.WorkerUnreachable(s.devices[0], "", "killed"))  # not the copy's source or target
+    sent = []
+    for _ in range(4):
+        sent += h.take_sent()
+        h.report_all()
+    assert not h.replies[rid].ok and s.state == "open" and dst not in s.devices.values()
+    assert cmds_of(sent, dst, m.CmdAbandon)
