@@ -58,6 +58,11 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "closed tenant's state is never read",
     ("dtorch_controller.core.pool.Slot.placeable", "placeable: bool = False"):
         "the default is never used: Slot's only constructor call (Pool.add) passes placeable",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ__init__", "self.moving: Callable[[str], bool] = lambda session: None"):
+        "callers only test its truth (`or self.moving(h)`), and None is as false as False; the core replaces it with "
+        "Moves.busy anyway",
+    ("dtorch_controller.core.lineage.Lineage.enabled", "enabled: bool = False"):
+        "the default is never used: Lineage's only constructor call (Pipeline.rec) passes enabled",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
         "CLOSED has no transitions: a missing row and an empty row both raise IllegalTransition",
     ("dtorch_controller.core.recovery.xǁRecoveryǁlost_detail",
