@@ -174,11 +174,12 @@ class Simulation:
         self.handle(make(rid))
         return done
 
-    def call(self, make: Callable[[int], ev.Event]) -> object:
-        """Feed a request the core answers at once (Register, Report) and return the answer (None if later)."""
+    def call(self, kind: Callable[[int, object], ev.Event], msg: object) -> object:
+        """Feed `kind(request_id, msg)`, a request the core answers at once (Register, Report), and return the
+        answer (None if later)."""
         rid = next(self._request_ids)
         self._waiting[rid] = _SYNC
-        self.handle(make(rid))
+        self.handle(kind(rid, msg))
         self._waiting.pop(rid, None)
         return self._replies.pop(rid, None)
 
