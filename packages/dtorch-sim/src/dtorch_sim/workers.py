@@ -74,7 +74,7 @@ class Worker:
 
     def start(self) -> None:
         """Register now; then report every heartbeat interval (the first at a seeded offset)."""
-        reply = self.sim.call(ev.Register, m.RegisterWorker(
+        reply = self.sim.register(self, m.RegisterWorker(
             hello=HELLO, address=self.address, device_type=self.device_type,
             memory_bytes=int(self.memory_gb * 2**30), labels=self.labels))
         if not isinstance(reply, m.Registered):
