@@ -72,6 +72,29 @@ def test_the_store_listens_on_the_workers_host_only(workers):
         socket.create_connection(("127.0.0.2", int(port)), timeout=5).close()
 
 
+def test_the_store_alone_closes_its_listening_socket():
+    """The store closes the socket it was handed; nothing else closes that descriptor number again later, when the
+    number may already be another socket's (a gloo pair in another group's rendezvous: "Bad file descriptor")."""
+    import gc
+    import os
+
+    from dtorch_worker.device import backend_for
+    from dtorch_worker.groups import Groups
+
+    groups = Groups(backend_for(torch.device("cpu")))
+    assert groups.rendezvous
+    server = groups._server  # the store outlives its owner a while (it closes its socket on its own loop thread)
+    del groups
+    gc.collect()
+    bystander = socket.socket()
+    try:
+        del server
+        gc.collect()
+        os.fstat(bystander.fileno())  # EBADF if the listener's number was closed twice, the second time under it
+    finally:
+        bystander.close()
+
+
 @pytest.mark.parametrize("keyed", [True, False], ids=["key", "protocol 1.5 (no key)"])
 def test_the_group_meets_and_gives_the_values(workers, keyed):
     """With its secret; without one (a controller of protocol 1.5, which newer workers serve) as before."""

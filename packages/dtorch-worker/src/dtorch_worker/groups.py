@@ -214,7 +214,6 @@ class Groups:
     def __init__(self, backend: DeviceBackend, host: str = "127.0.0.1") -> None:
         self.backend = backend
         self._server: Any = None  # this worker's TCPStore, started when first asked for (`rendezvous`)
-        self._listener: socket.socket | None = None  # its listening socket (kept open as long as the store)
         self.host = host  # the host peers reach this worker at (the CLI sets its advertised one)
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, str], Group] = {}  # (session, group id) -> group
@@ -232,10 +231,19 @@ class Groups:
         with self._lock:
             if self._server is None:
                 # torch's store listens on every interface; on a socket of ours it listens where we bound it
-                self._listener = _listen(self.host)
-                self._server = TCPStore(self.host, self._listener.getsockname()[1], None, is_master=True,
-                                        wait_for_workers=False, timeout=datetime.timedelta(seconds=60),
-                                        master_listen_fd=self._listener.fileno(), use_libuv=True)
+                listener = _listen(self.host)
+                try:
+                    self._server = TCPStore(self.host, listener.getsockname()[1], None, is_master=True,
+                                            wait_for_workers=False, timeout=datetime.timedelta(seconds=60),
+                                            master_listen_fd=listener.fileno(), use_libuv=True)
+                except BaseException:
+                    listener.close()
+                    raise
+                # The store owns the descriptor now and closes it when it goes (on its own loop thread, later). A
+                # socket object still holding it would close the same number again when collected: by then another
+                # thread may have been given that number (a gloo pair's socket, which then fails with "Bad file
+                # descriptor" in the middle of another group's rendezvous).
+                listener.detach()
             return f"{self.host}:{self._server.port}"
 
     # ------------------------------------------------------------ membership (executor thread)
