@@ -230,7 +230,8 @@ class Worker:
             kind = type(cmd)
             if kind is m.CmdRun:
                 store = self.store.get(session, {})
-                first = next(m.tensor_refs(cmd.args), None)  # the input whose size the outputs take
+                refs = m.tensor_refs(cmd.args)
+                first = refs[0] if refs else None  # the input whose size the outputs take
                 if cmd.op == STEP_OP:  # jobs.Steps: per logical device, plus the serial part once per worker
                     kw = cmd.kwargs
                     flops = float(kw.get("flops", 0.0)) * len(cmd.devices) + float(kw.get("serial_flops", 0.0))
