@@ -83,7 +83,7 @@ class _Op:
     fixed: list[tuple[int, Any]] = field(default_factory=list)
     nfloats: int = 0
     hole: bool = False  # its numbers are holes: read from its key, or planned again (rule 6)
-    # an aten op that reads no DTensor new to the step and has no holes: a replay matches it inline (`dispatch`)
+    # an aten op that reads no DTensor new to the step and has no holes: a replay matches it in `dispatch`
     fast: bool = False
     single: tuple[int, Any] | None = None  # (slot, spec) when its result is one new DTensor: built directly
 
