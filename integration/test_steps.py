@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,3 +174,40 @@ def test_compiled_llama_dp_x_tp_training_matches_plain_torch(mesh2d):
         expected.append(train(ref, ref_opt, ids).item())
     assert (step.replays, step.fallbacks, step.unreplayable) == (4, 0, None)
     torch.testing.assert_close(torch.tensor([g.item() for g in got]), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_an_integer_argument_that_changes_falls_back_for_that_step(mesh1):
+    x = torch.arange(8.0)
+    dx = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
+
+    @dtorch.compile
+    def step(t, k):
+        return t.narrow(0, k, 4) * 2  # aten.slice(t, 0, k, k + 4): its numbers are in the replay's guard
+
+    for k in (1, 1, 1, 1, 3, 1):
+        torch.testing.assert_close(step(dx, k).to_torch(), x.narrow(0, k, 4) * 2, rtol=0, atol=0)
+    # call 1 eager, 2 recorded, 3-4 replayed, 5 (k=3) falls back, 6 records again
+    assert (step.replays, step.fallbacks) == (2, 1)
+
+
+def test_a_definition_sent_is_not_changed_by_holes_a_later_replay_finds(mesh1, monkeypatch):
+    from dtorch import steps
+
+    sent, define = [], steps._definition
+    monkeypatch.setattr(steps, "_definition", lambda p: sent.append(define(p)) or sent[-1])
+    w = dtorch.distribute_tensor(torch.ones(4), mesh1, [Shard(0)])
+    scale = [1.0]
+
+    @dtorch.compile
+    def step(x):
+        scale[0] *= 0.5  # a number that changes every step: a hole from the first replay on (rule 6)
+        w.mul_(scale[0])
+        return w + x
+
+    x = dtorch.distribute_tensor(torch.zeros(4), mesh1, [Shard(0)])
+    outs = [step(x) for _ in range(5)]
+    assert step.replays == 3 and len(sent) == 2  # recorded at call 2, holes found at 3
+    first, second = (msgspec.json.encode(d.instrs) for d in sent)
+    assert sent[0].nscalars == 0 and b'"$s"' not in first  # as it was when it was emitted
+    assert sent[1].nscalars == 1 and b'"$s"' in second
+    torch.testing.assert_close(outs[-1].to_torch(), torch.full((4,), 0.5 ** 15), rtol=0, atol=0)

@@ -238,12 +238,7 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     (Keys hold the op's id, not the op: OpOverload's `__hash__` is Python; the plan holds the op, so the id
     stays its own while the key is cached.)"""
     if step_hook is not None:  # a compiled step is being recorded or replayed (dtorch.steps)
-        try:
-            key, leaves = op_key(func, args, kwargs)
-        except (_Plain, TypeError):
-            step_hook.interrupt("it mixes a plain torch.Tensor (or an argument DTorch cannot key) into an op")
-        else:
-            return step_hook.run(key, leaves, lambda: torch_dispatch(cls, func, types, args, kwargs), func)
+        return step_hook.dispatch(cls, func, types, args, kwargs)
     if kwargs:
         return dispatch(func, args, kwargs)
     if len(args) == 2 and type(args[0]) is cls and type(args[1]) is cls:  # binary ops: most of a model's

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from dtorch.session import Session
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
+
+
 class DTensor(torch.Tensor):
     _spec: Spec
     _tid: int
@@ -30,8 +34,10 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, spec: Spec, tid: int, session: Session, requires_grad: bool = False) -> DTensor:
-        r = torch.Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
-                                                device=spec.mesh.torch_device, requires_grad=requires_grad)
+        # positional (size, strides, storage_offset, memory_format, dtype, layout, device, pin_memory,
+        # requires_grad): a third cheaper than keywords; strides None for contiguous ones, cheaper still
+        r = _make_wrapper(cls, spec.shape, None if spec.contiguous else spec.stride, None, None, spec.dtype,
+                          _STRIDED, spec.mesh.torch_device, False, requires_grad)
         r._spec, r._tid, r._session = spec, tid, session
         return r
 
@@ -93,6 +99,14 @@ class DTensor(torch.Tensor):
             placements = self.placements
         target = normalize_placements(placements, mesh, len(self.shape))
         return _Redistribute.apply(self, mesh, target)
+
+
+def wrap(spec: Spec, tid: int, session: Session) -> DTensor:
+    """`DTensor(spec, tid, session)` without the type call: for per-op paths (a replayed step's ops)."""
+    r = _make_wrapper(DTensor, spec.shape, None if spec.contiguous else spec.stride, None, None, spec.dtype,
+                      _STRIDED, spec.mesh.torch_device)
+    r._spec, r._tid, r._session = spec, tid, session
+    return r
 
 
 class _Redistribute(torch.autograd.Function):

@@ -54,13 +54,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from dtorch import _dispatch
-from dtorch.dtensor import DTensor
+from dtorch.dtensor import DTensor, wrap
 from dtorch.runtime import get_session
 from dtorch.session import Session
 from dtorch_protocol import messages as m
 from dtorch_protocol import programs
 
 _decode_instr = msgspec.msgpack.Decoder(m.Instr).decode
+_FLAT = _dispatch._FLAT
 
 
 class Unreplayable(Exception):
@@ -78,9 +79,14 @@ class _Op:
     result: Any  # (treespec, [("in", i) | ("new", slot, spec, requires_grad) | ("val", v)])
     # an elementwise op with number holes: (position among the key's floats, hole) of each hole, the floats
     # baked into its instructions (position, value), how many floats its key holds (rule 6)
+    func: Any = None  # the aten op (None for redistributions and factories)
     numbers: list[tuple[int, int]] | None = None
     fixed: list[tuple[int, Any]] = field(default_factory=list)
     nfloats: int = 0
+    hole: bool = False  # its numbers are holes: read from its key, or planned again (rule 6)
+    # an aten op that reads no DTensor new to the step and has no holes: a replay matches it inline (`dispatch`)
+    fast: bool = False
+    single: tuple[int, Any] | None = None  # (slot, spec) when its result is one new DTensor: built directly
 
 
 @dataclass
@@ -126,6 +132,15 @@ class _Mode:
         for tid in self.held:
             self.release(tid)
         self.held.clear()
+
+    def dispatch(self, cls: type, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
+        """An aten op of the step (`DTensor.__torch_dispatch__` while the step runs): keyed, then `run`."""
+        try:
+            key, leaves = _dispatch.op_key(func, args, kwargs)
+        except (_dispatch._Plain, TypeError):
+            self.interrupt("it mixes a plain torch.Tensor (or an argument DTorch cannot key) into an op")
+            return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
+        return self.run(key, leaves, lambda: _dispatch.torch_dispatch(cls, func, types, args, kwargs), func)
 
     # overridden
     def _emit(self, item: Any) -> None: ...
@@ -196,17 +211,19 @@ class _Recorder(_Mode):
         if any(leaf._session is not self.session for leaf in leaves):
             self.abandon("it mixes DTensors of another session")
             return thunk()
-        slots = []
+        slots, fresh = [], False
         for leaf in leaves:
             slot = self.slot_of.get(leaf._tid)
             if slot is None:
                 slot = self.slot_of[leaf._tid] = len(self.tids)
                 self.tids.append(leaf._tid)
                 self.external.add(slot)
+                fresh = True
             slots.append(slot)
         before = [(leaf._tid, leaf._spec) for leaf in leaves]
         first_tid, first_seed = len(self.tids), len(self.seeds)
-        self.op = op = _Op(key, tuple(slots), 0, 0, len(self.program.instrs), 0, None)
+        self.op = op = _Op(key, tuple(slots), 0, 0, len(self.program.instrs), 0, None, func=func,
+                           fast=func is not None and not fresh)
         _dispatch.step_hook = None  # nested ops are part of this one
         try:
             result = thunk()
@@ -227,6 +244,9 @@ class _Recorder(_Mode):
         except Unreplayable as e:
             self.abandon(str(e))
             return result
+        spec, recipe = op.result
+        if spec.is_leaf() and recipe[0][0] == "new" and not recipe[0][3]:
+            op.single = recipe[0][1], recipe[0][2]
         self.program.ops.append(op)
         return result
 
@@ -291,23 +311,58 @@ class _Replayer(_Mode):
         if self.active:
             self.fall_back()
 
+    def dispatch(self, cls: type, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
+        """The hot path of a replayed step: an aten op of DTensors and numbers, as recorded, is keyed inline
+        (as `_dispatch.op_key` keys it), its DTensors checked against their slots (all bound already: while a
+        replay matches, its slots are numbered as the recording's) and advanced over; anything else takes `run`."""
+        ops, pos = self.program.ops, self.pos
+        op = ops[pos] if pos < len(ops) else None
+        if op is not None and op.fast and op.func is func and not kwargs:
+            key, leaves = [op.key[0]], []
+            for a in args:
+                t = type(a)
+                if t is cls:
+                    key.append(a._spec.sid)
+                    leaves.append(a)
+                elif t in _FLAT:
+                    key.append((t, a))
+                else:
+                    break
+            else:
+                if tuple(key) == op.key:
+                    tids = self.tids
+                    for leaf, slot in zip(leaves, op.leaf_slots):
+                        if tids[slot] != leaf._tid:
+                            self.fall_back()
+                            return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
+                    return self._advance(op, leaves)
+        return super().dispatch(cls, func, types, args, kwargs)
+
     def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any:
-        ops = self.program.ops
-        op = ops[self.pos] if self.pos < len(ops) else None
-        if op is None or not (op.key == key or _numbers_differ(op.key, key)) or not self._bind(op, leaves):
+        ops, pos = self.program.ops, self.pos
+        op = ops[pos] if pos < len(ops) else None
+        same = op is not None and op.key == key
+        if op is None or not (same or _numbers_differ(op.key, key)) or not self._bind(op, leaves):
             self.fall_back()
             return thunk()
-        if (op.key != key or self.pos in self.program.holes) and not self._read_numbers(op, key):
+        if (not same or op.hole) and not self._read_numbers(op, key):
             return self._plan_again(op, key, leaves, thunk, func)
+        return self._advance(op, leaves)
+
+    def _advance(self, op: _Op, leaves: list) -> Any:
+        """A matched op: make its tensor ids, draw its seeds, build its result (rule 2)."""
         tids, slot_of, new = self.tids, self.slot_of, self.new_tid
         for _ in range(op.made):
             tid = new()
             slot_of[tid] = len(tids)
             tids.append(tid)
-        next_seed = self.session.next_seed
-        for _ in range(op.seeds):
-            self.seeds.append(next_seed())
+        if op.seeds:
+            next_seed = self.session.next_seed
+            self.seeds.extend([next_seed() for _ in range(op.seeds)])
         self.pos += 1
+        if op.single is not None:  # one new DTensor: the eager fast path's wrapper (dtensor.wrap)
+            slot, spec = op.single
+            return wrap(spec, tids[slot], self.session)
         spec, recipe = op.result
         out = []
         for how in recipe:
@@ -411,6 +466,7 @@ class _Replayer(_Mode):
         for k, value in numbers.items():
             self.scalars[k] = value
         p.holes.add(self.pos)
+        op.hole, op.fast = True, False
         return numbers
 
     def _slot(self, tid: int) -> int:
@@ -555,7 +611,8 @@ def _same_result(op: _Op, result: Any, leaves: list, tids: list[int]) -> bool:
 
 
 def _definition(p: Program) -> m.InstrDefine:
-    return m.InstrDefine(program=p.id, instrs=p.instrs, ntids=p.ntids, nseeds=p.nseeds, nscalars=p.nscalars)
+    # a copy: the sender thread encodes it later, and a replay may meanwhile put holes into p.instrs (rule 6)
+    return m.InstrDefine(program=p.id, instrs=list(p.instrs), ntids=p.ntids, nseeds=p.nseeds, nscalars=p.nscalars)
 
 
 class Compiled:
