@@ -18,12 +18,18 @@ Routes, in order of preference:
 Shapes or dtypes torch's meta kernel refuses raise `Refused` (from `_sharding`), for the caller to report.
   out       an out= op whose out tensors are laid out (or shaped) unlike its outputs, or are plain
             tensors: the functional op runs, then each result is copied into its out tensor
+
+An elementwise op's plan does not depend on the values of its float arguments (an optimizer's step size, a
+learning rate schedule: new every step), only on their places: the cache keeps it once under its key with
+those values left out (`numberless`), and a call with other values takes a copy of it with the new numbers
+in its wire arguments (`with_numbers`), unplanned and not kept. Kept per value, such plans would be planned
+again every step and push the others out of the cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -289,6 +295,36 @@ def _has_empty_shard(spec: Spec) -> bool:
                for n, full in zip(_sharding.local_shape(spec, c), spec.shape))
 
 
+def numberless(key: Any) -> Any:
+    """A plan-cache key (`_dispatch.op_key`'s form: a number is `(type, value)`) with each float's value left out."""
+    if type(key) is tuple:
+        if len(key) == 2 and key[0] is float:
+            return (float, None)
+        return tuple([numberless(k) for k in key])
+    return key
+
+
+def with_numbers(p: Plan, args: tuple, kwargs: dict) -> Plan | None:
+    """`p`, planned for an elementwise op with other float arguments, with those of `args`/`kwargs` (specs in
+    place of DTensors); None unless its wire arguments differ from p's in floats only."""
+    if p.local is not None:
+        return None
+    wire_args, wire_kwargs = _slot_templates(args, kwargs)
+    if not _same_but_floats([wire_args, wire_kwargs], [p.args, p.kwargs]):
+        return None
+    return replace(p, args=wire_args, kwargs=wire_kwargs, encode=None)
+
+
+def _same_but_floats(a: Any, b: Any) -> bool:
+    if type(a) is float and type(b) is float:
+        return True
+    if type(a) is list and type(b) is list:
+        return len(a) == len(b) and all(_same_but_floats(x, y) for x, y in zip(a, b))
+    if type(a) is dict and type(b) is dict:
+        return a.keys() == b.keys() and all(_same_but_floats(v, b[k]) for k, v in a.items())
+    return type(a) is type(b) and a == b
+
+
 class Planner:
     """Plans by key, at most `size` of them (the oldest is dropped first: a dropped plan is simply made again)."""
 
@@ -299,14 +335,23 @@ class Planner:
 
     def plan(self, key: Any, func: Any, args: tuple, kwargs: dict) -> Plan:
         """`plan(func, args, kwargs)`, kept under `key` (None: not kept). A key may hold `id(func)`: the plan
-        holds `func` (`Plan.op`), so the id cannot go to another object while the key is kept."""
+        holds `func` (`Plan.op`), so the id cannot go to another object while the key is kept. An elementwise
+        op's plan is also kept under its key without float values, for other values (module docstring)."""
+        keys = [key]
+        if key is not None and (torch.Tag.pointwise in func.tags or func.__name__.startswith("_foreach_")):
+            general = numberless(key)
+            if general != key:
+                kept = self._plans.get(general)
+                if kept is not None and (p := with_numbers(kept, args, kwargs)) is not None:
+                    return p
+                keys.append(general)
         p = plan(func, args, kwargs)
         p.op = func
-        if key is not None:
-            plans = self._plans
+        plans = self._plans
+        for k in keys if key is not None else ():
             if len(plans) >= self.size:
                 del plans[next(iter(plans))]
-            plans[key] = p
+            plans[k] = p
         return p
 
     def plans(self) -> list[Plan]:

@@ -24,7 +24,6 @@ error's kind is an `ErrorKind` (`ErrorReport.kind`, `Chunk.kind`, and
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import msgspec
@@ -102,23 +101,30 @@ def slot_tid(value: Any) -> Any:
     return None
 
 
-def tensor_refs(value: Any) -> Iterator[Any]:
+def tensor_refs(value: Any) -> list[Any]:
     """The tensor ids of every tensor slot in op arguments, however deeply nested (as sent: validate them)."""
+    out: list[Any] = []
+    _tensor_refs(value, out)
+    return out
+
+
+def _tensor_refs(value: Any, out: list[Any]) -> None:  # a list, not a generator: the controller's hot path
     if isinstance(value, dict):
         if len(value) == 1 and TENSOR_SLOT in value:
-            yield value[TENSOR_SLOT]
+            out.append(value[TENSOR_SLOT])
             return
-        for v in value.values():
-            yield from tensor_refs(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensor_refs(v)
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return
+    for v in value:
+        if isinstance(v, (dict, list, tuple)):
+            _tensor_refs(v, out)
 
 
 # ---------------------------------------------------------------- tensors and meshes
 
 
-class TensorSpec(Struct, frozen=True):
+class TensorSpec(Struct, frozen=True, gc=False):
     """Global metadata of a distributed tensor."""
 
     shape: list[int]
@@ -127,7 +133,7 @@ class TensorSpec(Struct, frozen=True):
     placements: list[str]  # Placement.to_wire(), one per mesh dim
 
 
-class OutSpec(Struct, frozen=True):
+class OutSpec(Struct, frozen=True, gc=False):
     tid: int
     spec: TensorSpec
 
@@ -175,7 +181,7 @@ class MeshPlaced(Struct, frozen=True):
     caps: dict[str, str] = {}  # worker address -> this session's client capability there (auth.py)
 
 
-class InstrCreate(Struct, frozen=True, tag="create"):
+class InstrCreate(Struct, frozen=True, gc=False, tag="create"):
     """A factory: rand, randn, zeros, ones, full, empty, arange."""
 
     tid: int
@@ -194,7 +200,7 @@ class InstrAdopt(Struct, frozen=True, tag="adopt"):
     spec: TensorSpec
 
 
-class InstrCall(Struct, frozen=True, tag="call"):
+class InstrCall(Struct, frozen=True, gc=False, tag="call"):
     """Run one aten op on every device of `mesh`, on local shards."""
 
     op: str  # aten overload name, "aten.add.Tensor"
@@ -217,7 +223,7 @@ class InstrRedistribute(Struct, frozen=True, tag="redistribute"):
     src_line: str = ""
 
 
-class InstrDelete(Struct, frozen=True, tag="delete"):
+class InstrDelete(Struct, frozen=True, gc=False, tag="delete"):
     tids: list[int]
 
 
@@ -382,7 +388,7 @@ class ReportReply(Struct, frozen=True):
 # ---------------------------------------------------------------- controller -> worker
 
 
-class CmdCreate(Struct, frozen=True, tag="create"):
+class CmdCreate(Struct, frozen=True, gc=False, tag="create"):
     tid: int
     dtype: str
     shape: list[int]  # global shape
@@ -395,7 +401,7 @@ class CmdCreate(Struct, frozen=True, tag="create"):
     src: str = ""
 
 
-class CmdRun(Struct, frozen=True, tag="run"):
+class CmdRun(Struct, frozen=True, gc=False, tag="run"):
     op: str
     devices: list[int]
     args: list[Any]
@@ -502,7 +508,7 @@ class CmdCollective(Struct, frozen=True, tag="collective"):
     src_line: str = ""
 
 
-class CmdDelete(Struct, frozen=True, tag="delete"):
+class CmdDelete(Struct, frozen=True, gc=False, tag="delete"):
     tids: list[int]
     devices: list[int]
 

@@ -9,7 +9,7 @@ of the batch goes on. Nothing here raises on client input.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from dtorch_controller.core import collectives
@@ -65,6 +65,7 @@ class _Translator:
         self.batch = Batch()
         self._lost_reported: set[str] = set()
         self._hosted: dict[int, tuple[dict[str, list[int]], dict[str, list[int]], Mesh]] = {}  # mesh id -> hosts
+        self._targeted: dict[int, tuple[dict[str, list[int]], list[tuple[Callable[[m.Cmd], None], list[int]]]]] = {}
 
     def run(self, instrs: list[m.Instr]) -> Batch:
         handlers = {m.InstrCreate: self._create, m.InstrCall: self._call, m.InstrRedistribute: self._redistribute,
@@ -92,6 +93,16 @@ class _Translator:
 
     def _emit(self, worker: str, cmd: m.Cmd) -> None:
         self.batch.cmds.setdefault(worker, []).append(cmd)
+
+    def _targets(self, mesh: Mesh, hosts: dict[str, list[int]]) -> list[tuple[Callable[[m.Cmd], None], list[int]]]:
+        """(append to the worker's commands, the devices it hosts) of each worker in `hosts` (`_hosts(mesh)`), worked
+        out once per mesh and batch: an instruction sent to every worker of a mesh costs one command and one
+        append per worker, nothing more (at 64 workers that is most of a step's translation)."""
+        known = self._targeted.get(mesh.id)
+        if known is None or known[0] is not hosts:
+            cmds = self.batch.cmds
+            known = self._targeted[mesh.id] = (hosts, [(cmds.setdefault(w, []).append, d) for w, d in hosts.items()])
+        return known[1]
 
     def _mesh(self, mesh_id: int) -> Mesh:
         mesh = self.s.meshes.get(mesh_id)
@@ -135,10 +146,10 @@ class _Translator:
     def _create(self, instr: m.InstrCreate) -> None:
         mesh, placements = self._layout(instr.spec)
         shape = tuple(instr.spec.shape)
-        for worker, devices in self._hosts(mesh, instr).items():
+        for emit, devices in self._targets(mesh, self._hosts(mesh, instr)):
             boxes = {d: [list(r) for r in shard_box(shape, mesh.shape, placements, mesh.coord[d])] for d in devices}
             zero = [d for d in devices if not holds_value(placements, mesh.coord[d])]
-            self._emit(worker, m.CmdCreate(
+            emit(m.CmdCreate(
                 tid=instr.tid, dtype=instr.spec.dtype, shape=list(shape), init=instr.init, boxes=boxes, zero=zero,
                 value=instr.value, arange=instr.arange, seed=instr.seed, src=instr.src))
         self.s.tensors[instr.tid] = instr.spec
@@ -159,12 +170,11 @@ class _Translator:
             raise InstrError(f"{instr.op} draws random numbers on a mesh whose devices are {' and '.join(kinds)} "
                              "workers: each device type has its own generator, so the replicas would differ; "
                              "place the mesh on one device type")
-        for worker, devices in hosts.items():
-            local = None
-            if instr.local is not None:
-                local = {d: instr.local[d] for d in devices if d in instr.local}
-            self._emit(worker, m.CmdRun(op=instr.op, devices=devices, args=instr.args, kwargs=instr.kwargs,
-                                        outs=outs, local=local, src=instr.src, seed=instr.seed))
+        op, args, kwargs, src, seed, given = instr.op, instr.args, instr.kwargs, instr.src, instr.seed, instr.local
+        for emit, devices in self._targets(mesh, hosts):
+            local = None if given is None else {d: given[d] for d in devices if d in given}
+            emit(m.CmdRun(op=op, devices=devices, args=args, kwargs=kwargs, outs=outs, local=local, src=src,
+                          seed=seed))
         for out in instr.outs:
             if out is not None:
                 self.s.tensors[out.tid] = out.spec
@@ -225,21 +235,29 @@ class _Translator:
         return True
 
     def _delete(self, instr: m.InstrDelete) -> None:
-        groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        by_hosts: dict[int, tuple[Mesh, dict[str, list[int]], list[int]]] = {}  # tids deleted now, by hosts
         for tid in instr.tids:
             spec = self.s.tensors.pop(tid, None)  # deleting an unknown tensor is a no-op: delete is idempotent
-            readers = self.s.readers.pop(tid, {})
+            readers = self.s.readers.pop(tid, None)
             mesh = self.s.meshes.get(spec.mesh) if spec is not None else None
             if mesh is None:
                 continue
             hosts = self._hosts(mesh, instr, report_lost=False)  # lost shards need no deleting
             waits = {w: seq for w, seq in readers.items()
-                     if self.workers[w].state != st.LOST and self.workers[w].completed < seq}
+                     if self.workers[w].state != st.LOST and self.workers[w].completed < seq} if readers else None
             if waits:
                 self.batch.deferred.append(DeferredDelete(tid=tid, devices=hosts, waits=waits))
                 continue
+            by_hosts.setdefault(id(hosts), (mesh, hosts, []))[2].append(tid)
+        if len(by_hosts) == 1:  # the usual case, tensors of one mesh: one CmdDelete for each of its workers
+            for mesh, hosts, tids in by_hosts.values():
+                for emit, devices in self._targets(mesh, hosts):  # lists shared, as CmdRun's: commands are data
+                    emit(m.CmdDelete(tids=tids, devices=devices))
+            return
+        groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}  # one CmdDelete per worker and device set
+        for _mesh, hosts, tids in by_hosts.values():
             for worker, devices in hosts.items():
-                groups.setdefault((worker, tuple(devices)), []).append(tid)
+                groups.setdefault((worker, tuple(devices)), []).extend(tids)
         for (worker, devices), tids in groups.items():
             self._emit(worker, m.CmdDelete(tids=tids, devices=list(devices)))
 
