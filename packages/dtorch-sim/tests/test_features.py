@@ -267,3 +267,22 @@ def test_an_elastic_job_is_shrunk_rather_than_frozen_and_pays_what_amdahl_says(b
     sim, s = run(base)
     a = next(r for r in sim.jobs if r.spec.id == "a")
     assert a.preemptions == 1 and a.finished - a.spec.arrival > shrunk_jct + 5  # frozen 30 s
+
+
+def test_a_repaired_worker_gets_work_in_the_event_that_registers_it(base):
+    """Two 1-device jobs fill both nodes; node0 fails and its job waits to be rebuilt (from its snapshot). When the
+    node comes back, the core starts the rebuild on the new worker while handling its Register, before the reply
+    tells the harness the worker's id. The harness must deliver that work: it once answered "connection refused",
+    so the core fenced every repaired worker that a waiting session wanted at once (on ITP cluster02 the cluster
+    shrank to a few workers, and LAS's makespan grew 20x)."""
+    base["workload"]["synthetic"].update(jobs=2, size={"choices": [1]}, arrival={"rate_per_s": 100},
+                                         duration={"dist": "constant", "value": 100})
+    base["workload"].update(steps_per_job=10, sync_every=10)
+    base["cluster"]["nodes"] = [{"count": 2, "devices_per_node": 1, "device_type": "a100"}]
+    base["recovery"] = {"snapshot_every_batches": 2}
+    base["faults"] = [{"kind": "node_failure", "at": 25, "node": "node0", "mode": "silent", "repair_s": 10}]
+    sim, s = run(base)
+    assert s["jobs"]["finished"] == 2 and s["jobs"]["restarts"] == 0
+    assert sim.fenced_workers == 0 and sum(w.alive for w in sim.all_workers) == 2  # the repaired worker stays
+    hit = next(r for r in sim.jobs if r.recoveries)
+    assert hit.finished < 25 + 4 + 10 + 80  # rebuilt on the repaired worker, not after the other job (t=100)

@@ -108,6 +108,7 @@ class Simulation:
         self.notes: list[str] = []  # harness remarks (refused drains, ...), in metrics.json
         self._request_ids = itertools.count()
         self._waiting: dict[int, object] = {}
+        self._registering: Worker | None = None  # the worker whose Register the core handles now (see `send`)
         self._replies: dict[int, object] = {}
         self._timers: dict[Hashable, int] = {}  # key -> generation of the live timer
         self._timer_gen = itertools.count()
@@ -174,13 +175,23 @@ class Simulation:
         self.handle(make(rid))
         return done
 
-    def call(self, make: Callable[[int], ev.Event]) -> object:
-        """Feed a request the core answers at once (Register, Report) and return the answer (None if later)."""
+    def call(self, kind: Callable[[int, object], ev.Event], msg: object) -> object:
+        """Feed `kind(request_id, msg)`, a request the core answers at once (Register, Report), and return the
+        answer (None if later)."""
         rid = next(self._request_ids)
         self._waiting[rid] = _SYNC
-        self.handle(make(rid))
+        self.handle(kind(rid, msg))
         self._waiting.pop(rid, None)
         return self._replies.pop(rid, None)
+
+    def register(self, worker: Worker, msg: m.RegisterWorker) -> object:
+        """Register `worker` and return the answer. The core may give it work in the same event, before the reply
+        says its id (a queued job or a frozen session waiting for devices): `send` delivers that work to it."""
+        self._registering = worker
+        try:
+            return self.call(ev.Register, msg)
+        finally:
+            self._registering = None
 
     def handle(self, event: ev.Event) -> None:
         """Feed one event and perform its effects in order; failed sends come back as events, fed next."""
@@ -230,6 +241,9 @@ class Simulation:
 
     def send(self, effect: fx.SendExecute) -> ev.WorkerUnreachable | None:
         worker = self.workers.get(effect.worker_id)
+        if worker is None:  # registering right now: the core may give it work before its Register call returns
+            worker = self._registering if self._registering is not None and \
+                self._registering.address == effect.address else None
         if worker is None or not worker.alive:
             if worker is None or worker.crash:
                 return ev.WorkerUnreachable(effect.worker_id, effect.address, "connection refused")

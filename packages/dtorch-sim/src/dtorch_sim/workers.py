@@ -74,9 +74,9 @@ class Worker:
 
     def start(self) -> None:
         """Register now; then report every heartbeat interval (the first at a seeded offset)."""
-        reply = self.sim.call(lambda r: ev.Register(r, m.RegisterWorker(
+        reply = self.sim.register(self, m.RegisterWorker(
             hello=HELLO, address=self.address, device_type=self.device_type,
-            memory_bytes=int(self.memory_gb * 2**30), labels=self.labels)))
+            memory_bytes=int(self.memory_gb * 2**30), labels=self.labels))
         if not isinstance(reply, m.Registered):
             self.alive = False
             self.sim.note(f"worker {self.address} could not register: {getattr(reply, 'message', reply)}")
@@ -143,7 +143,7 @@ class Worker:
                                       for k, b in self.totals.items() if b}
         report = m.WorkerReport(worker=self.id, completed=self.completed, errors=errors,  # type: ignore[arg-type]
                                 sessions=sessions, utilization=utilization)
-        reply = self.sim.call(lambda r: ev.Report(r, report))
+        reply = self.sim.call(ev.Report, report)
         if isinstance(reply, m.ReportReply) and not reply.ok:
             self.sim.fenced(self)
 
@@ -220,15 +220,18 @@ class Worker:
         ref_flops = cost.reference_tflops * 1e12
         rate = ref_flops * self.speed * self.slow
         session = batch.session
-        seconds = self._swap(batch) if any(type(c) is m.CmdRun for c in batch.cmds) else 0.0
+        cmds = batch.cmds
+        seconds = self._swap(batch) if any(type(c) is m.CmdRun for c in cmds) else 0.0
         work = 0.0
         steps: dict[int, int] = {}
-        for cmd in batch.cmds:
-            seconds += cost.launch_s
+        launch = cost.launch_s
+        for cmd in cmds:
+            seconds += launch
             kind = type(cmd)
             if kind is m.CmdRun:
                 store = self.store.get(session, {})
-                inputs = list(m.tensor_refs(cmd.args))
+                refs = m.tensor_refs(cmd.args)
+                first = refs[0] if refs else None  # the input whose size the outputs take
                 if cmd.op == STEP_OP:  # jobs.Steps: per logical device, plus the serial part once per worker
                     kw = cmd.kwargs
                     flops = float(kw.get("flops", 0.0)) * len(cmd.devices) + float(kw.get("serial_flops", 0.0))
@@ -239,7 +242,7 @@ class Worker:
                 else:
                     flops = 0.0
                 for d in cmd.devices:
-                    nbytes = store.get((inputs[0], d), 0) if inputs else 0
+                    nbytes = store.get((first, d), 0) if first is not None else 0
                     if cmd.op != STEP_OP:
                         flops += nbytes / 4
                     for tid in cmd.outs:

@@ -73,6 +73,7 @@ PRIORITIES = ("high", "normal", "low")
 KINDS = ("batch", "realtime")
 _EPS = 1e-9  # timers due "at" a deadline must count as past it despite float rounding
 _SETTLE_ROUNDS = 64  # a settle pass that has not come to rest by then leaves the rest to the next event
+_REPORT_OK = m.ReportReply(ok=True)  # immutable: one for every accepted report
 
 
 class ControllerCore:
@@ -81,6 +82,7 @@ class ControllerCore:
     def __init__(self, config: Config | None = None, *, session_ids: Callable[[], str] | None = None,
                  policy: Policy | None = None, version: str = __version__) -> None:
         self.config = config = config or Config()
+        self._suspect_after = config.suspect_after_s  # read on every heartbeat check (Config is frozen)
         self.policy: Policy = policy or make_policy()
         self.version = version
         self.log = EventLog(config.event_log_size, config.format_time)
@@ -134,9 +136,9 @@ class ControllerCore:
     # ------------------------------------------------------------ the settle pass (rule 10)
 
     def _settle(self, step: Step) -> None:
-        if not (step.changes or step.touched or step.pumped or step.synced or step.reporter is not None
-                or step.everyone or self.drains.jobs):
-            return  # nothing changed that could let anything move on (most requests)
+        if not (step.changes or step.touched or step.pumped or step.synced or step.everyone or self.drains.jobs):
+            if step.reporter is None or (not step.completed and self.waits.idle_for(step.reporter)):
+                return  # nothing changed that could let anything move on (most requests, idle heartbeats)
         if step.reporter is not None:
             look = self.waits.looked_at_by(step.reporter)
         elif step.everyone:
@@ -480,7 +482,7 @@ class ControllerCore:
             self._check_caps(step, w, msg.sessions)
         step.reporter = w  # the settle pass moves on what waited for it (waits.py)
         step.completed = w.completed > before  # only a completion lets deletes and Syncs go (holds: on release)
-        step.reply(e.request_id, m.ReportReply(ok=True))
+        step.reply(e.request_id, _REPORT_OK)
 
     def _timer(self, step: Step, e: ev.TimerFired) -> None:
         handler = self._timers.get(type(e.key))
@@ -495,12 +497,13 @@ class ControllerCore:
         silence = step.now - w.last_seen
         if silence >= cfg.heartbeat_timeout_s - _EPS:
             return self._lose(step, w, st.TIMEOUT, f"no report for {silence:.2f}s")
-        if silence >= cfg.suspect_after_s - _EPS and w.state == st.ALIVE:
+        suspect_after = self._suspect_after
+        if silence >= suspect_after - _EPS and w.state == st.ALIVE:
             w.state = st.step(st.WORKER_TABLE, w.state, st.SILENT)
             step.note(f"worker {w.id} suspect: no report for {silence:.2f}s")
             self._apply(step, self.sched.worker_changed(step.now, w))
-        due = w.last_seen + (cfg.suspect_after_s if w.state == st.ALIVE else cfg.heartbeat_timeout_s)
-        step.emit(fx.SetTimer(due, tk.Heartbeat(w.id)))
+        due = w.last_seen + (suspect_after if w.state == st.ALIVE else cfg.heartbeat_timeout_s)
+        step.emit(fx.SetTimer(due, key))
 
     def _unreachable(self, step: Step, e: ev.WorkerUnreachable) -> None:
         w = self.cluster.workers.get(e.worker_id)

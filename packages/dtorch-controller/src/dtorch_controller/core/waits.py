@@ -46,6 +46,14 @@ class WaitIndex:
         """Sessions a report of `reporter` may let move on (rule 2)."""
         return self._due(reporter) | self._poll | self.fresh
 
+    def idle_for(self, reporter: Worker) -> bool:
+        """True when a report of `reporter` has nothing to look at (`looked_at_by` would be empty): the idle
+        heartbeat's fast path."""
+        if self._poll or self.fresh:
+            return False
+        heap = self._wakes.get(reporter.id)
+        return not heap or heap[0][0] > reporter.completed
+
     def _due(self, w: Worker) -> set[str]:
         """Sessions filed under an Execute seq `w` has now completed."""
         heap = self._wakes.get(w.id)
