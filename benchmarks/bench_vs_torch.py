@@ -118,6 +118,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used so far; 0.0 where /proc cannot say."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cluster_processes() -> dict[str, int]:
+    """The embedded local cluster's processes (children of this one): role -> pid."""
+    out: dict[str, int] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            if ppid != os.getpid():
+                continue
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except (OSError, ValueError, IndexError):
+            continue
+        role = "controller" if b"dtorch_controller" in cmd else "worker" if b"dtorch_worker" in cmd else ""
+        if role:
+            out[f"{role} {sum(r.startswith(role) for r in out)}" if role == "worker" else role] = pid
+    return out
+
+
+def cpu_per_call(fn: Callable[[], object], calls: int, pids: dict[str, int]) -> dict[str, float]:
+    """Run `fn` `calls` times; CPU ms per call of this process ("client") and of each of `pids`."""
+    before = {role: process_cpu_s(pid) for role, pid in pids.items()}
+    mine = time.process_time()
+    for _ in range(calls):
+        fn()
+    out = {"client": (time.process_time() - mine) / calls * 1e3}
+    out.update({role: (process_cpu_s(pid) - before[role]) / calls * 1e3 for role, pid in pids.items()})
+    return out
+
+
 def fmt_load(load: tuple[float, float, float]) -> str:
     return ", ".join(f"{x:.1f}" for x in load)
 
@@ -177,6 +218,13 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
         if "b" in args.only:
             with torch.no_grad():
                 out["b"] = median_ms(forward, args.repeats, before=dist.barrier)
+                dist.barrier()
+                cpu = time.process_time()
+                for _ in range(args.repeats):
+                    forward()
+                cpus = [None, None]
+                dist.all_gather_object(cpus, (time.process_time() - cpu) / args.repeats * 1e3)
+                out["b_cpu"] = {f"rank {r}": c for r, c in enumerate(cpus)}
                 value = forward()
             out["b_value"] = value.cpu().tolist() if rank == 0 else None  # a tensor in a queue needs its sender
         if "c" in args.only:
@@ -291,6 +339,7 @@ def run_dtorch(args: argparse.Namespace) -> dict:
         if "b" in args.only:
             with torch.no_grad():
                 out["b"] = median_ms(lambda: model(inp).to_torch(), args.repeats)
+                out["b_cpu"] = cpu_per_call(lambda: model(inp).to_torch(), args.repeats, cluster_processes())
                 out["b_value"] = model(inp).to_torch()
         if "c" in args.only:
             step = sgd_step(model, inp, target)
@@ -506,6 +555,10 @@ def main() -> None:
         print(f"    torch DTensor     {torch_dt['b']:9.2f} ms   dtorch/DTensor {ratio(dt['b'], torch_dt['b'])}"
               "   (target <= 1.0x)")
         print(f"    plain torch       {plain['b']:9.2f} ms   dtorch/plain   {ratio(dt['b'], plain['b'])}")
+        for who, cpu in (("dtorch", dt["b_cpu"]), ("torch DTensor", torch_dt["b_cpu"])):
+            parts = ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items())
+            print(f"    CPU ms per forward, {who}: {sum(cpu.values()):.2f} in all ({parts}); "
+                  f"on {os.cpu_count()} CPUs no forward takes less than {sum(cpu.values()) / os.cpu_count():.2f} ms")
         err = (dt["b_value"] - plain["b_value"]).abs().max().item()
         err_t = (torch.tensor(torch_dt["b_value"]) - plain["b_value"]).abs().max().item()
         print(f"    max |difference| from plain torch: dtorch {err:.2e}, DTensor {err_t:.2e}")

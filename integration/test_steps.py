@@ -211,3 +211,17 @@ def test_a_definition_sent_is_not_changed_by_holes_a_later_replay_finds(mesh1, m
     assert sent[0].nscalars == 0 and b'"$s"' not in first  # as it was when it was emitted
     assert sent[1].nscalars == 1 and b'"$s"' in second
     torch.testing.assert_close(outs[-1].to_torch(), torch.full((4,), 0.5 ** 15), rtol=0, atol=0)
+
+
+def test_a_size_argument_that_changes_falls_back_for_that_step(mesh1):
+    x = torch.arange(16.0)
+    dx = dtorch.distribute_tensor(x, mesh1, [Replicate()])
+
+    @dtorch.compile
+    def step(t, shape):
+        return t.view(shape) * 2  # aten.view(t, [sizes]): a nested key, matched by the replay too
+
+    for shape in ([4, 4], [4, 4], [4, 4], [2, 8], [4, 4], [4, 4]):
+        torch.testing.assert_close(step(dx, shape).to_torch(), x.view(shape) * 2, rtol=0, atol=0)
+    # call 1 eager, 2 recorded, 3 replayed, 4 ([2, 8]) falls back, 5 records again, 6 replayed
+    assert (step.replays, step.fallbacks) == (2, 1)

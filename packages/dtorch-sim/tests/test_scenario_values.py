@@ -65,6 +65,15 @@ def test_each_policy_gets_its_own_parameters():
     assert policy.params_for["dtorch"] == {"preempt": False}
 
 
+def test_run_and_compare_give_the_scenarios_policy_the_same_parameters(base):
+    """`run` builds the scenario's own policy with `for_name` too: its `params_for` entry is not ignored."""
+    from dtorch_sim.harness import Simulation
+
+    base["policy"] = {"name": "las", "params_for": {"las": {"thresholds": [7, 70]}}}
+    sc = parse(base)
+    assert Simulation(sc).core.policy.thresholds == Simulation(sc.with_policy("las")).core.policy.thresholds == (7.0, 70.0)
+
+
 def test_another_policys_run_changes_only_the_policy(base):
     base["policy"] = {"name": "las", "params": {"starve_factor": 5}, "params_for": {"priority": {"pack": False}}}
     sc = parse(base)

@@ -437,23 +437,28 @@ def test_one_lane_for_every_group_as_on_nccl(monkeypatch):
             w.executor.groups.stop(reap_s=30.0)
 
 
-def _big_gather(cluster, src_tid, dst_tid, shards, timeout_s=20.0):
-    """Commands of an all_gather (Shard(0) -> Replicate) of `shards` (device -> tensor) on w0 and w1."""
+def _big_gather(cluster, src_tid, dst_tid, shards, timeout_s=20.0, dim=0):
+    """Commands of an all_gather (Shard(dim) -> Replicate) of `shards` (device -> tensor) on w0 and w1."""
     binding = {0: "w0", 1: "w1"}
     for d, t in shards.items():
         cluster.worker[binding[d]].store.put((cluster.session, src_tid, d), t)
-    shape = (sum(t.shape[0] for t in shards.values()), *shards[0].shape[1:])
-    low = lowering.lower(shape, "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), tuple(sorted(binding.items())),
+    shape = list(shards[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in shards.values())
+    low = lowering.lower(tuple(shape), "float32", ((0, 1), (2,)), (Shard(dim),), (Replicate(),),
+                         tuple(sorted(binding.items())),
                          (("w0", "cpu", True), ("w1", "cpu", True), ("w2", "cpu", True)))
     shapes = ({d: list(t.shape) for d, t in shards.items()}, {d: list(shape) for d in shards})
     return lowering.commands(low, cluster.groups, cluster.members, src_tid, dst_tid, "float32", shapes,
                              timeout_s=timeout_s)
 
 
+@pytest.mark.parametrize("dim", [0, 1], ids=["outer dim", "inner dim"])
 @pytest.mark.parametrize("by_all_to_all", [True, False], ids=["all_to_all to the peer", "all_gather"])
-def test_a_large_even_all_gather_goes_from_the_shards_straight_into_the_output(workers, monkeypatch, by_all_to_all):
-    """Rule 7: no send buffer, no concatenation: the output is the tensor the backend wrote; values equal torch,
-    and a poisoned shard still poisons every output (its report found in the group's store)."""
+def test_a_large_even_all_gather_goes_from_the_shards_straight_into_the_output(workers, monkeypatch, by_all_to_all,
+                                                                               dim):
+    """Rule 7: no send buffer: along the outer dim the output is the tensor the backend wrote, along an inner one
+    the ranks' shards are laid into it by one copy; values equal torch, and a poisoned shard still poisons every
+    output (its report found in the group's store)."""
     from dtorch_worker import collectives
     from dtorch_worker.device import DeviceBackend
 
@@ -463,19 +468,36 @@ def test_a_large_even_all_gather_goes_from_the_shards_straight_into_the_output(w
     monkeypatch.setattr(collectives, "_all_gather_direct", lambda pk: direct.append(pk.op.rank) or made(pk))
     cluster = Cluster(workers)
     shards = {d: torch.randn(256, 1024, generator=torch.Generator().manual_seed(d)) for d in range(2)}  # 1 MiB each
-    cluster.wait(cluster.send(_big_gather(cluster, 70, 71, shards)))
+    cluster.wait(cluster.send(_big_gather(cluster, 70, 71, shards, dim=dim)))
     for w, d in (("w0", 0), ("w1", 1)):
-        assert torch.equal(cluster.worker[w].store.get((cluster.session, 71, d)), torch.cat([shards[0], shards[1]]))
+        got = cluster.worker[w].store.get((cluster.session, 71, d))
+        assert torch.equal(got, torch.cat([shards[0], shards[1]], dim=dim)), (w, got)
     assert sorted(direct) == [0, 1]
     report = __import__("dtorch_protocol.messages", fromlist=["ErrorReport"]).ErrorReport(
         op="aten.div.Tensor", src="user.py:8", message="boom", tid=72)
-    cmds = _big_gather(cluster, 72, 73, shards)
+    cmds = _big_gather(cluster, 72, 73, shards, dim=dim)
     cluster.worker["w1"].store.put((cluster.session, 72, 1), Poison(report))  # w1 contributes poison
     cluster.wait(cluster.send(cmds))
     for w, d in (("w0", 0), ("w1", 1)):
         value = cluster.worker[w].store.get((cluster.session, 73, d))
         assert isinstance(value, Poison) and value.report == report, (d, value)
     assert len(direct) == 4
+
+
+def test_a_large_inner_dim_all_gather_on_three_ranks_is_laid_out_by_one_copy(workers, monkeypatch):
+    """Rule 7 with the backend's all_gather (three ranks, as on NCCL): a Shard(1) of a 3-d tensor, 1 MiB a rank,
+    sent as it lies; the output equals torch's bit for bit."""
+    from dtorch_worker import collectives
+    from dtorch_worker.device import DeviceBackend
+
+    monkeypatch.setattr(DeviceBackend, "gather_by_all_to_all", lambda self, ranks: False)
+    direct = []
+    made = collectives._all_gather_direct
+    monkeypatch.setattr(collectives, "_all_gather_direct", lambda pk: direct.append(pk.op.rank) or made(pk))
+    got, expected, _ = redistribute(Cluster(workers), (2, 768, 512), (3,), {0: "w0", 1: "w1", 2: "w2"}, [Shard(1)],
+                                    [Replicate()], seed=41, tid=(95, 96))
+    check(got, expected)
+    assert sorted(direct) == [0, 1, 2]
 
 
 def test_an_in_place_write_waits_for_the_collective_sending_straight_from_its_storage(workers):

@@ -61,7 +61,6 @@ from dtorch_protocol import messages as m
 from dtorch_protocol import programs
 
 _decode_instr = msgspec.msgpack.Decoder(m.Instr).decode
-_FLAT = _dispatch._FLAT
 
 
 class Unreplayable(Exception):
@@ -84,7 +83,7 @@ class _Op:
     fixed: list[tuple[int, Any]] = field(default_factory=list)
     nfloats: int = 0
     hole: bool = False  # its numbers are holes: read from its key, or planned again (rule 6)
-    # an aten op that reads no DTensor new to the step and has no holes: a replay matches it inline (`dispatch`)
+    # an aten op that reads no DTensor new to the step and has no holes: a replay matches it in `dispatch`
     fast: bool = False
     single: tuple[int, Any] | None = None  # (slot, spec) when its result is one new DTensor: built directly
 
@@ -289,6 +288,7 @@ class _Replayer(_Mode):
         self.seeds: list[int] = []
         self.scalars: list[Any] = [None] * program.nscalars
         self.dropped: set[int] = set()  # tensor ids made in the step and dropped by the user's code
+        self.released: list[int] = []  # tensor ids dropped, not yet sorted out (`_drops`)
         self.pending: list = []  # what an op planned again has emitted so far (a fallback sends it)
         self.fell_back = False
 
@@ -300,6 +300,10 @@ class _Replayer(_Mode):
         self.interrupt("another instruction")
         self.emit(item)
 
+    def install(self) -> None:
+        super().install()
+        self.session.release = self.released.append  # DTensor.__del__: a list append, sorted out by `_drops`
+
     def _release(self, tid: int) -> None:
         slot = self.slot_of.get(tid)
         if slot is not None and slot not in self.program.external:
@@ -307,35 +311,36 @@ class _Replayer(_Mode):
         else:
             self.held.append(tid)
 
+    def _drops(self) -> None:
+        """Sort out the tensor ids dropped so far (rule 4): made in the step, or from outside it."""
+        released = self.released.copy()
+        self.released.clear()  # the same list: the session's release is its append
+        for tid in released:
+            self._release(tid)
+
     def interrupt(self, why: str) -> None:
         if self.active:
             self.fall_back()
 
     def dispatch(self, cls: type, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
-        """The hot path of a replayed step: an aten op of DTensors and numbers, as recorded, is keyed inline
-        (as `_dispatch.op_key` keys it), its DTensors checked against their slots (all bound already: while a
-        replay matches, its slots are numbered as the recording's) and advanced over; anything else takes `run`."""
+        """The hot path of a replayed step: an aten op as recorded is keyed (`_dispatch.op_key`), its DTensors
+        checked against their slots (all bound already: while a replay matches, its slots are numbered as the
+        recording's) and advanced over; anything else (a DTensor new to the step, numbers that changed or are
+        holes, another op) takes `run`."""
         ops, pos = self.program.ops, self.pos
         op = ops[pos] if pos < len(ops) else None
-        if op is not None and op.fast and op.func is func and not kwargs:
-            key, leaves = [op.key[0]], []
-            for a in args:
-                t = type(a)
-                if t is cls:
-                    key.append(a._spec.sid)
-                    leaves.append(a)
-                elif t in _FLAT:
-                    key.append((t, a))
-                else:
-                    break
-            else:
-                if tuple(key) == op.key:
-                    tids = self.tids
-                    for leaf, slot in zip(leaves, op.leaf_slots):
-                        if tids[slot] != leaf._tid:
-                            self.fall_back()
-                            return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
-                    return self._advance(op, leaves)
+        if op is not None and op.fast and op.func is func:
+            try:
+                key, leaves = _dispatch.op_key(func, args, kwargs)
+            except (_dispatch._Plain, TypeError):
+                key = None
+            if key == op.key:
+                tids = self.tids
+                for leaf, slot in zip(leaves, op.leaf_slots):
+                    if tids[slot] != leaf._tid:
+                        self.fall_back()
+                        return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
+                return self._advance(op, leaves)
         return super().dispatch(cls, func, types, args, kwargs)
 
     def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any:
@@ -424,7 +429,7 @@ class _Replayer(_Mode):
         finally:
             self.pending = []
             if self.active:
-                s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
+                s.emit, s.new_tid, s.release = self._emit, self._new_tid, self.released.append
                 _dispatch.step_hook = self
         if not self.active:  # a sync point inside the op: the replay fell back (and sent `items`) meanwhile
             return result
@@ -480,6 +485,7 @@ class _Replayer(_Mode):
         """The step ended: one InstrReplay, or the instructions of what ran (rule 3)."""
         if not self.active:
             return
+        self._drops()
         p = self.program
         slots_dropped = {self.slot_of[t] for t in self.dropped}
         if self.pos < len(p.ops) or not set(p.user_deletes.values()) <= slots_dropped:
@@ -496,6 +502,7 @@ class _Replayer(_Mode):
         """Emit the filled-in instructions of the operations matched so far (and `then`), then go eager (rule 3)."""
         if not self.active:
             return
+        self._drops()
         self.fell_back = True
         p = self.program
         end = p.ops[self.pos].start if self.pos < len(p.ops) else len(p.instrs)

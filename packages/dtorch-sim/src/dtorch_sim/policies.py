@@ -1,6 +1,6 @@
 """Scheduling policies the simulator can run: the controller core's own (`dtorch_controller.core.policies`), the
 one list of policies; the simulator adds no scheduling logic. `policy.params` go to the scenario's policy,
-`policy.params_for: {name: params}` to each policy `compare` runs."""
+`policy.params_for: {name: params}` to each named policy, in `run` as in `compare` (an entry wins over `params`)."""
 
 from __future__ import annotations
 

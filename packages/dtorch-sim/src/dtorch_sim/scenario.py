@@ -429,7 +429,7 @@ class Recovery(_Model):
 class Policy(_Model):
     name: str = "fifo"
     params: dict[str, object] = {}
-    params_for: dict[str, dict[str, object]] = {}  # per-policy parameters for `compare` (name -> params)
+    params_for: dict[str, dict[str, object]] = {}  # per-policy parameters (name -> params), for `run` and `compare`
 
     def for_name(self, name: str) -> dict[str, object]:
         if name in self.params_for:

@@ -24,13 +24,14 @@ Rules:
    so its peers never wait for it, and puts the original report in the group's store first; an output built from
    a flagged contribution is poisoned with that report. Every device gets its own output tensor.
 7. Direct sends: from DIRECT_MIN_BYTES up, where packing would copy the whole input, the backend reads the stored
-   shard itself. An all_gather of even shards, one position per rank, contiguous, gathered along a dim with only
-   size-1 dims before it (so rank order is the output's order), goes from the shard straight into the output
-   tensor (on two ranks where the backend gathers by all_to_all: the shard to the peer alone, its own slot filled
-   here). An exchange whose pieces for the ranks lie back to back in one shard (`_back_to_back`) sends that
-   shard as it is. No flag travels then: the poisoned rank's report is in the store before it takes part, so once
-   the op is done every rank looks there once (a mark per op). `prepare` names the shards it sends as they are;
-   the executor holds in-place writes to their storage until the op is done (`Executor._wait_sends`).
+   shard itself. An all_gather of even shards, one position per rank, contiguous, goes from the shard straight
+   into the output tensor where it is gathered along a dim with only size-1 dims before it (rank order is then
+   the output's order), and along an inner dim into a receive buffer that one strided copy lays into the output
+   (on two ranks where the backend gathers by all_to_all: the shard to the peer alone, and its own slot copied
+   from the shard here). An exchange whose pieces for the ranks lie back to back in one shard (`_back_to_back`)
+   sends that shard as it is. No flag travels then: the poisoned rank's report is in the store before it takes
+   part, so once the op is done every rank looks there once (a mark per op). `prepare` names the shards it sends as
+   they are; the executor holds in-place writes to their storage until the op is done (`Executor._wait_sends`).
 """
 
 from __future__ import annotations
@@ -320,33 +321,50 @@ DIRECT_MIN_BYTES = 1 << 20  # rule 7: below it, a copy costs less than the look 
 
 
 def _direct_gather(pk: _Packing) -> bool:
-    i, x = pk.step.dim, pk.template
+    x = pk.template
     return (x.numel() * x.element_size() >= DIRECT_MIN_BYTES and all(len(ps) == 1 for ps in pk.op.layout)
-            and len(set(pk.op.sizes)) == 1 and x.is_contiguous() and math.prod(x.shape[:i]) == 1
-            and (pk.w == 2 or not pk.gather_by_all_to_all))
+            and len(set(pk.op.sizes)) == 1 and x.is_contiguous() and (pk.w == 2 or not pk.gather_by_all_to_all))
 
 
 def _all_gather_direct(pk: _Packing) -> Finish:
-    """Rule 7: from the shard straight into the output: the backend's all_gather, or where the backend gathers by
-    all_to_all, on two ranks, an all_to_all sending the shard to the peer alone (nothing to self, so no copies to
-    pack) with the shard's own slot filled here."""
-    x = pk.template
+    """Rule 7: the shard as it lies, gathered by the backend's all_gather, or where the backend gathers by all_to_all,
+    on two ranks, by an all_to_all sending the shard to the peer alone (nothing to self, so no copies to pack) with
+    the shard's own slot copied here. Along the outermost dim that is not 1 the ranks' slots are the output's own
+    bytes; along an inner one they are a receive buffer, laid into the output by one strided copy."""
+    x, i, w, me = pk.template, pk.step.dim, pk.w, pk.op.rank
     pk.direct.append(x)
     shape = list(x.shape)
-    shape[pk.step.dim] *= pk.w
+    shape[i] *= w
     out = torch.empty(shape, dtype=pk.dtype, device=pk.device)
-    slots, me = _bytes(out).view(pk.w, -1), pk.op.rank
+    outer = math.prod(x.shape[:i])
+    # the output as [outer, rank, the rest of a shard]: rank r's shard is out_by_rank[:, r]
+    out_by_rank = _bytes(out).view(outer, w, -1)
+    inner = outer > 1
+    if not inner:
+        recv = out
+    else:  # all_to_all on two ranks receives the peer's shard alone
+        recv = pk.scratch(x.numel() * (1 if pk.gather_by_all_to_all else w))
+    slots = _bytes(recv).view(1 if inner and pk.gather_by_all_to_all else w, -1)
 
     def finish(ctx: Any) -> Result:
         if pk.own is not None:
             ctx.publish(pk.own)
+        mine = _bytes(x)
         if pk.gather_by_all_to_all:
-            peer, n = 1 - me, slots.shape[1]
+            peer = 1 - me
+            n = mine.numel()
             splits = [n if r == peer else 0 for r in range(2)]
-            ctx.all_to_all(slots[peer], _bytes(x), splits, splits)
-            slots[me].copy_(_bytes(x))
+            into = slots[0] if inner else slots[peer]
+            ctx.all_to_all(into, mine, splits, splits)
+            if inner:
+                out_by_rank[:, peer].copy_(into.view(outer, -1))
+                out_by_rank[:, me].copy_(mine.view(outer, -1))
+            else:
+                slots[me].copy_(mine)
         else:
-            ctx.all_gather(_bytes(out), _bytes(x))
+            ctx.all_gather(_bytes(recv), mine)
+            if inner:
+                out_by_rank.copy_(slots.view(w, outer, -1).transpose(0, 1))
         return pk.finish(ctx, _published_flags(pk, ctx), {pk.op.devices[pk.mine[0]]: out})
 
     return finish
