@@ -425,12 +425,14 @@ def run_tables(files: dict[str, list[str]], results: dict[str, FileResult], work
         for path in paths:
             module = path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
             source = (ROOT / "packages" / _package_of(path) / "src" / path).read_text()
-            # the tests that call into the module first (the target's own test files first), then the rest of its
-            # package's tests; fastest first
+            # the tests that call into the module, then the rest of its package's tests; within each, `_prefer`'s
+            # order (the target's own test files first, one case of each test function before a second case of any,
+            # fastest first), so the budget does not end inside the first file
             first = {t for fn, tests in covering.items() if fn.startswith(module + ".") for t in tests}
             own = f"packages/{_package_of(path)}/tests/"
-            order = sorted((t for t in durations if t in first or t.startswith(own)),
-                           key=lambda t: (t not in first, *_order(f"{module}.x", t, durations)))
+            order = (_prefer(f"{module}.x", [t for t in durations if t in first], durations)
+                     + _prefer(f"{module}.x", [t for t in durations if t not in first and t.startswith(own)],
+                               durations))
             if per_target:  # a sample: each table mutant gets the --cap/--budget share of tests a function gets
                 order = _within(order, durations, ARGS.cap, ARGS.budget)
             for where, label, mutated in table_mutants(source):
