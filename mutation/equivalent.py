@@ -69,6 +69,16 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      'why = rec.why if (rec is not None) or True else ""'):
         "rec is never None here: both callers (_report_loss, _give_up) run after unrecoverable(), whose "
         "pipeline.rec() creates the session's lineage",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁ_needs_a_suspect",
+     "needed = [rec.snapshot.holders.get(d, []) for d in _devices(s)"):
+        "`needed` is the empty list just made: assigning the snapshot's holders is the same as appending them",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁ_reset",
+     "first = rec.snapshot.first_seq if (rec.snapshot is not None) or True else {}"):
+        "rec.snapshot is never None here: advance() calls _reset only after unrecoverable() returned None in the "
+        "same call, which it does only for a session with a complete snapshot (and nothing between clears it)",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁerrors", "reset = rec.reset_seq.get(w.id, 1)"):
+        "Execute seqs are ints (ErrorReport.seq: int): `0 < e.seq < 1` holds for none, as `0 < e.seq < 0`, so a "
+        "worker never reset drops no report either way",
     ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
      "if v.state != FROZEN and len(v.missing) >= len(v.workers):"):
         "the check is a shortcut of the next one: a frozen tenant whose missing devices are all its devices holds "
