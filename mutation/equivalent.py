@@ -58,7 +58,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "closed tenant's state is never read",
     ("dtorch_controller.core.pool.Slot.placeable", "placeable: bool = False"):
         "the default is never used: Slot's only constructor call (Pool.add) passes placeable",
-    ("dtorch_controller.core.scheduler.xǁSchedulerǁ__init__", "self.moving: Callable[[str], bool] = lambda session: None"):
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ__init__",
+     "self.moving: Callable[[str], bool] = lambda session: None"):
         "callers only test its truth (`or self.moving(h)`), and None is as false as False; the core replaces it with "
         "Moves.busy anyway",
     ("dtorch_controller.core.scheduler.xǁSchedulerǁplace", "self._pass(ch)"):
