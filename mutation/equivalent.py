@@ -58,9 +58,27 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "closed tenant's state is never read",
     ("dtorch_controller.core.pool.Slot.placeable", "placeable: bool = False"):
         "the default is never used: Slot's only constructor call (Pool.add) passes placeable",
-    ("dtorch_controller.core.scheduler.xǁSchedulerǁ__init__", "self.moving: Callable[[str], bool] = lambda session: None"):
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ__init__",
+     "self.moving: Callable[[str], bool] = lambda session: None"):
         "callers only test its truth (`or self.moving(h)`), and None is as false as False; the core replaces it with "
         "Moves.busy anyway",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁplace", "self._pass(ch)"):
+        "(the mutant of the pass in the FROZEN branch; the final pass's is killed) unreachable: `place` reaches that "
+        "branch only for a frozen tenant none of whose devices is in the pool, and a frozen tenant holds only pool "
+        "workers: `_lose_worker` deletes a lost worker from every frozen tenant and marks it resumable when it misses "
+        "nothing more, and the same pass resumes it",
+    ("dtorch_controller.core.scheduler.xǁTenantǁheld_devices",
+     "return len(self.workers) if (self.running) or True else 0"):
+        "only the policies read held_devices, and each only of a running tenant: dtorch._shield_ends tests "
+        "`not t.running` first, dtorch.next_change returns before it for a tenant not running, las.next_change reads "
+        "it inside `if t.running`",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁtick", "t.base = t.service(None)"):
+        "the promotion runs only for a tenant that is not running (running ones `continue` above), and "
+        "Tenant.service reads `now` only while running: the same value",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims", "pending.discard(None)"):
+        "a worker gone or unplaceable stays in `pending` instead of leaving it, but it can only move to `freed` "
+        "through the elif branch, which it never reaches: nothing in _victims changes the pool, so it fails the "
+        "same first test at every later check (a few more checks, the same victims)",
     ("dtorch_controller.core.lineage.Lineage.enabled", "enabled: bool = False"):
         "the default is never used: Lineage's only constructor call (Pipeline.rec) passes enabled",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
