@@ -97,6 +97,12 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("dtorch_controller.core.recovery.xǁRecoveryǁerrors", "reset = rec.reset_seq.get(w.id, 1)"):
         "Execute seqs are ints (ErrorReport.seq: int): `0 < e.seq < 1` holds for none, as `0 < e.seq < 0`, so a "
         "worker never reset drops no report either way",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     'bound = {s.devices.get(dev, None) for _k, mesh in meshes for dev in mesh.devices} - {""}'):
+        "the default is never used: every device of a mesh in s.meshes is bound whenever a batch is translated (a "
+        "mesh enters s.meshes once placed; only a rebuild's placing unbinds devices, while Hold.RECOVERING holds the "
+        "batches, and a move rebinds at once), and translating an instruction on a mesh reads s.devices[d] of its "
+        "devices (translate._hosts), which would have raised before",
     ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
      "if v.state != FROZEN and len(v.missing) >= len(v.workers):"):
         "the check is a shortcut of the next one: a frozen tenant whose missing devices are all its devices holds "
