@@ -106,6 +106,13 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "mesh enters s.meshes once placed; only a rebuild's placing unbinds devices, while Hold.RECOVERING holds the "
         "batches, and a move rebinds at once), and translating an instruction on a mesh reads s.devices[d] of its "
         "devices (translate._hosts), which would have raised before",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     'bound = {s.devices.get(dev, "XXXX") for _k, mesh in meshes for dev in mesh.devices} - {""}'):
+        "the default is never used (see the entry above: every device of a translated mesh is bound)",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     "had = dict(s.readers.get(src, {})) if (src is not None) or True else {}"):
+        "`had` is read only when src is not None; with src None it is s.readers.get(None, {}), which is {} (readers "
+        "are keyed by tensor ids)",
     ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
      "if v.state != FROZEN and len(v.missing) >= len(v.workers):"):
         "the check is a shortcut of the next one: a frozen tenant whose missing devices are all its devices holds "
