@@ -58,9 +58,27 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "closed tenant's state is never read",
     ("dtorch_controller.core.pool.Slot.placeable", "placeable: bool = False"):
         "the default is never used: Slot's only constructor call (Pool.add) passes placeable",
-    ("dtorch_controller.core.scheduler.xǁSchedulerǁ__init__", "self.moving: Callable[[str], bool] = lambda session: None"):
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ__init__",
+     "self.moving: Callable[[str], bool] = lambda session: None"):
         "callers only test its truth (`or self.moving(h)`), and None is as false as False; the core replaces it with "
         "Moves.busy anyway",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁplace", "self._pass(ch)"):
+        "(the mutant of the pass in the FROZEN branch; the final pass's is killed) unreachable: `place` reaches that "
+        "branch only for a frozen tenant none of whose devices is in the pool, and a frozen tenant holds only pool "
+        "workers: `_lose_worker` deletes a lost worker from every frozen tenant and marks it resumable when it misses "
+        "nothing more, and the same pass resumes it",
+    ("dtorch_controller.core.scheduler.xǁTenantǁheld_devices",
+     "return len(self.workers) if (self.running) or True else 0"):
+        "only the policies read held_devices, and each only of a running tenant: dtorch._shield_ends tests "
+        "`not t.running` first, dtorch.next_change returns before it for a tenant not running, las.next_change reads "
+        "it inside `if t.running`",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁtick", "t.base = t.service(None)"):
+        "the promotion runs only for a tenant that is not running (running ones `continue` above), and "
+        "Tenant.service reads `now` only while running: the same value",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims", "pending.discard(None)"):
+        "a worker gone or unplaceable stays in `pending` instead of leaving it, but it can only move to `freed` "
+        "through the elif branch, which it never reaches: nothing in _victims changes the pool, so it fails the "
+        "same first test at every later check (a few more checks, the same victims)",
     ("dtorch_controller.core.lineage.Lineage.enabled", "enabled: bool = False"):
         "the default is never used: Lineage's only constructor call (Pipeline.rec) passes enabled",
     ("dtorch_controller.core.scheduler.TENANT_TABLE", "TENANT_TABLE: without CLOSED"):
@@ -69,6 +87,22 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      'why = rec.why if (rec is not None) or True else ""'):
         "rec is never None here: both callers (_report_loss, _give_up) run after unrecoverable(), whose "
         "pipeline.rec() creates the session's lineage",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁ_needs_a_suspect",
+     "needed = [rec.snapshot.holders.get(d, []) for d in _devices(s)"):
+        "`needed` is the empty list just made: assigning the snapshot's holders is the same as appending them",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁ_reset",
+     "first = rec.snapshot.first_seq if (rec.snapshot is not None) or True else {}"):
+        "rec.snapshot is never None here: advance() calls _reset only after unrecoverable() returned None in the "
+        "same call, which it does only for a session with a complete snapshot (and nothing between clears it)",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁerrors", "reset = rec.reset_seq.get(w.id, 1)"):
+        "Execute seqs are ints (ErrorReport.seq: int): `0 < e.seq < 1` holds for none, as `0 < e.seq < 0`, so a "
+        "worker never reset drops no report either way",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     'bound = {s.devices.get(dev, None) for _k, mesh in meshes for dev in mesh.devices} - {""}'):
+        "the default is never used: every device of a mesh in s.meshes is bound whenever a batch is translated (a "
+        "mesh enters s.meshes once placed; only a rebuild's placing unbinds devices, while Hold.RECOVERING holds the "
+        "batches, and a move rebinds at once), and translating an instruction on a mesh reads s.devices[d] of its "
+        "devices (translate._hosts), which would have raised before",
     ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
      "if v.state != FROZEN and len(v.missing) >= len(v.workers):"):
         "the check is a shortcut of the next one: a frozen tenant whose missing devices are all its devices holds "

@@ -341,3 +341,147 @@ def test_a_program_deleting_an_input_peers_still_read_holds_that_delete_back():
     assert [dd.tid for dd in t.pair[0].core.sessions[t.sid].deferred] == [400]
     t.each(Harness.report_all)
     t.same()
+
+
+# ---------------------------------------------------------------- the rules of compiled programs, one by one
+
+
+def test_a_batch_may_expand_to_exactly_its_bound(monkeypatch):
+    """Rule 3: replays standing for MAX_EXPANDED instructions in all are accepted; one more is refused."""
+    monkeypatch.setattr(programs, "MAX_EXPANDED", 6)
+    out, refused = expand({}, [define(), *[m.InstrReplay(program=7, tids=[1, 2, 3], seeds=[0])] * 3])
+    assert len(out) == 6 and len(refused) == 1 and "at most 6 instructions" in refused[0].message
+
+
+def test_the_accepted_notice_counts_what_a_batch_stands_for(h):
+    """Metrics and usage count a batch's instructions with each replay standing for its program's (`size`)."""
+    from dtorch_controller.core import effects as fx
+
+    h.register("10.0.0.1:7001")
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0]).placed
+    h.submit(sid, 1, [m.InstrCreate(tid=10, spec=spec([8]), init="zeros"), define(),
+                      m.InstrReplay(program=7, tids=[10, 11, 12], seeds=[3]), m.InstrDelete(tids=[12])])
+    assert [n for n in h.notices if isinstance(n, fx.Accepted)] == [fx.Accepted(sid, 1, 1 + len(STEP) + 1)]
+
+
+def test_a_program_whose_deletes_wait_for_its_own_pulls_is_compiled_once_then_only_filled_in(monkeypatch):
+    """Rules 4 and 6: deletes held back for the program's own remote readers are part of what is compiled (the
+    readers and the held deletes are redone per replay): the second replay on is one CmdReplay per worker."""
+    count = translated(monkeypatch)
+    t = Twins(rendezvous=False)
+    t.both([m.InstrDefine(program=1, instrs=BIG, ntids=5, nseeds=1, nscalars=1)], eager=[])
+    for n in range(3):
+        count[0] = 0
+        t.step(1, BIG, [100, 10 + n, 20 + n, 30 + n, 40 + n], seeds=[n], scalars=[1.0])
+        assert count[0] == (2 if n == 0 else 1) * len(BIG)  # the eager twin's, and the first replay's
+        sent = t.same()
+        assert n == 0 or {type(c) for e in sent for c in e.execute.cmds} == {m.CmdReplay}
+        assert [dd.tid for dd in t.pair[0].core.sessions[t.sid].deferred][-1:] == [20 + n]
+        t.each(Harness.report_all)
+        t.same()
+
+
+def test_a_delete_held_back_in_the_middle_of_a_program_is_held_back_once(monkeypatch):
+    """Rule 6: a delete held back for the program's pulls, followed by more instructions, is held back on each
+    replay (once): it never goes out while the peers still pull."""
+    more = [*BIG, m.InstrCreate(tid=5, spec=sp([8, 4]), init="zeros", src="s.py:6")]
+    t = Twins(rendezvous=False)
+    t.both([m.InstrDefine(program=1, instrs=more, ntids=6, nseeds=1, nscalars=1)], eager=[])
+    for n in range(3):
+        tids = [100, 10 + n, 20 + n, 30 + n, 40 + n, 50 + n]
+        t.step(1, more, tids, seeds=[n], scalars=[1.0])
+        sent = t.same()
+        assert not [c for e in sent for c in e.execute.cmds if type(c) is m.CmdDelete and 20 + n in c.tids]
+        t.each(Harness.report_all)
+        t.same()
+
+
+def test_origins_of_a_compiled_replay_keep_the_first_maker_of_a_tensor_written_in_place():
+    """Rule 6 (`_net`): a tensor made by one op and written in place by another keeps its maker as its origin (the
+    op a loss message names), on every replay, as the instructions would."""
+    step = [m.InstrCreate(tid=1, spec=sp([8, 4]), init="randn", seed=0, src="s.py:1"),
+            m.InstrCall(op="aten.add_.Tensor", mesh=1, args=[{"$t": 1}, {"$t": 0}], kwargs={},
+                        outs=[m.OutSpec(1, sp([8, 4]))], src="s.py:2")]
+    t = Twins()
+    t.both([m.InstrDefine(program=1, instrs=step, ntids=2, nseeds=1)], eager=[])
+    for n in range(3):
+        t.step(1, step, [100, 10 + n], seeds=[n])
+        t.same()
+        assert t.pair[0].core.pipeline.recs[t.sid].origin[10 + n] == ("create:randn", "s.py:1")
+
+
+def test_a_program_reading_a_tensor_peers_still_pull_deletes_it_at_its_place_on_later_replays():
+    """Rules 5 and 6: a program that deletes an input peers are still pulling is not kept (its delete waits, out
+    of its place); a later replay of it is translated again, so a delete followed by a new tensor under the same
+    id goes out in that order (the new tensor is not deleted)."""
+    t = Twins()
+    step = [m.InstrCall(op="aten.add.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 0}], kwargs={},
+                        outs=[m.OutSpec(1, sp([8, 4]))], src="s.py:1"),
+            m.InstrDelete(tids=[0]),
+            m.InstrCreate(tid=0, spec=sp([8, 4]), init="zeros", src="s.py:3")]
+    ones = [m.InstrCreate(tid=tid, spec=sp([8, 4]), init="ones") for tid in (300, 400, 500)]
+    t.both([m.InstrDefine(program=1, instrs=step, ntids=2), *ones], eager=ones)
+    t.step(1, step, [300, 301])
+    t.same()
+    t.both([m.InstrRedistribute(src=400, dst=401, src_spec=sp([8, 4]), dst_spec=sp([8, 4], mesh=2))])
+    t.same()
+    t.step(1, step, [400, 402])  # 400 is still being pulled: its delete waits
+    t.same()
+    t.step(1, step, [500, 502])
+    sent = t.same()
+    for _worker, _seq, _cap, cmds in t.workers[0].run(sent):  # what each worker runs, replays filled in
+        kinds = [(type(c), getattr(c, "tid", None) or getattr(c, "tids", None)) for c in cmds]
+        assert kinds.index((m.CmdDelete, [500])) < kinds.index((m.CmdCreate, 500))
+    assert 500 in t.pair[0].core.sessions[t.sid].tensors
+
+
+def test_a_program_writing_a_live_tensor_whose_old_readers_are_done_deletes_it_at_once():
+    """Rule 6: the deletes a compiled program holds back wait for the readers pending at each replay, not for the
+    readers a tensor under the same id had before (an out= op writes a live tensor: its earlier pulls are done),
+    and a replay whose tensor has no readers at all deletes it at once."""
+    t = Twins()  # collectives: the gather below records no remote reader
+    step = [m.InstrCall(op="aten.add.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 0}], kwargs={},
+                        outs=[m.OutSpec(1, sp([8, 4]))], src="s.py:1"),
+            m.InstrRedistribute(src=1, dst=2, src_spec=sp([8, 4]), dst_spec=sp([8, 4], ["R"]), src_line="s.py:2"),
+            m.InstrDelete(tids=[1])]
+    ones = [m.InstrCreate(tid=tid, spec=sp([8, 4]), init="ones") for tid in (400, 600)]
+    pulls = [m.InstrRedistribute(src=tid, dst=tid + 1, src_spec=sp([8, 4]), dst_spec=sp([8, 4], mesh=2))
+             for tid in (400, 600)]
+    t.both([m.InstrDefine(program=1, instrs=step, ntids=3), *ones, *pulls], eager=[*ones, *pulls])
+    t.same()
+    t.step(1, step, [100, 400, 402])  # 400 written while its pull is pending: its delete waits for that pull
+    t.same()
+    assert [dd.tid for dd in t.pair[0].core.sessions[t.sid].deferred] == [400]
+    t.each(Harness.report_all)
+    t.same()
+    for tid in (600, 700):  # 600: its pull is done; 700: never read
+        t.step(1, step, [100, tid, tid + 2])
+        sent = t.same()
+        assert not t.pair[0].core.sessions[t.sid].deferred
+        assert any(type(c) is m.CmdReplay for e in sent for c in e.execute.cmds)
+
+
+def test_a_compiled_program_is_not_replayed_onto_a_lost_worker(make_harness):
+    """Rule 5: a compiled program holds while none of the workers of the meshes it uses is lost, also a mesh it
+    only creates tensors on. After a loss that could not be rebuilt, a replay is translated again and, like the
+    instructions it stands for, reports that the lost devices' part was skipped."""
+    h = make_harness(snapshot_every_batches=0)  # no copies: the loss is reported, the devices stay bound
+    w0, w1 = h.register("10.0.0.1:7001"), h.register("10.0.0.2:7002")
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed
+    make = [m.InstrCreate(tid=0, spec=spec([8]), init="randn", seed=0, src="s.py:1")]
+    h.submit(sid, 1, [m.InstrDefine(program=1, instrs=make, ntids=1, nseeds=1)])
+    for seq in (2, 3):
+        h.submit(sid, seq, [m.InstrReplay(program=1, tids=[seq], seeds=[seq])])
+    assert [type(c) for e in h.take_sent()[-2:] for c in e.execute.cmds] == [m.CmdReplay, m.CmdReplay]
+    h.report_all()
+    h.handle(ev.WorkerUnreachable(w1, "", "killed"))
+    h.sync(sid, 3)
+    h.submit(sid, 4, [m.InstrReplay(program=1, tids=[4], seeds=[4])])
+    sent = h.take_sent()
+    assert [e.worker_id for e in sent] == [w0] and m.CmdReplay not in [type(c) for c in sent[0].execute.cmds]
+    h.report_all()
+    _, reply = h.sync(sid, 4)
+    assert [e.message for e in reply.errors] == [
+        f"logical devices [1] were on worker {w1}, which was lost; their part of this batch was skipped"]

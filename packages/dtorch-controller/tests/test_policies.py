@@ -40,6 +40,7 @@ def test_policies_by_name_with_their_defaults():
     assert str(e.value) == "unknown policy 'sjf': known policies are dtorch, fifo, las, priority"
     fifo, prio, las, dt = FifoPolicy(), PriorityPolicy(), LasPolicy(), DTorchPolicy()
     assert (fifo.preempts, fifo.packs, fifo.relocates) == (False, False, False)
+    assert not any(p.shrinks or p.lends for p in (fifo, prio, las))  # only dtorch shrinks and lends
     assert (prio.preempts, prio.packs, prio.relocates, prio.relocate_after) == (True, True, True, 600.0)
     assert (las.preempts, las.packs, las.relocates, las.relocate_after) == (True, False, True, 600.0)
     assert (las.thresholds, las.starve_factor, las.starve_min_s) == ((60.0, 600.0, 3600.0), 0.0, 60.0)
@@ -195,6 +196,16 @@ def test_dtorch_shields_a_running_session_frozen_fairness_times_its_running_time
     assert DTorchPolicy({"fairness": 0}).rank(t, 100) == 4 + 1  # no shield
     queued = tenant(RUNNING, devices=4, logical=4, attained=400, since=100, waited=300)  # it only queued
     assert dt.rank(queued, 100) == 4 + 1 and dt.next_change(queued, 100) == pytest.approx(100 + 200 / 4)
+
+
+def test_dtorch_shield_ends_when_the_running_time_reaches_the_frozen_time_up_to_float_rounding():
+    """Rule 3: shielded *until* it has run as long as it was frozen; like a threshold, reached up to float rounding
+    (1e-6) counts as reached."""
+    dt = DTorchPolicy({"thresholds": [1], "fairness": 1})
+    t = tenant(RUNNING, devices=1, logical=1, attained=1.0, since=0, frozen_s=1.0 + 1e-6)  # ran 1 s
+    assert dt.next_change(t, 0) is None and dt.rank(t, 0) == 2 + 1  # not shielded: its own level (1 device-s)
+    longer = tenant(RUNNING, devices=1, logical=1, attained=1.0, since=0, frozen_s=1.0 + 1e-5)
+    assert dt.rank(longer, 0) == 2 + 0 and dt.next_change(longer, 0) == pytest.approx(1e-5)
 
 
 def test_dtorch_next_change():

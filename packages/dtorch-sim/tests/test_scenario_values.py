@@ -71,7 +71,8 @@ def test_run_and_compare_give_the_scenarios_policy_the_same_parameters(base):
 
     base["policy"] = {"name": "las", "params_for": {"las": {"thresholds": [7, 70]}}}
     sc = parse(base)
-    assert Simulation(sc).core.policy.thresholds == Simulation(sc.with_policy("las")).core.policy.thresholds == (7.0, 70.0)
+    own = Simulation(sc).core.policy.thresholds
+    assert own == Simulation(sc.with_policy("las")).core.policy.thresholds == (7.0, 70.0)
 
 
 def test_another_policys_run_changes_only_the_policy(base):

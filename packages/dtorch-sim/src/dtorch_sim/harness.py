@@ -103,7 +103,8 @@ class Simulation:
                   "snapshot_every_s": sc.recovery.snapshot_every_s}
         known = {f.name for f in dataclasses.fields(Config)}
         self.core = ControllerCore(Config(**{k: v for k, v in config.items() if k in known}),
-                                   session_ids=counter_ids("s"), policy=make_policy(sc.policy.name, sc.policy.for_name(sc.policy.name)))
+                                   session_ids=counter_ids("s"),
+                                   policy=make_policy(sc.policy.name, sc.policy.for_name(sc.policy.name)))
         self.events = 0  # events fed to the core
         self.notes: list[str] = []  # harness remarks (refused drains, ...), in metrics.json
         self._request_ids = itertools.count()

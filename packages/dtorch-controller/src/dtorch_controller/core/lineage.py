@@ -28,14 +28,11 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from dtorch_controller.core.collectives import ITEMSIZE
 from dtorch_controller.core.model import Mesh, Session
 from dtorch_controller.core.redistribute import parse_placements
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import shard_box
-
-ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
-            "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
-            "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8}
 
 
 @dataclass

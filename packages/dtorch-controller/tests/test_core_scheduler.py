@@ -1,0 +1,141 @@
+"""scheduler.py's rules through the core on a fake clock, for cases the rule-by-rule tests of
+test_core_scheduling.py do not reach: each test here fails on a mutant that `nox -s mutation` found surviving
+(checked by applying the mutant by hand), and asserts what the rule says, not what the code happens to do."""
+
+from __future__ import annotations
+
+from dtorch_controller.core.policies import DTorchPolicy, PriorityPolicy
+from dtorch_protocol import messages as m
+
+QUIET = dict(heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6, session_timeout_s=0)
+
+
+def workers(h, n, start=0):
+    return [h.register(f"10.0.0.{i}:7000") for i in range(start, start + n)]
+
+
+def state(h, sid):
+    return h.core.sched.state(sid)
+
+
+def leased(h, sid):
+    """The workers `sid` leases, sorted."""
+    return sorted(w for w, slot in h.core.sched.pool.slots.items() if sid in slot.leases)
+
+
+def lines(h, text):
+    return [line for line in h.core.log.lines() if text in line]
+
+
+# ---------------------------------------------------------------- preemption (rules 6 and 10)
+
+
+def test_a_policy_that_does_not_shrink_freezes_an_elastic_session(h):
+    """Rule 10 is the policy's choice (`shrinks`): under `priority` an elastic session above its minimum is
+    frozen whole by a better class, not shrunk."""
+    h.core.sched.relocation = False
+    ws = workers(h, 3)
+    e = h.open_session(priority="low")
+    assert h.open_mesh(e, 1, [0, 1, 2], min_devices=1).placed and leased(h, e) == ws
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed
+    assert state(h, e) == "frozen" and not lines(h, "shrinks to")
+
+
+def test_a_session_that_did_not_ask_for_a_minimum_is_frozen_not_shrunk(make_harness):
+    """Only elastic sessions (asked with a minimum below their size) are shrunk (rule 10): one that leases more
+    devices than its first mesh because a later mesh took free devices (rule 3) is frozen whole."""
+    h = make_harness(policy=DTorchPolicy({"fairness": 0}), **QUIET)
+    workers(h, 4)
+    a = h.open_session()
+    assert h.open_mesh(a, 1, [0, 1]).placed and h.open_mesh(a, 2, [2, 3]).placed
+    assert len(leased(h, a)) == 4
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed
+    assert state(h, a) == "frozen" and not lines(h, "shrinks to")
+
+
+def test_an_elastic_session_gives_up_only_what_the_frozen_sessions_of_worse_ranks_did_not_free(make_harness):
+    """Preemption goes from the least important rank up (rule 6): a low session is frozen first (1 device);
+    the request needs 3, so the elastic normal session gives up the 2 still missing, not 3 (rule 10)."""
+    h = make_harness(policy=DTorchPolicy({"fairness": 0}), **QUIET)
+    workers(h, 5)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0]).placed
+    e = h.open_session()
+    assert h.open_mesh(e, 1, [0, 1, 2, 3], min_devices=1).placed and len(leased(h, e)) == 4
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1, 2]).placed
+    assert state(h, low) == "frozen" and state(h, e) == "running"
+    assert lines(h, "shrinks to 2 devices (4 logical)") and not lines(h, "shrinks to 1 device")
+    assert len(leased(h, e)) == 2 and len(leased(h, high)) == 3
+
+
+def test_a_frozen_session_does_not_relocate_while_a_better_ranked_request_is_blocked(make_harness):
+    """Rule 6: frozen sessions take free devices in rank order and not while a request of a better rank is
+    blocked, even when a request of a worse rank is blocked as well (the walk goes on past the first)."""
+    h = make_harness(policy=PriorityPolicy({"relocate_after": 10}), **QUIET)
+    (w0,) = workers(h, 1)
+    normal = h.open_session()
+    assert h.open_mesh(normal, 1, [0]).placed
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0]).placed and state(h, normal) == "frozen"
+    w1, w2 = workers(h, 2, start=1)  # free, but the frozen session waits 10 s before it may move
+    blocked_high, blocked_low = h.open_session(priority="high"), h.open_session(priority="low")
+    assert not h.open_mesh(blocked_high, 1, [0, 1, 2]).placed  # 2 free of the 3 it needs; nobody to preempt
+    assert not h.open_mesh(blocked_low, 1, [0, 1, 2]).placed
+    h.advance(11)  # the frozen session's patience is over, but the high request still waits
+    assert state(h, normal) == "frozen" and h.core.sched.pool.free_total == 2
+    assert not lines(h, "relocates")
+
+
+# ---------------------------------------------------------------- growth (rule 5)
+
+
+def test_a_packed_elastic_session_grows_onto_another_device_not_onto_room_left_on_its_own(h):
+    """Rule 5: growing means more physical devices. A packed session's own device still has room for its cap;
+    growth must not lease it a second time."""
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    e = h.open_session(memory_cap=300)
+    assert h.open_mesh(e, 1, [0, 1], min_devices=1).placed and leased(h, e) == [w0]
+    w1 = h.register("10.0.0.1:7000", memory=1000)
+    assert leased(h, e) == [w0, w1]
+    assert lines(h, "grows onto 1 more device (2 for 2 logical)")
+
+
+def test_growths_given_back_one_after_the_other_both_return_to_the_pool():
+    """The scheduler is sans-IO: its owner may apply two growths after both were decided. Both unusable, both
+    are given back (`shrink`); the second finds the session no longer growing and must not fail."""
+    from dtorch_controller.core.model import Worker
+    from dtorch_controller.core.policies import FifoPolicy
+    from dtorch_controller.core.scheduler import Scheduler
+
+    table = {}
+    sched = Scheduler(FifoPolicy(), table)
+    sched.growth = True
+
+    def add(wid):
+        table[wid] = Worker(wid, f"{wid}:1", "cpu", 1 << 30, {}, len(table), 0.0)
+        return sched.add_worker(0.0, table[wid])
+
+    add("w0")
+    sched.open("s", "normal", "batch")
+    assert sched.place(0.0, "s", 1, (0, 1, 2), min_devices=1)[1].placed
+    assert add("w1").grown == [("s", ["w1"])] and add("w2").grown == [("s", ["w2"])]
+    sched.shrink(1.0, "s", ["w1"])
+    sched.shrink(1.0, "s", ["w2"])
+    assert sched.pool.is_free("w1") and sched.pool.is_free("w2")
+    assert add("w3").grown == []  # not offered more
+
+
+# ---------------------------------------------------------------- memory caps
+
+
+def test_a_session_back_within_its_cap_is_told_again_when_it_goes_over_again(h):
+    """`over_cap`: a tenant is told once per excursion over its cap; using exactly its cap is within it."""
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    s = h.open_session(memory_cap=100)
+    assert h.open_mesh(s, 1, [0]).placed
+    for used in (150, 160, 100, 150):
+        h.report(w0, sessions={s: m.ShardStats(tensors=1, bytes=used)})
+    _, reply = h.sync(s, 0)
+    assert [e.op for e in reply.errors] == ["memory cap", "memory cap"]
