@@ -87,6 +87,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      'why = rec.why if (rec is not None) or True else ""'):
         "rec is never None here: both callers (_report_loss, _give_up) run after unrecoverable(), whose "
         "pipeline.rec() creates the session's lineage",
+    ("dtorch_controller.core.recovery.Rebuild.placed", "placed: bool = True"):
+        "the default is never read: Rebuild's only constructor call (Recovery.worker_lost) is followed by _start, "
+        "which sets placed = False before advance() reads it",
     ("dtorch_controller.core.recovery.xǁRecoveryǁ_needs_a_suspect",
      "needed = [rec.snapshot.holders.get(d, []) for d in _devices(s)"):
         "`needed` is the empty list just made: assigning the snapshot's holders is the same as appending them",
@@ -128,14 +131,6 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("dtorch._sharding.x__fill_partial", "return Propagation(func, args, None, None, self)"):
         "fill_.Scalar takes no keyword arguments and the plan's come from the caller's (_planner.plan); only "
         "check_local reads these, and with None it skips a check that fill_ (output = self) passes anyway",
-    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'int32'"):
-        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is int32's size",
-    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'float32'"):
-        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is float32's size",
-    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'uint32'"):
-        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is uint32's size",
-    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'complex32'"):
-        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is complex32's size",
     ("dtorch_sim.scenario.OPENB_PRIORITIES", "OPENB_PRIORITIES: without 'Burstable'"):
         "a qos class missing from the map gets priority normal (jobs.py: `prios.get(..., \"normal\")`), Burstable's",
     ("dtorch._spec.x__intern", "sid = None"):
