@@ -1000,3 +1000,28 @@ def test_the_status_counts_every_sent_batch_as_to_replay_when_there_is_no_snapsh
     h.submit(sid, 2, [add_(1)])
     [status] = h.status().sessions
     assert (status.snapshot_batch, status.replay_batches) == (-1, 2)
+
+
+def test_a_delete_waiting_for_a_reader_goes_out_when_the_reader_is_lost(make_harness):
+    """pipeline.py rule 6, recovery.py rule 2: a delete of a tensor a peer still pulls waits for that reader; when
+    the reader is lost (a loss that is reported, not rebuilt) it is not waited for, and the delete goes out."""
+    h = make_harness(snapshot_every_batches=0)
+    for i in range(3):
+        h.register(f"10.0.0.{i}:7000")
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed and h.open_mesh(sid, 2, [2]).placed
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    h.submit(sid, 2, [m.InstrRedistribute(src=1, dst=2, src_spec=spec([8]), dst_spec=spec([8], mesh=2,
+                                                                                       placements=("R",))),
+                      m.InstrDelete(tids=[1])])
+    owners, reader = [s.devices[0], s.devices[1]], s.devices[2]
+    assert not cmds_of(h.take_sent(), kind=m.CmdDelete)  # the reader on mesh 2 pulls tensor 1's shards
+    for w in owners:
+        h.report(w)
+    assert not cmds_of(h.take_sent(), kind=m.CmdDelete)
+    h.handle(ev.WorkerUnreachable(reader, "", "killed"))
+    sent = h.take_sent()
+    assert [(e.worker_id, c) for e in sent for c in e.execute.cmds if isinstance(c, m.CmdDelete)] == [
+        (owners[0], m.CmdDelete(tids=[1], devices=[0])), (owners[1], m.CmdDelete(tids=[1], devices=[1]))]
