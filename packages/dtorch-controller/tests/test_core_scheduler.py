@@ -1,9 +1,13 @@
 """scheduler.py's rules through the core on a fake clock, for cases the rule-by-rule tests of
 test_core_scheduling.py do not reach: each test here fails on a mutant that `nox -s mutation` found surviving
-(checked by applying the mutant by hand), and asserts what the rule says, not what the code happens to do."""
+(checked by applying the mutant by hand) or on a bug found meanwhile, and asserts what the rule says, not what the
+code happens to do."""
 
 from __future__ import annotations
 
+import pytest
+
+from dtorch_controller.core import events as ev
 from dtorch_controller.core.policies import DTorchPolicy, PriorityPolicy
 from dtorch_protocol import messages as m
 
@@ -25,6 +29,38 @@ def leased(h, sid):
 
 def lines(h, text):
     return [line for line in h.core.log.lines() if text in line]
+
+
+# ---------------------------------------------------------------- rebuilds (rule 3: lost devices placed again)
+
+
+@pytest.mark.parametrize("lost", [1, 2])
+def test_a_rebuilt_session_counts_its_logical_devices_once_so_its_shield_ends_on_time(make_harness, lost):
+    """A session rebuilt after losing `lost` of its 2 devices is still 2 logical devices wide. The DTorch shield
+    (policies/dtorch.py rule 3) measures its running time as its service over its width: counted twice, the lost
+    devices made it look half as far along, and the shield outlived its frozen time."""
+    h = make_harness(policy=DTorchPolicy({"thresholds": [10], "fairness": 1}), **QUIET)
+    w0, w1 = workers(h, 2)
+    a = h.open_session()
+    assert h.open_mesh(a, 1, [0, 1]).placed  # not elastic: only the shield reads its width
+    h.advance(1)  # 2 device-s
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1]).placed and state(h, a) == "frozen"
+    h.advance(20)
+    assert h.call(ev.CloseSession, m.CloseSession(session=high)).ok
+    assert state(h, a) == "running"  # frozen 20 s, ran 1 s: shielded until it ran 20 s, 19 s from now
+    workers(h, lost, start=2)  # as many as it loses: then nothing is free
+    for w in (w0, w1)[:lost]:
+        h.handle(ev.WorkerUnreachable(w, "", "killed"))
+    for _ in range(3):
+        h.report_all()
+    assert state(h, a) == "running" and len(leased(h, a)) == 2
+    assert set(leased(h, a)).isdisjoint((w0, w1)[:lost])
+    assert h.core.sched.tenants[a].wanted_devices == 2
+    h.advance(25)  # ran 26 s on 2 devices: unshielded since 19 s, at level 1 (54 device-s)
+    newcomer = h.open_session()
+    assert h.open_mesh(newcomer, 1, [0]).placed  # level 0 of the same class: it preempts a
+    assert state(h, a) == "frozen"
 
 
 # ---------------------------------------------------------------- preemption (rules 6 and 10)

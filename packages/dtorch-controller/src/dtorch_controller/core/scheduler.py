@@ -341,7 +341,8 @@ class Scheduler:
         ch = Changes()
         own = [w for w in t.workers if w in self.pool]
         if t.state in (RUNNING, FROZEN) and own:
-            t.logical += len(devices)
+            if not restore:  # restored devices were counted when first placed
+                t.logical += len(devices)
             ch.placed.append((session, self._extra(now, t, devices, own, restore)))
             self.decisions += 1
             return self._finish(ch), Answer(True)
@@ -355,6 +356,8 @@ class Scheduler:
                                                 f"waiting for mesh {t.request.mesh} to be placed first")
             return self._finish(ch), Answer(False, self.position(session), self._why(t))
         n = len(devices)
+        if restore:  # counted when first placed: the request holds them now, and its admission counts them again
+            t.logical -= n
         need = min(min_devices, n) if min_devices > 0 else n
         t.request = Request(mesh, tuple(devices), max(1, min(need, len(self.pool))))
         if 0 < min_devices < n:
