@@ -124,6 +124,24 @@ def test_a_frozen_session_does_not_relocate_while_a_better_ranked_request_is_blo
     assert not lines(h, "relocates")
 
 
+def test_a_running_session_ranked_down_at_its_step_is_preempted_by_a_waiting_request_at_once(make_harness):
+    """Rule 9: a running session is ranked anew at each of its steps; one that falls below a waiting request's
+    rank can be preempted by it (rule 6), then and there, not at whatever pass comes next. Its first step makes
+    its estimated remaining work 999 device-s (level 1, from level 0): the newcomer queued at level 0 freezes it."""
+    h = make_harness(policy=DTorchPolicy({"thresholds": [50], "fairness": 0}), **QUIET)
+    workers(h, 1)
+    a = h.open_session(expected_steps=1000)
+    assert h.open_mesh(a, 1, [0]).placed
+    h.advance(1)
+    b = h.open_session()
+    assert not h.open_mesh(b, 1, [0]).placed  # both at level 0 of the same class: it waits
+    h.submit(a, 1, [m.InstrCreate(tid=1, spec=m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["R"]),
+                                  init="zeros")])
+    h.report_all()
+    h.sync(a, 1)  # its first step: 1 device-s per step, 999 steps left
+    assert state(h, a) == "frozen" and state(h, b) == "running"
+
+
 # ---------------------------------------------------------------- growth (rule 5)
 
 
@@ -175,3 +193,16 @@ def test_a_session_back_within_its_cap_is_told_again_when_it_goes_over_again(h):
         h.report(w0, sessions={s: m.ShardStats(tensors=1, bytes=used)})
     _, reply = h.sync(s, 0)
     assert [e.op for e in reply.errors] == ["memory cap", "memory cap"]
+
+
+def test_reserved_names_the_frozen_sessions_holding_a_reservation_on_a_device(h):
+    """Rule 6 (a policy that does not lend): the device the preemptor did not take is leased back to the frozen
+    session as a reservation; `reserved` names it there, and nobody on the preemptor's device."""
+    w0, w1 = workers(h, 2)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0, 1]).placed
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed and state(h, low) == "frozen"
+    (taken,) = leased(h, high)
+    (kept,) = {w0, w1} - {taken}
+    assert h.core.sched.reserved(kept) == [low] and h.core.sched.reserved(taken) == []
