@@ -67,6 +67,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "branch only for a frozen tenant none of whose devices is in the pool, and a frozen tenant holds only pool "
         "workers: `_lose_worker` deletes a lost worker from every frozen tenant and marks it resumable when it misses "
         "nothing more, and the same pass resumes it",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁplace", "return self._finish(ch), Answer(False, 1, self._why(t))"):
+        "unreachable, like the pass above it: a frozen tenant none of whose devices is in the pool resumes in the "
+        "pass of the loss that took its last one",
     ("dtorch_controller.core.scheduler.xǁTenantǁheld_devices",
      "return len(self.workers) if (self.running) or True else 0"):
         "only the policies read held_devices, and each only of a running tenant: dtorch._shield_ends tests "
