@@ -1,4 +1,5 @@
-"""pool.py on its own: the counts behind fragmentation-aware packing (rule 7), exactly."""
+"""pool.py on its own: the counts behind fragmentation-aware packing (rule 7), exactly. (Named test_core_*: the
+mutation session runs the controller's test_core_*.py files, and the one named for the module first.)"""
 
 from __future__ import annotations
 
