@@ -90,6 +90,32 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      'why = rec.why if (rec is not None) or True else ""'):
         "rec is never None here: both callers (_report_loss, _give_up) run after unrecoverable(), whose "
         "pipeline.rec() creates the session's lineage",
+    ("dtorch_controller.core.recovery.Rebuild.placed", "placed: bool = True"):
+        "the default is never read: Rebuild's only constructor call (Recovery.worker_lost) is followed by _start, "
+        "which sets placed = False before advance() reads it",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁ_needs_a_suspect",
+     "needed = [rec.snapshot.holders.get(d, []) for d in _devices(s)"):
+        "`needed` is the empty list just made: assigning the snapshot's holders is the same as appending them",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁ_reset",
+     "first = rec.snapshot.first_seq if (rec.snapshot is not None) or True else {}"):
+        "rec.snapshot is never None here: advance() calls _reset only after unrecoverable() returned None in the "
+        "same call, which it does only for a session with a complete snapshot (and nothing between clears it)",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁerrors", "reset = rec.reset_seq.get(w.id, 1)"):
+        "Execute seqs are ints (ErrorReport.seq: int): `0 < e.seq < 1` holds for none, as `0 < e.seq < 0`, so a "
+        "worker never reset drops no report either way",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     'bound = {s.devices.get(dev, None) for _k, mesh in meshes for dev in mesh.devices} - {""}'):
+        "the default is never used: every device of a mesh in s.meshes is bound whenever a batch is translated (a "
+        "mesh enters s.meshes once placed; only a rebuild's placing unbinds devices, while Hold.RECOVERING holds the "
+        "batches, and a move rebinds at once), and translating an instruction on a mesh reads s.devices[d] of its "
+        "devices (translate._hosts), which would have raised before",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     'bound = {s.devices.get(dev, "XXXX") for _k, mesh in meshes for dev in mesh.devices} - {""}'):
+        "the default is never used (see the entry above: every device of a translated mesh is bound)",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     "had = dict(s.readers.get(src, {})) if (src is not None) or True else {}"):
+        "`had` is read only when src is not None; with src None it is s.readers.get(None, {}), which is {} (readers "
+        "are keyed by tensor ids)",
     ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
      "if v.state != FROZEN and len(v.missing) >= len(v.workers):"):
         "the check is a shortcut of the next one: a frozen tenant whose missing devices are all its devices holds "
@@ -115,14 +141,6 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("dtorch._sharding.x__fill_partial", "return Propagation(func, args, None, None, self)"):
         "fill_.Scalar takes no keyword arguments and the plan's come from the caller's (_planner.plan); only "
         "check_local reads these, and with None it skips a check that fill_ (output = self) passes anyway",
-    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'int32'"):
-        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is int32's size",
-    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'float32'"):
-        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is float32's size",
-    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'uint32'"):
-        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is uint32's size",
-    ("dtorch_controller.core.lineage.ITEMSIZE", "ITEMSIZE: without 'complex32'"):
-        "a dtype missing from the table counts 4 bytes (`ITEMSIZE.get(spec.dtype, 4)`), which is complex32's size",
     ("dtorch_sim.scenario.OPENB_PRIORITIES", "OPENB_PRIORITIES: without 'Burstable'"):
         "a qos class missing from the map gets priority normal (jobs.py: `prios.get(..., \"normal\")`), Burstable's",
     ("dtorch._spec.x__intern", "sid = None"):

@@ -23,6 +23,7 @@ TARGETS: dict[str, list[str]] = {
     "recovery and lineage": ["dtorch_controller/core/recovery.py", "dtorch_controller/core/moves.py",
                              "dtorch_controller/core/drain.py", "dtorch_controller/core/snapshots.py",
                              "dtorch_controller/core/pipeline.py", "dtorch_controller/core/lineage.py"],
+    "step programs": ["dtorch_controller/core/programs.py"],
     "wire authentication and validation": ["dtorch_protocol/auth.py", "dtorch_protocol/wire.py"],
     "scenario validation": ["dtorch_sim/scenario.py"],
     "client planner": ["dtorch/_planner.py", "dtorch/_sharding.py", "dtorch/_spec.py"],
@@ -40,6 +41,7 @@ FIRST: dict[str, list[str]] = {
     "recovery and lineage": ["packages/dtorch-controller/tests/test_core_recovery.py",
                              "packages/dtorch-controller/tests/test_core_nodes.py",
                              "packages/dtorch-controller/tests/test_core_scheduling.py", _CORE],  # relocations: pull
+    "step programs": ["packages/dtorch-controller/tests/test_core_programs*.py", _CORE],  # rebuilds replay them
     "wire authentication and validation": ["packages/dtorch-protocol/tests/test_auth.py",
                                            "packages/dtorch-protocol/tests/test_wire.py",
                                            "packages/dtorch-protocol/tests/test_protocol.py",

@@ -231,3 +231,89 @@ def test_a_rebuild_given_up_after_its_lost_workers_were_forgotten_points_the_dev
     assert h.core.workers[a[0]].state == "lost"
     rid, reply = h.sync(sid, 2)
     assert reply.done and "tensor 1" in reply.errors[0].message
+
+
+def test_a_second_drain_does_not_send_its_moves_where_a_running_drains_move_heads(make_harness):
+    """drain.py rule 1: two moves never head for the same free worker, also when they belong to two drains (the
+    first's target is not leased to its session until its copy is done)."""
+    h = make_harness(snapshot_every_batches=1)
+    a = [h.register(f"10.0.0.{i}:7000", labels={"node": "a"}) for i in range(2)]
+    b = [h.register(f"10.0.1.{i}:7000", labels={"node": "b"}) for i in range(3)]
+    sids = [h.open_session(f"s{k}") for k in range(2)]
+    for sid in sids:
+        assert h.open_mesh(sid, 1, [0]).placed
+        h.submit(sid, 1, [create(1)])
+    h.report_all()
+    assert sorted(h.core.sessions[sid].devices[0] for sid in sids) == a
+    rids = [h.ask(ev.Drain, m.DrainRequest(worker=h.core.sessions[sid].devices[0]))[0] for sid in sids]
+    copies = [c for e in h.take_sent() for c in e.execute.cmds if isinstance(c, m.CmdSendShards) and c.move]
+    assert len(copies) == 2 and len({c.to for c in copies}) == 2  # both copy at once, to different workers
+    for _ in range(6):
+        h.report_all()
+    assert all(h.replies[rid].ok for rid in rids)
+    targets = [h.core.sessions[sid].devices[0] for sid in sids]
+    assert len(set(targets)) == 2 and set(targets) <= set(b)
+
+
+def test_a_drain_that_finds_no_worker_for_a_packed_sessions_devices_is_refused(make_harness, refused):
+    """drain.py rule 1 (Moves.target): a packed session's devices go to a shared worker with room; when there is
+    none (the other worker is leased whole to another session), the drain is refused in one line and nothing
+    moves."""
+    h = make_harness(snapshot_every_batches=1)
+    w0, w1 = (h.register(f"10.0.0.{i}:7000", labels={"node": "a"}) for i in range(2))
+    packed = h.open_session("packed", memory_cap=1 << 20)
+    assert h.open_mesh(packed, 1, [0]).placed
+    whole = h.open_session("whole")
+    assert h.open_mesh(whole, 1, [0]).placed
+    assert h.core.sessions[packed].devices == {0: w0} and h.core.sessions[whole].devices == {0: w1}
+    reply = h.call(ev.Drain, m.DrainRequest(worker=w0))
+    assert refused(reply) and reply.message == f"no other worker can take session {packed[:8]}'s devices from {w0}"
+    assert h.core.workers[w0].state == "alive" and h.core.sessions[packed].devices == {0: w0}
+
+
+def test_a_rebuilt_device_restores_its_shards_from_the_surviving_copy_at_its_workers_address(make_harness):
+    """recovery.py rule 1: a device rebuilt on a worker that holds no copy of it fetches them from a live holder,
+    by that holder's address; a device whose worker holds its own copies restores them locally."""
+    h, ids = cluster(make_harness, nodes=("a",), per_node=3)
+    a = ids["a"]
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed
+    s = h.core.sessions[sid]
+    assert s.devices == {0: a[0], 1: a[1]}  # copies: device 0 on a0 and a1, device 1 on a1 and a2
+    snapshot(h, sid)
+    h.handle(ev.WorkerUnreachable(a[0], "", "killed"))
+    fetches = []
+    for _ in range(6):
+        fetches += [(e.worker_id, c) for e in h.take_sent() for c in e.execute.cmds if isinstance(c, m.CmdFetchShards)]
+        h.report_all()
+    assert s.state == "open" and s.devices == {0: a[2], 1: a[1]}
+    assert sorted((w, c.devices, c.address) for w, c in fetches) == [
+        (a[1], {1: [1]}, ""), (a[2], {0: [1]}, h.core.workers[a[1]].address)]
+
+
+def test_losing_the_last_copy_while_a_rebuild_resets_its_workers_reports_the_loss(make_harness):
+    """recovery.py rules 2 and 4: the only live copy of a lost device is on a worker that hosts nothing of the
+    session; when that one is lost too while the rebuild resets the workers, the rebuild is given up: the session
+    is degraded and its next Sync names the tensors lost and why."""
+    from dtorch_controller.core import effects as fx
+
+    h, ids = cluster(make_harness)
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed
+    s = h.core.sessions[sid]
+    snapshot(h, sid)
+    victim = s.devices[1]
+    holder = next(w for w in h.core.pipeline.recs[sid].snapshot.holders[1] if w != victim)
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    assert h.core.recovery.rebuilds[sid].phase.value == "resetting" and holder not in s.devices.values()
+    h.handle(ev.WorkerUnreachable(holder, "", "killed"))  # it hosts nothing of the session
+    assert s.state == "recovering"
+    h.report_all()
+    assert s.state == "degraded" and sid not in h.core.recovery.rebuilds
+    rid, reply = h.sync(sid, 2)
+    [error] = reply.errors
+    assert error.message == (f"worker {victim} lost: unreachable: killed; 1 tensors lost: tensor 1 (made by "
+                             "create:rand at train.py:3); not rebuilt: every copy of logical device 1's shards was on "
+                             "lost workers")
+    assert [n.why for n in h.notices if isinstance(n, fx.DataLost)] == [
+        "every copy of logical device 1's shards was on lost workers"]

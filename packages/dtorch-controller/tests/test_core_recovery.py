@@ -734,3 +734,101 @@ def test_a_rebuild_that_interrupts_a_copy_resets_the_copys_target_too(make_harne
         h.report_all()
     assert not h.replies[rid].ok and s.state == "open" and dst not in s.devices.values()
     assert cmds_of(sent, dst, m.CmdAbandon)
+
+
+def test_migrates_asked_for_during_a_rebuild_go_one_at_a_time_once_it_is_open(make_harness):
+    """moves.py rule 3: no move starts while the session is recovering; once it is open, its queued moves go one
+    at a time in order (the second copies only when the first is over)."""
+    h, ids, sid = setup(make_harness, workers=5)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()  # snapshot after batch 2
+    h.take_sent()
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    assert s.state == "recovering" and set(s.devices) == {0, 1}
+    free = [w for w in ids if w not in s.devices.values() and h.core.workers[w].state != "lost"]
+    first, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=free[0]))
+    second, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=free[1]))
+    moving = []
+    while s.state == "recovering":
+        moving += [c.move for c in cmds_of(h.take_sent(), kind=m.CmdSendShards) if c.move]
+        h.report_all()
+    moving += [c.move for c in cmds_of(h.take_sent(), kind=m.CmdSendShards) if c.move]
+    assert moving == [[0]] and first not in h.replies and second not in h.replies  # only the first copies
+    h.report(h.core.sessions[sid].devices[0])
+    assert h.replies[first].ok and second not in h.replies
+    assert [c.move for c in cmds_of(h.take_sent(), kind=m.CmdSendShards) if c.move] == [[1]]
+    h.report_all()
+    assert h.replies[second].ok and s.devices == {0: free[0], 1: free[1]}
+
+
+def test_a_migrate_writes_one_line_to_the_event_log_when_it_is_done(make_harness):
+    """The event log tells the operator what moved, once, with its size and downtime (moves.py rule 1); a Migrate
+    or a drain's move is not announced when it is queued (relocations and growth say so: they are not asked for)."""
+    h, ids, sid = setup(make_harness, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    before = len(h.status().events)
+    src = s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    h.report_all()
+    assert h.replies[rid].ok
+    events = [line.partition(" ")[2] for line in h.status().events[before:]]
+    assert events == [f"session {sid[:8]} logical device 1 moved {src} -> {dst}: 1 shards, 16 bytes, downtime "
+                      "0.000s"]
+
+
+def test_a_rebuild_replays_a_logged_program_replay_as_the_instructions_it_stands_for(make_harness):
+    """pipeline.py rule 4: a rebuild translates the instructions a logged replay stands for, for the new binding
+    (the reset workers get plain commands: no CmdProgram, no CmdReplay); the next replay after it is compiled
+    again for that binding."""
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    step = [m.InstrCreate(tid=1, spec=spec([8]), init="randn", seed=0, src="s.py:1"),
+            m.InstrCall(op="aten.add.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 1}], kwargs={},
+                        outs=[m.OutSpec(2, spec([8]))], src="s.py:2")]
+    h.submit(sid, 1, [create(10), m.InstrDefine(program=7, instrs=step, ntids=3, nseeds=1),
+                      m.InstrReplay(program=7, tids=[10, 11, 12], seeds=[5])])
+    assert cmds_of(h.take_sent(), kind=m.CmdProgram)
+    h.report_all()
+    victim = s.devices[1]
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    sent = []
+    while s.state != "open":
+        sent += h.take_sent()
+        h.report_all()
+    sent += h.take_sent()
+    assert not cmds_of(sent, kind=m.CmdProgram) and not cmds_of(sent, kind=m.CmdReplay)
+    creates = [c for c in cmds_of(sent, kind=m.CmdCreate) if c.tid == 11]
+    assert sorted(d for c in creates for d in c.boxes) == [0, 1] and all(c.seed == 5 for c in creates)
+    runs = [c for c in cmds_of(sent, kind=m.CmdRun) if c.outs == [12]]
+    assert sorted(d for c in runs for d in c.devices) == [0, 1]
+    h.submit(sid, 2, [m.InstrReplay(program=7, tids=[10, 21, 22], seeds=[6])])
+    sent = h.take_sent()
+    assert {e.worker_id for e in sent if any(type(c) is m.CmdProgram for c in e.execute.cmds)} == \
+        set(s.devices.values())
+
+
+def test_a_loss_names_the_op_that_made_a_tensor_a_compiled_program_deleted_and_made_again(make_harness):
+    """lineage.py: a tensor's origin is the op that made it last after a delete (a program's net origins: a delete
+    then a new maker), also when a replay is only filled in from its compiled program."""
+    h, ids, sid = setup(make_harness, every=0)
+    s = session(h, sid)
+    step = [m.InstrCall(op="aten.add.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 0}], kwargs={},
+                        outs=[m.OutSpec(1, spec([8]))], src="s.py:1"),
+            m.InstrDelete(tids=[1]),
+            m.InstrCall(op="aten.mul.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 0}], kwargs={},
+                        outs=[m.OutSpec(1, spec([8]))], src="s.py:3")]
+    h.submit(sid, 1, [create(10), m.InstrDefine(program=7, instrs=step, ntids=2)])
+    for seq, tid in ((2, 11), (3, 12)):  # the second replay is only filled in
+        h.submit(sid, seq, [m.InstrReplay(program=7, tids=[10, tid])])
+    assert [type(c) for c in cmds_of(h.take_sent()[-2:])] == [m.CmdReplay, m.CmdReplay]
+    h.report_all()
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    rid, reply = h.sync(sid, 3)
+    [error] = reply.errors
+    assert "tensor 12 (made by aten.mul.Tensor at s.py:3)" in error.message
+    assert "tensor 11 (made by aten.mul.Tensor at s.py:3)" in error.message

@@ -3,7 +3,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from dtorch_controller.core import events as ev
 from dtorch_controller.core import state as st
+from dtorch_controller.core.timers import Heartbeat
 from dtorch_sim import metrics
 from dtorch_sim.harness import Simulation
 from dtorch_sim.jobs import generate
@@ -55,6 +59,30 @@ def test_failures_are_detected_within_the_heartbeat_timeout(base):
     s = metrics.summarize(sim)
     assert s["failures"]["injected"] == s["failures"]["detected"] == 5
     assert s["jobs"]["finished"] == 12 and s["jobs"]["restarts"] >= 1  # restarted on the survivors
+
+
+def test_only_a_stopped_workers_heartbeat_deadlines_reach_the_core_and_it_is_detected_on_the_slot_grid(base):
+    # A running worker's heartbeat deadline can only re-arm: the harness holds it back (no core event) until the
+    # worker stops or is cut off. The silent failure is still detected at its last report + the timeout, on the
+    # heartbeat slot grid, as when every deadline fired.
+    base["faults"] = [{"kind": "worker_failure", "at": 10, "worker": "node0/gpu1"}]
+    sim = Simulation(parse(base))
+    fired: list[tuple[float, Heartbeat]] = []
+    handle = sim.core.handle
+
+    def spy(now, event):
+        if isinstance(event, ev.TimerFired) and type(event.key) is Heartbeat:
+            fired.append((now, event.key))
+        return handle(now, event)
+
+    sim.core.handle = spy
+    sim.run_all()
+    failed = sim.by_address["node0/gpu1"]
+    assert fired and {key.worker for _now, key in fired} == {failed.id}
+    assert min(now for now, _key in fired) >= 10.0  # nothing before it stopped
+    (f,) = sim.failures
+    assert f.detected == pytest.approx(sim.slot_after(failed.last_report + 4.0), abs=1e-9)
+    assert sim.jobs_done == 12
 
 
 def test_jobs_can_give_up_on_failure(base):

@@ -89,6 +89,27 @@ def test_register_fails_clearly_when_the_controller_is_unreachable() -> None:
     agent.stop()
 
 
+def test_a_deferred_completion_is_reported_without_waiting_for_the_heartbeat(controller: tuple) -> None:
+    fake, address, _server = controller
+    fake.heartbeat_s = 30.0  # a report before then comes from the deferred poke's lag bound
+    store = TensorStore()
+    ex = Executor(store)
+    agent = Agent(address, KEY, ex, store, on_exit=lambda c, r: None, secret=auth.new_worker_secret())
+    ex.on_complete, ex.on_deferred = agent.poke, agent.poke_later
+    agent.register("127.0.0.1:9", "cpu", 123, {})
+    agent.start()
+    try:
+        ex.submit(Execute(seq=1, session="s", cmds=[]))
+        ex.submit(Execute(seq=2, session="s", cmds=[]))  # batch 1 is followed by one of its session: deferred
+        ex.start()
+        assert fake.wait_for(lambda: any(r.completed == 2 for r in fake.reports), timeout=10.0)
+        agent.poke_later()  # nothing new: still one report within the lag, carrying what is done
+        assert fake.wait_for(lambda: sum(r.completed == 2 for r in fake.reports) >= 2, timeout=10.0)
+    finally:
+        ex.stop()
+        agent.stop()
+
+
 def test_agent_reports_promptly_carries_errors_and_exits_when_the_controller_is_lost(controller: tuple) -> None:
     fake, address, server = controller
     fake.heartbeat_s = 5.0  # long: a prompt report must come from the completion poke, not the timer

@@ -377,6 +377,29 @@ def test_the_backends_all_reduce_only_where_it_equals_mesh_order(workers, dtype,
     assert bool(calls) == native
 
 
+def test_a_batch_is_told_complete_once_when_its_collective_has_landed(workers):
+    """The executor tells the agent of a completion once, when it moved: a batch whose collective is still in flight
+    after its commands ran is told when the collective landed (its output then readable), not before."""
+    cluster = Cluster(workers)
+    told: dict[str, list[tuple[int, bool]]] = {"w0": [], "w1": []}
+
+    def hook(wid: str):  # noqa: ANN202
+        key = (cluster.session, 2, int(wid[1]))
+        return lambda seq: told[wid].append((seq, isinstance(cluster.worker[wid].store.peek(key), torch.Tensor)))
+
+    for wid in told:
+        cluster.worker[wid].executor.on_complete = hook(wid)
+    try:
+        got, expected, _ = redistribute(cluster, (6, 4), (2,), {0: "w0", 1: "w1"}, [Shard(0)], [Replicate()])
+        check(got, expected)
+        for wid, calls in told.items():
+            seq = cluster.worker[wid].executor.completed
+            assert calls == [(seq, True)], (wid, calls)
+    finally:
+        for wid in told:
+            cluster.worker[wid].executor.on_complete = None
+
+
 def test_poison_reaches_every_rank_through_the_backends_all_reduce(workers):
     cluster = Cluster(workers, session="sess-native-poison")
     binding = {0: "w0", 1: "w1"}

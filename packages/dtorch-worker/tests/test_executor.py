@@ -353,6 +353,30 @@ def test_batches_run_in_seq_order_whatever_the_arrival_order() -> None:
         ex.stop()
 
 
+def test_a_completion_is_told_at_once_unless_a_later_batch_of_its_session_is_here() -> None:
+    """The agent reports a completion at once only where a sync may wait for it: a batch followed here by a later
+    one of its session (which the client's sync covers too) is told as deferred (the agent reports it within its
+    lag), the last one of a session at once; each completion is told once."""
+    told: list[tuple[str, int]] = []
+    ex = Executor(TensorStore())
+    ex.on_complete = lambda seq: told.append(("now", seq))
+    ex.on_deferred = lambda seq: told.append(("later", seq))
+
+    def batch(seq: int, session: str) -> Execute:
+        return Execute(seq=seq, session=session, cmds=[CmdCreate(tid=seq, dtype="float32", shape=[2], init="ones",
+                                                                 boxes={0: [[0, 2]]})])
+
+    for b in (batch(1, "s"), batch(2, "s"), batch(3, "t"), batch(4, "s")):
+        assert ex.submit(b)
+    ex.start()
+    try:
+        assert ex.wait_completed(4, 10.0)
+        # 1 and 2: a later batch of s is queued here (2, then 4); 3: the last of t; 4: the last of s
+        assert told == [("later", 1), ("later", 2), ("now", 3), ("now", 4)]
+    finally:
+        ex.stop()
+
+
 def test_delete_and_close_session(ex: Executor) -> None:
     run(ex, CmdCreate(tid=1, dtype="float32", shape=[2], init="zeros", boxes={0: [[0, 1]], 1: [[1, 1]]}),
         CmdCreate(tid=2, dtype="float32", shape=[2], init="zeros", boxes={0: [[0, 2]]}),

@@ -2,8 +2,9 @@
 
 Thin on purpose. Every handler turns its request into an event, feeds the core under one lock (the
 core is single-threaded), performs the effects outside the lock and blocks, bounded, on the future
-its Reply completes. Execute batches go out asynchronously; a failed send comes back to the core as
-WorkerUnreachable. All logic lives in `dtorch_controller.core`, which the simulator drives too.
+its Reply completes. Execute batches go out asynchronously, in order per worker, on the sender's long-lived
+threads (`sender.py`); a failed send comes back to the core as WorkerUnreachable. All logic lives in
+`dtorch_controller.core`, which the simulator drives too.
 
 Authentication happens before a handler runs (`wire`: API keys from the key file, roles per method,
 mutual TLS for workers). The adapter then does what needs the credentials, never the core: it keeps each
@@ -39,6 +40,7 @@ from dtorch_controller.core.effects import Accepted
 from dtorch_controller.core.policies import Policy
 from dtorch_controller.credentials import Credentials, check_secret
 from dtorch_controller.metrics import ControllerMetrics
+from dtorch_controller.sender import Sender
 from dtorch_controller.timers import TimerThread
 from dtorch_controller.usage import Accounting, UsageLog
 from dtorch_protocol import auth, wire
@@ -101,6 +103,7 @@ class ControllerService:
         self._ids = itertools.count(1)
         self._stubs: dict[str, wire.Stub] = {}
         self._stubs_lock = threading.Lock()
+        self._sender = Sender()
         self._syncs: dict[str, int] = {}  # session -> its Syncs in flight
         self._registering: dict[Hashable, tuple[m.RegisterWorker, str]] = {}  # request id -> (request, key id)
         self.timers = TimerThread(lambda key: self.feed(ev.TimerFired(key)), clock)
@@ -158,21 +161,20 @@ class ControllerService:
             if token is None:
                 raise ConnectionError(f"no credentials for a worker at {effect.address}")
             execute = self.credentials.with_peer_caps(effect.execute, effect.address)
-            call = stub.call_future("Execute", execute, timeout=self._execute_timeout_s, credential=token)
         except Exception as e:  # noqa: BLE001 - any failure to start the call means the batch is not delivered
             self.feed(ev.WorkerUnreachable(effect.worker_id, effect.address, str(e)))
             return
 
-        def done(f: grpc.Future) -> None:
+        def deliver() -> None:
             try:
-                ack: m.Ack = stub.decode_reply("Execute", f)
+                ack: m.Ack = stub.call("Execute", execute, timeout=self._execute_timeout_s, credential=token)
                 problem = "" if ack.ok else f"refused batch {effect.execute.seq}: {ack.message}"
             except Exception as e:  # noqa: BLE001
                 problem = str(e)
             if problem:
                 self.feed(ev.WorkerUnreachable(effect.worker_id, effect.address, problem))
 
-        call.add_done_callback(done)
+        self._sender.send(effect.address, deliver)
 
     def request(self, make: Callable[[Hashable], ev.Event], wait_s: float = REPLY_WAIT_S) -> Any:
         """Feed a request event and wait for its Reply; refusals raise ProtocolError / RemoteError."""
@@ -240,6 +242,7 @@ class ControllerService:
         for future in parked:
             _settle(future, Refusal("refused", "the controller is shutting down"))
         self.timers.stop()
+        self._sender.close()
         with self._stubs_lock:
             stubs, self._stubs = list(self._stubs.values()), {}
         for stub in stubs:

@@ -112,6 +112,8 @@ class Simulation:
         self._registering: Worker | None = None  # the worker whose Register the core handles now (see `send`)
         self._replies: dict[int, object] = {}
         self._timers: dict[Hashable, int] = {}  # key -> generation of the live timer
+        self._beat_keys: dict[Hashable, Worker] = {}  # a worker's heartbeat-deadline key (set at its Register) -> it
+        self._held: dict[Hashable, float] = {}  # heartbeat deadlines of healthy workers, held back (see `set_timer`)
         self._timer_gen = itertools.count()
         self._slots: dict[float, list] = {}  # time -> calls due then (see `later`)
         self._slot = sc.heartbeat.interval_s / sc.heartbeat.batch_slots if sc.heartbeat.batch_slots else 0.0
@@ -262,14 +264,38 @@ class Simulation:
     def set_timer(self, at: float, key: Hashable) -> None:
         """A callback on a simpy timeout (not a process: there is one per worker per interval). The core's
         heartbeat deadlines share the workers' heartbeat slots: they fire at most one slot late, which the core
-        allows (its timers may fire late; each firing rechecks the state)."""
+        allows (its timers may fire late; each firing rechecks the state).
+
+        A healthy worker's heartbeat deadline is held back until the worker stops or is cut off (`unhold`): a
+        worker that runs reports at least every interval (plus a slot), so the deadline could only find it on
+        time and set the next one; held, it costs no event (a third of the core's events on a long trace). The
+        key is learnt, not taken apart: the Heartbeat deadline the core sets while a worker registers is that
+        worker's. Released, it fires when it was due or at once if that is past, and finds the state the same
+        late firing would have found: the last report less than two intervals ago, so it only sets the next
+        deadline (from that report) as it would have anyway."""
         gen = self._timers[key] = next(self._timer_gen)
         if at > self.end_time:
             return  # the run ends first (parked Syncs wait "forever"): keep it out of the event heap
-        if self._slot and type(key) is Heartbeat:
-            self.later(self.slot_after(at), self._fire_key, (key, gen))
-        else:
-            self.env.timeout(max(0.0, at - self.env.now), (key, gen)).callbacks.append(self._fire)
+        if type(key) is Heartbeat:
+            registering = self._registering
+            if registering is not None and registering.beat_key is None:
+                registering.beat_key = key
+                self._beat_keys[key] = registering
+            worker = self._beat_keys.get(key)
+            if worker is not None and worker.alive and not worker.partitioned:
+                self._held[key] = at
+                return
+            if self._slot:
+                self.later(self.slot_after(at), self._fire_key, (key, gen))
+                return
+        self.env.timeout(max(0.0, at - self.env.now), (key, gen)).callbacks.append(self._fire)
+
+    def unhold(self, worker: Worker) -> None:
+        """`worker` stopped or was cut off: its held heartbeat deadline (see `set_timer`) goes on the clock."""
+        key = worker.beat_key
+        at = self._held.pop(key, None) if key is not None else None
+        if at is not None:
+            self.set_timer(max(at, self.env.now), key)
 
     def _fire(self, event: simpy.Event) -> None:
         self._fire_key(event.value)
@@ -526,6 +552,7 @@ class Simulation:
         """Cut the worker off from the controller: its reports are lost and sends to it fail; it keeps running
         what it has. When the partition heals its next report gets through (or is answered "fenced")."""
         worker.partitioned = True
+        self.unhold(worker)
         record = self._record_failure(worker, "partition")
         yield self.env.timeout(max(0.0, self._until(fault) - self.env.now))
         worker.partitioned = False

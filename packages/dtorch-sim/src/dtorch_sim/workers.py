@@ -69,6 +69,7 @@ class Worker:
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
         self.busy_at_report = 0.0
         self.beat_armed = False
+        self.beat_key: object | None = None  # the core's heartbeat-deadline key for this worker (harness.set_timer)
 
     # ------------------------------------------------------------ life
 
@@ -93,6 +94,7 @@ class Worker:
             return
         self.alive = False
         self.token += 1
+        self.sim.unhold(self)
         if self.id is not None:
             self.sim.alive_n -= 1
         if self.current is not None:

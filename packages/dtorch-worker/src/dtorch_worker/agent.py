@@ -1,10 +1,13 @@
 """The worker's link to the controller: registration, then one report thread.
 
 A WorkerReport is heartbeat and completion notice in one. It goes out every
-heartbeat interval and promptly whenever a batch completes; pokes that arrive
-while a report is in flight coalesce into the next one, so at most one is ever
-in flight. The controller fences a worker it declared lost (ok=False): such a
-worker must stop executing and exit, since its shards were rebuilt elsewhere.
+heartbeat interval and promptly whenever the completed batch moves (`poke`), or at
+most REPORT_LAG_S later where the executor says nobody can be waiting for that
+completion alone (`poke_later`: a later batch of the same session is still running
+here, and its completion is told in turn); pokes that arrive while a report is in
+flight coalesce into the next one, so at most one is ever in flight. The
+controller fences a worker it declared lost (ok=False): such a worker must stop
+executing and exit, since its shards were rebuilt elsewhere.
 A worker that cannot reach the controller for `lost_after_s` exits too.
 
 It registers over its worker API key (and its certificate under TLS), handing the controller the
@@ -29,6 +32,7 @@ from dtorch_worker.store import TensorStore
 log = logging.getLogger("dtorch_worker.agent")
 
 EXIT_FENCED = 3
+REPORT_LAG_S = 0.01  # bound on how late a deferred completion (`poke_later`) is reported
 EXIT_LOST = 4
 
 
@@ -56,6 +60,8 @@ class Agent:
         self.reports_sent = 0
         self._busy_mark = (time.monotonic(), 0.0)  # (when, executor busy seconds then): utilization
         self._wake = threading.Event()
+        self._now = False  # a poke asks for a report now
+        self._due: float | None = None  # when a deferred completion must be reported at the latest
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -91,7 +97,14 @@ class Agent:
 
     def poke(self, _seq: int = 0) -> None:
         """Ask for a report now (a batch completed); cheap, never blocks."""
+        self._now = True
         self._wake.set()
+
+    def poke_later(self, _seq: int = 0) -> None:
+        """Ask for a report within REPORT_LAG_S (a completion nobody waits for alone); cheap, never blocks."""
+        if self._due is None:
+            self._due = time.monotonic() + REPORT_LAG_S
+            self._wake.set()  # the loop waits until then at most
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -122,10 +135,15 @@ class Agent:
     def _loop(self) -> None:
         last_ok = time.monotonic()
         while not self._stop.is_set():
-            self._wake.wait(self.heartbeat_s)
+            due = self._due
+            self._wake.wait(self.heartbeat_s if due is None else max(due - time.monotonic(), 0.0))
             self._wake.clear()
             if self._stop.is_set():
                 return
+            due = self._due
+            if not self._now and due is not None and time.monotonic() < due:
+                continue  # woken to wait for a deferred completion's deadline
+            self._now, self._due = False, None  # this report carries whatever completed up to now
             try:
                 reply = self.report_once()
             except Exception as e:  # noqa: BLE001 (any failure to report counts as unreachable)

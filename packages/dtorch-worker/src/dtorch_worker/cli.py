@@ -154,6 +154,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     agent = Agent(args.controller, api_key, worker.executor, worker.store, on_exit=request_exit,
                   lost_after_s=args.lost_after, secret=worker.credentials.secret, tls=tls)
     worker.executor.on_complete = agent.poke
+    worker.executor.on_deferred = agent.poke_later
     try:
         rendezvous = "" if args.no_collectives else worker.executor.groups.rendezvous
     except ValueError as e:  # the advertised host is not this machine's: the store cannot listen there

@@ -149,7 +149,10 @@ class Executor:
         self.store = store
         self.backend = backend_for(device)  # the only door to the hardware (device.py)
         self.device = self.backend.device
-        self.on_complete = on_complete
+        self.on_complete = on_complete  # told the completed seq when it moved and someone may wait for it
+        # told the completed seq when it moved but the session has a later batch here still running (its completion
+        # is told in turn); the agent reports it within its lag bound (None: on_complete is told instead)
+        self.on_deferred: Callable[[int], None] | None = None
         self.input_timeout_s = input_timeout_s
         self.pull_timeout_s = pull_timeout_s
         self.reads_timeout_s = reads_timeout_s  # bound on holding an in-place write for peers' reads
@@ -160,6 +163,8 @@ class Executor:
         self._pending: dict[int, Execute] = {}
         self._executed = first_seq - 1  # highest seq whose commands ran (their collectives may be in flight)
         self._inflight: dict[int, int] = {}  # batch seq -> collectives of it still in flight
+        self._sessions: dict[int, str] = {}  # seq -> session of the batches started and not completed yet
+        self._told = first_seq - 1  # the completed seq last told (on_complete or on_deferred)
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._errors: dict[str, list[ErrorReport]] = {}
@@ -288,6 +293,7 @@ class Executor:
                 if self._stopped:
                     return
                 batch = self._pending.pop(self._executed + 1)
+                self._sessions[batch.seq] = batch.session
             started = time.monotonic()
             if not self._abandoned(batch.session, batch.seq):
                 self.run_batch(batch)
@@ -296,14 +302,28 @@ class Executor:
             with self._cond:
                 self._executed = batch.seq
                 self._cond.notify_all()
-            self._poke(batch.seq)
+            self._progress()
 
-    def _poke(self, seq: int) -> None:
-        if self.on_complete is not None:
+    def _progress(self) -> None:
+        """Completion may have moved (a batch ran, a collective or a background copy landed). Tell it only when it
+        moved, and at once (on_complete) unless every session whose batches just completed has a later batch here
+        that has not: then a sync cannot be waiting for these alone (the client syncs on everything it sent), and the
+        later one's completion is told in turn, so it is told as deferred (on_deferred: within the agent's lag).
+        A TP forward sends one report per worker instead of one per batch and per collective."""
+        with self._cond:
+            done = self._done()
+            if done <= self._told:
+                return
+            self._told = done
+            finished = {self._sessions.pop(seq) for seq in [q for q in self._sessions if q <= done]}
+            busy = set(self._sessions.values()) | {b.session for b in self._pending.values()}
+            deferred = bool(finished) and finished <= busy
+        tell = self.on_deferred if deferred and self.on_deferred is not None else self.on_complete
+        if tell is not None:
             try:
-                self.on_complete(seq)
+                tell(done)
             except Exception:  # a reporting hiccup must not kill execution
-                log.exception("on_complete callback failed")
+                log.exception("completion callback failed")
 
     # ------------------------------------------------------------ errors
 
@@ -634,7 +654,7 @@ class Executor:
                     if not self._inflight[seq]:
                         del self._inflight[seq]
                     self._cond.notify_all()
-                self._poke(seq)
+                self._progress()
 
         self._backups.submit(copy)
 
@@ -795,7 +815,7 @@ class Executor:
                 if not self._inflight[seq]:
                     del self._inflight[seq]
                 self._cond.notify_all()
-            self._poke(seq)
+            self._progress()
 
     def _is_local(self, address: str) -> bool:
         return not address or address == self.address
