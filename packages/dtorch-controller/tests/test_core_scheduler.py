@@ -142,6 +142,54 @@ def test_a_running_session_ranked_down_at_its_step_is_preempted_by_a_waiting_req
     assert state(h, a) == "frozen" and state(h, b) == "running"
 
 
+def test_a_better_ranked_request_takes_a_frozen_sessions_reservation_before_waiting(h):
+    """Rule 6: a request may take devices reserved by frozen sessions of a worse rank (before freezing running
+    work). Low is frozen by high and keeps a reservation on its other device; a normal request takes it."""
+    w0, w1 = workers(h, 2)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0, 1]).placed
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed and state(h, low) == "frozen"
+    (kept,) = {w0, w1} - set(leased(h, high))
+    assert h.core.sched.reserved(kept) == [low]
+    normal = h.open_session()
+    assert h.open_mesh(normal, 1, [0]).placed and leased(h, normal) == [kept]
+    assert state(h, low) == "frozen" and h.core.sched.reserved(kept) == []
+
+
+def test_an_elastic_session_whose_devices_are_on_the_move_is_not_shrunk_again(make_harness):
+    """Rules 6 and 10: a session with moves in flight is neither shrunk nor frozen until they are done (its moves
+    go to devices it would give up). Shrunk to 2 of 4 devices, its pulls not yet done, a second preemptor waits."""
+    h = make_harness(policy=DTorchPolicy({"fairness": 0}), **QUIET)
+    workers(h, 4)
+    e = h.open_session(priority="low")
+    assert h.open_mesh(e, 1, [0, 1, 2, 3], min_devices=1).placed
+    h.submit(e, 1, [m.InstrCreate(tid=1, spec=m.TensorSpec(shape=[8], dtype="float32", mesh=1, placements=["S0"]),
+                                  init="zeros")])
+    h.report_all()
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0, 1]).placed
+    assert lines(h, "shrinks to 2 devices (4 logical)") and h.core.moves.busy(e)
+    second = h.open_session(priority="high")
+    assert not h.open_mesh(second, 1, [0]).placed
+    assert len(leased(h, e)) == 2 and not lines(h, "shrinks to 1 device") and state(h, e) == "running"
+
+
+def test_a_frozen_packed_session_takes_back_its_own_device_when_room_for_its_cap_frees_there(make_harness):
+    """Rule 6 with a lending policy: a frozen session takes back its own devices that it fits on (no move). For a
+    packed session that is room for its cap on its device, although another packed session still leases it."""
+    h = make_harness(policy=DTorchPolicy({"fairness": 0}), **QUIET)
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    p = h.open_session(memory_cap=300)
+    assert h.open_mesh(p, 1, [0]).placed
+    q = h.open_session(priority="high", memory_cap=800)
+    assert h.open_mesh(q, 1, [0]).placed and state(h, p) == "frozen"  # 300 + 800 do not fit in 1000
+    r = h.open_session(priority="high", memory_cap=100)
+    assert h.open_mesh(r, 1, [0]).placed  # 100 of the 200 left
+    assert h.call(ev.CloseSession, m.CloseSession(session=q)).ok  # 900 free on w0, which still carries r
+    assert state(h, p) == "running" and h.core.sched.pool.slots[w0].leases == {r: 100, p: 300}
+    assert not lines(h, "relocates")
+
+
 # ---------------------------------------------------------------- growth (rule 5)
 
 
@@ -189,10 +237,11 @@ def test_a_session_back_within_its_cap_is_told_again_when_it_goes_over_again(h):
     w0 = h.register("10.0.0.0:7000", memory=1000)
     s = h.open_session(memory_cap=100)
     assert h.open_mesh(s, 1, [0]).placed
-    for used in (150, 160, 100, 150):
+    for used in (100, 150, 160, 100, 150):
         h.report(w0, sessions={s: m.ShardStats(tensors=1, bytes=used)})
     _, reply = h.sync(s, 0)
     assert [e.op for e in reply.errors] == ["memory cap", "memory cap"]
+    assert all(e.message.startswith(f"session holds 150 bytes on worker {w0}") for e in reply.errors)  # not at 100
 
 
 def test_reserved_names_the_frozen_sessions_holding_a_reservation_on_a_device(h):
