@@ -87,6 +87,39 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      'why = rec.why if (rec is not None) or True else ""'):
         "rec is never None here: both callers (_report_loss, _give_up) run after unrecoverable(), whose "
         "pipeline.rec() creates the session's lineage",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁunrecoverable",
+     "if not any(self.cluster.alive(h) for h in copies.holders.get(d, )):"):
+        "an upload's copies name every device of its mesh (lineage.copy_upload; _forget_copies_on only shortens the "
+        "lists) and a mesh id keeps its devices (controller._open_mesh refuses others), so the key is always there",
+    ("dtorch_controller.core.recovery.xǁRecoveryǁlost_detail",
+     'return ", ".join(parts) + more + (f"; not rebuilt: {why}" if why else "XXXX")'):
+        "why is never empty here: both callers (_report_loss, _give_up) run after _disable(), which sets rec.why to "
+        "a non-empty reason",
+    ("dtorch_controller.core.moves.xǁMovesǁtarget", "skip = self.incoming() if (skip is None) and False else skip"):
+        "both callers (drain.drain, Moves._start) pass skip: the default None is never used",
+    ("dtorch_controller.core.moves.xǁMovesǁabort", "mv.seq, mv.started = 1, 0.0"):
+        "a move's seq is read only while it copies (running, awaits, copy_failed, advance); the retried move is "
+        "queued, and _start sets seq before it copies again",
+    ("dtorch_controller.core.moves.xǁMovesǁabort", "self._done(step, None, mv)"):
+        "_done reads the session only to settle a waiting pull or to word a successful move's reply; an aborted move "
+        "was copying and has failed set, so neither happens",
+    ("dtorch_controller.core.pipeline.xǁPipelineǁ_send_batch",
+     "cmds, adopts, errors = self.translate(step.now, s, rec, b, replay=None)"):
+        "translate reads replay only for its truth (`if replay`, `not replay`): None is False",
+    ("dtorch_controller.core.snapshots.x__window", "return int(namespace.rsplit(None, 1)[1][1:])"):
+        "_commit drops the namespaces not in `keep`, and each of those is of an older window anyway: a snapshot "
+        "namespace not committed now is an earlier one (one snapshot is taken at a time), and an upload copied in a "
+        "batch sent after this snapshot started (window n) is still in rec.adopts, so in keep; those sent before are "
+        "of windows below n. So `_window(ns) < window` holds for every one, and these mutants only make _window "
+        "return -1 (no whitespace to split on) or the same window (session ids, made by the controller, hold no "
+        "'#')",
+    ("dtorch_controller.core.snapshots.x__window", 'return int(namespace.rsplit("#", )[1][1:])'):
+        "_commit drops the namespaces not in `keep`, and each of those is of an older window anyway: a snapshot "
+        "namespace not committed now is an earlier one (one snapshot is taken at a time), and an upload copied in a "
+        "batch sent after this snapshot started (window n) is still in rec.adopts, so in keep; those sent before are "
+        "of windows below n. So `_window(ns) < window` holds for every one, and these mutants only make _window "
+        "return -1 (no whitespace to split on) or the same window (session ids, made by the controller, hold no "
+        "'#')",
     ("dtorch_controller.core.recovery.Rebuild.placed", "placed: bool = True"):
         "the default is never read: Rebuild's only constructor call (Recovery.worker_lost) is followed by _start, "
         "which sets placed = False before advance() reads it",
@@ -106,6 +139,13 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "mesh enters s.meshes once placed; only a rebuild's placing unbinds devices, while Hold.RECOVERING holds the "
         "batches, and a move rebinds at once), and translating an instruction on a mesh reads s.devices[d] of its "
         "devices (translate._hosts), which would have raised before",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     'bound = {s.devices.get(dev, "XXXX") for _k, mesh in meshes for dev in mesh.devices} - {""}'):
+        "the default is never used (see the entry above: every device of a translated mesh is bound)",
+    ("dtorch_controller.core.programs.x_compile_replay",
+     "had = dict(s.readers.get(src, {})) if (src is not None) or True else {}"):
+        "`had` is read only when src is not None; with src None it is s.readers.get(None, {}), which is {} (readers "
+        "are keyed by tensor ids)",
     ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
      "if v.state != FROZEN and len(v.missing) >= len(v.workers):"):
         "the check is a shortcut of the next one: a frozen tenant whose missing devices are all its devices holds "

@@ -237,9 +237,9 @@ def test_a_second_drain_does_not_send_its_moves_where_a_running_drains_move_head
     """drain.py rule 1: two moves never head for the same free worker, also when they belong to two drains (the
     first's target is not leased to its session until its copy is done)."""
     h = make_harness(snapshot_every_batches=1)
-    a = [h.register(f"10.0.0.{i}:7000", labels={"node": "a"}) for i in range(2)]
-    b = [h.register(f"10.0.1.{i}:7000", labels={"node": "b"}) for i in range(3)]
-    sids = [h.open_session(f"s{k}") for k in range(2)]
+    a = [h.register(f"10.0.0.{i}:7000", labels={"node": "a"}) for i in range(3)]
+    b = [h.register(f"10.0.1.{i}:7000", labels={"node": "b"}) for i in range(4)]
+    sids = [h.open_session(f"s{k}") for k in range(3)]
     for sid in sids:
         assert h.open_mesh(sid, 1, [0]).placed
         h.submit(sid, 1, [create(1)])
@@ -247,12 +247,12 @@ def test_a_second_drain_does_not_send_its_moves_where_a_running_drains_move_head
     assert sorted(h.core.sessions[sid].devices[0] for sid in sids) == a
     rids = [h.ask(ev.Drain, m.DrainRequest(worker=h.core.sessions[sid].devices[0]))[0] for sid in sids]
     copies = [c for e in h.take_sent() for c in e.execute.cmds if isinstance(c, m.CmdSendShards) and c.move]
-    assert len(copies) == 2 and len({c.to for c in copies}) == 2  # both copy at once, to different workers
+    assert len(copies) == 3 and len({c.to for c in copies}) == 3  # all copy at once, to different workers
     for _ in range(6):
         h.report_all()
     assert all(h.replies[rid].ok for rid in rids)
     targets = [h.core.sessions[sid].devices[0] for sid in sids]
-    assert len(set(targets)) == 2 and set(targets) <= set(b)
+    assert len(set(targets)) == 3 and set(targets) <= set(b)
 
 
 def test_a_drain_that_finds_no_worker_for_a_packed_sessions_devices_is_refused(make_harness, refused):
@@ -312,6 +312,7 @@ def test_losing_the_last_copy_while_a_rebuild_resets_its_workers_reports_the_los
     assert s.state == "degraded" and sid not in h.core.recovery.rebuilds
     rid, reply = h.sync(sid, 2)
     [error] = reply.errors
+    assert error.kind == m.ErrorKind.WORKER_LOST
     assert error.message == (f"worker {victim} lost: unreachable: killed; 1 tensors lost: tensor 1 (made by "
                              "create:rand at train.py:3); not rebuilt: every copy of logical device 1's shards was on "
                              "lost workers")

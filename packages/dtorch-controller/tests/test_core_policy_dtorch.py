@@ -68,13 +68,13 @@ def test_declared_steps_rank_by_remaining_work(make_harness):
     for _ in range(10):
         h.advance(1)
         step(h, long)
-    assert h.core.sched.tenants[long].rank == 1 * 2 + 1  # class normal, level 1
+    assert h.core.sched.tenants[long].rank == 1 * 3 + 1 + 1  # class normal, level 1 (slot 1 + level)
     short = h.open_session(expected_steps=3)
     assert h.open_mesh(short, 1, [0]).placed and state(h, long) == "frozen"  # a newcomer (0 attained) preempts
     for _ in range(2):
         h.advance(2)
         step(h, short)
-    assert h.core.sched.tenants[short].rank == 1 * 2 + 0  # 2 device-s left: level 0, although it attained 4
+    assert h.core.sched.tenants[short].rank == 1 * 3 + 1 + 0  # 2 device-s left: level 0, although it attained 4
     h.advance(100)  # its attained service (104 device-s) would make least attained service demote it: it stays
     assert state(h, short) == "running" and state(h, long) == "frozen"
 
@@ -87,9 +87,9 @@ def test_a_session_past_its_declared_steps_falls_back_to_attained_service(make_h
     h.advance(1)
     step(h, liar)  # 1 of 2 done in 1 device-s: 1 device-s left, level 0
     h.advance(30)
-    assert h.core.sched.tenants[liar].rank == 2  # level 0 by its estimate, after 31 device-s
+    assert h.core.sched.tenants[liar].rank == 3 + 1 + 0  # level 0 by its estimate, after 31 device-s
     step(h, liar, 2)  # 3 steps of the 2 it declared: the estimate is not trusted, 31 device-s attained
-    assert h.core.sched.tenants[liar].rank == 3
+    assert h.core.sched.tenants[liar].rank == 3 + 1 + 1
     new = h.open_session()
     assert h.open_mesh(new, 1, [0]).placed and state(h, liar) == "frozen"
 
@@ -115,7 +115,7 @@ def test_a_session_frozen_fairness_times_its_running_time_is_shielded_until_it_r
             assert placed and state(h, old) == "frozen"
             continue
         assert not placed and state(h, old) == "running"  # shielded: the newcomer waits
-        assert h.core.sched.tenants[old].rank == 1 * 2 + 0  # class normal, level 0
+        assert h.core.sched.tenants[old].rank == 1 * 3 + 0  # class normal, slot 0 (shielded)
         h.advance(shield_s - 1)
         assert state(h, old) == "running" and state(h, late) == "waiting"
         h.advance(2)  # it ran as long as it waited: level 1 again, the newcomer (level 0) preempts it

@@ -9,7 +9,7 @@ import pytest
 
 from _core_helpers import Harness
 from dtorch_controller.core import events as ev
-from dtorch_controller.core import programs
+from dtorch_controller.core import lineage, programs
 from dtorch_controller.core import translate as tr
 from dtorch_protocol import messages as m
 from dtorch_protocol import programs as p
@@ -365,19 +365,30 @@ def test_the_accepted_notice_counts_what_a_batch_stands_for(h):
     assert [n for n in h.notices if isinstance(n, fx.Accepted)] == [fx.Accepted(sid, 1, 1 + len(STEP) + 1)]
 
 
-def test_a_program_whose_deletes_wait_for_its_own_pulls_is_compiled_once_then_only_filled_in(monkeypatch):
+# a random tensor (seed slot 0) pulled to mesh 2, then deleted while its pullers may still read it
+MOVED = [m.InstrCreate(tid=1, spec=sp([8, 4]), init="randn", seed=0, src="s.py:1"),
+         m.InstrRedistribute(src=1, dst=2, src_spec=sp([8, 4]), dst_spec=sp([8, 4], mesh=2), src_line="s.py:2"),
+         m.InstrDelete(tids=[1])]
+
+
+@pytest.mark.parametrize("program, held", [(BIG, 2), (MOVED, 1)], ids=["made-by-a-call", "made-by-a-create"])
+def test_a_program_whose_deletes_wait_for_its_own_pulls_is_compiled_once_then_only_filled_in(monkeypatch, program,
+                                                                                              held):
     """Rules 4 and 6: deletes held back for the program's own remote readers are part of what is compiled (the
     readers and the held deletes are redone per replay): the second replay on is one CmdReplay per worker."""
     count = translated(monkeypatch)
     t = Twins(rendezvous=False)
-    t.both([m.InstrDefine(program=1, instrs=BIG, ntids=5, nseeds=1, nscalars=1)], eager=[])
+    ntids = 1 + max(max(lineage.instr_tids(i)) for i in program)
+    scalars = [1.0] if program is BIG else []
+    t.both([m.InstrDefine(program=1, instrs=program, ntids=ntids, nseeds=1, nscalars=len(scalars))], eager=[])
     for n in range(3):
         count[0] = 0
-        t.step(1, BIG, [100, 10 + n, 20 + n, 30 + n, 40 + n], seeds=[n], scalars=[1.0])
-        assert count[0] == (2 if n == 0 else 1) * len(BIG)  # the eager twin's, and the first replay's
+        tids = [100, *(10 * k + n for k in range(1, ntids))]
+        t.step(1, program, tids, seeds=[n], scalars=scalars)
+        assert count[0] == (2 if n == 0 else 1) * len(program)  # the eager twin's, and the first replay's
         sent = t.same()
         assert n == 0 or {type(c) for e in sent for c in e.execute.cmds} == {m.CmdReplay}
-        assert [dd.tid for dd in t.pair[0].core.sessions[t.sid].deferred][-1:] == [20 + n]
+        assert [dd.tid for dd in t.pair[0].core.sessions[t.sid].deferred][-1:] == [tids[held]]
         t.each(Harness.report_all)
         t.same()
 
@@ -446,14 +457,17 @@ def test_a_program_writing_a_live_tensor_whose_old_readers_are_done_deletes_it_a
             m.InstrRedistribute(src=1, dst=2, src_spec=sp([8, 4]), dst_spec=sp([8, 4], ["R"]), src_line="s.py:2"),
             m.InstrDelete(tids=[1])]
     ones = [m.InstrCreate(tid=tid, spec=sp([8, 4]), init="ones") for tid in (400, 600)]
-    pulls = [m.InstrRedistribute(src=tid, dst=tid + 1, src_spec=sp([8, 4]), dst_spec=sp([8, 4], mesh=2))
-             for tid in (400, 600)]
-    t.both([m.InstrDefine(program=1, instrs=step, ntids=3), *ones, *pulls], eager=[*ones, *pulls])
+    pull = [m.InstrRedistribute(src=tid, dst=tid + 1, src_spec=sp([8, 4]), dst_spec=sp([8, 4], mesh=2))
+            for tid in (400, 600)]
+    t.both([m.InstrDefine(program=1, instrs=step, ntids=3), *ones, pull[0]], eager=[*ones, pull[0]])
     t.same()
     t.step(1, step, [100, 400, 402])  # 400 written while its pull is pending: its delete waits for that pull
     t.same()
     assert [dd.tid for dd in t.pair[0].core.sessions[t.sid].deferred] == [400]
     t.each(Harness.report_all)
+    t.same()
+    t.both([pull[1]])
+    t.each(Harness.report_all)  # the pullers completed exactly the Execute that pulled 600, nothing after it
     t.same()
     for tid in (600, 700):  # 600: its pull is done; 700: never read
         t.step(1, step, [100, tid, tid + 2])
@@ -462,26 +476,129 @@ def test_a_program_writing_a_live_tensor_whose_old_readers_are_done_deletes_it_a
         assert any(type(c) is m.CmdReplay for e in sent for c in e.execute.cmds)
 
 
-def test_a_compiled_program_is_not_replayed_onto_a_lost_worker(make_harness):
+@pytest.mark.parametrize("make", [
+    [m.InstrCreate(tid=1, spec=m.TensorSpec(shape=[8], dtype="float32", mesh=2, placements=["S0"]),
+                   init="randn", seed=0, src="s.py:1")],
+    [m.InstrRedistribute(src=0, dst=1, src_spec=m.TensorSpec(shape=[8], dtype="float32", mesh=1, placements=["R"]),
+                         dst_spec=m.TensorSpec(shape=[8], dtype="float32", mesh=2, placements=["R"]))],
+], ids=["create", "redistribute"])
+def test_a_compiled_program_is_not_replayed_onto_a_lost_worker(make_harness, make):
     """Rule 5: a compiled program holds while none of the workers of the meshes it uses is lost, also a mesh it
-    only creates tensors on. After a loss that could not be rebuilt, a replay is translated again and, like the
-    instructions it stands for, reports that the lost devices' part was skipped."""
+    only creates or moves tensors to. After a loss that could not be rebuilt, a replay is translated again and,
+    like the instructions it stands for, reports that the lost devices' part was skipped."""
     h = make_harness(snapshot_every_batches=0)  # no copies: the loss is reported, the devices stay bound
     w0, w1 = h.register("10.0.0.1:7001"), h.register("10.0.0.2:7002")
     sid = h.open_session()
-    assert h.open_mesh(sid, 1, [0, 1]).placed
-    make = [m.InstrCreate(tid=0, spec=spec([8]), init="randn", seed=0, src="s.py:1")]
-    h.submit(sid, 1, [m.InstrDefine(program=1, instrs=make, ntids=1, nseeds=1)])
-    for seq in (2, 3):
-        h.submit(sid, seq, [m.InstrReplay(program=1, tids=[seq], seeds=[seq])])
-    assert [type(c) for e in h.take_sent()[-2:] for c in e.execute.cmds] == [m.CmdReplay, m.CmdReplay]
+    assert h.open_mesh(sid, 1, [0]).placed and h.open_mesh(sid, 2, [1]).placed
+    assert h.core.sessions[sid].devices == {0: w0, 1: w1}
+    inputs = [m.InstrCreate(tid=tid, spec=m.TensorSpec(shape=[8], dtype="float32", mesh=1, placements=["R"]),
+                            init="ones") for tid in (10, 20, 30)]
+    h.submit(sid, 1, [m.InstrDefine(program=1, instrs=make, ntids=2, nseeds=1), *inputs])
+    for seq, tid in ((2, 10), (3, 20)):
+        h.take_sent()
+        h.submit(sid, seq, [m.InstrReplay(program=1, tids=[tid, tid + 1], seeds=[seq])])
+    assert {type(c) for e in h.take_sent() for c in e.execute.cmds} == {m.CmdReplay}  # compiled
     h.report_all()
     h.handle(ev.WorkerUnreachable(w1, "", "killed"))
     h.sync(sid, 3)
-    h.submit(sid, 4, [m.InstrReplay(program=1, tids=[4], seeds=[4])])
+    h.submit(sid, 4, [m.InstrReplay(program=1, tids=[30, 31], seeds=[4])])
     sent = h.take_sent()
-    assert [e.worker_id for e in sent] == [w0] and m.CmdReplay not in [type(c) for c in sent[0].execute.cmds]
+    assert w1 not in [e.worker_id for e in sent] and m.CmdReplay not in [type(c) for e in sent for c in e.execute.cmds]
     h.report_all()
     _, reply = h.sync(sid, 4)
     assert [e.message for e in reply.errors] == [
         f"logical devices [1] were on worker {w1}, which was lost; their part of this batch was skipped"]
+
+
+def gather(src, dst, mesh=1):
+    return m.InstrRedistribute(src=src, dst=dst, src_spec=sp([8, 4], mesh=mesh), dst_spec=sp([8, 4], ["R"], mesh=mesh))
+
+
+def test_a_programs_collectives_number_on_from_groups_used_before_and_a_replay_names_only_its_groups():
+    """Rule 6: a compiled program keeps its group op numbers relative to the group's counter when it was compiled
+    (here the group had ops before), and each replay sends the counters of the groups it uses, no others."""
+    t = Twins()
+    t.both([m.InstrDefine(program=1, instrs=BIG[:3], ntids=4, nseeds=1, nscalars=1), gather(100, 101),
+            m.InstrCreate(tid=200, spec=sp([8, 4], mesh=2), init="ones"), gather(200, 201, mesh=2)],
+           eager=[gather(100, 101), m.InstrCreate(tid=200, spec=sp([8, 4], mesh=2), init="ones"),
+                  gather(200, 201, mesh=2)])
+    t.same()
+    groups = t.pair[0].core.sessions[t.sid].comm.groups
+    assert len(groups) == 2 and all(g.seq for g in groups.values())  # both groups have ops already
+    for n in range(3):
+        t.step(1, BIG[:3], [100, 10 + n, 20 + n, 30 + n], seeds=[n], scalars=[1.0])
+        sent = t.same()
+        ops = [o for _w, _q, _cap, cmds in t.workers[0].run(sent) for c in cmds if type(c) is m.CmdCollective
+               for step in c.steps for o in step.ops]
+        assert len({o.group for o in ops}) == 1 and len(groups) == 2
+        if n:
+            assert [set(c.groups) for e in sent for c in e.execute.cmds] == [{ops[0].group}] * len(sent)
+
+
+def test_a_replay_that_names_a_tensor_twice_is_not_kept_and_runs_as_its_instructions(monkeypatch):
+    """Rule 4: a replay whose tensor ids repeat is translated but not kept (slots could not stand for its ids), so
+    every such replay is translated again, like the instructions it stands for."""
+    count = translated(monkeypatch)
+    step = [m.InstrCall(op="aten.add.Tensor", mesh=1, args=[{"$t": 0}, {"$t": 1}], kwargs={},
+                        outs=[m.OutSpec(2, sp([8, 4]))], src="s.py:1")]
+    t = Twins()
+    t.both([m.InstrDefine(program=1, instrs=step, ntids=3)], eager=[])
+    for n in range(2):
+        count[0] = 0
+        t.step(1, step, [100, 100, 200 + n])
+        assert count[0] == 2
+        sent = t.same()
+        assert m.CmdProgram not in {type(c) for e in sent for c in e.execute.cmds}
+
+
+def test_a_binding_moved_away_and_back_is_translated_again_for_its_new_process_groups(monkeypatch):
+    """Rule 5: a compiled program holds for one generation of the session's process groups: devices that moved
+    away and back are where they were, but the groups are new, so the next replay is translated again."""
+    count = translated(monkeypatch)
+    t = Twins(workers=3)
+    t.both([m.InstrDefine(program=1, instrs=BIG[:3], ntids=4, nseeds=1, nscalars=1)], eager=[])
+    t.step(1, BIG[:3], [100, 10, 20, 30], seeds=[1], scalars=[1.0])
+    t.each(Harness.report_all)
+    t.same()
+    s = t.pair[0].core.sessions[t.sid]
+    home, before = s.devices[1], dict(s.devices)
+    away = next(w for w in t.pair[0].core.workers if w not in s.devices.values())
+    for to in (away, home):
+        t.each(lambda h, to=to: migrate(h, t.sid, 1, to))
+    assert s.devices == before and s.comm.generation > 1
+    t.same()
+    count[0] = 0
+    t.step(1, BIG[:3], [100, 11, 21, 31], seeds=[2], scalars=[2.0])
+    assert count[0] == 2 * 3
+    t.same()
+
+
+def test_a_replay_reading_another_tensor_of_the_same_layout_is_only_filled_in(monkeypatch):
+    """Rule 5: what a compiled program reads must have the specs it had, not be the same tensor."""
+    count = translated(monkeypatch)
+    t = Twins()
+    again = [m.InstrCreate(tid=101, spec=sp([8, 4]), init="ones")]
+    t.both([m.InstrDefine(program=1, instrs=BIG[:3], ntids=4, nseeds=1, nscalars=1), *again], eager=again)
+    t.step(1, BIG[:3], [100, 10, 20, 30], seeds=[1], scalars=[1.0])
+    t.same()
+    count[0] = 0
+    t.step(1, BIG[:3], [101, 11, 21, 31], seeds=[2], scalars=[2.0])
+    assert count[0] == 3  # the eager twin only
+    sent = t.same()
+    assert {type(c) for e in sent for c in e.execute.cmds} == {m.CmdReplay}
+
+
+def test_after_a_mesh_is_opened_again_a_replay_is_translated_again(monkeypatch):
+    """Rule 5: a compiled program holds for the mesh objects it used; a mesh opened again is a new one, so the
+    next replay is translated again (here it also reads an input of another layout)."""
+    count = translated(monkeypatch)
+    t = Twins()
+    other = [m.InstrCreate(tid=101, spec=sp([8, 4], ["R"]), init="ones")]
+    t.both([m.InstrDefine(program=1, instrs=BIG[:3], ntids=4, nseeds=1, nscalars=1), *other], eager=other)
+    t.step(1, BIG[:3], [100, 10, 20, 30], seeds=[1], scalars=[1.0])
+    t.same()
+    t.each(lambda h: h.open_mesh(t.sid, 1, [0, 1]))
+    count[0] = 0
+    t.step(1, BIG[:3], [101, 11, 21, 31], seeds=[2], scalars=[2.0])
+    assert count[0] == 2 * 3  # the eager twin's and the replay's
+    t.same()

@@ -146,11 +146,11 @@ def test_errors_of_abandoned_work_are_dropped_and_replayed_errors_not_repeated(m
     h.report(survivor, completed=h.core.workers[survivor].completed, errors={sid: [late]})
     for _ in range(4):
         sent = h.take_sent()
-        for e in sent:  # batch 2 fails again on replay: reported once, not twice
+        for e in sent:  # batch 2 fails again on replay: reported once, not twice (with a late abandoned one)
             if any(isinstance(c, m.CmdRun) for c in e.execute.cmds) and e.worker_id == survivor:
                 h.report(survivor, completed=e.execute.seq,
-                         errors={sid: [m.ErrorReport(op="aten.add_.Scalar", src="train.py:9", message="boom", tid=1,
-                                                     seq=e.execute.seq)]})
+                         errors={sid: [late, m.ErrorReport(op="aten.add_.Scalar", src="train.py:9", message="boom",
+                                                           tid=1, seq=e.execute.seq)]})
         h.report_all()
     rid, reply = h.sync(sid, 2)
     assert reply.done and [e.message for e in reply.errors] == ["boom"]
@@ -329,7 +329,9 @@ def test_a_failed_move_is_called_off_and_the_source_keeps_the_device(make_harnes
                                               seq=e.execute.seq, kind=m.ErrorKind.COPY)]})
     assert not h.replies[rid].ok and "refused" in h.replies[rid].message
     assert s.devices[1] == src and s.state == "open"
-    assert cmds_of(h.take_sent(), src, m.CmdStay) == [m.CmdStay(devices=[1])]
+    sent = h.take_sent()
+    assert cmds_of(sent, src, m.CmdStay) == [m.CmdStay(devices=[1])]
+    assert cmds_of(sent, dst, m.CmdDelete) == [m.CmdDelete(tids=[1], devices=[1])]  # what reached the target
 
 
 def test_drain_moves_devices_and_copies_then_releases_the_worker(make_harness):
@@ -441,7 +443,7 @@ def test_closing_a_session_while_its_device_moves_closes_it(make_harness):
     assert reply is None and s.state == "migrating"
     assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
     assert s.state == "closed" and sid not in h.core.sessions
-    assert rid in h.replies
+    assert h.replies[rid].ok is False and h.replies[rid].message == "move failed: the session closed"
     h.report_all()
     assert h.status().sessions == []
 
@@ -479,7 +481,7 @@ def test_a_drain_past_its_timeout_is_answered_in_progress_once_and_goes_on(make_
     assert reply is None
     h.advance(2.0)  # nobody reported: the move's copy is not done
     reply = h.replies[rid]
-    assert not reply.ok and reply.seconds == 2.0
+    assert reply.ok is False and reply.seconds == 2.0
     assert reply.message == f"still in progress (draining {victim}: moving); it goes on"
     for _ in range(6):
         h.report_all()  # the drain finishes; its request is not answered again (the harness checks)
@@ -570,7 +572,8 @@ def test_an_upload_in_the_replayed_log_is_restored_from_a_surviving_copy_before_
         (((0, [5]),), False), (((0, [5]),), True), (((1, [5]),), False), (((1, [5]),), True)]
     h.report_all()
     upload = h.core.pipeline.recs[sid].adopts[5]
-    assert upload.complete
+    assert upload.complete and upload.namespace == f"{sid}#a0"  # lineage rule 4
+    assert {c.namespace for c in copies} == {upload.namespace}
     victim = s.devices[1]
     h.handle(ev.WorkerUnreachable(victim, "", "killed"))
     sent = []
@@ -832,3 +835,168 @@ def test_a_loss_names_the_op_that_made_a_tensor_a_compiled_program_deleted_and_m
     [error] = reply.errors
     assert "tensor 12 (made by aten.mul.Tensor at s.py:3)" in error.message
     assert "tensor 11 (made by aten.mul.Tensor at s.py:3)" in error.message
+
+
+def test_a_drain_whose_worker_is_lost_fails_and_says_so(make_harness):
+    """drain.py rule 3: a drain fails when its worker is lost meanwhile; its request is answered with why."""
+    h, ids, sid = setup(make_harness, every=1)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    victim = s.devices[1]
+    rid, reply = h.ask(ev.Drain, m.DrainRequest(worker=victim))
+    assert reply is None
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    reply = h.replies[rid]
+    assert reply.ok is False and reply.message == f"drain of {victim} failed: worker {victim} was lost while draining"
+    assert h.core.drains.jobs == {}
+
+
+def test_a_failed_snapshot_copy_on_a_moves_source_does_not_call_the_move_off(make_harness):
+    """moves.py rule 4: only the move's own copy failing calls it off; another copy of the session failing on
+    the same worker (a snapshot's, at another Execute) does not."""
+    h, ids, sid = setup(make_harness, every=1)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    sent = h.take_sent()
+    src = s.devices[1]
+    snap_seq = h.core.pipeline.recs[sid].taking.pending[src]  # the snapshot's copy on src
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    (move,) = [e.execute.seq for e in h.take_sent() if e.worker_id == src]
+    assert sent and move > snap_seq
+    failed = m.ErrorReport(op="copy shards", src="", message="unreachable", seq=snap_seq, kind=m.ErrorKind.COPY)
+    h.report(src, completed=snap_seq, errors={sid: [failed]})
+    for _ in range(3):
+        h.report_all()
+    assert h.replies[rid].ok and s.devices[1] == dst
+
+
+def test_a_queued_migrate_to_a_worker_no_rebuild_touched_goes_on_after_the_rebuild(make_harness):
+    """moves.py rule 4: a rebuild stops the running move; a queued one to a live worker stays queued and runs
+    once the session is open again."""
+    h = make_harness(snapshot_every_batches=2)
+    ids = [h.register(f"10.0.0.{i}:7000") for i in range(6)]
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1, 2]).placed
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1, shape=(9,))])
+    h.submit(sid, 2, [create(2, shape=(9,))])
+    h.report_all()
+    h.take_sent()
+    free = [w for w in ids if w not in s.devices.values()]
+    first, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=free[0]))
+    second, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=free[1]))
+    h.handle(ev.WorkerUnreachable(s.devices[2], "", "killed"))  # neither move's source nor target
+    assert h.replies[first].ok is False and second not in h.replies
+    for _ in range(6):
+        h.report_all()
+    assert s.state == "open" and h.replies[second].ok and s.devices[1] == free[1]
+
+
+def test_a_queued_migrate_whose_target_went_away_fails_naming_it(make_harness):
+    """moves.py rules 3 and 4: a queued Migrate whose target can no longer take devices when its turn comes
+    fails in one line (the device stays)."""
+    h, ids, sid = setup(make_harness, workers=4, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    free = [w for w in ids if w not in s.devices.values()]
+    src = s.devices[1]
+    first, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=free[0]))
+    second, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=free[1]))
+    assert h.call(ev.Drain, m.DrainRequest(worker=free[1])).ok  # it hosts nothing: released at once
+    for _ in range(3):
+        h.report_all()
+    assert h.replies[first].ok
+    assert h.replies[second].ok is False
+    assert h.replies[second].message == f"move failed: worker {free[1]} can no longer take devices"
+    assert s.devices[1] == src
+
+
+def test_an_upload_whose_copy_its_worker_did_not_finish_cannot_be_rebuilt(make_harness):
+    """lineage.py rule 3: an upload's copies count once the adopt's batch completed on its worker; a worker lost
+    before that leaves no complete copy of its shards, and the loss is reported, not rebuilt from nothing."""
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
+    h.take_sent()
+    victim = s.devices[1]
+    h.report(s.devices[0])  # device 0's copies are done; device 1's worker never finishes its batch
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    assert s.state == "degraded"
+    _, reply = h.sync(sid, 1)
+    assert [e.message.rpartition("not rebuilt: ")[2] for e in reply.errors] == [
+        "the upload of tensor 5 (batch 1) has no complete copy"]
+
+
+def test_an_upload_whose_every_copy_was_lost_cannot_be_rebuilt(make_harness):
+    """lineage.py rule 3, recovery.py rule 1: a session is rebuilt only when every upload in its log has a live
+    copy of each device's shards."""
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
+    h.report_all()
+    upload = h.core.pipeline.recs[sid].adopts[5]
+    victim = s.devices[1]
+    [backup] = [w for w in upload.holders[1] if w != victim]
+    assert upload.complete and backup not in s.devices.values()
+    h.handle(ev.WorkerUnreachable(backup, "", "killed"))  # holds copies only: a new snapshot starts
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))  # before it completes
+    assert s.state == "degraded"
+    h.report_all()
+    _, reply = h.sync(sid, 1)
+    assert [e.message.rpartition("not rebuilt: ")[2] for e in reply.errors] == [
+        "every copy of the upload of tensor 5 was on lost workers"]
+
+
+def test_a_loss_of_a_worker_with_unfinished_commands_and_no_tensors_says_so(make_harness):
+    """recovery.py rule 2: a session that lost no tensor but unfinished commands on the lost worker is told."""
+    h, ids, sid = setup(make_harness, every=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1), m.InstrDelete(tids=[1])])
+    victim = s.devices[1]
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    h.report_all()
+    _, reply = h.sync(sid, 1)
+    [error] = reply.errors
+    assert error.tid == -1 and error.kind == m.ErrorKind.WORKER_LOST
+    assert error.message == (f"worker {victim} at {h.core.workers[victim].address} was lost (unreachable: killed); "
+                             "logical devices [1] lost their data: unfinished commands lost")
+
+
+def test_a_moves_old_shards_are_dropped_even_while_an_earlier_moves_drop_waits_for_its_readers(make_harness):
+    """moves.py rule 1: each move's source drops its shards once the readers planned before that move are done;
+    a drop that waits does not hold back another move's drop that is ready."""
+    h = make_harness(snapshot_every_batches=0)
+    ids = [h.register(f"10.0.0.{i}:7000") for i in range(5)]
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed and h.open_mesh(sid, 2, [2]).placed
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1), create(2, mesh=2)])
+    h.report_all()
+    h.submit(sid, 2, [m.InstrRedistribute(src=1, dst=3, src_spec=spec([8]), dst_spec=spec([8], placements=("R",)))])
+    h.take_sent()  # each worker of mesh 1 reads the other's shard of tensor 1
+    w0, reader, w2 = s.devices[0], s.devices[1], s.devices[2]
+    x, y = [w for w in ids if w not in s.devices.values()]
+    first, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=x))
+    second, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=2, to_worker=y))
+    for w in (w0, x):
+        h.report(w)
+    assert h.replies[first].ok and not cmds_of(h.take_sent(), w0, m.CmdDelete)  # the reader has not read yet
+    for w in (w2, y):
+        h.report(w)
+    assert h.replies[second].ok
+    assert cmds_of(h.take_sent(), w2, m.CmdDelete) == [m.CmdDelete(tids=[2], devices=[2])]
+    h.report(reader)
+    assert cmds_of(h.take_sent(), w0, m.CmdDelete) == [m.CmdDelete(tids=[1, 3], devices=[0])]
+
+
+def test_the_status_counts_every_sent_batch_as_to_replay_when_there_is_no_snapshot(make_harness):
+    """Lineage.batches_since_snapshot: with no snapshot (recovery off) a status says so (-1) and counts every
+    batch sent so far."""
+    h, ids, sid = setup(make_harness, every=0)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    [status] = h.status().sessions
+    assert (status.snapshot_batch, status.replay_batches) == (-1, 2)

@@ -166,15 +166,15 @@ def test_las_promotes_a_starving_session_after_factor_times_its_service():
 
 def test_dtorch_ranks_classes_strictly_then_levels():
     dt = DTorchPolicy({"fairness": 0})
-    assert [dt.rank(tenant(priority=p, attained=0), 0) for p in ("high", "normal", "low")] == [0, 4, 8]
-    assert dt.rank(tenant(priority="high", attained=10_000), 0) == 3 < dt.rank(tenant(priority="normal"), 0)
-    assert [dt.rank(tenant(attained=a), 0) for a in (59, 60, 600, 3600)] == [4, 5, 6, 7]
+    assert [dt.rank(tenant(priority=p, attained=0), 0) for p in ("high", "normal", "low")] == [1, 6, 11]  # classes of 5 ranks: slot 0, then 4 levels
+    assert dt.rank(tenant(priority="high", attained=10_000), 0) == 4 < dt.rank(tenant(priority="normal"), 0)
+    assert [dt.rank(tenant(attained=a), 0) for a in (59, 60, 600, 3600)] == [6, 7, 8, 9]
 
 
 def test_dtorch_scores_by_remaining_work_when_progress_is_trustworthy():
     dt = DTorchPolicy({"fairness": 0})
     t = tenant(attained=500, expected_steps=10, steps=8, step_service=400)  # 50 per step, 2 steps left
-    assert dt.remaining(t) == 100 and dt.score(t, 0) == 100 and dt.rank(t, 0) == 4 + 1
+    assert dt.remaining(t) == 100 and dt.score(t, 0) == 100 and dt.rank(t, 0) == 5 + 1 + 1
     for untrusted in (dict(expected_steps=0, steps=8), dict(expected_steps=10, steps=0),
                       dict(expected_steps=10, steps=10), dict(expected_steps=10, steps=12)):
         u = tenant(attained=500, step_service=400, **untrusted)
@@ -187,15 +187,15 @@ def test_dtorch_scores_by_remaining_work_when_progress_is_trustworthy():
 def test_dtorch_shields_a_running_session_frozen_fairness_times_its_running_time():
     dt = DTorchPolicy({"fairness": 2})
     t = tenant(RUNNING, devices=4, logical=4, attained=400, since=100, waited=300, frozen_s=300)  # ran 100 s
-    assert dt.rank(t, 100) == 4 + 0  # level 0 of its class, although 400 device-s make it level 1
+    assert dt.rank(t, 100) == 5 + 0  # slot 0 of its class, although 400 device-s make it level 1
     assert dt.next_change(t, 100) == pytest.approx(100 + 300 / 2 - 100)  # until it ran 150 s
-    assert dt.rank(t, 151) == 4 + 2  # 604 device-s: its own level again
+    assert dt.rank(t, 151) == 5 + 1 + 2  # 604 device-s: its own level again
     half = tenant(RUNNING, devices=2, logical=4, attained=400, since=100, waited=300, frozen_s=300)  # shrunk
     assert dt.next_change(half, 100) == pytest.approx(100 + 50 * 4 / 2)  # half the pace
-    assert dt.rank(tenant(WAITING, logical=4, attained=400, frozen_s=300), 100) == 4 + 1  # only while it runs
-    assert DTorchPolicy({"fairness": 0}).rank(t, 100) == 4 + 1  # no shield
+    assert dt.rank(tenant(WAITING, logical=4, attained=400, frozen_s=300), 100) == 5 + 1 + 1  # only while it runs
+    assert DTorchPolicy({"fairness": 0}).rank(t, 100) == 5 + 1 + 1  # no shield
     queued = tenant(RUNNING, devices=4, logical=4, attained=400, since=100, waited=300)  # it only queued
-    assert dt.rank(queued, 100) == 4 + 1 and dt.next_change(queued, 100) == pytest.approx(100 + 200 / 4)
+    assert dt.rank(queued, 100) == 5 + 1 + 1 and dt.next_change(queued, 100) == pytest.approx(100 + 200 / 4)
 
 
 def test_dtorch_shield_ends_when_the_running_time_reaches_the_frozen_time_up_to_float_rounding():
@@ -203,9 +203,9 @@ def test_dtorch_shield_ends_when_the_running_time_reaches_the_frozen_time_up_to_
     (1e-6) counts as reached."""
     dt = DTorchPolicy({"thresholds": [1], "fairness": 1})
     t = tenant(RUNNING, devices=1, logical=1, attained=1.0, since=0, frozen_s=1.0 + 1e-6)  # ran 1 s
-    assert dt.next_change(t, 0) is None and dt.rank(t, 0) == 2 + 1  # not shielded: its own level (1 device-s)
+    assert dt.next_change(t, 0) is None and dt.rank(t, 0) == 3 + 1 + 1  # not shielded: its own level (1 device-s)
     longer = tenant(RUNNING, devices=1, logical=1, attained=1.0, since=0, frozen_s=1.0 + 1e-5)
-    assert dt.rank(longer, 0) == 2 + 0 and dt.next_change(longer, 0) == pytest.approx(1e-5)
+    assert dt.rank(longer, 0) == 3 + 0 and dt.next_change(longer, 0) == pytest.approx(1e-5)
 
 
 def test_dtorch_next_change():

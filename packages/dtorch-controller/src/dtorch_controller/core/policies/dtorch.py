@@ -6,13 +6,14 @@ sessions lend the devices they wait for).
 
 Rules (a session's *score* is in device-seconds; lower goes first):
 
-1. Rank = class x (levels) + level: classes (high, normal, low) are strict (a lower class never preempts or
-   overtakes a higher one); within a class the level is `bisect(thresholds, score)`.
+1. Rank = class x (levels + 1) + slot: classes (high, normal, low) are strict (a lower class never preempts or
+   overtakes a higher one). Within a class, slot 0 holds the shielded (rule 3) and the waiting requests that are
+   backfilled around (rule 8); the others sit at slot 1 + `bisect(thresholds, score)` (their level).
 2. Score: the session's *estimated remaining work* when its progress is trustworthy (it declared its expected
    steps, has done at least one and fewer than declared): the service per step so far x the steps left.
    Otherwise its attained service (least attained service, Tiresias's 2D-LAS).
 3. Shield (the one fairness knob): a running session that has been frozen (preempted), in all, more than
-   `fairness` times as long as it has run (attained service / its devices) keeps level 0 of its class while it
+   `fairness` times as long as it has run (attained service / its devices) keeps slot 0 of its class while it
    runs, so nobody of its class preempts it, until it has run that long (frozen time / `fairness`). Least
    attained service demotes a wide job to the last level within a minute or two of running, and every newcomer
    may then freeze it again: without the shield the widest long jobs are frozen again and again. Time spent
@@ -32,10 +33,17 @@ Rules (a session's *score* is in device-seconds; lower goes first):
 7. Elastic sessions (`dtorch.connect(min_devices=k)`) are shrunk before anyone is frozen: they give up devices
    above their minimum and run on the rest as virtual devices, growing back when devices free up
    (scheduler.py rule 10).
+8. Backfill: a request that has never run and has waited `backfill_after` seconds moves to slot 0 of its class.
+   The scheduler lets no request overtake a blocked one of the same rank (it could never preempt it back), so a
+   wide request that cannot be placed (its devices are held by sessions it may not preempt: shielded ones, or
+   newcomers of its own level) held every request of its level behind it while devices stood idle (ITP cluster02:
+   25 one-device jobs queued 360 s behind a 64-device one, with 28 devices free). At slot 0 the requests behind it
+   may go ahead on the free devices, and once it fits it may preempt them, as it may preempt any running session
+   of its class outside slot 0. 0: off.
 
 Parameters: `thresholds` (device-seconds, ascending; default 60, 600, 3600), `fairness` (default 1; 0: no
-shield), `preempt`, `pack`, `fgd` (fragmentation-aware packing; false: best fit), `relocate`, `lend`, `shrink`
-(default true), `relocate_after` (default 0 s).
+shield), `backfill_after` (seconds, default 30; 0: off), `preempt`, `pack`, `fgd` (fragmentation-aware packing;
+false: best fit), `relocate`, `lend`, `shrink` (default true), `relocate_after` (default 0 s).
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ from dtorch_controller.core.policies.base import (
 )
 
 _SLACK = 1e-6  # device-seconds: a threshold reached up to float rounding counts as crossed
+_EPS_S = 1e-9  # seconds: a deadline reached up to float rounding counts as passed
+BACKFILL_AFTER_S = 30.0  # rule 8: a request that never ran waits this long before others may go around it
 
 
 class DTorchPolicy(BasePolicy):
@@ -64,7 +74,9 @@ class DTorchPolicy(BasePolicy):
         super().__init__(params)
         self.thresholds = thresholds(self.params)
         self.levels = len(self.thresholds) + 1
+        self.slots = self.levels + 1  # per class: slot 0 (shielded, backfilled around), then the levels
         self.fairness = number(self.params, "fairness", 1.0)
+        self.backfill_after = number(self.params, "backfill_after", BACKFILL_AFTER_S)
         self.preempts = flag(self.params, "preempt", True)
         self.packs = flag(self.params, "pack", True)
         self.fgd = flag(self.params, "fgd", True)  # fragmentation-aware packing (pool.py rule 7); false: best fit
@@ -73,7 +85,8 @@ class DTorchPolicy(BasePolicy):
         relocation(self, 0.0)
 
     def accepts(self) -> tuple[str, ...]:
-        return ("thresholds", "fairness", "preempt", "pack", "fgd", "relocate", "relocate_after", "lend", "shrink")
+        return ("thresholds", "fairness", "backfill_after", "preempt", "pack", "fgd", "relocate", "relocate_after",
+                "lend", "shrink")
 
     # ------------------------------------------------------------ the score (rules 2 and 3)
 
@@ -97,12 +110,20 @@ class DTorchPolicy(BasePolicy):
             return None
         return now + (due - ran) * max(1, t.wanted_devices) / t.held_devices
 
+    def _backfill_at(self, t: Tenant) -> float | None:
+        """When a request that has never run moves to slot 0 (rule 8), or None (it ran, or backfill is off)."""
+        if not self.backfill_after or t.running or t.waiting_since is None or t.frozen_s or t.service(t.waiting_since):
+            return None
+        return t.waiting_since + self.backfill_after
+
     # ------------------------------------------------------------ the policy surface
 
     def rank(self, t: Tenant, now: float) -> int:
-        shielded = self._shield_ends(t, now) is not None
-        level = 0 if shielded else bisect.bisect_right(self.thresholds, self.score(t, now) + _SLACK)
-        return PRIORITY_RANK[t.priority] * self.levels + level
+        backfill = self._backfill_at(t)
+        if (backfill is not None and now >= backfill - _EPS_S) or self._shield_ends(t, now) is not None:
+            return PRIORITY_RANK[t.priority] * self.slots
+        level = bisect.bisect_right(self.thresholds, self.score(t, now) + _SLACK)
+        return PRIORITY_RANK[t.priority] * self.slots + 1 + level
 
     def key(self, t: Tenant, now: float) -> tuple:
         return (0 if t.kind == "realtime" else 1, self.score(t, now))
@@ -111,8 +132,11 @@ class DTorchPolicy(BasePolicy):
         """When the level of a running session may change by the clock alone: its shield ending, or its attained
         service crossing the next threshold up (least attained service; an estimated session changes at its steps
         instead). A waiting session's level changes only when it runs."""
+        if not t.running:
+            backfill = self._backfill_at(t)
+            return backfill if backfill is not None and backfill > now else None
         shield = self._shield_ends(t, now)
-        if shield is not None or not t.running:
+        if shield is not None:
             return shield
         held = t.held_devices
         value = self.score(t, now)
