@@ -963,3 +963,40 @@ def test_a_loss_of_a_worker_with_unfinished_commands_and_no_tensors_says_so(make
     assert error.tid == -1 and error.kind == m.ErrorKind.WORKER_LOST
     assert error.message == (f"worker {victim} at {h.core.workers[victim].address} was lost (unreachable: killed); "
                              "logical devices [1] lost their data: unfinished commands lost")
+
+
+def test_a_moves_old_shards_are_dropped_even_while_an_earlier_moves_drop_waits_for_its_readers(make_harness):
+    """moves.py rule 1: each move's source drops its shards once the readers planned before that move are done;
+    a drop that waits does not hold back another move's drop that is ready."""
+    h = make_harness(snapshot_every_batches=0)
+    ids = [h.register(f"10.0.0.{i}:7000") for i in range(5)]
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed and h.open_mesh(sid, 2, [2]).placed
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1), create(2, mesh=2)])
+    h.report_all()
+    h.submit(sid, 2, [m.InstrRedistribute(src=1, dst=3, src_spec=spec([8]), dst_spec=spec([8], placements=("R",)))])
+    h.take_sent()  # each worker of mesh 1 reads the other's shard of tensor 1
+    w0, reader, w2 = s.devices[0], s.devices[1], s.devices[2]
+    x, y = [w for w in ids if w not in s.devices.values()]
+    first, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=x))
+    second, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=2, to_worker=y))
+    for w in (w0, x):
+        h.report(w)
+    assert h.replies[first].ok and not cmds_of(h.take_sent(), w0, m.CmdDelete)  # the reader has not read yet
+    for w in (w2, y):
+        h.report(w)
+    assert h.replies[second].ok
+    assert cmds_of(h.take_sent(), w2, m.CmdDelete) == [m.CmdDelete(tids=[2], devices=[2])]
+    h.report(reader)
+    assert cmds_of(h.take_sent(), w0, m.CmdDelete) == [m.CmdDelete(tids=[1, 3], devices=[0])]
+
+
+def test_the_status_counts_every_sent_batch_as_to_replay_when_there_is_no_snapshot(make_harness):
+    """Lineage.batches_since_snapshot: with no snapshot (recovery off) a status says so (-1) and counts every
+    batch sent so far."""
+    h, ids, sid = setup(make_harness, every=0)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    [status] = h.status().sessions
+    assert (status.snapshot_batch, status.replay_batches) == (-1, 2)
