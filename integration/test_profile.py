@@ -9,7 +9,7 @@ import json
 import torch
 
 import dtorch
-from dtorch import Replicate, Shard
+from dtorch import Partial, Replicate, Shard
 from dtorch import _profile_report as report
 from dtorch.profiling import Profile
 from dtorch_protocol import auth, wire
@@ -45,6 +45,22 @@ def test_a_redistribution_for_an_op_is_measured_and_named(mesh1, tmp_path):
     assert any("test_profile.py" in e["args"]["source"] for e in complete)  # ops the fast path replays may carry none
     assert {e["pid"] for e in complete} == {0, 1}
     torch.testing.assert_close(c.to_torch(), a.to_torch() + b.to_torch())
+
+
+def test_a_collective_record_says_when_it_landed_after_its_issue_and_before_its_first_use_ended(mesh1):
+    """What (f) of bench_vs_torch measures overlap with: a collective's record carries when its transfer finished
+    on that worker, after its command started and no later than the end of the first command that reads it."""
+    x = dtorch.ones((256, 256), device_mesh=mesh1, placements=[Partial()])
+    with dtorch.profile() as p:
+        y = x.redistribute(mesh1, [Replicate()])
+        (y * 2).sum().item()
+    assert len(p.report.records) == 2
+    for records in p.report.records.values():
+        (issued,) = [r for r in records if r.op == "collective"]
+        (use,) = [r for r in records if r.op == "aten.mul.Tensor"]
+        assert issued.start < issued.landed <= use.start + use.seconds + 1e-3, (issued, use)
+        assert all(r.landed == 0.0 for r in records if r.op != "collective")
+    torch.testing.assert_close(y.to_torch(), x.to_torch())
 
 
 def test_the_same_redistribution_repeated_is_pointed_out(mesh1):

@@ -67,6 +67,39 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "branch only for a frozen tenant none of whose devices is in the pool, and a frozen tenant holds only pool "
         "workers: `_lose_worker` deletes a lost worker from every frozen tenant and marks it resumable when it misses "
         "nothing more, and the same pass resumes it",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁplace", "return self._finish(ch), Answer(False, 1, self._why(t))"):
+        "unreachable, like the pass above it: a frozen tenant none of whose devices is in the pool resumes in the "
+        "pass of the loss that took its last one",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁplace", "return self._finish(ch), Answer(0, self._why(t))"):
+        "unreachable, like the pass above it (the frozen-with-nothing branch)",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ_victims",
+     "mine = t.key[0] if t.key is not None else self.policy.rank(None, now)"):
+        "unreachable: _victims runs only from _admit of a queued request (a pass walks the queue; _fill_fragments "
+        "admits without victims), whose key is set until _admit dequeues it after the victims",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁadd_worker",
+     "self.pool.add(w.id, node_of(w.address, w.labels), w.memory_bytes, w.order, )"):
+        "a worker is added once, at its registration, when its state is always ALIVE (model.add_worker: a new "
+        "Worker record), so the argument is always True, the default",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ_fill_fragments",
+     "if not self.policy.packs and not self.pool.shared_room():"):
+        "without packing no lease is packed, so there is no shared room and both forms return; with packing and "
+        "no shared room the loop's own `and self.pool.shared_room()` ends it before its first step",
+    ("dtorch_controller.core.scheduler.xǁSchedulerǁ_unwant", "wanting.pop(t.session, )"):
+        "_unwant runs for a worker in t.missing, and the scheduler keeps `w in t.missing` iff `t.session in "
+        "_wanted[w]` (_unreserve adds both; _offer, _unfreeze_wants and _lose_worker remove both): the key is there",
+    ("dtorch_controller.core.pool.xǁPoolǁ_pick_slow", "while remaining >= 0 and free:"):
+        "with nothing left to pick each further round takes `free.pop(node)[:0]`, nothing: the same workers, in the "
+        "same order",
+    ("dtorch_controller.core.pool.xǁPoolǁremove", "if i < len(self._ring) or self._ring[i][1] == worker:"):
+        "a worker with a slot is in the ring exactly once (add inserts it, remove deletes the slot with it), so "
+        "bisect finds it at i < len: both tests are true",
+    ("dtorch_controller.core.policies.dtorch.xǁDTorchPolicyǁkey",
+     'return (0 if t.kind == "realtime" else 1, self.score(t, None))'):
+        "the scheduler asks for keys only of queued tenants (_enqueue), which do not run, and a tenant that does not "
+        "run has a service that does not read `now`",
+    ("dtorch_controller.core.policies.las.xǁLasPolicyǁ_promotion_at",
+     "if not self.starve_factor or t.running or t.waiting_since is None or t.counted(None) <= 0:"):
+        "reached only when `t.running` is false, and the service of a tenant that does not run does not read `now`",
     ("dtorch_controller.core.scheduler.xǁTenantǁheld_devices",
      "return len(self.workers) if (self.running) or True else 0"):
         "only the policies read held_devices, and each only of a running tenant: dtorch._shield_ends tests "

@@ -1,6 +1,10 @@
-"""Relocation (`_relocate`): the decision table of `relocate` on a fake clock, and `seen` reading Status."""
+"""Relocation (`_relocate`): the decision table of `relocate` on a fake clock, `seen` reading Status, and the watch
+on a transfer (looks on the process's one watcher thread, cancels once the device moved)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -73,3 +77,42 @@ def test_seen_reads_the_device_its_worker_and_the_session_state_from_status():
     assert seen(reply, "s", 0) == Seen("running", "w2", "alive", "h2") and seen(reply, "s", 0).live
     assert seen(reply, "s", 1) == Seen("running", None, None, None)
     assert seen(reply, "other", 0) == Seen(None, None, None, None)
+
+
+def test_a_watch_cancels_its_call_once_the_device_moved_and_one_thread_looks_for_every_watch():
+    moved, cancelled = threading.Event(), threading.Event()
+    here, there = Seen("running", "w1", "alive", "a:1"), Seen("running", "w1", "alive", "b:2")
+    looks: list[int] = []
+
+    def look(device: int) -> Seen:
+        looks.append(device)
+        return there if moved.is_set() else here
+
+    with _relocate.Watch(look, 3, "a:1", cancelled.set, every_s=0.01) as watch:
+        assert wait_until(lambda: len(looks) >= 2)  # looked, and again: the device is still there
+        assert not cancelled.is_set() and not watch.fired
+        moved.set()
+        assert cancelled.wait(10.0)
+    assert watch.fired and set(looks) == {3}
+    ended: list[str] = []
+    gone = _relocate.Watch(lambda d: ended.append("look") or there, 1, "a:1", lambda: ended.append("cancel"),
+                           every_s=0.01)
+    with gone:
+        pass  # the call ended before its first look was due
+    later = threading.Event()
+    with _relocate.Watch(lambda d: later.set() or here, 2, "a:1", lambda: None, every_s=0.02):
+        assert later.wait(10.0)  # due after `gone`'s look: that one was dropped by then
+    assert ended == [] and not gone.fired
+    for _ in range(20):
+        with _relocate.Watch(look, 3, "b:2", lambda: None):
+            pass
+    assert [t.name for t in threading.enumerate()].count("dtorch-watch") == 1
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -1,9 +1,11 @@
 """scheduler.py's rules through the core on a fake clock, for cases the rule-by-rule tests of
 test_core_scheduling.py do not reach: each test here fails on a mutant that `nox -s mutation` found surviving
-(checked by applying the mutant by hand), and asserts what the rule says, not what the code happens to do."""
+(checked by applying the mutant by hand) or on a bug found meanwhile, and asserts what the rule says, not what the
+code happens to do."""
 
 from __future__ import annotations
 
+from dtorch_controller.core import events as ev
 from dtorch_controller.core.policies import DTorchPolicy, PriorityPolicy
 from dtorch_protocol import messages as m
 
@@ -25,6 +27,67 @@ def leased(h, sid):
 
 def lines(h, text):
     return [line for line in h.core.log.lines() if text in line]
+
+
+# ---------------------------------------------------------------- rebuilds (rule 3: lost devices placed again)
+
+
+def test_a_session_rebuilt_after_losing_every_device_counts_them_once_so_its_shield_ends_on_time(make_harness):
+    """A session rebuilt after losing its only device asks again (running -> waiting -> running: rule 1) and is
+    still 1 logical device wide. The DTorch shield (policies/dtorch.py rule 3) measures its running time as its
+    service over its width: counted twice, the lost device made it look half as far along, and the shield
+    outlived its frozen time."""
+    h = make_harness(policy=DTorchPolicy({"thresholds": [10], "fairness": 1}), **QUIET)
+    (w0,) = workers(h, 1)
+    a = h.open_session()
+    assert h.open_mesh(a, 1, [0]).placed
+    h.advance(1)  # 1 device-s
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed and state(h, a) == "frozen"
+    h.advance(20)
+    assert h.call(ev.CloseSession, m.CloseSession(session=high)).ok
+    assert state(h, a) == "running"  # frozen 20 s, ran 1 s: shielded until it ran 20 s, 19 s from now
+    (w1,) = workers(h, 1, start=1)
+    h.handle(ev.WorkerUnreachable(w0, "", "killed"))
+    for _ in range(3):
+        h.report_all()
+    assert state(h, a) == "running" and leased(h, a) == [w1]
+    assert h.core.sched.tenants[a].wanted_devices == 1
+    h.advance(25)  # ran 26 s: unshielded since 19 s, at level 1 (26 device-s)
+    newcomer = h.open_session()
+    assert h.open_mesh(newcomer, 1, [0]).placed  # level 0 of the same class: it preempts a
+    assert state(h, a) == "frozen"
+
+
+def test_a_session_rebuilt_after_losing_one_device_counts_it_once_so_its_shield_ends_on_time(make_harness):
+    """The same for a session of 2 devices that loses one: placed again onto a free device while it runs (rule 3),
+    without asking again. (Each loss is its own event: losing the second device too is the same path again.)"""
+    _rebuilt_shield_ends_on_time(make_harness, lost=1)
+
+
+def _rebuilt_shield_ends_on_time(make_harness, lost):
+    h = make_harness(policy=DTorchPolicy({"thresholds": [10], "fairness": 1}), **QUIET)
+    w0, w1 = workers(h, 2)
+    a = h.open_session()
+    assert h.open_mesh(a, 1, [0, 1]).placed  # not elastic: only the shield reads its width
+    h.advance(1)  # 2 device-s
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0, 1]).placed and state(h, a) == "frozen"
+    h.advance(20)
+    assert h.call(ev.CloseSession, m.CloseSession(session=high)).ok
+    assert state(h, a) == "running"  # frozen 20 s, ran 1 s: shielded until it ran 20 s, 19 s from now
+    workers(h, lost, start=2)  # as many as it loses: then nothing is free
+    for w in (w0, w1)[:lost]:
+        h.handle(ev.WorkerUnreachable(w, "", "killed"))
+    for _ in range(3):
+        h.report_all()
+    assert state(h, a) == "running" and len(leased(h, a)) == 2
+    assert set(leased(h, a)).isdisjoint((w0, w1)[:lost])
+    assert h.core.sched.tenants[a].wanted_devices == 2
+    h.advance(25)  # ran 26 s on 2 devices: unshielded since 19 s, at level 1 (54 device-s)
+    newcomer = h.open_session()
+    assert h.open_mesh(newcomer, 1, [0]).placed  # level 0 of the same class: it preempts a
+    assert state(h, a) == "frozen"
 
 
 # ---------------------------------------------------------------- preemption (rules 6 and 10)
@@ -88,6 +151,72 @@ def test_a_frozen_session_does_not_relocate_while_a_better_ranked_request_is_blo
     assert not lines(h, "relocates")
 
 
+def test_a_running_session_ranked_down_at_its_step_is_preempted_by_a_waiting_request_at_once(make_harness):
+    """Rule 9: a running session is ranked anew at each of its steps; one that falls below a waiting request's
+    rank can be preempted by it (rule 6), then and there, not at whatever pass comes next. Its first step makes
+    its estimated remaining work 999 device-s (level 1, from level 0): the newcomer queued at level 0 freezes it."""
+    h = make_harness(policy=DTorchPolicy({"thresholds": [50], "fairness": 0}), **QUIET)
+    workers(h, 1)
+    a = h.open_session(expected_steps=1000)
+    assert h.open_mesh(a, 1, [0]).placed
+    h.advance(1)
+    b = h.open_session()
+    assert not h.open_mesh(b, 1, [0]).placed  # both at level 0 of the same class: it waits
+    h.submit(a, 1, [m.InstrCreate(tid=1, spec=m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["R"]),
+                                  init="zeros")])
+    h.report_all()
+    h.sync(a, 1)  # its first step: 1 device-s per step, 999 steps left
+    assert state(h, a) == "frozen" and state(h, b) == "running"
+
+
+def test_a_better_ranked_request_takes_a_frozen_sessions_reservation_before_waiting(h):
+    """Rule 6: a request may take devices reserved by frozen sessions of a worse rank (before freezing running
+    work). Low is frozen by high and keeps a reservation on its other device; a normal request takes it."""
+    w0, w1 = workers(h, 2)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0, 1]).placed
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed and state(h, low) == "frozen"
+    (kept,) = {w0, w1} - set(leased(h, high))
+    assert h.core.sched.reserved(kept) == [low]
+    normal = h.open_session()
+    assert h.open_mesh(normal, 1, [0]).placed and leased(h, normal) == [kept]
+    assert state(h, low) == "frozen" and h.core.sched.reserved(kept) == []
+
+
+def test_an_elastic_session_whose_devices_are_on_the_move_is_not_shrunk_again(make_harness):
+    """Rules 6 and 10: a session with moves in flight is neither shrunk nor frozen until they are done (its moves
+    go to devices it would give up). Shrunk to 2 of 4 devices, its pulls not yet done, a second preemptor waits."""
+    h = make_harness(policy=DTorchPolicy({"fairness": 0}), **QUIET)
+    workers(h, 4)
+    e = h.open_session(priority="low")
+    assert h.open_mesh(e, 1, [0, 1, 2, 3], min_devices=1).placed
+    h.submit(e, 1, [m.InstrCreate(tid=1, spec=m.TensorSpec(shape=[8], dtype="float32", mesh=1, placements=["S0"]),
+                                  init="zeros")])
+    h.report_all()
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0, 1]).placed
+    assert lines(h, "shrinks to 2 devices (4 logical)") and h.core.moves.busy(e)
+    second = h.open_session(priority="high")
+    assert not h.open_mesh(second, 1, [0]).placed
+    assert len(leased(h, e)) == 2 and not lines(h, "shrinks to 1 device") and state(h, e) == "running"
+
+
+def test_a_frozen_packed_session_takes_back_its_own_device_when_room_for_its_cap_frees_there(make_harness):
+    """Rule 6 with a lending policy: a frozen session takes back its own devices that it fits on (no move). For a
+    packed session that is room for its cap on its device, although another packed session still leases it."""
+    h = make_harness(policy=DTorchPolicy({"fairness": 0}), **QUIET)
+    w0 = h.register("10.0.0.0:7000", memory=1000)
+    p = h.open_session(memory_cap=300)
+    assert h.open_mesh(p, 1, [0]).placed
+    q = h.open_session(priority="high", memory_cap=800)
+    assert h.open_mesh(q, 1, [0]).placed and state(h, p) == "frozen"  # 300 + 800 do not fit in 1000
+    r = h.open_session(priority="high", memory_cap=100)
+    assert h.open_mesh(r, 1, [0]).placed  # 100 of the 200 left
+    assert h.call(ev.CloseSession, m.CloseSession(session=q)).ok  # 900 free on w0, which still carries r
+    assert state(h, p) == "running" and h.core.sched.pool.slots[w0].leases == {r: 100, p: 300}
+    assert not lines(h, "relocates")
+
+
 # ---------------------------------------------------------------- growth (rule 5)
 
 
@@ -135,7 +264,21 @@ def test_a_session_back_within_its_cap_is_told_again_when_it_goes_over_again(h):
     w0 = h.register("10.0.0.0:7000", memory=1000)
     s = h.open_session(memory_cap=100)
     assert h.open_mesh(s, 1, [0]).placed
-    for used in (150, 160, 100, 150):
+    for used in (100, 150, 160, 100, 150):
         h.report(w0, sessions={s: m.ShardStats(tensors=1, bytes=used)})
     _, reply = h.sync(s, 0)
     assert [e.op for e in reply.errors] == ["memory cap", "memory cap"]
+    assert all(e.message.startswith(f"session holds 150 bytes on worker {w0}") for e in reply.errors)  # not at 100
+
+
+def test_reserved_names_the_frozen_sessions_holding_a_reservation_on_a_device(h):
+    """Rule 6 (a policy that does not lend): the device the preemptor did not take is leased back to the frozen
+    session as a reservation; `reserved` names it there, and nobody on the preemptor's device."""
+    w0, w1 = workers(h, 2)
+    low = h.open_session(priority="low")
+    assert h.open_mesh(low, 1, [0, 1]).placed
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed and state(h, low) == "frozen"
+    (taken,) = leased(h, high)
+    (kept,) = {w0, w1} - {taken}
+    assert h.core.sched.reserved(kept) == [low] and h.core.sched.reserved(taken) == []

@@ -511,7 +511,7 @@ def test_las_starvation_promotion_resets_counted_service(make_harness):
     assert sched_state(h, old) == "frozen"
     h.advance(2)  # new crosses 10: level 1, same as old, no preemption; old promoted at 20 s of waiting?
     h.advance(10)
-    assert any("promoted after waiting" in line for line in h.core.log.lines())
+    assert any("session sess1 promoted after waiting 20s" in line for line in h.core.log.lines())  # frozen at 120
     assert sched_state(h, old) == "running" and sched_state(h, new) == "frozen"
 
 
@@ -613,8 +613,9 @@ def test_tenant_table_is_closed_under_its_events():
 
     sched = Scheduler(FifoPolicy(), {})
     t = Tenant("s", "normal", "batch", 0)
-    with pytest.raises(IllegalTenantTransition):
+    with pytest.raises(IllegalTenantTransition) as e:
         sched._step(t, "resume")
+    assert str(e.value) == "session s: no transition from 'idle' on 'resume'"
 
 
 # ---------------------------------------------------------------- elastic growth and moves
@@ -722,7 +723,9 @@ def test_decisions_count_placements_queueings_freezes_and_resumes(h):
     low = h.open_session(priority="low")
     assert h.open_mesh(low, 1, [0]).placed  # 1: placed
     other = h.open_session(priority="low")
+    before_queueing = h.core.view.decisions
     assert not h.open_mesh(other, 1, [0]).placed  # 2: queued
+    assert h.core.view.decisions == before_queueing + 1  # one decision: its queueing
     high = h.open_session(priority="high")
     assert h.open_mesh(high, 1, [0]).placed  # 3: queued, 4: freezes low, 5: placed
     before = h.core.view.decisions

@@ -166,7 +166,8 @@ def test_las_promotes_a_starving_session_after_factor_times_its_service():
 
 def test_dtorch_ranks_classes_strictly_then_levels():
     dt = DTorchPolicy({"fairness": 0})
-    assert [dt.rank(tenant(priority=p, attained=0), 0) for p in ("high", "normal", "low")] == [1, 6, 11]  # classes of 5 ranks: slot 0, then 4 levels
+    # classes of 5 ranks: slot 0, then 4 levels
+    assert [dt.rank(tenant(priority=p, attained=0), 0) for p in ("high", "normal", "low")] == [1, 6, 11]
     assert dt.rank(tenant(priority="high", attained=10_000), 0) == 4 < dt.rank(tenant(priority="normal"), 0)
     assert [dt.rank(tenant(attained=a), 0) for a in (59, 60, 600, 3600)] == [6, 7, 8, 9]
 

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+import grpc.experimental
 import torch
 
 from dtorch._relocate import Moved, Watch, moved_error, relocate, seen
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 IO_THREADS = 8
 CAP_REFRESH_S = 600.0  # ask for fresh capabilities when one has less than this left
+# A Pull's replies are read by the thread that asked (gRPC's experimental single-threaded server-streaming calls),
+# not handed over by a channel thread that gRPC starts for each burst of calls and ends when none is left: one thread
+# start less per read, whose `Thread.start` waits until the new thread holds the GIL (a busy client: milliseconds).
+SINGLE_THREADED_PULLS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 
 def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
@@ -117,7 +122,8 @@ class DataPlane:
     def _worker(self, address: str) -> wire.Stub:
         stub = self._workers.get(address)
         if stub is None:
-            stub = self._workers[address] = wire.Stub("dtorch.Worker", address, "", tls=self.tls)
+            channel = wire.open_channel(address, self.tls, SINGLE_THREADED_PULLS)
+            stub = self._workers[address] = wire.Stub("dtorch.Worker", address, "", channel=channel)
         return stub
 
     # ------------------------------------------------------------------ reads
@@ -126,8 +132,13 @@ class DataPlane:
         read in its unflattened layout, each piece reshaped to its box there)."""
         shape, spec = spec.shape, spec.unflattened()
         groups, op = gather_groups(spec.shape, spec.mesh.shape, spec.placements)
-        jobs = [[(box, self._pool.submit(self._pull, tid, spec.mesh.devices[flat]))
-                 for flat, box in group if all(n for _, n in box)] for group in groups]
+        wanted = [[(flat, box) for flat, box in group if all(n for _, n in box)] for group in groups]
+        if op is None and len(wanted) == 1 and len(wanted[0]) == 1:  # one shard holds the value: here, as it comes
+            flat, box = wanted[0][0]
+            if [n for _, n in box] == list(spec.shape):
+                return self._pull(tid, spec.mesh.devices[flat]).to(spec.dtype).reshape(shape)
+        jobs = [[(box, self._pool.submit(self._pull, tid, spec.mesh.devices[flat])) for flat, box in group]
+                for group in wanted]
         parts = []
         for group in jobs:
             full = torch.empty(spec.shape, dtype=spec.dtype)

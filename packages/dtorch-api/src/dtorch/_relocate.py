@@ -8,7 +8,10 @@ not rebound it yet, and tries again there; bounded by the session's timeout.
 
 A worker that stopped (SIGSTOP, a hung host) neither answers nor refuses: a transfer to it would wait
 for its whole timeout. So a transfer still running after a second is watched: once the controller
-says the device is elsewhere (or its worker was lost), the call is cancelled and retried there.
+says the device is elsewhere (or its worker was lost), the call is cancelled and retried there. One thread of
+the process (`_Watcher`) looks for every transfer, so a transfer starts no thread of its own (`Thread.start` waits
+until the new thread holds the GIL: on a busy client, up to a switch interval per transfer); a look at the
+controller is bounded (Status, 10 s), and a slow one delays the others' looks by at most that.
 
 Everything here reads the controller through a `look(device) -> Seen` function and returns addresses or
 raises; it writes no one else's state.
@@ -22,6 +25,8 @@ Rules (`relocate`), on each look at the controller:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +37,7 @@ from dtorch.errors import ClusterError
 from dtorch_protocol import messages as m
 
 POLL_S = 0.05
+_monotonic = time.monotonic  # the watcher's clock (tests replace `time` here to drive `relocate`)
 LIVE = ("alive", "suspect", "draining")
 BUSY = ("recovering", "migrating")  # session states in which a device is being rebound
 
@@ -98,40 +104,65 @@ def relocate(look: Look, device: int, stale: str, deadline: float) -> str:
         time.sleep(POLL_S)
 
 
+class _Watcher:
+    """One daemon thread that runs every Watch's looks when they are due (started with the first Watch)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Watch]] = []  # (when, order, watch): a heap
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def at(self, when: float, watch: Watch) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (when, next(self._order), watch))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dtorch-watch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due or self._due[0][0] > (now := _monotonic()):
+                    self._cond.wait(self._due[0][0] - now if self._due else None)
+                _when, _order, watch = heapq.heappop(self._due)
+            try:
+                watch.check()
+            except Exception:  # noqa: BLE001 - a failed cancel must not end the looks of every other transfer
+                pass
+
+
+_WATCHER = _Watcher()
+
+
 class Watch:
-    """Cancel a call to `address` for `device` once the controller no longer has the device there."""
+    """Cancel a call to `address` for `device` once the controller no longer has the device there (looked at every
+    `every_s` while the call runs, on the process's one watcher thread)."""
 
     def __init__(self, look: Look, device: int, address: str, cancel: Callable[[], Any],
                  every_s: float = 1.0) -> None:
         self.look, self.device, self.address, self.cancel, self.every_s = look, device, address, cancel, every_s
         self.fired = False
         self._done = threading.Event()
-        self._timer: threading.Timer | None = None
 
     def __enter__(self) -> Watch:
-        self._arm()
+        _WATCHER.at(_monotonic() + self.every_s, self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        if self._timer is not None:
-            self._timer.cancel()
+        self._done.set()  # its entry, if any, is dropped when due
 
-    def _arm(self) -> None:
-        if not self._done.is_set():
-            self._timer = threading.Timer(self.every_s, self._check)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _check(self) -> None:
+    def check(self) -> None:
+        """One look (the watcher calls it when due): cancel the call if the device left, else look again later."""
         if self._done.is_set():
             return
         try:
             s = self.look(self.device)
         except Exception:  # noqa: BLE001 - the controller is busy or away: look again later
-            return self._arm()
-        if not s.live or s.address != self.address:
+            s = None
+        if s is not None and (not s.live or s.address != self.address):
             self.fired = True
             self.cancel()
-            return
-        self._arm()
+        elif not self._done.is_set():
+            _WATCHER.at(_monotonic() + self.every_s, self)

@@ -718,6 +718,7 @@ class OpRecord(Struct, frozen=True, array_like=True):
     moved_bytes: int  # bytes it pulled from other workers
     out_bytes: int  # bytes of its outputs on this worker
     devices: int  # the logical devices it ran for here
+    landed: float = 0.0  # a collective: wall-clock time its last transfer here finished (0: none ran on a lane here)
 
 
 class ProfileReply(Struct, frozen=True):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -487,10 +487,12 @@ def _kind(err: grpc.RpcError) -> m.ErrorKind | None:
     return None
 
 
-def open_channel(target: str, tls: Tls | None = None) -> grpc.Channel:
+def open_channel(target: str, tls: Tls | None = None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A channel to `target` with CHANNEL_OPTIONS and `options` (a caller's own, e.g. gRPC's experimental ones)."""
+    opts = [*CHANNEL_OPTIONS, *options]
     if tls is None:
-        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(target, options=opts)
+    return grpc.secure_channel(target, tls.channel_credentials(), options=opts)
 
 
 class Stub:

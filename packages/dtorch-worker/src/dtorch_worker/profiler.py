@@ -29,6 +29,7 @@ class _Window:
     dropped: int = 0
     session_s: float = 0.0  # every command of the session, recorded or not (deletes, announced reads)
     landed: dict[int, int] = field(default_factory=dict)  # dst -> bytes its collectives received (after they ran)
+    landed_at: dict[int, float] = field(default_factory=dict)  # dst -> when its last transfer here finished
 
 
 def first_output(cmd: m.Cmd) -> int:
@@ -77,8 +78,9 @@ class Profiler:
             w = self._windows.pop(session, None)
         if w is None:
             return m.ProfileReply(message="no profile was started for this session on this worker")
-        if w.landed:  # a collective's bytes are known once its ops ran on their lanes, after its command
-            w.records = [msgspec.structs.replace(r, moved_bytes=r.moved_bytes + w.landed.pop(r.tid))
+        if w.landed:  # a collective's bytes and end are known once its ops ran on their lanes, after its command
+            w.records = [msgspec.structs.replace(r, moved_bytes=r.moved_bytes + w.landed.pop(r.tid),
+                                                 landed=w.landed_at[r.tid])
                          if r.op == "collective" and r.tid in w.landed else r for r in w.records]
         return m.ProfileReply(records=w.records, started=w.opened, window_s=time.monotonic() - w.opened_mono,
                               busy_s=self._busy_s() - w.busy_then, session_s=w.session_s, dropped=w.dropped)
@@ -88,11 +90,13 @@ class Profiler:
             self._windows.pop(session, None)
 
     def received(self, session: str, dst: int, n: int) -> None:
-        """A collective of the recorded session's redistribution into `dst` received `n` bytes."""
+        """A collective of the recorded session's redistribution into `dst` received `n` bytes (its op just ended)."""
+        now = time.time()
         with self._lock:
             w = self._windows.get(session)
             if w is not None:
                 w.landed[dst] = w.landed.get(dst, 0) + n
+                w.landed_at[dst] = max(w.landed_at.get(dst, 0.0), now)
 
     def record(self, session: str, name: str, cmd: m.Cmd, started: float, seconds: float, comm: bool, moved: int,
                out_bytes: int) -> None:

@@ -16,10 +16,11 @@ Rules:
    their new logical devices go to free devices when nobody is queued, else onto the tenant's own devices.
    Logical devices a rebuild places again (their worker was lost) take free devices even when others queue.
 4. The queue holds waiting requests, ordered by (policy rank, policy key, arrival). A *pass* runs whenever
-   capacity may have grown (worker registered or alive again, session closed, worker lost, timer) and on
-   every new request: first every frozen tenant that got all its devices back resumes, then the queue is
-   walked in order. A request that cannot be placed blocks the later ones unless it could preempt them
-   later (policies/base.py), so the walk jumps to the next rank at once: a pass costs O(ranks), not O(queue).
+   capacity may have grown (worker registered or alive again, session closed, worker lost, timer, a running
+   tenant ranked anew at its step) and on every new request: first every frozen tenant that got all its
+   devices back resumes, then the queue is walked in order. A request that cannot be placed blocks the later
+   ones unless it could preempt them later (policies/base.py), so the walk jumps to the next rank at once: a
+   pass costs O(ranks), not O(queue).
    One exception, when the policy packs: a blocked request lets the packed requests just behind it (a window
    of `_FIT_WINDOW`) use the room left on shared devices, which it cannot use (it is blocked with that room
    there): they take no free device and freeze nobody, so they cannot delay it.
@@ -53,7 +54,8 @@ Rules:
    one past the batch the last one reached is a new step (a Sync repeated while the client waits is not). A
    tenant keeps its steps, its service at the last one and the time it spent queued or frozen before the
    current wait (`waited`, of which frozen: `frozen_s`); policies may rank by them (policies/dtorch.py). A
-   policy's rank of a running tenant is refreshed at each of its steps.
+   policy's rank of a running tenant is refreshed at each of its steps (a pass follows when it changed: a
+   waiting request may now preempt it).
 10. Elastic shrink (a policy that `shrinks`): before freezing running tenants of a rank, preemption takes the
     spare devices of that rank's running elastic tenants (above the minimum they asked for, leased to them
     alone): they keep running on the rest, as virtual devices (the core moves their logical devices off the
@@ -256,10 +258,13 @@ class Scheduler:
         ch = Changes()
         moved: dict[str, None] = {}
         self._accrue(now, t)
-        if self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch):
+        reranked = self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch)
+        if reranked:
             self._wanters(t, moved)
         self._watch(t, now)
-        if moved and self._reclaim_all(now, moved, ch):
+        if moved:
+            self._reclaim_all(now, moved, ch)
+        if reranked:  # a waiting request may now outrank it and preempt it (rule 6), as after a tick
             return self._pass(now, ch)
         return self._finish(ch)
 
@@ -341,7 +346,8 @@ class Scheduler:
         ch = Changes()
         own = [w for w in t.workers if w in self.pool]
         if t.state in (RUNNING, FROZEN) and own:
-            t.logical += len(devices)
+            if not restore:  # restored devices were counted when first placed
+                t.logical += len(devices)
             ch.placed.append((session, self._extra(now, t, devices, own, restore)))
             self.decisions += 1
             return self._finish(ch), Answer(True)
@@ -355,6 +361,8 @@ class Scheduler:
                                                 f"waiting for mesh {t.request.mesh} to be placed first")
             return self._finish(ch), Answer(False, self.position(session), self._why(t))
         n = len(devices)
+        if restore:  # counted when first placed: the request holds them now, and its admission counts them again
+            t.logical -= n
         need = min(min_devices, n) if min_devices > 0 else n
         t.request = Request(mesh, tuple(devices), max(1, min(need, len(self.pool))))
         if 0 < min_devices < n:

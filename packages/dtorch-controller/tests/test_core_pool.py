@@ -1,4 +1,5 @@
-"""pool.py on its own: the counts behind fragmentation-aware packing (rule 7), exactly."""
+"""pool.py on its own: the counts behind fragmentation-aware packing (rule 7), exactly. (Named test_core_*: the
+mutation session runs the controller's test_core_*.py files, and the one named for the module first.)"""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def test_each_request_seen_counts_once_against_the_whole_device_prior():
     q = _three_devices()
     q.saw(700, devices=2)  # one request of two devices counts as two
     assert q.pick_packed(1, 300) == ["w2"]
+
+
+def test_packed_leases_go_to_the_earlier_registered_of_equal_candidates():
+    """Rule 7's last tie-break: equal stranding and equal room, registration order."""
+    p = Pool()
+    for i in range(3):
+        p.add(f"w{i}", f"n{i}", 1000, i)
+    p.lease("w2", "a", 500)
+    p.lease("w1", "b", 500)
+    p.lease("w0", "c", 500)
+    assert p.pick_packed(1, 200) == ["w0"] and p.pick_packed(3, 200) == ["w0", "w1", "w2"]
