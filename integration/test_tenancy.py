@@ -40,7 +40,8 @@ VICTIM = textwrap.dedent("""
     guard.to_torch()
     del ws                                                 # freed: their bytes stay in the workers' allocators
     dtorch.runtime.get_session().sync()
-    (DIR / "victim.sid").write_text(dtorch.runtime.get_session().id)
+    (DIR / "victim.sid.part").write_text(dtorch.runtime.get_session().id)
+    (DIR / "victim.sid.part").rename(DIR / "victim.sid")  # whole or absent: the test reads it once it exists
     deadline = time.monotonic() + 90
     while not (DIR / "go").exists():
         assert time.monotonic() < deadline
