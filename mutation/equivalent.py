@@ -10,6 +10,15 @@ Function names are mutmut's: `module.x_function` or `module.xǁClassǁmethod`.
 
 from __future__ import annotations
 
+_OLDER_WINDOW = (
+    "_commit drops the namespaces not in `keep`, and each of those is of an older window anyway: a snapshot "
+    "namespace not committed now is an earlier one (one snapshot is taken at a time), and an upload copied in a "
+    "batch sent after this snapshot started (window n) is still in rec.adopts, so in keep; those sent before are "
+    "of windows below n. So `_window(ns) < window` holds for every one, and these mutants only make _window "
+    "return -1 (no whitespace to split on) or the same window (session ids, made by the controller, hold no "
+    "'#')"
+)
+
 EQUIVALENT: dict[tuple[str, str], str] = {
     ("dtorch_controller.core.redistribute.x__plan_one",
      'return ShardPlan(shape=out_shape, groups=plan_groups, reduce=ops[0] if ops else "SUM")'):
@@ -140,19 +149,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
      "cmds, adopts, errors = self.translate(step.now, s, rec, b, replay=None)"):
         "translate reads replay only for its truth (`if replay`, `not replay`): None is False",
     ("dtorch_controller.core.snapshots.x__window", "return int(namespace.rsplit(None, 1)[1][1:])"):
-        "_commit drops the namespaces not in `keep`, and each of those is of an older window anyway: a snapshot "
-        "namespace not committed now is an earlier one (one snapshot is taken at a time), and an upload copied in a "
-        "batch sent after this snapshot started (window n) is still in rec.adopts, so in keep; those sent before are "
-        "of windows below n. So `_window(ns) < window` holds for every one, and these mutants only make _window "
-        "return -1 (no whitespace to split on) or the same window (session ids, made by the controller, hold no "
-        "'#')",
+        _OLDER_WINDOW,
     ("dtorch_controller.core.snapshots.x__window", 'return int(namespace.rsplit("#", )[1][1:])'):
-        "_commit drops the namespaces not in `keep`, and each of those is of an older window anyway: a snapshot "
-        "namespace not committed now is an earlier one (one snapshot is taken at a time), and an upload copied in a "
-        "batch sent after this snapshot started (window n) is still in rec.adopts, so in keep; those sent before are "
-        "of windows below n. So `_window(ns) < window` holds for every one, and these mutants only make _window "
-        "return -1 (no whitespace to split on) or the same window (session ids, made by the controller, hold no "
-        "'#')",
+        _OLDER_WINDOW,
     ("dtorch_controller.core.recovery.Rebuild.placed", "placed: bool = True"):
         "the default is never read: Rebuild's only constructor call (Recovery.worker_lost) is followed by _start, "
         "which sets placed = False before advance() reads it",
