@@ -1025,3 +1025,25 @@ def test_a_delete_waiting_for_a_reader_goes_out_when_the_reader_is_lost(make_har
     sent = h.take_sent()
     assert [(e.worker_id, c) for e in sent for c in e.execute.cmds if isinstance(c, m.CmdDelete)] == [
         (owners[0], m.CmdDelete(tids=[1], devices=[0])), (owners[1], m.CmdDelete(tids=[1], devices=[1]))]
+
+
+def test_a_move_whose_source_is_lost_and_not_rebuilt_is_called_off_and_the_sync_answered(make_harness):
+    """moves.py rule 4: a device's source worker lost mid-move in a session that cannot be rebuilt ends the move
+    (its devices are lost with the worker); the batches go on and the next Sync reports the loss, instead of the
+    move holding the session's batches forever (found by the simulator: a Sync never answered)."""
+    h, ids, sid = setup(make_harness, every=0)  # no copies: the loss cannot be rebuilt
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    src = s.devices[1]
+    dst = next(w for w in ids if w not in s.devices.values())
+    rid, reply = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    assert reply is None and h.core.sched.moving(sid)  # copying: the source has not run its send yet
+    h.submit(sid, 2, [add_(1)])  # held behind the move
+    h.handle(ev.WorkerUnreachable(src, "", "killed"))
+    assert s.state == "degraded" and not h.core.sched.moving(sid)
+    assert not h.replies[rid].ok and f"worker {src}" in h.replies[rid].message  # the Migrate is answered
+    h.report_all()
+    sync_rid, sync = h.sync(sid, 2)
+    assert sync is not None and sync.done
+    assert any(e.kind == m.ErrorKind.WORKER_LOST and "tensor 1" in e.message for e in sync.errors)

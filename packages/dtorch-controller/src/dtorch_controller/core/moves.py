@@ -25,7 +25,8 @@ Rules:
    is done.
 4. A move that fails (the copy failed, B was lost) is called off: A keeps the devices (CmdStay) and the
    batches go on. If A is lost, recovery.py rebuilds the session instead (or reports the loss); a rebuild
-   interrupts a running move (a drain's is tried again afterwards).
+   interrupts a running move (a drain's is tried again afterwards). A session that is not rebuilt (it lost data)
+   ends every move whose source is lost (`sources_lost`): the batches go on and its Sync reports the loss.
 5. Phases follow `state.MOVE_TABLE`. A finished move keeps its report (or why it failed): a drain reads it.
 6. Admin requests get exactly one reply: when done, or at their timeout (the work goes on). Unknown
    sessions, devices and workers are refused in one line; sessions may be named by a unique prefix.
@@ -455,6 +456,19 @@ class Moves:
         for mv in self.running(s.id):
             if mv.dst == w.id and not rebuilt:
                 mv.failed = f"worker {w.id} was lost during the copy"
+
+    def sources_lost(self, step: Step, s: Session) -> None:
+        """Rule 4, when the session is not rebuilt (it lost data): a move whose source was lost cannot happen (its
+        devices went with the worker), so it ends now instead of holding the session's batches for good."""
+        q = self.queues.get(s.id, [])
+        for mv in [mv for mv in q if not self.cluster.alive(mv.src)]:
+            mv.failed = f"worker {mv.src} was lost with the devices"
+            q.remove(mv)
+            if mv.copying:
+                self._call_off(step, s, mv)
+            else:
+                self._done(step, s, mv)
+                self._settle(step, s)
 
     def closed(self, step: Step, s: Session) -> None:
         for mv in self.queues.pop(s.id, []):

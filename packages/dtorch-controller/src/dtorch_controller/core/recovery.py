@@ -103,6 +103,7 @@ class Recovery:
             else:
                 self._disable(step, s, why)
                 self.moves.worker_lost(step, s, w, rebuilt=False)
+                self.moves.sources_lost(step, s)
                 if bound:
                     self._report_loss(step, s, w, reason, why)
 
@@ -381,6 +382,7 @@ class Recovery:
         s.state = st.step(st.SESSION_TABLE, s.state, st.WORKER_LOST)
         step.note(f"session {s.id[:8]} lost data: {why}")
         step.emit(fx.DataLost(s.id, why))
+        self.moves.sources_lost(step, s)
         for reason in sorted(self.pipeline.holding(s) - {st.Hold.FROZEN}, key=lambda h: h.value):
             self.pipeline.release(step, s, reason)
 
