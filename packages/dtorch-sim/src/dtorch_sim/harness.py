@@ -112,7 +112,6 @@ class Simulation:
         self._registering: Worker | None = None  # the worker whose Register the core handles now (see `send`)
         self._replies: dict[int, object] = {}
         self._timers: dict[Hashable, int] = {}  # key -> generation of the live timer
-        self._beat_keys: dict[Hashable, Worker] = {}  # a worker's heartbeat-deadline key (set at its Register) -> it
         self._held: dict[Hashable, float] = {}  # heartbeat deadlines of healthy workers, held back (see `set_timer`)
         self._timer_gen = itertools.count()
         self._slots: dict[float, list] = {}  # time -> calls due then (see `later`)
@@ -269,19 +268,17 @@ class Simulation:
         A healthy worker's heartbeat deadline is held back until the worker stops or is cut off (`unhold`): a
         worker that runs reports at least every interval (plus a slot), so the deadline could only find it on
         time and set the next one; held, it costs no event (a third of the core's events on a long trace). The
-        key is learnt, not taken apart: the Heartbeat deadline the core sets while a worker registers is that
-        worker's. Released, it fires when it was due or at once if that is past, and finds the state the same
+        key names the worker (a deadline set while a worker registers is that worker's: its id is not known yet).
+        Released, it fires when it was due or at once if that is past, and finds the state the same
         late firing would have found: the last report less than two intervals ago, so it only sets the next
         deadline (from that report) as it would have anyway."""
         gen = self._timers[key] = next(self._timer_gen)
         if at > self.end_time:
             return  # the run ends first (parked Syncs wait "forever"): keep it out of the event heap
         if type(key) is Heartbeat:
-            registering = self._registering
-            if registering is not None and registering.beat_key is None:
-                registering.beat_key = key
-                self._beat_keys[key] = registering
-            worker = self._beat_keys.get(key)
+            worker = self.workers.get(key.worker)
+            if worker is None:  # its first deadline, set while it registers: the core has not told it its id yet
+                worker = self._registering
             if worker is not None and worker.alive and not worker.partitioned:
                 self._held[key] = at
                 return
@@ -292,8 +289,8 @@ class Simulation:
 
     def unhold(self, worker: Worker) -> None:
         """`worker` stopped or was cut off: its held heartbeat deadline (see `set_timer`) goes on the clock."""
-        key = worker.beat_key
-        at = self._held.pop(key, None) if key is not None else None
+        key = Heartbeat(worker.id)
+        at = self._held.pop(key, None)
         if at is not None:
             self.set_timer(max(at, self.env.now), key)
 

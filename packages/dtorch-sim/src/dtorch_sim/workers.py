@@ -69,7 +69,6 @@ class Worker:
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
         self.busy_at_report = 0.0
         self.beat_armed = False
-        self.beat_key: object | None = None  # the core's heartbeat-deadline key for this worker (harness.set_timer)
 
     # ------------------------------------------------------------ life
 
