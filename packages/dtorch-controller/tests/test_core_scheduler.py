@@ -282,3 +282,60 @@ def test_reserved_names_the_frozen_sessions_holding_a_reservation_on_a_device(h)
     (taken,) = leased(h, high)
     (kept,) = {w0, w1} - {taken}
     assert h.core.sched.reserved(kept) == [low] and h.core.sched.reserved(taken) == []
+
+
+# ---------------------------------------------------------------- the frozen tenants' indexes (pass cost)
+
+
+def _check_indexes(sched):
+    """The indexes a pass reads instead of walking every frozen tenant agree with the tenants themselves."""
+    frozen = [t for t in sched.tenants.values() if t.state == "frozen"]
+    by_missing = {}
+    for t in frozen:
+        if t.missing:
+            by_missing.setdefault(len(t.missing), set()).add(t.session)
+    assert {n: set(b) for n, b in sched._missing_n.items()} == by_missing
+    assert {t.session for t in frozen if len(t.missing) < len(t.workers)} <= sched._reserving
+    assert sched._frozen_packed == sum(sched._packs(t) for t in frozen)
+    for bucket in list(sched._frozen.values()) + list(sched._ranks.values()):  # bucket order is `bucketed` order
+        stamps = [sched.tenants[s].bucketed for s in bucket]
+        assert stamps == sorted(stamps)
+    for upto in (None, *sched._frozen):  # relocation looks at the tenants the full walk would reach, in its order
+        walk = [sched.tenants[s] for r in sorted(sched._frozen) if upto is None or r <= upto for s in sched._frozen[r]]
+        if not sched._frozen_packed:
+            walk = [t for t in walk if 0 < len(t.missing) <= sched.pool.free_total]
+        assert [t.session for t in sched._relocatable(upto)] == [t.session for t in walk]
+
+
+def test_the_frozen_tenants_indexes_follow_every_freeze_resume_loss_and_close(make_harness):
+    """A pass reads indexes of the frozen tenants (by devices missing, the ones holding reservations, how many pack)
+    instead of walking all of them, hundreds under LAS. Through a churn of preemptions (wide and packed sessions,
+    three classes), relocations, worker losses and closes, under the DTorch policy (which lends) and a policy that
+    keeps reservations, they agree with the tenants after every event."""
+    import random
+
+    for policy in (DTorchPolicy({"thresholds": [5, 50]}), PriorityPolicy({"relocate_after": 30})):
+        rng = random.Random(7)
+        h = make_harness(policy=policy, **QUIET)
+        ws = workers(h, 12)
+        sessions: list[str] = []
+        for i in range(160):
+            r = rng.random()
+            if r < 0.45 or len(sessions) < 3:
+                sid = h.open_session(priority=rng.choice(["high", "normal", "normal", "low"]),
+                                     memory_cap=rng.choice([0, 0, 0, 1 << 28]))
+                sessions.append(sid)
+                n = rng.choice([1, 1, 2, 3, 4, 6])
+                h.open_mesh(sid, 1, list(range(n)))
+            elif r < 0.7:
+                sid = sessions.pop(rng.randrange(len(sessions)))
+                assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
+            elif r < 0.75 and len(ws) > 6:
+                h.handle(ev.WorkerUnreachable(ws.pop(rng.randrange(len(ws))), "", "killed"))
+            elif r < 0.8:
+                ws += workers(h, 1, start=100 + i)
+            else:
+                h.advance(rng.choice([1, 10, 40]))
+            h.report_all()
+            _check_indexes(h.core.sched)
+        assert h.core.sched.decisions > 100 and any(lines(h, "frozen on"))

@@ -60,6 +60,11 @@ Rules:
     spare devices of that rank's running elastic tenants (above the minimum they asked for, leased to them
     alone): they keep running on the rest, as virtual devices (the core moves their logical devices off the
     devices they give up, `Changes.shrunk`), and grow back when devices free up and nobody waits (rule 5).
+11. Cost: no pass walks every frozen tenant (with LAS or the DTorch policy, hundreds sit frozen while a pass runs at
+    every close, move and step). Indexes kept as tenants change: frozen tenants by how many devices they miss
+    (relocation, rule 6, looks only at the ones that fit in the free devices, when none packs), the ones that may
+    hold a reservation (preemption takes those first), the elastic ones (shrink), and each tenant's place in its
+    rank bucket (`bucketed`), which keeps every walk in the order the rules state.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ class Tenant:
     floor: int = 0  # elastic: the fewest physical devices it accepts (it may be shrunk down to them)
     over_cap: set[str] = field(default_factory=set)  # workers where it was told it exceeds its cap
     stamp: int = 0  # invalidates stale wake-ups
+    bucketed: int = 0  # when it entered its rank bucket: the order within a bucket (scheduler indexes)
     expected_steps: int = 0  # steps (sync points) the client said it will reach; 0: unknown
     steps: int = 0  # sync points reached so far
     synced_upto: int = 0  # the batch its last sync point reached
@@ -200,12 +206,20 @@ class Scheduler:
         self._ranks: dict[int, dict[str, None]] = {}  # running tenants by rank, in start order
         self._frozen: dict[int, dict[str, None]] = {}  # frozen tenants by rank, in freeze order
         self._wanted: dict[str, dict[str, None]] = {}  # worker -> frozen tenants missing it
+        # Indexes of the frozen tenants, so that a pass does not walk all of them (with LAS, hundreds): by how many
+        # devices each misses (relocation looks only at those that fit in the free devices), the ones that may hold
+        # a reservation (preemption takes those first; a superset, pruned as it is read), and how many pack.
+        self._missing_n: dict[int, dict[str, None]] = {}  # len(missing) > 0 -> frozen tenants
+        self._reserving: set[str] = set()
+        self._frozen_packed = 0
+        self._bucketing = itertools.count(1)
         self._resumable: dict[str, None] = {}  # frozen tenants holding all their devices again
         self._elastic: dict[str, None] = {}  # elastic tenants, oldest first (the ones that may grow)
         self._freed: list[str] = []  # workers released in the current step, offered to frozen tenants after it
         self._wakeups: list[tuple[float, int, str]] = []  # heap of (at, stamp, session)
         self._armed: float | None = None
         self._arrivals = itertools.count(1)
+        self._capped = 0  # open tenants with a memory cap
         self.decisions = 0  # placements, queueings, freezes, resumes (for benchmarks)
         self.growth = False  # the core can move logical devices: elastic tenants may grow (see _grow)
         self.relocation = False  # ... and frozen tenants may resume on substitutes (see _relocate)
@@ -242,6 +256,8 @@ class Scheduler:
     # ------------------------------------------------------------ tenants
 
     def open(self, session: str, priority: str, kind: str, cap: int = 0, expected_steps: int = 0) -> None:
+        old = self.tenants.get(session)
+        self._capped += (cap > 0) - (old is not None and old.cap > 0)
         self.tenants[session] = Tenant(session, priority, kind, max(0, cap), expected_steps=max(0, expected_steps))
 
     def progress(self, now: float, session: str, upto: int) -> Changes:
@@ -283,6 +299,7 @@ class Scheduler:
             self._release(w, session)
         t.workers.clear()
         self._step(t, CLOSE)
+        self._capped -= t.cap > 0
         del self.tenants[session]
         self._elastic.pop(session, None)
         return self._pass(now, ch)
@@ -291,6 +308,11 @@ class Scheduler:
         """The memory cap its leases carry: its declared cap when the policy packs it, else 0 (whole devices)."""
         t = self.tenants.get(session)
         return self._cap(t) if t is not None else 0
+
+    @property
+    def capping(self) -> bool:
+        """Does any open session have a memory cap (else `over_cap` has nothing to say)?"""
+        return self._capped > 0
 
     def over_cap(self, worker: str, usage: Mapping[str, int]) -> list[tuple[str, int, int]]:
         """(session, bytes, cap) for tenants that just went over their memory cap on `worker`."""
@@ -328,7 +350,10 @@ class Scheduler:
                 t.workers.pop(worker, None)
                 self._watch(t, now)
         for session in self._wanted.pop(worker, {}):
-            self.tenants[session].missing.discard(worker)
+            t = self.tenants[session]
+            n = len(t.missing)
+            t.missing.discard(worker)
+            self._index_missing(t, n)
         for t in (self.tenants[s] for b in self._frozen.values() for s in b):
             if worker in t.workers:
                 del t.workers[worker]
@@ -409,13 +434,13 @@ class Scheduler:
         """Each logical device to the worker given the fewest of them so far, then the fewest bound devices (a
         frozen session's devices stay bound where they were: they must not push two onto one worker), then
         registration order."""
-        load = {w: (0, self.workers[w].bound, self.workers[w].order) for w in workers}
+        heap = [(0, self.workers[w].bound, self.workers[w].order, w) for w in dict.fromkeys(workers)]
+        heapq.heapify(heap)  # orders are unique: the least entry is the one `min` over the workers would pick
         assignment = {}
         for d in devices:
-            w = min(load, key=load.__getitem__)
+            given, bound, order, w = heap[0]
             assignment[d] = w
-            given, bound, order = load[w]
-            load[w] = (given + 1, bound, order)
+            heapq.heapreplace(heap, (given + 1, bound, order, w))
         return assignment
 
     # ------------------------------------------------------------ timers
@@ -476,13 +501,20 @@ class Scheduler:
         self._unbucket(t, buckets)
         ch.notes.append(f"session {_short(t.session)} now at rank {rank} ({t.service(now):.0f} device-s attained)")
         t.rank = rank
-        buckets.setdefault(rank, {})[t.session] = None
+        self._bucket(t, buckets)
         return True
 
     def _reclaim(self, now: float, t: Tenant, ch: Changes) -> bool:
-        holders = {h for w in t.missing for h in self.pool.holders(w)}
-        if not holders or not self.policy.preempts or any(self.tenants[h].rank <= t.rank or self.moving(h)
-                                                          for h in holders):
+        if not self.policy.preempts:
+            return False
+        holders: set[str] = set()
+        for w in t.missing:  # it takes them back only if it outranks every holder: stop at the first it does not
+            for h in self.pool.holders(w):
+                if h not in holders:
+                    if self.tenants[h].rank <= t.rank or self.moving(h):
+                        return False
+                    holders.add(h)
+        if not holders:
             return False
         for h in sorted(holders, key=lambda h: self.tenants[h].arrival):
             v = self.tenants[h]
@@ -550,32 +582,54 @@ class Scheduler:
             return  # nothing to take (the usual case in a busy cluster): no walk over the frozen
         patience = self.policy.relocate_after - _EPS
         lends = self.policy.lends
-        for rank in sorted(self._frozen):
-            if upto is not None and rank > upto:
+        for t in self._relocatable(upto):
+            session = t.session
+            if not t.missing or session in self._resumable or now < (t.waiting_since or now) + patience \
+                    or self.moving(session):
+                continue
+            if not self.pool.free_total and not (self._packs(t) and self.pool.shared_room()):
                 return
-            for session in list(self._frozen.get(rank, ())):
-                t = self.tenants[session]
-                if not t.missing or session in self._resumable or now < (t.waiting_since or now) + patience \
-                        or self.moving(session):
-                    continue
-                if not self.pool.free_total and not (self._packs(t) and self.pool.shared_room()):
-                    return
-                if len(t.missing) > self.pool.free_total and not self._packs(t):
-                    continue
-                cap = self._cap(t)
-                own = [w for w in t.missing if self.pool.is_free(w) or (cap and self.pool.fits(w, cap)
-                                                                        and self.pool.slots[w].placeable)] \
-                    if lends else []  # its own devices that are free now come back as they are (no move)
-                subs = self._pick(t, len(t.missing) - len(own), t.workers)
-                if len(own) + len(subs) < len(t.missing):
-                    continue  # all or nothing: a lending policy keeps no idle reservation
-                for w in own:
-                    self.pool.lease(w, t.session, cap)
-                    self._unwant(t, w)
-                if t.missing:
-                    self._substitute(t, subs, ch)
-                else:
-                    self._resumable[t.session] = None
+            if len(t.missing) > self.pool.free_total and not self._packs(t):
+                continue
+            cap = self._cap(t)
+            own = [w for w in t.missing if self.pool.is_free(w) or (cap and self.pool.fits(w, cap)
+                                                                    and self.pool.slots[w].placeable)] \
+                if lends else []  # its own devices that are free now come back as they are (no move)
+            subs = self._pick(t, len(t.missing) - len(own), t.workers)
+            if len(own) + len(subs) < len(t.missing):
+                continue  # all or nothing: a lending policy keeps no idle reservation
+            for w in own:
+                self.pool.lease(w, t.session, cap)
+                self._unwant(t, w)
+            if t.missing:
+                self._substitute(t, subs, ch)
+            else:
+                self._resumable[t.session] = None
+
+    def _relocatable(self, upto: int | None) -> list[Tenant]:
+        """The frozen tenants of rank <= `upto` that `_relocate` looks at, in its order (rank, then freeze order):
+        when none packs, only the ones that miss no more devices than are free (the others could take none: free
+        devices only get fewer as it goes), from `_missing_n`, not a walk over every frozen tenant."""
+        if self._frozen_packed:
+            ranks = [r for r in sorted(self._frozen) if upto is None or r <= upto]
+            return [self.tenants[s] for r in ranks for s in self._frozen[r]]
+        free = self.pool.free_total
+        fit = [self.tenants[s] for n, b in self._missing_n.items() if n <= free for s in b]
+        return sorted((t for t in fit if upto is None or t.rank <= upto), key=lambda t: (t.rank, t.bucketed))
+
+    def _reserving_in(self, rank: int) -> list[Tenant]:
+        """The frozen tenants of `rank` that hold a reservation, most recently frozen first (`_reserving`,
+        pruned of the ones that no longer do: only a lease back, `_offer` or `_unwant`, makes one again)."""
+        bucket = self._frozen.get(rank)
+        found = []
+        for session in list(self._reserving):
+            t = self.tenants.get(session)
+            if t is None or t.state != FROZEN or len(t.missing) >= len(t.workers):
+                self._reserving.discard(session)
+            elif bucket is not None and session in bucket:
+                found.append(t)
+        found.sort(key=lambda t: t.bucketed, reverse=True)
+        return found
 
     def _substitute(self, t: Tenant, subs: list[str], ch: Changes) -> None:
         lost = sorted(t.missing, key=lambda w: self.workers[w].order)
@@ -734,7 +788,7 @@ class Scheduler:
         for rank in sorted(self._ranks.keys() | self._frozen.keys(), reverse=True):
             if rank <= mine:
                 break
-            frozen = (self.tenants[s] for s in reversed(self._frozen.get(rank, {})))
+            frozen = self._reserving_in(rank)  # the others reserve nothing: they cannot give a device
             running = self._best_fit_first(self._ranks.get(rank, {}), short - len(freed))
             for v in itertools.chain(frozen, (None,), running):
                 if v is None:  # the frozen tenants' reservations were not enough: shrink, then freeze
@@ -769,10 +823,12 @@ class Scheduler:
     def _spares(self, bucket: Mapping[str, None], left: int) -> Iterator[tuple[Tenant, list[str]]]:
         """Running elastic tenants of one rank above their floor, most recent first, with the devices each can give
         up (leased to it alone, the most recently leased first) until `left` are found."""
-        for session in reversed(bucket):
+        elastic = sorted((self.tenants[s] for s in self._elastic if s in bucket), key=lambda t: t.bucketed,
+                         reverse=True)  # the bucket's elastic tenants, most recent first (not a walk over the bucket)
+        for v in elastic:
             if left <= 0:
                 return
-            v = self.tenants[session]
+            session = v.session
             spare = len(v.workers) - max(1, v.floor)
             if not v.elastic or spare <= 0 or self.moving(session):
                 continue
@@ -814,7 +870,8 @@ class Scheduler:
         v.frozen_by = by.session
         v.waiting_since = now
         v.rank = self.policy.rank(v, now)
-        self._frozen.setdefault(v.rank, {})[v.session] = None
+        self._bucket(v, self._frozen)
+        self._frozen_packed += self._packs(v)
         self._unreserve(v)
         self._watch(v, now)
         self.decisions += 1
@@ -824,22 +881,28 @@ class Scheduler:
 
     def _unreserve(self, v: Tenant) -> None:
         """A frozen tenant lets go of the devices it holds; it wants them all back."""
+        n = len(v.missing)
         for w in v.workers:
             if w not in v.missing:
                 v.missing.add(w)
                 self._wanted.setdefault(w, {})[v.session] = None
                 self._release(w, v.session)
+        self._index_missing(v, n)
         self._resumable.pop(v.session, None)
 
     def _unfreeze(self, t: Tenant) -> None:
         """Forget a frozen tenant's wants (it resumes or closes)."""
         self._unfreeze_wants(t)
         self._unbucket(t, self._frozen)
+        self._frozen_packed -= self._packs(t)
         self._resumable.pop(t.session, None)
 
     def _unwant(self, t: Tenant, w: str) -> None:
         """`t` holds `w` again."""
+        n = len(t.missing)
         t.missing.discard(w)
+        self._index_missing(t, n)
+        self._reserving.add(t.session)
         wanting = self._wanted.get(w)
         if wanting is not None:
             wanting.pop(t.session, None)
@@ -853,7 +916,9 @@ class Scheduler:
                 wanting.pop(t.session, None)
                 if not wanting:
                     del self._wanted[w]
+        n = len(t.missing)
         t.missing.clear()
+        self._index_missing(t, n)
 
     def _release(self, worker: str, session: str) -> None:
         self.pool.release(worker, session)
@@ -875,7 +940,10 @@ class Scheduler:
                 if not self.pool.fits(w, cap) or (lends and t.missing != {w}):
                     continue
                 self.pool.lease(w, t.session, cap)
+                n = len(t.missing)
                 t.missing.discard(w)
+                self._index_missing(t, n)
+                self._reserving.add(t.session)
                 del wanting[t.session]
                 if not t.missing:
                     self._resumable[t.session] = None
@@ -909,13 +977,30 @@ class Scheduler:
         t.waiting_since = None
         t.frozen_by = ""
         t.rank = self.policy.rank(t, now)
-        buckets.setdefault(t.rank, {})[t.session] = None
+        self._bucket(t, buckets)
         self._watch(t, now)
 
     def _stop(self, now: float, t: Tenant) -> None:
         """Leaving `running`: bank the service, leave the rank buckets."""
         self._accrue(now, t)
         self._unbucket(t, self._ranks)
+
+    def _bucket(self, t: Tenant, buckets: dict[int, dict[str, None]]) -> None:
+        t.bucketed = next(self._bucketing)
+        buckets.setdefault(t.rank, {})[t.session] = None
+
+    def _index_missing(self, t: Tenant, before: int) -> None:
+        """A frozen tenant's `missing` went from `before` devices to what it is now: move it in `_missing_n`."""
+        n = len(t.missing)
+        if n == before:
+            return
+        if before:
+            bucket = self._missing_n[before]
+            del bucket[t.session]
+            if not bucket:
+                del self._missing_n[before]
+        if n:
+            self._missing_n.setdefault(n, {})[t.session] = None
 
     @staticmethod
     def _unbucket(t: Tenant, buckets: dict[int, dict[str, None]]) -> None:
