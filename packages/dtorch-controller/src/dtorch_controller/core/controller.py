@@ -149,8 +149,11 @@ class ControllerCore:
         for _ in range(_SETTLE_ROUNDS):
             while step.changes:
                 self._apply(step, step.changes.pop(0))
-            look |= step.touched | (step.pumped - looked)
-            step.touched.clear()
+            if step.touched:
+                look |= step.touched
+                step.touched.clear()
+            if step.pumped:
+                look |= step.pumped - looked
             if not look and not self.drains.jobs:
                 break
             for sid in sorted(look):
@@ -160,19 +163,24 @@ class ControllerCore:
             self.drains.advance(step)
             if not step.touched and not step.changes:
                 break
-        for sid in sorted(looked | step.touched | self.waits.fresh):
-            self._file(sid)
+        if looked or step.touched or self.waits.fresh:
+            for sid in sorted(looked | step.touched | self.waits.fresh):
+                self._file(sid)
+        sessions = self.cluster.sessions
         reporter = step.reporter
         if reporter is not None and step.completed:  # deletes waiting for its reads, Syncs waiting for its work
             for sid in sorted(reporter.sessions | self.waits.parked_on(reporter.id)):
-                s = self.cluster.sessions.get(sid)
+                s = sessions.get(sid)
                 if s is not None:
-                    self.pipeline.flush_deferred(step, s)
-                    step.synced.add(sid)
-        for sid in sorted(step.synced | looked):
-            s = self.cluster.sessions.get(sid)
-            if s is not None:
-                self._answer_syncs(step, s)
+                    if s.deferred:
+                        self.pipeline.flush_deferred(step, s)
+                    if s.syncs:  # parked Syncs to answer (most sessions on a worker have none)
+                        step.synced.add(sid)
+        if step.synced or looked:
+            for sid in sorted(step.synced | looked):
+                s = sessions.get(sid)
+                if s is not None:
+                    self._answer_syncs(step, s)
 
     def _answer_syncs(self, step: Step, s: Session) -> None:
         """Answer the session's parked Syncs if they can be, else file them under a worker they wait for."""
@@ -478,7 +486,7 @@ class ControllerCore:
             s = self.cluster.sessions.get(session_id)
             if s is not None:
                 s.errors.extend(self.recovery.errors(s, w, errors))
-        if msg.sessions:
+        if msg.sessions and self.sched.capping:  # every report carries its shards: checked only when caps exist
             self._check_caps(step, w, msg.sessions)
         step.reporter = w  # the settle pass moves on what waited for it (waits.py)
         step.completed = w.completed > before  # only a completion lets deletes and Syncs go (holds: on release)

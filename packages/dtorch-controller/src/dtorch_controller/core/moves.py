@@ -110,7 +110,8 @@ class Moves:
         self.sched = sched
         self.pipeline = pipeline
         self.queues: dict[str, list[Move]] = {}  # session -> moves, the first one may be running
-        self.drops: list[Drop] = []
+        self.drops: list[Drop] = []  # in the order they were made (their deletes go out in that order)
+        self._dropping: dict[str, int] = {}  # session -> its entries in `drops` (`busy`: several times an event)
         self.requests: dict[Hashable, Move] = {}  # Migrate request -> its move, while unanswered
         self.groups = 0  # pull groups made so far (rule 3)
 
@@ -128,7 +129,7 @@ class Moves:
         return [mv for mv in self.head(sid) if mv.copying]
 
     def busy(self, sid: str) -> bool:
-        return bool(self.queues.get(sid)) or any(d.session == sid for d in self.drops)
+        return bool(self.queues.get(sid)) or sid in self._dropping
 
     def awaits(self, s: Session) -> list[tuple[str, int]] | None:
         """(worker, Execute seq) pairs the session's move and drops wait on; None when they may go on without a
@@ -360,6 +361,7 @@ class Moves:
                 if reader != mv.src and self.cluster.alive(reader):
                     waits[reader] = max(waits.get(reader, 0), seq)
         self.drops.append(Drop(s.id, mv.src, tids, list(mv.devices), waits))
+        self._dropping[s.id] = self._dropping.get(s.id, 0) + 1
         self._flush_drops(step)
         rec = self.pipeline.rec(s, step.now)
         rec.migrations += 1
@@ -422,7 +424,7 @@ class Moves:
                 self.pipeline.send(step, s, {drop.worker: [m.CmdDelete(tids=drop.tids, devices=devices)]})
                 if before is not None and drop.worker not in s.devices.values():
                     s.sent[drop.worker] = before  # cleanup on a worker it left: its Syncs do not wait for it
-        self.drops = keep
+        self._keep(keep)
 
     # ------------------------------------------------------------ losses and closing
 
@@ -443,7 +445,7 @@ class Moves:
                 q.remove(mv)
                 mv.failed = why
                 self._done(step, s, mv)
-        self.drops = [d for d in self.drops if d.session != s.id]  # the rebuild drops everything anyway
+        self._keep([d for d in self.drops if d.session != s.id])  # the rebuild drops everything anyway
         return extra
 
     def worker_lost(self, step: Step, s: Session, w: Worker, rebuilt: bool) -> None:
@@ -474,7 +476,14 @@ class Moves:
         for mv in self.queues.pop(s.id, []):
             mv.failed = "the session closed"
             self._done(step, s, mv, closing=True)
-        self.drops = [d for d in self.drops if d.session != s.id]
+        self._keep([d for d in self.drops if d.session != s.id])
+
+    def _keep(self, drops: list[Drop]) -> None:
+        if len(drops) != len(self.drops):
+            self._dropping = {}
+            for d in drops:
+                self._dropping[d.session] = self._dropping.get(d.session, 0) + 1
+        self.drops = drops
 
 
 def unknown_worker(cluster: Cluster, worker_id: str) -> str:

@@ -46,6 +46,7 @@ from dtorch_controller.core.translate import Batch, translate
 from dtorch_protocol import messages as m
 
 Cmds = dict[str, list[m.Cmd]]  # worker id -> commands, in order
+_SYNC_WAITS = frozenset(h for h, rule in st.HOLDS.items() if rule.sync_waits)  # holds a Sync waits for (rule 5)
 
 
 class Pipeline:
@@ -224,7 +225,7 @@ class Pipeline:
     def held(self, s: Session) -> bool:
         """Does a hold make a Sync wait (rule 5)?"""
         reasons = self.holds.get(s.id)
-        return bool(reasons) and (any(st.HOLDS[r].sync_waits for r in reasons) or self.unsent(s))
+        return bool(reasons) and (not _SYNC_WAITS.isdisjoint(reasons) or self.unsent(s))
 
     def done(self, s: Session) -> m.SyncReply:
         """A Sync answered done: every error of the batches sent so far reaches the client now."""
