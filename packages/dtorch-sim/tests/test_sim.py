@@ -163,3 +163,30 @@ def test_priority_classes_are_drawn_per_job_and_high_ones_wait_less_under_preemp
     by = s["jct_s_by_priority"]
     assert set(by) == {"high", "low"} and by["high"]["mean"] < by["low"]["mean"]
     assert any("frozen on" in line for line in sim.core.log.lines())
+
+
+def test_a_fake_worker_finds_an_ops_first_input_as_the_protocol_lists_tensor_slots():
+    """The fake worker prices an op by its first input without listing every tensor slot of its arguments: the id
+    it finds is `tensor_refs(args)[0]` (None when there is none) for any nesting of dicts, lists and tuples,
+    slots holding None included."""
+    import random
+
+    from dtorch_protocol import messages as m
+    from dtorch_sim.workers import _first_ref
+
+    rng = random.Random(1)
+
+    def args(depth=0):
+        x = rng.random()
+        if depth > 3 or x < 0.3:
+            return rng.choice([1, "a", None, m.tensor_slot(rng.choice([3, 7])), {m.TENSOR_SLOT: None}])
+        if x < 0.6:
+            return [args(depth + 1) for _ in range(rng.randrange(4))]
+        if x < 0.8:
+            return tuple(args(depth + 1) for _ in range(rng.randrange(3)))
+        return {str(i): args(depth + 1) for i in range(rng.randrange(3))}
+
+    for _ in range(5000):
+        value = args()
+        refs = m.tensor_refs(value)
+        assert _first_ref(value) == (refs[0] if refs else None), value

@@ -231,8 +231,7 @@ class Worker:
             kind = type(cmd)
             if kind is m.CmdRun:
                 store = self.store.get(session, {})
-                refs = m.tensor_refs(cmd.args)
-                first = refs[0] if refs else None  # the input whose size the outputs take
+                first = _first_ref(cmd.args)  # the input whose size the outputs take
                 if cmd.op == STEP_OP:  # jobs.Steps: per logical device, plus the serial part once per worker
                     kw = cmd.kwargs
                     flops = float(kw.get("flops", 0.0)) * len(cmd.devices) + float(kw.get("serial_flops", 0.0))
@@ -347,3 +346,23 @@ class Worker:
         if cmd.move:
             self.sim.moved(batch.session, nbytes, seconds)
         return seconds
+
+
+_NONE = object()
+
+
+def _first_ref(value: object, top: bool = True) -> object:
+    """The first tensor id in op arguments, as `m.tensor_refs(value)[0]` (None when there is none), without listing
+    them all (every batch of every worker asks)."""
+    if isinstance(value, dict):
+        if len(value) == 1 and m.TENSOR_SLOT in value:
+            return value[m.TENSOR_SLOT]
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return None if top else _NONE
+    for v in value:
+        if isinstance(v, (dict, list, tuple)):
+            found = _first_ref(v, False)
+            if found is not _NONE:
+                return found
+    return None if top else _NONE
