@@ -575,3 +575,43 @@ def test_large_exchanges_send_the_shards_as_they_are(workers, monkeypatch, src, 
     monkeypatch.setattr(type(workers[1].store), "put", put)
     got, _, _ = redistribute(cluster, shape, (3,), binding, src, dst, seed=32, tid=(90, 93))
     assert all(isinstance(v, Poison) and v.report == report for v in got.values()), got
+
+
+@pytest.mark.parametrize("op,dtype", [("sum", torch.float32), ("avg", torch.float64), ("max", torch.bfloat16),
+                                      ("min", torch.int64), ("sum", torch.int32)], ids=str)
+def test_a_large_all_reduce_on_two_ranks_sends_the_shards_as_they_are(workers, monkeypatch, op, dtype):
+    """Rule 7 for Partial -> Replicate on two ranks (gloo): no copy of the input into a send buffer (the backend's
+    own all_reduce works in place, so it needs one): each half goes to its reducer as it lies, the reduced halves
+    come back into the output in place. Values equal torch's reduction of the full partial tensors in mesh order, bit
+    for bit, whichever worker holds position 0, uneven halves included; a poisoned shard poisons every output."""
+    from dtorch_worker import collectives
+
+    pair, native = [], []
+    made = collectives._pair_all_reduce
+    monkeypatch.setattr(collectives, "_pair_all_reduce", lambda pk: pair.append(pk.template) or made(pk))
+    real = collectives._native_all_reduce
+    monkeypatch.setattr(collectives, "_native_all_reduce", lambda pk: native.append(pk) or real(pk))
+    cluster = Cluster(workers)
+    shape = (257, 1025) if dtype.itemsize >= 4 else (513, 1025)  # over 1 MiB a rank; an odd number of elements
+    for k, binding in enumerate(({0: "w0", 1: "w1"}, {0: "w2", 1: "w0"})):
+        got, expected, _ = redistribute(cluster, shape, (2,), binding, [Partial(op)], [Replicate()], dtype=dtype,
+                                        seed=50 + k, tid=(100 + 2 * k, 101 + 2 * k))
+        check(got, expected)
+    assert len(pair) == 4 and not native
+    stored = {(w, d): cluster.worker[w].store.get((cluster.session, 100, d)) for w, d in (("w0", 0), ("w1", 1))}
+    assert {t.data_ptr() for t in pair[:2]} == {t.data_ptr() for t in stored.values()}  # the shards themselves
+    report = __import__("dtorch_protocol.messages", fromlist=["ErrorReport"]).ErrorReport(
+        op="aten.mul.Tensor", src="user.py:12", message="bad", tid=110)
+    poisoned = []
+
+    def put(self, key, value, _put=type(workers[1].store).put):
+        if key[1:] == (110, 1) and not poisoned:
+            poisoned.append(key)
+            value = Poison(report)
+        return _put(self, key, value)
+
+    monkeypatch.setattr(type(workers[1].store), "put", put)
+    got, _, _ = redistribute(cluster, shape, (2,), {0: "w0", 1: "w1"}, [Partial(op)], [Replicate()], dtype=dtype,
+                             seed=60, tid=(110, 111))
+    assert poisoned and all(isinstance(v, Poison) and v.report == report for v in got.values()), got
+    assert len(pair) == 6

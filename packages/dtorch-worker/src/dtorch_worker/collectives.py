@@ -29,9 +29,15 @@ Rules:
    the output's order), and along an inner dim into a receive buffer that one strided copy lays into the output
    (on two ranks where the backend gathers by all_to_all: the shard to the peer alone, and its own slot copied
    from the shard here). An exchange whose pieces for the ranks lie back to back in one shard (`_back_to_back`)
-   sends that shard as it is. No flag travels then: the poisoned rank's report is in the store before it takes
-   part, so once the op is done every rank looks there once (a mark per op). `prepare` names the shards it sends as
-   they are; the executor holds in-place writes to their storage until the op is done (`Executor._wait_sends`).
+   sends that shard as it is. An all_reduce on two ranks of one position each, where the backend gathers by
+   all_to_all, is two all_to_alls to the peer alone (`_pair_all_reduce`): the half the peer reduces goes to it
+   as it lies, the peer's contribution to our half comes back and is combined with ours in position order
+   straight into our half of the output, which then goes to the peer as it lies while its half lands in place;
+   the backend's own all_reduce (rule 2) works in place, so it would copy the input into the output first, and
+   that copy costs as much as the transfer. No flag travels then: the poisoned rank's report is in the store
+   before it takes part, so once the op is done every rank looks there once (a mark per op; the pair's look runs
+   during its second transfer, the peer having published before the first). `prepare` names the shards it sends
+   as they are; the executor holds in-place writes to their storage until the op is done (`Executor._wait_sends`).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 from dtorch_protocol.messages import CollectiveStep, ErrorReport, GroupOp
 
 Reports = dict[int, ErrorReport]  # logical device -> why its value is poisoned
+REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
 
 
 @dataclass
@@ -104,8 +111,10 @@ class LocalCtx:
     def __init__(self, reports: Reports | None = None) -> None:
         self.reports = reports or {}
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   meanwhile: Callable[[], Any] | None = None) -> Any:
         out.copy_(inp)
+        return meanwhile() if meanwhile is not None else None
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         out.copy_(inp)
@@ -128,20 +137,22 @@ class LocalCtx:
 
 def reduce_in_order(bufs: list[torch.Tensor], op: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Combine partial values in the given (mesh) order: sum, avg, max or min, into `out` (default: into the
-    first buffer). The point-to-point plan uses it too, so both paths round alike."""
-    acc = bufs[0] if out is None else out.copy_(bufs[0])
-    if op in ("sum", "avg"):
-        for b in bufs[1:]:
-            acc.add_(b)
-        if op == "avg" and len(bufs) > 1:
-            _divide(acc, len(bufs))
-        return acc
-    if op in ("max", "min"):
-        fn = torch.maximum if op == "max" else torch.minimum
-        for b in bufs[1:]:
-            fn(acc, b, out=acc)
-        return acc
-    raise ValueError(f"unknown reduce op {op!r}")
+    first buffer; into `out`, the first two are combined in one pass, with no copy of the first before). The
+    point-to-point plan uses it too, so both paths round alike."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}")
+    fn = torch.add if op in ("sum", "avg") else torch.maximum if op == "max" else torch.minimum
+    if out is None:
+        acc, rest = bufs[0], bufs[1:]
+    elif len(bufs) > 1:
+        acc, rest = fn(bufs[0], bufs[1], out=out), bufs[2:]  # a + b written once: the bits of a.clone().add_(b)
+    else:
+        acc, rest = out.copy_(bufs[0]), []
+    for b in rest:
+        fn(acc, b, out=acc)
+    if op == "avg" and len(bufs) > 1:
+        _divide(acc, len(bufs))
+    return acc
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -421,8 +432,8 @@ def _exchanges(pk: _Packing) -> Finish:
             if a2a:
                 outputs[op.devices[q]] = torch.cat(ordered, dim=i)
             else:
-                outputs[op.devices[q]] = reduce_in_order([ordered[0].clone()] + ordered[1:],
-                                                         pk.step.reduce).contiguous()
+                outputs[op.devices[q]] = reduce_in_order(ordered, pk.step.reduce, out=torch.empty(
+                    ordered[0].shape, dtype=pk.dtype, device=pk.device))
         return pk.finish(ctx, flags, outputs)
 
     return finish
@@ -470,10 +481,50 @@ def _divide(acc: torch.Tensor, n: int) -> torch.Tensor:
     return acc.div_(n, rounding_mode="trunc")
 
 
+def _pair(pk: _Packing) -> bool:
+    x = pk.template
+    return (pk.gather_by_all_to_all and pk.w == 2 and pk.n == 2 and x.is_contiguous()
+            and x.numel() * x.element_size() >= DIRECT_MIN_BYTES)
+
+
+def _pair_all_reduce(pk: _Packing) -> Finish:
+    """Rule 7 on two ranks of one position each, where the backend gathers by all_to_all: nothing is packed or
+    copied. The half of the input the peer reduces goes to it as it lies, the peer's contribution to our half
+    arrives in a scratch buffer, the two are combined in position order straight into our half of the output,
+    and that half goes to the peer as it lies while the peer's half arrives in place."""
+    x, me = pk.template, pk.op.rank
+    peer, total = 1 - me, x.numel()
+    half = -(-total // 2)
+    (lo, hi), (plo, phi) = [(0, half), (half, total)][me], [(0, half), (half, total)][peer]
+    flat = x.reshape(-1)  # a view: the shard is contiguous
+    pk.direct.append(x)
+    out = torch.empty(total, dtype=pk.dtype, device=pk.device)
+    theirs = pk.scratch(hi - lo)
+    first = pk.mine[0] < pk.op.layout[peer][0]  # our position comes first in mesh order
+
+    def splits(elements: int) -> list[int]:
+        return [elements * x.element_size() if r == peer else 0 for r in range(2)]
+
+    def finish(ctx: Any) -> Result:
+        if pk.own is not None:
+            ctx.publish(pk.own)
+        ctx.all_to_all(_bytes(theirs), _bytes(flat[plo:phi]), splits(hi - lo), splits(phi - plo))
+        ours = flat[lo:hi]
+        reduce_in_order([ours, theirs] if first else [theirs, ours], pk.step.reduce, out=out[lo:hi])
+        # the peer published any poison before the first exchange, so the look in the store runs during the second
+        flags = ctx.all_to_all(_bytes(out[plo:phi]), _bytes(out[lo:hi]), splits(phi - plo), splits(hi - lo),
+                               meanwhile=lambda: _published_flags(pk, ctx))
+        return pk.finish(ctx, flags, {pk.op.devices[pk.mine[0]]: out.view(x.shape)})
+
+    return finish
+
+
 def _all_reduce(pk: _Packing) -> Finish:
     """A reduce-scatter of flat chunks (one per rank, reduced in position order by its owner), then an all_gather
     of the reduced chunks. The first exchange carries every rank's poison flag to every rank, so the all_gather
     needs none and its output is the value itself (no copy)."""
+    if _pair(pk):
+        return _pair_all_reduce(pk)
     if _native(pk):
         return _native_all_reduce(pk)
     op, w = pk.op, pk.w
@@ -517,7 +568,6 @@ KINDS: dict[str, Callable[[_Packing], Finish]] = {
     "all_reduce": _all_reduce,
     "slice": _slice,
 }
-REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
 
 
 def prepare(step: CollectiveStep, op: GroupOp, inputs: dict[int, torch.Tensor], poisoned: Reports,

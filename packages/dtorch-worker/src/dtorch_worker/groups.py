@@ -192,10 +192,17 @@ class Ctx:
         return ErrorReport(op=self.op, src="", message=f"an input of {self.op} was poisoned on "
                                                            f"{self.group.members[rank]}")
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
-        """Exchange byte pieces: `in_splits[r]` bytes of `inp` go to rank r, `out_splits[r]` come from it."""
-        self.wait(self.group.pg.alltoall_base(out, inp, out_splits, in_splits))
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   meanwhile: Callable[[], Any] | None = None) -> Any:
+        """Exchange byte pieces: `in_splits[r]` bytes of `inp` go to rank r, `out_splits[r]` come from it. Returns
+        what `meanwhile()` returns, run here while the transfer is in flight (a look in the store)."""
+        work = self.group.pg.alltoall_base(out, inp, out_splits, in_splits)
+        try:
+            result = meanwhile() if meanwhile is not None else None
+        finally:
+            self.wait(work)  # never leave the transfer writing into buffers the caller reuses
         self.received += sum(n for r, n in enumerate(out_splits) if r != self.rank)
+        return result
 
     def all_reduce(self, buf: torch.Tensor) -> None:
         """The backend's sum of `buf` over the ranks, in place (only where it equals the sum in mesh order)."""
