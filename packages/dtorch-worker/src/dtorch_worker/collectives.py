@@ -340,8 +340,9 @@ def _direct_gather(pk: _Packing) -> bool:
 def _all_gather_direct(pk: _Packing) -> Finish:
     """Rule 7: the shard as it lies, gathered by the backend's all_gather, or where the backend gathers by all_to_all,
     on two ranks, by an all_to_all sending the shard to the peer alone (nothing to self, so no copies to pack) with
-    the shard's own slot copied here. Along the outermost dim that is not 1 the ranks' slots are the output's own
-    bytes; along an inner one they are a receive buffer, laid into the output by one strided copy."""
+    the shard's own slot copied here while the transfer runs. Along the outermost dim that is not 1 the ranks' slots
+    are the output's own bytes; along an inner one they are a receive buffer, laid into the output by one strided
+    copy."""
     x, i, w, me = pk.template, pk.step.dim, pk.w, pk.op.rank
     pk.direct.append(x)
     shape = list(x.shape)
@@ -366,12 +367,10 @@ def _all_gather_direct(pk: _Packing) -> Finish:
             n = mine.numel()
             splits = [n if r == peer else 0 for r in range(2)]
             into = slots[0] if inner else slots[peer]
-            ctx.all_to_all(into, mine, splits, splits)
+            own = out_by_rank[:, me] if inner else slots[me]  # our slot of the output: not where the peer's lands
+            ctx.all_to_all(into, mine, splits, splits, meanwhile=lambda: own.copy_(mine.view(own.shape)))
             if inner:
                 out_by_rank[:, peer].copy_(into.view(outer, -1))
-                out_by_rank[:, me].copy_(mine.view(outer, -1))
-            else:
-                slots[me].copy_(mine)
         else:
             ctx.all_gather(_bytes(recv), mine)
             if inner:
