@@ -116,3 +116,32 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+def test_the_watcher_thread_is_woken_only_by_a_look_due_before_every_other(monkeypatch):
+    """A transfer's Watch due after one the thread already waits for does not wake it (on a busy client each wake-up
+    of another thread is a GIL handoff per transfer); one due sooner does, and every look still runs."""
+    watcher = _relocate._Watcher("dtorch-watch-test")  # not the process's: its thread outlives the test
+    wakes: list[int] = []
+
+    class Counting(threading.Condition):
+        def notify(self, n: int = 1) -> None:
+            wakes.append(n)
+            super().notify(n)
+
+    watcher._cond = Counting()
+    looked: list[int] = []
+    done = threading.Event()
+
+    def watch(device: int) -> _relocate.Watch:
+        w = _relocate.Watch(lambda d: looked.append(d) or done.set() if d == 3 else looked.append(d), device,
+                            "a:1", lambda: None, every_s=60.0)
+        return w
+
+    now = time.monotonic()
+    watcher.at(now + 0.5, watch(1))  # the first: wakes the new thread
+    watcher.at(now + 1.0, watch(2))  # later than the one waited for: no wake-up
+    watcher.at(now + 0.05, watch(3))  # sooner: wakes it
+    assert len(wakes) == 2
+    assert done.wait(10.0) and looked[0] == 3
+    assert wait_until(lambda: sorted(looked[:3]) == [1, 2, 3])

@@ -3,6 +3,8 @@ uses, the sender thread, a broken stream, Sync and its errors, keep-alive. No pr
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from dtorch import _stream
@@ -16,11 +18,13 @@ def create(tid: int) -> m.InstrCreate:
 
 
 def sent(controller) -> list:
-    """Every instruction submitted, in order, after checking that batches are numbered 1, 2, ... and bounded."""
-    batches = controller.requests("Submit")
-    assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
-    assert all(0 < len(b.instrs) <= _stream.MAX_BATCH for b in batches)
-    return [i for b in batches for i in b.instrs]
+    """Every instruction sent, in order (in Submits, and batches carried by Syncs), after checking that batches
+    are numbered 1, 2, ... in the order the controller got them, and bounded."""
+    batches = [(r.seq if name == "Submit" else r.upto, r.instrs) for name, r in controller.calls
+               if name == "Submit" or (name == "Sync" and r.instrs)]
+    assert [seq for seq, _ in batches] == list(range(1, len(batches) + 1))
+    assert all(0 < len(instrs) <= _stream.MAX_BATCH for _, instrs in batches)
+    return [i for _, instrs in batches for i in instrs]
 
 
 @pytest.fixture
@@ -81,6 +85,67 @@ def test_sync_flushes_then_waits_until_done_yielding_each_reply(stream, controll
     syncs = controller.requests("Sync")
     assert len(syncs) == 2 and all(s.upto == stream.seq == 1 for s in syncs)
     assert sent(controller) == [create(1)]
+
+
+def test_a_sync_carries_the_last_batch_in_its_first_call_only(stream, controller):
+    controller.sync_replies = [m.SyncReply(done=False), m.SyncReply(done=True)]
+    instrs = [create(t) for t in range(1, _stream.MAX_BATCH + 4)]
+    for i in instrs:
+        stream.emit(i)
+    list(stream.sync(30.0))
+    assert [b.seq for b in controller.requests("Submit")] == [1]  # the full batch before; the last one rides along
+    first, second = controller.requests("Sync")
+    assert (first.upto, first.instrs, second.upto, second.instrs) == (2, instrs[_stream.MAX_BATCH:], 2, [])
+    assert sent(controller) == instrs
+
+
+def test_a_sync_that_does_not_carry_submits_everything_first(stream, controller):
+    stream.emit(create(1))
+    list(stream.sync(30.0, carry=False))
+    assert [(name, r.instrs) for name, r in controller.calls] == [("Submit", [create(1)]), ("Sync", [])]
+
+
+def test_a_failed_carrying_sync_breaks_the_stream_for_good(stream, controller):
+    controller.fail["Sync"] = ConnectionError("connection reset")
+    stream.emit(create(1))
+    with pytest.raises(ClusterError, match=r"lost the instruction stream to the controller at ctl:1: connection reset"):
+        list(stream.sync(5.0))
+    del controller.fail["Sync"]
+    stream.emit(create(2))
+    with pytest.raises(ClusterError, match="lost the instruction stream"):
+        stream.flush()  # whether the controller accepted the carried batch is unknown: nothing more is sent
+    assert stream.broken and controller.requests("Submit") == []
+
+
+def test_no_later_batch_overtakes_a_carrying_sync(controller):
+    """The controller refuses batches out of order: while a Sync carrying batch 1 is in flight, the sender thread
+    sends nothing (it does not wait for it either: its keep-alives go on), and batch 2 follows once it returned."""
+    in_sync, release = threading.Event(), threading.Event()
+    plain = controller.__call__
+
+    def call(method, request, timeout):
+        if method == "Sync" and request.instrs:
+            in_sync.set()
+            assert release.wait(10.0)
+        return plain(method, request, timeout)
+
+    s = Stream(call, "s5", "ctl:1", keepalive_s=0.01)
+    try:
+        s.emit(create(1))
+        syncing = threading.Thread(target=lambda: list(s.sync(30.0)))
+        syncing.start()
+        assert in_sync.wait(10.0)
+        s.emit(create(2))  # another thread's instruction (a deletion, say) while the sync waits
+        controller.wait_for("KeepAlive", 3)  # the sender thread kept ticking ...
+        assert controller.requests("Submit") == []  # ... without sending batch 2 ahead of batch 1
+        release.set()
+        syncing.join(10.0)
+        batch = controller.wait_for("Submit")[0]
+        assert (batch.seq, batch.instrs) == (2, [create(2)])
+        assert sent(controller) == [create(1), create(2)]
+    finally:
+        release.set()
+        s.close()
 
 
 def test_sync_raises_the_first_op_error_with_the_others_as_notes(stream, controller):

@@ -29,7 +29,8 @@ def test_register_with_another_protocol_major_is_refused_naming_both_versions(h)
 
 
 def test_newer_minor_is_accepted(h):
-    newer = m.Hello(protocol_version="1.7", package_version="0.9.0", role="worker")
+    major, minor = m.PROTOCOL_VERSION.split(".")
+    newer = m.Hello(protocol_version=f"{major}.{int(minor) + 1}", package_version="0.9.0", role="worker")
     reply = h.call(ev.Register, m.RegisterWorker(hello=newer, address="a:1", device_type="cpu", memory_bytes=0))
     assert isinstance(reply, m.Registered)
 

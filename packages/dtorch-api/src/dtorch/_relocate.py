@@ -107,7 +107,8 @@ def relocate(look: Look, device: int, stale: str, deadline: float) -> str:
 class _Watcher:
     """One daemon thread that runs every Watch's looks when they are due (started with the first Watch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "dtorch-watch") -> None:
+        self.name = name
         self._cond = threading.Condition()
         self._due: list[tuple[float, int, Watch]] = []  # (when, order, watch): a heap
         self._order = itertools.count()
@@ -115,11 +116,13 @@ class _Watcher:
 
     def at(self, when: float, watch: Watch) -> None:
         with self._cond:
-            heapq.heappush(self._due, (when, next(self._order), watch))
+            entry = (when, next(self._order), watch)
+            heapq.heappush(self._due, entry)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="dtorch-watch", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._due[0] is entry:  # else the thread's timed wait already ends before this one is due: a wake-up
+                self._cond.notify()  # of another thread on every transfer costs a busy client a GIL handoff
 
     def _run(self) -> None:
         while True:

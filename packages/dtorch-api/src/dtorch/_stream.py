@@ -17,6 +17,11 @@ Rules:
      `keepalive_s` when the controller asks for one (0: never).
   5. `sync` flushes, then asks the controller until every worker executed everything sent (bounded); op
      errors of the session are raised there, the first one with the op and the user's source line.
+  6. A blocking sync (`carry`, the user thread's) sends its last batch inside its first `Sync` (protocol 1.7:
+     one call instead of a Submit and a Sync) and holds the send lock until that call returns, so no later batch
+     can reach the controller first (it refuses batches out of order). Meanwhile the sender thread skips its
+     flushes (it never waits for the lock, so keep-alives go on); a failed carrying Sync breaks the stream as a
+     failed Submit does. An async fetch's sync does not carry: its thread must not stop the stream.
 """
 
 from __future__ import annotations
@@ -69,11 +74,14 @@ class Stream:
         while not self._closed:
             self._wake.wait(POLL_S)
             self._wake.clear()
-            if (self._queue or len(self._dead) > DEAD_AT) and self._broken is None:
+            if (self._queue or len(self._dead) > DEAD_AT) and self._broken is None \
+                    and self._send_lock.acquire(blocking=False):  # else a carrying sync sends them (rule 6)
                 try:
-                    self.flush()
+                    self._flush()
                 except Exception:  # noqa: BLE001 - kept in _broken, raised at the next sync point
                     pass
+                finally:
+                    self._send_lock.release()
             if self._keepalive_s and time.monotonic() - self._keepalive_at >= self._keepalive_s:
                 self._keepalive_at = time.monotonic()  # the controller closes sessions that fall silent
                 try:
@@ -84,35 +92,52 @@ class Stream:
     def flush(self) -> None:
         """Send everything queued so far, in order."""
         with self._send_lock:
-            if self._broken is not None:
-                raise self._broken
-            dead = _drain(self._dead)  # before the queue: every use of a dead tid is already queued
+            self._flush()
+
+    def _flush(self, keep_last: bool = False) -> list:
+        """Submit what is queued (the send lock held); with `keep_last`, the last batch is returned unsent."""
+        if self._broken is not None:
+            raise self._broken
+        dead = _drain(self._dead)  # before the queue: every use of a dead tid is already queued
+        try:
+            instrs = [i if type(i) is not tuple else i[0](i) for i in _drain(self._queue)]
+        except Exception as e:  # a bug, but the stream lost instructions: it cannot go on
+            self._broken = ClusterError(f"could not encode an instruction for the controller: {e!r}")
+            raise self._broken from e
+        if dead:
+            instrs.append(m.InstrDelete(tids=dead))
+        batches = [instrs[start:start + MAX_BATCH] for start in range(0, len(instrs), MAX_BATCH)]
+        last = batches.pop() if keep_last and batches else []
+        for batch in batches:
+            self.seq += 1
             try:
-                instrs = [i if type(i) is not tuple else i[0](i) for i in _drain(self._queue)]
-            except Exception as e:  # a bug, but the stream lost instructions: it cannot go on
-                self._broken = ClusterError(f"could not encode an instruction for the controller: {e!r}")
-                raise self._broken from e
-            if dead:
-                instrs.append(m.InstrDelete(tids=dead))
-            for start in range(0, len(instrs), MAX_BATCH):
-                self.seq += 1
-                try:
-                    self._call("Submit", m.Submit(session=self.session, seq=self.seq,
-                                                  instrs=instrs[start:start + MAX_BATCH]), 60.0)
-                except Exception as e:
-                    self._broken = ClusterError(f"lost the instruction stream to the controller at "
-                                                f"{self.address}: {e}")
-                    raise self._broken from None
+                self._call("Submit", m.Submit(session=self.session, seq=self.seq, instrs=batch), 60.0)
+            except Exception as e:
+                raise self._lost(e) from None
+        return last
+
+    def _lost(self, e: Exception) -> ClusterError:
+        self._broken = ClusterError(f"lost the instruction stream to the controller at {self.address}: {e}")
+        return self._broken
 
     # ------------------------------------------------------------------ sync (rule 5)
-    def sync(self, timeout: float) -> Iterator[m.SyncReply]:
+    def sync(self, timeout: float, carry: bool = True) -> Iterator[m.SyncReply]:
         """Flush, then wait (at most `timeout` s) until the workers executed it all; yields each Sync reply (their
-        locations are news for the data plane), then raises the session's op errors, if any."""
-        self.flush()
+        locations are news for the data plane), then raises the session's op errors, if any. With `carry`, the
+        last batch goes inside the first Sync (rule 6)."""
         deadline = time.monotonic() + timeout
+        reply = None
+        with self._send_lock:
+            last = self._flush(keep_last=carry)
+            if last:
+                self.seq += 1
+                try:
+                    reply = self._sync_call(deadline, last)
+                except Exception as e:
+                    raise self._lost(e) from None
         while True:
-            wait = max(0.1, min(30.0, deadline - time.monotonic()))
-            reply = self._call("Sync", m.Sync(session=self.session, upto=self.seq, timeout_s=wait), wait + 10.0)
+            if reply is None:
+                reply = self._sync_call(deadline)
             yield reply
             if reply.errors:
                 raise sync_error(reply.errors)
@@ -120,6 +145,12 @@ class Stream:
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"workers did not finish within {timeout:.0f} s (DTORCH_TIMEOUT): {reply.message}")
+            reply = None
+
+    def _sync_call(self, deadline: float, instrs: list | None = None) -> m.SyncReply:
+        wait = max(0.1, min(30.0, deadline - time.monotonic()))
+        return self._call("Sync", m.Sync(session=self.session, upto=self.seq, timeout_s=wait, instrs=instrs or []),
+                          wait + 10.0)
 
     # ------------------------------------------------------------------ shutdown
     @property

@@ -111,11 +111,12 @@ class Session:
         self._seeds.reset(seed)
 
     # ------------------------------------------------------------------ sync points
-    def sync(self) -> None:
-        """Wait until the workers executed everything issued so far; raise the first op error, if any."""
+    def sync(self, carry: bool = True) -> None:
+        """Wait until the workers executed everything issued so far; raise the first op error, if any. `carry`: the
+        last batch rides in the Sync (`_stream` rule 6), not for a thread that must not stop the stream."""
         if self.step is not None:
             self.step.interrupt("a sync point")
-        for reply in self._stream.sync(self.timeout):
+        for reply in self._stream.sync(self.timeout, carry):
             self._data.learn(reply.locations, reply.caps)
 
     def _loss(self, lost: DeviceLost) -> Exception:
@@ -130,9 +131,9 @@ class Session:
                 return e
             return lost
 
-    def fetch(self, tid: int, spec: Spec) -> torch.Tensor:
+    def fetch(self, tid: int, spec: Spec, carry: bool = True) -> torch.Tensor:
         """The full value of tensor `tid` (laid out as `spec`) on the client."""
-        self.sync()
+        self.sync(carry)
         try:
             return self._data.read(tid, spec)
         except DeviceLost as e:
@@ -142,7 +143,7 @@ class Session:
         """`fetch` in the background, in call order (the tensor should not change meanwhile)."""
         if self.step is not None:
             self.step.interrupt("a sync point")
-        return self._fetches.submit(self.fetch, tid, spec)
+        return self._fetches.submit(self.fetch, tid, spec, False)  # the user thread goes on streaming
 
     # ------------------------------------------------------------------ uploads
     def upload(self, tensor: torch.Tensor, spec: Spec) -> int:

@@ -29,7 +29,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.6"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.7"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
@@ -38,7 +38,8 @@ PROTOCOL_VERSION = "1.6"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # WorkerReport.proof, `caps` next to every location, Execute.caps for peers), anonymous counts in StatusReply,
 # bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint); 1.6: CmdGroup.key (a
 # group's secret: the rendezvous store's keys are under it), captured programs (InstrDefine, InstrReplay:
-# `dtorch.compile`; CmdProgram, CmdReplay: a program's commands kept on the workers)
+# `dtorch.compile`; CmdProgram, CmdReplay: a program's commands kept on the workers); 1.7: Sync.instrs (a sync
+# point's last batch rides in its Sync: one call instead of a Submit and a Sync)
 
 
 class ErrorKind(str, enum.Enum):
@@ -267,11 +268,13 @@ class SubmitReply(Struct, frozen=True):
 
 
 class Sync(Struct, frozen=True):
-    """Wait until every worker of the session has executed batches up to `upto`."""
+    """Wait until every worker of the session has executed batches up to `upto`. Non-empty `instrs` are batch `upto`
+    itself, not submitted before: accepted first, exactly as `Submit(session, upto, instrs)` would be (1.7)."""
 
     session: Ident
     upto: int
     timeout_s: Timeout = 60.0
+    instrs: Annotated[list[Instr], Meta(max_length=MAX_SUBMIT_INSTRS)] = []
 
 
 class SyncReply(Struct, frozen=True):

@@ -73,7 +73,7 @@ KIB, MIB = 1 << 10, 1 << 20
 # Largest request message each method accepts (each message of a stream), far below gRPC's own limit where
 # the message is small by nature: a huge KeepAlive is an attack, not a keep-alive.
 REQUEST_LIMITS: dict[str, int] = {
-    "OpenSession": 16 * KIB, "OpenMesh": 1 * MIB, "Submit": MAX_MESSAGE_BYTES, "Sync": 4 * KIB,
+    "OpenSession": 16 * KIB, "OpenMesh": 1 * MIB, "Submit": MAX_MESSAGE_BYTES, "Sync": MAX_MESSAGE_BYTES,
     "CloseSession": 4 * KIB, "KeepAlive": 4 * KIB, "Status": 1 * KIB, "Register": 64 * KIB, "Report": 16 * MIB,
     "Drain": 4 * KIB, "Migrate": 4 * KIB,
     "Execute": MAX_MESSAGE_BYTES, "Pull": 64 * KIB, "Put": CHUNK_BYTES + 64 * KIB, "PullShards": 16 * MIB,
