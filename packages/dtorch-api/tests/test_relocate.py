@@ -145,3 +145,27 @@ def test_the_watcher_thread_is_woken_only_by_a_look_due_before_every_other(monke
     assert len(wakes) == 2
     assert done.wait(10.0) and looked[0] == 3
     assert wait_until(lambda: sorted(looked[:3]) == [1, 2, 3])
+
+
+def test_ended_transfers_cost_the_watcher_no_look_of_their_own():
+    """Entries of transfers that ended before they were due are dropped together, without a look (or a wake-up)
+    each; a live transfer's look still comes when due."""
+    watcher = _relocate._Watcher("dtorch-watch-test2")
+    here = Seen("running", "w1", "alive", "a:1")
+    checked: list[int] = []
+    live_looked = threading.Event()
+
+    class Counted(_relocate.Watch):
+        def check(self) -> None:
+            checked.append(self.device)
+            super().check()
+
+    now = time.monotonic()
+    ended = [Counted(lambda d: here, d, "a:1", lambda: None, every_s=60.0) for d in (1, 2, 3)]
+    for i, w in enumerate(ended):
+        w.__exit__(None, None, None)  # the transfer ended before its look was due
+        watcher.at(now + 0.05 + 0.01 * i, w)
+    live = Counted(lambda d: live_looked.set() or here, 4, "a:1", lambda: None, every_s=60.0)
+    watcher.at(now + 0.1, live)
+    assert live_looked.wait(10.0)
+    assert checked == [4]

@@ -105,7 +105,10 @@ def relocate(look: Look, device: int, stale: str, deadline: float) -> str:
 
 
 class _Watcher:
-    """One daemon thread that runs every Watch's looks when they are due (started with the first Watch)."""
+    """One daemon thread that runs every Watch's looks when they are due (started with the first Watch). It is woken
+    only by a look due before every other's, and drops the entries of ended transfers from the top of its heap before
+    each wait: a read every few milliseconds (each due a second later) costs the thread about one wake-up a second,
+    not one per read (each a GIL handoff on a busy client)."""
 
     def __init__(self, name: str = "dtorch-watch") -> None:
         self.name = name
@@ -127,7 +130,11 @@ class _Watcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._due or self._due[0][0] > (now := _monotonic()):
+                while True:
+                    while self._due and self._due[0][2].ended:  # transfers that ended: dropped without a wake-up each
+                        heapq.heappop(self._due)
+                    if self._due and self._due[0][0] <= (now := _monotonic()):
+                        break
                     self._cond.wait(self._due[0][0] - now if self._due else None)
                 _when, _order, watch = heapq.heappop(self._due)
             try:
@@ -154,7 +161,11 @@ class Watch:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()  # its entry, if any, is dropped when due
+        self._done.set()  # its entry is dropped once it reaches the top of the heap, or when due
+
+    @property
+    def ended(self) -> bool:
+        return self._done.is_set()
 
     def check(self) -> None:
         """One look (the watcher calls it when due): cancel the call if the device left, else look again later."""
