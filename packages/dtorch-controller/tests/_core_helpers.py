@@ -9,6 +9,7 @@ from typing import Any
 from dtorch_controller.core import Config, ControllerCore, Notice, Refusal, Reply, SendExecute, SetTimer, counter_ids
 from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
+from dtorch_protocol import shared
 from dtorch_protocol.wire import hello
 
 
@@ -131,6 +132,13 @@ def add_(tid, src="train.py:9") -> m.InstrCall:
 
 
 def cmds_of(sent: list[SendExecute], worker: str | None = None, kind: type | None = None) -> list[m.Cmd]:
-    """The commands of `sent` (to `worker`, of type `kind`), in order."""
-    return [c for e in sent if worker is None or e.worker_id == worker for c in e.execute.cmds
+    """The commands of `sent` (to `worker`, of type `kind`), in order, each as its worker runs it (`own`)."""
+    return [c for e in sent if worker is None or e.worker_id == worker for c in own(e.execute)
             if kind is None or isinstance(c, kind)]
+
+
+def own(execute: m.Execute) -> list[m.Cmd]:
+    """The commands of one Execute as its worker runs them: a command shared by a mesh's workers with that worker's
+    devices (`dtorch_protocol.shared`), CmdMesh itself left out."""
+    meshes = shared.Meshes()
+    return [c for c in map(meshes.local, execute.cmds) if c is not None]

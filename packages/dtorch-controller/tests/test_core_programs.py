@@ -7,12 +7,13 @@ import itertools
 
 import pytest
 
-from _core_helpers import Harness
+from _core_helpers import Harness, own
 from dtorch_controller.core import events as ev
 from dtorch_controller.core import lineage, programs
 from dtorch_controller.core import translate as tr
 from dtorch_protocol import messages as m
 from dtorch_protocol import programs as p
+from dtorch_protocol import shared
 from dtorch_protocol.wire import hello
 
 
@@ -122,10 +123,10 @@ def test_through_the_core_a_replay_is_translated_like_the_instructions_it_stands
     eager = {s.worker_id: s.execute for s in h.take_sent()}
     assert replayed[w0].cmds[1] == m.CmdCreate(tid=11, dtype="float32", shape=[8], init="randn",
                                                 boxes={0: [[0, 4]]}, zero=[], seed=3, src="s.py:1")
-    assert [type(c) for c in replayed[w0].cmds] == [m.CmdProgram, m.CmdCreate, m.CmdRun, m.CmdDelete]
+    assert [type(c) for c in own(replayed[w0])] == [m.CmdProgram, m.CmdCreate, m.CmdRun, m.CmdDelete]
     assert replayed[w0].cmds[0].cmds[0] == m.CmdCreate(tid=1, dtype="float32", shape=[8], init="randn",
                                                         boxes={0: [[0, 4]]}, zero=[], seed=0, src="s.py:1")
-    assert [type(c) for c in eager[w1].cmds] == [m.CmdDelete, m.CmdCreate, m.CmdRun, m.CmdDelete]
+    assert [type(c) for c in own(eager[w1])] == [m.CmdDelete, m.CmdCreate, m.CmdRun, m.CmdDelete]
     assert set(h.core.sessions[sid].tensors) == {10, 22}
     # a bad replay is reported at the next sync, with the program it named
     h.submit(sid, 4, [m.InstrReplay(program=8, tids=[])])
@@ -156,7 +157,8 @@ BIG = [
 
 class Workers:
     """What workers run of what they are sent: a program's replays filled in from the commands they keep
-    (`dtorch_protocol.programs`, as the worker's executor does)."""
+    (`dtorch_protocol.programs`), commands shared by a mesh's workers as each worker's own (`dtorch_protocol.shared`),
+    as the worker's executor does."""
 
     def __init__(self):
         self.kept = {}
@@ -175,7 +177,9 @@ class Workers:
                     cmds += p.fill_cmds(kept, c)
                 else:
                     cmds.append(c)
-            out.append((e.worker_id, e.execute.seq, e.execute.memory_cap, cmds))
+            meshes = shared.Meshes()
+            mine = [meshes.local(c) for c in cmds]
+            out.append((e.worker_id, e.execute.seq, e.execute.memory_cap, [c for c in mine if c is not None]))
         return out
 
 

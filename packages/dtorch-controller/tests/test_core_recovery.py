@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from _core_helpers import add_, cmds_of, create, spec
+from _core_helpers import add_, cmds_of, create, own, spec
 from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
 
@@ -53,7 +53,7 @@ def test_uploads_are_copied_at_the_adopt(make_harness):
     h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
     sent = h.take_sent()
     for e in sent:
-        kinds = [type(c).__name__ for c in e.execute.cmds]
+        kinds = [type(c).__name__ for c in own(e.execute)]
         assert kinds[:2] == ["CmdSendShards", "CmdSendShards"] and kinds[2] == "CmdRun"  # before the op writes it
     rec = h.core.pipeline.recs[sid]
     assert rec.adopts[5].pending

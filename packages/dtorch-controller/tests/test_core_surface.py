@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from _core_helpers import add_, create
+from _core_helpers import add_, cmds_of, create
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
 from dtorch_controller.core import state as st
@@ -58,7 +58,7 @@ def test_an_observer_sees_placements_queueing_preemption_and_resumption_as_notic
     assert len(h.sent) == sent  # held while frozen
     h.call(ev.CloseSession, m.CloseSession(session=high))
     assert notices(h, fx.Resumed) == [fx.Resumed(low)] and h.core.view.schedule(low) == "running"
-    assert [e.execute.cmds[0].op for e in h.sent[sent:] if isinstance(e.execute.cmds[0], m.CmdRun)]  # let go
+    assert [c.op for c in cmds_of(h.sent[sent:], kind=m.CmdRun)]  # let go
 
 
 def test_the_view_answers_what_a_simulator_samples(make_harness):

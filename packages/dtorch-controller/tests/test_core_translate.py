@@ -1,8 +1,12 @@
-"""Translation of deletes (core/translate.py): one command per worker and device set, whatever the meshes."""
+"""Translation (core/translate.py): deletes as one command per worker and device set, whatever the meshes; an
+instruction run alike on every device of a mesh as one command shared by its workers (rules 2-3)."""
 
 from __future__ import annotations
 
-from _core_helpers import Harness, cmds_of, create
+import pytest
+
+from _core_helpers import Harness, cmds_of, create, spec
+from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
 
 
@@ -29,3 +33,73 @@ def test_a_delete_sends_each_worker_one_command_per_device_set_across_meshes():
     assert sorted(both.tids) == [3, 4, 5] and both.devices == [0]
     assert cmds_of(sent, second, m.CmdDelete) == [m.CmdDelete(tids=[5], devices=[1])]
     assert set(s.tensors) == set()
+
+
+def add(out, a, b, mesh=1, local=None):
+    return m.InstrCall(op="aten.add.Tensor", mesh=mesh, args=[m.tensor_slot(a), m.tensor_slot(b)], kwargs={},
+                       outs=[m.OutSpec(tid=out, spec=spec([8], mesh))], local=local, src="train.py:5")
+
+
+@pytest.mark.parametrize("workers", [1, 4, 16])
+def test_an_instruction_run_on_every_device_of_a_mesh_is_one_command_whatever_the_workers(workers):
+    """Rule 2-3 of translate.py: the per-instruction commands are the same objects for every worker, so building
+    them does not grow with the number of workers; each worker still runs them on its own devices only."""
+    h = Harness()
+    ids = [h.register(f"10.0.0.{i}:7000") for i in range(workers)]
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, list(range(2 * workers))).placed  # two logical devices per worker
+    assert h.open_mesh(sid, 2, [0]).placed  # one device of the first worker
+    s = h.core.sessions[sid]
+    h.submit(sid, 1, [create(1), create(2)])
+    h.report_all()
+    h.take_sent()
+    h.submit(sid, 2, [add(3, 1, 2), add(4, 3, 2), add(5, 1, 1, mesh=2), add(6, 4, 3),
+                      m.InstrDelete(tids=[3, 4])])
+    sent = {e.worker_id: e.execute.cmds for e in h.take_sent()}
+    assert set(sent) == set(ids)
+    def on_mesh1(cmds):
+        return [c for c in cmds if type(c) is not m.CmdMesh and c.mesh == 1]
+
+    mesh1 = on_mesh1(sent[ids[-1]])
+    assert [type(c) for c in mesh1] == [m.CmdRun, m.CmdRun, m.CmdRun, m.CmdDelete]
+    assert all(c.devices == [] for c in mesh1)
+    built = {id(c) for cmds in sent.values() for c in cmds if type(c) is not m.CmdMesh}
+    assert len(built) == 5  # one object per instruction, at 1, 4 or 16 workers
+    for w, cmds in sent.items():
+        assert len(on_mesh1(cmds)) == 4 and all(a is b for a, b in zip(on_mesh1(cmds), mesh1))
+        mine = sorted(d for d, owner in s.devices.items() if owner == w)
+        meshes = [(c.mesh, c.devices) for c in cmds if type(c) is m.CmdMesh]
+        assert meshes == [(1, mine)] + ([(2, [0])] if 0 in mine else [])  # said once per mesh and batch
+    # as each worker runs them: its own devices, in instruction order (mesh 2 between the adds on mesh 1)
+    first = ids[0]
+    h.submit(sid, 3, [add(7, 1, 2), add(8, 1, 1, mesh=2), add(9, 1, 2)])
+    sent = h.take_sent()
+    mine = sorted(d for d, owner in s.devices.items() if owner == first)
+    assert [(c.outs, c.devices) for c in cmds_of(sent, first, m.CmdRun)] == [([7], mine), ([8], [0]), ([9], mine)]
+    assert [type(c) for e in sent if e.worker_id == first for c in e.execute.cmds] == [
+        m.CmdMesh, m.CmdRun, m.CmdMesh, m.CmdRun, m.CmdRun]
+    assert set(s.tensors) == {1, 2, 5, 6, 7, 8, 9}
+
+
+def test_per_device_arguments_stay_per_worker_and_lost_workers_get_nothing():
+    h = Harness(snapshot_every_batches=0)  # recovery off: the lost worker's devices stay lost
+    w0, w1, w2 = (h.register(f"10.0.0.{i}:7000") for i in range(3))
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1, 2]).placed
+    s = h.core.sessions[sid]
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    h.take_sent()
+    local = {d: [[m.tensor_slot(1), m.tensor_slot(1)], {"alpha": d}] for d in range(3)}
+    h.submit(sid, 2, [add(2, 1, 1, local=local)])
+    runs = {e.worker_id: e.execute.cmds for e in h.take_sent()}
+    assert {w: [(c.devices, c.local, c.mesh) for c in cmds] for w, cmds in runs.items()} == {
+        s.devices[d]: [([d], {d: local[d]}, -1)] for d in range(3)}  # no CmdMesh: nothing shared
+    lost = s.devices[2]
+    h.handle(ev.WorkerUnreachable(lost, h.core.workers[lost].address, "connection refused"))
+    assert h.core.workers[lost].state == "lost"
+    h.submit(sid, 3, [add(3, 1, 1), m.InstrDelete(tids=[3])])
+    sent = h.take_sent()
+    assert lost not in {e.worker_id for e in sent}
+    assert {(e.worker_id, tuple(c.devices)) for e in sent for c in cmds_of([e], kind=m.CmdDelete)} == {
+        (s.devices[0], (0,)), (s.devices[1], (1,))}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from _core_helpers import spec
+from _core_helpers import cmds_of, spec
 from dtorch_controller.core import Config, ControllerCore, Refusal
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.timers import Heartbeat
@@ -162,7 +162,7 @@ def test_lost_worker_error_names_the_logical_devices_whose_tensors_are_gone(make
     assert reply.done and len(reply.errors) == 1 and "w1" in reply.errors[0].message
     # deleting tensors that lived partly on the lost worker is quiet: the loss was reported already
     h.submit(sid, 3, [m.InstrDelete(tids=[7, 8, 9])])
-    assert [c for s in h.take_sent() for c in s.execute.cmds] == [m.CmdDelete(tids=[7, 8, 9], devices=[0, 2])]
+    assert cmds_of(h.take_sent()) == [m.CmdDelete(tids=[7, 8, 9], devices=[0, 2])]
     h.report(w0)
     assert h.sync(sid, 3)[1].errors == []
 

@@ -39,7 +39,8 @@ PROTOCOL_VERSION = "1.7"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # bounds on strings, lists and timeouts; OpenSession.expected_steps (a scheduling hint); 1.6: CmdGroup.key (a
 # group's secret: the rendezvous store's keys are under it), captured programs (InstrDefine, InstrReplay:
 # `dtorch.compile`; CmdProgram, CmdReplay: a program's commands kept on the workers); 1.7: Sync.instrs (a sync
-# point's last batch rides in its Sync: one call instead of a Submit and a Sync)
+# point's last batch rides in its Sync: one call instead of a Submit and a Sync);
+# commands shared by every worker of a mesh (CmdMesh, CmdRun.mesh, CmdDelete.mesh; `dtorch_protocol.shared`)
 
 
 class ErrorKind(str, enum.Enum):
@@ -406,13 +407,22 @@ class CmdCreate(Struct, frozen=True, gc=False, tag="create"):
 
 class CmdRun(Struct, frozen=True, gc=False, tag="run"):
     op: str
-    devices: list[int]
+    devices: list[int]  # empty in a shared command (`mesh` >= 0): this worker's devices of that mesh
     args: list[Any]
     kwargs: dict[str, Any]
     outs: list[int | None]
     local: dict[int, list[Any]] | None = None
     src: str = ""
     seed: int | None = None  # run under torch.manual_seed(seed), restoring the RNG state after
+    mesh: int = -1  # >= 0: one command for every worker of this mesh, run on the devices its CmdMesh names (1.7)
+
+
+class CmdMesh(Struct, frozen=True, gc=False, tag="mesh"):
+    """This worker's logical devices of mesh `mesh` of the session, for the shared commands naming that mesh
+    (`CmdRun.mesh`, `CmdDelete.mesh`) after it in the same batch (`dtorch_protocol.shared`; 1.7)."""
+
+    mesh: int
+    devices: list[int]
 
 
 class Piece(Struct, frozen=True, array_like=True):
@@ -513,7 +523,8 @@ class CmdCollective(Struct, frozen=True, tag="collective"):
 
 class CmdDelete(Struct, frozen=True, gc=False, tag="delete"):
     tids: list[int]
-    devices: list[int]
+    devices: list[int]  # empty in a shared command (`mesh` >= 0), as CmdRun's
+    mesh: int = -1  # >= 0: one command for every worker of this mesh (1.7)
 
 
 class CmdCloseSession(Struct, frozen=True, tag="close"):
@@ -578,7 +589,8 @@ class CmdStay(Struct, frozen=True, tag="stay"):
     devices: list[int]
 
 
-StepCmd = CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCollective  # what a program holds
+StepCmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCollective
+           | CmdMesh)  # what a program holds
 
 
 class CmdProgram(Struct, frozen=True, tag="program"):
@@ -609,7 +621,8 @@ class CmdReplay(Struct, frozen=True, tag="replay"):
 
 
 Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
-       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective | CmdProgram | CmdReplay)
+       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective | CmdProgram | CmdReplay
+       | CmdMesh)
 
 
 class Execute(Struct, frozen=True):

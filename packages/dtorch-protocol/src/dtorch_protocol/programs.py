@@ -104,8 +104,17 @@ def check(d: m.InstrDefine) -> str | None:
 
 def map_cmd(c: m.Cmd, tid: Map, seed: Map, scalar: Callable[[Any], Any], seq: Callable[[str, int], int],
             memo: dict[int, Any]) -> m.Cmd:
-    """Command `c` with its tensor ids, seeds, numbers and group op numbers mapped (rule 6); the arguments of one
-    op are mapped once (`memo`, by identity: every worker's command of one instruction shares them)."""
+    """Command `c` with its tensor ids, seeds, numbers and group op numbers mapped (rule 6); a command, and the
+    arguments of one op, are mapped once (`memo`, by identity: every worker's command of one instruction shares
+    them, or is one shared command)."""
+    out = memo.get(id(c))  # a command shared by the workers of a mesh (`shared`) is mapped once
+    if out is None:
+        out = memo[id(c)] = _map_cmd(c, tid, seed, scalar, seq, memo)
+    return out
+
+
+def _map_cmd(c: m.Cmd, tid: Map, seed: Map, scalar: Callable[[Any], Any], seq: Callable[[str, int], int],
+             memo: dict[int, Any]) -> m.Cmd:
     t = type(c)
     if t is m.CmdRun:
         return replace(c, args=_memo(c.args, tid, scalar, memo), kwargs=_memo(c.kwargs, tid, scalar, memo),
@@ -113,7 +122,9 @@ def map_cmd(c: m.Cmd, tid: Map, seed: Map, scalar: Callable[[Any], Any], seq: Ca
                        local=None if c.local is None else {d: _memo(v, tid, scalar, memo) for d, v in c.local.items()},
                        seed=None if c.seed is None else seed(c.seed))
     if t is m.CmdDelete:
-        return m.CmdDelete(tids=[tid(x) for x in c.tids], devices=c.devices)
+        return m.CmdDelete(tids=[tid(x) for x in c.tids], devices=c.devices, mesh=c.mesh)
+    if t is m.CmdMesh:
+        return c
     if t is m.CmdCreate:
         return replace(c, tid=tid(c.tid), seed=seed(c.seed) if c.init in RANDOM_INITS else c.seed)
     if t is m.CmdRedistribute:

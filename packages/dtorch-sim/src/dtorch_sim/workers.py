@@ -26,6 +26,7 @@ import math
 
 from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
+from dtorch_protocol import shared
 from dtorch_sim import __version__
 from dtorch_sim.jobs import STEP_OP
 
@@ -226,7 +227,11 @@ class Worker:
         work = 0.0
         steps: dict[int, int] = {}
         launch = cost.launch_s
+        meshes = shared.Meshes()  # commands shared by a mesh's workers: this worker's devices (protocol 1.7)
         for cmd in cmds:
+            cmd = meshes.local(cmd)
+            if cmd is None:  # a CmdMesh: bookkeeping
+                continue
             seconds += launch
             kind = type(cmd)
             if kind is m.CmdRun:

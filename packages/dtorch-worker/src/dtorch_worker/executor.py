@@ -25,6 +25,11 @@ Captured programs (`dtorch.compile`): a CmdProgram keeps this worker's commands 
 tensor ids, seeds, numbers and group op numbers, `dtorch_protocol.programs`); a CmdReplay runs them filled in, in
 its place in the batch, each as if it had been sent (errors, profiles and metrics per command).
 
+Commands shared by a mesh's workers (protocol 1.7, `dtorch_protocol.shared`): a CmdRun or CmdDelete naming a mesh
+instead of devices runs on this worker's devices of that mesh, as the batch's CmdMesh before it named them; it is
+turned into this worker's own command as it comes up (`_local`), so runs, caps, profiles and metrics see ordinary
+commands.
+
 Memory caps: a session packed with others onto this device carries its cap on every Execute. A command that
 makes a capped session hold more than its cap here (created or grown shards: runs, creates, redistributions,
 restores) fails like any other: its outputs become Poison with a "memory cap exceeded" report, which frees
@@ -47,7 +52,7 @@ from typing import Any
 import msgspec
 import torch
 
-from dtorch_protocol import programs
+from dtorch_protocol import programs, shared
 from dtorch_protocol.messages import (
     Cmd,
     CmdAbandon,
@@ -356,12 +361,25 @@ class Executor:
         self._seq = batch.seq
         self.store.set_cap(batch.session, batch.memory_cap)
         self.peers.grant(batch.session, batch.caps)
+        meshes = shared.Meshes()  # this batch's CmdMesh: the devices of its shared commands here
         for cmd in batch.cmds:
             if type(cmd) is CmdReplay or type(cmd) is CmdProgram:
                 for filled in self._program(batch.session, cmd):
-                    self._observed(batch.session, filled)
+                    self._local(batch.session, filled, meshes)
             else:
-                self._observed(batch.session, cmd)
+                self._local(batch.session, cmd, meshes)
+
+    def _local(self, session: str, cmd: Cmd, meshes: shared.Meshes) -> None:
+        """Run `cmd` as this worker's own command: a command shared by a mesh's workers gets the devices its mesh has
+        here (`dtorch_protocol.shared`), so everything after sees ordinary commands; a CmdMesh only notes them."""
+        try:
+            mine = meshes.local(cmd)
+        except ValueError as e:
+            self._record(session, ErrorReport(op=_describe(cmd)[0], src=getattr(cmd, "src", ""), message=str(e),
+                                              seq=self._seq, kind=ErrorKind.OP))
+            return
+        if mine is not None:
+            self._observed(session, mine)
 
     def _observed(self, session: str, cmd: Cmd) -> None:
         started = time.perf_counter()

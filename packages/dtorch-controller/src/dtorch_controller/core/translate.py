@@ -5,11 +5,21 @@ mesh's logical devices, restricted to the devices each one hosts, and keeps the 
 registry (tid -> TensorSpec) up to date. An instruction it cannot route (unknown mesh or tensor, bad
 placements, a device on a lost worker) becomes an ErrorReport for the session's next Sync; the rest
 of the batch goes on. Nothing here raises on client input.
+
+Rules:
+  1. Each worker's commands keep the instructions' order.
+  2. An instruction that runs alike on every device of a mesh (a CmdRun without per-device arguments, a CmdDelete
+     of one mesh's tensors) is ONE shared command for all the mesh's workers (`dtorch_protocol.shared`): the
+     translator builds one struct, not one per worker, and appends it once to the run of shared commands for
+     that mesh's workers (`_shared`), which goes into every worker's list when something else comes (`_flush`).
+     So translating such an instruction costs the same at 1 and at 64 workers.
+  3. The first time a batch's translator routes to a mesh, each of the mesh's live workers gets a
+     CmdMesh(mesh, its devices) first: the shared commands after it in the batch run on those devices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dtorch_controller.core import collectives
@@ -65,7 +75,9 @@ class _Translator:
         self.batch = Batch()
         self._lost_reported: set[str] = set()
         self._hosted: dict[int, tuple[dict[str, list[int]], dict[str, list[int]], Mesh]] = {}  # mesh id -> hosts
-        self._targeted: dict[int, tuple[dict[str, list[int]], list[tuple[Callable[[m.Cmd], None], list[int]]]]] = {}
+        self._declared: dict[int, dict[str, list[int]]] = {}  # mesh id -> the hosts its CmdMesh named (rule 3)
+        self._run_hosts: dict[str, list[int]] | None = None  # the workers of the shared run (rule 2)
+        self._run: list[m.Cmd] = []  # shared commands not yet in the workers' lists
 
     def run(self, instrs: list[m.Instr]) -> Batch:
         handlers = {m.InstrCreate: self._create, m.InstrCall: self._call, m.InstrRedistribute: self._redistribute,
@@ -77,6 +89,7 @@ class _Translator:
                 self._error(instr, str(e))
             except Exception as e:  # noqa: BLE001 - a client must never crash the controller
                 self._error(instr, f"internal controller error: {type(e).__name__}: {e}")
+        self._flush()
         return self.batch
 
     def one(self, instr: m.Instr) -> dict[str, list[m.Cmd]]:
@@ -92,17 +105,33 @@ class _Translator:
         self.batch.errors.append(m.ErrorReport(op=op, src=src, message=message, tid=tid, kind=m.ErrorKind.REFUSED))
 
     def _emit(self, worker: str, cmd: m.Cmd) -> None:
+        if self._run:
+            self._flush()
         self.batch.cmds.setdefault(worker, []).append(cmd)
 
-    def _targets(self, mesh: Mesh, hosts: dict[str, list[int]]) -> list[tuple[Callable[[m.Cmd], None], list[int]]]:
-        """(append to the worker's commands, the devices it hosts) of each worker in `hosts` (`_hosts(mesh)`), worked
-        out once per mesh and batch: an instruction sent to every worker of a mesh costs one command and one
-        append per worker, nothing more (at 64 workers that is most of a step's translation)."""
-        known = self._targeted.get(mesh.id)
-        if known is None or known[0] is not hosts:
+    def _shared(self, mesh: Mesh, hosts: dict[str, list[int]], cmd: m.Cmd) -> None:
+        """Send `cmd`, which names `mesh` and no devices, to every worker in `hosts` (`_hosts(mesh)`; rules 2-3)."""
+        if self._run_hosts is not hosts:
+            if self._declared.get(mesh.id) is not hosts:
+                self._declared[mesh.id] = hosts
+                for worker, devices in hosts.items():
+                    self._emit(worker, m.CmdMesh(mesh=mesh.id, devices=devices))
+            self._flush()
+            self._run_hosts = hosts
+        self._run.append(cmd)
+
+    def _flush(self) -> None:
+        """The shared run into its workers' lists (one list extend per worker, whatever its length)."""
+        run, hosts = self._run, self._run_hosts
+        if run and hosts is not None:
             cmds = self.batch.cmds
-            known = self._targeted[mesh.id] = (hosts, [(cmds.setdefault(w, []).append, d) for w, d in hosts.items()])
-        return known[1]
+            for worker in hosts:
+                mine = cmds.get(worker)
+                if mine is None:
+                    cmds[worker] = list(run)
+                else:
+                    mine.extend(run)
+            self._run = []
 
     def _mesh(self, mesh_id: int) -> Mesh:
         mesh = self.s.meshes.get(mesh_id)
@@ -146,10 +175,10 @@ class _Translator:
     def _create(self, instr: m.InstrCreate) -> None:
         mesh, placements = self._layout(instr.spec)
         shape = tuple(instr.spec.shape)
-        for emit, devices in self._targets(mesh, self._hosts(mesh, instr)):
+        for worker, devices in self._hosts(mesh, instr).items():  # each worker its own boxes
             boxes = {d: [list(r) for r in shard_box(shape, mesh.shape, placements, mesh.coord[d])] for d in devices}
             zero = [d for d in devices if not holds_value(placements, mesh.coord[d])]
-            emit(m.CmdCreate(
+            self._emit(worker, m.CmdCreate(
                 tid=instr.tid, dtype=instr.spec.dtype, shape=list(shape), init=instr.init, boxes=boxes, zero=zero,
                 value=instr.value, arange=instr.arange, seed=instr.seed, src=instr.src))
         self.s.tensors[instr.tid] = instr.spec
@@ -171,10 +200,13 @@ class _Translator:
                              "workers: each device type has its own generator, so the replicas would differ; "
                              "place the mesh on one device type")
         op, args, kwargs, src, seed, given = instr.op, instr.args, instr.kwargs, instr.src, instr.seed, instr.local
-        for emit, devices in self._targets(mesh, hosts):
-            local = None if given is None else {d: given[d] for d in devices if d in given}
-            emit(m.CmdRun(op=op, devices=devices, args=args, kwargs=kwargs, outs=outs, local=local, src=src,
-                          seed=seed))
+        if given is None:  # alike on every device: one command for all (rule 2)
+            self._shared(mesh, hosts, m.CmdRun(op=op, devices=[], args=args, kwargs=kwargs, outs=outs, src=src,
+                                               seed=seed, mesh=mesh.id))
+        else:  # per-device arguments: each worker only its own devices' (the bytes stay per worker)
+            for worker, devices in hosts.items():
+                self._emit(worker, m.CmdRun(op=op, devices=devices, args=args, kwargs=kwargs, outs=outs, src=src,
+                                            seed=seed, local={d: given[d] for d in devices if d in given}))
         for out in instr.outs:
             if out is not None:
                 self.s.tensors[out.tid] = out.spec
@@ -249,10 +281,9 @@ class _Translator:
                 self.batch.deferred.append(DeferredDelete(tid=tid, devices=hosts, waits=waits))
                 continue
             by_hosts.setdefault(id(hosts), (mesh, hosts, []))[2].append(tid)
-        if len(by_hosts) == 1:  # the usual case, tensors of one mesh: one CmdDelete for each of its workers
+        if len(by_hosts) == 1:  # the usual case, tensors of one mesh: one CmdDelete for all its workers (rule 2)
             for mesh, hosts, tids in by_hosts.values():
-                for emit, devices in self._targets(mesh, hosts):  # lists shared, as CmdRun's: commands are data
-                    emit(m.CmdDelete(tids=tids, devices=devices))
+                self._shared(mesh, hosts, m.CmdDelete(tids=tids, devices=[], mesh=mesh.id))
             return
         groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}  # one CmdDelete per worker and device set
         for _mesh, hosts, tids in by_hosts.values():
