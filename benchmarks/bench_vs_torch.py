@@ -1,7 +1,7 @@
 """DTorch against PyTorch's own DTensor and plain torch, side by side in one run (printed, never asserted).
 
     python benchmarks/bench_vs_torch.py [--repeats 10] [--quick] [--only a,b,c,d,e,f] [--device cpu|cuda]
-                                        [--rounds 1]
+                                        [--rounds 1]  (--rounds: (a)-(d) in turns)
 
 Three contenders, one after the other on the same machine (never at the same time):
 
@@ -552,8 +552,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="(d): 4 sizes up to 16 MiB")
     p.add_argument("--only", default="a,b,c,d,e,f,g,h", help="comma-separated items to run")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--rounds", type=int, default=1, help="(d): raw gloo and DTorch measured this many times, in "
-                   "turns; figures are medians over the rounds (on a shared machine the load moves between them)")
+    p.add_argument("--rounds", type=int, default=1, help="(a)-(d): the three contenders measured this many times, "
+                   "in turns; figures are medians over the rounds and ratios are medians of each round's ratios, "
+                   "printed with their range (on a shared machine the load moves between one contender and the next)")
     p.add_argument("--steps", type=int, default=20, help="(g): training steps per run")
     args = p.parse_args()
     args.only = set(args.only.split(","))
@@ -565,28 +566,37 @@ def main() -> None:
     plain = run_plain(args)
     torch_dt = run_torch(args) if args.only & {"a", "b", "c", "d"} else {}
     dt = run_dtorch(args) if args.only & {"a", "b", "c", "d", "e", "f"} else {}
-    rounds = [(torch_dt["d"], dt["d"])] if "d" in args.only else []
-    only_d = argparse.Namespace(**{**vars(args), "only": {"d"}})
-    for _ in range(args.rounds - 1 if rounds else 0):
-        rounds.append((run_torch(only_d)["d"], run_dtorch(only_d)["d"]))
+    rounds = [(plain, torch_dt, dt)]
+    turns = argparse.Namespace(**{**vars(args), "only": args.only & {"a", "b", "c", "d"}})
+    for _ in range(args.rounds - 1 if turns.only else 0):
+        rounds.append((run_plain(turns), run_torch(turns), run_dtorch(turns)))
+
+    def med(who: int, key: str) -> float:
+        return statistics.median(r[who][key] for r in rounds)
+
+    def rat(key: str, peer: int) -> str:  # DTorch / peer: the median of the rounds' ratios, and their range
+        ratios = sorted(r[2][key] / r[peer][key] for r in rounds)
+        return f"{statistics.median(ratios):5.2f}x" + (f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(rounds) > 1
+                                                        else "")
+
     capture = run_capture(args) if "g" in args.only else {}
     factories = run_factories(args) if "h" in args.only else {}
 
     print(f"\nDTorch vs torch DTensor (2 {'gloo' if args.device == 'cpu' else 'NCCL'} ranks) vs plain torch "
-          f"(torch {torch.__version__}, device {args.device}, medians of {args.repeats})")
+          f"(torch {torch.__version__}, device {args.device}, medians of {args.repeats}"
+          + (f"; (a)-(d) over {len(rounds)} rounds, the contenders in turns)" if len(rounds) > 1 else ")"))
     print(f"load average (1, 5, 15 min) at the start {fmt_load(load_before)}, at the end {fmt_load(os.getloadavg())} "
           f"on {os.cpu_count()} CPUs: figures from a loaded machine are noise beyond their order of magnitude")
     if "a" in args.only:
         print(f"(a) shape-(1,) add, user-thread time per op ({args.iters} iterations)")
-        print(f"    dtorch            {dt['a']:9.2f} us   (incl. execution {dt['a_total']:.2f} us)")
-        print(f"    torch DTensor     {torch_dt['a']:9.2f} us   dtorch/DTensor {ratio(dt['a'], torch_dt['a'])}")
-        print(f"    plain torch       {plain['a']:9.2f} us   dtorch/plain   {ratio(dt['a'], plain['a'])}")
+        print(f"    dtorch            {med(2, 'a'):9.2f} us   (incl. execution {med(2, 'a_total'):.2f} us)")
+        print(f"    torch DTensor     {med(1, 'a'):9.2f} us   dtorch/DTensor {rat('a', 1)}")
+        print(f"    plain torch       {med(0, 'a'):9.2f} us   dtorch/plain   {rat('a', 0)}")
     if "b" in args.only:
         print(f"(b) {LAYERS}-layer {HIDDEN}x{HIDDEN} MLP forward, batch {BATCH}, TP=2, value on the client")
-        print(f"    dtorch            {dt['b']:9.2f} ms")
-        print(f"    torch DTensor     {torch_dt['b']:9.2f} ms   dtorch/DTensor {ratio(dt['b'], torch_dt['b'])}"
-              "   (target <= 1.0x)")
-        print(f"    plain torch       {plain['b']:9.2f} ms   dtorch/plain   {ratio(dt['b'], plain['b'])}")
+        print(f"    dtorch            {med(2, 'b'):9.2f} ms")
+        print(f"    torch DTensor     {med(1, 'b'):9.2f} ms   dtorch/DTensor {rat('b', 1)}   (target <= 1.0x)")
+        print(f"    plain torch       {med(0, 'b'):9.2f} ms   dtorch/plain   {rat('b', 0)}")
         for who, cpu in (("dtorch", dt["b_cpu"]), ("torch DTensor", torch_dt["b_cpu"])):
             parts = ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items())
             print(f"    CPU ms per forward, {who}: {sum(cpu.values()):.2f} in all ({parts}); "
@@ -596,10 +606,9 @@ def main() -> None:
         print(f"    max |difference| from plain torch: dtorch {err:.2e}, DTensor {err_t:.2e}")
     if "c" in args.only:
         print("(c) the same MLP, forward + backward + SGD step, TP=2, loss on the client")
-        print(f"    dtorch            {dt['c']:9.2f} ms")
-        print(f"    torch DTensor     {torch_dt['c']:9.2f} ms   dtorch/DTensor {ratio(dt['c'], torch_dt['c'])}"
-              "   (target <= 1.0x)")
-        print(f"    plain torch       {plain['c']:9.2f} ms   dtorch/plain   {ratio(dt['c'], plain['c'])}")
+        print(f"    dtorch            {med(2, 'c'):9.2f} ms")
+        print(f"    torch DTensor     {med(1, 'c'):9.2f} ms   dtorch/DTensor {rat('c', 1)}   (target <= 1.0x)")
+        print(f"    plain torch       {med(0, 'c'):9.2f} ms   dtorch/plain   {rat('c', 0)}")
     if "d" in args.only:
         print("(d) bandwidth on 2 devices: MB/s of the whole tensor, ops issued back to back (up to 8 per sync); "
               "ratio = dtorch time / raw gloo time (target <= 1.25x, i.e. >= 0.8x the bandwidth, from 1 MiB)"
@@ -610,11 +619,11 @@ def main() -> None:
             print("      size        dtorch MB/s   raw MB/s   time ratio" +
                   ("   dtorch one op + sync" if op == "all_reduce" else ""))
             for n in args.sizes:
-                a = statistics.median(d[op][n] for _, d in rounds)
-                b = statistics.median(t[op][n] for t, _ in rounds)
-                ratios = sorted(d[op][n] / t[op][n] for t, d in rounds)
+                a = statistics.median(r[2]["d"][op][n] for r in rounds)
+                b = statistics.median(r[1]["d"][op][n] for r in rounds)
+                ratios = sorted(r[2]["d"][op][n] / r[1]["d"][op][n] for r in rounds)
                 spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(rounds) > 1 else ""
-                one = statistics.median(d["all_reduce_one"][n] for _, d in rounds)
+                one = statistics.median(r[2]["d"]["all_reduce_one"][n] for r in rounds)
                 one = f"   {one:9.2f} ms" if op == "all_reduce" else ""
                 print(f"      {fmt_size(n):>8}   {n / a / 1e3:11.1f} {n / b / 1e3:10.1f}   "
                       f"{statistics.median(ratios):.2f}x{spread}{one}")
