@@ -118,8 +118,13 @@ def _tensor_refs(value: Any, out: list[Any]) -> None:  # a list, not a generator
         value = value.values()
     elif not isinstance(value, (list, tuple)):
         return
-    for v in value:
-        if isinstance(v, (dict, list, tuple)):
+    for v in value:  # a slot inline and an empty container skipped: most arguments are one or the other
+        if isinstance(v, dict):
+            if len(v) == 1 and TENSOR_SLOT in v:
+                out.append(v[TENSOR_SLOT])
+            elif v:
+                _tensor_refs(v, out)
+        elif isinstance(v, (list, tuple)) and v:
             _tensor_refs(v, out)
 
 

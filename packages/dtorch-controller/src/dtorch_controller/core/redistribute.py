@@ -47,7 +47,7 @@ def parse_placements(wire: tuple[str, ...]) -> tuple[Placement, ...]:
 
 def check_layout(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> None:
     """Raise PlanError unless `placements` fit the mesh (one per dim) and the tensor (shard dims in range)."""
-    if any(n < 0 for n in shape):
+    if shape and min(shape) < 0:
         raise PlanError(f"negative size in shape {list(shape)}")
     if len(placements) != len(mesh_shape):
         raise PlanError(f"{len(placements)} placements for a {len(mesh_shape)}-d mesh")
