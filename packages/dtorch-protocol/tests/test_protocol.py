@@ -40,6 +40,38 @@ def test_the_tensor_slot_has_one_spelling():
     assert decode_value(args[0], lambda tid: f"shard {tid}", "cpu") == "shard 1"
 
 
+def test_tensor_refs_lists_every_slot_in_order_however_nested():
+    """The controller's walk (slots and empty containers taken inline) against the plain recursion it replaces,
+    on random nestings of dicts, lists and tuples: empty ones, slots holding anything, maps with more keys."""
+    import random
+
+    rng = random.Random(2)
+
+    def reference(value):
+        if isinstance(value, dict):
+            if len(value) == 1 and m.TENSOR_SLOT in value:
+                return [value[m.TENSOR_SLOT]]
+            value = list(value.values())
+        elif not isinstance(value, (list, tuple)):
+            return []
+        return [t for v in value for t in reference(v)]
+
+    def args(depth=0):
+        x = rng.random()
+        if depth > 3 or x < 0.3:
+            return rng.choice([1, "a", None, [], {}, (), m.tensor_slot(rng.randrange(9)), {m.TENSOR_SLOT: "x"},
+                               {m.TENSOR_SLOT: 4, "y": m.tensor_slot(5)}])
+        if x < 0.6:
+            return [args(depth + 1) for _ in range(rng.randrange(4))]
+        if x < 0.8:
+            return tuple(args(depth + 1) for _ in range(rng.randrange(3)))
+        return {str(i): args(depth + 1) for i in range(rng.randrange(3))}
+
+    for _ in range(5000):
+        value = args()
+        assert m.tensor_refs(value) == reference(value), value
+
+
 def test_bad_message_names_the_field():
     raw = msgspec.msgpack.encode({"session": "s", "seq": "one", "instrs": []})
     with pytest.raises(wire.ProtocolError, match=r"bad Submit message: .*seq"):
