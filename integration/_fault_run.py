@@ -74,6 +74,10 @@ def train(mesh, steps: int, at: int, action=None, box=None, preload=False):
             action()
         if box is not None and box.get("slow"):
             time.sleep(0.4)  # leave the operator time to act during the run
+            if step == steps - 2:  # and the last step waits until it has acted, however slow its commands are
+                deadline = time.monotonic() + 120
+                while not os.path.exists(box["done"]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
     weights = {name: p.to_torch().tolist() for name, p in model.named_parameters()}
     return losses, weights
 
@@ -85,7 +89,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--at", type=int, default=4)
     p.add_argument("--controller", default="", help="use a running controller (mode cli)")
-    p.add_argument("--ready", default="", help="mode cli: write the session id here at step --at, then go slowly")
+    p.add_argument("--ready", default="", help="mode cli: write the session id here at step --at, then go slowly, "
+                   "and take the last step once a file of that name + '.done' exists (the operator is done)")
     args = p.parse_args()
     dtorch.connect(args.controller or None, workers=args.workers)
     mesh = dtorch.DeviceMesh("cpu", [0, 1, 2])  # one logical device per worker (a 4th stays spare)
@@ -103,7 +108,7 @@ def main() -> None:
         with open(args.ready + ".tmp", "w") as f:
             f.write(dtorch.runtime.get_session().id)
         os.replace(args.ready + ".tmp", args.ready)
-        box["slow"] = True
+        box["slow"], box["done"] = True, args.ready + ".done"
 
     def stop() -> None:
         victim = where(1)

@@ -197,6 +197,7 @@ def test_operator_migrates_and_drains_with_the_cli_during_a_run(cli_cluster):
         drained = _cli("drain", devices["0"], env=env)
         assert drained.returncode == 0, drained.stderr
         assert f"drained {devices['0']}" in drained.stdout
+        (tmp_path / "ready.done").touch()  # the client's last step waits for it: the CLI is slow under load
         out, err = client.communicate(timeout=120)
     finally:
         if client.poll() is None:
