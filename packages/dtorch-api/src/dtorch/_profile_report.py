@@ -11,7 +11,7 @@ redistribution   one redistribution site (line, from -> to) took >= 20%   which 
                  moved (and >= 1 MiB)
 repeated         one tensor redistributed to one layout >= 3 times        redistribute it once, reuse the result
 imbalance        a worker idle >= 50% of the window while another is      which worker waits: the work (stages,
-                 busy >= 4x longer                                        shards) is unbalanced
+                 busy >= 4x longer and >= 20% of the window               shards) is unbalanced
 small_ops        >= 100 compute ops, more than half producing < 4 KiB     per-op overhead dominates: bigger ops
 client_bound     every worker idle >= 70% of a window of >= 50 ms         the time goes to the client (syncs)
 """
@@ -32,6 +32,8 @@ MIN_MOVE_BYTES = 1 << 20
 REPEATS = 3
 IDLE_SHARE = 0.50
 BUSY_RATIO = 4.0  # well above what scheduling noise makes of equal work on a loaded machine
+BUSY_SHARE = 0.20  # imbalance needs real work: below it every worker mostly waits (the client's time, or nothing),
+# and a 4x ratio of two near-idle workers' busy times is one page fault or one scheduling hiccup
 SMALL_OPS = 100
 SMALL_BYTES = 4 << 10
 CLIENT_IDLE = 0.70
@@ -215,6 +217,8 @@ def _imbalance(rep: Report) -> list[Suggestion]:
     if len(rep.workers) < 2:
         return []
     busiest = max(rep.workers, key=lambda w: w.busy_s)
+    if busiest.busy_s < BUSY_SHARE * busiest.window_s:
+        return []
     out = []
     for w in rep.workers:
         if w is busiest or w.window_s <= 0:
