@@ -82,81 +82,72 @@ class SilentWorker:
         return m.Ack()
 
 
-def test_sync_times_out_and_shutdown_answers_parked_syncs(keys, register_worker):
+@pytest.fixture
+def silent(keys, register_worker):
+    """A controller with one SilentWorker registered, and alice's session on a 2-device mesh: (controller server,
+    alice's stub, the session id, the worker, a Shard(0) spec of 4 elements on that mesh)."""
+    worker = SilentWorker()
+    worker_auth = auth.WorkerAuth()
+    served = wire.serve("dtorch.Worker", worker, worker_auth.authenticate)
+    server, address = run_server("127.0.0.1:0", keys.authenticate,
+                                 Config(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0))
+    stub = wire.Stub("dtorch.Controller", address, keys.alice)
+    try:
+        register_worker(wire.Stub("dtorch.Controller", address, keys.worker), served.address,
+                        secret=worker_auth.secret)
+        sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
+        stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0, 1], shape=[2]), timeout=5)
+        yield server, stub, sid, worker, m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["S0"])
+    finally:
+        stub.close()
+        server.stop(0)
+        served.server.stop(0)
+
+
+def test_sync_times_out_and_shutdown_answers_parked_syncs(silent):
     import threading
     import time
 
-    worker = SilentWorker()
-    worker_auth = auth.WorkerAuth()
-    served = wire.serve("dtorch.Worker", worker, worker_auth.authenticate)
-    server, address = run_server("127.0.0.1:0", keys.authenticate,
-                                 Config(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0))
-    stub = wire.Stub("dtorch.Controller", address, keys.alice)
-    try:
-        register_worker(wire.Stub("dtorch.Controller", address, keys.worker), served.address,
-                        secret=worker_auth.secret)
-        sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
-        stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0, 1], shape=[2]), timeout=5)
-        spec = m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["S0"])
-        stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec, init="ones")]),
-                  timeout=5)
-        reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3), timeout=60)  # its own timeout answers
-        assert not reply.done and "w0" in reply.message
-        assert [b.seq for b in worker.batches] == [1]  # delivered over the execute token
-        assert worker.batches[0].cmds[0].boxes == {0: [[0, 2]], 1: [[2, 2]]}
+    server, stub, sid, worker, spec = silent
+    stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[m.InstrCreate(tid=1, spec=spec, init="ones")]),
+              timeout=5)
+    reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3), timeout=60)  # its own timeout answers
+    assert not reply.done and "w0" in reply.message
+    assert [b.seq for b in worker.batches] == [1]  # delivered over the execute token
+    assert worker.batches[0].cmds[0].boxes == {0: [[0, 2]], 1: [[2, 2]]}
 
-        outcome: list[object] = []
-        parked = threading.Thread(target=lambda: outcome.append(_try(stub, sid)))
-        parked.start()
-        deadline = time.monotonic() + 30
-        while not server.service._waiters and time.monotonic() < deadline:
-            time.sleep(0.01)
-        server.stop(0)
-        parked.join(30)
-        assert not parked.is_alive()
-        assert isinstance(outcome[0], Exception)
-        deadline = time.monotonic() + 30  # the handler thread forgets its waiter just after the client saw the abort
-        while server.service._waiters and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not server.service._waiters
-    finally:
-        stub.close()
-        server.stop(0)
-        served.server.stop(0)
+    outcome: list[object] = []
+    parked = threading.Thread(target=lambda: outcome.append(_try(stub, sid)))
+    parked.start()
+    deadline = time.monotonic() + 30
+    while not server.service._waiters and time.monotonic() < deadline:
+        time.sleep(0.01)
+    server.stop(0)
+    parked.join(30)
+    assert not parked.is_alive()
+    assert isinstance(outcome[0], Exception)
+    deadline = time.monotonic() + 30  # the handler thread forgets its waiter just after the client saw the abort
+    while server.service._waiters and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not server.service._waiters
 
 
-def test_a_sync_carrying_its_batch_is_one_call_that_submits_it_first(keys, register_worker):
+def test_a_sync_carrying_its_batch_is_one_call_that_submits_it_first(silent):
     """Protocol 1.7: a Sync's `instrs` are its batch `upto`, accepted (counted, translated, sent) as a Submit of them
     would be, before the wait; a carried batch out of order is refused as its Submit would be."""
-    worker = SilentWorker()
-    worker_auth = auth.WorkerAuth()
-    served = wire.serve("dtorch.Worker", worker, worker_auth.authenticate)
-    server, address = run_server("127.0.0.1:0", keys.authenticate,
-                                 Config(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0))
-    stub = wire.Stub("dtorch.Controller", address, keys.alice)
-    try:
-        register_worker(wire.Stub("dtorch.Controller", address, keys.worker), served.address,
-                        secret=worker_auth.secret)
-        sid = stub.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
-        stub.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0, 1], shape=[2]), timeout=5)
-        spec = m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["S0"])
-        create = m.InstrCreate(tid=1, spec=spec, init="ones")
-        with pytest.raises(wire.RemoteError, match="batch 2 out of order: session .* expects batch 1"):
-            stub.call("Sync", m.Sync(session=sid, upto=2, timeout_s=0.3, instrs=[create]), timeout=60)
-        reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3, instrs=[create]), timeout=60)
-        assert not reply.done and "w0" in reply.message  # the batch is out, and waited for
-        assert [b.seq for b in worker.batches] == [1] and worker.batches[0].cmds[0].boxes == {0: [[0, 2]],
-                                                                                            1: [[2, 2]]}
-        metrics = server.service.metrics.registry
-        assert metrics.get_sample_value("dtorch_controller_instructions_total") == 1
-        assert metrics.get_sample_value("dtorch_controller_request_seconds_count", {"method": "Submit"}) == 0
-        assert metrics.get_sample_value("dtorch_controller_request_seconds_count", {"method": "Sync"}) == 2
-        with pytest.raises(wire.RemoteError, match="expects batch 2"):
-            stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[create]), timeout=5)
-    finally:
-        stub.close()
-        server.stop(0)
-        served.server.stop(0)
+    server, stub, sid, worker, spec = silent
+    create = m.InstrCreate(tid=1, spec=spec, init="ones")
+    with pytest.raises(wire.RemoteError, match="batch 2 out of order: session .* expects batch 1"):
+        stub.call("Sync", m.Sync(session=sid, upto=2, timeout_s=0.3, instrs=[create]), timeout=60)
+    reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3, instrs=[create]), timeout=60)
+    assert not reply.done and "w0" in reply.message  # the batch is out, and waited for
+    assert [b.seq for b in worker.batches] == [1] and worker.batches[0].cmds[0].boxes == {0: [[0, 2]], 1: [[2, 2]]}
+    metrics = server.service.metrics.registry
+    assert metrics.get_sample_value("dtorch_controller_instructions_total") == 1
+    assert metrics.get_sample_value("dtorch_controller_request_seconds_count", {"method": "Submit"}) == 0
+    assert metrics.get_sample_value("dtorch_controller_request_seconds_count", {"method": "Sync"}) == 2
+    with pytest.raises(wire.RemoteError, match="expects batch 2"):
+        stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[create]), timeout=5)
 
 
 def _try(stub, sid):
