@@ -35,10 +35,20 @@ def install(session: nox.Session, *extra: str) -> None:
     session.install(*[arg for p in PACKAGES for arg in ("-e", p)], *extra)
 
 
+def install_prometheus(session: nox.Session) -> None:
+    """The Debian `prometheus` package where it can be installed (root with apt-get; bounded), for the test that has a
+    real Prometheus scrape the cluster; where it cannot, that test skips with one line."""
+    if shutil.which("prometheus") is None and shutil.which("apt-get") and os.geteuid() == 0:
+        session.run("timeout", "300", "sh", "-c", "apt-get update -qq && apt-get install -y -qq prometheus",
+                    external=True, success_codes=[0, 100, 124])
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole suite: unit tests of each package and integration tests with real processes."""
+    """The whole suite: unit tests of each package and integration tests with real processes (a real Prometheus
+    among them where it can be installed)."""
     install(session, *TEST_DEPS)
+    install_prometheus(session)
     session.run("pytest", "-q", "-m", "not gpu", *session.posargs)
 
 
@@ -55,9 +65,7 @@ def observability(session: nox.Session) -> None:
     """Metrics scraped by a real Prometheus and usage records (integration/test_observability.py). Installs the
     Debian `prometheus` package where it can (root with apt-get); where it cannot, the test skips with one line."""
     install(session, *TEST_DEPS)
-    if shutil.which("prometheus") is None and shutil.which("apt-get") and os.geteuid() == 0:
-        session.run("sh", "-c", "apt-get update -qq && apt-get install -y -qq prometheus", external=True,
-                    success_codes=[0, 100])
+    install_prometheus(session)
     session.run("pytest", "-q", "-rs", "integration/test_observability.py", *session.posargs)
 
 
