@@ -599,7 +599,8 @@ def main() -> None:
         print(f"    plain torch       {med(0, 'b'):9.2f} ms   dtorch/plain   {rat('b', 0)}")
         for who, cpu in (("dtorch", dt["b_cpu"]), ("torch DTensor", torch_dt["b_cpu"])):
             parts = ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items())
-            print(f"    CPU ms per forward, {who}: {sum(cpu.values()):.2f} in all ({parts}); "
+            print(f"    CPU ms per forward, {who}{' (round 1)' if len(rounds) > 1 else ''}: {sum(cpu.values()):.2f} "
+                  f"in all ({parts}); "
                   f"on {os.cpu_count()} CPUs no forward takes less than {sum(cpu.values()) / os.cpu_count():.2f} ms")
         err = (dt["b_value"] - plain["b_value"]).abs().max().item()
         err_t = (torch.tensor(torch_dt["b_value"]) - plain["b_value"]).abs().max().item()
