@@ -29,8 +29,9 @@ Items (those of issue #11):
     compute ran meanwhile (overlapped with communication).
 
 (g) step capture (issue #12 item 2): user-thread time per training step of the Llama DPxTP example (2x2 mesh,
-    AdamW, 20 steps), eager against `dtorch.compile` (steps 3-20 replayed: one InstrReplay each), against plain
-    torch eager's whole step on one process; the losses of both DTorch runs must be identical;
+    AdamW, 20 steps), eager against `dtorch.compile` (steps 3-20 replayed: one InstrReplay each) and against
+    `dtorch.auto_compile()` (the same loop, no step marked: each upload ends a step), against plain torch eager's
+    whole step on one process; the losses of the three DTorch runs must be identical;
 (h) random factories (issue #12 item 4): time and elements drawn per device for a 4096x4096 randn sharded
     over 1-8 devices, block-seeded (each device draws the blocks of its shard) against drawing the whole
     tensor and keeping the box (what workers did before).
@@ -462,14 +463,14 @@ LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2)
 
 
-def llama_step_times(steps: int, compiled: bool | None) -> tuple[list[float], list[float]]:
-    """(user-thread seconds per step, losses) of the DPxTP Llama example: DTorch eager (False), DTorch compiled
-    (True) or plain torch (None, one process, whole step)."""
+def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
+    """(user-thread seconds per step, losses) of the DPxTP Llama example: DTorch "eager", "compiled"
+    (`dtorch.compile`), "auto" (`dtorch.auto_compile()`, the loop unmarked) or "plain" torch (one process)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA))
-    if compiled is not None:
+    if how != "plain":
         import dtorch
         from dtorch import Replicate, Shard
         from dtorch.nn import llama_tp_plan, parallelize_module
@@ -486,37 +487,44 @@ def llama_step_times(steps: int, compiled: bool | None) -> tuple[list[float], li
         opt.step()
         return loss
 
-    step = dtorch.compile(body) if compiled else body
+    step = dtorch.compile(body) if how == "compiled" else body
+    auto = dtorch.auto_compile() if how == "auto" else None
     data = torch.Generator().manual_seed(1)
     times, losses = [], []
     for _ in range(steps):
         ids = torch.randint(0, LLAMA["vocab_size"], (4, 16), generator=data)
-        if compiled is not None:
+        if how != "plain":
             ids = dtorch.distribute_tensor(ids, mesh, [Shard(0), Replicate()])
         t0 = time.thread_time()
         losses.append(step(ids))
         times.append(time.thread_time() - t0)
-    if compiled:
+    if how == "compiled":
         assert step.replays == steps - 2, (step.replays, step.fallbacks, step.unreplayable)
-    return times, [float(loss.item()) for loss in losses]
+    losses = [float(loss.item()) for loss in losses]
+    if auto is not None:  # steps 3.. replayed: ended by the next upload (the last one by the first .item())
+        assert (auto.replays, auto.fallbacks) == (steps - 2, 0), (auto.replays, auto.fallbacks)
+        dtorch.auto_compile(False)
+    return times, losses
 
 
 def run_capture(args: argparse.Namespace) -> dict:
     import dtorch
 
     torch.set_num_threads(2)
-    plain, _ = llama_step_times(args.steps, None)
+    plain, _ = llama_step_times(args.steps, "plain")
     torch.set_num_threads(1)
     dtorch.connect(workers=2)
     try:
-        eager, eager_losses = llama_step_times(args.steps, False)
-        captured, captured_losses = llama_step_times(args.steps, True)
+        eager, eager_losses = llama_step_times(args.steps, "eager")
+        captured, captured_losses = llama_step_times(args.steps, "compiled")
+        auto, auto_losses = llama_step_times(args.steps, "auto")
     finally:
         dtorch.shutdown()
     tail = slice(2, None)  # steps 3.. : warmed up; compiled ones replayed
     return {"plain": statistics.median(plain[tail]) * 1e3, "eager": statistics.median(eager[tail]) * 1e3,
-            "captured": statistics.median(captured[tail]) * 1e3,
-            "diff": max(abs(a - b) for a, b in zip(eager_losses, captured_losses))}
+            "captured": statistics.median(captured[tail]) * 1e3, "auto": statistics.median(auto[tail]) * 1e3,
+            "diff": max(abs(a - b) for a, b in zip(eager_losses, captured_losses)),
+            "auto_diff": max(abs(a - b) for a, b in zip(eager_losses, auto_losses))}
 
 
 def run_factories(args: argparse.Namespace) -> dict[int, tuple[float, float, int]]:
@@ -648,9 +656,12 @@ def main() -> None:
         print(f"    dtorch eager              {capture['eager']:9.2f} ms")
         print(f"    dtorch.compile (replayed) {capture['captured']:9.2f} ms   captured/eager "
               f"{ratio(capture['captured'], capture['eager'])}")
+        print(f"    dtorch.auto_compile()     {capture['auto']:9.2f} ms   auto/eager "
+              f"{ratio(capture['auto'], capture['eager'])}   (the same loop, no step marked)")
         print(f"    plain torch eager step    {capture['plain']:9.2f} ms   captured/plain "
               f"{ratio(capture['captured'], capture['plain'])}   (target <= 0.4x)")
-        print(f"    max |loss difference| eager vs captured: {capture['diff']:.1e} (identical: 0)")
+        print(f"    max |loss difference| eager vs captured: {capture['diff']:.1e}, vs auto: "
+              f"{capture['auto_diff']:.1e} (identical: 0)")
     if factories:
         print("(h) randn 4096x4096 float32, Shard(0): time and elements drawn by one device")
         print("    devices     blocks (ours)        whole tensor, then the box   elements drawn (ours / whole)")

@@ -36,6 +36,7 @@ _LAZY = {
     "drain": "dtorch.runtime",
     "migrate": "dtorch.runtime",
     "compile": "dtorch.steps",
+    "auto_compile": "dtorch.steps",
     "profile": "dtorch.profiling",
 }
 

@@ -171,6 +171,8 @@ class Session:
     def close(self) -> None:
         if self._closed:
             return
+        if self.step is not None:  # a replay sends what it matched, automatic capture stops (dtorch.steps)
+            self.step.close()
         try:
             if not self._stream.broken:
                 self._stream.flush()

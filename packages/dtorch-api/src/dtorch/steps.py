@@ -39,11 +39,25 @@ Rules:
      planned again, into a list: when its instructions are the program's but for numbers in the op's
      arguments, those numbers become holes of the program (`{"$s": k}`, defined again once) and the replay
      sends their values; that op is planned again in each later replay, every other op only matched.
+
+Automatic capture (`dtorch.auto_compile()`): no step is marked; the operations between two boundaries are one.
+  7. A boundary is a sync point (`loss.item()`, `print(x)`), an upload, a flush or a `dtorch.compile` step (which
+     runs as its own, as above). Boundaries count on the thread that turned capture on, not on transfer threads.
+  8. An automatic step is recorded or replayed as a compiled one is (rules 1-6), and ends at the next boundary,
+     also one inside an operation (`.item()` is one): the recording ends before that operation, and a replay
+     that has matched its whole program is sent there (an operation past the program's end ends it too). The
+     operation goes on eagerly.
+  9. Steps are told apart by their first operation's key (at most MAX_TRACKS kinds; the oldest gives way, its
+     program id defined again). Per kind: the first step runs eagerly (warm-up), the next is recorded, and
+     later ones are replayed while they match. A recording of fewer than MIN_OPS operations defines nothing and
+     the next one records again; an unreplayable recording or a fallback makes the next 2, 4, ... MAX_WAIT
+     steps of that kind run eagerly before the next recording.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,10 +117,11 @@ class Program:
 
 
 class _Mode:
-    """What a step installs on its session while it runs: the step hook and the session's three per-op calls."""
+    """What a step installs on its session while it runs: the step hook and the session's three per-op calls.
+    `outer`: the automatic capture it runs for (rule 7), which stays the session's `step` meanwhile."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, session: Session, outer: AutoSteps | None = None) -> None:
+        self.session, self.outer = session, outer
         self.emit, self.new_tid, self.release = session.emit, session.new_tid, session.release  # the eager ones
         self.slot_of: dict[int, int] = {}
         self.tids: list[int] = []
@@ -116,7 +131,7 @@ class _Mode:
     def install(self) -> None:
         s = self.session
         s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
-        s.step = self
+        s.step = self.outer or self
         _dispatch.step_hook = self
         self.active = True
 
@@ -126,7 +141,7 @@ class _Mode:
         self.active = False
         s = self.session
         s.emit, s.new_tid, s.release = self.emit, self.new_tid, self.release
-        s.step = None
+        s.step = self.outer
         _dispatch.step_hook = None
         for tid in self.held:
             self.release(tid)
@@ -141,6 +156,11 @@ class _Mode:
             return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
         return self.run(key, leaves, lambda: _dispatch.torch_dispatch(cls, func, types, args, kwargs), func)
 
+    def close(self) -> None:
+        """The session closes during the step: what it matched goes out (a replay), it stops."""
+        self.interrupt("close")
+        self.uninstall()
+
     # overridden
     def _emit(self, item: Any) -> None: ...
     def _new_tid(self) -> int: ...
@@ -152,10 +172,11 @@ class _Mode:
 class _Recorder(_Mode):
     """Runs a step eagerly and records it (rules 1, 2, 4, 5)."""
 
-    def __init__(self, session: Session, program_id: int) -> None:
-        super().__init__(session)
+    def __init__(self, session: Session, program_id: int, outer: AutoSteps | None = None) -> None:
+        super().__init__(session, outer)
         self.program = Program(program_id)
         self.op: _Op | None = None  # the operation running now
+        self.op_from = (0, 0)  # the slots and seeds before it
         self.op_made: set[int] = set()
         self.seeds: list[int] = []
         self.broken: str | None = None
@@ -211,6 +232,7 @@ class _Recorder(_Mode):
             self.abandon("it mixes DTensors of another session")
             return thunk()
         slots, fresh = [], False
+        self.op_from = len(self.tids), len(self.seeds)
         for leaf in leaves:
             slot = self.slot_of.get(leaf._tid)
             if slot is None:
@@ -268,6 +290,19 @@ class _Recorder(_Mode):
                 out.append(("val", v))
         return spec, out
 
+    def cut(self) -> None:
+        """A sync point inside the operation running now ends an automatic step (rule 8): the program ends before
+        that operation, which goes on eagerly (what it emitted so far went out as it ran)."""
+        op, p = self.op, self.program
+        slots, seeds = self.op_from
+        del p.instrs[op.start:], self.seeds[seeds:]
+        for tid in self.tids[slots:]:
+            del self.slot_of[tid]
+        del self.tids[slots:]
+        p.user_deletes = {i: slot for i, slot in p.user_deletes.items() if i < op.start}
+        self.external = {slot for slot in self.external if slot < slots}
+        self.op = None
+
     def finish(self) -> Program | None:
         """The recorded program, or None when the recording is unreplayable (`broken` says why)."""
         self.uninstall()
@@ -281,8 +316,8 @@ class _Recorder(_Mode):
 class _Replayer(_Mode):
     """Matches a step against its program and sends one InstrReplay (rules 2-4, 6)."""
 
-    def __init__(self, session: Session, program: Program) -> None:
-        super().__init__(session)
+    def __init__(self, session: Session, program: Program, outer: AutoSteps | None = None) -> None:
+        super().__init__(session, outer)
         self.program = program
         self.pos = 0
         self.seeds: list[int] = []
@@ -319,7 +354,9 @@ class _Replayer(_Mode):
             self._release(tid)
 
     def interrupt(self, why: str) -> None:
-        if self.active:
+        if self.outer is not None:
+            self.finish()  # an automatic step ends here (rule 8)
+        elif self.active:
             self.fall_back()
 
     def dispatch(self, cls: type, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
@@ -346,6 +383,9 @@ class _Replayer(_Mode):
     def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any:
         ops, pos = self.program.ops, self.pos
         op = ops[pos] if pos < len(ops) else None
+        if op is None and self.outer is not None:  # an automatic step went past its program: replay, go eager
+            self.finish()
+            return thunk()
         same = op is not None and op.key == key
         if op is None or not (same or _numbers_differ(op.key, key)) or not self._bind(op, leaves):
             self.fall_back()
@@ -635,8 +675,19 @@ class Compiled:
         self.fallbacks = 0  # replays that fell back to eager (rule 3)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
         session = get_session()
+        auto = session.step
+        if type(auto) is not AutoSteps:
+            return self._call(session, args, kwargs)
+        auto.interrupt("a compiled step")  # it ends the automatic step and is one of its own (rule 7)
+        auto.pause()
+        try:
+            return self._call(session, args, kwargs)
+        finally:
+            auto.arm()
+
+    def _call(self, session: Session, args: tuple, kwargs: dict) -> Any:
+        self.calls += 1
         if self.unreplayable is not None or self.calls <= self.warmup or _dispatch.step_hook is not None \
                 or session.step is not None:
             return self.fn(*args, **kwargs)
@@ -683,3 +734,129 @@ def compile(fn: Callable[..., Any] | None = None, *, warmup: int = 1) -> Any:  #
     if fn is None:
         return lambda f: Compiled(f, warmup)
     return Compiled(fn, warmup)
+
+
+@dataclass
+class _Track:
+    """Automatic steps that begin with one operation (rule 9)."""
+
+    program_id: int
+    program: Program | None = None
+    wait: int = 1  # steps to run eagerly before the next recording (the first: a warm-up)
+    misses: int = 0  # recordings or replays in a row that did not replay
+
+
+class AutoSteps:
+    """Automatic capture (rules 7-9): the session's `step` while it is on, told of every sync point, upload and
+    flush (a boundary); installs a recording or a replay at the first operation after a boundary."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.thread = threading.get_ident()  # the user's thread: boundaries seen by transfer threads do not count
+        self.tracks: dict[Any, _Track] = {}  # by the key of a step's first operation, oldest first
+        self.track: _Track | None = None  # the automatic step running now
+        self.mode: _Mode | None = None
+        self.replays = 0  # automatic steps that ran as one InstrReplay
+        self.fallbacks = 0  # replays that fell back to eager (rule 3)
+
+    def arm(self) -> None:
+        """After a boundary: the next operation starts an automatic step."""
+        self.session.step = self
+        _dispatch.step_hook = self
+
+    def pause(self) -> None:
+        self.session.step = _dispatch.step_hook = None
+
+    def _begin(self, key: Any) -> None:
+        _dispatch.step_hook = None
+        track = self.track = self.tracks.get(key)
+        if track is None:
+            if len(self.tracks) < MAX_TRACKS:
+                program_id = self.session.new_program_id()
+            else:  # the oldest track's program id is defined again (rule 9)
+                program_id = self.tracks.pop(next(iter(self.tracks))).program_id
+            track = self.track = self.tracks[key] = _Track(program_id)
+        if track.program is not None:
+            self.mode = _Replayer(self.session, track.program, self)
+        elif track.wait > 0:
+            track.wait -= 1
+            return
+        else:
+            self.mode = _Recorder(self.session, track.program_id, self)
+        self.mode.install()
+
+    # the step hook (`_dispatch.step_hook`) between a boundary and the first operation after it
+    def dispatch(self, cls: type, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
+        try:
+            key = _dispatch.op_key(func, args, kwargs)[0]
+        except (_dispatch._Plain, TypeError):
+            key = id(func)
+        self._begin(key)
+        hook = _dispatch.step_hook
+        if hook is None:
+            return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
+        return hook.dispatch(cls, func, types, args, kwargs)
+
+    def run(self, key: Any, leaves: list, thunk: Callable[[], Any], func: Any = None) -> Any:
+        self._begin(key)
+        hook = _dispatch.step_hook
+        return thunk() if hook is None else hook.run(key, leaves, thunk, func)
+
+    def interrupt(self, why: str) -> None:
+        """A boundary: the automatic step running now ends (its program defined, or its replay sent: rule 8)."""
+        if threading.get_ident() != self.thread:
+            return
+        mode, track, self.mode, self.track = self.mode, self.track, None, None
+        if isinstance(mode, _Recorder):
+            if mode.op is not None and mode.broken is None:
+                mode.cut()
+            program = mode.finish()
+            if program is None:
+                self._miss(track)
+            elif len(program.ops) >= MIN_OPS:
+                track.program = program
+                self.session.emit(_definition(program))
+        elif isinstance(mode, _Replayer):
+            mode.finish()
+            if mode.fell_back:
+                self.fallbacks += 1
+                track.program = None
+                self._miss(track)
+            else:
+                self.replays += 1
+                track.misses = 0
+        self.arm()
+
+    @staticmethod
+    def _miss(track: _Track) -> None:
+        track.misses += 1
+        track.wait = min(2 ** track.misses, MAX_WAIT)
+
+    def close(self) -> None:
+        """Automatic capture stops (`auto_compile(False)`, the session closing): the step running now ends."""
+        self.interrupt("close")
+        self.pause()
+
+
+MIN_OPS = 8  # an automatic step with fewer operations is not worth a program (rule 9)
+MAX_WAIT = 64  # at most this many eager steps between two tries (rule 9)
+MAX_TRACKS = 8  # kinds of automatic steps (first operations) a session keeps programs for (rule 9)
+
+
+def auto_compile(enabled: bool = True) -> AutoSteps | None:
+    """Capture repeated steps without marking them (rules 7-9): the operations between two sync points (such as
+    `loss.item()`) or uploads are a step, and a step that repeats runs as a program, as `dtorch.compile`'s do.
+    Returns the session's automatic capture (it counts `replays` and `fallbacks`), or None when turned off."""
+    session = get_session()
+    auto = session.step
+    if type(auto) is AutoSteps:
+        if not enabled:
+            auto.close()
+        return auto if enabled else None
+    if auto is not None or _dispatch.step_hook is not None:
+        raise RuntimeError("dtorch.auto_compile() cannot be called inside a dtorch.compile step")
+    if not enabled:
+        return None
+    auto = AutoSteps(session)
+    auto.arm()
+    return auto

@@ -1,0 +1,168 @@
+"""dtorch.auto_compile: a plain training loop, no step marked, replayed from its third step with exactly the
+eager results (steps.py rules 7-9; real processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dtorch
+from dtorch import Replicate, Shard
+from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+from dtorch.runtime import get_session
+from dtorch_protocol import messages as m
+
+PLACE = [Shard(0), Replicate()]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+def _batches(n, rows=8):
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def _auto(enabled=True):
+    auto = dtorch.auto_compile(enabled)
+    try:
+        yield auto
+    finally:
+        dtorch.auto_compile(False)
+
+
+def _loop(mesh2d, batches, auto, norms=False, sent=None, dropout=0.0):
+    """A TP x DP MLP trained by a plain loop that reads the loss every step (and, with `norms`, the parameters'
+    norm: a second kind of step); what each step sent when `sent` is a list."""
+    model = _mlp()
+    parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    session = get_session()
+    losses, norm_values = [], []
+    dtorch.manual_seed(3)
+    with _auto(auto) as capture:
+        eager_emit = session.emit
+        for x, y in batches:
+            dx, dy = dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE)
+            items: list = []
+            if sent is not None:
+                session.emit = lambda item, items=items: (items.append(item), eager_emit(item))[1]
+            loss = ((F.dropout(model(dx), dropout, training=dropout > 0) - dy) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            session.emit = eager_emit
+            if sent is not None:
+                sent.append(items)
+            if norms:
+                norm_values.append(sum((p * p).sum() for p in model.parameters()).item())
+        counts = (capture.replays, capture.fallbacks) if capture else None
+    return losses, norm_values, [p.to_torch() for p in model.parameters()], counts
+
+
+def test_a_plain_training_loop_is_replayed_with_the_eager_results(mesh2d):
+    batches = _batches(7)
+    sent: list = []
+    losses, _, params, counts = _loop(mesh2d, batches, True, sent=sent, dropout=0.2)
+    eager_losses, _, eager_params, _ = _loop(mesh2d, batches, False, dropout=0.2)
+    assert counts == (5, 0)  # step 1 warms up, step 2 is recorded, steps 3-7 are replayed
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
+    # a replayed step sends one instruction; the recorded one sent its program's definition too
+    assert [type(i) for i in sent[-1]] == [m.InstrReplay] and len(sent[-1][0].tids) > 30
+    assert any(type(i) is m.InstrDefine for i in sent[1]) and not any(type(i) is m.InstrReplay for i in sent[1])
+
+
+def test_two_kinds_of_steps_each_get_a_program(mesh2d):
+    batches = _batches(6)
+    losses, norms, params, counts = _loop(mesh2d, batches, True, norms=True)
+    eager_losses, eager_norms, eager_params, _ = _loop(mesh2d, batches, False, norms=True)
+    assert counts == (8, 0)  # each kind: step 1 warms up, 2 is recorded, 3-6 are replayed
+    assert (losses, norms) == (eager_losses, eager_norms)
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+    ref = _mlp()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    expected = []
+    for x, y in batches:
+        loss = ((ref(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    for got, want in zip(params, ref.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_that_changes_inside_falls_back_and_short_steps_define_nothing(mesh1, cluster):
+    x = torch.arange(16.0)
+    dx = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
+    sent: list = []
+    eager_emit = cluster.emit
+    with _auto() as auto:
+        cluster.emit = lambda item: (sent.append(item), eager_emit(item))[1]
+        try:
+            for k in (1, 1, 1, 1, 3, 1, 1, 1, 1, 1):
+                t = dx * 2 + 1
+                for _ in range(4):
+                    t = t * 0.5 + 1
+                got = t.narrow(0, k, 4).sum().item()  # a number in the middle of the step
+                want = x * 2 + 1
+                for _ in range(4):
+                    want = want * 0.5 + 1
+                assert got == want.narrow(0, k, 4).sum().item()
+            # k=3 falls back at step 5; steps 6 and 7 run eagerly, 8 records again, 9-10 replay
+            assert (auto.replays, auto.fallbacks) == (4, 1)
+            defined = sum(type(i) is m.InstrDefine for i in sent)
+            for _ in range(5):  # one op between sync points: no program
+                assert (dx + 1).sum().item() == (x + 1).sum().item()
+            assert sum(type(i) is m.InstrDefine for i in sent) == defined == 2
+        finally:
+            cluster.emit = eager_emit
+
+
+def test_a_compiled_step_under_automatic_capture_is_its_own(mesh2d):
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+
+    def train(mod, o, x, y):
+        loss = ((mod(x) - y) ** 2).mean()
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        return loss
+
+    step = dtorch.compile(lambda x, y: train(model, opt, x, y))
+    with _auto():
+        for x, y in _batches(5):
+            loss = step(dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE))
+            torch.testing.assert_close(loss.item(), train(ref, ref_opt, x, y).item(), rtol=1e-5, atol=1e-6)
+    assert (step.replays, step.fallbacks) == (3, 0)
+
+
+def test_a_step_ends_inside_the_op_whose_sync_point_ends_it(mesh1):
+    """`.item()` of a tensor the step did not read, and of a sum it made (a redistribution inside the op, before
+    its sync point): the recording ends before that op, which runs eagerly each step (rule 8)."""
+    x, other = torch.arange(8.0), torch.tensor([5.0])
+    dx = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
+    dother = dtorch.distribute_tensor(other, mesh1, [Replicate()])
+    with _auto() as auto:
+        for _ in range(5):
+            t = dx
+            for _ in range(8):
+                t = t * 0.5 + 1
+            assert dother.item() == 5.0
+            want = x
+            for _ in range(8):
+                want = want * 0.5 + 1
+            assert t.sum().item() == want.sum().item()
+        assert (auto.replays, auto.fallbacks) == (3, 0)
