@@ -103,3 +103,45 @@ def test_per_device_arguments_stay_per_worker_and_lost_workers_get_nothing():
     assert lost not in {e.worker_id for e in sent}
     assert {(e.worker_id, tuple(c.devices)) for e in sent for c in cmds_of([e], kind=m.CmdDelete)} == {
         (s.devices[0], (0,)), (s.devices[1], (1,))}
+
+
+def test_output_layouts_checked_once_per_batch_still_refuse_what_is_wrong():
+    """`_out_layout` checks each (mesh, placements, number of dims) once per batch; a later output of the same
+    layout but a negative size, a scalar sharded on dim 0, or a tensor id that is not an int is still refused."""
+    h = Harness()
+    h.register("10.0.0.1:7000")
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0, 1]).placed
+    h.submit(sid, 1, [create(1)])
+    h.report_all()
+    bad_size = m.InstrCall(op="aten.add.Tensor", mesh=1, args=[m.tensor_slot(1), m.tensor_slot(1)], kwargs={},
+                           outs=[m.OutSpec(tid=4, spec=spec([-8]))], src="u.py:2")
+    scalar = m.InstrCall(op="aten.sum.default", mesh=1, args=[m.tensor_slot(1)], kwargs={},
+                         outs=[m.OutSpec(tid=5, spec=spec([]))], src="u.py:3")
+    a_bool = m.InstrCall(op="aten.add.Tensor", mesh=1, args=[m.tensor_slot(1), {m.TENSOR_SLOT: True}], kwargs={},
+                         outs=[m.OutSpec(tid=6, spec=spec([8]))], src="u.py:4")
+    in_kwargs = m.InstrCall(op="aten.add.Tensor", mesh=1, args=[m.tensor_slot(1)], kwargs={"other": m.tensor_slot(9)},
+                            outs=[m.OutSpec(tid=7, spec=spec([8]))], src="u.py:5")
+    h.submit(sid, 2, [add(2, 1, 1), add(3, 2, 1), bad_size, scalar, a_bool, in_kwargs])
+    h.report_all()
+    errors = {e.src: e.message for e in h.sync(sid, 2)[1].errors}
+    assert set(errors) == {"u.py:2", "u.py:3", "u.py:4", "u.py:5"}
+    assert "negative size" in errors["u.py:2"] and "out of range" in errors["u.py:3"]
+    assert "unknown tensor True" in errors["u.py:4"] and "unknown tensor 9" in errors["u.py:5"]
+    assert set(h.core.sessions[sid].tensors) == {1, 2, 3}
+
+
+def test_an_eager_batch_notes_each_tensors_maker_as_the_notes_do():
+    """`note_instrs` (the eager path) against `note_origins(origin_notes(...))` (the rule table programs use)."""
+    from dtorch_controller.core.lineage import note_instrs, note_origins, origin_notes
+
+    instrs = [create(1), add(2, 1, 1), m.InstrAdopt(tid=3, spec=spec([8])), add(2, 2, 3),  # in place: kept
+              m.InstrCall(op="aten.split", mesh=1, args=[m.tensor_slot(2)], kwargs={},
+                          outs=[None, m.OutSpec(tid=4, spec=spec([8]))], src="u.py:7"),
+              m.InstrRedistribute(src=4, dst=5, src_spec=spec([8]), dst_spec=spec([8], placements=("R",))),
+              m.InstrDelete(tids=[1, 4, 99]), add(1, 5, 5), m.InstrCreate(tid=2, spec=spec([8]), init="zeros")]
+    for start in range(len(instrs)):
+        fast, table = {7: ("before", "")}, {7: ("before", "")}
+        note_instrs(fast, instrs[start:])
+        note_origins(table, origin_notes(instrs[start:]))
+        assert fast == table and list(fast) == list(table)

@@ -35,8 +35,7 @@ from dtorch_controller.core.lineage import (
     Lineage,
     LoggedBatch,
     copy_upload,
-    note_origins,
-    origin_notes,
+    note_instrs,
     restore_upload,
 )
 from dtorch_controller.core.model import Cluster, Session, Worker
@@ -154,7 +153,7 @@ class Pipeline:
         def run(segment: list[m.Instr]) -> None:
             if segment:
                 if not replay:
-                    note_origins(rec.origin, origin_notes(segment))
+                    note_instrs(rec.origin, segment)
                 take(translate(s, segment, self.cluster.workers))
 
         for i, instr in enumerate(instrs):

@@ -78,6 +78,7 @@ class _Translator:
         self._declared: dict[int, dict[str, list[int]]] = {}  # mesh id -> the hosts its CmdMesh named (rule 3)
         self._run_hosts: dict[str, list[int]] | None = None  # the workers of the shared run (rule 2)
         self._run: list[m.Cmd] = []  # shared commands not yet in the workers' lists
+        self._checked: set[tuple] = set()  # output layouts checked in this batch (`_out_layout`)
 
     def run(self, instrs: list[m.Instr]) -> Batch:
         handlers = {m.InstrCreate: self._create, m.InstrCall: self._call, m.InstrRedistribute: self._redistribute,
@@ -145,6 +146,15 @@ class _Translator:
         check_layout(spec.shape, mesh.shape, placements)
         return mesh, placements
 
+    def _out_layout(self, spec: m.TensorSpec) -> None:
+        """`_layout`'s checks, done once per batch for each (mesh, placements, number of dims) of an op's outputs."""
+        key = (spec.mesh, *spec.placements, len(spec.shape))
+        if key not in self._checked:
+            self._layout(spec)
+            self._checked.add(key)
+        elif spec.shape and min(spec.shape) < 0:
+            raise PlanError(f"negative size in shape {list(spec.shape)}")
+
     def _spec(self, tid: int) -> m.TensorSpec:
         spec = self.s.tensors.get(tid)
         if spec is None:
@@ -185,13 +195,18 @@ class _Translator:
 
     def _call(self, instr: m.InstrCall) -> None:
         mesh = self._mesh(instr.mesh)
-        refs = m.tensor_refs([instr.args, instr.kwargs, instr.local or {}])
-        unknown = sorted({repr(t) for t in refs if not isinstance(t, int) or t not in self.s.tensors})
-        if unknown:
-            raise InstrError(f"unknown tensor{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in this session")
+        refs = m.tensor_refs(instr.args)
+        if instr.kwargs or instr.local:
+            refs += m.tensor_refs([instr.kwargs, instr.local])
+        tensors = self.s.tensors
+        for t in refs:
+            if type(t) is not int or t not in tensors:
+                unknown = sorted({repr(t) for t in refs if type(t) is not int or t not in tensors})
+                raise InstrError(f"unknown tensor{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in this "
+                                 "session")
         for out in instr.outs:
             if out is not None:
-                self._layout(out.spec)
+                self._out_layout(out.spec)
         outs = [o.tid if o is not None else None for o in instr.outs]
         hosts = self._hosts(mesh, instr)
         if instr.seed is not None and len({self.workers[w].device_type for w in hosts}) > 1:
