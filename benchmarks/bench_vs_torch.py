@@ -1,11 +1,12 @@
 """DTorch against PyTorch's own DTensor and plain torch, side by side in one run (printed, never asserted).
 
     python benchmarks/bench_vs_torch.py [--repeats 10] [--quick] [--only a,b,c,d,e,f] [--device cpu|cuda]
-                                        [--rounds 1]  (--rounds: (a)-(d) in turns)
+                                        [--rounds 1] [--auto-compile on|off]  (--rounds: (a)-(d) in turns)
 
 Three contenders, one after the other on the same machine (never at the same time):
 
-* **DTorch**: a single-controller program on an embedded local cluster of 2 worker processes (4 for (e));
+* **DTorch**: a single-controller program on an embedded local cluster of 2 worker processes (4 for (e)), with
+  automatic capture on as users get it (`--auto-compile off`: every op eager);
 * **torch DTensor**: 2 ranks spawned here with `torch.multiprocessing`, gloo (NCCL with `--device cuda`),
   SPMD code as torch users write it (`init_device_mesh`, `parallelize_module`, `distribute_tensor`);
 * **plain torch**: one process, the same ops on whole tensors.
@@ -29,9 +30,10 @@ Items (those of issue #11):
     compute ran meanwhile (overlapped with communication).
 
 (g) step capture (issue #12 item 2): user-thread time per training step of the Llama DPxTP example (2x2 mesh,
-    AdamW, 20 steps), eager against `dtorch.compile` (steps 3-20 replayed: one InstrReplay each) and against
-    `dtorch.auto_compile()` (the same loop, no step marked: each upload ends a step), against plain torch eager's
-    whole step on one process; the losses of the three DTorch runs must be identical;
+    AdamW, 20 steps), eager (automatic capture off) against `dtorch.compile` (steps 3-20 replayed: one
+    InstrReplay each) and against automatic capture (the default: the same loop, no step marked, each upload
+    ends a step), against plain torch eager's whole step on one process; the losses of the three DTorch runs
+    must be identical;
 (h) random factories (issue #12 item 4): time and elements drawn per device for a 4096x4096 randn sharded
     over 1-8 devices, block-seeded (each device draws the blocks of its shard) against drawing the whole
     tensor and keeping the box (what workers did before).
@@ -318,7 +320,7 @@ def run_dtorch(args: argparse.Namespace) -> dict:
     if args.device == "cuda":
         os.environ["DTORCH_LOCAL_DEVICE"] = "cuda"
     out: dict[str, object] = {}
-    dtorch.connect(workers=2)
+    dtorch.connect(workers=2, auto_compile=args.auto_compile == "on")
     mesh = dtorch.DeviceMesh(args.device, [0, 1])
     if "a" in args.only:
         x = dtorch.zeros(1, device_mesh=mesh, placements=[Replicate()])
@@ -465,7 +467,7 @@ LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
 
 def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
     """(user-thread seconds per step, losses) of the DPxTP Llama example: DTorch "eager", "compiled"
-    (`dtorch.compile`), "auto" (`dtorch.auto_compile()`, the loop unmarked) or "plain" torch (one process)."""
+    (`dtorch.compile`), "auto" (automatic capture, the loop unmarked) or "plain" torch (one process)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -488,7 +490,9 @@ def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
         return loss
 
     step = dtorch.compile(body) if how == "compiled" else body
-    auto = dtorch.auto_compile() if how == "auto" else None
+    if how != "plain":
+        dtorch.auto_compile(False)  # a fresh one (its counts are this run's), or off
+        auto = dtorch.auto_compile(how == "auto")
     data = torch.Generator().manual_seed(1)
     times, losses = [], []
     for _ in range(steps):
@@ -501,9 +505,8 @@ def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
     if how == "compiled":
         assert step.replays == steps - 2, (step.replays, step.fallbacks, step.unreplayable)
     losses = [float(loss.item()) for loss in losses]
-    if auto is not None:  # steps 3.. replayed: ended by the next upload (the last one by the first .item())
+    if how == "auto":  # steps 3.. replayed: ended by the next upload (the last one by the first .item())
         assert (auto.replays, auto.fallbacks) == (steps - 2, 0), (auto.replays, auto.fallbacks)
-        dtorch.auto_compile(False)
     return times, losses
 
 
@@ -564,6 +567,8 @@ def main() -> None:
                    "in turns; figures are medians over the rounds and ratios are medians of each round's ratios, "
                    "printed with their range (on a shared machine the load moves between one contender and the next)")
     p.add_argument("--steps", type=int, default=20, help="(g): training steps per run")
+    p.add_argument("--auto-compile", choices=("on", "off"), default="on",
+                   help="(a)-(e): DTorch's automatic capture (on by default for users; off: every op eager)")
     args = p.parse_args()
     args.only = set(args.only.split(","))
     args.sizes = QUICK_SIZES if args.quick else SIZES
@@ -656,7 +661,7 @@ def main() -> None:
         print(f"    dtorch eager              {capture['eager']:9.2f} ms")
         print(f"    dtorch.compile (replayed) {capture['captured']:9.2f} ms   captured/eager "
               f"{ratio(capture['captured'], capture['eager'])}")
-        print(f"    dtorch.auto_compile()     {capture['auto']:9.2f} ms   auto/eager "
+        print(f"    automatic capture         {capture['auto']:9.2f} ms   auto/eager "
               f"{ratio(capture['auto'], capture['eager'])}   (the same loop, no step marked)")
         print(f"    plain torch eager step    {capture['plain']:9.2f} ms   captured/plain "
               f"{ratio(capture['captured'], capture['plain'])}   (target <= 0.4x)")

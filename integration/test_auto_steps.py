@@ -1,11 +1,12 @@
-"""dtorch.auto_compile: a plain training loop, no step marked, replayed from its third step with exactly the
-eager results (steps.py rules 7-9; real processes)."""
+"""Automatic capture (on by default): a plain training loop, no step marked, replayed from its third step with
+exactly the eager results (_capture.py rules 7-9; real processes)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,11 +32,13 @@ def _batches(n, rows=8):
 
 @contextlib.contextmanager
 def _auto(enabled=True):
-    auto = dtorch.auto_compile(enabled)
+    """Automatic capture on (a fresh one: its counts are the test's) or off; on again afterwards, the default."""
+    dtorch.auto_compile(False)
     try:
-        yield auto
+        yield dtorch.auto_compile(enabled)
     finally:
         dtorch.auto_compile(False)
+        dtorch.auto_compile(True)
 
 
 def _loop(mesh2d, batches, auto, norms=False, sent=None, dropout=0.0):
@@ -165,4 +168,50 @@ def test_a_step_ends_inside_the_op_whose_sync_point_ends_it(mesh1):
             for _ in range(8):
                 want = want * 0.5 + 1
             assert t.sum().item() == want.sum().item()
+        assert (auto.replays, auto.fallbacks) == (3, 0)
+
+
+def test_a_background_fetch_ends_a_step_where_it_is_asked_for(mesh1):
+    """`to_torch_async()` is the boundary; its fetch thread's sync point, while the next step is replayed, is not."""
+    x = torch.arange(8.0)
+    dx = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
+
+    def run(auto):
+        w = dtorch.distribute_tensor(torch.ones(8), mesh1, [Shard(0)])
+        with _auto(auto) as capture:
+            futures = []
+            for _ in range(6):
+                for _ in range(4):
+                    w.mul_(0.5).add_(dx)
+                futures.append((w * 2).to_torch_async())
+            values = [f.result(timeout=60) for f in futures]
+            counts = (capture.replays, capture.fallbacks) if capture else None
+        return values, w.to_torch(), counts
+
+    values, w, counts = run(True)
+    eager_values, eager_w, _ = run(False)
+    assert counts == (4, 0)
+    assert all(torch.equal(a, b) for a, b in zip(values, eager_values)) and torch.equal(w, eager_w)
+    want = torch.ones(8)
+    for _ in range(24):
+        want = want * 0.5 + x
+    torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-6)
+
+
+def test_an_op_that_raises_while_a_step_is_recorded_leaves_no_program(mesh1):
+    x = torch.arange(8.0)
+    dx = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
+    with _auto() as auto:
+        for n in range(8):
+            t = dx
+            for _ in range(8):
+                t = t * 0.5 + 1
+            if n == 1:  # the step being recorded
+                with pytest.raises(RuntimeError):
+                    t @ t.reshape(2, 4)
+            want = x
+            for _ in range(8):
+                want = want * 0.5 + 1
+            assert torch.equal(t.to_torch(), want)
+        # step 2 raised while recorded: steps 3 and 4 run eagerly, 5 is recorded, 6-8 are replayed
         assert (auto.replays, auto.fallbacks) == (3, 0)

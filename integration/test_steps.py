@@ -191,10 +191,10 @@ def test_an_integer_argument_that_changes_falls_back_for_that_step(mesh1):
 
 
 def test_a_definition_sent_is_not_changed_by_holes_a_later_replay_finds(mesh1, monkeypatch):
-    from dtorch import steps
+    from dtorch import _capture
 
-    sent, define = [], steps._definition
-    monkeypatch.setattr(steps, "_definition", lambda p: sent.append(define(p)) or sent[-1])
+    sent, define = [], _capture._definition
+    monkeypatch.setattr(_capture, "_definition", lambda p: sent.append(define(p)) or sent[-1])
     w = dtorch.distribute_tensor(torch.ones(4), mesh1, [Shard(0)])
     scale = [1.0]
 

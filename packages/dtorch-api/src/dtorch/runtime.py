@@ -11,6 +11,7 @@ import atexit
 import os
 import threading
 
+from dtorch._capture import AutoSteps
 from dtorch.errors import ClusterError
 from dtorch.local_cluster import LocalCluster
 from dtorch.session import Session
@@ -25,7 +26,7 @@ _cluster: LocalCluster | None = None
 
 def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca: str | None = None,
             workers: int | None = None, name: str = "", priority: str = "normal", kind: str = "batch",
-            memory_cap: int = 0, min_devices: int = 0, expected_steps: int = 0) -> Session:
+            memory_cap: int = 0, min_devices: int = 0, expected_steps: int = 0, auto_compile: bool = True) -> Session:
     """Open the default session (closing any previous one).
 
     `controller` defaults to $DTORCH_CONTROLLER; without either, a local cluster of `workers`
@@ -37,6 +38,8 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
     (> 0: elastic, a mesh starts on as few physical devices as this, as virtual devices), `expected_steps` (> 0:
     how many sync points, values read back such as `loss.item()` once a step, the program will reach: the
     default policy then ranks it by the work it has left rather than the work it has had).
+    `auto_compile`: a step that repeats (the ops between two sync points or uploads) is recorded once and then
+    replayed (`dtorch.auto_compile`).
     """
     global _session, _cluster
     with _lock:
@@ -55,6 +58,8 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
         except BaseException:
             shutdown()
             raise
+        if auto_compile:
+            AutoSteps(_session).arm()
         return _session
 
 

@@ -113,8 +113,9 @@ class Session:
     # ------------------------------------------------------------------ sync points
     def sync(self, carry: bool = True) -> None:
         """Wait until the workers executed everything issued so far; raise the first op error, if any. `carry`: the
-        last batch rides in the Sync (`_stream` rule 6), not for a thread that must not stop the stream."""
-        if self.step is not None:
+        last batch rides in the Sync (`_stream` rule 6), not for a thread that must not stop the stream (a background
+        fetch, which was a sync point for the step when it was asked for: `fetch_async`)."""
+        if self.step is not None and carry:
             self.step.interrupt("a sync point")
         for reply in self._stream.sync(self.timeout, carry):
             self._data.learn(reply.locations, reply.caps)
