@@ -505,8 +505,8 @@ def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
     if how == "compiled":
         assert step.replays == steps - 2, (step.replays, step.fallbacks, step.unreplayable)
     losses = [float(loss.item()) for loss in losses]
-    if how == "auto":  # steps 3.. replayed: ended by the next upload (the last one by the first .item())
-        assert (auto.replays, auto.fallbacks) == (steps - 2, 0), (auto.replays, auto.fallbacks)
+    if how == "auto":  # steps 1-3 eager (1 makes AdamW's state), 4 recorded, 5.. replayed, each ended by the next
+        assert (auto.replays, auto.fallbacks) == (steps - 4, 0), (auto.replays, auto.fallbacks)  # upload
     return times, losses
 
 

@@ -37,10 +37,11 @@ Automatic capture (`dtorch.auto_compile()`): no step is marked; the operations b
      that has matched its whole program is sent there (an operation past the program's end ends it too). The
      operation goes on eagerly.
   9. Steps are told apart by their first operation's key (at most MAX_TRACKS kinds; the oldest gives way, its
-     program id defined again). Per kind: the first step runs eagerly (warm-up), the next is recorded, and
-     later ones are replayed while they match. A recording of fewer than MIN_OPS operations defines nothing and
-     the next one records again; an unreplayable recording (one of more than MAX_OPS operations too) or a
-     fallback makes the next 2, 4, ... MAX_WAIT steps of that kind run eagerly before the next recording.
+     program id defined again). Per kind, steps run eagerly until two in a row made as many tensor ids (the
+     step repeats; a training loop's first step makes the optimizer's state); the next one is recorded, and
+     later ones are replayed while they match. A recording that defines nothing (unreplayable, fewer than
+     MIN_OPS operations or more than MAX_OPS) or a fallback makes the next 2, 4, ... MAX_WAIT steps of that
+     kind run eagerly before the next recording. Sizes cost nothing per op: each boundary takes a tensor id.
 """
 
 from __future__ import annotations
@@ -660,7 +661,9 @@ class _Track:
 
     program_id: int
     program: Program | None = None
-    wait: int = 1  # steps to run eagerly before the next recording (the first: a warm-up)
+    size: int = -1  # tensor ids the last eager one made
+    again: bool = False  # the last two eager ones made as many (it repeats: record the next one)
+    wait: int = 0  # steps to run eagerly before the next recording
     misses: int = 0  # recordings or replays in a row that did not replay
 
 
@@ -673,11 +676,13 @@ class AutoSteps:
         self.tracks: dict[Any, _Track] = {}  # by the key of a step's first operation, oldest first
         self.track: _Track | None = None  # the automatic step running now
         self.mode: _Mode | None = None
+        self.mark = 0  # a tensor id taken at the last boundary: the next one's minus this one is a step's size
         self.replays = 0  # automatic steps that ran as one InstrReplay
         self.fallbacks = 0  # replays that fell back to eager (rule 3)
 
     def arm(self) -> None:
         """After a boundary: the next operation starts an automatic step."""
+        self.mark = self.session.new_tid()
         self.session.step = self
         _dispatch.step_hook = self
 
@@ -695,8 +700,8 @@ class AutoSteps:
             track = self.track = self.tracks[key] = _Track(program_id)
         if track.program is not None:
             self.mode = _Replayer(self.session, track.program, self)
-        elif track.wait > 0:
-            track.wait -= 1
+        elif track.wait > 0 or not track.again:
+            track.wait = max(0, track.wait - 1)
             return
         else:
             self.mode = _Recorder(self.session, track.program_id, self)
@@ -722,15 +727,18 @@ class AutoSteps:
     def interrupt(self, why: str) -> None:
         """A boundary: the automatic step running now ends (its program defined, or its replay sent: rule 8)."""
         mode, track, self.mode, self.track = self.mode, self.track, None, None
-        if isinstance(mode, _Recorder):
+        if mode is None and track is not None:  # an eager step: does its kind repeat?
+            size = self.session.new_tid() - self.mark
+            track.again, track.size = size == track.size, size
+        elif isinstance(mode, _Recorder):
             if mode.op is not None and mode.broken is None:
                 mode.cut()
             program = mode.finish()
-            if program is None:
-                self._miss(track)
-            elif len(program.ops) >= MIN_OPS:
+            if program is not None and len(program.ops) >= MIN_OPS:
                 track.program = program
                 self.session.emit(_definition(program))
+            else:
+                self._miss(track)
         elif isinstance(mode, _Replayer):
             mode.finish()
             if mode.fell_back:
