@@ -5,6 +5,7 @@ worker and the lost tensors with the ops that made them. Nothing hangs."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -54,5 +55,6 @@ def test_killed_worker_is_rebuilt_on_the_survivor_unnoticed():
 def test_with_recovery_off_the_loss_is_one_line_naming_the_tensors_at_the_next_sync():
     error, waited, _ = run(DTORCH_SNAPSHOT_BATCHES="0")
     assert error.startswith("ClusterError: worker w") and "was lost" in error, error
-    assert "tensors lost: tensor 1 (made by create:ones at <string>:" in error and "recovery is off" in error
+    assert re.search(r"tensors lost: tensor \d+ \(made by create:ones at <string>:", error), error
+    assert "recovery is off" in error
     assert float(waited.split()[1]) < 10.0

@@ -29,7 +29,8 @@ Rules:
      arguments, those numbers become holes of the program (`{"$s": k}`, defined again once) and the replay
      sends their values; that op is planned again in each later replay, every other op only matched.
 
-Automatic capture (`dtorch.auto_compile()`): no step is marked; the operations between two boundaries are one.
+Automatic capture (on by default; `dtorch.auto_compile(False)` turns it off): no step is marked; the operations
+between two boundaries are one.
   7. A boundary is a sync point (`loss.item()`, `print(x)`), an upload, a flush or a `dtorch.compile` step (which
      runs as its own, as above). A background fetch (`to_torch_async`) is one where it is asked for.
   8. An automatic step is recorded or replayed as a compiled one is (rules 1-6), and ends at the next boundary,
