@@ -22,8 +22,8 @@ Rules:
      too (else the step falls back at its end, rule 3); dropped tensors the program does not delete, and
      tensors from outside the step dropped during it, are released after the step's instructions.
   5. A recording that holds what a replay cannot reproduce (a sync point, an upload, a plain tensor mixed
-     into an op, an operation that changes a DTensor's id or layout in place, another session's tensors)
-     makes the step run eagerly from then on, with one warning saying why.
+     into an op, an operation that changes a DTensor's id or layout in place or that raised, another session's
+     tensors) makes the step run eagerly from then on, with one warning saying why.
   6. Numbers. An op whose float arguments changed (an optimizer's step size, a learning rate schedule) is
      planned again, into a list: when its instructions are the program's but for numbers in the op's
      arguments, those numbers become holes of the program (`{"$s": k}`, defined again once) and the replay

@@ -79,7 +79,8 @@ class Session:
         # async fetches wait on pulls in the data plane's pool: they must not occupy its threads
         self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-fetch")
         self._closed = False
-        self.step: Any = None  # the compiled step running now (dtorch.steps): told of sync points and uploads
+        self.step: Any = None  # automatic capture or the compiled step running now (dtorch._capture): told of sync
+        # points, uploads and flushes
         self._programs = itertools.count(1)
 
     def _call(self, method: str, request: Any, timeout: float) -> Any:
@@ -172,7 +173,7 @@ class Session:
     def close(self) -> None:
         if self._closed:
             return
-        if self.step is not None:  # a replay sends what it matched, automatic capture stops (dtorch.steps)
+        if self.step is not None:  # a replay sends what it matched, automatic capture stops (dtorch._capture)
             self.step.close()
         try:
             if not self._stream.broken:
