@@ -727,11 +727,8 @@ class AutoSteps:
 
     def interrupt(self, why: str) -> None:
         """A boundary: the automatic step running now ends (its program defined, or its replay sent: rule 8)."""
-        mode, track, self.mode, self.track = self.mode, self.track, None, None
-        if mode is None and track is not None:  # an eager step: does its kind repeat?
-            size = self.session.new_tid() - self.mark
-            track.again, track.size = size == track.size, size
-        elif isinstance(mode, _Recorder):
+        mode, track, self.mode, self.track, start = self.mode, self.track, None, None, self.mark
+        if isinstance(mode, _Recorder):
             if mode.op is not None and mode.broken is None:
                 mode.cut()
             program = mode.finish()
@@ -749,7 +746,10 @@ class AutoSteps:
             else:
                 self.replays += 1
                 track.misses = 0
-        self.arm()
+        self.arm()  # (after the mode is gone: its mark is a tensor id of the session's own)
+        if mode is None and track is not None:  # an eager step: does its kind repeat?
+            size = self.mark - start
+            track.again, track.size = size == track.size, size
 
     @staticmethod
     def _miss(track: _Track) -> None:

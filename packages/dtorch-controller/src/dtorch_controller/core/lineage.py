@@ -132,7 +132,7 @@ def origin_notes(instrs: list[m.Instr]) -> Iterator[Note]:
 
 def note_instrs(origin: dict[int, tuple[str, str]], instrs: list[m.Instr]) -> None:
     """`note_origins(origin, origin_notes(instrs))` without making the notes: an eager batch's path, run for every
-    instruction (`test_lineage` holds the two to the same result)."""
+    instruction (`test_core_translate` holds the two to the same result)."""
     for instr in instrs:
         t = type(instr)
         if t is m.InstrCall:

@@ -199,11 +199,10 @@ class _Translator:
         if instr.kwargs or instr.local:
             refs += m.tensor_refs([instr.kwargs, instr.local])
         tensors = self.s.tensors
-        for t in refs:
-            if type(t) is not int or t not in tensors:
-                unknown = sorted({repr(t) for t in refs if type(t) is not int or t not in tensors})
-                raise InstrError(f"unknown tensor{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in this "
-                                 "session")
+        unknown = [t for t in refs if type(t) is not int or t not in tensors]
+        if unknown:
+            names = sorted({repr(t) for t in unknown})
+            raise InstrError(f"unknown tensor{'s' if len(names) > 1 else ''} {', '.join(names)} in this session")
         for out in instr.outs:
             if out is not None:
                 self._out_layout(out.spec)
