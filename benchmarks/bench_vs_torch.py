@@ -33,7 +33,9 @@ Items (those of issue #11):
     AdamW, 20 steps), eager (automatic capture off) against `dtorch.compile` (steps 3-20 replayed: one
     InstrReplay each) and against automatic capture (the default: the same loop, no step marked, each upload
     ends a step), against plain torch eager's whole step on one process; the losses of the three DTorch runs
-    must be identical;
+    must be identical; then the same with SGD + momentum (whose numbers do not change from step to step: AdamW's
+    step sizes are computed in Python) under `dtorch.compile(mode="graph")` (steps 4-20 do not run the step's
+    Python: one InstrReplay each) against eager DTorch and plain torch with the same optimizer;
 (h) random factories (issue #12 item 4): time and elements drawn per device for a 4096x4096 randn sharded
     over 1-8 devices, block-seeded (each device draws the blocks of its shard) against drawing the whole
     tensor and keeping the box (what workers did before).
@@ -465,9 +467,10 @@ LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2)
 
 
-def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
+def llama_step_times(steps: int, how: str, optimizer: str = "adamw") -> tuple[list[float], list[float]]:
     """(user-thread seconds per step, losses) of the DPxTP Llama example: DTorch "eager", "compiled"
-    (`dtorch.compile`), "auto" (automatic capture, the loop unmarked) or "plain" torch (one process)."""
+    (`dtorch.compile`), "graph" (`dtorch.compile(mode="graph")`), "auto" (automatic capture, the loop unmarked)
+    or "plain" torch (one process); AdamW, or SGD with momentum."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -479,7 +482,8 @@ def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
 
         mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh, llama_tp_plan(), tp_mesh_dim="tp")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
 
     def body(ids):  # noqa: ANN001, ANN202
         loss = model(ids, labels=ids).loss
@@ -489,7 +493,23 @@ def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
         opt.step()
         return loss
 
-    step = dtorch.compile(body) if how == "compiled" else body
+    def forward_backward(ids):  # noqa: ANN001, ANN202
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss
+
+    if how == "split":  # the model's part a graph, the optimizer's step (numbers in Python) a replay
+        graphed, opt_step = dtorch.compile(forward_backward, mode="graph"), dtorch.compile(opt.step)
+
+        def step(ids):  # noqa: ANN001, ANN202
+            loss = graphed(ids)
+            opt_step()
+            return loss
+    else:
+        step = dtorch.compile(body) if how == "compiled" else dtorch.compile(body, mode="graph") if how == "graph" \
+            else body
     if how != "plain":
         dtorch.auto_compile(False)  # a fresh one (its counts are this run's), or off
         auto = dtorch.auto_compile(how == "auto")
@@ -502,8 +522,11 @@ def llama_step_times(steps: int, how: str) -> tuple[list[float], list[float]]:
         t0 = time.thread_time()
         losses.append(step(ids))
         times.append(time.thread_time() - t0)
-    if how == "compiled":
+    if how == "split":
+        assert (graphed.graphed, opt_step.replays) == (steps - 3, steps - 2), (graphed.no_graph, opt_step.fallbacks)
+    if how in ("compiled", "graph"):
         assert step.replays == steps - 2, (step.replays, step.fallbacks, step.unreplayable)
+        assert how == "compiled" or step.graphed == steps - 3, (step.graphed, step.no_graph)
     losses = [float(loss.item()) for loss in losses]
     if how == "auto":  # steps 1-3 eager (1 makes AdamW's state), 4 recorded, 5.. replayed, each ended by the next
         assert (auto.replays, auto.fallbacks) == (steps - 4, 0), (auto.replays, auto.fallbacks)  # upload
@@ -521,13 +544,23 @@ def run_capture(args: argparse.Namespace) -> dict:
         eager, eager_losses = llama_step_times(args.steps, "eager")
         captured, captured_losses = llama_step_times(args.steps, "compiled")
         auto, auto_losses = llama_step_times(args.steps, "auto")
+        sgd_eager, sgd_eager_losses = llama_step_times(args.steps, "eager", "sgd")
+        graph, graph_losses = llama_step_times(args.steps, "graph", "sgd")
+        split, split_losses = llama_step_times(args.steps, "split")
     finally:
         dtorch.shutdown()
-    tail = slice(2, None)  # steps 3.. : warmed up; compiled ones replayed
+    torch.set_num_threads(2)
+    sgd_plain, _ = llama_step_times(args.steps, "plain", "sgd")
+    tail, graphed = slice(2, None), slice(3, None)  # steps 3.. : warmed up, compiled ones replayed; 4.. : graphs
     return {"plain": statistics.median(plain[tail]) * 1e3, "eager": statistics.median(eager[tail]) * 1e3,
             "captured": statistics.median(captured[tail]) * 1e3, "auto": statistics.median(auto[tail]) * 1e3,
             "diff": max(abs(a - b) for a, b in zip(eager_losses, captured_losses)),
-            "auto_diff": max(abs(a - b) for a, b in zip(eager_losses, auto_losses))}
+            "auto_diff": max(abs(a - b) for a, b in zip(eager_losses, auto_losses)),
+            "sgd_plain": statistics.median(sgd_plain[graphed]) * 1e3,
+            "sgd_eager": statistics.median(sgd_eager[graphed]) * 1e3, "graph": statistics.median(graph[graphed]) * 1e3,
+            "split": statistics.median(split[graphed]) * 1e3,
+            "split_diff": max(abs(a - b) for a, b in zip(eager_losses, split_losses)),
+            "graph_diff": max(abs(a - b) for a, b in zip(sgd_eager_losses, graph_losses))}
 
 
 def run_factories(args: argparse.Namespace) -> dict[int, tuple[float, float, int]]:
@@ -665,8 +698,18 @@ def main() -> None:
               f"{ratio(capture['auto'], capture['eager'])}   (the same loop, no step marked)")
         print(f"    plain torch eager step    {capture['plain']:9.2f} ms   captured/plain "
               f"{ratio(capture['captured'], capture['plain'])}   (target <= 0.4x)")
+        print(f"    graph + replay            {capture['split']:9.2f} ms   split/plain "
+              f"{ratio(capture['split'], capture['plain'])}   (forward+backward mode='graph', AdamW's step replayed; "
+              f"steps 4-{args.steps})")
         print(f"    max |loss difference| eager vs captured: {capture['diff']:.1e}, vs auto: "
-              f"{capture['auto_diff']:.1e} (identical: 0)")
+              f"{capture['auto_diff']:.1e}, vs graph + replay: {capture['split_diff']:.1e} (identical: 0)")
+        print(f"    the same with SGD + momentum, median of steps 4-{args.steps}:")
+        print(f"    dtorch eager              {capture['sgd_eager']:9.2f} ms")
+        print(f"    dtorch.compile graph      {capture['graph']:9.2f} ms   graph/eager "
+              f"{ratio(capture['graph'], capture['sgd_eager'])}   (mode='graph': the step's Python does not run)")
+        print(f"    plain torch eager step    {capture['sgd_plain']:9.2f} ms   graph/plain "
+              f"{ratio(capture['graph'], capture['sgd_plain'])}   (target <= 0.4x)")
+        print(f"    max |loss difference| eager vs graph: {capture['graph_diff']:.1e} (identical: 0)")
     if factories:
         print("(h) randn 4096x4096 float32, Shard(0): time and elements drawn by one device")
         print("    devices     blocks (ours)        whole tensor, then the box   elements drawn (ours / whole)")

@@ -255,3 +255,26 @@ def test_sequence_sharded_linear_keeps_strided_shards(request, mesh_name):
     (((x @ w) ** 2).sum() + (x.view(27, 8) * 3).sum()).backward()
     torch.testing.assert_close(dx.grad.to_torch(), x.grad, **TOL)
     torch.testing.assert_close(dw.grad.to_torch(), w.grad, **TOL)
+
+
+def test_optimizers_and_clipping_take_their_foreach_paths_as_with_torch_dtensor(mesh1):
+    """DTorch's DTensor is registered where torch registers its own: `clip_grad_norm_` groups DTensors into
+    `_foreach_` ops (on CPU, as it does plain tensors) and AdamW(foreach=True) trains as plain torch does."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(8, 4, generator=gen), torch.randn(4, generator=gen)]
+    params = [nn.Parameter(dtorch.distribute_tensor(w, mesh1, [Shard(0)])) for w in ws]
+    refs = [nn.Parameter(w.clone()) for w in ws]
+    assert _has_foreach_support(params, params[0].device)
+    opt, ref_opt = torch.optim.AdamW(params, lr=0.1, foreach=True), torch.optim.AdamW(refs, lr=0.1, foreach=True)
+    for _ in range(3):
+        norms = []
+        for ps, o in ((params, opt), (refs, ref_opt)):
+            o.zero_grad()
+            sum((p * p).sum() for p in ps).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(ps, 0.5))
+            o.step()
+        torch.testing.assert_close(norms[0].to_torch(), norms[1], **TOL)
+    for p, r in zip(params, refs):
+        torch.testing.assert_close(p.to_torch(), r.detach(), **TOL)

@@ -98,6 +98,7 @@ class Program:
     nseeds: int = 0
     nscalars: int = 0
     external: set[int] = field(default_factory=set)  # slots of tensors from outside the step
+    bound: dict[int, int] = field(default_factory=dict)  # their tensor ids when recorded (for `_graph`)
     holes: set[int] = field(default_factory=set)  # ops whose numbers are holes (planned again each step)
     redefine: bool = False  # holes were added since the controller got the definition
     user_deletes: dict[int, int] = field(default_factory=dict)  # instruction index -> slot (rule 4)
@@ -303,6 +304,7 @@ class _Recorder(_Mode):
             return None
         self.program.ntids, self.program.nseeds = len(self.tids), len(self.seeds)
         self.program.external = self.external
+        self.program.bound = {slot: self.tids[slot] for slot in self.external}
         return self.program
 
 

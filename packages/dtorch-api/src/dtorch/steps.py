@@ -14,6 +14,12 @@ the user's Python still runs (autograd, modules, optimizers keep their Python st
 operation is only *matched* against the program: nothing is planned, encoded or emitted, and the step ends
 with one `InstrReplay(program, tensor ids, seeds, numbers)`.
 
+`dtorch.compile(train_step, mode="graph")` goes further, as a CUDA graph does: once a replay has matched the
+whole program (the third call), later calls do not run the Python at all; they check the arguments, send the
+replay and return new DTensors. This holds only where the program does not depend on Python state that
+changes between calls (the rules, and what is checked and what is not, are at the top of `dtorch/_graph.py`);
+the step says with a warning when it cannot be a graph, and stays a replay.
+
 Automatic capture does the same without marking a step (on by default; `dtorch.auto_compile(False)` turns it off):
 the operations between two sync points or uploads are one. The rules of both are at the top of
 `dtorch/_capture.py`, which records and replays.
@@ -26,22 +32,29 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dtorch import _capture, _dispatch
+from dtorch import _capture, _dispatch, _graph
 from dtorch._capture import AutoSteps, Program, _Recorder, _Replayer
 from dtorch.runtime import get_session
 from dtorch.session import Session
+
+MODES = ("replay", "graph")
 
 
 class Compiled:
     """A step function run as a captured program from its third call on (see the module docstring)."""
 
-    def __init__(self, fn: Callable[..., Any], warmup: int = 1) -> None:
+    def __init__(self, fn: Callable[..., Any], warmup: int = 1, mode: str = "replay") -> None:
+        if mode not in MODES:
+            raise ValueError(f"dtorch.compile: mode={mode!r}; expected one of {', '.join(map(repr, MODES))}")
         functools.update_wrapper(self, fn)
-        self.fn, self.warmup = fn, warmup
+        self.fn, self.warmup, self.mode = fn, warmup, mode
         self.calls = 0
         self.program: Program | None = None
         self.unreplayable: str | None = None  # why the step always runs eagerly (rule 5)
+        self.graph: _graph.Graph | None = None
+        self.no_graph: str | None = None  # why a mode="graph" step replays with its Python (_graph rule 1)
         self.replays = 0  # calls that ran as one InstrReplay
+        self.graphed = 0  # of those, calls that did not run the Python (mode="graph")
         self.fallbacks = 0  # replays that fell back to eager (rule 3)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -61,9 +74,17 @@ class Compiled:
         if self.unreplayable is not None or self.calls <= self.warmup or _dispatch.step_hook is not None \
                 or session.step is not None:
             return self.fn(*args, **kwargs)
+        if self.graph is not None:
+            result = self.graph(session, args, kwargs)
+            if result is not _graph.MISS:
+                self.replays += 1
+                self.graphed += 1
+                return result
+            self.graph = None  # the Python runs, as a replay that verifies again (_graph rule 2)
         if self.program is None:
             return self._record(session, args, kwargs)
-        mode = _Replayer(session, self.program)
+        verify = self.mode == "graph" and self.no_graph is None
+        mode = (_graph.Verifier if verify else _Replayer)(session, self.program)
         mode.install()
         try:
             result = self.fn(*args, **kwargs)
@@ -76,7 +97,18 @@ class Compiled:
             self.program = None  # record again next time
         else:
             self.replays += 1
+            if verify:
+                self._make_graph(mode, args, kwargs, result)
         return result
+
+    def _make_graph(self, verifier: _graph.Verifier, args: tuple, kwargs: dict, result: Any) -> None:
+        graph = _graph.graph_of(verifier, args, kwargs, result)
+        if isinstance(graph, str):
+            self.no_graph = graph
+            warnings.warn(f"dtorch.compile: {getattr(self.fn, '__qualname__', self.fn)} replays with its Python "
+                          f"(mode='graph' refused): {graph}", stacklevel=4)
+        else:
+            self.graph = graph
 
     def _record(self, session: Session, args: tuple, kwargs: dict) -> Any:
         mode = _Recorder(session, session.new_program_id())
@@ -97,13 +129,15 @@ class Compiled:
         return result
 
 
-def compile(fn: Callable[..., Any] | None = None, *, warmup: int = 1) -> Any:  # noqa: A001 - torch's name
+def compile(fn: Callable[..., Any] | None = None, *, warmup: int = 1, mode: str = "replay") -> Any:  # noqa: A001
     """Run `fn` (a training or inference step over DTensors) as a captured program: call 1..`warmup` eagerly,
     the next one recorded, later ones replayed with only (program id, tensor ids, seeds) sent. Use as
-    `@dtorch.compile` or `dtorch.compile(fn, warmup=2)`."""
+    `@dtorch.compile` or `dtorch.compile(fn, warmup=2)`. `mode="graph"`: once a replay has matched, later calls
+    do not run `fn`'s Python at all (as a CUDA graph; what that requires is in `dtorch/_graph.py`); the step
+    warns and stays a replay where it cannot."""
     if fn is None:
-        return lambda f: Compiled(f, warmup)
-    return Compiled(fn, warmup)
+        return lambda f: Compiled(f, warmup, mode)
+    return Compiled(fn, warmup, mode)
 
 
 def auto_compile(enabled: bool = True) -> AutoSteps | None:

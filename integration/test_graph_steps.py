@@ -1,0 +1,188 @@
+"""dtorch.compile(mode="graph"): a verified step runs without its Python and gives the eager results (real
+processes). The rules are at the top of dtorch/_graph.py."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dtorch
+from dtorch import Replicate, Shard
+from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+from dtorch_protocol import messages as m
+
+PLACE = [Shard(0), Replicate()]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+def _body(model, opt, dropout=0.0):
+    calls = []
+
+    def step(x, y):
+        calls.append(1)  # counts the calls that ran the Python
+        loss = ((F.dropout(model(x), dropout, training=dropout > 0) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    return step, calls
+
+
+def _batches(n, rows=8):
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)) for _ in range(n)]
+
+
+def _train(mesh2d, batches, mode, dropout=0.0, optimizer=None):
+    """A TP x DP MLP trained with SGD + momentum, through `dtorch.compile(mode=...)` or plain calls (mode None)."""
+    model = _mlp()
+    parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
+    opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)))(model.parameters())
+    body, calls = _body(model, opt, dropout)
+    step = dtorch.compile(body, mode=mode) if mode else body
+    dtorch.manual_seed(3)
+    losses = [step(dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE))
+              for x, y in batches]  # each call's loss kept: a graph returns new DTensors (rule 3)
+    grads = [p.grad.to_torch() for p in model.parameters()]
+    return [loss.item() for loss in losses], [p.to_torch() for p in model.parameters()], grads, step, len(calls)
+
+
+def test_a_graph_trains_without_its_python_bit_for_bit_as_eager_and_as_plain_torch(mesh2d):
+    batches = _batches(7)
+    losses, params, grads, step, ran = _train(mesh2d, batches, "graph")
+    eager_losses, eager_params, eager_grads, _, _ = _train(mesh2d, batches, None)
+    # call 1 warms up, 2 records, 3 replays and verifies, 4-7 are the graph: the Python ran 3 times
+    assert (ran, step.replays, step.graphed, step.fallbacks, step.no_graph) == (3, 5, 4, 0, None)
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))  # .grad names the last call's gradients
+    ref = _mlp()
+    body, _ = _body(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9))
+    expected = [body(x, y).item() for x, y in batches]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    for got, want in zip(params, ref.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_graph_call_sends_one_replay_and_releases_what_the_python_would_have_dropped(mesh2d, cluster):
+    model = _mlp()
+    parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
+    body, _ = _body(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    step = dtorch.compile(body, mode="graph")
+    sent, released = [], []
+    eager_emit, eager_release = cluster.emit, cluster.release
+    grads = None
+    for n, (x, y) in enumerate(_batches(5)):
+        dx, dy = dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE)
+        cluster.emit = lambda item: (sent.append(item), eager_emit(item))[1]
+        cluster.release = lambda tid: (released.append(tid), eager_release(tid))[1]
+        try:
+            step(dx, dy).item()
+        finally:
+            cluster.emit, cluster.release = eager_emit, eager_release
+        if n == 4:  # a graph call: one replay; each .grad is the same object, naming a new tensor
+            assert [type(i) for i in sent] == [m.InstrReplay]
+            now = [(p.grad, p.grad._tid) for p in model.parameters()]
+            assert all(g is h for (g, _), (h, _) in zip(now, grads))
+            assert all(t != old and old in released for (_, t), (_, old) in zip(now, grads))
+        grads = [(p.grad, p.grad._tid) for p in model.parameters()]
+        sent.clear()
+        released.clear()
+    assert step.graphed == 2
+
+
+def test_random_ops_in_a_graph_draw_the_seeds_an_eager_run_draws(mesh2d):
+    batches = _batches(5)
+    losses, params, _, step, _ = _train(mesh2d, batches, "graph", dropout=0.3)
+    eager_losses, eager_params, _, _, _ = _train(mesh2d, batches, None, dropout=0.3)
+    assert step.graphed == 2 and losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+def test_a_new_shape_runs_the_python_and_the_graph_comes_back(mesh2d):
+    batches = _batches(4) + _batches(1, rows=4) + _batches(4)
+    losses, params, _, step, ran = _train(mesh2d, batches, "graph")
+    eager_losses, eager_params, _, _, _ = _train(mesh2d, batches, None)
+    # 1 warm-up, 2 record, 3 verify, 4 graph; 5 (4 rows) misses and falls back, 6 records, 7 verifies, 8-9 graph
+    assert (ran, step.graphed, step.fallbacks) == (6, 3, 1)
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+def test_adamw_step_sizes_keep_the_python_running_and_say_why(mesh2d):
+    batches = _batches(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, params, _, step, ran = _train(mesh2d, batches, "graph",
+                                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    eager_losses, eager_params, _, _, _ = _train(mesh2d, batches, None,
+                                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    assert (ran, step.graphed, step.replays) == (5, 0, 3)
+    assert "numbers in its ops change from call to call" in step.no_graph
+    assert any("mode='graph' refused" in str(w.message) for w in caught)
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+def test_a_step_that_reads_what_the_previous_call_made_stays_a_replay(mesh1):
+    state = {}
+
+    def accumulate(x):
+        state["total"] = state["total"] + x * 2 if "total" in state else x * 2
+        return state["total"] + 1
+
+    step = dtorch.compile(accumulate, mode="graph")
+    xs = [torch.full((4,), float(i)) for i in range(5)]
+    with pytest.warns(UserWarning, match="not the one the recording read"):
+        outs = [step(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).to_torch() for x in xs]
+    expected, total = [], torch.zeros(4)
+    for x in xs:
+        total = total + x * 2
+        expected.append(total + 1)
+    assert step.graphed == 0 and all(torch.equal(a, b) for a, b in zip(outs, expected))
+
+
+def test_a_step_that_returns_what_it_keeps_stays_a_replay(mesh1):
+    kept = {}
+
+    def step_fn(x):
+        kept["last"] = x * 3
+        return kept["last"]
+
+    step = dtorch.compile(step_fn, mode="graph")
+    with pytest.warns(UserWarning, match="also keeps elsewhere"):
+        for i in range(4):
+            out = step(dtorch.distribute_tensor(torch.full((4,), float(i)), mesh1, [Shard(0)]))
+            assert torch.equal(out.to_torch(), torch.full((4,), 3.0 * i))
+            assert torch.equal(kept["last"].to_torch(), torch.full((4,), 3.0 * i))
+    assert step.graphed == 0
+
+
+def test_arguments_are_checked_and_a_plain_number_that_changes_runs_the_python(mesh1):
+    w = dtorch.distribute_tensor(torch.arange(4.0), mesh1, [Shard(0)])
+
+    def scaled(x, k):
+        return x * w + k
+
+    step = dtorch.compile(scaled, mode="graph")
+    x = dtorch.distribute_tensor(torch.ones(4), mesh1, [Shard(0)])
+    for k in (1, 1, 1, 1, 5):
+        assert torch.equal(step(x, k).to_torch(), torch.arange(4.0) + k)
+    assert step.graphed == 1  # call 4; call 5's k differs: the Python ran (and the number became a hole)
+    ref = copy.deepcopy(torch.arange(4.0))
+    out = step(dtorch.distribute_tensor(torch.ones(4), mesh1, [Replicate()]), 5)  # another layout
+    assert torch.equal(out.to_torch(), ref + 5)
+
+
+def test_a_bad_mode_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"mode='cuda-graph'; expected one of 'replay', 'graph'"):
+        dtorch.compile(lambda x: x, mode="cuda-graph")
