@@ -30,12 +30,13 @@ Items (those of issue #11):
     compute ran meanwhile (overlapped with communication).
 
 (g) step capture (issue #12 item 2): user-thread time per training step of the Llama DPxTP example (2x2 mesh,
-    AdamW, 20 steps), eager (automatic capture off) against `dtorch.compile` (steps 3-20 replayed: one
-    InstrReplay each) and against automatic capture (the default: the same loop, no step marked, each upload
-    ends a step), against plain torch eager's whole step on one process; the losses of the three DTorch runs
-    must be identical; then the same with SGD + momentum (whose numbers do not change from step to step: AdamW's
-    step sizes are computed in Python) under `dtorch.compile(mode="graph")` (steps 4-20 do not run the step's
-    Python: one InstrReplay each) against eager DTorch and plain torch with the same optimizer;
+    20 steps, AdamW with foreach=True in DTorch and plain torch alike: its default on a CUDA mesh): eager
+    (automatic capture off), `dtorch.compile` (steps 3-20 replayed: one InstrReplay each), automatic capture
+    (the default: the same loop, no step marked, each upload ends a step) and "graph + replay" (the forward
+    and backward under `dtorch.compile(mode="graph")`, whose Python does not run from step 4 on, and AdamW's
+    step, whose step sizes are computed in Python, replayed), against plain torch eager's whole step on one
+    process; then the same with SGD + momentum (no number changes from step to step), the whole step under
+    mode="graph". The losses of every DTorch run must be identical to eager DTorch's;
 (h) random factories (issue #12 item 4): time and elements drawn per device for a 4096x4096 randn sharded
     over 1-8 devices, block-seeded (each device draws the blocks of its shard) against drawing the whole
     tensor and keeping the box (what workers did before).
@@ -482,7 +483,7 @@ def llama_step_times(steps: int, how: str, optimizer: str = "adamw") -> tuple[li
 
         mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh, llama_tp_plan(), tp_mesh_dim="tp")
-    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw"
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
 
     def body(ids):  # noqa: ANN001, ANN202
@@ -690,7 +691,8 @@ def main() -> None:
         print(f"    overlapped / waited {ratio(f['overlapped']['ms'], f['waited']['ms'])} (on 2 shared CPU cores a "
               "transfer is CPU work too: overlap hides it only where a core would otherwise wait)")
     if capture:
-        print(f"(g) Llama DPxTP training step (2x2 mesh, AdamW), user-thread time, median of steps 3-{args.steps}")
+        print("(g) Llama DPxTP training step (2x2 mesh, AdamW foreach), user-thread time, median of steps "
+              f"3-{args.steps}")
         print(f"    dtorch eager              {capture['eager']:9.2f} ms")
         print(f"    dtorch.compile (replayed) {capture['captured']:9.2f} ms   captured/eager "
               f"{ratio(capture['captured'], capture['eager'])}")

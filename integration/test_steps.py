@@ -37,7 +37,8 @@ def _batches(n, rows=8):
 
 
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-              "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}  # AdamW: step sizes change every step
+              "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),  # AdamW: step sizes change every step
+              "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)}  # ... in lists
 
 
 def _train(mesh2d, batches, compiled, dropout=0.0, optimizer="sgd"):
@@ -62,8 +63,10 @@ def test_replayed_training_matches_eager_bit_for_bit_and_plain_torch(mesh2d, opt
     eager_losses, eager_params, _ = _train(mesh2d, batches, compiled=False, optimizer=optimizer)
     assert (step.replays, step.fallbacks, step.unreplayable) == (4, 0, None)  # call 1 warms up, call 2 records
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
-    if optimizer == "adamw":
+    if optimizer.startswith("adamw"):
         assert step.program.nscalars > 0  # its step sizes are the replay's numbers
+        # each op with holes reads them from its key, unplanned (a list of equal step sizes: in order)
+        assert all(step.program.ops[i].numbers is not None for i in step.program.holes)
     ref = _mlp()
     opt = OPTIMIZERS[optimizer](ref.parameters())
     expected = [_step(ref, opt, x, y).item() for x, y in batches]

@@ -473,7 +473,8 @@ class _Replayer(_Mode):
             self.fall_back(items)
             return result
         if func is not None and (torch.Tag.pointwise in func.tags or func.__name__.startswith("_foreach_")):
-            _learn_positions(op, key, numbers)  # its output shapes cannot depend on the numbers
+            _learn_positions(op, key, numbers, _holes_in(self.program.instrs[op.start:op.end]))
+            # (its output shapes cannot depend on the numbers)
         self.pos += 1
         return result
 
@@ -593,11 +594,18 @@ def _floats(key: Any, out: list) -> None:
                 _floats(x, out)
 
 
-def _learn_positions(op: _Op, key: Any, numbers: dict[int, Any]) -> None:
-    """Where each hole's value sits among the floats of the op's `key`, when each sits at exactly one place."""
+def _learn_positions(op: _Op, key: Any, numbers: dict[int, Any], walk: list[int]) -> None:
+    """Where each hole's value sits among the floats of the op's `key`: at the one place that holds its value, or,
+    when every float of the key is a hole (a `_foreach_` op's list of step sizes, often all equal), in order: the
+    k-th float is the k-th hole met in the op's instructions (`walk`), as the instructions list the op's arguments
+    in their order."""
     floats: list = []
     _floats(key, floats)
     op.numbers = None
+    if len(walk) == len(floats) == len(set(walk)) and set(walk) == numbers.keys() \
+            and all(numbers[k] == v for k, v in zip(walk, floats)):
+        op.numbers, op.nfloats, op.fixed = list(enumerate(walk)), len(floats), []
+        return
     places = []
     for k, value in numbers.items():
         at = [j for j, v in enumerate(floats) if v == value]
@@ -607,6 +615,22 @@ def _learn_positions(op: _Op, key: Any, numbers: dict[int, Any]) -> None:
     taken = {j for j, _ in places}
     op.numbers, op.nfloats = places, len(floats)
     op.fixed = [(j, v) for j, v in enumerate(floats) if j not in taken]
+
+
+def _holes_in(instrs: list) -> list[int]:
+    """The holes of these instructions, in the order of their fields."""
+    out: list[int] = []
+    stack = [_plain(i) for i in reversed(instrs)]
+    while stack:
+        x = stack.pop()
+        if type(x) is dict:
+            if len(x) == 1 and programs.SCALAR_HOLE in x:
+                out.append(x[programs.SCALAR_HOLE])
+            else:
+                stack.extend(reversed(list(x.values())))
+        elif type(x) is list:
+            stack.extend(reversed(x))
+    return out
 
 
 def _match(old: Any, new: Any, path: list, hole: Callable[[list, Any], None], numbers: dict[int, Any]) -> bool:
