@@ -186,3 +186,33 @@ def test_arguments_are_checked_and_a_plain_number_that_changes_runs_the_python(m
 def test_a_bad_mode_is_one_clear_error():
     with pytest.raises(ValueError, match=r"mode='cuda-graph'; expected one of 'replay', 'graph'"):
         dtorch.compile(lambda x: x, mode="cuda-graph")
+
+
+def test_gradients_dropped_between_calls_bring_the_python_back_with_a_warning(mesh2d):
+    """zero_grad() outside the step drops the .grad the graph would re-point: the Python must run (rule 2)."""
+    batches = _batches(6)
+    model = _mlp()
+    parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def forward_backward(x, y):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    step = dtorch.compile(forward_backward, mode="graph")
+    ref = _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    with pytest.warns(UserWarning, match="dropped between calls"):
+        for x, y in batches:
+            loss = step(dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE))
+            opt.step()
+            opt.zero_grad()
+            ref_loss = ((ref(x) - y) ** 2).mean()
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=1e-5, atol=1e-6)
+    assert step.graphed == 0 and step.replays == 4
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-5, atol=1e-6)

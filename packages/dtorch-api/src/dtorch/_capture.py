@@ -27,7 +27,9 @@ Rules:
   6. Numbers. An op whose float arguments changed (an optimizer's step size, a learning rate schedule) is
      planned again, into a list: when its instructions are the program's but for numbers in the op's
      arguments, those numbers become holes of the program (`{"$s": k}`, defined again once) and the replay
-     sends their values; that op is planned again in each later replay, every other op only matched.
+     sends their values. An elementwise or `_foreach_` op then reads them from its key (each at the one float that
+     holds its value, or in order when every float of the key is a hole: a list of equal step sizes); any other
+     op with holes is planned again in each later replay. Every other op is only matched.
 
 Automatic capture (on by default; `dtorch.auto_compile(False)` turns it off): no step is marked; the operations
 between two boundaries are one.

@@ -20,7 +20,9 @@ Rules:
   2. A graph call checks what the Python would have seen and can be seen cheaply: the arguments' structure,
      each DTensor argument's layout (spec id), session and `requires_grad`, each other argument equal to the
      verifying call's (type included), and each DTensor read from outside still alive under its tensor id. A
-     miss runs that call as a replay again (which verifies again).
+     miss runs that call as a replay again (which verifies again). A DTensor the step made and kept elsewhere
+     that is gone by the next call (dropped by its holder: `zero_grad()` outside the step drops `.grad`) cannot
+     be put back where the Python would put it: the step replays with its Python from then on, with a warning.
   3. It makes the step's tensor ids and draws its seeds as a replay does (so random values are an eager run's),
      sends one InstrReplay, and then stands for what the Python would have left behind:
        - a DTensor the step returns is a new DTensor each call (detached: no autograd graph was built);
@@ -95,6 +97,7 @@ class Graph:
         self.keep: list[tuple[int, weakref.ref]] = []  # (slot, wrapper) made and kept elsewhere
         self.result_spec: Any = None
         self.result: list[tuple] = []  # ("new", slot, spec) | ("arg", leaf) | ("none",)
+        self.broken: str | None = None  # why the graph can no longer stand for the step (rule 2)
 
     def __call__(self, session: Session, args: tuple, kwargs: dict) -> Any:
         if session is not self.session:
@@ -122,6 +125,10 @@ class Graph:
             w = ref()
             if w is None or w._tid != tid:
                 return MISS
+        if any(ref() is None for _, ref in self.keep):
+            self.broken = ("a DTensor it keeps (a .grad?) is dropped between calls (zero_grad() outside the step?): "
+                           "the graph could not put the new one back")
+            return MISS
         new = session.new_tid
         for slot in self.made:
             tids[slot] = new()
@@ -133,11 +140,8 @@ class Graph:
             release(tids[slot])
         for slot, ref in self.keep:
             w = ref()
-            if w is None:
-                release(tids[slot])
-            else:
-                old, w._tid = w._tid, tids[slot]
-                release(old)
+            old, w._tid = w._tid, tids[slot]
+            release(old)
         out = [wrap(how[2], tids[how[1]], session) if how[0] == "new" else leaves[how[1]] if how[0] == "arg"
                else None for how in self.result]
         return pytree.tree_unflatten(out, self.result_spec)
