@@ -28,9 +28,15 @@ def test_a_changed_number_in_the_arguments_is_a_hole_and_elsewhere_a_mismatch():
     assert not _capture._match(_call([], seed=0), _call([], seed=1), [], lambda *a: None, {})
 
 
-def test_hole_positions_are_learned_only_when_each_value_sits_at_one_place():
+def test_hole_positions_are_learned_only_when_each_value_sits_at_one_place_or_every_float_is_a_hole():
     op = _capture._Op(key=None, leaf_slots=(), made=0, seeds=0, start=0, end=1, result=None)
-    _capture._learn_positions(op, (1, (float, 0.9), (float, 0.01)), {3: 0.01})
+    _capture._learn_positions(op, (1, (float, 0.9), (float, 0.01)), {3: 0.01}, [3])
     assert op.numbers == [(1, 3)] and op.fixed == [(0, 0.9)] and op.nfloats == 2
-    _capture._learn_positions(op, (1, (float, 0.01), (float, 0.01)), {3: 0.01})  # ambiguous: planned every step
+    _capture._learn_positions(op, (1, (float, 0.01), (float, 0.01)), {3: 0.01}, [3])  # ambiguous: planned every step
+    assert op.numbers is None
+    # a _foreach_ op's list of equal step sizes, every float a hole: in the order the instructions hold them
+    key = (1, ((float, 0.01), (float, 0.01), (float, 0.01)))
+    _capture._learn_positions(op, key, {5: 0.01, 4: 0.01, 6: 0.01}, [4, 5, 6])
+    assert op.numbers == [(0, 4), (1, 5), (2, 6)] and op.fixed == [] and op.nfloats == 3
+    _capture._learn_positions(op, key, {4: 0.01, 5: 0.01}, [4, 5])  # a float that is not a hole: ambiguous
     assert op.numbers is None

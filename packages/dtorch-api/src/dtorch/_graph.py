@@ -154,6 +154,7 @@ def graph_of(v: Verifier, args: tuple, kwargs: dict, result: Any) -> Graph | str
         names = sorted({str(p.ops[i].func or p.ops[i].key[0]) for i in p.holes if i < len(p.ops)})
         return (f"numbers in its ops change from call to call ({', '.join(names[:3])}; torch's AdamW computes its "
                 "step sizes in Python unless capturable=True)")
+    gc.collect()  # what is kept must be what is referred to, not garbage awaiting the collector
     g = Graph(v.session, p)
     leaves, g.args_spec = pytree.tree_flatten((args, kwargs))
     for i, x in enumerate(leaves):
