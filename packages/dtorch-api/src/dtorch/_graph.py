@@ -9,8 +9,9 @@ Rules:
   1. A graph is made from a replay that matched its whole program (the *verifying* call), and only where the
      step's Python is invisible to its program:
        - no number in the program changes from call to call (no holes, `_capture` rule 6; torch's AdamW computes
-         its step sizes in Python from a step counter: `AdamW(capturable=True)` on CUDA keeps them on the
-         device);
+         its step sizes in Python from a step counter, and its `capturable=True` keeps that counter as a plain
+         tensor on the client: graph the forward and backward, and let `dtorch.compile(opt.step)` replay the
+         update);
        - every DTensor it reads that is not an argument is the one the recording read (a parameter, an
          optimizer's state), still held by the program's user: not one the previous call made;
        - its arguments are DTensors, numbers, strings, None (no plain tensor: its values are not checked);
@@ -153,7 +154,7 @@ def graph_of(v: Verifier, args: tuple, kwargs: dict, result: Any) -> Graph | str
     if p.nscalars:
         names = sorted({str(p.ops[i].func or p.ops[i].key[0]) for i in p.holes if i < len(p.ops)})
         return (f"numbers in its ops change from call to call ({', '.join(names[:3])}; torch's AdamW computes its "
-                "step sizes in Python unless capturable=True)")
+                "step sizes in Python: graph the forward and backward, and dtorch.compile(opt.step) apart)")
     gc.collect()  # what is kept must be what is referred to, not garbage awaiting the collector
     g = Graph(v.session, p)
     leaves, g.args_spec = pytree.tree_flatten((args, kwargs))
