@@ -34,9 +34,11 @@ Items (those of issue #11):
     (automatic capture off), `dtorch.compile` (steps 3-20 replayed: one InstrReplay each), automatic capture
     (the default: the same loop, no step marked, each upload ends a step) and "graph + replay" (the forward
     and backward under `dtorch.compile(mode="graph")`, whose Python does not run from step 4 on, and AdamW's
-    step, whose step sizes are computed in Python, replayed), against plain torch eager's whole step on one
-    process; then the same with SGD + momentum (no number changes from step to step), the whole step under
-    mode="graph". The losses of every DTorch run must be identical to eager DTorch's;
+    step, whose step sizes are computed in Python, replayed) and the whole step as a graph with
+    `dtorch.optim.AdamW` (its step counters on the workers), against plain torch eager's whole step on one
+    process (one intra-op thread); then the same with SGD + momentum (no number changes from step to step), the
+    whole step under mode="graph". The losses of every DTorch run must be identical to eager DTorch's with the
+    same optimizer;
 (h) random factories (issue #12 item 4): time and elements drawn per device for a 4096x4096 randn sharded
     over 1-8 devices, block-seeded (each device draws the blocks of its shard) against drawing the whole
     tensor and keeping the box (what workers did before).
@@ -484,6 +486,7 @@ def llama_step_times(steps: int, how: str, optimizer: str = "adamw") -> tuple[li
         mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh, llama_tp_plan(), tp_mesh_dim="tp")
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True) if optimizer == "adamw"
+           else dtorch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "dtorch-adamw"
            else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
 
     def body(ids):  # noqa: ANN001, ANN202
@@ -537,9 +540,11 @@ def llama_step_times(steps: int, how: str, optimizer: str = "adamw") -> tuple[li
 def run_capture(args: argparse.Namespace) -> dict:
     import dtorch
 
-    torch.set_num_threads(2)
-    plain, _ = llama_step_times(args.steps, "plain")
+    # plain torch on one intra-op thread: at this model size (hidden 32) a step is Python and dispatch, a second
+    # thread buys nothing, and on a shared 2-core machine OpenMP's spinning worker would count as the step's time
     torch.set_num_threads(1)
+    plain, _ = llama_step_times(args.steps, "plain")
+    sgd_plain, _ = llama_step_times(args.steps, "plain", "sgd")
     dtorch.connect(workers=2)
     try:
         eager, eager_losses = llama_step_times(args.steps, "eager")
@@ -548,10 +553,10 @@ def run_capture(args: argparse.Namespace) -> dict:
         sgd_eager, sgd_eager_losses = llama_step_times(args.steps, "eager", "sgd")
         graph, graph_losses = llama_step_times(args.steps, "graph", "sgd")
         split, split_losses = llama_step_times(args.steps, "split")
+        whole, whole_losses = llama_step_times(args.steps, "graph", "dtorch-adamw")
+        whole_eager, whole_eager_losses = llama_step_times(args.steps, "eager", "dtorch-adamw")
     finally:
         dtorch.shutdown()
-    torch.set_num_threads(2)
-    sgd_plain, _ = llama_step_times(args.steps, "plain", "sgd")
     tail, graphed = slice(2, None), slice(3, None)  # steps 3.. : warmed up, compiled ones replayed; 4.. : graphs
     return {"plain": statistics.median(plain[tail]) * 1e3, "eager": statistics.median(eager[tail]) * 1e3,
             "captured": statistics.median(captured[tail]) * 1e3, "auto": statistics.median(auto[tail]) * 1e3,
@@ -559,7 +564,9 @@ def run_capture(args: argparse.Namespace) -> dict:
             "auto_diff": max(abs(a - b) for a, b in zip(eager_losses, auto_losses)),
             "sgd_plain": statistics.median(sgd_plain[graphed]) * 1e3,
             "sgd_eager": statistics.median(sgd_eager[graphed]) * 1e3, "graph": statistics.median(graph[graphed]) * 1e3,
-            "split": statistics.median(split[graphed]) * 1e3,
+            "split": statistics.median(split[graphed]) * 1e3, "whole": statistics.median(whole[graphed]) * 1e3,
+            "whole_diff": max(abs(a - b) for a, b in zip(whole_eager_losses, whole_losses)),
+            "whole_vs_torch": max(abs(a - b) for a, b in zip(eager_losses, whole_losses)),
             "split_diff": max(abs(a - b) for a, b in zip(eager_losses, split_losses)),
             "graph_diff": max(abs(a - b) for a, b in zip(sgd_eager_losses, graph_losses))}
 
@@ -703,8 +710,13 @@ def main() -> None:
         print(f"    graph + replay            {capture['split']:9.2f} ms   split/plain "
               f"{ratio(capture['split'], capture['plain'])}   (forward+backward mode='graph', AdamW's step replayed; "
               f"steps 4-{args.steps})")
+        print(f"    graph, dtorch AdamW       {capture['whole']:9.2f} ms   whole/plain "
+              f"{ratio(capture['whole'], capture['plain'])}   (the whole step mode='graph' with dtorch.optim.AdamW: "
+              f"step counters on the workers)")
         print(f"    max |loss difference| eager vs captured: {capture['diff']:.1e}, vs auto: "
-              f"{capture['auto_diff']:.1e}, vs graph + replay: {capture['split_diff']:.1e} (identical: 0)")
+              f"{capture['auto_diff']:.1e}, vs graph + replay: {capture['split_diff']:.1e} (identical: 0); "
+              f"dtorch.optim.AdamW graph vs its eager run {capture['whole_diff']:.1e} (identical: 0), vs torch's "
+              f"AdamW {capture['whole_vs_torch']:.1e} (float rounding)")
         print(f"    the same with SGD + momentum, median of steps 4-{args.steps}:")
         print(f"    dtorch eager              {capture['sgd_eager']:9.2f} ms")
         print(f"    dtorch.compile graph      {capture['graph']:9.2f} ms   graph/eager "

@@ -216,3 +216,49 @@ def test_gradients_dropped_between_calls_bring_the_python_back_with_a_warning(me
     assert step.graphed == 0 and step.replays == 4
     for got, want in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_dtorch_adamw_makes_the_whole_step_a_graph_and_trains_as_torch_adamw(mesh2d):
+    batches = _batches(7)
+    losses, params, _, step, ran = _train(mesh2d, batches, "graph", optimizer=lambda ps: dtorch.optim.AdamW(ps, 1e-2))
+    eager_losses, eager_params, _, _, _ = _train(mesh2d, batches, None,
+                                                 optimizer=lambda ps: dtorch.optim.AdamW(ps, 1e-2))
+    assert (ran, step.graphed, step.no_graph) == (3, 4, None)  # no number of its update changes in Python
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
+    ref = _mlp()
+    body, _ = _body(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    expected = [body(x, y).item() for x, y in batches]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    for got, want in zip(params, ref.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-6)  # torch's rounding: Python floats
+
+
+def test_a_learning_rate_changed_between_calls_runs_the_python(mesh2d):
+    """dtorch.optim.AdamW's hyperparameters are the graph's guard (rule 2): a graph never uses a stale lr."""
+    batches = _batches(7)
+    results = []
+    for mode in ("graph", None):
+        model = _mlp()
+        parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
+        opt = dtorch.optim.AdamW(model.parameters(), lr=1e-2)
+        body, calls = _body(model, opt)
+        step = dtorch.compile(body, mode=mode) if mode else body
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the new lr is a new number: the step stays a replay after it
+            for n, (x, y) in enumerate(batches):
+                if n == 5:
+                    opt.param_groups[0]["lr"] = 1e-3
+                losses.append(step(dtorch.distribute_tensor(x, mesh2d, PLACE),
+                                   dtorch.distribute_tensor(y, mesh2d, PLACE)).item())
+        results.append((losses, [p.to_torch() for p in model.parameters()], step, len(calls)))
+    (losses, params, step, ran), (eager_losses, eager_params, _, _) = results
+    assert (step.graphed, ran) == (2, 5)  # calls 4-5 were graphs; 6 ran its Python for the new lr, and so did 7
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+def test_dtorch_adamw_refuses_bad_input_in_one_line(mesh1):
+    with pytest.raises(ValueError, match=r"dtorch.optim.AdamW: lr=-1.0; expected a value in its range"):
+        dtorch.optim.AdamW([dtorch.distribute_tensor(torch.ones(4), mesh1, [Shard(0)])], lr=-1.0)
+    with pytest.raises(TypeError, match=r"parameter 0 is a Parameter; expected DTensors"):
+        dtorch.optim.AdamW([nn.Parameter(torch.ones(4))])

@@ -40,10 +40,14 @@ _LAZY = {
     "profile": "dtorch.profiling",
 }
 
-__all__ = ["__version__", "Placement", "Shard", "Replicate", "Partial", *_LAZY]
+_SUBMODULES = ("nn", "optim")  # `dtorch.optim.AdamW` after a plain `import dtorch`, as with torch
+
+__all__ = ["__version__", "Placement", "Shard", "Replicate", "Partial", *_LAZY, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dtorch.{name}")  # (the import sets the attribute)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dtorch' has no attribute {name!r}")

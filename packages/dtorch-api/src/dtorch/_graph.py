@@ -20,7 +20,8 @@ Rules:
      Otherwise the step stays a replay, with one warning saying why.
   2. A graph call checks what the Python would have seen and can be seen cheaply: the arguments' structure,
      each DTensor argument's layout (spec id), session and `requires_grad`, each other argument equal to the
-     verifying call's (type included), and each DTensor read from outside still alive under its tensor id. A
+     verifying call's (type included), each DTensor read from outside still alive under its tensor id, and
+     each value a DTorch component named with `guard` (`dtorch.optim.AdamW`'s hyperparameters) unchanged. A
      miss runs that call as a replay again (which verifies again). A DTensor the step made and kept elsewhere
      that is gone by the next call (dropped by its holder: `zero_grad()` outside the step drops `.grad`) cannot
      be put back where the Python would put it: the step replays with its Python from then on, with a warning.
@@ -42,10 +43,12 @@ from __future__ import annotations
 import gc
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch.utils._pytree as pytree
 
+from dtorch import _dispatch
 from dtorch._capture import Program, _Op, _Replayer
 from dtorch.dtensor import DTensor, wrap
 from dtorch.session import Session
@@ -62,6 +65,7 @@ class Verifier(_Replayer):
         super().__init__(session, program)
         self.read: dict[int, weakref.ref] = {}
         self.made: dict[int, weakref.ref] = {}
+        self.guards: list[tuple[Callable[[], Any], Any]] = []  # (value, what it was): `guard`
 
     def _bind(self, op: _Op, leaves: list) -> bool:
         first = len(self.tids)
@@ -82,6 +86,14 @@ class Verifier(_Replayer):
         return result
 
 
+def guard(value: Callable[[], Any]) -> None:
+    """Python state a step's numbers come from (an optimizer's hyperparameters), named by the code that reads it:
+    a graph made from the call running now checks that `value()` is unchanged before each call (rule 2)."""
+    hook = _dispatch.step_hook
+    if type(hook) is Verifier:
+        hook.guards.append((value, value()))
+
+
 class Graph:
     """A verified step, called without its Python (rules 2-3)."""
 
@@ -99,6 +111,7 @@ class Graph:
         self.result_spec: Any = None
         self.result: list[tuple] = []  # ("new", slot, spec) | ("arg", leaf) | ("none",)
         self.broken: str | None = None  # why the graph can no longer stand for the step (rule 2)
+        self.guards: list[tuple[Callable[[], Any], Any]] = []
 
     def __call__(self, session: Session, args: tuple, kwargs: dict) -> Any:
         if session is not self.session:
@@ -125,6 +138,9 @@ class Graph:
         for tid, ref in self.captured:
             w = ref()
             if w is None or w._tid != tid:
+                return MISS
+        for value, seen in self.guards:
+            if value() != seen:
                 return MISS
         if any(ref() is None for _, ref in self.keep):
             self.broken = ("a DTensor it keeps (a .grad?) is dropped between calls (zero_grad() outside the step?): "
@@ -157,6 +173,7 @@ def graph_of(v: Verifier, args: tuple, kwargs: dict, result: Any) -> Graph | str
                 "step sizes in Python: graph the forward and backward, and dtorch.compile(opt.step) apart)")
     gc.collect()  # what is kept must be what is referred to, not garbage awaiting the collector
     g = Graph(v.session, p)
+    g.guards = v.guards
     leaves, g.args_spec = pytree.tree_flatten((args, kwargs))
     for i, x in enumerate(leaves):
         if type(x) is DTensor:
