@@ -1,13 +1,14 @@
 """A small tensor-parallel MLP trained with AdamW on an embedded cluster, twice: without a fault, then with one.
 
-    python integration/_fault_run.py MODE [--workers 3] [--steps 10] [--at 4]
+    python integration/_fault_run.py MODE [--workers 3] [--steps 10] [--at 4] [--graph]
 
 MODE: clean | kill (SIGKILL the worker of logical device 1 after step --at) | kill_in_collective (SIGSTOP it
 after step --at, so the survivors' next all-reduce waits for it, then SIGKILL it half a second later, in the
 middle of that all-reduce) | stop (SIGSTOP it instead;
 SIGCONT it after the run: it must exit, fenced) | drain (drain it, from another thread, while training
 goes on) | migrate (move logical device 1 to the spare worker, idem) | kill2 (SIGKILL two workers at
-once: more than the copies survive). Prints one JSON line: the losses
+once: more than the copies survive). --graph: the step runs as a graph (`dtorch.compile(mode="graph")`, with
+`dtorch.optim.AdamW`) in both runs. Prints one JSON line: the losses
 and final weights of both runs, what happened, and timings. Every wait is bounded.
 """
 
@@ -47,13 +48,24 @@ def where(device: int) -> str:
     return next(s for s in status.sessions if s.session == session.id).devices[device]
 
 
-def train(mesh, steps: int, at: int, action=None, box=None, preload=False):
+def train(mesh, steps: int, at: int, action=None, box=None, preload=False, graph=False):
     """`preload`: every batch is uploaded before the first step, so a step needs no upload (a stopped worker
-    then holds up the collectives, not the client's uploads)."""
+    then holds up the collectives, not the client's uploads). `graph`: the step is a graph; returns how many
+    calls ran as one in `box["graphed"]`."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = (dtorch.optim.AdamW if graph else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+
+    def one_step(xd, yd):  # noqa: ANN001, ANN202
+        loss = ((model(xd) - yd) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    step_fn = dtorch.compile(one_step, mode="graph") if graph else one_step
     gen = torch.Generator().manual_seed(5)
     data = [(torch.randn(12, 8, generator=gen), torch.randn(12, 8, generator=gen)) for _ in range(steps)]
     if preload:
@@ -64,12 +76,7 @@ def train(mesh, steps: int, at: int, action=None, box=None, preload=False):
         x, y = data[step]
         xd = x if preload else dtorch.distribute_tensor(x, mesh, [Replicate()])
         yd = y if preload else dtorch.distribute_tensor(y, mesh, [Replicate()])
-        loss = ((model(xd) - yd) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(step_fn(xd, yd).item())
         if action is not None and step == at:
             action()
         if box is not None and box.get("slow"):
@@ -79,6 +86,8 @@ def train(mesh, steps: int, at: int, action=None, box=None, preload=False):
                 while not os.path.exists(box["done"]) and time.monotonic() < deadline:
                     time.sleep(0.05)
     weights = {name: p.to_torch().tolist() for name, p in model.named_parameters()}
+    if graph and box is not None:
+        box["graphed"] = step_fn.graphed
     return losses, weights
 
 
@@ -88,6 +97,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--at", type=int, default=4)
+    p.add_argument("--graph", action="store_true", help="the step as a graph (dtorch.compile(mode='graph'))")
     p.add_argument("--controller", default="", help="use a running controller (mode cli)")
     p.add_argument("--ready", default="", help="mode cli: write the session id here at step --at, then go slowly, "
                    "and take the last step once a file of that name + '.done' exists (the operator is done)")
@@ -95,7 +105,7 @@ def main() -> None:
     dtorch.connect(args.controller or None, workers=args.workers)
     mesh = dtorch.DeviceMesh("cpu", [0, 1, 2])  # one logical device per worker (a 4th stays spare)
     preload = args.mode == "kill_in_collective"
-    clean_losses, clean_weights = train(mesh, args.steps, args.at, preload=preload)
+    clean_losses, clean_weights = train(mesh, args.steps, args.at, preload=preload, graph=args.graph)
     info: dict = {"mode": args.mode}
 
     def kill() -> None:
@@ -160,12 +170,13 @@ def main() -> None:
               "cli": cli, "kill_in_collective": kill_in_collective}[args.mode]
     t0 = time.monotonic()
     try:
-        losses, weights = train(mesh, args.steps, args.at, action, box, preload=preload)
+        losses, weights = train(mesh, args.steps, args.at, action, box, preload=preload, graph=args.graph)
         info["error"] = None
     except Exception as e:  # noqa: BLE001 - the unrecoverable case: one clear line
         losses, weights = [], {}
         info["error"] = f"{type(e).__name__}: {e}"
     info["seconds"] = time.monotonic() - t0
+    info["graphed"] = box.get("graphed")
     if "thread" in box:
         box["thread"].join(90)
         reply = box.get("reply")

@@ -50,6 +50,15 @@ def test_sigkill_mid_training_is_rebuilt_and_the_results_equal_the_fault_free_ru
     assert any("recovered in" in line for line in info["events"]), info["events"]
 
 
+def test_a_graph_step_goes_on_as_a_graph_through_a_sigkill_with_the_fault_free_results():
+    """The graph's replays after the rebuild are translated for the new binding (never a stale program)."""
+    result = run("kill", "--graph")
+    assert_same_as_fault_free(result)
+    info = result["info"]
+    assert info["graphed"] == 7  # steps 4-10: 1 warms up, 2 is recorded, 3 verifies; the kill is after step 5
+    assert info["workers"][info["victim"]] == "lost" and info["victim"] not in info["devices"].values()
+
+
 def test_sigkill_in_the_middle_of_an_all_reduce_neither_hangs_the_survivors_nor_changes_the_results():
     """The tensor-parallel all-reduces run on gloo groups: the survivors are waiting in one for the (stopped)
     victim when it is killed; their op fails (connection closed), the rebuild aborts the groups and replays."""
