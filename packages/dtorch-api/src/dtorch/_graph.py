@@ -170,11 +170,17 @@ def graph_of(v: Verifier, args: tuple, kwargs: dict, result: Any) -> Graph | str
     if p.nscalars:
         names = sorted({str(p.ops[i].func or p.ops[i].key[0]) for i in p.holes if i < len(p.ops)})
         return (f"numbers in its ops change from call to call ({', '.join(names[:3])}; torch's AdamW computes its "
-                "step sizes in Python: graph the forward and backward, and dtorch.compile(opt.step) apart)")
+                "step sizes in Python: use dtorch.optim.AdamW, or graph the forward and backward and "
+                "dtorch.compile(opt.step) apart)")
     gc.collect()  # what is kept must be what is referred to, not garbage awaiting the collector
     g = Graph(v.session, p)
     g.guards = v.guards
     leaves, g.args_spec = pytree.tree_flatten((args, kwargs))
+    return _arguments(g, v, leaves) or _outside(g, v) or _results(g, v, leaves, result) or g
+
+
+def _arguments(g: Graph, v: Verifier, leaves: list) -> str | None:
+    """The checks of each argument, and the slots the DTensors among them fill."""
     for i, x in enumerate(leaves):
         if type(x) is DTensor:
             g.args.append((i, v.slot_of.get(x._tid), x._spec.sid, x.requires_grad))
@@ -182,15 +188,25 @@ def graph_of(v: Verifier, args: tuple, kwargs: dict, result: Any) -> Graph | str
             g.consts.append((i, type(x), x))
         else:
             return f"an argument is a {type(x).__name__} (a graph checks DTensors, numbers, strings and None)"
-    bound = {slot for _, slot, _, _ in g.args if slot is not None}
-    g.nbound = len(bound)
-    for slot in sorted(p.external - bound):
+    g.nbound = len({slot for _, slot, _, _ in g.args if slot is not None})
+    return None
+
+
+def _outside(g: Graph, v: Verifier) -> str | None:
+    """The DTensors read from outside that no argument brings: each the one the recording read."""
+    p = v.program
+    for slot in sorted(p.external - {slot for _, slot, _, _ in g.args}):
         ref = v.read.get(slot)
         if ref is None or ref() is None or p.bound.get(slot) != v.tids[slot]:
             return ("it reads a DTensor that is not an argument and is not the one the recording read (one the "
                     "previous call made?)")
         g.template[slot] = v.tids[slot]
         g.captured.append((v.tids[slot], ref))
+    return None
+
+
+def _results(g: Graph, v: Verifier, leaves: list, result: Any) -> str | None:
+    """How each result is made, what the step keeps elsewhere and what it drops (rule 3)."""
     flat, g.result_spec = pytree.tree_flatten(result)
     returned: dict[int, DTensor] = {}
     arg_index = {id(leaf): i for i, leaf in enumerate(leaves)}  # (no closure over x: a cell would refer to it)
@@ -205,8 +221,7 @@ def graph_of(v: Verifier, args: tuple, kwargs: dict, result: Any) -> Graph | str
             returned[v.slot_of[x._tid]] = x
         else:
             return f"it returns a {type(x).__name__} that is neither an argument nor made by the step"
-    deleted = set(p.user_deletes.values())
-    g.after = sorted({v.slot_of[t] for t in v.dropped} - deleted)
+    g.after = sorted({v.slot_of[t] for t in v.dropped} - set(v.program.user_deletes.values()))
     for slot, ref in sorted(v.made.items()):
         w = ref()
         if w is None or slot in returned:
@@ -216,7 +231,7 @@ def graph_of(v: Verifier, args: tuple, kwargs: dict, result: Any) -> Graph | str
         g.keep.append((slot, ref))
     if _kept_elsewhere(returned, result, flat):
         return "it returns a DTensor that it also keeps elsewhere (a graph returns new ones: that one would go stale)"
-    return g
+    return None
 
 
 def _kept_elsewhere(returned: dict[int, DTensor], result: Any, flat: list) -> bool:
