@@ -52,6 +52,18 @@ class Keys:
         return {**env, "DTORCH_KEYS": str(self.path), "DTORCH_API_KEY": key, **extra}
 
 
+def mlp_train_step(model, opt, x, y, dropout=0.0):
+    """One training step of the integration tests' small MLPs (MSE, clipped gradients): the loss."""
+    import torch.nn.functional as F
+
+    loss = ((F.dropout(model(x), dropout, training=dropout > 0) - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def _popen(argv: Sequence[str], env: dict[str, str], log: Path | None, popen: dict[str, Any]) -> subprocess.Popen:
     """Output to `log` (stderr too), or to a pipe when there is none; the file is closed here, the child keeps it."""
     if log is None:

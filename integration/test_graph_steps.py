@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dtorch
+from _helpers import mlp_train_step
 from dtorch import Replicate, Shard
 from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from dtorch_protocol import messages as m
@@ -29,12 +29,7 @@ def _body(model, opt, dropout=0.0):
 
     def step(x, y):
         calls.append(1)  # counts the calls that ran the Python
-        loss = ((F.dropout(model(x), dropout, training=dropout > 0) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss
+        return mlp_train_step(model, opt, x, y, dropout)
 
     return step, calls
 

@@ -8,10 +8,10 @@ import warnings
 import msgspec
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dtorch
+from _helpers import mlp_train_step
 from dtorch import Replicate, Shard
 from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from dtorch_protocol import messages as m
@@ -20,15 +20,6 @@ from dtorch_protocol import messages as m
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-
-
-def _step(model, opt, x, y, dropout=0.0):
-    loss = ((F.dropout(model(x), dropout, training=dropout > 0) - y) ** 2).mean()
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss
 
 
 def _batches(n, rows=8):
@@ -46,7 +37,7 @@ def _train(mesh2d, batches, compiled, dropout=0.0, optimizer="sgd"):
     model = _mlp()
     parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
     opt = OPTIMIZERS[optimizer](model.parameters())
-    step = dtorch.compile(lambda x, y: _step(model, opt, x, y, dropout))
+    step = dtorch.compile(lambda x, y: mlp_train_step(model, opt, x, y, dropout))
     run = step if compiled else step.fn
     dtorch.manual_seed(3)
     losses = []
@@ -69,7 +60,7 @@ def test_replayed_training_matches_eager_bit_for_bit_and_plain_torch(mesh2d, opt
         assert all(step.program.ops[i].numbers is not None for i in step.program.holes)
     ref = _mlp()
     opt = OPTIMIZERS[optimizer](ref.parameters())
-    expected = [_step(ref, opt, x, y).item() for x, y in batches]
+    expected = [mlp_train_step(ref, opt, x, y).item() for x, y in batches]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     for got, want in zip(params, ref.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
@@ -90,7 +81,7 @@ def test_a_replay_sends_one_instruction_and_a_new_shape_falls_back_for_that_step
     parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    step = dtorch.compile(lambda x, y: _step(model, opt, x, y))
+    step = dtorch.compile(lambda x, y: mlp_train_step(model, opt, x, y))
     sent: list = []
     eager_emit = cluster.emit
     for n, (x, y) in enumerate(batches):
@@ -104,7 +95,7 @@ def test_a_replay_sends_one_instruction_and_a_new_shape_falls_back_for_that_step
         if n == 2:  # replayed: only the program id, the tensor ids and the seeds went out
             assert [type(i) for i in sent] == [m.InstrReplay] and len(sent[0].tids) > 50
         sent.clear()
-        torch.testing.assert_close(loss.item(), _step(ref, ref_opt, x, y).item(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss.item(), mlp_train_step(ref, ref_opt, x, y).item(), rtol=1e-5, atol=1e-6)
     # step 3 has 4 rows: it falls back, step 4 records again, step 5 replays
     assert (step.replays, step.fallbacks) == (2, 1)
     for got, want in zip(model.parameters(), ref.parameters()):
