@@ -1,7 +1,8 @@
 """CUDA workers (`nox -s gpu_integration`): shards on the device, pinned host copies, NCCL collectives.
 
 With one CUDA device: the backend's copies, a cuda worker's ops and training against plain torch, a cuda and a
-cpu worker redistributing to each other, and a killed cuda worker rebuilt with identical results. With two or
+cpu worker redistributing to each other, and a killed cuda worker rebuilt with identical results (also under a
+graph step). With two or
 more: NCCL collectives, a TP MLP and DP x TP Llama training against torch. Each test says in one line what it
 needs when the machine lacks it; on a machine without CUDA every one is skipped (and the session exits 0).
 Scenarios run in their own processes (integration/_gpu_run.py, _fault_run.py), so each has its own cluster.
@@ -82,14 +83,18 @@ def test_a_cuda_and_a_cpu_worker_redistribute_to_each_other(tmp_path):
 
 
 @needs_cuda
-def test_a_killed_cuda_worker_is_rebuilt_and_training_results_are_identical():
-    """Three workers on the one GPU (so no NCCL group: they share it); SIGKILL one mid-training."""
-    result = run("_fault_run.py", "kill", env={"DTORCH_LOCAL_DEVICE": "cuda:0", "DTORCH_SNAPSHOT_BATCHES": "4"})
+@pytest.mark.parametrize("graph", [(), ("--graph",)], ids=["eager", "graph"])
+def test_a_killed_cuda_worker_is_rebuilt_and_training_results_are_identical(graph):
+    """Three workers on the one GPU (so no NCCL group: they share it); SIGKILL one mid-training; the step run
+    eagerly, or as a graph with dtorch.optim.AdamW (its step counters on the GPU)."""
+    result = run("_fault_run.py", "kill", *graph,
+                 env={"DTORCH_LOCAL_DEVICE": "cuda:0", "DTORCH_SNAPSHOT_BATCHES": "4"})
     info = result["info"]
     assert info["error"] is None, info
     (clean_losses, clean_weights), (losses, weights) = result["clean"], result["run"]
     assert losses == clean_losses and weights == clean_weights
     assert info["workers"][info["victim"]] == "lost"
+    assert info["graphed"] == (7 if graph else None)
 
 
 @needs_two
