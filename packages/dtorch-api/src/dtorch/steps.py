@@ -81,7 +81,7 @@ class Compiled:
                 self.graphed += 1
                 return result
             if self.graph.broken is not None:
-                self._refuse(self.graph.broken)
+                self._refuse(self.graph.broken, 4)
             self.graph = None  # the Python runs, as a replay that verifies again (_graph rule 2)
         if self.program is None:
             return self._record(session, args, kwargs)
@@ -106,14 +106,14 @@ class Compiled:
     def _make_graph(self, verifier: _graph.Verifier, args: tuple, kwargs: dict, result: Any) -> None:
         graph = _graph.graph_of(verifier, args, kwargs, result)
         if isinstance(graph, str):
-            self._refuse(graph)
+            self._refuse(graph, 5)
         else:
             self.graph = graph
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, why: str, stacklevel: int) -> None:  # (stacklevel: the user's call of the step)
         self.no_graph = why
         warnings.warn(f"dtorch.compile: {getattr(self.fn, '__qualname__', self.fn)} replays with its Python "
-                      f"(mode='graph' refused): {why}", stacklevel=5)
+                      f"(mode='graph' refused): {why}", stacklevel=stacklevel)
 
     def _record(self, session: Session, args: tuple, kwargs: dict) -> Any:
         mode = _Recorder(session, session.new_program_id())
