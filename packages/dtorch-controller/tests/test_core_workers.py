@@ -5,6 +5,7 @@ from __future__ import annotations
 from _core_helpers import cmds_of, spec
 from dtorch_controller.core import Config, ControllerCore, Refusal
 from dtorch_controller.core import events as ev
+from dtorch_controller.core.effects import AliveReply, Fenced
 from dtorch_controller.core.timers import Heartbeat
 from dtorch_protocol import messages as m
 from dtorch_protocol.wire import hello
@@ -88,6 +89,75 @@ def test_reports_keep_a_worker_alive_and_bring_a_suspect_back(h):
     assert h.core.workers[w].state == "suspect"
     h.advance(0.2)
     assert h.core.workers[w].state == "lost"
+
+
+def alive(h, *workers, utilization=-1.0):
+    return h.call(ev.WorkersAlive, {w: utilization for w in workers})
+
+
+def test_workers_alive_is_an_empty_report_of_each_worker_and_names_the_fenced_ones(h):
+    """One `WorkersAlive` keeps its workers alive as their reports would, brings a suspect one back (a waiting mesh
+    is placed on it at once), and is answered once, naming the lost and unknown workers among them."""
+    w0, w1, w2 = (h.register(f"a:{i}") for i in range(3))
+    for _ in range(10):
+        h.advance(0.2)
+        assert h.core.workers[w0].state == h.core.workers[w1].state == "alive"  # never suspect in between
+        assert alive(h, w0, w1) == AliveReply()
+    assert [h.core.workers[w].state for w in (w0, w1, w2)] == ["alive", "alive", "lost"]
+    assert h.core.workers[w0].last_seen == h.now
+    h.advance(0.39)
+    assert h.core.workers[w0].state == "alive"
+    h.advance(0.01)  # two intervals after the last one: detection runs from it, as from a report
+    assert h.core.workers[w0].state == h.core.workers[w1].state == "suspect"
+    s = h.open_session()
+    assert not h.open_mesh(s, 1, [0]).placed  # no placeable worker
+    lost_seen = h.core.workers[w2].last_seen
+    assert alive(h, w2, w0, "w99", utilization=0.25) == AliveReply(fenced=(w2, "w99"))
+    assert h.core.sched.state(s) == "running" and h.core.view.sessions_on(w0) == {s}
+    assert h.core.workers[w0].state == "alive" and h.core.workers[w0].utilization == 0.25
+    assert h.core.workers[w1].state == "suspect" and h.core.workers[w2].last_seen == lost_seen
+    assert any(f"worker {w0} reported again" in line for line in h.status().events)
+    h.advance(0.6)  # w1's timeout: lost; w0, heard 0.6 s ago, is suspect again
+    assert [h.core.workers[w].state for w in (w0, w1)] == ["suspect", "lost"]
+
+
+def test_workers_alive_does_what_one_empty_report_per_worker_does(make_harness):
+    """Twin cores, one fed `Report`s with nothing new and the other the same workers' `WorkersAlive`: the same
+    effects (but the replies), worker records, session errors and event log, through suspect workers coming back
+    (placing a waiting mesh), a memory cap found over at a heartbeat, a lost worker's late heartbeat."""
+    twins = [make_harness(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, session_timeout_s=0) for _ in "ab"]
+    fenced: list[list] = [[], []]  # per round, the workers answered "fenced"
+    for h, out in zip(twins, fenced):
+        ws = [h.register(f"a:{i}", memory=1000) for i in range(4)]
+        capped = h.open_session(memory_cap=100)
+        assert h.open_mesh(capped, 1, [0]).placed
+        h.report(ws[0], sessions={capped: m.ShardStats(tensors=1, bytes=50)})
+        whole = h.open_session()
+        assert h.open_mesh(whole, 1, [0, 1]).placed
+        for round_ in range(8):
+            h.advance(0.45 if round_ in (2, 5) else 0.2)  # 2 and 5: everyone goes suspect
+            if round_ == 4:  # the capped session grows past its cap: the next report (any) says so
+                h.core.workers[ws[0]].stats = {capped: m.ShardStats(tensors=2, bytes=150)}
+            if round_ == 5:  # every worker is suspect: it waits, and is placed when w0 is back
+                waiting = h.open_session(memory_cap=100)
+                assert not h.open_mesh(waiting, 1, [0]).placed
+            beating = [w for i, w in enumerate(ws) if i != 3 or round_ not in (3, 4, 5, 6)]  # w3 lost in round 6
+            if h is twins[0]:
+                out.append([w for w in beating if not h.report(w, completed=h.core.workers[w].completed,
+                                                               sessions=h.core.workers[w].stats).ok])
+            else:
+                out.append(list(alive(h, *beating).fenced))
+        h.advance(0.5)
+    a, b = twins
+    assert fenced[0] == fenced[1] and fenced[0][-1] == ["w3"]
+    assert a.notices == b.notices and a.sent == b.sent and a.timers == b.timers
+    assert any(isinstance(n, Fenced) for n in a.notices) and a.core.sched.state(waiting) == "running"
+    fields = ("state", "last_seen", "completed", "stats", "sessions")
+    assert [[getattr(w, f) for f in fields] for w in a.core.workers.values()] == \
+        [[getattr(w, f) for f in fields] for w in b.core.workers.values()]
+    assert [s.errors for s in a.core.sessions.values()] == [s.errors for s in b.core.sessions.values()]
+    assert any(e.op == "memory cap" for s in a.core.sessions.values() for e in s.errors)
+    assert a.status().events == b.status().events
 
 
 def test_lost_and_unknown_workers_are_fenced_and_their_data_ignored(h):

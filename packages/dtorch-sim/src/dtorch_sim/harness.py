@@ -115,6 +115,7 @@ class Simulation:
         self._held: dict[Hashable, float] = {}  # heartbeat deadlines of healthy workers, held back (see `set_timer`)
         self._timer_gen = itertools.count()
         self._slots: dict[float, list] = {}  # time -> calls due then (see `later`)
+        self._alive: dict[str, float] = {}  # worker id -> utilization: heartbeats with nothing new (see `alive`)
         self._slot = sc.heartbeat.interval_s / sc.heartbeat.batch_slots if sc.heartbeat.batch_slots else 0.0
         self.workers: dict[str, Worker] = {}  # core id -> worker
         self.by_address: dict[str, Worker] = {}  # address -> the worker process there now
@@ -195,8 +196,22 @@ class Simulation:
         finally:
             self._registering = None
 
+    def alive(self, worker: Worker, utilization: float) -> None:
+        """`worker` reports with nothing new (no completion, no error, the same shards: workers.Worker.report): it
+        joins the `WorkersAlive` of this heartbeat slot, fed before any other event and when the slot's calls are
+        done, so the core sees the same reports in the same order as one `Report` each (its rule 13)."""
+        self._alive[worker.id] = utilization  # type: ignore[index]
+
+    def _feed_alive(self) -> None:
+        batch, self._alive = self._alive, {}
+        reply = self.call(ev.WorkersAlive, batch)
+        for worker_id in reply.fenced:  # type: ignore[attr-defined]
+            self.fenced(self.workers[worker_id])
+
     def handle(self, event: ev.Event) -> None:
         """Feed one event and perform its effects in order; failed sends come back as events, fed next."""
+        if self._alive:
+            self._feed_alive()
         more = self._handle(event)
         while more:
             follow = more.popleft()
@@ -235,6 +250,8 @@ class Simulation:
     def _run_slot(self, event: simpy.Event) -> None:
         for fn, arg in self._slots.pop(event.value):
             fn(arg)
+        if self._alive:
+            self._feed_alive()
 
     def slot_after(self, at: float) -> float:
         """`at`, rounded up to the next heartbeat slot (exact when the scenario asks for exact timing)."""

@@ -3,7 +3,8 @@
 Like the real worker (dtorch_worker.executor and agent), a fake worker
 
 * registers, then reports: after every batch it finishes, and when it said nothing for a heartbeat interval
-  (a report after a batch counts as a heartbeat: idle workers beat, busy ones report anyway);
+  (a report after a batch counts as a heartbeat: idle workers beat, busy ones report anyway); a heartbeat with
+  nothing new to say is no report of its own but one entry of its slot's `events.WorkersAlive` (harness.py);
 * runs Execute batches strictly in seq order; a batch with a CmdAbandon acts on arrival (the session's earlier
   batches are skipped);
 * reports completions, errors, the live shards and bytes of each session it holds (memory), and the fraction
@@ -65,6 +66,7 @@ class Worker:
         self.errors: dict[str, list[m.ErrorReport]] = {}
         self.offloaded: dict[str, int] = {}  # session -> bytes of its state offloaded to host memory (see _swap)
         self._stats: dict[str, m.ShardStats] | None = None  # the last report's shard stats, while they hold
+        self._told: tuple[int, dict | None] = (0, None)  # `completed` and shard stats of the last report sent
         self.busy_s = 0.0  # finished busy time
         self.last_report = 0.0
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
@@ -126,9 +128,12 @@ class Worker:
         if due > now + 1e-9 * max(1.0, abs(due)):  # it reported since
             self._arm(due - now)
             return
-        self.report()
+        self.report(beat=True)
 
-    def report(self) -> None:
+    def report(self, beat: bool = False) -> None:
+        """Report now (after a batch, on a partition's end) or as the heartbeat (`beat`): a heartbeat with nothing new
+        since the last report that got through (the same `completed`, no errors, the same shards) builds no report
+        and joins the slot's `WorkersAlive` (`Simulation.alive`), which the core handles as the same report."""
         now = self.env.now
         self.last_report = now
         self._arm(self.interval)
@@ -138,11 +143,15 @@ class Worker:
         span = now - self.reported_at if self.reported_at is not None else 0.0
         utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
         self.reported_at, self.busy_at_report = now, busy
-        errors, self.errors = self.errors, {}
         sessions = self._stats
         if sessions is None:  # the shards changed since the last report (cached: frozen sessions' shards stay put)
             sessions = self._stats = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b)
                                       for k, b in self.totals.items() if b}
+        if beat and sessions is self._told[1] and self.completed == self._told[0] and not self.errors:
+            self.sim.alive(self, utilization)
+            return
+        errors, self.errors = self.errors, {}
+        self._told = (self.completed, sessions)
         report = m.WorkerReport(worker=self.id, completed=self.completed, errors=errors,  # type: ignore[arg-type]
                                 sessions=sessions, utilization=utilization)
         reply = self.sim.call(ev.Report, report)

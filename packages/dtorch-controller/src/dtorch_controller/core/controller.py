@@ -36,6 +36,9 @@ Rules:
 12. A Sync is a step of its session's progress (`Scheduler.progress`, scheduler.py rule 9); a parked Sync is
    filed under the worker it waits for (waits.py), so that worker's completion answers it even when it hosts
    none of the session's devices any more (a shrunk or relocated session).
+13. `WorkersAlive` is one `Report` with nothing new per worker, in order, each with its own step and settle pass
+   (`_alive`); a worker that such a report leaves as it was (alive or draining, no memory cap to check, nothing
+   filed under it, polled or fresh, no drain going on) costs its `last_seen` and utilization only.
 """
 
 from __future__ import annotations
@@ -122,6 +125,8 @@ class ControllerCore:
 
     def handle(self, now: float, event: ev.Event) -> list[fx.Effect]:
         """Apply one event at time `now`; returns what the adapter must do, in order."""
+        if type(event) is ev.WorkersAlive:
+            return self._alive(now, event)  # rule 13: a step per worker
         handler = self._handlers.get(type(event))
         if handler is None:
             raise TypeError(f"not a controller event: {event!r}")
@@ -469,13 +474,7 @@ class ControllerCore:
         w = self.cluster.workers.get(msg.worker)
         if w is None or w.state == st.LOST:
             return step.reply(e.request_id, m.ReportReply(ok=False, message="fenced"))
-        was = w.state
-        if w.state == st.SUSPECT:
-            step.note(f"worker {w.id} reported again after {step.now - w.last_seen:.2f}s")
-        w.state = st.step(st.WORKER_TABLE, w.state, st.REPORT)
-        w.last_seen = step.now
-        if w.state != was:
-            self._apply(step, self.sched.worker_changed(step.now, w))
+        self._heard(step, w)
         before = w.completed
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = dict(msg.sessions)
@@ -491,6 +490,43 @@ class ControllerCore:
         step.reporter = w  # the settle pass moves on what waited for it (waits.py)
         step.completed = w.completed > before  # only a completion lets deletes and Syncs go (holds: on release)
         step.reply(e.request_id, _REPORT_OK)
+
+    def _heard(self, step: Step, w: Worker) -> None:
+        """What any report of a worker that is not lost does first: it is alive (a suspect one is back)."""
+        was = w.state
+        if w.state == st.SUSPECT:
+            step.note(f"worker {w.id} reported again after {step.now - w.last_seen:.2f}s")
+        w.state = st.step(st.WORKER_TABLE, w.state, st.REPORT)
+        w.last_seen = step.now
+        if w.state != was:
+            self._apply(step, self.sched.worker_changed(step.now, w))
+
+    def _alive(self, now: float, e: ev.WorkersAlive) -> list[fx.Effect]:
+        """Rule 13: each worker as its own `Report` with nothing new (the same `completed`, no errors, the same
+        shards), one after the other; one `AliveReply` at the end names the fenced ones."""
+        out: list[fx.Effect] = []
+        fenced: list[str] = []
+        workers, waits, sched = self.cluster.workers, self.waits, self.sched
+        for worker_id, utilization in e.workers.items():
+            w = workers.get(worker_id)
+            if w is None or w.state == st.LOST:
+                fenced.append(worker_id)
+                continue
+            if w.state != st.SUSPECT and not sched.capping and not self.drains.jobs and waits.idle_for(w):
+                w.last_seen = now  # all that the report below would change: its settle pass returns at once
+                if utilization >= 0:
+                    w.utilization = utilization
+                continue
+            step = Step(now, self.log, out)
+            self._heard(step, w)
+            if utilization >= 0:
+                w.utilization = utilization
+            if w.stats and sched.capping:
+                self._check_caps(step, w, w.stats)
+            step.reporter = w
+            self._settle(step)
+        out.append(fx.Reply(e.request_id, fx.AliveReply(tuple(fenced))))
+        return out
 
     def _timer(self, step: Step, e: ev.TimerFired) -> None:
         handler = self._timers.get(type(e.key))

@@ -31,10 +31,19 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Reply:
-    """Answer request `request_id` with a reply message of its method, or with a `Refusal`."""
+    """Answer request `request_id` with a reply message of its method (`AliveReply` for `WorkersAlive`), or with a
+    `Refusal`."""
 
     request_id: Hashable
     message: Any
+
+
+@dataclass(frozen=True)
+class AliveReply:
+    """The answer to `events.WorkersAlive`: the workers among them that are fenced (unknown here or declared lost:
+    each must stop, or register again), in the order given; empty when all are fine."""
+
+    fenced: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ a session belongs to the tenant that opened it, and only that tenant may name it
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 from dtorch_controller.core.timers import TimerKey
@@ -110,6 +110,19 @@ class Report:
     msg: m.WorkerReport
 
 
+@dataclass(frozen=True)
+class WorkersAlive:
+    """Reports with nothing new, several at once: each worker in `workers` (worker id -> the utilization it reported,
+    -1 if none) reported now with the same `completed`, no errors and the same shards as in its last report. The core
+    handles it as one such `Report` per worker, in order (liveness, a suspect worker back, memory caps, what waited
+    for it), and answers once, with `effects.AliveReply` naming the workers it fences (each would have been answered
+    "fenced"). For an adapter that batches the empty heartbeats of many workers (the simulator, per heartbeat slot):
+    one event instead of one per worker."""
+
+    request_id: RequestId
+    workers: Mapping[str, float]
+
+
 # ---------------------------------------------------------------- from operators (admin)
 
 
@@ -148,5 +161,5 @@ class WorkerUnreachable:
     message: str = ""
 
 
-Event = (OpenSession | OpenMesh | Submit | Sync | CloseSession | KeepAlive | Status | Register | Report | TimerFired
-         | WorkerUnreachable | Drain | Migrate)
+Event = (OpenSession | OpenMesh | Submit | Sync | CloseSession | KeepAlive | Status | Register | Report | WorkersAlive
+         | TimerFired | WorkerUnreachable | Drain | Migrate)
