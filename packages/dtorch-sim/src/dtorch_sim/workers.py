@@ -65,8 +65,9 @@ class Worker:
         self.totals: dict[str, int] = {}  # session/namespace -> bytes
         self.errors: dict[str, list[m.ErrorReport]] = {}
         self.offloaded: dict[str, int] = {}  # session -> bytes of its state offloaded to host memory (see _swap)
-        self._stats: dict[str, m.ShardStats] | None = None  # the last report's shard stats, while they hold
-        self._told: tuple[int, dict | None] = (0, None)  # `completed` and shard stats of the last report sent
+        self._stats: dict[str, m.ShardStats] | None = {}  # shard stats as last reported, while they hold (None: stale)
+        self._told = (0, self._stats)  # `completed` and shard stats of the last report that got through (registered:
+        # none and none, as the core's record of it says)
         self.busy_s = 0.0  # finished busy time
         self.last_report = 0.0
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
@@ -123,17 +124,27 @@ class Worker:
         # The next heartbeat is due in the slot an interval after its last report. Compared on the slot grid (the
         # same rounding `_arm` used), with a relative tolerance: re-arming is for a strictly later time, so the
         # clock always advances (an absolute 1e-9 s against a rounding of 1e-9 slot looped forever at 3600 s).
-        due = self.sim.slot_after(self.last_report + self.interval)
+        sim = self.sim
+        due = sim.slot_after(self.last_report + self.interval)
         now = self.env.now
         if due > now + 1e-9 * max(1.0, abs(due)):  # it reported since
             self._arm(due - now)
             return
-        self.report(beat=True)
+        if self.partitioned or self.errors or self.completed != self._told[0] or self._stats is not self._told[1]:
+            self.report()
+            return
+        # Nothing new since the last report that got through: no report of its own, one entry of the slot's
+        # `WorkersAlive` (`Simulation.alive`), which the core handles as the same report. `report`, inlined.
+        self.last_report = now
+        self.beat_armed = True
+        sim.later(sim.slot_after(now + self.interval), self._beat, token)
+        busy = self.busy_s + (now - self.started if self.current is not None else 0.0)
+        span = now - self.reported_at if self.reported_at is not None else 0.0
+        self.reported_at, self.busy_at_report, busy = now, busy, busy - self.busy_at_report
+        sim.alive(self, min(1.0, busy / span) if span > 0 else 0.0)
 
-    def report(self, beat: bool = False) -> None:
-        """Report now (after a batch, on a partition's end) or as the heartbeat (`beat`): a heartbeat with nothing new
-        since the last report that got through (the same `completed`, no errors, the same shards) builds no report
-        and joins the slot's `WorkersAlive` (`Simulation.alive`), which the core handles as the same report."""
+    def report(self) -> None:
+        """Report now: after a batch, on a partition's end, or as a heartbeat with something new to say."""
         now = self.env.now
         self.last_report = now
         self._arm(self.interval)
@@ -147,9 +158,6 @@ class Worker:
         if sessions is None:  # the shards changed since the last report (cached: frozen sessions' shards stay put)
             sessions = self._stats = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b)
                                       for k, b in self.totals.items() if b}
-        if beat and sessions is self._told[1] and self.completed == self._told[0] and not self.errors:
-            self.sim.alive(self, utilization)
-            return
         errors, self.errors = self.errors, {}
         self._told = (self.completed, sessions)
         report = m.WorkerReport(worker=self.id, completed=self.completed, errors=errors,  # type: ignore[arg-type]

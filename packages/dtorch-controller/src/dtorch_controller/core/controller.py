@@ -507,12 +507,13 @@ class ControllerCore:
         out: list[fx.Effect] = []
         fenced: list[str] = []
         workers, waits, sched = self.cluster.workers, self.waits, self.sched
+        quiet = not sched.capping and not self.drains.jobs  # no memory cap to check, no drain to advance
         for worker_id, utilization in e.workers.items():
             w = workers.get(worker_id)
             if w is None or w.state == st.LOST:
                 fenced.append(worker_id)
                 continue
-            if w.state != st.SUSPECT and not sched.capping and not self.drains.jobs and waits.idle_for(w):
+            if quiet and w.state != st.SUSPECT and waits.idle_for(w):
                 w.last_seen = now  # all that the report below would change: its settle pass returns at once
                 if utilization >= 0:
                     w.utilization = utilization
@@ -525,6 +526,7 @@ class ControllerCore:
                 self._check_caps(step, w, w.stats)
             step.reporter = w
             self._settle(step)
+            quiet = not sched.capping and not self.drains.jobs
         out.append(fx.Reply(e.request_id, fx.AliveReply(tuple(fenced))))
         return out
 
