@@ -65,7 +65,7 @@ class Worker:
         self.totals: dict[str, int] = {}  # session/namespace -> bytes
         self.errors: dict[str, list[m.ErrorReport]] = {}
         self.offloaded: dict[str, int] = {}  # session -> bytes of its state offloaded to host memory (see _swap)
-        self._stats: dict[str, m.ShardStats] | None = {}  # shard stats as last reported, while they hold (None: stale)
+        self._stats: dict[str, m.ShardStats] | None = {}  # the shard stats now, cached (None: to compute again)
         self._told = (0, self._stats)  # `completed` and shard stats of the last report that got through (registered:
         # none and none, as the core's record of it says)
         self.busy_s = 0.0  # finished busy time
@@ -130,7 +130,7 @@ class Worker:
         if due > now + 1e-9 * max(1.0, abs(due)):  # it reported since
             self._arm(due - now)
             return
-        if self.partitioned or self.errors or self.completed != self._told[0] or self._stats is not self._told[1]:
+        if self.partitioned or self.errors or self.completed != self._told[0] or self._shards() is not self._told[1]:
             self.report()
             return
         # Nothing new since the last report that got through: no report of its own, one entry of the slot's
@@ -154,10 +154,7 @@ class Worker:
         span = now - self.reported_at if self.reported_at is not None else 0.0
         utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
         self.reported_at, self.busy_at_report = now, busy
-        sessions = self._stats
-        if sessions is None:  # the shards changed since the last report (cached: frozen sessions' shards stay put)
-            sessions = self._stats = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b)
-                                      for k, b in self.totals.items() if b}
+        sessions = self._shards()
         errors, self.errors = self.errors, {}
         self._told = (self.completed, sessions)
         report = m.WorkerReport(worker=self.id, completed=self.completed, errors=errors,  # type: ignore[arg-type]
@@ -165,6 +162,17 @@ class Worker:
         reply = self.sim.call(ev.Report, report)
         if isinstance(reply, m.ReportReply) and not reply.ok:
             self.sim.fenced(self)
+
+    def _shards(self) -> dict[str, m.ShardStats]:
+        """The shard stats to report: the last ones reported while the shards did not change (frozen sessions' shards
+        stay put; a step writes its outputs again at the same sizes), so that `is` tells whether they are new."""
+        stats = self._stats
+        if stats is None:
+            stats = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b) for k, b in self.totals.items() if b}
+            if stats == self._told[1]:
+                stats = self._told[1]
+            self._stats = stats
+        return stats
 
     def busy_until_now(self) -> float:
         return self.busy_s + (self.env.now - self.started if self.current is not None else 0.0)
