@@ -85,6 +85,39 @@ def test_only_a_stopped_workers_heartbeat_deadlines_reach_the_core_and_it_is_det
     assert sim.jobs_done == 12
 
 
+def test_heartbeats_with_nothing_new_reach_the_core_as_one_event_per_slot_and_a_fenced_worker_stops(base):
+    # A heartbeat with nothing new is no Report of its own: the slot's beats go as one WorkersAlive, fed before any
+    # other event. A worker the core declared lost while it runs learns it from that event's answer and stops, as
+    # from the "fenced" answer to its report.
+    sim = Simulation(parse(base))
+    fed: list[tuple[float, object]] = []
+    handle = sim.core.handle
+
+    def spy(now, event):
+        fed.append((now, event))
+        return handle(now, event)
+
+    sim.core.handle = spy
+    cut: list = []
+
+    def cut_off(_event) -> None:  # the core loses an idle worker that still runs (as if a send to it had failed)
+        w = next(w for w in sim.all_workers if w.alive and w.current is None and not w.pending and not w.errors
+                 and w.completed == w._told[0])
+        cut.append((w, sim.env.now))
+        sim.handle(ev.WorkerUnreachable(w.id, w.address, "test"))
+
+    sim.env.timeout(20.5).callbacks.append(cut_off)
+    sim.run_all()
+    alive = [e for _now, e in fed if isinstance(e, ev.WorkersAlive)]
+    assert alive and sum(len(e.workers) for e in alive) > 1.5 * len(alive)  # 8 workers, 64 slots an interval
+    assert not any(isinstance(a, ev.WorkersAlive) and isinstance(b, ev.WorkersAlive) and t == u
+                   for (t, a), (u, b) in zip(fed, fed[1:]))  # two at one time have another event between them
+    (w, at), = cut
+    assert not w.alive and sim.fenced_workers == 1 and at < w.last_report <= at + 1.0 + sim.slot_after(0.01)
+    assert any(isinstance(e, ev.WorkersAlive) and w.id in e.workers for now, e in fed if now > at)
+    assert sim.jobs_done == 12
+
+
 def test_jobs_can_give_up_on_failure(base):
     base["faults"] = [{"kind": "node_failure", "at": 5, "node": "node0"}]
     base["workload"]["on_failure"] = "fail"

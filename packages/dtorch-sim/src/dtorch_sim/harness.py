@@ -3,6 +3,7 @@
 The harness is the core's adapter, like the gRPC server: it feeds events with `env.now` and performs the
 effects it gets back (a Reply wakes the process waiting for it, a SendExecute lands in a fake worker, a
 SetTimer becomes a simpy timeout with replace-by-key semantics). Nothing in the core knows it is simulated.
+Heartbeats with nothing new, due in one heartbeat slot, go to the core as one `WorkersAlive` (see `alive`).
 
 What the harness observes, it observes from outside the core, through the core's observer surface only: the
 notices among the effects (a `Placed` session wakes its queued job, `Frozen` counts as a preemption, `Recovered`
