@@ -198,7 +198,7 @@ class Simulation:
             self._registering = None
 
     def alive(self, worker: Worker, utilization: float) -> None:
-        """`worker` reports with nothing new (no completion, no error, the same shards: workers.Worker.report): it
+        """`worker` beats with nothing new (no completion, no error, the same shards: workers.Worker._beat): it
         joins the `WorkersAlive` of this heartbeat slot, fed before any other event and when the slot's calls are
         done, so the core sees the same reports in the same order as one `Report` each (its rule 13)."""
         self._alive[worker.id] = utilization  # type: ignore[index]
