@@ -4,6 +4,9 @@ processes). The rules are at the top of dtorch/_graph.py."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -274,3 +277,28 @@ def test_an_inference_step_as_a_graph_returns_new_outputs_that_the_caller_may_ke
     with torch.no_grad():
         for out, x in zip(outs, xs):
             torch.testing.assert_close(out.to_torch(), ref(x), rtol=1e-5, atol=1e-6)
+
+
+RECONNECT = """
+import torch, dtorch
+from dtorch import Shard
+step = dtorch.compile(lambda x: (x * 2 + 1).sum() + (x - 3).abs().mean() + x.max() + x.min() + x.mean(), mode="graph")
+for session in range(2):
+    dtorch.connect(workers=2)
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    for i in range(4):
+        t = torch.arange(4.0) + i
+        got = step(dtorch.distribute_tensor(t, mesh, [Shard(0)])).item()
+        assert got == step.fn(t).item(), (session, i, got)
+    dtorch.shutdown()
+print("graphed", step.graphed)
+"""
+
+
+def test_a_compiled_step_called_in_a_new_session_starts_over_there():
+    """Its program was defined in the session it was recorded in: another session (a reconnect) records its own,
+    instead of replaying an id the controller never saw there ("unknown program")."""
+    env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
+    out = subprocess.run([sys.executable, "-c", RECONNECT], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("graphed 2")  # call 4 of each session

@@ -48,11 +48,8 @@ class Compiled:
             raise ValueError(f"dtorch.compile: mode={mode!r}; expected one of {', '.join(map(repr, MODES))}")
         functools.update_wrapper(self, fn)
         self.fn, self.warmup, self.mode = fn, warmup, mode
-        self.calls = 0
-        self.program: Program | None = None
-        self.unreplayable: str | None = None  # why the step always runs eagerly (rule 5)
-        self.graph: _graph.Graph | None = None
-        self.no_graph: str | None = None  # why a mode="graph" step replays with its Python (_graph rule 1)
+        self.session: Session | None = None  # the one its program is defined in
+        self._begin(None)
         self.replays = 0  # calls that ran as one InstrReplay
         self.graphed = 0  # of those, calls that did not run the Python (mode="graph")
         self.fallbacks = 0  # replays that fell back to eager (rule 3)
@@ -69,7 +66,18 @@ class Compiled:
         finally:
             auto.arm()
 
+    def _begin(self, session: Session | None) -> None:
+        """A session's first call of the step (another session's program is unknown to this one: it starts over,
+        warm-up included)."""
+        self.session, self.calls = session, 0
+        self.program: Program | None = None
+        self.unreplayable: str | None = None  # why the step always runs eagerly (rule 5)
+        self.graph: _graph.Graph | None = None
+        self.no_graph: str | None = None  # why a mode="graph" step replays with its Python (_graph rule 1)
+
     def _call(self, session: Session, args: tuple, kwargs: dict) -> Any:
+        if session is not self.session:
+            self._begin(session)
         self.calls += 1
         if self.unreplayable is not None or self.calls <= self.warmup or _dispatch.step_hook is not None \
                 or session.step is not None:
