@@ -134,14 +134,11 @@ class Worker:
             self.report()
             return
         # Nothing new since the last report that got through: no report of its own, one entry of the slot's
-        # `WorkersAlive` (`Simulation.alive`), which the core handles as the same report. `report`, inlined.
+        # `WorkersAlive` (`Simulation.alive`), which the core handles as the same report.
         self.last_report = now
         self.beat_armed = True
         sim.later(sim.slot_after(now + self.interval), self._beat, token)
-        busy = self.busy_s + (now - self.started if self.current is not None else 0.0)
-        span = now - self.reported_at if self.reported_at is not None else 0.0
-        self.reported_at, self.busy_at_report, busy = now, busy, busy - self.busy_at_report
-        sim.alive(self, min(1.0, busy / span) if span > 0 else 0.0)
+        sim.alive(self, self._utilization(now))
 
     def report(self) -> None:
         """Report now: after a batch, on a partition's end, or as a heartbeat with something new to say."""
@@ -150,10 +147,7 @@ class Worker:
         self._arm(self.interval)
         if self.partitioned:
             return  # lost on the way; the completions and errors ride along with a later report
-        busy = self.busy_until_now()
-        span = now - self.reported_at if self.reported_at is not None else 0.0
-        utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
-        self.reported_at, self.busy_at_report = now, busy
+        utilization = self._utilization(now)
         sessions = self._shards()
         errors, self.errors = self.errors, {}
         self._told = (self.completed, sessions)
@@ -162,6 +156,14 @@ class Worker:
         reply = self.sim.call(ev.Report, report)
         if isinstance(reply, m.ReportReply) and not reply.ok:
             self.sim.fenced(self)
+
+    def _utilization(self, now: float) -> float:
+        """The busy fraction since the last report, which `now` becomes."""
+        busy = self.busy_until_now()
+        span = now - self.reported_at if self.reported_at is not None else 0.0
+        utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
+        self.reported_at, self.busy_at_report = now, busy
+        return utilization
 
     def _shards(self) -> dict[str, m.ShardStats]:
         """The shard stats to report: the last ones reported while the shards did not change (frozen sessions' shards
