@@ -16,6 +16,7 @@ import os
 import pytest
 
 HARD_BOUND_GRACE_S = 120
+_STDERR = pytest.StashKey()  # the terminal's stderr, kept where output capture cannot take it
 
 
 def _order(config) -> str | None:
@@ -30,9 +31,6 @@ def pytest_configure(config) -> None:
 
 def pytest_unconfigure(config) -> None:
     config.stash[_STDERR].close()
-
-
-_STDERR = pytest.StashKey()
 
 
 def pytest_collection_finish(session) -> None:
