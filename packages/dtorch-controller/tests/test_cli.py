@@ -58,6 +58,23 @@ def test_serve_status_and_sigterm(tmp_path, monkeypatch, capsys):
             proc.wait()
 
 
+def test_sigusr1_prints_every_threads_stack_and_the_controller_goes_on(tmp_path):
+    proc, _ = start(tmp_path)
+    try:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert proc.poll() is None  # still serving
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        err = proc.stderr.read()
+        assert err.count("(most recent call first)") >= 2, err  # the main thread and the server's
+        assert "dtorch_controller/cli.py" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_exits_when_the_parent_dies(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     proc, _ = start(tmp_path, "--parent-pid", str(parent.pid))

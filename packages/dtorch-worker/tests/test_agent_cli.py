@@ -179,7 +179,7 @@ def test_worker_process_registers_reports_executes_and_exits_when_fenced(control
             proc.wait()
 
 
-def test_worker_process_exits_on_sigterm_and_when_its_parent_dies(controller: tuple) -> None:
+def test_worker_process_exits_on_sigterm_or_its_parents_death_and_shows_stacks_on_sigusr1(controller: tuple) -> None:
     _fake, address, _ = controller
     parent = subprocess.Popen(["sleep", "60"])
     orphan = spawn(address, "--parent-pid", str(parent.pid))
@@ -190,8 +190,13 @@ def test_worker_process_exits_on_sigterm_and_when_its_parent_dies(controller: tu
         parent.kill()
         parent.wait()
         assert orphan.wait(timeout=20) == 0
+        term.send_signal(signal.SIGUSR1)  # every thread's stack to stderr; it goes on
+        time.sleep(0.5)
+        assert term.poll() is None
         term.send_signal(signal.SIGTERM)
         assert term.wait(timeout=20) == 0
+        err = term.stderr.read()  # type: ignore[union-attr]
+        assert err.count("(most recent call first)") >= 2 and "dtorch_worker/cli.py" in err, err
     finally:
         for proc in (parent, orphan, term):
             if proc.poll() is None:

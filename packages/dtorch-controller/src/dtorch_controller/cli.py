@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 from dtorch_protocol import auth, wire
-from dtorch_protocol.process import watch_parent
+from dtorch_protocol.process import on_signals, watch_parent
 from dtorch_protocol.tls import Tls, TlsError, cleartext_warning
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -106,8 +105,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     exposition.serve(args.metrics_port, server.service.metrics.registry, "dtorch-controller")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    on_signals(stop)
     if args.parent_pid:
         watch_parent(args.parent_pid, lambda: _parent_gone(args.parent_pid, stop), WATCHDOG_INTERVAL_S)
     try:

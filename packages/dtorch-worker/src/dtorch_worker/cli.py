@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -23,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from dtorch_protocol import auth, exposition, wire
-from dtorch_protocol.process import watch_parent
+from dtorch_protocol.process import on_signals, watch_parent
 from dtorch_protocol.tls import Tls, TlsError, cleartext_warning
 from dtorch_worker import node
 from dtorch_worker.agent import Agent, ControllerUnreachable
@@ -136,8 +135,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         reasons.append(reason)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    on_signals(stop)
     if args.parent_pid:
         watch_parent(args.parent_pid, lambda: request_exit(0, f"parent process {args.parent_pid} exited"))
 

@@ -10,11 +10,12 @@ first failing child's code, so a supervisor (kubelet, systemd) restarts the node
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+
+from dtorch_protocol.process import on_signals
 
 STOP_GRACE_S = 10.0
 
@@ -55,8 +56,7 @@ def run_node(argv: Sequence[str], devices: Sequence[str], listen: str, advertise
     children = [subprocess.Popen(child_argv(argv, d, i, listen, advertise, metrics_port))
                 for i, d in enumerate(devices)]
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    on_signals(stop)
     print(f"dtorch-worker: {len(children)} workers on {', '.join(devices)}", flush=True)
     code = 0
     while not stop.wait(0.5):
