@@ -144,10 +144,14 @@ def conformance(session: nox.Session) -> None:
 @nox.session
 def gpu_integration(session: nox.Session) -> None:
     """GPU-marked tests (integration/test_gpu.py): one CUDA device tests the backend, ops and training, a mixed
-    cuda/cpu cluster and recovery; two add NCCL collectives, TP and DP x TP. Whatever the machine lacks is skipped
-    with a one-line reason: each test is named with its outcome (-v) and the skips are listed with their reasons at
-    the end (-rs); without CUDA every test is skipped and the session passes."""
+    cuda/cpu cluster, recovery, and TP and DP x TP on two workers sharing it; two add NCCL collectives, TP and
+    DP x TP across GPUs. Whatever the machine lacks is skipped with a one-line reason: each test is named with its
+    outcome (-v) and the skips are listed with their reasons at the end (-rs); without CUDA every test is skipped
+    and the session passes. With CUDA, benchmarks/bench_gpu.py then prints DTorch's CUDA worker against plain
+    torch on the same GPU."""
     install(session, *TEST_DEPS)
-    has_cuda = session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True)
-    session.log(f"CUDA devices on this machine: {(has_cuda or '0').strip()}")
+    gpus = int(session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True) or 0)
+    session.log(f"CUDA devices on this machine: {gpus}")
     session.run("pytest", "-v", "-rs", "-m", "gpu", *session.posargs)
+    if gpus:
+        session.run("python", "benchmarks/bench_gpu.py")

@@ -2,8 +2,10 @@
 
     python integration/_gpu_run.py MODE [--controller HOST:PORT]
 
-MODE: ops (ops and a TP training run on CUDA workers vs plain torch on the CPU) | mixed (a cuda and a cpu
-worker of a running controller: redistributions between them, a random op refused) | collectives (every
+MODE: ops (ops and a TP training run on a "cuda" mesh of the worker DTORCH_LOCAL_DEVICE names vs plain torch on the
+CPU; integration/test_ops.py runs it on a CPU worker) | mixed (a cuda and a cpu
+worker of a running controller: redistributions between them, dropout alike on either device type, a random
+op on a replicated input refused) | collectives (every
 lowered redistribution on 2 GPUs vs torch, bytes received per worker) | tp (a TP MLP forward and backward on 2
 GPUs) | llama (DP x TP Llama training on 2 GPUs vs torch). Prints one JSON line; every wait is bounded.
 """
@@ -53,32 +55,40 @@ def train_tp(mesh, steps: int = 5) -> tuple[list[float], list[float]]:
 
 def ops(info: dict) -> None:
     dtorch.connect(workers=1)
-    info["device_types"] = sorted({w.device_type for w in dtorch.status().workers})
-    mesh = dtorch.DeviceMesh("cuda", [0, 1])  # two logical devices on the one GPU worker
+    mesh = dtorch.DeviceMesh("cuda", [0, 1])  # two logical devices on the one worker
     a, b = torch.randn(12, 8), torch.randn(8, 6)
     da, db = dtorch.distribute_tensor(a, mesh, [Shard(0)]), dtorch.distribute_tensor(b, mesh, [Replicate()])
+    info["device"], info["mesh"] = str(da.device), da.device_mesh.device_type  # the client's; where shards live
     info["matmul"] = err((da @ db).to_torch(), a @ b)
     info["softmax"] = err(torch.softmax(da, dim=-1).to_torch(), torch.softmax(a, dim=-1))
     info["sum"] = err(da.sum(dim=0).to_torch(), a.sum(dim=0))
     info["gather"] = err(da.redistribute(placements=[Replicate()]).to_torch(), a)
-    ours, theirs = train_tp(mesh)
+    ours, theirs = train_tp(mesh)  # backward in the client's autograd engine, with or without CUDA here
     info["train"] = max(abs(x - y) for x, y in zip(ours, theirs))
+    info["device_types"] = sorted({w.device_type for w in dtorch.status().workers})  # a tenant sees those it uses
 
 
 def mixed(info: dict, controller: str) -> None:
     dtorch.connect(controller)
-    info["device_types"] = sorted(w.device_type for w in dtorch.status().workers)
     mesh = dtorch.DeviceMesh("cpu", [0, 1])  # one device on each worker: one cuda, one cpu
     x = torch.randn(10, 6)
     dx = dtorch.distribute_tensor(x, mesh, [Shard(0)])
+    info["device_types"] = sorted(w.device_type for w in dtorch.status().workers)  # a tenant sees those it uses
     info["gather"] = err(dx.redistribute(placements=[Replicate()]).to_torch(), x)
     info["to_shard1"] = err(dx.redistribute(placements=[Shard(1)]).to_torch(), x)
     p = dtorch.ones(4, 3, device_mesh=mesh, placements=[Partial()])
     info["partial"] = err(p.redistribute(placements=[Replicate()]).to_torch(), torch.ones(4, 3))
     other = dtorch.DeviceMesh("cpu", [1, 0])
     info["cross_mesh"] = err(dx.redistribute(device_mesh=other, placements=[Shard(0)]).to_torch(), x)
-    try:
-        torch.nn.functional.dropout(dx, 0.5).to_torch()
+    # dropout of a sharded tensor draws each shard's blocks on CPU generators: the same mask on either device type
+    dtorch.manual_seed(7)
+    drop = torch.nn.functional.dropout(dx, 0.5).to_torch()
+    dtorch.manual_seed(7)
+    swapped = torch.nn.functional.dropout(dx.redistribute(device_mesh=other, placements=[Shard(0)]), 0.5)
+    info["dropout"] = err(swapped.to_torch(), drop) + err(drop * (drop != 0), drop)  # 0.0 when equal
+    info["dropped"] = int((drop == 0).sum())
+    try:  # of a Partial tensor it runs replicated under one seed: each device type's generator would differ
+        torch.nn.functional.dropout(p, 0.5).to_torch()
         info["random"] = "no error"
     except Exception as e:  # noqa: BLE001 - the message is what is checked
         info["random"] = str(e)

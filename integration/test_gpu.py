@@ -2,7 +2,7 @@
 
 With one CUDA device: the backend's copies, a cuda worker's ops and training against plain torch, a cuda and a
 cpu worker redistributing to each other, and a killed cuda worker rebuilt with identical results (also under a
-graph step). With two or
+graph step), and TP and DP x TP Llama training on two workers sharing the GPU. With two or
 more: NCCL collectives, a TP MLP and DP x TP Llama training against torch. Each test says in one line what it
 needs when the machine lacks it; on a machine without CUDA every one is skipped (and the session exits 0).
 Scenarios run in their own processes (integration/_gpu_run.py, _fault_run.py), so each has its own cluster.
@@ -79,6 +79,7 @@ def test_a_cuda_and_a_cpu_worker_redistribute_to_each_other(tmp_path):
     assert info["device_types"] == ["cpu", "cuda"]
     for key in ("gather", "to_shard1", "partial", "cross_mesh"):
         assert info[key] == 0.0, info  # data movement (and a two-term sum) is exact on either device
+    assert info["dropout"] == 0.0 and 0 < info["dropped"] < 60, info  # the same mask on either device type
     assert "cpu and cuda workers" in info["random"] and "one device type" in info["random"], info
 
 
@@ -95,6 +96,13 @@ def test_a_killed_cuda_worker_is_rebuilt_and_training_results_are_identical(grap
     assert losses == clean_losses and weights == clean_weights
     assert info["workers"][info["victim"]] == "lost"
     assert info["graphed"] == (7 if graph else None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["tp", "llama"])
+def test_tp_and_dp_x_tp_llama_train_like_torch_on_two_workers_sharing_one_gpu(mode):
+    """The two-GPU scenarios below with both workers on cuda:0 (no NCCL group: one rank per device; the pieces)."""
+    assert run("_gpu_run.py", mode, env={"DTORCH_LOCAL_DEVICE": "cuda:0"})["train"] < (TOL if mode == "tp" else 1e-3)
 
 
 @needs_two

@@ -66,3 +66,16 @@ def test_value_dependent_ops_with_keyword_arguments_take_the_local_route(spec, m
     leaf = spec((6,), [Shard(0)], mesh2) if args == "x" else spec((4,), [Shard(0)], mesh2, torch.int64)
     p = plan(op, (leaf,), kwargs)
     assert p.route == "local" and "depend on the values" in p.why
+
+
+def test_a_rule_that_answers_with_placements_for_another_mesh_rank_is_no_rule(mesh2):
+    """torch versions differ in their rules' answers: placements that do not fit the mesh (one per mesh dim) make
+    the op take the route for ops without a rule, instead of a layout the controller refuses at the next sync."""
+    from torch.distributed.tensor import placement_types as tp
+
+    from dtorch._registry import NoRule
+    from dtorch._sharding import _placements
+
+    assert _placements([tp.Shard(0)], mesh2) == (Shard(0),)
+    with pytest.raises(NoRule, match=r"torch's rule gave 2 placements for a 1-d mesh"):
+        _placements([tp.Shard(0), tp.Replicate()], mesh2)

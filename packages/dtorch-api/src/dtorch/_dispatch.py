@@ -33,6 +33,7 @@ from dtorch._registry import NoRule, Refused, decomposition_for
 from dtorch._sharding import NestedShard, check_strided, local_shape
 from dtorch._source import SKIP, caller, user_src
 from dtorch._spec import Spec, StridedShard, contiguous_stride
+from dtorch.device_mesh import WRAPPER_DEVICE
 from dtorch.errors import DTorchError, describe_src, env_int
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords
@@ -270,7 +271,7 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     # positional (size, strides, storage_offset, memory_format, dtype, layout, device): a third cheaper than
     # keywords; strides None for contiguous outputs (the default layout, cheaper still)
     r = _make_wrapper(cls, out.shape, None if out.contiguous else out.stride, None, None, out.dtype, _STRIDED,
-                      out.mesh.torch_device)
+                      WRAPPER_DEVICE)
     r._spec, r._tid, r._session = out, tid, session
     return r
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -97,11 +97,18 @@ def _torch_spec(spec: Spec, rank: int) -> DTensorSpec:
                        TensorMeta(torch.Size(spec.shape), spec.stride, spec.dtype))
 
 
+def _placements(torch_placements: Sequence[Any], mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """Ours of torch's, one per mesh dim: a rule that answers otherwise (torch versions differ) is no rule."""
+    if len(torch_placements) != mesh.ndim:
+        raise NoRule(f"torch's rule gave {len(torch_placements)} placements for a {mesh.ndim}-d mesh")
+    return tuple(_from_torch(p) for p in torch_placements)
+
+
 def _our_spec(ts: DTensorSpec, mesh: DeviceMesh) -> Spec:
     meta = ts.tensor_meta
     if meta is None:
         raise NoRule("torch gave an output spec without tensor metadata")
-    spec = Spec(mesh, tuple(_from_torch(p) for p in ts.placements), tuple(meta.shape), tuple(meta.stride), meta.dtype)
+    spec = Spec(mesh, _placements(ts.placements, mesh), tuple(meta.shape), tuple(meta.stride), meta.dtype)
     check_strided(spec.placements, spec.shape)
     return spec
 
@@ -138,7 +145,7 @@ def _apply_suggestion(func: Any, args: tuple, kwargs: dict, out: Any, mesh: Devi
     new = []
     for i, orig in enumerate(leaves):
         if isinstance(orig, Spec):
-            wanted = tuple(_from_torch(p) for p in sugg_leaves[i].placements)
+            wanted = _placements(sugg_leaves[i].placements, mesh)
             if any(isinstance(p, StridedShard) and p != q for p, q in zip(wanted, orig.placements)):
                 raise NoRule("torch would move an input to a strided shard")  # only ops keep them, moves do not
             # legacy empty 1-d tensors in cat take any layout in torch's rules; keep them valid for their rank

@@ -33,6 +33,12 @@ def _flatten(ids: Any) -> tuple[list[int], list[int]]:
     return [i for flat, _ in parts for i in flat], [len(ids), *shapes.pop()]
 
 
+# A DTensor's `.device`, whatever the mesh: the client's CPU, where the tensors that mix with it are made. The
+# client holds no device memory; torch runs a tensor's backward on its device's queue and picks kernels by its device,
+# so a "cuda" DTensor needed CUDA in the client (a client without it aborted) and a model's
+# `torch.arange(n, device=x.device)` made a tensor on the client's GPU. The mesh says where the shards live.
+WRAPPER_DEVICE = torch.device("cpu")
+
 class DeviceMesh:
     """`DeviceMesh(device_type, ids, mesh_dim_names=None)`, as in torch.distributed but with no process groups."""
 
@@ -50,7 +56,6 @@ class DeviceMesh:
         if names is not None and (len(names) != len(shape) or len(set(names)) != len(names)):
             raise ValueError(f"mesh_dim_names {list(names)} must name each of the mesh's {len(shape)} dims once")
         self.device_type = device_type
-        self.torch_device = torch.device(device_type)  # what a DTensor's `.device` says
         self.devices: tuple[int, ...] = tuple(flat)
         self.shape: tuple[int, ...] = tuple(shape)
         self.mesh_dim_names = names

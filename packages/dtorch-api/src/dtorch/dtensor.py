@@ -18,7 +18,7 @@ from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach
 from dtorch import _dispatch
 from dtorch._source import user_src
 from dtorch._spec import Spec, normalize_placements
-from dtorch.device_mesh import DeviceMesh
+from dtorch.device_mesh import WRAPPER_DEVICE, DeviceMesh
 from dtorch_protocol.placement_types import Partial, Placement, Replicate
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class DTensor(torch.Tensor):
         # positional (size, strides, storage_offset, memory_format, dtype, layout, device, pin_memory,
         # requires_grad): a third cheaper than keywords; strides None for contiguous ones, cheaper still
         r = _make_wrapper(cls, spec.shape, None if spec.contiguous else spec.stride, None, None, spec.dtype,
-                          _STRIDED, spec.mesh.torch_device, False, requires_grad)
+                          _STRIDED, WRAPPER_DEVICE, False, requires_grad)
         r._spec, r._tid, r._session = spec, tid, session
         return r
 
@@ -113,7 +113,7 @@ for _types in (_optim_foreach_types, _util_foreach_types):
 def wrap(spec: Spec, tid: int, session: Session) -> DTensor:
     """`DTensor(spec, tid, session)` without the type call: for per-op paths (a replayed step's ops)."""
     r = _make_wrapper(DTensor, spec.shape, None if spec.contiguous else spec.stride, None, None, spec.dtype,
-                      _STRIDED, spec.mesh.torch_device)
+                      _STRIDED, WRAPPER_DEVICE)
     r._spec, r._tid, r._session = spec, tid, session
     return r
 

@@ -85,6 +85,7 @@ from dtorch_worker import collectives, hygiene, random_blocks, shards
 from dtorch_worker.device import backend_for
 from dtorch_worker.groups import GroupError, Groups
 from dtorch_worker.ops import prepare_args, resolve_op
+from dtorch_worker.portable import kernel
 from dtorch_worker.store import Pending, Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
 
@@ -538,6 +539,7 @@ class Executor:
 
     def _run(self, session: str, cmd: CmdRun) -> None:
         op = resolve_op(cmd.op)
+        run = kernel(cmd.op, op, self.device)  # torch's, or one for an op torch runs on the CPU alone
         results: dict[int, list[Any]] = {}
         for device in cmd.devices:
             args, kwargs = cmd.args, cmd.kwargs
@@ -553,7 +555,7 @@ class Executor:
                 a[i] if i < len(a) else k.get(name))])
             before = hygiene.sizes_before(cmd.op, (a, k))
             with self._rng(cmd.seed):
-                flat = flatten(op(*a, **k))
+                flat = flatten(run(*a, **k))
             hygiene.scrub(cmd.op, flat, before)  # no bytes another session left behind
             if len(cmd.outs) > len(flat):
                 raise ValueError(f"{cmd.op} returned {len(flat)} outputs, expected {len(cmd.outs)}")
