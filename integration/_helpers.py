@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,28 @@ class Keys:
         """This process's environment without DTORCH_* settings, plus the key file and `key` as the API key."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
         return {**env, "DTORCH_KEYS": str(self.path), "DTORCH_API_KEY": key, **extra}
+
+
+@contextmanager
+def tap(session: Any, sent: list | None = None, released: list | None = None) -> Iterator[None]:
+    """Record what `session` emits (into `sent`) and releases (into `released`) meanwhile.
+
+    Automatic capture swaps the session's `emit` and `release` for its own while a step runs and puts back what
+    it found when the step ends: a tap wraps what is installed now and, at its end, puts back what it replaced
+    only where its wrapper is still installed. Putting back a swapped-in method after its step ended would send
+    every later instruction or release of the shared session to a finished step, where it stays."""
+    wrapped = {}
+    for name, into in (("emit", sent), ("release", released)):
+        if into is not None:
+            inner = getattr(session, name)
+            wrapped[name] = (inner, lambda item, inner=inner, into=into: (into.append(item), inner(item))[1])
+            setattr(session, name, wrapped[name][1])
+    try:
+        yield
+    finally:
+        for name, (inner, wrapper) in wrapped.items():
+            if getattr(session, name) is wrapper:
+                setattr(session, name, inner)
 
 
 def mlp_train_step(model, opt, x, y, dropout=0.0):

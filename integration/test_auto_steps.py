@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtorch
+from _helpers import tap
 from dtorch import Replicate, Shard
 from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from dtorch.runtime import get_session
@@ -51,18 +52,15 @@ def _loop(mesh2d, batches, auto, norms=False, sent=None, dropout=0.0):
     losses, norm_values = [], []
     dtorch.manual_seed(3)
     with _auto(auto) as capture:
-        eager_emit = session.emit
         for x, y in batches:
             dx, dy = dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE)
             items: list = []
-            if sent is not None:
-                session.emit = lambda item, items=items: (items.append(item), eager_emit(item))[1]
-            loss = ((F.dropout(model(dx), dropout, training=dropout > 0) - dy) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            session.emit = eager_emit
+            with tap(session, items if sent is not None else None):
+                loss = ((F.dropout(model(dx), dropout, training=dropout > 0) - dy) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
             if sent is not None:
                 sent.append(items)
             if norms:
@@ -110,28 +108,23 @@ def test_a_step_that_changes_inside_falls_back_and_short_steps_define_nothing(me
     x = torch.arange(16.0)
     dx = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
     sent: list = []
-    eager_emit = cluster.emit
-    with _auto() as auto:
-        cluster.emit = lambda item: (sent.append(item), eager_emit(item))[1]
-        try:
-            for k in (1, 1, 1, 1, 3, 1, 1, 1, 1, 1):
-                t = dx * 2 + 1
-                for _ in range(4):
-                    t = t * 0.5 + 1
-                got = t.narrow(0, k, 4).sum().item()  # a number in the middle of the step
-                want = x * 2 + 1
-                for _ in range(4):
-                    want = want * 0.5 + 1
-                assert got == want.narrow(0, k, 4).sum().item()
-            # steps 1-2 eager, 3 recorded, 4 replayed; k=3 falls back at step 5; steps 6 and 7 run eagerly, 8 records
-            # again, 9-10 replay
-            assert (auto.replays, auto.fallbacks) == (3, 1)
-            defined = sum(type(i) is m.InstrDefine for i in sent)
-            for _ in range(5):  # one op between sync points: no program
-                assert (dx + 1).sum().item() == (x + 1).sum().item()
-            assert sum(type(i) is m.InstrDefine for i in sent) == defined == 2
-        finally:
-            cluster.emit = eager_emit
+    with _auto() as auto, tap(cluster, sent):
+        for k in (1, 1, 1, 1, 3, 1, 1, 1, 1, 1):
+            t = dx * 2 + 1
+            for _ in range(4):
+                t = t * 0.5 + 1
+            got = t.narrow(0, k, 4).sum().item()  # a number in the middle of the step
+            want = x * 2 + 1
+            for _ in range(4):
+                want = want * 0.5 + 1
+            assert got == want.narrow(0, k, 4).sum().item()
+        # steps 1-2 eager, 3 recorded, 4 replayed; k=3 falls back at step 5; steps 6 and 7 run eagerly, 8 records
+        # again, 9-10 replay
+        assert (auto.replays, auto.fallbacks) == (3, 1)
+        defined = sum(type(i) is m.InstrDefine for i in sent)
+        for _ in range(5):  # one op between sync points: no program
+            assert (dx + 1).sum().item() == (x + 1).sum().item()
+        assert sum(type(i) is m.InstrDefine for i in sent) == defined == 2
 
 
 def test_a_compiled_step_under_automatic_capture_is_its_own(mesh2d):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dtorch
+from _helpers import tap
 from dtorch import Replicate
 from dtorch_protocol import messages as m
 
@@ -47,17 +48,13 @@ def denoise(reference, plan):
     dtensors = {k: dtorch.distribute_tensor(v, mesh, replicate) for k, v in tensors.items()}
     session = next(iter(dtensors.values()))._session
     sent: list = []
-    inside = []  # the transformer's own instructions only (the VAE has an attention too)
-    pipe.transformer.register_forward_pre_hook(lambda *_: inside.append(True))
-    pipe.transformer.register_forward_hook(lambda *_: inside.clear())
-    emit = session.emit
-    session.emit = lambda instr: (inside and sent.append(instr), emit(instr))[1]
-    try:
+    spans: list = []  # the transformer's own instructions only (the VAE has an attention too)
+    pipe.transformer.register_forward_pre_hook(lambda *_: spans.append([len(sent)]))
+    pipe.transformer.register_forward_hook(lambda *_: spans[-1].append(len(sent)))
+    with tap(session, sent):
         latents = example.call(pipe, model, dtensors, STEPS, output_type="latent")
         images = example.call(pipe, model, dtensors, STEPS)
-    finally:
-        session.emit = emit
-    attention = [i for i in sent if isinstance(i, m.InstrCall) and i.op == FLASH]
+    attention = [i for a, b in spans for i in sent[a:b] if isinstance(i, m.InstrCall) and i.op == FLASH]
     return mesh, latents, images, attention
 
 

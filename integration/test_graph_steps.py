@@ -4,6 +4,7 @@ processes). The rules are at the top of dtorch/_graph.py."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 import dtorch
-from _helpers import mlp_train_step
+from _helpers import mlp_train_step, tap
 from dtorch import Replicate, Shard
 from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from dtorch_protocol import messages as m
@@ -73,22 +74,25 @@ def test_a_graph_trains_without_its_python_bit_for_bit_as_eager_and_as_plain_tor
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _live(session) -> int:
+    """Tensors the controller holds for `session` once everything dropped here was released and sent."""
+    gc.collect()
+    session.sync()
+    return next(s.tensors for s in dtorch.status().sessions if s.session == session.id)
+
+
 def test_a_graph_call_sends_one_replay_and_releases_what_the_python_would_have_dropped(mesh2d, cluster):
+    held = _live(cluster)
     model = _mlp()
     parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
     body, _ = _body(model, torch.optim.SGD(model.parameters(), lr=0.05))
     step = dtorch.compile(body, mode="graph")
     sent, released = [], []
-    eager_emit, eager_release = cluster.emit, cluster.release
     grads = None
     for n, (x, y) in enumerate(_batches(5)):
         dx, dy = dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE)
-        cluster.emit = lambda item: (sent.append(item), eager_emit(item))[1]
-        cluster.release = lambda tid: (released.append(tid), eager_release(tid))[1]
-        try:
+        with tap(cluster, sent, released):
             step(dx, dy).item()
-        finally:
-            cluster.emit, cluster.release = eager_emit, eager_release
         if n == 4:  # a graph call: one replay; each .grad is the same object, naming a new tensor
             assert [type(i) for i in sent] == [m.InstrReplay]
             now = [(p.grad, p.grad._tid) for p in model.parameters()]
@@ -98,6 +102,8 @@ def test_a_graph_call_sends_one_replay_and_releases_what_the_python_would_have_d
         sent.clear()
         released.clear()
     assert step.graphed == 2
+    del model, body, step, grads, now, dx, dy
+    assert _live(cluster) == held  # every tensor the steps made is gone once the Python dropped it
 
 
 def test_random_ops_in_a_graph_draw_the_seeds_an_eager_run_draws(mesh2d):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dtorch
+from _helpers import tap
 from dtorch import Partial, Replicate, Shard, _dispatch
 from dtorch.nn import ExpertParallel, llama_tp_plan, moe_ep_plan, parallelize_module
 from dtorch_protocol import messages as m
@@ -95,17 +96,12 @@ def test_routing_runs_on_the_workers_and_exchanges_tokens_once(cluster, mesh1):
     x = torch.randn(2, 5, 32)
     before = {id(p) for p in _dispatch.planner.plans()}
     sent: list = []
-    session = cluster
-    emit = session.emit
-    session.emit = lambda instr: (sent.append(instr), emit(instr))[1]
-    try:
+    with tap(cluster, sent):
         dx = dtorch.distribute_tensor(x, mesh1, [Shard(0)]).requires_grad_()
         out = block(dx)
         moved = [i for i in sent if isinstance(i, m.InstrRedistribute)]
         assert out.placements[0].is_partial()  # combined where the next op needs it, not inside the block
         (out * out).sum().backward()
-    finally:
-        session.emit = emit
     token_moves = [i for i in moved if i.src_spec.shape == [10, 32]]
     assert [(i.src_spec.placements, i.dst_spec.placements) for i in token_moves] == [(["S0"], ["R"])]
     assert not any(i.src_spec.shape[0] == 4 and len(i.src_spec.shape) == 3 for i in moved)  # expert weights stay
