@@ -53,6 +53,34 @@ def test_stats_count_shared_storage_once() -> None:
     assert store.stats() == {"s": ShardStats(tensors=4, bytes=80), "t": ShardStats(tensors=1, bytes=0)}
 
 
+def test_stats_walk_copies_again_only_once_they_changed(monkeypatch) -> None:
+    """Every report carries `stats`: the namespaces of copies ("s#..."), which nothing writes in place, are walked
+    again only after a put or a drop there, while the session's own shards are walked each time (an in-place
+    resize of one shows at once)."""
+    from dtorch_worker import store as store_module
+
+    store = TensorStore()
+    live = torch.zeros(4)
+    store.put(("s", 1, 0), live)
+    for tid in range(10):
+        store.put(("s#s1", tid, 0), torch.zeros(2))
+    walked = []
+    real = store_module._storage
+    monkeypatch.setattr(store_module, "_storage", lambda v: (walked.append(v), real(v))[1])
+    assert store.stats() == {"s": ShardStats(tensors=1, bytes=16), "s#s1": ShardStats(tensors=10, bytes=80)}
+    assert len(walked) == 11
+    walked.clear()
+    live.resize_(8)  # in place, no put: the session's own count follows
+    assert store.stats() == {"s": ShardStats(tensors=1, bytes=32), "s#s1": ShardStats(tensors=10, bytes=80)}
+    assert len(walked) == 1
+    store.delete(("s#s1", 0, 0))
+    store.put(("s#s1", 20, 0), torch.zeros(4))
+    assert store.stats()["s#s1"] == ShardStats(tensors=10, bytes=88)
+    assert store.drop_derived("s") == 10 and "s#s1" not in store.stats()
+    store.put(("s#s1", 1, 0), torch.zeros(1))  # a namespace made again starts afresh
+    assert store.stats()["s#s1"] == ShardStats(tensors=1, bytes=4)
+
+
 def test_planned_reads_hold_writers_of_the_same_storage_until_served() -> None:
     store = TensorStore()
     x = torch.zeros(4, 2)

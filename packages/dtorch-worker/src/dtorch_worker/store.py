@@ -31,7 +31,7 @@ from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
 from dtorch_protocol.wire import call_ended
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
-Storage = tuple[tuple[str, int], int]  # (identity: device and address, byte size) of a shard's storage
+Storage = tuple[tuple[bool, int], int]  # (identity: on the host or not, and address; byte size) of a shard's storage
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _storage(value: Shard | Pending) -> Storage | None:
         return None
     storage = value.untyped_storage()
     ptr = storage.data_ptr()
-    return (str(value.device), ptr if ptr else id(storage)), storage.nbytes()
+    return (value.is_cpu, ptr if ptr else id(storage)), storage.nbytes()  # a worker has one device besides the host
 
 
 class TensorStore:
@@ -121,19 +121,27 @@ class TensorStore:
         self._moved: set[tuple[str, int]] = set()  # (session, device) that moved away from this worker
         self._rebuilding: set[str] = set()  # sessions whose shards are being rebuilt: client reads wait
         self._traffic: dict[str, int] = {}  # session -> tensor bytes moved for it here (usage records)
+        # `stats` of the namespaces of copies ("{session}#..."): nothing writes a copy in place, so their counts
+        # hold until a shard is put or dropped there (`_changes`); each report walks only the sessions' own shards
+        self._changes: dict[str, int] = {}
+        self._copies_stats: dict[str, tuple[int, ShardStats]] = {}  # namespace -> (its `_changes` then, stats)
 
     def _set(self, key: Key, value: Shard) -> None:
         self._data[key] = value
         self._by_session.setdefault(key[0], {})[key] = None
+        self._changes[key[0]] = self._changes.get(key[0], 0) + 1
 
     def _pop(self, key: Key) -> Shard | None:
         value = self._data.pop(key, None)
         if value is not None:
+            self._changes[key[0]] = self._changes.get(key[0], 0) + 1
             keys = self._by_session.get(key[0])
             if keys is not None:
                 keys.pop(key, None)
                 if not keys:
                     del self._by_session[key[0]]
+                    self._changes.pop(key[0], None)
+                    self._copies_stats.pop(key[0], None)
         return value
 
     def wake(self) -> None:
@@ -209,6 +217,8 @@ class TensorStore:
             keys = list(self._by_session.pop(session, {}))
             for k in keys:
                 del self._data[k]
+            self._changes.pop(session, None)
+            self._copies_stats.pop(session, None)
             self._moved = {m for m in self._moved if m[0] != session}
             self._rebuilding.discard(session)
             self._caps.pop(session, None)
@@ -450,20 +460,25 @@ class TensorStore:
             return list(self._data) if session is None else list(self._by_session.get(session, ()))
 
     def stats(self) -> dict[str, ShardStats]:
-        """Live shards and bytes per session; views sharing storage count its bytes once."""
+        """Live shards and bytes per session; views sharing storage count its bytes once. A namespace of copies
+        is walked again only once a shard was put or dropped there."""
         with self._cond:
-            items = list(self._data.items())
-        counts: dict[str, int] = {}
-        storages: dict[str, dict[tuple[str, int], int]] = {}
-        for (session, _tid, _dev), value in items:
-            counts[session] = counts.get(session, 0) + 1
-            seen = storages.setdefault(session, {})
-            if (st := _storage(value)) is not None:
-                seen[st[0]] = st[1]
-        with self._cond:
+            stats, walk = {}, {}
+            for namespace, keys in self._by_session.items():
+                cached = self._copies_stats.get(namespace)
+                if cached is not None and cached[0] == self._changes.get(namespace):
+                    stats[namespace] = cached[1]
+                else:
+                    walk[namespace] = (self._changes.get(namespace), [self._data[k] for k in keys])
             traffic = dict(self._traffic)
-        stats = {s: ShardStats(tensors=n, bytes=sum(storages[s].values()), moved_bytes=traffic.get(s, 0))
-                 for s, n in counts.items()}
+        for namespace, (changes, values) in walk.items():
+            seen = {st[0]: st[1] for v in values if (st := _storage(v)) is not None}
+            stats[namespace] = ShardStats(tensors=len(values), bytes=sum(seen.values()),
+                                          moved_bytes=traffic.get(namespace, 0))
+            if "#" in namespace:
+                with self._cond:
+                    if self._changes.get(namespace) == changes:
+                        self._copies_stats[namespace] = (changes, stats[namespace])
         for s, moved in traffic.items():  # a session with nothing left here still moved bytes
             stats.setdefault(s, ShardStats(tensors=0, bytes=0, moved_bytes=moved))
         return stats
