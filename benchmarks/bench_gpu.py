@@ -24,25 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from bench_vs_torch import median_ms, sgd_step  # the same timing and training step as the multi-GPU comparison
 
 TP_PLAN_KEYS = ("0", "2", "4", "6")
-
-
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
 
 
 def make_mlp(hidden: int) -> nn.Sequential:
@@ -51,19 +39,6 @@ def make_mlp(hidden: int) -> nn.Sequential:
     for i in range(4):
         layers += [nn.Linear(hidden, hidden), nn.ReLU() if i < 3 else nn.Identity()]
     return nn.Sequential(*layers)
-
-
-def sgd_step(model: nn.Module, inp, target) -> Callable[[], float]:  # noqa: ANN001
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> float:
-        loss = ((model(inp) - target) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
 
 
 def sizes(args: argparse.Namespace) -> list[tuple[str, int]]:
