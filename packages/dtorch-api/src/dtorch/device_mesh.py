@@ -39,6 +39,7 @@ def _flatten(ids: Any) -> tuple[list[int], list[int]]:
 # `torch.arange(n, device=x.device)` made a tensor on the client's GPU. The mesh says where the shards live.
 WRAPPER_DEVICE = torch.device("cpu")
 
+
 class DeviceMesh:
     """`DeviceMesh(device_type, ids, mesh_dim_names=None)`, as in torch.distributed but with no process groups."""
 

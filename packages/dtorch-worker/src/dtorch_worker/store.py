@@ -21,6 +21,7 @@ capped session over its cap. Keys are indexed by session: that count never scans
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -122,19 +123,21 @@ class TensorStore:
         self._rebuilding: set[str] = set()  # sessions whose shards are being rebuilt: client reads wait
         self._traffic: dict[str, int] = {}  # session -> tensor bytes moved for it here (usage records)
         # `stats` of the namespaces of copies ("{session}#..."): nothing writes a copy in place, so their counts
-        # hold until a shard is put or dropped there (`_changes`); each report walks only the sessions' own shards
+        # hold until a shard is put or dropped there (`_changes`: the tick of its last change, never reused);
+        # each report walks only the sessions' own shards
+        self._tick = itertools.count()
         self._changes: dict[str, int] = {}
         self._copies_stats: dict[str, tuple[int, ShardStats]] = {}  # namespace -> (its `_changes` then, stats)
 
     def _set(self, key: Key, value: Shard) -> None:
         self._data[key] = value
         self._by_session.setdefault(key[0], {})[key] = None
-        self._changes[key[0]] = self._changes.get(key[0], 0) + 1
+        self._changes[key[0]] = next(self._tick)
 
     def _pop(self, key: Key) -> Shard | None:
         value = self._data.pop(key, None)
         if value is not None:
-            self._changes[key[0]] = self._changes.get(key[0], 0) + 1
+            self._changes[key[0]] = next(self._tick)
             keys = self._by_session.get(key[0])
             if keys is not None:
                 keys.pop(key, None)
