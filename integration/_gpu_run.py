@@ -85,7 +85,8 @@ def mixed(info: dict, controller: str) -> None:
     drop = torch.nn.functional.dropout(dx, 0.5).to_torch()
     dtorch.manual_seed(7)
     swapped = torch.nn.functional.dropout(dx.redistribute(device_mesh=other, placements=[Shard(0)]), 0.5)
-    info["dropout"] = err(swapped.to_torch(), drop) + err(drop * (drop != 0), drop)  # 0.0 when equal
+    kept = torch.where(drop != 0, x * 2, 0.0)  # p = 0.5: what is kept is doubled
+    info["dropout"] = err(swapped.to_torch(), drop) + err(kept, drop)  # 0.0 when both hold
     info["dropped"] = int((drop == 0).sum())
     try:  # of a Partial tensor it runs replicated under one seed: each device type's generator would differ
         torch.nn.functional.dropout(p, 0.5).to_torch()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,6 +74,15 @@ def tap(session: Any, sent: list | None = None, released: list | None = None) ->
         for name, (inner, wrapper) in wrapped.items():
             if getattr(session, name) is wrapper:
                 setattr(session, name, inner)
+
+
+def run_scenario(script: str, *args: str, env: dict | None = None, timeout: float = 600) -> dict:
+    """Run integration/`script` in a process (and embedded cluster) of its own; the JSON line it ends with."""
+    full_env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"} | (env or {})
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / script), *args], capture_output=True,
+                         text=True, timeout=timeout, env=full_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def mlp_train_step(model, opt, x, y, dropout=0.0):

@@ -10,32 +10,16 @@ Scenarios run in their own processes (integration/_gpu_run.py, _fault_run.py), s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from _helpers import Keys, start_controller, start_worker, stop_all
+from _helpers import Keys, run_scenario, start_controller, start_worker, stop_all
 
 pytestmark = pytest.mark.gpu
-HERE = Path(__file__).parent
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_cuda = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device: torch sees none on this machine")
 needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices: this machine has {GPUS}")
 TOL = 1e-4  # CUDA kernels round differently from the CPU's
-
-
-def run(script: str, *args: str, env: dict | None = None, timeout: float = 600) -> dict:
-    full_env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
-    full_env.update(env or {})
-    out = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
-                         timeout=timeout, env=full_env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @needs_cuda
@@ -59,7 +43,7 @@ def test_the_cuda_backend_copies_through_pinned_memory():
 
 @needs_cuda
 def test_a_cuda_worker_runs_ops_and_training_like_the_cpu():
-    info = run("_gpu_run.py", "ops", env={"DTORCH_LOCAL_DEVICE": "cuda:0"})
+    info = run_scenario("_gpu_run.py", "ops", env={"DTORCH_LOCAL_DEVICE": "cuda:0"})
     assert info["device_types"] == ["cuda"]
     for key in ("matmul", "softmax", "sum", "gather", "train"):
         assert info[key] < TOL, info
@@ -73,7 +57,7 @@ def test_a_cuda_and_a_cpu_worker_redistribute_to_each_other(tmp_path):
     procs = [controller, start_worker(address, env, "--device", "cuda:0", log=tmp_path / "w0.log"),
              start_worker(address, env, "--device", "cpu", log=tmp_path / "w1.log")]
     try:
-        info = run("_gpu_run.py", "mixed", "--controller", address, env={"DTORCH_API_KEY": keys.alice})
+        info = run_scenario("_gpu_run.py", "mixed", "--controller", address, env={"DTORCH_API_KEY": keys.alice})
     finally:
         stop_all(procs)
     assert info["device_types"] == ["cpu", "cuda"]
@@ -88,7 +72,7 @@ def test_a_cuda_and_a_cpu_worker_redistribute_to_each_other(tmp_path):
 def test_a_killed_cuda_worker_is_rebuilt_and_training_results_are_identical(graph):
     """Three workers on the one GPU (so no NCCL group: they share it); SIGKILL one mid-training; the step run
     eagerly, or as a graph with dtorch.optim.AdamW (its step counters on the GPU)."""
-    result = run("_fault_run.py", "kill", *graph,
+    result = run_scenario("_fault_run.py", "kill", *graph,
                  env={"DTORCH_LOCAL_DEVICE": "cuda:0", "DTORCH_SNAPSHOT_BATCHES": "4"})
     info = result["info"]
     assert info["error"] is None, info
@@ -102,12 +86,13 @@ def test_a_killed_cuda_worker_is_rebuilt_and_training_results_are_identical(grap
 @pytest.mark.parametrize("mode", ["tp", "llama"])
 def test_tp_and_dp_x_tp_llama_train_like_torch_on_two_workers_sharing_one_gpu(mode):
     """The two-GPU scenarios below with both workers on cuda:0 (no NCCL group: one rank per device; the pieces)."""
-    assert run("_gpu_run.py", mode, env={"DTORCH_LOCAL_DEVICE": "cuda:0"})["train"] < (TOL if mode == "tp" else 1e-3)
+    info = run_scenario("_gpu_run.py", mode, env={"DTORCH_LOCAL_DEVICE": "cuda:0"})
+    assert info["train"] < (TOL if mode == "tp" else 1e-3), info
 
 
 @needs_two
 def test_nccl_collectives_on_two_gpus_match_torch_and_move_o_of_the_size():
-    info = run("_gpu_run.py", "collectives", env={"DTORCH_LOCAL_DEVICE": "cuda"})
+    info = run_scenario("_gpu_run.py", "collectives", env={"DTORCH_LOCAL_DEVICE": "cuda"})
     assert all(v == 0.0 for v in info["errors"].values()), info
     size = 4 << 20  # a 4 MiB all-reduce of 4 devices on 2 ranks: each rank's 2 halves of the other's chunk, then
     # the other's reduced chunk (1.5 x the size); the pieces' path would pull 4 x the size into each worker
@@ -116,9 +101,9 @@ def test_nccl_collectives_on_two_gpus_match_torch_and_move_o_of_the_size():
 
 @needs_two
 def test_a_tp_mlp_trains_on_two_gpus_like_torch():
-    assert run("_gpu_run.py", "tp", env={"DTORCH_LOCAL_DEVICE": "cuda"})["train"] < TOL
+    assert run_scenario("_gpu_run.py", "tp", env={"DTORCH_LOCAL_DEVICE": "cuda"})["train"] < TOL
 
 
 @needs_two
 def test_dp_x_tp_llama_training_on_two_gpus_equals_torch():
-    assert run("_gpu_run.py", "llama", env={"DTORCH_LOCAL_DEVICE": "cuda"})["train"] < 1e-3
+    assert run_scenario("_gpu_run.py", "llama", env={"DTORCH_LOCAL_DEVICE": "cuda"})["train"] < 1e-3

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dtorch
-from _helpers import assert_same
+from _helpers import assert_same, run_scenario
 from dtorch import Partial, Replicate, Shard
 
 
@@ -201,11 +195,7 @@ def test_a_cuda_mesh_runs_and_trains_from_a_client_without_cuda():
     """The client needs no GPU for a "cuda" mesh: a DTensor's `.device` is the client's CPU (torch's autograd engine
     aborted the client here on a "cuda" one), the mesh says where the shards live. This is test_gpu's `ops`
     scenario, on a CPU worker, in a process and cluster of its own."""
-    env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"} | {"DTORCH_LOCAL_DEVICE": "cpu"}
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / "_gpu_run.py"), "ops"], capture_output=True,
-                         text=True, timeout=240, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    info = json.loads(out.stdout.strip().splitlines()[-1])
+    info = run_scenario("_gpu_run.py", "ops", env={"DTORCH_LOCAL_DEVICE": "cpu"}, timeout=240)
     assert (info["device"], info["mesh"], info["device_types"]) == ("cpu", "cuda", ["cpu"]), info
     for key in ("matmul", "softmax", "sum", "gather", "train"):
         assert info[key] < 1e-5, info
