@@ -10,7 +10,8 @@ process on the same GPU, after DTorch has shut down (never at the same time). It
 
 (put/pull) a 64 MiB and a 1 GiB float32 tensor from the client's host memory onto the GPU (`distribute_tensor`,
     waited for) and back (`to_torch()`), in GB/s, against torch's `.to("cuda")` from pageable and from pinned memory
-    and `.cpu()`: DTorch moves the bytes over gRPC to the worker, which copies them through pinned buffers;
+    and `.cpu()`: DTorch moves the bytes through a same-host shared-memory segment (dtorch_protocol.segments),
+    and, as "streamed", over gRPC as a client on another host does (DTORCH_SHARED_MEMORY=0);
 (op) user-thread time per op of a shape-(1,) add in a loop (DTorch streams ops; CUDA launches asynchronously), and
     the whole loop with its value back;
 (mlp) a 4-layer MLP (--hidden wide, --batch rows, float32) as Megatron TP=2 on a mesh of 2 logical devices that
@@ -60,19 +61,14 @@ def run_dtorch(args: argparse.Namespace) -> dict:
 
     os.environ["DTORCH_LOCAL_DEVICE"] = "cuda:0" if args.device == "cuda" else "cpu"
     out: dict[str, float] = {}
+    os.environ["DTORCH_SHARED_MEMORY"] = "0"  # first the bytes as gRPC streams (what a client on another host gets)
     dtorch.connect(workers=1)
-    session = dtorch.runtime.get_session()
+    out.update({f"{key} streamed": v for key, v in transfers(args).items()})
+    dtorch.shutdown()
+    os.environ["DTORCH_SHARED_MEMORY"] = "1"
+    dtorch.connect(workers=1)
+    out.update(transfers(args))
     one = dtorch.DeviceMesh(args.device, [0])
-    for name, n in sizes(args):
-        host = torch.ones(n // 4)
-        reps = repeats_for(n, args.repeats)
-        out[f"put {name}"] = gbps(n, median_ms(
-            lambda host=host: (dtorch.distribute_tensor(host, one, [Replicate()]), session.sync()), reps, warmup=1))
-        on_gpu = dtorch.distribute_tensor(host, one, [Replicate()])
-        out[f"pull {name}"] = gbps(n, median_ms(on_gpu.to_torch, reps, warmup=1))
-        if not torch.equal(on_gpu.to_torch(), host):
-            raise AssertionError(f"pull {name}: the bytes back differ from those put")
-        del on_gpu
     x = dtorch.zeros(1, device_mesh=one, placements=[Replicate()])
     inc = dtorch.ones(1, device_mesh=one, placements=[Replicate()])
     (x + inc).to_torch()
@@ -100,6 +96,27 @@ def run_dtorch(args: argparse.Namespace) -> dict:
     ref = make_mlp(args.hidden).to(args.device)
     with torch.no_grad():
         out["mlp forward error"] = (ref(inp_t.to(args.device)).cpu() - value).abs().max().item()
+    return out
+
+
+def transfers(args: argparse.Namespace) -> dict[str, float]:
+    """(put/pull) GB/s of DTorch's client transfers in the connected session."""
+    import dtorch
+    from dtorch import Replicate
+
+    out = {}
+    session = dtorch.runtime.get_session()
+    one = dtorch.DeviceMesh(args.device, [0])
+    for name, n in sizes(args):
+        host = torch.ones(n // 4)
+        reps = repeats_for(n, args.repeats)
+        out[f"put {name}"] = gbps(n, median_ms(
+            lambda host=host: (dtorch.distribute_tensor(host, one, [Replicate()]), session.sync()), reps, warmup=1))
+        on_gpu = dtorch.distribute_tensor(host, one, [Replicate()])
+        out[f"pull {name}"] = gbps(n, median_ms(on_gpu.to_torch, reps, warmup=1))
+        if not torch.equal(on_gpu.to_torch(), host):
+            raise AssertionError(f"pull {name}: the bytes back differ from those put")
+        del on_gpu
     return out
 
 
@@ -151,7 +168,7 @@ def main() -> None:
     theirs = run_torch(args)
     print(f"{'item':<24}{'DTorch':>12}{'torch':>12}{'ratio':>9}  unit")
     for key, value in ours.items():
-        peer = theirs.get(key)
+        peer = theirs.get(key.removesuffix(" streamed"))
         unit = "GB/s" if key.startswith(("put", "pull")) else "us" if key.startswith("op") else (
             "max abs" if "error" in key else "ms")
         ratio = f"{value / peer:.2f}x" if peer else ""

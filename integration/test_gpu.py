@@ -1,6 +1,6 @@
 """CUDA workers (`nox -s gpu_integration`): shards on the device, pinned host copies, NCCL collectives.
 
-With one CUDA device: the backend's copies, a cuda worker's ops and training against plain torch, a cuda and a
+With one CUDA device: the backend's copies, a cuda worker's Put and Pull through same-host segments, its ops and training against plain torch, a cuda and a
 cpu worker redistributing to each other, and a killed cuda worker rebuilt with identical results (also under a
 graph step), and TP and DP x TP Llama training on two workers sharing the GPU. With two or
 more: NCCL collectives, a TP MLP and DP x TP Llama training against torch. Each test says in one line what it
@@ -24,7 +24,8 @@ TOL = 1e-4  # CUDA kernels round differently from the CPU's
 
 @needs_cuda
 def test_the_cuda_backend_copies_through_pinned_memory():
-    from dtorch_worker.device import backend_for, host_bytes
+    from dtorch_protocol.values import host_bytes
+    from dtorch_worker.device import backend_for
 
     b = backend_for("cuda:0")
     b.check()
@@ -39,6 +40,33 @@ def test_the_cuda_backend_copies_through_pinned_memory():
         first = torch.rand(4, device="cuda:0")
     with b.seeded(3):
         assert torch.equal(torch.rand(4, device="cuda:0"), first)
+
+
+@needs_cuda
+def test_a_cuda_worker_takes_and_gives_bytes_through_same_host_segments():
+    from dtorch_protocol import segments, wire
+    from dtorch_protocol.messages import PullRequest, PutChunk
+    from dtorch_protocol.values import host_bytes
+    from dtorch_worker.server import start_worker as start_in_process
+
+    w = start_in_process(device="cuda:0")
+    value = torch.randn(1024, 1024)
+    try:
+        stub = wire.Stub("dtorch.Worker", w.address, w.capability("s"))
+        seg = segments.for_put("s", 1, 0, [host_bytes(value)])
+        stub.send_stream("Put", iter([PutChunk(session="s", tid=1, device=0, dtype="float32", shape=[1024, 1024],
+                                               data=b"", segment=seg.name)]))
+        seg.close()
+        stored = w.store.get(("s", 1, 0))
+        assert stored.device == torch.device("cuda:0") and torch.equal(stored.cpu(), value)
+        reply = segments.for_pull("s", 1, 0, value.numel() * 4)
+        (chunk,) = stub.stream("Pull", PullRequest(session="s", tid=1, device=0, segment=reply.name))
+        reply.close()
+        stub.close()
+        assert chunk.in_segment and torch.equal(torch.frombuffer(reply.payload(), dtype=torch.float32).reshape(
+            1024, 1024), value)
+    finally:
+        w.stop(0)
 
 
 @needs_cuda

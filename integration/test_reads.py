@@ -5,12 +5,14 @@ transfer."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
+from dtorch_protocol import segments
 
 
 def test_a_read_starts_no_thread_and_returns_a_tensor_of_its_own(cluster, mesh1, monkeypatch):
@@ -29,3 +31,47 @@ def test_a_read_starts_no_thread_and_returns_a_tensor_of_its_own(cluster, mesh1,
         assert torch.equal(value, full * 2), layout
     got[0].add_(1)  # the replicated read is the pulled tensor itself: writable, shared with nothing of the session
     assert torch.equal(tensors[0].to_torch(), full)
+
+
+def _spy(monkeypatch, name: str, calls: list[str], rename: str = "") -> None:
+    real = getattr(segments, name)
+
+    def spy(*args):  # noqa: ANN002, ANN202
+        seg = real(*args)
+        calls.append(name)
+        if seg is not None and rename:
+            seg.name = rename
+        return seg
+
+    monkeypatch.setattr(segments, name, spy)
+
+
+def test_big_uploads_and_reads_go_through_same_host_segments_and_leave_no_descriptor(cluster, mesh1, monkeypatch):
+    full = torch.randn(1024, 768)  # 3 MiB: a whole shard, a half and a Partial's replicas are over MIN_BYTES
+    calls: list[str] = []
+    _spy(monkeypatch, "for_put", calls)
+    _spy(monkeypatch, "for_pull", calls)
+    fds = len(os.listdir("/proc/self/fd"))
+    for layout in ([Replicate()], [Shard(0)], [Shard(1)], [Partial()]):
+        x = dtorch.distribute_tensor(full, mesh1, layout)
+        assert torch.equal(x.to_torch(), full), layout
+        assert torch.equal((x * 2).to_torch(), full * 2), layout
+    assert calls.count("for_put") >= 5 and calls.count("for_pull") >= 8
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_worker_that_cannot_open_the_segments_gets_the_bytes_streamed(cluster, mesh1, monkeypatch):
+    """What a worker on another host does (the segment's name means nothing there): refuses the Put's segment, so
+    the client streams the bytes, and to that worker from then on; writes a Pull's reply as a stream."""
+    plane = dtorch.runtime.get_session()._data
+    monkeypatch.setattr(plane, "_elsewhere", set())  # the shared session's own is left as it was
+    calls: list[str] = []
+    _spy(monkeypatch, "for_put", calls, rename=f"{os.getpid()}/999999")
+    _spy(monkeypatch, "for_pull", calls, rename=f"{os.getpid()}/999999")
+    full = torch.randn(1024, 1024)
+    x = dtorch.distribute_tensor(full, mesh1, [Shard(0)])
+    assert torch.equal((x + 1).to_torch(), full + 1)
+    assert len(plane._elsewhere) == 2  # both workers: streamed to, from the first refusal on
+    y = dtorch.distribute_tensor(full, mesh1, [Shard(1)])
+    assert torch.equal(y.to_torch(), full)
+    assert calls == ["for_put", "for_put"]  # then no segment is made for them, for reads nor for uploads

@@ -9,10 +9,11 @@ import torch
 
 from dtorch_protocol import auth, wire
 from dtorch_protocol.messages import CmdCreate, Execute, PullRequest, ShardsChunk, ShardsRequest
+from dtorch_protocol.values import host_bytes
 from dtorch_worker import device as dev
 from dtorch_worker import shards
 from dtorch_worker.cli import parse_device
-from dtorch_worker.device import CPU, DeviceBackend, backend_for, host_bytes
+from dtorch_worker.device import CPU, DeviceBackend, backend_for
 from dtorch_worker.server import start_worker
 from dtorch_worker.transfer import byte_view, put_chunks, receive_chunks
 

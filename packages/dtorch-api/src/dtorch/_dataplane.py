@@ -12,8 +12,10 @@ is refreshed through `status()`, which brings the session's current ones.
 
 from __future__ import annotations
 
+import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,11 +25,11 @@ import torch
 
 from dtorch._relocate import Moved, Watch, moved_error, relocate, seen
 from dtorch.errors import ClusterError, DTorchError, RemoteOpError
-from dtorch_protocol import auth, wire
+from dtorch_protocol import auth, segments, wire
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
 from dtorch_protocol.tls import Tls
-from dtorch_protocol.values import dtype_name, tensor_from_bytes, tensor_to_bytes
+from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes
 
 if TYPE_CHECKING:
     from dtorch._spec import Spec
@@ -45,18 +47,36 @@ def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
     return tuple(slice(s, s + n) for s, n in box)
 
 
-def _receive(replies: Any) -> torch.Tensor:
-    parts: list[bytes] = []
-    dtype, shape = "", []
+def _receive(replies: Any, segment: segments.Segment | None) -> tuple[torch.Tensor, bool]:
+    """A Pull reply's tensor, and whether the worker wrote it into `segment` (the tensor then lives there, no copy);
+    streamed chunks are copied once, straight into the tensor's own memory."""
+    buf, view, pos = None, memoryview(b""), 0
     for chunk in replies:
         if chunk.report is not None:
             raise RemoteOpError(chunk.report.op, chunk.report.src, chunk.report.message)
         if chunk.error:
             raise (Moved if chunk.kind == m.ErrorKind.MOVED else DTorchError)(chunk.error)
-        if chunk.dtype:
-            dtype, shape = chunk.dtype, chunk.shape
-        parts.append(chunk.data)
-    return tensor_from_bytes(b"".join(parts), dtype, shape)
+        if buf is None:  # the first chunk names dtype and shape
+            dtype, shape = dtype_from_name(chunk.dtype), chunk.shape
+            if chunk.in_segment:
+                if segment is None or math.prod(shape) * dtype.itemsize != segment.nbytes:
+                    raise DTorchError(f"a worker wrote a {chunk.dtype} tensor of shape {shape} into a shared-memory "
+                                      "segment this read did not make for it")
+                return torch.frombuffer(segment.payload(), dtype=dtype).reshape(shape), True
+            buf = torch.empty(math.prod(shape), dtype=dtype)
+            view = host_bytes(buf)
+        end = pos + len(chunk.data)
+        if end > len(view):
+            raise DTorchError(f"a worker sent more bytes than a {chunk.dtype} tensor of shape {shape} holds")
+        view[pos:end] = chunk.data
+        pos = end
+    if buf is None or pos != len(view):
+        raise DTorchError(f"a worker sent {pos} bytes of a tensor of {len(view)}: its reply ended early")
+    return buf.reshape(shape), False
+
+
+def _nbytes(box: tuple[tuple[int, int], ...], dtype: torch.dtype) -> int:
+    return math.prod(n for _, n in box) * dtype.itemsize
 
 
 def _reduce(parts: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
@@ -79,6 +99,9 @@ class DataPlane:
         self._where: dict[int, str] = {}
         self._caps: dict[str, str] = {}  # worker address -> this session's capability there
         self._workers: dict[str, wire.Stub] = {}
+        self._segments = os.environ.get("DTORCH_SHARED_MEMORY", "1") != "0"  # same-host segments (segments.py)
+        self._elsewhere: set[str] = set()  # workers that could not open one of our segments: stream to them
+        self._near: set[str] = set()  # workers that wrote a reply into one
         self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="dtorch-io")
 
     # ------------------------------------------------------------------ where devices are
@@ -136,9 +159,9 @@ class DataPlane:
         if op is None and len(wanted) == 1 and len(wanted[0]) == 1:  # one shard holds the value: here, as it comes
             flat, box = wanted[0][0]
             if [n for _, n in box] == list(spec.shape):
-                return self._pull(tid, spec.mesh.devices[flat]).to(spec.dtype).reshape(shape)
-        jobs = [[(box, self._pool.submit(self._pull, tid, spec.mesh.devices[flat])) for flat, box in group]
-                for group in wanted]
+                return self._pull(tid, spec.mesh.devices[flat], _nbytes(box, spec.dtype)).to(spec.dtype).reshape(shape)
+        jobs = [[(box, self._pool.submit(self._pull, tid, spec.mesh.devices[flat], _nbytes(box, spec.dtype)))
+                 for flat, box in group] for group in wanted]
         parts = []
         for group in jobs:
             full = torch.empty(spec.shape, dtype=spec.dtype)
@@ -147,21 +170,37 @@ class DataPlane:
             parts.append(full)
         return (parts[0] if op is None else _reduce(parts, op, spec.dtype)).reshape(shape)
 
-    def _pull(self, tid: int, device: int) -> torch.Tensor:
-        return self._relocating(device, lambda address: self._pull_from(address, tid, device))
+    def _pull(self, tid: int, device: int, nbytes: int) -> torch.Tensor:
+        return self._relocating(device, lambda address: self._pull_from(address, tid, device, nbytes))
 
-    def _pull_from(self, address: str, tid: int, device: int) -> torch.Tensor:
-        call, replies = self._worker(address).open_stream(
-            "Pull", m.PullRequest(session=self.session, tid=tid, device=device,
-                                  timeout_s=min(self.timeout, m.MAX_TIMEOUT_S)),
-            timeout=self.timeout + 10.0, credential=self._cap(address))
-        with Watch(self._look, device, address, call.cancel) as watch:
-            try:
-                return _receive(replies)
-            except (ConnectionError, wire.RemoteError):
-                if watch.fired:
-                    raise Moved(f"moved: logical device {device} left {address}") from None
-                raise
+    def _pull_from(self, address: str, tid: int, device: int, nbytes: int) -> torch.Tensor:
+        segment = segments.for_pull(self.session, tid, device, nbytes) if self._segments_to(address, nbytes) else None
+        try:
+            call, replies = self._worker(address).open_stream(
+                "Pull", m.PullRequest(session=self.session, tid=tid, device=device,
+                                      timeout_s=min(self.timeout, m.MAX_TIMEOUT_S),
+                                      segment=segment.name if segment else ""),
+                timeout=self.timeout + 10.0, credential=self._cap(address))
+            with Watch(self._look, device, address, call.cancel) as watch:
+                try:
+                    value, in_segment = _receive(replies, segment)
+                except (ConnectionError, wire.RemoteError):
+                    if watch.fired:
+                        raise Moved(f"moved: logical device {device} left {address}") from None
+                    raise
+            if segment is not None and in_segment:
+                self._near.add(address)
+            elif segment is not None and address not in self._near:
+                self._elsewhere.add(address)  # streamed: on another host (where one worked: a size that did not fit)
+            return value
+        finally:
+            if segment is not None:
+                segment.close()
+
+    def _segments_to(self, address: str, nbytes: int) -> bool:
+        """Whether `nbytes` to or from the worker at `address` go through a same-host segment (segments.py): not
+        when they are few, segments are turned off, or that worker could not open one of ours (another host)."""
+        return self._segments and nbytes >= segments.MIN_BYTES and address not in self._elsewhere
 
     # ------------------------------------------------------------------ writes
     def write(self, tensor: torch.Tensor, spec: Spec, tid: int) -> None:
@@ -179,13 +218,28 @@ class DataPlane:
         self._relocating(device, lambda address: self._put_to(address, tid, device, local))
 
     def _put_to(self, address: str, tid: int, device: int, local: torch.Tensor) -> None:
-        data = tensor_to_bytes(local)
         dtype, shape = dtype_name(local.dtype), list(local.shape)
+        data = host_bytes(local.contiguous())  # no copy of a contiguous box: a view of its memory
+        segment = segments.for_put(self.session, tid, device, [data]) if self._segments_to(address, len(data)) else None
+        if segment is not None:
+            try:
+                self._send(address, device, iter([m.PutChunk(session=self.session, tid=tid, device=device,
+                                                             dtype=dtype, shape=shape, data=b"",
+                                                             segment=segment.name)]))
+                return
+            except wire.RemoteError as e:
+                if e.kind != m.ErrorKind.NO_SEGMENT:
+                    raise
+                self._elsewhere.add(address)  # not on this host: stream, from now on
+            finally:
+                segment.close()
+        self._send(address, device, (m.PutChunk(session=self.session, tid=tid, device=device, dtype=dtype,
+                                                shape=shape, data=c)  # type: ignore[arg-type]  # views encode
+                                     for c in wire.chunks(data)))
+
+    def _send(self, address: str, device: int, chunks: Iterator[m.PutChunk]) -> None:
         stub = self._worker(address)
-        future = stub.send_stream_future(
-            "Put", (m.PutChunk(session=self.session, tid=tid, device=device, dtype=dtype, shape=shape,
-                               data=bytes(c)) for c in wire.chunks(data)), timeout=self.timeout,
-            credential=self._cap(address))
+        future = stub.send_stream_future("Put", chunks, timeout=self.timeout, credential=self._cap(address))
         with Watch(self._look, device, address, future.cancel) as watch:
             try:
                 stub.decode_reply("Put", future)

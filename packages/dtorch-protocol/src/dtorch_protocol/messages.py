@@ -29,7 +29,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.7"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.8"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
@@ -40,7 +40,9 @@ PROTOCOL_VERSION = "1.7"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # group's secret: the rendezvous store's keys are under it), captured programs (InstrDefine, InstrReplay:
 # `dtorch.compile`; CmdProgram, CmdReplay: a program's commands kept on the workers); 1.7: Sync.instrs (a sync
 # point's last batch rides in its Sync: one call instead of a Submit and a Sync);
-# commands shared by every worker of a mesh (CmdMesh, CmdRun.mesh, CmdDelete.mesh; `dtorch_protocol.shared`)
+# commands shared by every worker of a mesh (CmdMesh, CmdRun.mesh, CmdDelete.mesh; `dtorch_protocol.shared`);
+# 1.8: same-host segments for client payloads (PutChunk.segment, PullRequest.segment, Chunk.in_segment,
+# ShardsChunk.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`)
 
 
 class ErrorKind(str, enum.Enum):
@@ -54,6 +56,7 @@ class ErrorKind(str, enum.Enum):
     MOVED = "moved"  # the logical device left this worker (migration, drain, relocation): ask the controller
     MISSING = "missing"  # no such shard here, even after waiting
     POISONED = "poisoned"  # the shard was poisoned by an earlier failure (its report rides along)
+    NO_SEGMENT = "no_segment"  # a Put named a shared-memory segment this worker cannot open: stream the bytes
 
 
 # Bounds checked on receipt (msgspec refuses a message outside them, naming the field): what a peer may send.
@@ -662,6 +665,7 @@ class PullRequest(Struct, frozen=True):
     timeout_s: Timeout = 60.0
     expected: bool = False  # a peer's planned read, announced by CmdExpectReads: counted as served when done
     dst: int = -1  # with `expected`: served only after the source ran the CmdExpectReads of redistribution `dst`
+    segment: Annotated[str, Meta(max_length=64)] = ""  # a client's same-host segment for the bytes (segments.py)
 
 
 class Chunk(Struct, frozen=True):
@@ -673,6 +677,7 @@ class Chunk(Struct, frozen=True):
     error: str = ""  # set instead of data when the shard could not be produced
     report: ErrorReport | None = None  # with `error` when the shard is poisoned: the original failure
     kind: ErrorKind | None = None  # with `error`: what went wrong (MOVED: ask the controller where the device went)
+    in_segment: bool = False  # the bytes were written into the request's segment: this is the only chunk
 
 
 class PutChunk(Struct, frozen=True):
@@ -682,6 +687,7 @@ class PutChunk(Struct, frozen=True):
     dtype: Ident
     shape: Dims
     data: bytes
+    segment: Annotated[str, Meta(max_length=64)] = ""  # the bytes are in this same-host segment (segments.py)
 
 
 class ShardView(Struct, frozen=True, array_like=True):
@@ -718,6 +724,8 @@ class ShardsChunk(Struct, frozen=True):
     host: bool = False  # PutShards: keep them in host memory
     move: list[int] = []  # PutShards: devices moving to the receiver (clears its "moved" marks for them)
     error: str = ""
+    segment: Annotated[str, Meta(max_length=64)] = ""  # PutShards: the storages, one after another, are in the
+    # sender's same-host segment (segments.py; made for `namespace`, tid and device -1): no data chunks follow
 
 
 # ---------------------------------------------------------------- profiles (client -> worker)

@@ -5,6 +5,7 @@ The client encodes, the worker decodes; torch is imported only when a function h
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,19 @@ def tensor_to_bytes(t: Any) -> bytes:
     if t.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
         return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return t.numpy().tobytes()
+
+
+def host_bytes(t: Any) -> memoryview:
+    """A writable byte view of a contiguous host tensor's memory (no copy, no numpy); the view keeps `t` alive.
+    What both sides of the wire send and receive tensor payloads through."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"host_bytes needs a contiguous host tensor, got one on {t.device}")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    array._tensor = t  # type: ignore[attr-defined]  # the memory lives as long as the view
+    return memoryview(array).cast("B")
 
 
 def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -> Any:

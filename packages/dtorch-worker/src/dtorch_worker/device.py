@@ -5,8 +5,8 @@ Rules:
 1. Every worker module that touches a device asks the backend of its device (`backend_for(device)`); nothing
    else in the worker names `cuda` or calls into `torch.cuda`.
 2. Host copies go through host buffers the backend hands out: plain memory on the CPU, page-locked (pinned) on
-   CUDA, so a device <-> host copy is one DMA and never goes through numpy. `host_bytes` is a zero-copy byte
-   view of a host tensor for the wire (ctypes over its memory, the tensor kept alive by the view).
+   CUDA, so a device <-> host copy is one DMA and never goes through numpy. `host_bytes` (the protocol's, shared
+   with the client) is a zero-copy byte view of a host tensor for the wire.
 3. Random values of factories never depend on the device: each box is drawn on the CPU by `random_blocks` (the
    blocks it overlaps: O(shard)) and copied over. Random ops (dropout) run under `seeded(seed)` on the device's
    own generator, so every device of one type draws the same values; two device types draw different ones (a
@@ -42,6 +42,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from dtorch_protocol.values import host_bytes
 
 _Factory = Callable[[torch.device], "DeviceBackend"]
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc mallopt parameters
@@ -276,18 +278,6 @@ def typed(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.
     if buf.numel() == 0:
         return torch.empty(list(shape), dtype=dtype, device=buf.device)
     return buf.view(dtype).reshape(list(shape))
-
-
-def host_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous host tensor's memory, without numpy; the view keeps `t` alive."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"host_bytes needs a contiguous host tensor, got one on {t.device}")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray())
-    array = (ctypes.c_ubyte * n).from_address(t.data_ptr())
-    array._tensor = t  # type: ignore[attr-defined]  # the memory lives as long as the view
-    return memoryview(array).cast("B")
 
 
 def register(device_type: str, factory: _Factory) -> None:

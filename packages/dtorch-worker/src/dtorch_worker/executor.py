@@ -640,9 +640,8 @@ class Executor:
             for tid, dev, shard in shards.clone(items, device):
                 self.store.put((cmd.namespace, tid, dev), shard)
             return
-        stream = shards.chunks(shards.pack(items), backend=self.backend, namespace=cmd.namespace,
-                               sender=self.address, host=cmd.host, move=list(cmd.move))
-        self.peers.put_shards(cmd.to, stream, session)
+        self.peers.put_shards(cmd.to, shards.pack(items), session, namespace=cmd.namespace, sender=self.address,
+                              host=cmd.host, move=list(cmd.move))
 
     def _copy_later(self, session: str, cmd: CmdSendShards, items: list[tuple[int, int, Any]]) -> None:
         """A background copy: its shards count as read by a peer until it has copied them (an in-place write waits,

@@ -10,6 +10,8 @@ with the client capability of the very session it names.
 
 A Put that would take a capped session over its memory cap on this worker is refused with a one-line
 reason (the client raises it); so is one for a device that moved away (kind MOVED: the client retries).
+A client on this host may pass a Put's bytes, or have a Pull's written, through a shared-memory segment it made
+(`dtorch_protocol.segments`: used only if made for the request's session, tid and device).
 
 Execute never waits for execution, and Pull runs on the server's own threads:
 a peer that is redistributing must always be able to read our shards, or two
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from dtorch_protocol import auth, wire
+from dtorch_protocol import auth, segments, wire
 from dtorch_protocol.health import Health
 from dtorch_protocol.messages import (
     Ack,
@@ -45,12 +47,13 @@ from dtorch_worker import shards
 from dtorch_worker.executor import BatchRefused, Executor, one_line
 from dtorch_worker.store import Poison, Shard, ShardMissing, TensorStore, format_bytes
 from dtorch_worker.telemetry import Telemetry
-from dtorch_worker.transfer import poison_chunk, receive_put, take_box, tensor_chunks
+from dtorch_worker.transfer import into_segment, nbytes, poison_chunk, receive_put, take_box, tensor_chunks
 
 log = logging.getLogger("dtorch_worker.server")
 
 SERVER_THREADS = 128  # Pulls may wait for shards; keep room for Execute, peers and Put meanwhile
 CLIENT_THREADS = 48  # at most this many handler threads serve clients at once: peers and Execute keep the rest
+SEGMENT = "shared_memory"  # the path label of client bytes that went through a same-host segment
 CALLS_PER_SESSION = 16  # concurrent client calls (Pulls waiting for shards, Puts) of one session
 
 
@@ -94,7 +97,9 @@ class WorkerService:
         path = "point_to_point" if request.expected else "client"
         try:
             for chunk in self._pull(key, request):
-                self.telemetry.bytes_moved(path, "out", len(chunk.data), key[0] if path == "client" else "")
+                moved = nbytes(chunk.dtype, chunk.shape) if chunk.in_segment else len(chunk.data)
+                self.telemetry.bytes_moved(SEGMENT if chunk.in_segment else path, "out", moved,
+                                           key[0] if path == "client" else "")
                 if chunk.error and not counted:
                     # an error chunk is the last and reads nothing: count it before the reader can see it
                     counted = True
@@ -119,13 +124,22 @@ class WorkerService:
             yield poison_chunk(value.report)
             return
         try:
-            # Chunks hold views of one contiguous copy at most, so building the list up front is cheap.
-            chunks = list(tensor_chunks(take_box(value, request.offset, request.size),
-                                        backend=self.executor.backend))
+            chunks = self._reply(key, request, value)
         except (ValueError, TypeError, RuntimeError) as e:
             yield Chunk(data=b"", error=one_line(e), kind=ErrorKind.REFUSED)
             return
         yield from chunks
+
+    def _reply(self, key: tuple[str, int, int], request: PullRequest, value: torch.Tensor) -> list[Chunk]:
+        """The box written into the client's segment when it named one this worker can open (segments.py rule 4);
+        else its bytes as a stream (views of one contiguous copy at most: listing them up front is cheap)."""
+        box = take_box(value, request.offset, request.size)
+        if request.segment:
+            try:
+                return [into_segment(request.segment, key, box)]
+            except segments.SegmentMissing:
+                pass  # another host: stream
+        return list(tensor_chunks(box, backend=self.executor.backend))
 
     def _client_get(self, key: tuple[str, int, int], wait: float) -> Shard:
         """A client's read: never of a session that is being rebuilt after a worker loss (it would see
@@ -157,15 +171,20 @@ class WorkerService:
 
     def Put(self, requests: Iterable[PutChunk], caller: auth.Caller) -> Ack:
         try:
-            key, tensor = receive_put(requests, self.executor.backend,
-                                      lambda key, declared: self._admit_put(caller, key, declared))
+            key, tensor, in_segment = receive_put(requests, self.executor.backend,
+                                                  lambda key, declared: self._admit_put(caller, key, declared))
+        except segments.SegmentMissing as e:
+            raise wire.RemoteError(str(e), ErrorKind.NO_SEGMENT) from None
+        except segments.SegmentRefused as e:
+            raise wire.PermissionDenied(str(e)) from None
         except (ValueError, TypeError) as e:
             raise wire.ProtocolError(one_line(e)) from None
         refused = self.store.put_upload(key, tensor)  # (MOVED or MEMORY_CAP, reason)
         if refused is not None:
             kind, reason = refused
             raise wire.RemoteError(reason, kind)
-        self.telemetry.bytes_moved("client", "in", tensor.numel() * tensor.element_size(), key[0])
+        self.telemetry.bytes_moved(SEGMENT if in_segment else "client", "in", tensor.numel() * tensor.element_size(),
+                                   key[0])
         return Ack()
 
     def PullShards(self, request: ShardsRequest, caller: auth.Caller) -> Iterator[ShardsChunk]:
@@ -203,8 +222,10 @@ class WorkerService:
                 if receiver.header is None:  # before the header's storages are allocated
                     _covered(caller, chunk.namespace, "PutShards")
                 receiver.add(chunk)
-                self.telemetry.bytes_moved("copy", "in", len(chunk.data))
+                self.telemetry.bytes_moved("copy", "in", sum(chunk.storages) if chunk.segment else len(chunk.data))
             header, items = receiver.finish(host=receiver.header is not None and receiver.header.host)
+        except segments.SegmentMissing as e:
+            raise wire.RemoteError(str(e), ErrorKind.NO_SEGMENT) from None
         except (ValueError, TypeError, RuntimeError) as e:
             return Ack(ok=False, message=one_line(e))
         if header.sender and self.executor.peers.fenced(header.sender):

@@ -11,20 +11,23 @@ Rules:
 4. Conjugate/negative-bit views are materialized (they lose their aliasing); nothing else is changed.
 5. Streams (`chunks` / `Receiver`) are one header message listing views and storage sizes, then the
    storages' raw bytes in order, in pieces of at most wire.CHUNK_BYTES. Both ends copy through host buffers of
-   the device backend (pinned on a GPU), never numpy.
+   the device backend (pinned on a GPU), never numpy. Between workers of one host the header names a segment
+   (`dtorch_protocol.segments`) holding the storages instead, and the receiver keeps its copy-on-write mapping of
+   it as the storages (host copies) or copies it to its device once.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dtorch_protocol import wire
+from dtorch_protocol import segments, wire
 from dtorch_protocol.messages import ShardsChunk, ShardView
-from dtorch_protocol.values import dtype_from_name, dtype_name
-from dtorch_worker.device import CPU, DeviceBackend, host_bytes
+from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes
+from dtorch_worker.device import CPU, DeviceBackend
 from dtorch_worker.store import Poison, Shard
 
 Item = tuple[int, int, Shard]  # (tid, logical device, shard)
@@ -102,14 +105,21 @@ def clone(items: Iterable[Item], device: torch.device | str) -> list[Item]:
 
 def chunks(packed: Packed, chunk_bytes: int = wire.CHUNK_BYTES, backend: DeviceBackend = CPU,
            **header: object) -> Iterator[ShardsChunk]:
-    """The stream for `packed`: a header (with `header` fields, e.g. namespace for PutShards), then bytes."""
+    """The stream for `packed`: a header (with `header` fields, e.g. namespace for PutShards), then bytes (none when
+    the header names a segment holding them: `host_parts`)."""
     yield ShardsChunk(views=packed.views, storages=[s.numel() for s in packed.storages], **header)  # type: ignore[arg-type]
-    for s in packed.storages:
-        if s.numel() == 0:
-            continue
-        view = host_bytes(backend.to_host(s))
+    if header.get("segment"):
+        return
+    for view in host_parts(packed, backend):
         for start in range(0, len(view), chunk_bytes):
             yield ShardsChunk(data=view[start:start + chunk_bytes])  # type: ignore[arg-type]  # msgspec encodes views
+
+
+def host_parts(packed: Packed, backend: DeviceBackend = CPU) -> Iterator[memoryview]:
+    """The bytes of `packed`'s storages in order, as host views (a device's copied to pinned host buffers)."""
+    for s in packed.storages:
+        if s.numel():
+            yield host_bytes(backend.to_host(s))
 
 
 class Receiver:
@@ -135,12 +145,21 @@ class Receiver:
                 raise ValueError(f"the shards announce {sum(chunk.storages)} bytes, over the {self.max_bytes} this "
                                  "worker accepts")
             self.header = chunk
+            if chunk.segment:  # the storages are the sender's segment (its private mapping here): nothing follows
+                view = segments.open_for(chunk.segment, chunk.namespace, -1, -1, sum(chunk.storages), reply=False)
+                ends = list(itertools.accumulate(chunk.storages, initial=0))
+                self.storages = [torch.frombuffer(view[a:b], dtype=torch.uint8) if b > a else CPU.host_buffer(0)
+                                 for a, b in itertools.pairwise(ends)]
+                self._i = len(self.storages)
+                return
             # copies kept in host memory (backups) need no pinning: pinned memory is for copies to the device
             alloc = CPU.host_buffer if chunk.host else self.backend.host_buffer
             self.storages = [alloc(n) for n in chunk.storages]
             self._views = [host_bytes(s) for s in self.storages]
             self._skip_empty()
             return
+        if self.header.segment:
+            raise ValueError("shard bytes after a header that named a segment holding them")
         data = memoryview(chunk.data)
         while len(data):
             if self._i >= len(self.storages):

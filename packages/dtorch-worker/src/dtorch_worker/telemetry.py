@@ -85,7 +85,8 @@ class Telemetry:
                                     "(or create, redistribute, copy_shards, restore_shards)", ["op"],
                                     buckets=OP_BUCKETS, registry=self.registry)
         self.moved = Counter("dtorch_worker_moved_bytes", "Tensor bytes moved, by path (point_to_point, collective, "
-                             "copy, client) and direction (in, out)", ["path", "direction"], registry=self.registry)
+                             "copy, client, shared_memory: a client's through a same-host segment) and direction "
+                             "(in, out)", ["path", "direction"], registry=self.registry)
         self.registry.register(CallbackCounters({
             "dtorch_worker_batches": ("Execute batches run", batches),
             "dtorch_worker_busy_seconds": ("Seconds spent running batches", busy_s)}))

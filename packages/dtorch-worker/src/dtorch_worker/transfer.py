@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from dtorch_protocol import wire
+from dtorch_protocol import segments, wire
 from dtorch_protocol.messages import Chunk, ErrorKind, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_protocol.tls import Tls
-from dtorch_protocol.values import dtype_from_name, dtype_name
+from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes
 from dtorch_worker import shards
-from dtorch_worker.device import CPU, DeviceBackend, host_bytes, typed
+from dtorch_worker.device import CPU, DeviceBackend, typed
 from dtorch_worker.store import Poison
 
 
@@ -93,34 +93,33 @@ def nbytes(dtype: str, shape: Sequence[int]) -> int:
 
 
 class _Assembler:
-    """Collects payload pieces into a host buffer (pinned for a GPU) that grows with what arrives, never with
-    what the stream declares, and checks the total size."""
+    """Keeps payload pieces as they arrive (memory grows with what arrives, never with what the stream declares)
+    and checks the total size; at the end copies them once into one host buffer (pinned for a GPU)."""
 
     def __init__(self, dtype: str, shape: Sequence[int], what: str, backend: DeviceBackend = CPU) -> None:
         self.dtype, self.shape, self.what = dtype, list(shape), what
         self.size = nbytes(dtype, shape)
         self.backend = backend
-        self.host: torch.Tensor | None = None  # allocated as bytes arrive
-        self.buf = memoryview(bytearray())
+        self.pieces: list[bytes] = []
         self.pos = 0
 
     def add(self, data: bytes) -> None:
         end = self.pos + len(data)
         if end > self.size:
             raise ValueError(f"{self.what}: more bytes than a {self.dtype} tensor of shape {self.shape} holds")
-        if end > len(self.buf):  # double, up to the declared size: copies stay O(size), memory O(arrived)
-            host = self.backend.host_buffer(min(self.size, max(end, 2 * len(self.buf))))
-            buf = host_bytes(host)
-            buf[:self.pos] = self.buf[:self.pos]
-            self.host, self.buf = host, buf
-        self.buf[self.pos:end] = data
+        self.pieces.append(data)
         self.pos = end
 
     def tensor(self) -> torch.Tensor:
         """The payload as a tensor on the backend's device (one host-to-device copy for a GPU)."""
         if self.pos != self.size:
             raise ValueError(f"{self.what}: got {self.pos} of {self.size} bytes")
-        host = self.host if self.host is not None else self.backend.host_buffer(0)
+        host = self.backend.host_buffer(self.size)
+        view, pos = host_bytes(host), 0
+        for piece in self.pieces:
+            view[pos:pos + len(piece)] = piece
+            pos += len(piece)
+        self.pieces.clear()
         return self.backend.to_device(typed(host, dtype_from_name(self.dtype), self.shape))
 
 
@@ -143,9 +142,10 @@ def receive_chunks(stream: Iterable[Chunk], what: str, backend: DeviceBackend = 
 
 def receive_put(stream: Iterable[PutChunk], backend: DeviceBackend = CPU,
                 admit: Callable[[tuple[str, int, int], int], None] = lambda k, n: None,
-                ) -> tuple[tuple[str, int, int], torch.Tensor]:
-    """Assemble a Put upload on the backend's device; every chunk names the same shard, the first fixes dtype
-    and shape.
+                ) -> tuple[tuple[str, int, int], torch.Tensor, bool]:
+    """Assemble a Put upload on the backend's device: (shard key, tensor, whether it came through a segment).
+    Every chunk names the same shard, the first fixes dtype and shape. A first chunk naming a segment is the whole
+    upload: its bytes are in that same-host segment (`from_segment`).
 
     `admit(key, declared bytes)` runs on the first chunk, before anything is kept: it raises to refuse.
     """
@@ -157,12 +157,31 @@ def receive_put(stream: Iterable[PutChunk], backend: DeviceBackend = CPU,
             key = k
             asm = _Assembler(chunk.dtype, chunk.shape, f"Put of tensor {chunk.tid} on device {chunk.device}", backend)
             admit(k, asm.size)
+            if chunk.segment:
+                return k, from_segment(chunk, asm.size, backend), True
         elif k != key:
             raise ValueError(f"Put stream mixes shards {key[1:] if key else None} and {k[1:]}")
         asm.add(chunk.data)
     if asm is None or key is None:
         raise ValueError("empty Put stream")
-    return key, asm.tensor()
+    return key, asm.tensor(), False
+
+
+def from_segment(chunk: PutChunk, size: int, backend: DeviceBackend = CPU) -> torch.Tensor:
+    """An upload from the client's same-host segment: on the CPU the segment itself becomes the shard (a
+    copy-on-write mapping of memory the client sealed against changes: no copy), on a GPU one copy to the device.
+    `segments.SegmentMissing` / `SegmentRefused` as `segments.open_for`."""
+    src = segments.open_for(chunk.segment, chunk.session, chunk.tid, chunk.device, size, reply=False)
+    return backend.to_device(typed(torch.frombuffer(src, dtype=torch.uint8), dtype_from_name(chunk.dtype),
+                                   chunk.shape))
+
+
+def into_segment(name: str, key: tuple[str, int, int], box: torch.Tensor) -> Chunk:
+    """A Pull's reply written into the client's same-host segment `name`: the one chunk that says so.
+    `segments.SegmentMissing` / `SegmentRefused` as `segments.open_for`."""
+    dst = segments.open_for(name, *key, box.numel() * box.element_size(), reply=True)
+    typed(torch.frombuffer(dst, dtype=torch.uint8), box.dtype, box.shape).copy_(box)
+    return Chunk(data=b"", dtype=dtype_name(box.dtype), shape=list(box.shape), in_segment=True)
 
 
 class PeerPool:
@@ -181,6 +200,7 @@ class PeerPool:
         self._lock = threading.Lock()
         self._fenced: set[str] = set()
         self._inflight: dict[str, set[Any]] = {}  # session -> cancellable calls in flight
+        self._elsewhere: set[str] = set()  # peers that could not open one of our segments (another host)
 
     def stub(self, address: str) -> wire.Stub:
         with self._lock:
@@ -263,9 +283,30 @@ class PeerPool:
         with self._tracked(session, call):
             return shards.receive(stream, self.backend)[1]
 
-    def put_shards(self, address: str, stream: Iterable[ShardsChunk], session: str,
-                   timeout_s: float = 600.0) -> None:
-        """Send whole shards into a peer's store (PutShards); raises when the peer refuses them."""
+    def put_shards(self, address: str, packed: shards.Packed, session: str, timeout_s: float = 600.0,
+                   **header: Any) -> None:
+        """Send whole shards into a peer's store (PutShards, `header`: the fields of its first message); raises when
+        the peer refuses them. To a peer on this host their bytes go in a segment (dtorch_protocol.segments) it
+        maps, unless it could not open one before (another host: then they stream)."""
+        segment = None
+        if address not in self._elsewhere and sum(s.numel() for s in packed.storages) >= segments.MIN_BYTES:
+            segment = segments.for_put(header["namespace"], -1, -1, list(shards.host_parts(packed, self.backend)))
+        try:
+            if segment is not None:
+                try:
+                    self._put_shards(address, shards.chunks(packed, backend=self.backend, segment=segment.name,
+                                                            **header), session, timeout_s)
+                    return
+                except wire.RemoteError as e:
+                    if e.kind != ErrorKind.NO_SEGMENT:
+                        raise
+                    self._elsewhere.add(address)
+            self._put_shards(address, shards.chunks(packed, backend=self.backend, **header), session, timeout_s)
+        finally:
+            if segment is not None:
+                segment.close()
+
+    def _put_shards(self, address: str, stream: Iterable[ShardsChunk], session: str, timeout_s: float) -> None:
         stub = self.stub(address)
         future = stub.send_stream_future("PutShards", stream, timeout=timeout_s, credential=self.cap(session, address))
         with self._tracked(session, future):

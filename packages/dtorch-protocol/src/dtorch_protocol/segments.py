@@ -1,0 +1,152 @@
+"""Same-host shared memory for client payloads: a Put's bytes, or a Pull's reply, without a gRPC byte stream.
+
+Rules:
+
+1. A segment is an anonymous memory file of the client (`memfd_create`), sealed so that nobody can shrink or grow
+   it: nobody can truncate it under a worker that maps it (a tenant cannot crash a shared worker with a SIGBUS).
+   Its name on the wire is `<client pid>/<fd>`; a worker on the same host opens it as `/proc/<pid>/fd/<fd>` (the
+   same user, or root). The client closes its descriptor when the call ends.
+2. A Put's segment (`for_put`) is written with system calls (no room is an error there, never a SIGBUS later) and
+   then sealed against writes too: the worker maps it copy-on-write and keeps it as the shard itself, which the
+   client can no longer change. A Pull's segment (`for_pull`) has its space reserved up front
+   (`posix_fallocate`) and the worker writes the reply into it; the client's tensor is that memory.
+3. It starts with a `HEADER`-byte header: `MAGIC`, the tid and logical device, and the SHA-256 of the session
+   (for whole shards a worker sends a peer, PutShards: the namespace they go to, tid and device -1); the payload
+   follows. A worker uses a segment only if it is a regular file sealed as rules 1-2 say, whose header
+   names the session, tid and device of the request (whose capability the worker checked). A tenant that names
+   another tenant's segment is refused (`SegmentRefused`), and a segment made for one session cannot pass for
+   another's.
+4. A worker that cannot open the segment (it runs on another host, in another pid namespace, as another user) or
+   whose size does not fit the request raises `SegmentMissing`: the worker then streams a Pull's bytes, and
+   refuses a Put with `ErrorKind.NO_SEGMENT`, after which the client streams to that worker.
+5. Payloads under `MIN_BYTES` always stream: below it a segment's system calls cost more than the copies saved.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import mmap
+import os
+import re
+import stat
+import struct
+from collections.abc import Sequence
+
+MIN_BYTES = 1 << 20
+MAGIC = b"DTSEGv01"
+_HEAD = struct.Struct("<8sqq32s")  # magic, tid, device, sha256(session)
+HEADER = 64  # bytes before the payload (the payload stays 64-byte aligned)
+_NAME = re.compile(r"([0-9]{1,10})/([0-9]{1,10})")
+_FIXED = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
+_WRITTEN = _FIXED | getattr(fcntl, "F_SEAL_WRITE", 0)
+
+
+class SegmentMissing(Exception):
+    """No usable segment of that name here (another host, no access, a size that does not fit): stream."""
+
+
+class SegmentRefused(ValueError):
+    """A segment that exists but may not be used for this request (rule 3)."""
+
+
+def _header(session: str, tid: int, device: int) -> bytes:
+    return _HEAD.pack(MAGIC, tid, device, hashlib.sha256(session.encode()).digest()).ljust(HEADER, b"\0")
+
+
+class Segment:
+    """The client's side of one transfer: `name` goes in the request; `payload()` (a Pull's) is a byte view of its
+    memory; `close()` ends the call's hold (views taken from it stay valid)."""
+
+    def __init__(self, fd: int, nbytes: int, mapping: mmap.mmap | None = None) -> None:
+        self.fd, self.nbytes, self._map = fd, nbytes, mapping
+        self.name = f"{os.getpid()}/{fd}"
+
+    def payload(self) -> memoryview:
+        return memoryview(self._map)[HEADER:]  # type: ignore[arg-type]  # a Pull's: mapped
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _memfd() -> int | None:
+    if not hasattr(os, "memfd_create") or not _WRITTEN:
+        return None
+    try:
+        return os.memfd_create("dtorch-segment", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    except OSError:
+        return None
+
+
+def for_put(session: str, tid: int, device: int, parts: Sequence[memoryview]) -> Segment | None:
+    """A segment holding `parts` one after another, sealed against every change (rule 2), or None where this host
+    cannot make one."""
+    fd = _memfd()
+    if fd is None:
+        return None
+    try:
+        os.pwrite(fd, _header(session, tid, device), 0)
+        at = HEADER
+        for part in parts:
+            done = 0
+            while done < len(part):
+                done += os.pwrite(fd, part[done:], at + done)
+            at += len(part)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _WRITTEN)
+    except OSError:  # no room
+        os.close(fd)
+        return None
+    return Segment(fd, at - HEADER)
+
+
+def for_pull(session: str, tid: int, device: int, nbytes: int) -> Segment | None:
+    """A segment with room for `nbytes` of reply, sealed against resizing (rule 2), or None where this host cannot
+    make one."""
+    fd = _memfd()
+    if fd is None:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, HEADER + nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _FIXED)
+        os.pwrite(fd, _header(session, tid, device), 0)
+        mapping = mmap.mmap(fd, HEADER + nbytes)
+    except OSError:
+        os.close(fd)
+        return None
+    return Segment(fd, nbytes, mapping)
+
+
+def open_for(name: str, session: str, tid: int, device: int, nbytes: int, reply: bool) -> memoryview:
+    """The worker's side: the payload of segment `name`, a byte view of its memory, after the checks of
+    rule 3: writable into the client's segment for a Pull's `reply`, else (a Put's bytes) a copy-on-write mapping
+    that is the worker's own. SegmentMissing when it cannot be used here (rule 4), SegmentRefused when it may not."""
+    found = _NAME.fullmatch(name)
+    if not found:
+        raise SegmentRefused(f"segment name {name[:80]!r} is not of the form <pid>/<fd>")
+    try:
+        # non-blocking and no controlling terminal: naming a fifo or a tty of one's own must not hang or hijack
+        fd = os.open(f"/proc/{found[1]}/fd/{found[2]}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        raise SegmentMissing(f"no shared-memory segment {name} reachable from this worker ({e.strerror})") from None
+    try:
+        seals = _FIXED if reply else _WRITTEN
+        try:
+            sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & seals == seals
+        except OSError:
+            sealed = False
+        size = os.fstat(fd)
+        if not stat.S_ISREG(size.st_mode) or not sealed:
+            raise SegmentRefused(f"{name} is not a shared-memory segment sealed for a "
+                                 f"{'Pull' if reply else 'Put'}")
+        if os.pread(fd, HEADER, 0) != _header(session, tid, device):
+            raise SegmentRefused(f"segment {name} was not made for tensor {tid} on logical device {device} of this "
+                                 "session")
+        if size.st_size != HEADER + nbytes:
+            raise SegmentMissing(f"segment {name} holds {size.st_size - HEADER} payload bytes, not the {nbytes} of "
+                                 "the request")
+        mapping = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_SHARED if reply else mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)
+    return memoryview(mapping)[HEADER:]
