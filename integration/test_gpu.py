@@ -1,10 +1,10 @@
 """CUDA workers (`nox -s gpu_integration`): shards on the device, pinned host copies, NCCL collectives.
 
-With one CUDA device: the backend's copies, a cuda worker's Put and Pull through same-host segments, its ops and training against plain torch, a cuda and a
-cpu worker redistributing to each other, and a killed cuda worker rebuilt with identical results (also under a
-graph step), and TP and DP x TP Llama training on two workers sharing the GPU. With two or
-more: NCCL collectives, a TP MLP and DP x TP Llama training against torch. Each test says in one line what it
-needs when the machine lacks it; on a machine without CUDA every one is skipped (and the session exits 0).
+With one CUDA device: the backend's copies, a cuda worker's Put and Pull through same-host segments, its ops and
+training against plain torch, a cuda and a cpu worker redistributing to each other, and a killed cuda worker rebuilt
+with identical results (also under a graph step), and TP and DP x TP Llama training on two workers sharing the GPU.
+With two or more: NCCL collectives, a TP MLP and DP x TP Llama training against torch. Each test says in one line
+what it needs when the machine lacks it; on a machine without CUDA every one is skipped (and the session exits 0).
 Scenarios run in their own processes (integration/_gpu_run.py, _fault_run.py), so each has its own cluster.
 """
 

@@ -49,30 +49,42 @@ def _slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
 
 def _receive(replies: Any, segment: segments.Segment | None) -> tuple[torch.Tensor, bool]:
     """A Pull reply's tensor, and whether the worker wrote it into `segment` (the tensor then lives there, no copy);
-    streamed chunks are copied once, straight into the tensor's own memory."""
-    buf, view, pos = None, memoryview(b""), 0
+    streamed chunks are copied once, into the tensor's own memory."""
+    parts: list[bytes] = []
+    first = None
     for chunk in replies:
         if chunk.report is not None:
             raise RemoteOpError(chunk.report.op, chunk.report.src, chunk.report.message)
         if chunk.error:
             raise (Moved if chunk.kind == m.ErrorKind.MOVED else DTorchError)(chunk.error)
-        if buf is None:  # the first chunk names dtype and shape
-            dtype, shape = dtype_from_name(chunk.dtype), chunk.shape
-            if chunk.in_segment:
-                if segment is None or math.prod(shape) * dtype.itemsize != segment.nbytes:
-                    raise DTorchError(f"a worker wrote a {chunk.dtype} tensor of shape {shape} into a shared-memory "
-                                      "segment this read did not make for it")
-                return torch.frombuffer(segment.payload(), dtype=dtype).reshape(shape), True
-            buf = torch.empty(math.prod(shape), dtype=dtype)
-            view = host_bytes(buf)
-        end = pos + len(chunk.data)
-        if end > len(view):
-            raise DTorchError(f"a worker sent more bytes than a {chunk.dtype} tensor of shape {shape} holds")
-        view[pos:end] = chunk.data
-        pos = end
-    if buf is None or pos != len(view):
-        raise DTorchError(f"a worker sent {pos} bytes of a tensor of {len(view)}: its reply ended early")
-    return buf.reshape(shape), False
+        if first is None:  # the first chunk names dtype and shape
+            first = chunk
+        if chunk.in_segment:
+            return _in_segment(chunk, segment), True
+        parts.append(chunk.data)
+    if first is None:
+        raise DTorchError("a worker's reply to a read ended before any data")
+    dtype, shape = dtype_from_name(first.dtype), first.shape
+    size, got = math.prod(shape) * dtype.itemsize, sum(map(len, parts))
+    if got != size:
+        raise DTorchError(f"a worker sent {got} bytes of a {first.dtype} tensor of shape {shape} ({size} bytes)")
+    if size == 0:
+        return torch.empty(shape, dtype=dtype), False
+    buf = bytearray(parts[0]) if len(parts) == 1 else bytearray(size)
+    if len(parts) > 1:
+        view, pos = memoryview(buf), 0
+        for part in parts:
+            view[pos:pos + len(part)] = part
+            pos += len(part)
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape), False
+
+
+def _in_segment(chunk: m.Chunk, segment: segments.Segment | None) -> torch.Tensor:
+    dtype, shape = dtype_from_name(chunk.dtype), chunk.shape
+    if segment is None or math.prod(shape) * dtype.itemsize != segment.nbytes:
+        raise DTorchError(f"a worker wrote a {chunk.dtype} tensor of shape {shape} into a shared-memory segment this "
+                          "read did not make for it")
+    return torch.frombuffer(segment.payload(), dtype=dtype).reshape(shape)
 
 
 def _nbytes(box: tuple[tuple[int, int], ...], dtype: torch.dtype) -> int:

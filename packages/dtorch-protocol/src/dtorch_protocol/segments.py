@@ -24,7 +24,6 @@ Rules:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import mmap
 import os
@@ -32,6 +31,11 @@ import re
 import stat
 import struct
 from collections.abc import Sequence
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no segments, everything streams
+    fcntl = None  # type: ignore[assignment]
 
 MIN_BYTES = 1 << 20
 MAGIC = b"DTSEGv01"
