@@ -8,8 +8,8 @@ import torch
 
 from dtorch._dataplane import _receive
 from dtorch.errors import DTorchError
-from dtorch_protocol import segments
 from dtorch_protocol import messages as m
+from dtorch_protocol import segments
 from dtorch_protocol.values import host_bytes
 
 
