@@ -6,10 +6,10 @@ Rules:
    it: nobody can truncate it under a worker that maps it (a tenant cannot crash a shared worker with a SIGBUS).
    Its name on the wire is `<client pid>/<fd>`; a worker on the same host opens it as `/proc/<pid>/fd/<fd>` (the
    same user, or root). The client closes its descriptor when the call ends.
-2. A Put's segment (`for_put`) is written with system calls (no room is an error there, never a SIGBUS later) and
-   then sealed against writes too: the worker maps it copy-on-write and keeps it as the shard itself, which the
-   client can no longer change. A Pull's segment (`for_pull`) has its space reserved up front
-   (`posix_fallocate`) and the worker writes the reply into it; the client's tensor is that memory.
+2. Bytes go in with system calls (`pwrite`: no room is an error there, never a SIGBUS). A Put's segment
+   (`for_put`) is written by the client and then sealed against writes too: the worker maps it copy-on-write
+   (`open_for`) and keeps it as the shard itself, which the client can no longer change. A Pull's segment
+   (`for_pull`) is written by the worker (`write_into`); the client's tensor is its mapping of it.
 3. It starts with a `HEADER`-byte header: `MAGIC`, the tid and logical device, and the SHA-256 of the session
    (for whole shards a worker sends a peer, PutShards: the namespace they go to, tid and device -1); the payload
    follows. A worker uses a segment only if it is a regular file sealed as rules 1-2 say, whose header
@@ -106,13 +106,12 @@ def for_put(session: str, tid: int, device: int, parts: Sequence[memoryview]) ->
 
 
 def for_pull(session: str, tid: int, device: int, nbytes: int) -> Segment | None:
-    """A segment with room for `nbytes` of reply, sealed against resizing (rule 2), or None where this host cannot
-    make one."""
+    """A segment of `nbytes` of reply, sealed against resizing (rule 2), or None where this host cannot make one."""
     fd = _memfd()
     if fd is None:
         return None
     try:
-        os.posix_fallocate(fd, 0, HEADER + nbytes)
+        os.ftruncate(fd, HEADER + nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _FIXED)
         os.pwrite(fd, _header(session, tid, device), 0)
         mapping = mmap.mmap(fd, HEADER + nbytes)
@@ -122,10 +121,34 @@ def for_pull(session: str, tid: int, device: int, nbytes: int) -> Segment | None
     return Segment(fd, nbytes, mapping)
 
 
-def open_for(name: str, session: str, tid: int, device: int, nbytes: int, reply: bool) -> memoryview:
-    """The worker's side: the payload of segment `name`, a byte view of its memory, after the checks of
-    rule 3: writable into the client's segment for a Pull's `reply`, else (a Put's bytes) a copy-on-write mapping
-    that is the worker's own. SegmentMissing when it cannot be used here (rule 4), SegmentRefused when it may not."""
+def open_for(name: str, session: str, tid: int, device: int, nbytes: int) -> memoryview:
+    """The worker's side of a Put (or PutShards): the payload of segment `name` after the checks of rule 3, a byte
+    view of a copy-on-write mapping that is the worker's own. SegmentMissing when it cannot be used here (rule 4),
+    SegmentRefused when it may not."""
+    fd = _open(name, session, tid, device, nbytes, _WRITTEN)
+    try:
+        mapping = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)
+    return memoryview(mapping)[HEADER:]
+
+
+def write_into(name: str, session: str, tid: int, device: int, data: memoryview) -> None:
+    """The worker's side of a Pull: `data` written into the client's segment `name` (system calls: a full memory
+    is an error here, SegmentMissing, never a SIGBUS), after the checks of rule 3."""
+    fd = _open(name, session, tid, device, len(data), _FIXED)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], HEADER + done)
+    except OSError as e:
+        raise SegmentMissing(f"segment {name} could not take the reply ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def _open(name: str, session: str, tid: int, device: int, nbytes: int, seals: int) -> int:
+    """A descriptor of segment `name`, checked as rule 3 says."""
     found = _NAME.fullmatch(name)
     if not found:
         raise SegmentRefused(f"segment name {name[:80]!r} is not of the form <pid>/<fd>")
@@ -135,7 +158,6 @@ def open_for(name: str, session: str, tid: int, device: int, nbytes: int, reply:
     except OSError as e:
         raise SegmentMissing(f"no shared-memory segment {name} reachable from this worker ({e.strerror})") from None
     try:
-        seals = _FIXED if reply else _WRITTEN
         try:
             sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & seals == seals
         except OSError:
@@ -143,14 +165,14 @@ def open_for(name: str, session: str, tid: int, device: int, nbytes: int, reply:
         size = os.fstat(fd)
         if not stat.S_ISREG(size.st_mode) or not sealed:
             raise SegmentRefused(f"{name} is not a shared-memory segment sealed for a "
-                                 f"{'Pull' if reply else 'Put'}")
+                                 f"{'Put' if seals == _WRITTEN else 'Pull'}")
         if os.pread(fd, HEADER, 0) != _header(session, tid, device):
             raise SegmentRefused(f"segment {name} was not made for tensor {tid} on logical device {device} of this "
                                  "session")
         if size.st_size != HEADER + nbytes:
             raise SegmentMissing(f"segment {name} holds {size.st_size - HEADER} payload bytes, not the {nbytes} of "
                                  "the request")
-        mapping = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_SHARED if reply else mmap.MAP_PRIVATE)
-    finally:
+    except BaseException:
         os.close(fd)
-    return memoryview(mapping)[HEADER:]
+        raise
+    return fd

@@ -136,7 +136,7 @@ class WorkerService:
         box = take_box(value, request.offset, request.size)
         if request.segment:
             try:
-                return [into_segment(request.segment, key, box)]
+                return [into_segment(request.segment, key, box, self.executor.backend)]
             except segments.SegmentMissing:
                 pass  # another host: stream
         return list(tensor_chunks(box, backend=self.executor.backend))

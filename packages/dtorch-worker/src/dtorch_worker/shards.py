@@ -146,7 +146,7 @@ class Receiver:
                                  "worker accepts")
             self.header = chunk
             if chunk.segment:  # the storages are the sender's segment (its private mapping here): nothing follows
-                view = segments.open_for(chunk.segment, chunk.namespace, -1, -1, sum(chunk.storages), reply=False)
+                view = segments.open_for(chunk.segment, chunk.namespace, -1, -1, sum(chunk.storages))
                 ends = list(itertools.accumulate(chunk.storages, initial=0))
                 self.storages = [torch.frombuffer(view[a:b], dtype=torch.uint8) if b > a else CPU.host_buffer(0)
                                  for a, b in itertools.pairwise(ends)]

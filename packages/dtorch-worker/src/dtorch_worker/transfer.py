@@ -171,16 +171,15 @@ def from_segment(chunk: PutChunk, size: int, backend: DeviceBackend = CPU) -> to
     """An upload from the client's same-host segment: on the CPU the segment itself becomes the shard (a
     copy-on-write mapping of memory the client sealed against changes: no copy), on a GPU one copy to the device.
     `segments.SegmentMissing` / `SegmentRefused` as `segments.open_for`."""
-    src = segments.open_for(chunk.segment, chunk.session, chunk.tid, chunk.device, size, reply=False)
+    src = segments.open_for(chunk.segment, chunk.session, chunk.tid, chunk.device, size)
     return backend.to_device(typed(torch.frombuffer(src, dtype=torch.uint8), dtype_from_name(chunk.dtype),
                                    chunk.shape))
 
 
-def into_segment(name: str, key: tuple[str, int, int], box: torch.Tensor) -> Chunk:
-    """A Pull's reply written into the client's same-host segment `name`: the one chunk that says so.
-    `segments.SegmentMissing` / `SegmentRefused` as `segments.open_for`."""
-    dst = segments.open_for(name, *key, box.numel() * box.element_size(), reply=True)
-    typed(torch.frombuffer(dst, dtype=torch.uint8), box.dtype, box.shape).copy_(box)
+def into_segment(name: str, key: tuple[str, int, int], box: torch.Tensor, backend: DeviceBackend = CPU) -> Chunk:
+    """A Pull's reply written into the client's same-host segment `name` (from a host copy: pinned on a GPU): the
+    one chunk that says so. `segments.SegmentMissing` / `SegmentRefused` as `segments.write_into`."""
+    segments.write_into(name, *key, byte_view(box, backend))
     return Chunk(data=b"", dtype=dtype_name(box.dtype), shape=list(box.shape), in_segment=True)
 
 
