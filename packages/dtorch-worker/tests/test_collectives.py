@@ -7,10 +7,12 @@ point-to-point plan does): uneven and empty shards, virtual devices, 1-d and 2-d
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -615,3 +617,19 @@ def test_a_large_all_reduce_on_two_ranks_sends_the_shards_as_they_are(workers, m
                              seed=60, tid=(110, 111))
     assert poisoned and all(isinstance(v, Poison) and v.report == report for v in got.values()), got
     assert len(pair) == 6
+
+
+def test_a_collectives_outputs_are_freed_once_the_session_drops_them(workers):
+    """Rule 7 keeps track of collectives sending straight from a shard until an in-place write needs them done; that
+    record must not keep their outputs alive: a dropped 2 MiB output that lingers makes the next one fresh memory."""
+    cluster = Cluster(workers)
+    binding = {0: "w0", 1: "w1"}
+    got, expected, _ = redistribute(cluster, (512, 1024), (2,), binding, [Partial()], [Replicate()], seed=61,
+                                    tid=(120, 121))
+    check(got, expected)
+    refs = [weakref.ref(t) for t in got.values()]
+    del got, expected
+    for d, w in binding.items():
+        cluster.worker[w].store.delete((cluster.session, 121, d))
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]

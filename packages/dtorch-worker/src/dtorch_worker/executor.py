@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import lru_cache
 from typing import Any
@@ -181,7 +181,7 @@ class Executor:
         self.busy_s = 0.0  # seconds spent running batches (utilization)
         self.groups = Groups(self.backend)  # process groups with other workers (CmdGroup)
         self.buffers = collectives.BufferPool()  # scratch buffers of collectives, reused
-        self._sending: dict[int, list[Future]] = {}  # storage -> collectives in flight that send from it (rule 7)
+        self._sending: dict[int, list[threading.Event]] = {}  # storage -> collectives sending from it (rule 7)
         # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
         self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
         # DTORCH_SYNC_BACKUPS=1: upload backups copied in the stream, as before (benchmarks compare)
@@ -570,25 +570,27 @@ class Executor:
                     self.store.put((session, tid, device), flat[i])
 
     def _sends_from(self, tensors: list[torch.Tensor], future: Future) -> None:
-        """Collective `future` (in flight) may send straight from `tensors` (collectives.py, rule 7)."""
+        """Collective `future` (in flight) may send straight from `tensors` (collectives.py, rule 7). What is kept is
+        an event set when it is done, not the future: its result would keep the op's outputs alive after the
+        session dropped them (and a fresh output allocated meanwhile costs a page fault per 4 KiB)."""
+        if not tensors:
+            return
+        landed = threading.Event()
+        future.add_done_callback(lambda _f: landed.set())  # done, failed or cancelled
         for t in tensors:
             ptr = t.untyped_storage().data_ptr()
             if ptr:
-                flying = [f for f in self._sending.get(ptr, ()) if not f.done()]
-                self._sending[ptr] = [*flying, future]
+                flying = [e for e in self._sending.get(ptr, ()) if not e.is_set()]
+                self._sending[ptr] = [*flying, landed]
         if len(self._sending) > 64:  # forget storages whose collectives are all done
-            self._sending = {p: fs for p, fs in self._sending.items() if not all(f.done() for f in fs)}
+            self._sending = {p: es for p, es in self._sending.items() if not all(e.is_set() for e in es)}
 
     def _wait_sends(self, op: str, written: list[torch.Tensor]) -> None:
         """Hold an in-place write until the collectives sending from the same storage are done (each bounded by its
         group's timeout; a failed one has stopped reading, or its group is broken and its outputs poisoned)."""
         for t in written:
-            for future in self._sending.pop(t.untyped_storage().data_ptr(), ()):
-                try:
-                    future.exception(timeout=self.reads_timeout_s)
-                except CancelledError:
-                    pass  # it never ran
-                except TimeoutError:
+            for landed in self._sending.pop(t.untyped_storage().data_ptr(), ()):
+                if not landed.wait(self.reads_timeout_s):
                     log.warning("%s writes in place while a collective may still send from its storage (after "
                                 "%gs)", op, self.reads_timeout_s)
 
