@@ -7,7 +7,6 @@ point-to-point plan does): uneven and empty shards, virtual devices, 1-d and 2-d
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import threading
@@ -631,5 +630,4 @@ def test_a_collectives_outputs_are_freed_once_the_session_drops_them(workers):
     del got, expected
     for d, w in binding.items():
         cluster.worker[w].store.delete((cluster.session, 121, d))
-    gc.collect()
-    assert [r() is None for r in refs] == [True, True]
+    assert [r() is None for r in refs] == [True, True]  # at once: a worker frees by reference counts, rarely by gc

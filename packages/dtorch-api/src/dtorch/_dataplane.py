@@ -70,8 +70,10 @@ def _receive(replies: Any, segment: segments.Segment | None) -> tuple[torch.Tens
         raise DTorchError(f"a worker sent {got} bytes of a {first.dtype} tensor of shape {shape} ({size} bytes)")
     if size == 0:
         return torch.empty(shape, dtype=dtype), False
-    buf = bytearray(parts[0]) if len(parts) == 1 else bytearray(size)
-    if len(parts) > 1:
+    if len(parts) == 1:
+        buf = bytearray(parts[0])
+    else:
+        buf = bytearray(size)
         view, pos = memoryview(buf), 0
         for part in parts:
             view[pos:pos + len(part)] = part

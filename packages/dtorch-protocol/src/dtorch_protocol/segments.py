@@ -94,9 +94,7 @@ def for_put(session: str, tid: int, device: int, parts: Sequence[memoryview]) ->
         os.pwrite(fd, _header(session, tid, device), 0)
         at = HEADER
         for part in parts:
-            done = 0
-            while done < len(part):
-                done += os.pwrite(fd, part[done:], at + done)
+            _write_all(fd, part, at)
             at += len(part)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _WRITTEN)
     except OSError:  # no room
@@ -138,13 +136,18 @@ def write_into(name: str, session: str, tid: int, device: int, data: memoryview)
     is an error here, SegmentMissing, never a SIGBUS), after the checks of rule 3."""
     fd = _open(name, session, tid, device, len(data), _FIXED)
     try:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], HEADER + done)
+        _write_all(fd, data, HEADER)
     except OSError as e:
         raise SegmentMissing(f"segment {name} could not take the reply ({e.strerror})") from None
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview, at: int) -> None:
+    """`data` at offset `at` of `fd` (a pwrite may write less than asked)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], at + done)
 
 
 def _open(name: str, session: str, tid: int, device: int, nbytes: int, seals: int) -> int:
