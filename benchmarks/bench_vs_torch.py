@@ -352,6 +352,11 @@ def run_dtorch(args: argparse.Namespace) -> dict:
                 out["b"] = median_ms(lambda: model(inp).to_torch(), args.repeats)
                 out["b_cpu"] = cpu_per_call(lambda: model(inp).to_torch(), args.repeats, cluster_processes())
                 out["b_value"] = model(inp).to_torch()
+                more = 2 * int(os.environ.get("DTORCH_SNAPSHOT_BATCHES", "32")) + 8
+                for _ in range(more):
+                    model(inp).to_torch()  # two snapshots at least, the first one after the model is there
+                (me,) = dtorch.status().sessions  # recovery's copies of a forward-only loop (lineage.py rule 5)
+                out["b_snapshot"] = (more, me.snapshot_bytes, me.snapshot_copied_bytes)
         if "c" in args.only:
             step = sgd_step(model, inp, target)
             out["c"] = median_ms(step, args.repeats)
@@ -656,6 +661,10 @@ def main() -> None:
             print(f"    CPU ms per forward, {who}{' (round 1)' if len(rounds) > 1 else ''}: {sum(cpu.values()):.2f} "
                   f"in all ({parts}); "
                   f"on {os.cpu_count()} CPUs no forward takes less than {sum(cpu.values()) / os.cpu_count():.2f} ms")
+        more, held, copied = dt["b_snapshot"]
+        print(f"    dtorch's recovery snapshot after {more} more forwards (one every "
+              f"{os.environ.get('DTORCH_SNAPSHOT_BATCHES', 32)} batches): {held / 2**20:.2f} MiB held, "
+              f"{copied / 2**20:.2f} MiB of it copied (unchanged weights keep the copies of the snapshot before)")
         err = (dt["b_value"] - plain["b_value"]).abs().max().item()
         err_t = (torch.tensor(torch_dt["b_value"]) - plain["b_value"]).abs().max().item()
         print(f"    max |difference| from plain torch: dtorch {err:.2e}, DTensor {err_t:.2e}")

@@ -239,7 +239,7 @@ class Generator:
         return rng.choice([
             m.InstrCreate(tid=tid, spec=spec, init=rng.choice(["zeros", "ones", "rand", "empty", "full"]), value=1.5),
             m.InstrCall(op=rng.choice(OPS), mesh=1, args=[{"$t": rng.randint(1, 30)}, 2], kwargs={},
-                        outs=[m.OutSpec(tid, spec)]),
+                        outs=[m.OutSpec(tid, spec)], writes=[hostile_int(rng)] if rng.random() < 0.3 else []),
             m.InstrRedistribute(src=rng.randint(1, 30), dst=tid, src_spec=spec, dst_spec=spec),
             m.InstrDelete(tids=[rng.randint(1, 30)]),
             m.InstrAdopt(tid=tid, spec=spec)])
@@ -289,6 +289,8 @@ class Generator:
                 m.CmdDelete(tids=[tid], devices=[dev]),
                 m.CmdSendShards(devices={dev: [tid]}, namespace=f"{sid}#s1"),
                 m.CmdFetchShards(devices={dev: [tid]}, namespace=f"{sid}#s1"),
+                m.CmdKeepCopies(devices={dev: [tid]}, source=rng.choice([f"{sid}#s1", "other#s1"]),
+                                namespace=f"{sid}#s2"),
                 m.CmdAbandon(tids=[tid]), m.CmdRebuilt(), m.CmdStay(devices=[dev]), m.CmdCloseSession()])
                 for _ in range(rng.randint(1, 4))]
             return m.Execute(seq=seq, session=sid, cmds=cmds, memory_cap=64 << 20), sid

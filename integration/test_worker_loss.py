@@ -58,3 +58,42 @@ def test_with_recovery_off_the_loss_is_one_line_naming_the_tensors_at_the_next_s
     assert re.search(r"tensors lost: tensor \d+ \(made by create:ones at <string>:", error), error
     assert "recovery is off" in error
     assert float(waited.split()[1]) < 10.0
+
+
+KEPT = textwrap.dedent("""
+    import os, signal, time
+    import torch
+    import dtorch
+    from dtorch import Replicate, Shard, runtime
+
+    dtorch.connect(workers=2)
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    w = dtorch.distribute_tensor(torch.arange(4096.0).reshape(64, 64), mesh, [Shard(0)])  # read, never written
+    p = dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)])
+    q = dtorch.zeros(8, device_mesh=mesh, placements=[Replicate()])
+    for _ in range(6):
+        y = (w * 2).sum()
+        torch._foreach_add_([p, q], 1.0)  # writes p and q in place and returns nothing
+        y.to_torch()  # a batch each: a snapshot after each (DTORCH_SNAPSHOT_BATCHES=1)
+    time.sleep(0.5)
+    (s,) = dtorch.status().sessions
+    print("snapshot", s.snapshot_batch, s.snapshot_bytes, s.snapshot_copied_bytes)
+    os.kill(runtime._cluster.procs[2].pid, signal.SIGKILL)
+    time.sleep(0.1)
+    print("values", (w * 1).to_torch().sum().item(), p.to_torch().tolist(), q.to_torch().tolist())
+""")
+
+
+def test_a_snapshot_keeps_the_copies_of_unwritten_tensors_and_a_loss_restores_them():
+    """lineage.py rule 5 on real processes: the weights only read since the first snapshot are not copied again
+    (a snapshot after every batch), the tensors written in place by an op returning nothing are; a worker killed
+    after that is rebuilt from those copies with torch's values."""
+    out = subprocess.run([sys.executable, "-c", KEPT], capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"},
+                              "DTORCH_SNAPSHOT_BATCHES": "1"})
+    assert out.returncode == 0, out.stderr
+    snapshot, values = out.stdout.strip().splitlines()
+    _, batch, held, copied = snapshot.split()
+    assert int(batch) >= 6 and int(held) >= 4096 * 4 + 8 * 4 + 2 * 8 * 4, snapshot
+    assert int(copied) < int(held) - 4096 * 4 + 1, snapshot  # the weights' copies were kept, not made again
+    assert values == f"values {float(sum(range(4096)))} {[7.0] * 8} {[6.0] * 8}"

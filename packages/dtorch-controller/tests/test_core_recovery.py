@@ -1047,3 +1047,74 @@ def test_a_move_whose_source_is_lost_and_not_rebuilt_is_called_off_and_the_sync_
     sync_rid, sync = h.sync(sid, 2)
     assert sync is not None and sync.done
     assert any(e.kind == m.ErrorKind.WORKER_LOST and "tensor 1" in e.message for e in sync.errors)
+
+
+def _foreach_add_(tids, src="train.py:12") -> m.InstrCall:
+    """`torch._foreach_add_(tensors, 1)`: writes its arguments in place and returns nothing (`writes`)."""
+    return m.InstrCall(op="aten._foreach_add_.Scalar", mesh=1, args=[[m.tensor_slot(t) for t in tids], 1.0],
+                       kwargs={}, outs=[], src=src, writes=list(tids))
+
+
+def _read(tid, out, src="train.py:15") -> m.InstrCall:
+    """`out = tensor tid * 2`: reads tid, writes nothing of it."""
+    return m.InstrCall(op="aten.mul.Scalar", mesh=1, args=[m.tensor_slot(tid), 2.0], kwargs={},
+                       outs=[m.OutSpec(tid=out, spec=spec([8]))], src=src)
+
+
+def test_a_routine_snapshot_keeps_the_copies_of_what_nothing_wrote_and_recovery_restores_them(make_harness):
+    """lineage.py rule 5: tensor 1 (only read since snapshot 1) keeps its copies on both holders (no bytes move);
+    2 (written in place through `writes`, returned by nothing) and 3 (new) are copied; a loss restores all three
+    from snapshot 2; the snapshot forced after it copies everything again."""
+    h, ids, sid = setup(make_harness)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1), create(2)])
+    h.submit(sid, 2, [add_(2)])
+    h.report_all()
+    h.take_sent()
+    rec = h.core.pipeline.recs[sid]
+    first = rec.snapshot
+    assert first.upto == 2 and first.copied == first.bytes == 2 * 2 * 4 * 4  # 2 tensors x 2 devices x 4 floats
+    h.submit(sid, 3, [_read(1, 3)])
+    h.submit(sid, 4, [_foreach_add_([2])])
+    sent = h.take_sent()
+    sends, keeps = cmds_of(sent, kind=m.CmdSendShards), cmds_of(sent, kind=m.CmdKeepCopies)
+    assert sends and all(sorted(t for tids in c.devices.values() for t in tids) == [2, 3] for c in sends)
+    for d in (0, 1):  # on the device's worker and on the one holding its other copy
+        on = sorted(e.worker_id for e in sent for c in own(e.execute)
+                    if isinstance(c, m.CmdKeepCopies) and d in c.devices)
+        assert on == sorted(first.holders[d])
+    assert all(c.devices in ({0: [1]}, {1: [1]}) and (c.source, c.namespace) == (f"{sid}#s1", f"{sid}#s2")
+               for c in keeps)
+    h.report_all()
+    assert rec.snapshot.upto == 4 and (rec.snapshot.bytes, rec.snapshot.copied) == (3 * 32, 2 * 32)
+    status = h.status().sessions[0]
+    assert (status.snapshot_bytes, status.snapshot_copied_bytes) == (96, 64)
+    assert [e for e in h.take_sent() if e.execute.session == f"{sid}#s1"]  # the old namespace goes after the commit
+
+    h.submit(sid, 5, [_read(1, 4)])
+    h.take_sent()
+    sent = lose_and_recover(h, sid, s.devices[1])
+    fetches = cmds_of(sent, kind=m.CmdFetchShards)
+    assert fetches and all(c.namespace == f"{sid}#s2" and list(c.devices.values()) == [[1, 2, 3]] for c in fetches)
+    h.report_all()
+    sent += h.take_sent()  # the snapshot forced after a recovery copies everything (the copies' workers changed)
+    assert not cmds_of(sent, kind=m.CmdKeepCopies) and rec.snapshot.namespace == f"{sid}#s3"
+    assert sorted(t for c in cmds_of(sent, kind=m.CmdSendShards) for tids in c.devices.values() for t in tids
+                  ) == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4]
+    assert rec.snapshot.copied == rec.snapshot.bytes == 4 * 32
+
+
+def test_a_replayed_program_s_writes_are_copied_again_and_its_reads_kept(make_harness):
+    """lineage.py rule 5 through a captured program: its slots' writes are found in its definition."""
+    h, ids, sid = setup(make_harness)
+    h.submit(sid, 1, [create(1), create(2)])
+    h.submit(sid, 2, [add_(2)])
+    h.report_all()
+    h.take_sent()
+    program = m.InstrDefine(program=7, instrs=[_read(0, 2), _foreach_add_([1])], ntids=3)
+    h.submit(sid, 3, [program, m.InstrReplay(program=7, tids=[1, 2, 3])])  # 3 = 1 * 2; 2 += 1
+    h.submit(sid, 4, [m.InstrReplay(program=7, tids=[1, 2, 4]), m.InstrDelete(tids=[3])])
+    sent = h.take_sent()
+    assert sorted({t for c in cmds_of(sent, kind=m.CmdSendShards) for tids in c.devices.values() for t in tids}
+                  ) == [2, 4]
+    assert {t for c in cmds_of(sent, kind=m.CmdKeepCopies) for tids in c.devices.values() for t in tids} == {1}

@@ -13,8 +13,10 @@ import torch
 from dtorch_protocol import wire
 from dtorch_protocol.messages import (
     CmdAbandon,
+    CmdCloseSession,
     CmdCreate,
     CmdFetchShards,
+    CmdKeepCopies,
     CmdRebuilt,
     CmdRun,
     CmdSendShards,
@@ -102,6 +104,27 @@ def test_stream_round_trip_in_small_pieces():
 
 
 # ---------------------------------------------------------------- copies between workers
+
+
+def test_kept_copies_are_the_earlier_ones_under_the_new_namespace_and_outlive_it(pair):
+    """CmdKeepCopies (a snapshot keeping what nothing wrote): no copy, the old namespace's drop leaves them; a copy
+    that is not here, or a namespace of another session, fails as a copy (ErrorKind.COPY, never the user's)."""
+    a, _b = pair
+    s = "sess-keep"
+    wait(a, send(a, s, ones(1, [0]), CmdSendShards(devices={0: [1]}, namespace=f"{s}#s1")))
+    first = a.store.get((f"{s}#s1", 1, 0))
+    wait(a, send(a, s, CmdRun(op="aten.add_.Scalar", devices=[0], args=[{"$t": 1}, 100], kwargs={}, outs=[1]),
+                 CmdKeepCopies(devices={0: [1]}, source=f"{s}#s1", namespace=f"{s}#s2")))
+    wait(a, send(a, f"{s}#s1", CmdCloseSession()))
+    kept = a.store.get((f"{s}#s2", 1, 0))
+    assert kept is first and torch.equal(kept, torch.arange(12.0).reshape(4, 3))  # the copy, not the live shard
+    assert a.store.peek((f"{s}#s1", 1, 0)) is None and not a.executor.take_errors()
+    wait(a, send(a, s, CmdKeepCopies(devices={0: [1]}, source=f"{s}#s1", namespace=f"{s}#s3"),
+                 CmdKeepCopies(devices={0: [1]}, source="other#s2", namespace=f"{s}#s3")))
+    missing, foreign = a.executor.take_errors()[s]
+    assert "tensor 1" in missing.message and "other#s2 is not one of session sess-keep's" in foreign.message
+    assert missing.kind == foreign.kind == ErrorKind.COPY and a.store.peek((f"{s}#s3", 1, 0)) is None
+
 
 
 def test_backup_to_a_peer_and_restore_keeps_values_and_views(pair):

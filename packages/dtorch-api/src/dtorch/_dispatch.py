@@ -403,7 +403,8 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
     session.emit(m.InstrCall(op=plan.op_name, mesh=leaves[0]._spec.mesh.id, args=_fill(plan.args, tids),
                              kwargs=_fill(plan.kwargs, tids),
                              outs=[None if t is None else m.OutSpec(t, s.wire) for t, s in zip(out_tids, outs)],
-                             local=local, src=src, seed=session.next_seed() if plan.random else None))
+                             local=local, src=src, seed=session.next_seed() if plan.random else None,
+                             writes=[tids[i] for i in sorted(plan.mutated) if tids[i] not in out_tids]))
     # a written input that had to move was written in its moved copy: copy it back in place (keeps aliasing)
     written_back = []
     for i in plan.mutated:

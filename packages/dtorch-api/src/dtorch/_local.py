@@ -45,9 +45,11 @@ def emit(op: Any, args: tuple, out: Spec | list[Spec | None], per_device: list[t
     local = None if per_device is None else {dev: [encode(list(a)), kw] for dev, a in zip(mesh.devices, per_device)}
     specs = out if isinstance(out, list) else [out]
     tids = [None if s is None else session.new_tid() for s in specs]
+    written = [a._tid for arg, a in zip(op._schema.arguments, args)
+               if arg.alias_info is not None and arg.alias_info.is_write and is_dtensor(a)]
     session.emit(m.InstrCall(op=str(op), mesh=mesh.id, args=encode(list(args)), kwargs=kw,
                              outs=[None if s is None else m.OutSpec(t, s.wire) for t, s in zip(tids, specs)],
-                             local=local, src=user_src(3)))
+                             local=local, src=user_src(3), writes=written))
     results = [None if s is None else make(s, t, session) for t, s in zip(tids, specs)]
     return results if isinstance(out, list) else results[0]
 

@@ -42,7 +42,8 @@ PROTOCOL_VERSION = "1.8"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # point's last batch rides in its Sync: one call instead of a Submit and a Sync);
 # commands shared by every worker of a mesh (CmdMesh, CmdRun.mesh, CmdDelete.mesh; `dtorch_protocol.shared`);
 # 1.8: same-host segments for client payloads (PutChunk.segment, PullRequest.segment, Chunk.in_segment,
-# ShardsChunk.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`)
+# ShardsChunk.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`); InstrCall.writes and CmdKeepCopies
+# (a snapshot keeps the copies of tensors unchanged since the last one instead of copying them again)
 
 
 class ErrorKind(str, enum.Enum):
@@ -224,6 +225,8 @@ class InstrCall(Struct, frozen=True, gc=False, tag="call"):
     local: dict[int, list[Any]] | None = None  # device -> [args, kwargs] where they differ per device
     src: str = ""
     seed: int | None = None  # random ops: every device runs the op under this seed (inputs are replicated)
+    writes: list[int] = []  # tensors (ids among the arguments) the op writes in place besides its `outs`
+    # (`_foreach_add_`'s lists, batch norm's running statistics): a snapshot copies them again
 
 
 class InstrRedistribute(Struct, frozen=True, tag="redistribute"):
@@ -332,6 +335,8 @@ class SessionStatus(Struct, frozen=True):
     queue_position: int = 0
     snapshot_batch: int = -1  # client batch of the last complete snapshot (-1: none, a loss is not recoverable)
     replay_batches: int = 0  # batches a recovery would replay on top of it
+    snapshot_bytes: int = 0  # bytes of its copies (each copy held twice: on the worker and on another)
+    snapshot_copied_bytes: int = 0  # of them, those copied when it was taken (the rest were kept unchanged)
     recoveries: int = 0  # worker losses this session recovered from
     migrations: int = 0  # logical-device moves (migrate, drain)
     kind: str = ""
@@ -563,6 +568,16 @@ class CmdSendShards(Struct, frozen=True, tag="send"):
     background: bool = False  # copy off the stream (bounded bytes in flight per worker)
 
 
+class CmdKeepCopies(Struct, frozen=True, tag="keep"):
+    """File this worker's copies of `devices`' tensors held under namespace `source` under `namespace` too (no
+    byte moves): a snapshot keeps the copies of tensors nothing wrote since the one that made them. A copy that
+    is not here fails the command (a failed copy, ErrorKind.COPY)."""
+
+    devices: dict[int, list[int]]  # logical device -> tids
+    source: str  # a namespace of this session's copies here (`{session}#s{n}`)
+    namespace: str
+
+
 class CmdFetchShards(Struct, frozen=True, tag="fetch"):
     """Copy whole shards from `namespace` on `address` ("" = this worker) into this batch's session.
 
@@ -632,8 +647,8 @@ class CmdReplay(Struct, frozen=True, tag="replay"):
 
 
 Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
-       | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective | CmdProgram | CmdReplay
-       | CmdMesh)
+       | CmdKeepCopies | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective | CmdProgram
+       | CmdReplay | CmdMesh)
 
 
 class Execute(Struct, frozen=True):

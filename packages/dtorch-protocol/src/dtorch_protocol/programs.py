@@ -64,7 +64,8 @@ def map_ids(instr: m.StepInstr, tid: Map, seed: Map, scalar: Callable[[Any], Any
         return replace(instr, args=map_args(instr.args, tid, scalar), kwargs=map_args(instr.kwargs, tid, scalar),
                        outs=[None if o is None else m.OutSpec(tid(o.tid), o.spec) for o in instr.outs],
                        local=None if instr.local is None else map_args(instr.local, tid, scalar),
-                       seed=None if instr.seed is None else seed(instr.seed))
+                       seed=None if instr.seed is None else seed(instr.seed),
+                       writes=[tid(x) for x in instr.writes])
     if t is m.InstrRedistribute:
         return replace(instr, src=tid(instr.src), dst=tid(instr.dst))
     if t is m.InstrCreate:

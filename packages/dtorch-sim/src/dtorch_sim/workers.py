@@ -15,7 +15,8 @@ It holds no tensor data: only the byte size of every shard, by (session or names
 can price commands and report memory. Cost model (`scenario.cost`): a `sim.step` costs its declared flops per
 device / (reference_tflops * speed * slow factor); other ops one flop per output element; copying shards
 (snapshots, moves, restores: CmdSendShards / CmdFetchShards) costs bytes / bandwidth, `host_gbps` for local and
-host-memory copies and `network_gbps` between workers; every command adds `launch_s`.
+host-memory copies and `network_gbps` between workers (copies a snapshot keeps from the one before, CmdKeepCopies,
+cost nothing); every command adds `launch_s`.
 
 Everything is driven by simpy timeouts with callbacks, not processes: 10,000 workers cost no generators, and
 an idle worker costs one timeout per heartbeat interval.
@@ -296,6 +297,8 @@ class Worker:
                 self.offloaded.pop(session, None)
             elif kind is m.CmdSendShards:
                 seconds += self._send_shards(batch, cmd)
+            elif kind is m.CmdKeepCopies:
+                self._keep_copies(batch, cmd)
             elif kind is m.CmdFetchShards:
                 seconds += self._fetch_shards(batch, cmd)
             elif kind is m.CmdAbandon:
@@ -352,6 +355,18 @@ class Worker:
         if cmd.move:
             self.sim.moved(batch.session, nbytes, seconds)
         return seconds
+
+    def _keep_copies(self, batch: m.Execute, cmd: m.CmdKeepCopies) -> None:
+        """Copies kept from an earlier snapshot: filed under the new namespace, no time, no bytes moved."""
+        store = self.store.get(cmd.source, {})
+        for d, tids in cmd.devices.items():
+            for tid in tids:
+                b = store.get((tid, d))
+                if b is None:
+                    self._error(batch.session, batch.seq, COPY_OP, f"no copy of tensor {tid} on device {d} in "
+                                                                   f"{cmd.source} at {self.address}", m.ErrorKind.COPY)
+                    return
+                self._put(cmd.namespace, (tid, d), b)
 
     def _fetch_shards(self, batch: m.Execute, cmd: m.CmdFetchShards) -> float:
         cost = self.sim.scenario.cost

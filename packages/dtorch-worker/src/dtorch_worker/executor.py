@@ -63,6 +63,7 @@ from dtorch_protocol.messages import (
     CmdExpectReads,
     CmdFetchShards,
     CmdGroup,
+    CmdKeepCopies,
     CmdProgram,
     CmdRebuilt,
     CmdRedistribute,
@@ -450,6 +451,8 @@ class Executor:
                 self._collective(session, cmd)
             elif isinstance(cmd, CmdSendShards):
                 self._send_shards(session, cmd)
+            elif isinstance(cmd, CmdKeepCopies):
+                self._keep_copies(session, cmd)
             elif isinstance(cmd, CmdFetchShards):
                 self._fetch_shards(session, cmd)
             elif isinstance(cmd, CmdAbandon):
@@ -679,6 +682,16 @@ class Executor:
 
         self._backups.submit(copy)
 
+    def _keep_copies(self, session: str, cmd: CmdKeepCopies) -> None:
+        """Copies are never written: the same shards are filed under the new namespace too (no bytes move)."""
+        for ns in (cmd.source, cmd.namespace):
+            if not ns.startswith(session + "#"):
+                raise ValueError(f"namespace {ns} is not one of session {session}'s copies ({session}#...)")
+        kept = [((cmd.namespace, tid, dev), self.store.get((cmd.source, tid, dev)))
+                for dev, tids in cmd.devices.items() for tid in tids]
+        for key, shard in kept:
+            self.store.put(key, shard)
+
     def _fetch_shards(self, session: str, cmd: CmdFetchShards) -> None:
         if self._is_local(cmd.address):
             items = [(tid, dev, self.store.get((cmd.namespace, tid, dev)))
@@ -893,7 +906,7 @@ def _merge(into: collectives.Result, more: collectives.Result) -> None:
 def _kind(cmd: Cmd) -> ErrorKind:
     """A failed copy between workers (a snapshot's, an upload backup's, a move's) is COPY: the controller reacts to
     it and never shows it; any other failed command is an OP error the user sees."""
-    if isinstance(cmd, CmdSendShards) or isinstance(cmd, CmdFetchShards) and cmd.move:
+    if isinstance(cmd, (CmdSendShards, CmdKeepCopies)) or isinstance(cmd, CmdFetchShards) and cmd.move:
         return ErrorKind.COPY
     return ErrorKind.OP
 
@@ -908,6 +921,8 @@ def _describe(cmd: Cmd) -> tuple[str, str, list[int]]:
         return "redistribute", cmd.src_line, [cmd.dst]
     if isinstance(cmd, CmdSendShards):
         return f"copy shards to {cmd.to or 'this worker'} ({cmd.namespace})", "", []
+    if isinstance(cmd, CmdKeepCopies):
+        return f"keep copies of {cmd.source} as {cmd.namespace}", "", []
     if isinstance(cmd, CmdFetchShards) and cmd.move:  # a move: its failure calls the move off (internal)
         return f"copy shards from {cmd.address} (moving devices {cmd.move})", "", []
     if isinstance(cmd, CmdFetchShards):

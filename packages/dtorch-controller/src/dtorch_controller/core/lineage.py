@@ -18,7 +18,11 @@ Rules:
    n, `{session}#a{n}` for uploads adopted in window n); the log is truncated and older namespaces are
    dropped when a newer snapshot is complete. Memory is bounded by two copies of the session's live
    tensors plus its uploads of one window, and the log by the snapshot interval.
-5. Nothing here does I/O or reads a clock: the pipeline (the log, uploads' copies at their adopt), snapshots.py
+5. A routine snapshot copies only what changed: a tensor of the previous snapshot that no batch since wrote
+   (`written`: outputs, `InstrCall.writes`, a replayed program's writes), with the same spec and on the same
+   two workers, keeps that snapshot's copies (CmdKeepCopies on both, no byte moves); the rest is copied. A
+   forced snapshot (after a loss, a move, a drain, a failed copy) copies everything.
+6. Nothing here does I/O or reads a clock: the pipeline (the log, uploads' copies at their adopt), snapshots.py
    and recovery.py drive it from the core's events.
 """
 
@@ -56,7 +60,8 @@ class Copies:
     pending: dict[str, int] = field(default_factory=dict)  # worker -> Execute seq to complete (being made)
     failed: str = ""  # why they cannot be used
     started: float = 0.0
-    bytes: int = 0
+    bytes: int = 0  # of every shard they hold
+    copied: int = 0  # of those copied when they were made (the rest kept from the snapshot before, rule 5)
     first_seq: dict[str, int] = field(default_factory=dict)  # worker -> its first Execute seq after them
 
     @property
@@ -156,6 +161,33 @@ def note_origins(origin: dict[int, tuple[str, str]], notes: Iterable[Note], tids
             origin.setdefault(tids(tid), what)
         else:
             origin.pop(tids(tid), None)
+
+
+def written(batches: Iterable[LoggedBatch]) -> set[int] | None:
+    """Every tensor the batches write (rule 5); None when that cannot be told (a replay of an unknown program)."""
+    out: set[int] = set()
+    for b in batches:
+        for instr in b.instrs:
+            if type(instr) is m.InstrReplay:
+                d = b.programs.get(instr.program)
+                if d is None:
+                    return None
+                slots = set().union(*(_writes(i) for i in d.instrs))
+                out.update(t for k, t in enumerate(instr.tids) if k in slots)
+            else:
+                out |= _writes(instr)
+    return out
+
+
+def _writes(instr: m.Instr) -> set[int]:
+    t = type(instr)
+    if t is m.InstrCall:
+        return {o.tid for o in instr.outs if o is not None} | set(instr.writes)
+    if t is m.InstrRedistribute:
+        return {instr.dst}
+    if t is m.InstrCreate or t is m.InstrAdopt:
+        return {instr.tid}
+    return set()  # deletes
 
 
 def shard_bytes(spec: m.TensorSpec, mesh: Mesh, device: int) -> int:

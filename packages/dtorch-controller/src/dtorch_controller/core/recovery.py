@@ -418,8 +418,11 @@ class Recovery:
         rec = self.pipeline.recs.get(ss.session)
         if rec is None:
             return ss
-        snap = rec.snapshot.upto if rec.snapshot is not None and rec.enabled else -1
-        return msgspec.structs.replace(ss, snapshot_batch=snap, replay_batches=rec.batches_since_snapshot(),
+        snap = rec.snapshot if rec.enabled else None
+        return msgspec.structs.replace(ss, snapshot_batch=-1 if snap is None else snap.upto,
+                                       replay_batches=rec.batches_since_snapshot(),
+                                       snapshot_bytes=0 if snap is None else snap.bytes,
+                                       snapshot_copied_bytes=0 if snap is None else snap.copied,
                                        recoveries=rec.recoveries, migrations=rec.migrations)
 
 

@@ -14,13 +14,16 @@ Rules:
 4. Remote copies go to another node than the primary's (`Pool.backup_for`): losing a whole node leaves a copy of
    every device it hosted. With no other worker to keep copies on, the session is not protected: its log and
    copies are dropped.
+5. A routine snapshot keeps the previous one's copies of tensors nothing wrote since (lineage.py rule 5):
+   both holders file them under the new namespace (CmdKeepCopies), in their streams before the old namespace's
+   drop, which follows the new snapshot's commit.
 """
 
 from __future__ import annotations
 
 from dtorch_controller.core import state as st
 from dtorch_controller.core.config import Config
-from dtorch_controller.core.lineage import Copies, Lineage, instr_tids, shard_bytes, tensors_on
+from dtorch_controller.core.lineage import Copies, Lineage, instr_tids, shard_bytes, tensors_on, written
 from dtorch_controller.core.model import Cluster, Session, Worker
 from dtorch_controller.core.pipeline import Cmds, Pipeline
 from dtorch_controller.core.pool import Pool
@@ -55,10 +58,13 @@ class Snapshots:
             self.take(step, s, rec)
 
     def take(self, step: Step, s: Session, rec: Lineage) -> None:
-        """Copy every live shard after the last sent batch (rule 1)."""
+        """Copy every live shard after the last sent batch (rule 1), but those the previous snapshot holds
+        unchanged (lineage.py rule 5)."""
         upto = rec.sent_upto
         primaries = self.cluster.order(set(s.devices.values()))
         holders = {p: self.pool.backup_for(p) for p in primaries}
+        prev = None if rec.force else rec.snapshot
+        clean = None if prev is None else written([b for b in rec.log if b.seq <= upto])
         rec.force = False
         rec.last_snapshot_at = step.now
         if any(h is None for h in holders.values()) or not all(self.cluster.alive(p) for p in primaries):
@@ -74,20 +80,30 @@ class Snapshots:
                                    if w in self.cluster.workers})
         cmds: Cmds = {}
         for primary in primaries:
-            devices = {d: tensors_on(tensors, s.meshes, d) for d, w in sorted(s.devices.items()) if w == primary}
-            devices = {d: tids for d, tids in devices.items() if tids}
-            for d in (d for d, w in s.devices.items() if w == primary):
-                copies.holders[d] = [primary, holders[primary]]  # type: ignore[list-item]
-            if not devices:
-                continue
             holder = holders[primary]
             assert holder is not None
-            cmds[primary] = [m.CmdSendShards(devices=devices, namespace=namespace, host=True),
-                             m.CmdSendShards(devices=devices, namespace=namespace, to=self.cluster.address(holder),
-                                             host=True)]
-            copies.bytes += sum(shard_bytes(tensors[t], s.meshes[tensors[t].mesh], d)
-                                for d, tids in devices.items() for t in tids)
-            rec.namespaces.setdefault(namespace, set()).update((primary, holder))
+            devices = {d: tensors_on(tensors, s.meshes, d) for d, w in sorted(s.devices.items()) if w == primary}
+            copy: dict[int, list[int]] = {}
+            keep: dict[int, list[int]] = {}
+            for d, tids in devices.items():
+                copies.holders[d] = [primary, holder]
+                kept = prev is not None and clean is not None and prev.holders.get(d) == [primary, holder]
+                for t in tids:
+                    same = kept and t not in clean and prev.tensors.get(t) == tensors[t]  # type: ignore
+                    (keep if same else copy).setdefault(d, []).append(t)
+                    n = shard_bytes(tensors[t], s.meshes[tensors[t].mesh], d)
+                    copies.bytes += n
+                    copies.copied += 0 if same else n
+            if copy:
+                cmds.setdefault(primary, []).extend([
+                    m.CmdSendShards(devices=copy, namespace=namespace, host=True),
+                    m.CmdSendShards(devices=copy, namespace=namespace, to=self.cluster.address(holder), host=True)])
+            if keep:
+                for w in (primary, holder):
+                    cmds.setdefault(w, []).append(m.CmdKeepCopies(devices=keep, source=prev.namespace,  # type: ignore
+                                                                  namespace=namespace))
+            if copy or keep:
+                rec.namespaces.setdefault(namespace, set()).update((primary, holder))
         copies.pending = self.pipeline.send(step, s, cmds)
         rec.taking = copies
         if not copies.pending:
