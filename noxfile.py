@@ -129,6 +129,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_vs_torch.py")  # DTorch vs torch DTensor (2 gloo ranks) vs plain torch
     session.run("python", "benchmarks/bench_instructions.py")  # controller: instructions/s, eager vs replayed steps
     session.run("python", "benchmarks/bench_uploads.py")  # uploads with recovery backups off, in the stream, behind
+    session.run("python", "benchmarks/bench_shards.py")  # whole shards between workers: segments vs streamed
 
 
 @nox.session

@@ -51,13 +51,14 @@ def test_big_uploads_and_reads_go_through_same_host_segments_and_leave_no_descri
     calls: list[str] = []
     _spy(monkeypatch, "for_put", calls)
     _spy(monkeypatch, "for_pull", calls)
-    assert _segments_open() == []
+    before = _segments_open()
+    kept = []
     for layout in ([Replicate()], [Shard(0)], [Shard(1)], [Partial()]):
         x = dtorch.distribute_tensor(full, mesh1, layout)
-        assert torch.equal(x.to_torch(), full), layout
-        assert torch.equal((x * 2).to_torch(), full * 2), layout
+        kept += [x.to_torch(), (x * 2).to_torch()]
+        assert torch.equal(kept[-2], full) and torch.equal(kept[-1], full * 2), layout
     assert calls.count("for_put") >= 5 and calls.count("for_pull") >= 8
-    assert _segments_open() == []  # each segment's descriptor is closed once its transfer is done
+    assert _segments_open() == before  # closed once each transfer is done; the reads kept hold none either
 
 
 def _segments_open() -> list[str]:

@@ -3,6 +3,8 @@ a reply in the read's segment as that memory, and a reply that does not add up i
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -42,10 +44,12 @@ def test_a_reply_that_does_not_add_up_is_refused():
 
 def test_a_reply_in_the_reads_segment_is_that_memory_and_must_fit_it():
     seg = segments.for_pull("s", 1, 0, 24)
-    torch.frombuffer(seg.payload(), dtype=torch.float32).copy_(torch.arange(6.0))  # what the worker writes
+    os.pwrite(seg.fd, host_bytes(torch.arange(6.0)), segments.HEADER)  # what the worker writes
     done = m.Chunk(data=b"", dtype="float32", shape=[2, 3], in_segment=True)
     got, in_segment = _receive(iter([done]), seg)
     assert in_segment and torch.equal(got, torch.arange(6.0).reshape(2, 3))
+    os.pwrite(seg.fd, host_bytes(torch.ones(1)), segments.HEADER)
+    assert got[0, 0] == 1.0  # the tensor is the segment's memory, not a copy of it
     with pytest.raises(DTorchError, match="did not make for it"):
         _receive(iter([m.Chunk(data=b"", dtype="float32", shape=[7], in_segment=True)]), seg)
     with pytest.raises(DTorchError, match="did not make for it"):

@@ -11,7 +11,7 @@ import torch
 
 from dtorch_protocol import segments
 from dtorch_protocol.segments import SegmentMissing, SegmentRefused, for_pull, for_put, open_for, write_into
-from dtorch_protocol.values import host_bytes
+from dtorch_protocol.values import host_bytes, segment_tensor
 
 N = 3 << 20
 
@@ -48,8 +48,21 @@ def test_a_pulls_reply_written_by_the_worker_is_the_clients_tensor_and_the_segme
     with pytest.raises(PermissionError):
         os.ftruncate(seg.fd, 0)
     write_into(seg.name, "s1", 7, 2, host_bytes(payload()))
+    links = _segment_links()
+    got = segment_tensor(seg.fd, N, "float32", [N // 4], shared=True)
     seg.close()
-    assert torch.equal(f32(seg.payload()), payload())
+    assert torch.equal(got, payload())
+    assert len(_segment_links()) == len(links) - 1  # the tensor's mapping keeps no descriptor (rule 6)
+
+
+def _segment_links() -> list[str]:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return [link for link in links if "dtorch-segment" in link]
 
 
 @pytest.mark.parametrize("session, tid, device", [("s2", 7, 2), ("s1", 8, 2), ("s1", 7, 3)])
@@ -60,7 +73,7 @@ def test_a_segment_made_for_another_session_tensor_or_device_is_refused(session,
         open_for(put.name, session, tid, device, N)
     with pytest.raises(SegmentRefused, match="not made for"):
         write_into(pull.name, session, tid, device, host_bytes(payload()))
-    assert not any(pull.payload())  # nothing was written
+    assert not any(os.pread(pull.fd, N, segments.HEADER))  # nothing was written
     put.close(), pull.close()
 
 

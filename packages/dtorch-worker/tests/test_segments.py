@@ -12,8 +12,16 @@ import pytest
 import torch
 
 from dtorch_protocol import auth, segments, wire
-from dtorch_protocol.messages import ErrorKind, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardView
-from dtorch_protocol.values import host_bytes
+from dtorch_protocol.messages import (
+    ErrorKind,
+    ErrorReport,
+    PullRequest,
+    PutChunk,
+    ShardsChunk,
+    ShardsRequest,
+    ShardView,
+)
+from dtorch_protocol.values import host_bytes, segment_tensor
 from dtorch_worker import shards
 from dtorch_worker.server import WorkerHandle, start_worker
 from dtorch_worker.store import Poison
@@ -48,17 +56,20 @@ def moved(w: WorkerHandle, direction: str) -> float:
 
 
 def test_a_put_and_a_pull_through_segments_move_the_bytes(worker):
+    held = _segments_held()
     seg = segments.for_put(A, 1, 0, [host_bytes(VALUE)])
     put(worker, A, 1, seg.name)
     seg.close()
     assert torch.equal(worker.store.get((A, 1, 0)), VALUE)
+    assert not _segments_held() - held  # the worker keeps the upload's mapping, not a descriptor (segments.py rule 6)
     assert moved(worker, "in") == N
     reply = segments.for_pull(A, 1, 0, N)
     with closing(stub(worker, A)) as s:
         chunks = list(s.stream("Pull", PullRequest(session=A, tid=1, device=0, segment=reply.name)))
-    reply.close()
     assert [(c.in_segment, c.data, c.dtype, c.shape) for c in chunks] == [(True, b"", "float32", [512, 1024])]
-    assert torch.equal(torch.frombuffer(reply.payload(), dtype=torch.float32).reshape(512, 1024), VALUE)
+    got = segment_tensor(reply.fd, N, "float32", [512, 1024], shared=True)
+    reply.close()
+    assert torch.equal(got, VALUE)
     assert moved(worker, "out") == N
 
 
@@ -74,7 +85,7 @@ def test_a_tenant_naming_another_tenants_segment_gets_nothing_and_writes_nothing
     with closing(stub(worker, B)) as s:  # B has its tensor 2 written into A's reply segment
         chunks = list(s.stream("Pull", PullRequest(session=B, tid=2, device=0, segment=a_reply.name)))
     assert chunks[0].kind == ErrorKind.REFUSED and "not made for" in chunks[0].error
-    assert not torch.frombuffer(a_reply.payload(), dtype=torch.uint8).any()
+    assert not any(os.pread(a_reply.fd, N, segments.HEADER))
     a_upload.close(), a_reply.close()
 
 
@@ -138,17 +149,92 @@ def test_a_peer_naming_a_segment_made_for_another_namespace_is_refused(pair):
     assert (f"{A}#s1", 1, 0) not in b.store
 
 
-def test_a_peer_that_cannot_open_the_segment_gets_the_shards_streamed_from_then_on(pair, monkeypatch):
-    a, b = pair
-    real = segments.for_put
+def _made_elsewhere(monkeypatch: pytest.MonkeyPatch, maker: str) -> None:
+    """Segments from `maker` look as they do from another host: unreachable."""
+    real = getattr(segments, maker)
 
-    def elsewhere(*args):  # noqa: ANN002, ANN202  (what a segment looks like from another host)
+    def elsewhere(*args):  # noqa: ANN002, ANN202
         seg = real(*args)
         seg.name = f"{os.getpid()}/999999"
         return seg
 
-    monkeypatch.setattr(segments, "for_put", elsewhere)
+    monkeypatch.setattr(segments, maker, elsewhere)
+
+
+def test_a_peer_that_cannot_open_the_segment_gets_the_shards_streamed_from_then_on(pair, monkeypatch):
+    a, b = pair
+    _made_elsewhere(monkeypatch, "for_put")
     a.executor.peers.grant(A, {b.address: b.capability(A, auth.PEER)})
     a.executor.peers.put_shards(b.address, shards.pack(shard_set()), A, namespace=f"{A}#s2", sender=a.address)
     assert torch.equal(b.store.get((f"{A}#s2", 2, 0)), shard_set()[0][2].t())
     assert b.address in a.executor.peers._elsewhere
+
+
+# ---------------------------------------------------------------- whole shards pulled from a peer (PullShards)
+
+
+def _stock(w: WorkerHandle, namespace: str) -> None:
+    for tid, device, value in shard_set():
+        w.store.put((namespace, tid, device), value)
+
+
+def test_whole_shards_pulled_from_a_peer_on_this_host_come_in_the_pullers_segment_and_keep_their_aliasing(pair):
+    a, b = pair
+    _stock(b, f"{A}#s1")
+    a.executor.peers.grant(A, {b.address: b.capability(A, auth.PEER)})
+    held = _segments_held()
+    got = {t: v for t, _d, v in a.executor.peers.pull_shards(
+        b.address, ShardsRequest(session=f"{A}#s1", devices={0: [1, 2], 1: [3, 4, 5]}), A)}
+    assert b.service.telemetry.registry.get_sample_value(  # no byte went through gRPC: the header alone
+        "dtorch_worker_moved_bytes_total", {"path": "copy", "direction": "out"}) == (4 << 20) + 12
+    assert torch.equal(got[1], shard_set()[0][2]) and torch.equal(got[2], shard_set()[0][2].t())
+    assert got[1].untyped_storage().data_ptr() == got[2].untyped_storage().data_ptr()  # a view stays a view
+    got[2].add_(1)  # the puller writes its copy-on-write mapping: the peer's shard is not touched
+    assert got[1][0, 1] == 2.0 and b.store.get((f"{A}#s1", 1, 0))[0, 1] == 1.0
+    assert torch.equal(got[3], torch.ones(3)) and got[4].numel() == 0 and isinstance(got[5], Poison)
+    assert len(_segments_held() - held) == 1  # the call's one mapping (segments.py rule 6), while its shards live
+    del got
+    assert not _segments_held() - held and b.address not in a.executor.peers._elsewhere
+
+
+def _segments_held() -> set[int]:
+    """The segments this process holds a descriptor of, by inode (descriptor numbers are reused)."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "dtorch-segment" in os.readlink(f"/proc/self/fd/{fd}"):
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:
+            continue
+    return held
+
+
+def test_a_peer_writes_shards_only_into_an_empty_segment_made_for_the_namespace_pulled(pair):
+    """A segment made for another namespace is refused; one that already holds bytes (here a Put's) is not
+    written: the shards stream."""
+    a, b = pair
+    _stock(b, f"{A}#s1")
+    foreign, used = segments.for_shards(f"{B}#s1"), segments.for_put(f"{A}#s1", -1, -1, [host_bytes(torch.ones(4))])
+    replies = {}
+    for seg in (foreign, used):
+        with closing(wire.Stub("dtorch.Worker", b.address, b.capability(A, auth.PEER))) as s:
+            _call, stream = s.open_stream("PullShards", ShardsRequest(session=f"{A}#s1", devices={0: [1]},
+                                                                      segment=seg.name))
+            replies[seg.name] = list(stream)
+    assert len(replies[foreign.name]) == 1 and "not made for" in replies[foreign.name][0].error
+    header, *data = replies[used.name]
+    assert not header.segment and sum(len(c.data) for c in data) == 4 << 20
+    assert [os.fstat(seg.fd).st_size for seg in (foreign, used)] == [segments.HEADER, segments.HEADER + 16]
+    foreign.close()
+    used.close()
+
+
+def test_shards_pulled_from_a_peer_that_cannot_reach_the_segment_stream_and_the_peer_is_elsewhere(pair,
+                                                                                               monkeypatch):
+    a, b = pair
+    _made_elsewhere(monkeypatch, "for_shards")
+    _stock(b, f"{A}#s1")
+    a.executor.peers.grant(A, {b.address: b.capability(A, auth.PEER)})
+    got = {t: v for t, _d, v in a.executor.peers.pull_shards(b.address, ShardsRequest(
+        session=f"{A}#s1", devices={0: [1, 2]}), A)}
+    assert torch.equal(got[2], shard_set()[0][2].t()) and b.address in a.executor.peers._elsewhere

@@ -29,7 +29,7 @@ from dtorch_protocol import auth, segments, wire
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
 from dtorch_protocol.tls import Tls
-from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes
+from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes, segment_tensor
 
 if TYPE_CHECKING:
     from dtorch._spec import Spec
@@ -86,7 +86,7 @@ def _in_segment(chunk: m.Chunk, segment: segments.Segment | None) -> torch.Tenso
     if segment is None or math.prod(shape) * dtype.itemsize != segment.nbytes:
         raise DTorchError(f"a worker wrote a {chunk.dtype} tensor of shape {shape} into a shared-memory segment this "
                           "read did not make for it")
-    return torch.frombuffer(segment.payload(), dtype=dtype).reshape(shape)
+    return segment_tensor(segment.fd, segment.nbytes, chunk.dtype, shape, shared=True)  # no descriptor kept
 
 
 def _nbytes(box: tuple[tuple[int, int], ...], dtype: torch.dtype) -> int:

@@ -42,8 +42,8 @@ PROTOCOL_VERSION = "1.8"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # point's last batch rides in its Sync: one call instead of a Submit and a Sync);
 # commands shared by every worker of a mesh (CmdMesh, CmdRun.mesh, CmdDelete.mesh; `dtorch_protocol.shared`);
 # 1.8: same-host segments for client payloads (PutChunk.segment, PullRequest.segment, Chunk.in_segment,
-# ShardsChunk.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`); InstrCall.writes and CmdKeepCopies
-# (a snapshot keeps the copies of tensors unchanged since the last one instead of copying them again)
+# ShardsChunk.segment, ShardsRequest.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`); InstrCall.writes and
+# CmdKeepCopies (a snapshot keeps the copies of tensors unchanged since the last one instead of copying them again)
 
 
 class ErrorKind(str, enum.Enum):
@@ -725,6 +725,8 @@ class ShardsRequest(Struct, frozen=True):
     devices: dict[int, list[int]]  # logical device -> tids
     timeout_s: Timeout = 60.0
     move: list[int] = []  # devices moving to the puller (CmdFetchShards.move)
+    segment: Annotated[str, Meta(max_length=64)] = ""  # the puller's empty same-host segment for these shards
+    # (segments.for_shards): the peer may append the storages there; its reply's header then names it
 
 
 class ShardsChunk(Struct, frozen=True):
@@ -739,8 +741,9 @@ class ShardsChunk(Struct, frozen=True):
     host: bool = False  # PutShards: keep them in host memory
     move: list[int] = []  # PutShards: devices moving to the receiver (clears its "moved" marks for them)
     error: str = ""
-    segment: Annotated[str, Meta(max_length=64)] = ""  # PutShards: the storages, one after another, are in the
-    # sender's same-host segment (segments.py; made for `namespace`, tid and device -1): no data chunks follow
+    segment: Annotated[str, Meta(max_length=64)] = ""  # the storages, one after another, are in this same-host
+    # segment (segments.py; made for the namespace, tid and device -1): the sender's (PutShards) or the puller's
+    # (PullShards, ShardsRequest.segment); no data chunks follow
 
 
 # ---------------------------------------------------------------- profiles (client -> worker)

@@ -1,4 +1,5 @@
-"""Same-host shared memory for client payloads: a Put's bytes, or a Pull's reply, without a gRPC byte stream.
+"""Same-host shared memory for payloads: a Put's bytes, a Pull's reply, whole shards between workers (PutShards,
+PullShards), without a gRPC byte stream.
 
 Rules:
 
@@ -9,7 +10,10 @@ Rules:
 2. Bytes go in with system calls (`pwrite`: no room is an error there, never a SIGBUS). A Put's segment
    (`for_put`) is written by the client and then sealed against writes too: the worker maps it copy-on-write
    (`open_for`) and keeps it as the shard itself, which the client can no longer change. A Pull's segment
-   (`for_pull`) is written by the worker (`write_into`); the client's tensor is its mapping of it.
+   (`for_pull`) is written by the worker (`write_into`); the client's tensor is its mapping of it. A segment for
+   whole shards pulled from a peer (`for_shards`: their size is known only to the peer) is sealed against
+   shrinking only and holds no payload yet: the peer appends the storages (`append_into`), then the puller seals
+   it against every change (`Segment.seal`) and maps it copy-on-write like a Put's (`open_for`).
 3. It starts with a `HEADER`-byte header: `MAGIC`, the tid and logical device, and the SHA-256 of the session
    (for whole shards a worker sends a peer, PutShards: the namespace they go to, tid and device -1); the payload
    follows. A worker uses a segment only if it is a regular file sealed as rules 1-2 say, whose header
@@ -20,6 +24,11 @@ Rules:
    whose size does not fit the request raises `SegmentMissing`: the worker then streams a Pull's bytes, and
    refuses a Put with `ErrorKind.NO_SEGMENT`, after which the client streams to that worker.
 5. Payloads under `MIN_BYTES` always stream: below it a segment's system calls cost more than the copies saved.
+6. A tensor that lives on a segment (an upload a CPU worker keeps, a client's read) is mapped through
+   `/proc/self/fd/<fd>` of a checked descriptor (`path`, for `torch.UntypedStorage.from_file`), a mapping that holds
+   no descriptor: a worker keeping thousands of uploads, or a client thousands of reads, does not run out of
+   them (Python's `mmap` keeps one per mapping). Whole shards (`open_for`: one mapping per PutShards or PullShards
+   call, many storages) keep one per call.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ HEADER = 64  # bytes before the payload (the payload stays 64-byte aligned)
 _NAME = re.compile(r"([0-9]{1,10})/([0-9]{1,10})")
 _FIXED = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
 _WRITTEN = _FIXED | getattr(fcntl, "F_SEAL_WRITE", 0)
+_GROWING = getattr(fcntl, "F_SEAL_SHRINK", 0)
 
 
 class SegmentMissing(Exception):
@@ -59,15 +69,16 @@ def _header(session: str, tid: int, device: int) -> bytes:
 
 
 class Segment:
-    """The client's side of one transfer: `name` goes in the request; `payload()` (a Pull's) is a byte view of its
-    memory; `close()` ends the call's hold (views taken from it stay valid)."""
+    """The maker's side of one transfer: `name` goes in the request; `path(fd)` maps it (rule 6); `close()` ends
+    the call's hold (mappings made from it stay valid)."""
 
-    def __init__(self, fd: int, nbytes: int, mapping: mmap.mmap | None = None) -> None:
-        self.fd, self.nbytes, self._map = fd, nbytes, mapping
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.fd, self.nbytes = fd, nbytes
         self.name = f"{os.getpid()}/{fd}"
 
-    def payload(self) -> memoryview:
-        return memoryview(self._map)[HEADER:]  # type: ignore[arg-type]  # a Pull's: mapped
+    def seal(self) -> None:
+        """A `for_shards` segment, written by the peer: sealed against every change before it is mapped."""
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _WRITTEN)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -112,18 +123,59 @@ def for_pull(session: str, tid: int, device: int, nbytes: int) -> Segment | None
         os.ftruncate(fd, HEADER + nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _FIXED)
         os.pwrite(fd, _header(session, tid, device), 0)
-        mapping = mmap.mmap(fd, HEADER + nbytes)
     except OSError:
         os.close(fd)
         return None
-    return Segment(fd, nbytes, mapping)
+    return Segment(fd, nbytes)
+
+
+def for_shards(session: str) -> Segment | None:
+    """An empty segment for whole shards of `session` a peer appends (rule 2), or None where this host cannot make
+    one."""
+    fd = _memfd()
+    if fd is None:
+        return None
+    try:
+        os.pwrite(fd, _header(session, -1, -1), 0)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _GROWING)
+    except OSError:
+        os.close(fd)
+        return None
+    return Segment(fd, 0)
+
+
+def append_into(name: str, session: str, parts: Sequence[memoryview]) -> None:
+    """The peer's side of a PullShards: `parts` one after another into the puller's empty segment `name` (system
+    calls; a full memory is SegmentMissing), after the checks of rule 3."""
+    fd = _open(name, session, -1, -1, 0, _GROWING)
+    try:
+        at = HEADER
+        for part in parts:
+            _write_all(fd, part, at)
+            at += len(part)
+    except OSError as e:
+        raise SegmentMissing(f"segment {name} could not take the shards ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def path(fd: int) -> str:
+    """Where this process maps a segment's descriptor from (rule 6): `torch.UntypedStorage.from_file(path(fd),
+    shared, HEADER + nbytes)`, the payload from byte HEADER on."""
+    return f"/proc/self/fd/{fd}"
+
+
+def opened(name: str, session: str, tid: int, device: int, nbytes: int) -> int:
+    """The worker's side of a Put: a descriptor of segment `name` after the checks of rule 3 (the caller maps it
+    copy-on-write, `path`, and closes it). SegmentMissing when it cannot be used here (rule 4), SegmentRefused when
+    it may not."""
+    return _open(name, session, tid, device, nbytes, _WRITTEN)
 
 
 def open_for(name: str, session: str, tid: int, device: int, nbytes: int) -> memoryview:
-    """The worker's side of a Put (or PutShards): the payload of segment `name` after the checks of rule 3, a byte
-    view of a copy-on-write mapping that is the worker's own. SegmentMissing when it cannot be used here (rule 4),
-    SegmentRefused when it may not."""
-    fd = _open(name, session, tid, device, nbytes, _WRITTEN)
+    """Whole shards (PutShards, PullShards): the payload of segment `name` after the checks of rule 3, a byte view
+    of a copy-on-write mapping that is this worker's own (it holds a descriptor while it lives, rule 6)."""
+    fd = opened(name, session, tid, device, nbytes)
     try:
         mapping = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_PRIVATE)
     finally:
@@ -150,6 +202,9 @@ def _write_all(fd: int, data: memoryview, at: int) -> None:
         done += os.pwrite(fd, data[done:], at + done)
 
 
+_USES = {_WRITTEN: "Put", _GROWING: "PullShards"}
+
+
 def _open(name: str, session: str, tid: int, device: int, nbytes: int, seals: int) -> int:
     """A descriptor of segment `name`, checked as rule 3 says."""
     found = _NAME.fullmatch(name)
@@ -168,7 +223,7 @@ def _open(name: str, session: str, tid: int, device: int, nbytes: int, seals: in
         size = os.fstat(fd)
         if not stat.S_ISREG(size.st_mode) or not sealed:
             raise SegmentRefused(f"{name} is not a shared-memory segment sealed for a "
-                                 f"{'Put' if seals == _WRITTEN else 'Pull'}")
+                                 f"{_USES.get(seals, 'Pull')}")
         if os.pread(fd, HEADER, 0) != _header(session, tid, device):
             raise SegmentRefused(f"segment {name} was not made for tensor {tid} on logical device {device} of this "
                                  "session")

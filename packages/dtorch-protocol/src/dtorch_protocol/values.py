@@ -6,7 +6,7 @@ The client encodes, the worker decodes; torch is imported only when a function h
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dtorch_protocol.messages import TENSOR_SLOT
@@ -46,6 +46,19 @@ def host_bytes(t: Any) -> memoryview:
     array = (ctypes.c_ubyte * n).from_address(t.data_ptr())
     array._tensor = t  # type: ignore[attr-defined]  # the memory lives as long as the view
     return memoryview(array).cast("B")
+
+
+def segment_tensor(fd: int, nbytes: int, dtype: str, shape: Sequence[int], shared: bool) -> Any:
+    """The payload of a checked segment descriptor (dtorch_protocol.segments) as a tensor: a mapping of it,
+    copy-on-write unless `shared`, that keeps no descriptor (segments.py rule 6)."""
+    import torch
+
+    from dtorch_protocol import segments
+
+    dt = dtype_from_name(dtype)
+    storage = torch.UntypedStorage.from_file(segments.path(fd), shared, segments.HEADER + nbytes)
+    flat = torch.empty(0, dtype=dt).set_(storage, segments.HEADER // dt.itemsize, (nbytes // dt.itemsize,))
+    return flat.view(list(shape))
 
 
 def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -> Any:

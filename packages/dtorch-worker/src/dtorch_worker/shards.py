@@ -126,8 +126,10 @@ class Receiver:
     """Assembles a ShardsChunk stream into preallocated host storages (pinned for a GPU); `header` is the first
     message."""
 
-    def __init__(self, backend: DeviceBackend = CPU, max_bytes: int = 0) -> None:
+    def __init__(self, backend: DeviceBackend = CPU, max_bytes: int = 0, session: str = "") -> None:
         self.backend = backend
+        self.session = session  # what a segment's header must name: the namespace pulled (PullShards), else the
+        # header's namespace (PutShards)
         self.max_bytes = max_bytes  # bound on the storages a header may announce (0: none)
         self.header: ShardsChunk | None = None
         self.storages: list[torch.Tensor] = []
@@ -146,7 +148,8 @@ class Receiver:
                                  "worker accepts")
             self.header = chunk
             if chunk.segment:  # the storages are the sender's segment (its private mapping here): nothing follows
-                view = segments.open_for(chunk.segment, chunk.namespace, -1, -1, sum(chunk.storages))
+                view = segments.open_for(chunk.segment, self.session or chunk.namespace, -1, -1,
+                                         sum(chunk.storages))
                 ends = list(itertools.accumulate(chunk.storages, initial=0))
                 self.storages = [torch.frombuffer(view[a:b], dtype=torch.uint8) if b > a else CPU.host_buffer(0)
                                  for a, b in itertools.pairwise(ends)]
@@ -186,8 +189,14 @@ class Receiver:
         return self.header, unpack(self.header.views, storages, "cpu" if host else self.backend.device)
 
 
-def receive(stream: Iterable[ShardsChunk], backend: DeviceBackend = CPU) -> tuple[ShardsChunk, list[Item]]:
-    r = Receiver(backend)
+def receive(stream: Iterable[ShardsChunk], backend: DeviceBackend = CPU, segment: segments.Segment | None = None,
+            session: str = "") -> tuple[ShardsChunk, list[Item]]:
+    """A PullShards reply; `segment`: the puller's (ShardsRequest.segment), sealed once a header names it."""
+    r = Receiver(backend, session=session)
     for chunk in stream:
+        if r.header is None and chunk.segment:
+            if segment is None or chunk.segment != segment.name:
+                raise ValueError(f"the peer's reply names segment {chunk.segment[:64]!r}, not the one asked for")
+            segment.seal()
         r.add(chunk)
     return r.finish()

@@ -12,17 +12,19 @@ admitted. Host copies of device tensors go through the device backend
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
 import torch
 
 from dtorch_protocol import segments, wire
 from dtorch_protocol.messages import Chunk, ErrorKind, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_protocol.tls import Tls
-from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes
+from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes, segment_tensor
 from dtorch_worker import shards
 from dtorch_worker.device import CPU, DeviceBackend, typed
 from dtorch_worker.store import Poison
@@ -170,10 +172,13 @@ def receive_put(stream: Iterable[PutChunk], backend: DeviceBackend = CPU,
 def from_segment(chunk: PutChunk, size: int, backend: DeviceBackend = CPU) -> torch.Tensor:
     """An upload from the client's same-host segment: on the CPU the segment itself becomes the shard (a
     copy-on-write mapping of memory the client sealed against changes: no copy), on a GPU one copy to the device.
-    `segments.SegmentMissing` / `SegmentRefused` as `segments.open_for`."""
-    src = segments.open_for(chunk.segment, chunk.session, chunk.tid, chunk.device, size)
-    return backend.to_device(typed(torch.frombuffer(src, dtype=torch.uint8), dtype_from_name(chunk.dtype),
-                                   chunk.shape))
+    The mapping holds no descriptor (segments.py rule 6). `segments.SegmentMissing` / `SegmentRefused` as
+    `segments.opened`."""
+    fd = segments.opened(chunk.segment, chunk.session, chunk.tid, chunk.device, size)
+    try:
+        return backend.to_device(segment_tensor(fd, size, chunk.dtype, chunk.shape, shared=False))
+    finally:
+        os.close(fd)
 
 
 def into_segment(name: str, key: tuple[str, int, int], box: torch.Tensor, backend: DeviceBackend = CPU) -> Chunk:
@@ -200,6 +205,7 @@ class PeerPool:
         self._fenced: set[str] = set()
         self._inflight: dict[str, set[Any]] = {}  # session -> cancellable calls in flight
         self._elsewhere: set[str] = set()  # peers that could not open one of our segments (another host)
+        self.segments = os.environ.get("DTORCH_SHARED_MEMORY", "1") != "0"  # whole shards through segments
 
     def stub(self, address: str) -> wire.Stub:
         with self._lock:
@@ -275,12 +281,23 @@ class PeerPool:
     def pull_shards(self, address: str, request: ShardsRequest, session: str,
                     transfer_timeout_s: float = 600.0) -> list[tuple[int, int, Any]]:
         """Whole shards (aliasing kept) from a peer's store, on this worker's device; `session` is the one to
-        cancel them with."""
-        call, stream = self.stub(address).open_stream("PullShards", request,
-                                                      timeout=request.timeout_s + transfer_timeout_s,
-                                                      credential=self.cap(session, address))
-        with self._tracked(session, call):
-            return shards.receive(stream, self.backend)[1]
+        cancel them with. A peer on this host appends them to a segment of this worker's, which keeps its mapping
+        as the shards (dtorch_protocol.segments); a peer that streams a large reply instead is on another host."""
+        segment = segments.for_shards(request.session) if self.segments and address not in self._elsewhere else None
+        if segment is not None:
+            request = msgspec.structs.replace(request, segment=segment.name)
+        try:
+            call, stream = self.stub(address).open_stream("PullShards", request,
+                                                          timeout=request.timeout_s + transfer_timeout_s,
+                                                          credential=self.cap(session, address))
+            with self._tracked(session, call):
+                header, items = shards.receive(stream, self.backend, segment, request.session)
+        finally:
+            if segment is not None:
+                segment.close()
+        if segment is not None and not header.segment and sum(header.storages) >= segments.MIN_BYTES:
+            self._elsewhere.add(address)
+        return items
 
     def put_shards(self, address: str, packed: shards.Packed, session: str, timeout_s: float = 600.0,
                    **header: Any) -> None:
@@ -288,7 +305,8 @@ class PeerPool:
         the peer refuses them. To a peer on this host their bytes go in a segment (dtorch_protocol.segments) it
         maps, unless it could not open one before (another host: then they stream)."""
         segment = None
-        if address not in self._elsewhere and sum(s.numel() for s in packed.storages) >= segments.MIN_BYTES:
+        if self.segments and address not in self._elsewhere \
+                and sum(s.numel() for s in packed.storages) >= segments.MIN_BYTES:
             segment = segments.for_put(header["namespace"], -1, -1, list(shards.host_parts(packed, self.backend)))
         try:
             if segment is not None:
