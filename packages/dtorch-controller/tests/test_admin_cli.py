@@ -70,6 +70,15 @@ def test_status_shows_utilization_copies_and_snapshots(controller, capsys, regis
     stub.close()
 
 
+def test_status_shows_what_each_sessions_snapshot_holds_and_what_its_taking_copied():
+    session = m.SessionStatus(session="s" * 16, name="serve", priority="normal", state="open", devices={0: "w0"},
+                              tensors=9, snapshot_batch=64, replay_batches=6, snapshot_bytes=17 << 20,
+                              snapshot_copied_bytes=512 << 10)
+    console = Console(width=250, record=True)
+    status_view.render(m.StatusReply(workers=[], events=[], sessions=[session]), console)
+    assert "batch 64 +6, 17.0 MiB (512.0 KiB copied)" in console.export_text()
+
+
 def test_top_shows_workers_sessions_the_queue_and_each_sessions_throughput(controller, capsys, register_worker):
     from dtorch_controller import top
 

@@ -47,6 +47,8 @@ def render(reply: m.StatusReply, console: Console | None = None, events: int = 2
     for s in reply.sessions:
         devices = ", ".join(f"{d}->{w}" for d, w in sorted(s.devices.items())) or "-"
         snapshot = f"batch {s.snapshot_batch} +{s.replay_batches}" if s.snapshot_batch >= 0 else "none"
+        if s.snapshot_bytes:  # what its copies hold, and what its taking copied (the rest kept: unchanged)
+            snapshot += f", {human_bytes(s.snapshot_bytes)} ({human_bytes(s.snapshot_copied_bytes)} copied)"
         sessions.add_row(s.session[:8], s.name or "-", s.priority, s.kind or "-", s.schedule or "-",
                          str(s.queue_position) if s.queue_position else "-", s.state, devices, str(s.tensors),
                          snapshot, str(s.recoveries), str(s.migrations))
