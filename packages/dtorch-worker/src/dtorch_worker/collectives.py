@@ -328,7 +328,7 @@ def _published_flags(pk: _Packing, ctx: Any) -> list[bool]:
 
 # ---------------------------------------------------------------------------- kinds
 
-DIRECT_MIN_BYTES = 1 << 20  # rule 7: below it, a copy costs less than the look in the store
+DIRECT_MIN_BYTES = 1 << 18  # rule 7: below it, a copy costs less than the look in the store
 
 
 def _direct_gather(pk: _Packing) -> bool:
