@@ -64,7 +64,7 @@ class Snapshots:
         primaries = self.cluster.order(set(s.devices.values()))
         holders = {p: self.pool.backup_for(p) for p in primaries}
         prev = None if rec.force else rec.snapshot
-        clean = None if prev is None else written([b for b in rec.log if b.seq <= upto])
+        dirty = None if prev is None else written([b for b in rec.log if b.seq <= upto])
         rec.force = False
         rec.last_snapshot_at = step.now
         if any(h is None for h in holders.values()) or not all(self.cluster.alive(p) for p in primaries):
@@ -73,6 +73,11 @@ class Snapshots:
         rec.window += 1
         namespace = f"{s.id}#s{rec.window}"
         tensors = dict(s.tensors)
+
+        def unchanged(d: int, t: int, pair: list[str]) -> bool:  # lineage.py rule 5
+            return (prev is not None and dirty is not None and t not in dirty and prev.holders.get(d) == pair
+                    and prev.tensors.get(t) == tensors[t])
+
         # errors of the session come only from workers it sent to: one not among them sends errors of later work
         workers = set(s.sent) | set(s.devices.values())
         copies = Copies(namespace=namespace, upto=upto, tensors=tensors, started=step.now,
@@ -87,9 +92,8 @@ class Snapshots:
             keep: dict[int, list[int]] = {}
             for d, tids in devices.items():
                 copies.holders[d] = [primary, holder]
-                kept = prev is not None and clean is not None and prev.holders.get(d) == [primary, holder]
                 for t in tids:
-                    same = kept and t not in clean and prev.tensors.get(t) == tensors[t]  # type: ignore
+                    same = unchanged(d, t, [primary, holder])
                     (keep if same else copy).setdefault(d, []).append(t)
                     n = shard_bytes(tensors[t], s.meshes[tensors[t].mesh], d)
                     copies.bytes += n
@@ -99,8 +103,9 @@ class Snapshots:
                     m.CmdSendShards(devices=copy, namespace=namespace, host=True),
                     m.CmdSendShards(devices=copy, namespace=namespace, to=self.cluster.address(holder), host=True)])
             if keep:
+                assert prev is not None
                 for w in (primary, holder):
-                    cmds.setdefault(w, []).append(m.CmdKeepCopies(devices=keep, source=prev.namespace,  # type: ignore
+                    cmds.setdefault(w, []).append(m.CmdKeepCopies(devices=keep, source=prev.namespace,
                                                                   namespace=namespace))
             if copy or keep:
                 rec.namespaces.setdefault(namespace, set()).update((primary, holder))
