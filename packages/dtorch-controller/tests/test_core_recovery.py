@@ -1118,3 +1118,29 @@ def test_a_replayed_program_s_writes_are_copied_again_and_its_reads_kept(make_ha
     assert sorted({t for c in cmds_of(sent, kind=m.CmdSendShards) for tids in c.devices.values() for t in tids}
                   ) == [2, 4]
     assert {t for c in cmds_of(sent, kind=m.CmdKeepCopies) for tids in c.devices.values() for t in tids} == {1}
+
+
+def test_a_snapshot_keeps_an_uploads_copies_unless_something_wrote_it_after_its_adopt(make_harness):
+    """lineage.py rule 5: upload 5, only read, keeps the copies made at its adopt (`#a0`); upload 6, written in
+    place in its adopt's batch after the adopt, is copied; a snapshot taken before an upload's copies are complete
+    copies it."""
+    h, ids, sid = setup(make_harness)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), m.InstrAdopt(tid=6, spec=spec([8])), add_(6)])
+    h.report_all()  # the uploads' copies are complete
+    h.take_sent()
+    h.submit(sid, 2, [_read(5, 7)])
+    sent = h.take_sent()
+    keeps = cmds_of(sent, kind=m.CmdKeepCopies)
+    assert keeps and all(c.source == f"{sid}#a0" and list(c.devices.values()) == [[5]] for c in keeps)
+    assert sorted({t for c in cmds_of(sent, kind=m.CmdSendShards) for tids in c.devices.values() for t in tids}
+                  ) == [6, 7]
+    h.report_all()
+    rec = h.core.pipeline.recs[sid]
+    assert rec.snapshot.upto == 2 and rec.adopts == {}
+    assert [e for e in h.take_sent() if e.execute.session == f"{sid}#a0"]  # dropped once the snapshot holds them
+
+    h.submit(sid, 3, [m.InstrAdopt(tid=8, spec=spec([8]))])
+    h.submit(sid, 4, [_read(8, 9)])  # the snapshot goes out before the upload's copies are known complete
+    sent = h.take_sent()
+    assert 8 in {t for c in cmds_of(sent, kind=m.CmdSendShards) if not c.background
+                 for tids in c.devices.values() for t in tids}

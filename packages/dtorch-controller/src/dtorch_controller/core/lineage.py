@@ -20,7 +20,8 @@ Rules:
    tensors plus its uploads of one window, and the log by the snapshot interval.
 5. A routine snapshot copies only what changed: a tensor of the previous snapshot that no batch since wrote
    (`written`: outputs, `InstrCall.writes`, a replayed program's writes), with the same spec and on the same
-   two workers, keeps that snapshot's copies (CmdKeepCopies on both, no byte moves); the rest is copied. A
+   two workers, keeps that snapshot's copies (CmdKeepCopies on both, no byte moves); so does an upload nothing
+   wrote after its adopt, whose copies (rule 3) are complete, with its upload's copies. The rest is copied. A
    forced snapshot (after a loss, a move, a drain, a failed copy) copies everything.
 6. Nothing here does I/O or reads a clock: the pipeline (the log, uploads' copies at their adopt), snapshots.py
    and recovery.py drive it from the core's events.
@@ -163,11 +164,14 @@ def note_origins(origin: dict[int, tuple[str, str]], notes: Iterable[Note], tids
             origin.pop(tids(tid), None)
 
 
-def written(batches: Iterable[LoggedBatch]) -> set[int] | None:
-    """Every tensor the batches write (rule 5); None when that cannot be told (a replay of an unknown program)."""
+def written(batches: Iterable[LoggedBatch], adopts: bool = True) -> set[int] | None:
+    """Every tensor the batches write (rule 5), their uploads (adopts) too unless told not to; None when that
+    cannot be told (a replay of an unknown program)."""
     out: set[int] = set()
     for b in batches:
         for instr in b.instrs:
+            if not adopts and type(instr) is m.InstrAdopt:
+                continue
             if type(instr) is m.InstrReplay:
                 d = b.programs.get(instr.program)
                 if d is None:

@@ -14,9 +14,9 @@ Rules:
 4. Remote copies go to another node than the primary's (`Pool.backup_for`): losing a whole node leaves a copy of
    every device it hosted. With no other worker to keep copies on, the session is not protected: its log and
    copies are dropped.
-5. A routine snapshot keeps the previous one's copies of tensors nothing wrote since (lineage.py rule 5):
-   both holders file them under the new namespace (CmdKeepCopies), in their streams before the old namespace's
-   drop, which follows the new snapshot's commit.
+5. A routine snapshot keeps the previous one's copies of tensors nothing wrote since, and the copies of uploads
+   nothing wrote after their adopt (lineage.py rule 5): both holders file them under the new namespace
+   (CmdKeepCopies), in their streams before the old namespaces' drop, which follows the new snapshot's commit.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ class Snapshots:
         primaries = self.cluster.order(set(s.devices.values()))
         holders = {p: self.pool.backup_for(p) for p in primaries}
         prev = None if rec.force else rec.snapshot
-        dirty = None if prev is None else written([b for b in rec.log if b.seq <= upto])
+        logged = [b for b in rec.log if b.seq <= upto]
+        dirty = None if prev is None else written(logged)
+        touched = None if rec.force else written(logged, adopts=False)  # an upload's adopt is not a later write
         rec.force = False
         rec.last_snapshot_at = step.now
         if any(h is None for h in holders.values()) or not all(self.cluster.alive(p) for p in primaries):
@@ -74,9 +76,17 @@ class Snapshots:
         namespace = f"{s.id}#s{rec.window}"
         tensors = dict(s.tensors)
 
-        def unchanged(d: int, t: int, pair: list[str]) -> bool:  # lineage.py rule 5
-            return (prev is not None and dirty is not None and t not in dirty and prev.holders.get(d) == pair
-                    and prev.tensors.get(t) == tensors[t])
+        def kept_from(d: int, t: int, pair: list[str]) -> str:
+            """The namespace whose copies of `t` on device `d` this snapshot keeps, or "": copy it (lineage.py
+            rule 5)."""
+            if prev is not None and dirty is not None and t not in dirty and prev.holders.get(d) == pair \
+                    and prev.tensors.get(t) == tensors[t]:
+                return prev.namespace
+            up = rec.adopts.get(t)
+            if up is not None and up.complete and touched is not None and t not in touched \
+                    and up.holders.get(d) == pair and up.tensors.get(t) == tensors[t]:
+                return up.namespace
+            return ""
 
         # errors of the session come only from workers it sent to: one not among them sends errors of later work
         workers = set(s.sent) | set(s.devices.values())
@@ -89,24 +99,22 @@ class Snapshots:
             assert holder is not None
             devices = {d: tensors_on(tensors, s.meshes, d) for d, w in sorted(s.devices.items()) if w == primary}
             copy: dict[int, list[int]] = {}
-            keep: dict[int, list[int]] = {}
+            keep: dict[str, dict[int, list[int]]] = {}  # source namespace -> device -> tids
             for d, tids in devices.items():
                 copies.holders[d] = [primary, holder]
                 for t in tids:
-                    same = unchanged(d, t, [primary, holder])
-                    (keep if same else copy).setdefault(d, []).append(t)
+                    source = kept_from(d, t, [primary, holder])
+                    (keep.setdefault(source, {}) if source else copy).setdefault(d, []).append(t)
                     n = shard_bytes(tensors[t], s.meshes[tensors[t].mesh], d)
                     copies.bytes += n
-                    copies.copied += 0 if same else n
+                    copies.copied += 0 if source else n
             if copy:
                 cmds.setdefault(primary, []).extend([
                     m.CmdSendShards(devices=copy, namespace=namespace, host=True),
                     m.CmdSendShards(devices=copy, namespace=namespace, to=self.cluster.address(holder), host=True)])
-            if keep:
-                assert prev is not None
+            for source, kept in sorted(keep.items()):
                 for w in (primary, holder):
-                    cmds.setdefault(w, []).append(m.CmdKeepCopies(devices=keep, source=prev.namespace,
-                                                                  namespace=namespace))
+                    cmds.setdefault(w, []).append(m.CmdKeepCopies(devices=kept, source=source, namespace=namespace))
             if copy or keep:
                 rec.namespaces.setdefault(namespace, set()).update((primary, holder))
         copies.pending = self.pipeline.send(step, s, cmds)
