@@ -97,3 +97,35 @@ def test_a_snapshot_keeps_the_copies_of_unwritten_tensors_and_a_loss_restores_th
     assert int(batch) >= 6 and int(held) >= 4096 * 4 + 8 * 4 + 2 * 8 * 4, snapshot
     assert int(copied) < int(held) - 4096 * 4 + 1, snapshot  # the weights' copies were kept, not made again
     assert values == f"values {float(sum(range(4096)))} {[7.0] * 8} {[6.0] * 8}"
+
+
+ALIASED = textwrap.dedent("""
+    import os, signal, time
+    import torch
+    import dtorch
+    from dtorch import Shard, runtime
+
+    dtorch.connect(workers=2)
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    w = dtorch.distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+    v = w.view(32)  # the same memory as w, another tensor
+    for _ in range(4):
+        v.add_(1.0)  # writes w's memory too, through an instruction that names only v
+        (w * 1).to_torch()  # a batch each: a snapshot after each (DTORCH_SNAPSHOT_BATCHES=1)
+    os.kill(runtime._cluster.procs[2].pid, signal.SIGKILL)
+    time.sleep(0.1)
+    print("values", w.to_torch().unique().tolist(), v.to_torch().unique().tolist())
+    v.add_(1.0)
+    print("aliased", w.to_torch().unique().tolist())
+""")
+
+
+def test_a_tensor_written_through_a_view_is_never_restored_from_a_kept_stale_copy():
+    """snapshots.py rule 6 on real processes: w is only ever written through its view v, so the controller would
+    keep w's first copy; the worker finds it stale, every snapshot copies, and after a SIGKILL w has its values and
+    is still v's memory."""
+    out = subprocess.run([sys.executable, "-c", ALIASED], capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"},
+                              "DTORCH_SNAPSHOT_BATCHES": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines() == ["values [4.0] [4.0]", "aliased [5.0]"]

@@ -126,6 +126,28 @@ def test_kept_copies_are_the_earlier_ones_under_the_new_namespace_and_outlive_it
     assert missing.kind == foreign.kind == ErrorKind.COPY and a.store.peek((f"{s}#s3", 1, 0)) is None
 
 
+def test_the_worker_refuses_to_keep_copies_of_memory_written_or_shared_since_the_copy(pair):
+    """CmdKeepCopies.check (snapshots.py rule 6): tensor 2 is a view of 1. Unwritten, both keep their copies;
+    written through the view alone, 1 is stale; kept while its view is copied afresh, the two copies would no
+    longer alias: stale too. Either way ErrorKind.STALE_COPY and nothing filed."""
+    a, _b = pair
+    s = "sess-stale"
+    copy = CmdSendShards(devices={0: [1, 2]}, namespace=f"{s}#s1")
+    wait(a, send(a, s, ones(1, [0]), view_of(1, 2, 0), copy))
+    wait(a, send(a, s, CmdKeepCopies(devices={0: [1, 2]}, source=f"{s}#s1", namespace=f"{s}#s2", check=True)))
+    assert not a.executor.take_errors() and a.store.peek((f"{s}#s2", 2, 0)) is not None
+    wait(a, send(a, s, CmdKeepCopies(devices={0: [1]}, source=f"{s}#s2", namespace=f"{s}#s3", check=True)))
+    (shared,) = a.executor.take_errors()[s]
+    assert shared.kind == ErrorKind.STALE_COPY and "tensor 2 on device 0 shares memory" in shared.message
+    wait(a, send(a, s, CmdRun(op="aten.add_.Scalar", devices=[0], args=[{"$t": 2}, 1], kwargs={}, outs=[2]),
+                 CmdKeepCopies(devices={0: [1]}, source=f"{s}#s2", namespace=f"{s}#s4", check=True),
+                 CmdKeepCopies(devices={0: [1]}, source=f"{s}#s2", namespace=f"{s}#s5")))  # the holder's: no check
+    (written,) = a.executor.take_errors()[s]
+    assert written.kind == ErrorKind.STALE_COPY and "tensor 1 on device 0 changed since its copy" in written.message
+    assert a.store.peek((f"{s}#s3", 1, 0)) is None and a.store.peek((f"{s}#s4", 1, 0)) is None
+    assert a.store.peek((f"{s}#s5", 1, 0)) is not None
+
+
 
 def test_backup_to_a_peer_and_restore_keeps_values_and_views(pair):
     a, b = pair

@@ -58,6 +58,8 @@ class ErrorKind(str, enum.Enum):
     MISSING = "missing"  # no such shard here, even after waiting
     POISONED = "poisoned"  # the shard was poisoned by an earlier failure (its report rides along)
     NO_SEGMENT = "no_segment"  # a Put named a shared-memory segment this worker cannot open: stream the bytes
+    STALE_COPY = "stale_copy"  # copies a snapshot would keep no longer match their tensors (memory they share was
+    # written, or is shared with a tensor the snapshot copies): internal, never shown; copy everything from then on
 
 
 # Bounds checked on receipt (msgspec refuses a message outside them, naming the field): what a peer may send.
@@ -571,11 +573,14 @@ class CmdSendShards(Struct, frozen=True, tag="send"):
 class CmdKeepCopies(Struct, frozen=True, tag="keep"):
     """File this worker's copies of `devices`' tensors held under namespace `source` under `namespace` too (no
     byte moves): a snapshot keeps the copies of tensors nothing wrote since the one that made them. A copy that
-    is not here fails the command (a failed copy, ErrorKind.COPY)."""
+    is not here fails the command (a failed copy, ErrorKind.COPY). With `check` (the worker holding the tensors),
+    it first makes sure each tensor's memory is as it was copied (its version counter, which every write through
+    any alias moves) and shared with no tensor of the device that is not kept; else ErrorKind.STALE_COPY."""
 
     devices: dict[int, list[int]]  # logical device -> tids
-    source: str  # a namespace of this session's copies here (`{session}#s{n}`)
+    source: str  # a namespace of this session's copies here (`{session}#s{n}`, `{session}#a{n}`)
     namespace: str
+    check: bool = False
 
 
 class CmdFetchShards(Struct, frozen=True, tag="fetch"):

@@ -87,7 +87,7 @@ from dtorch_worker.device import backend_for
 from dtorch_worker.groups import GroupError, Groups
 from dtorch_worker.ops import prepare_args, resolve_op
 from dtorch_worker.portable import kernel
-from dtorch_worker.store import Pending, Poison, ShardMissing, TensorStore, cap_message, describe
+from dtorch_worker.store import Key, Pending, Poison, ShardMissing, TensorStore, cap_message, describe
 from dtorch_worker.transfer import PeerPool, PoisonedInput, poisoned_or, take_box
 
 log = logging.getLogger("dtorch_worker.executor")
@@ -146,6 +146,10 @@ class MemoryCapExceeded(Exception):
     """A command took its session over its memory cap on this worker; str() is the one-line report."""
 
 
+class StaleCopy(Exception):
+    """Copies a snapshot would keep no longer match their tensors (CmdKeepCopies.check)."""
+
+
 class Executor:
     """Owns the executor thread, the ordering buffer and the error queue of one worker."""
 
@@ -178,6 +182,8 @@ class Executor:
         self._errors_lock = threading.Lock()
         self._skip_below: dict[str, int] = {}  # session -> batches below this seq were abandoned (CmdAbandon)
         self._programs: dict[str, dict[int, CmdProgram]] = {}  # session -> its captured programs' commands here
+        self._copied: dict[Key, tuple[int, int]] = {}  # (copies' namespace, tid, device) -> the tensor's memory and
+        # version counter when the copy was made (CmdKeepCopies.check)
         self._seq = 0  # the batch running now
         self.busy_s = 0.0  # seconds spent running batches (utilization)
         self.groups = Groups(self.backend)  # process groups with other workers (CmdGroup)
@@ -441,6 +447,8 @@ class Executor:
                         self.store.delete((session, tid, device))
             elif isinstance(cmd, CmdCloseSession):
                 self._programs.pop(session, None)
+                self._copied = {k: v for k, v in self._copied.items()
+                                if k[0] != session and not k[0].startswith(session + "#")}
                 self.groups.close(session)
                 self.store.drop_session(session)
                 self.store.drop_derived(session)
@@ -474,6 +482,8 @@ class Executor:
             kind = _kind(cmd)
             if isinstance(e, MemoryCapExceeded):
                 message, kind = str(e), ErrorKind.MEMORY_CAP
+            elif isinstance(e, StaleCopy):
+                message, kind = str(e), ErrorKind.STALE_COPY
             else:
                 message = one_line(e)
             report = ErrorReport(op=op, src=src, message=message, tid=outs[0] if outs else -1, seq=self._seq,
@@ -631,6 +641,10 @@ class Executor:
         for key in self.store.device_keys(session, list(cmd.move)):  # uploads not adopted yet travel too
             if (key[1], key[2]) not in listed and (value := self.store.peek(key)) is not None:
                 items.append((key[1], key[2], value))
+        if cmd.namespace != session:  # copies for recovery: what they were copied from, for CmdKeepCopies.check
+            for tid, device, shard in items:
+                if isinstance(shard, torch.Tensor):
+                    self._copied[(cmd.namespace, tid, device)] = _stamp(shard)
         if cmd.background and not cmd.move and not self.sync_backups:
             self._copy_later(session, cmd, items)
             return
@@ -687,10 +701,31 @@ class Executor:
         for ns in (cmd.source, cmd.namespace):
             if not ns.startswith(session + "#"):
                 raise ValueError(f"namespace {ns} is not one of session {session}'s copies ({session}#...)")
+        if cmd.check:
+            self._check_kept(session, cmd)
         kept = [((cmd.namespace, tid, dev), self.store.get((cmd.source, tid, dev)))
                 for dev, tids in cmd.devices.items() for tid in tids]
         for key, shard in kept:
             self.store.put(key, shard)
+
+    def _check_kept(self, session: str, cmd: CmdKeepCopies) -> None:
+        """Each kept tensor's memory as it was copied, and shared with no tensor of its device that is not kept
+        (that one's fresh copy would not alias the kept one); records the kept copies' stamps."""
+        for dev, tids in cmd.devices.items():
+            kept, memory = set(tids), set()
+            for tid in tids:
+                live = self.store.peek((session, tid, dev))
+                if not isinstance(live, torch.Tensor):
+                    continue  # poisoned: its copy is the poison
+                stamp = _stamp(live)
+                if self._copied.get((cmd.source, tid, dev)) != stamp:
+                    raise StaleCopy(f"tensor {tid} on device {dev} changed since its copy in {cmd.source}")
+                self._copied[(cmd.namespace, tid, dev)] = stamp
+                memory.add(stamp[0])
+            for key in self.store.device_keys(session, [dev]):
+                other = self.store.peek(key) if key[1] not in kept else None
+                if isinstance(other, torch.Tensor) and _stamp(other)[0] in memory:
+                    raise StaleCopy(f"tensor {key[1]} on device {dev} shares memory with a kept one but is copied")
 
     def _fetch_shards(self, session: str, cmd: CmdFetchShards) -> None:
         if self._is_local(cmd.address):
@@ -901,6 +936,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _merge(into: collectives.Result, more: collectives.Result) -> None:
     into.outputs.update(more.outputs)
     into.poisoned.update(more.poisoned)
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    """A shard's memory and its version counter (shared by every view of it, moved by every write through one)."""
+    return t.untyped_storage().data_ptr(), t._version
 
 
 def _kind(cmd: Cmd) -> ErrorKind:

@@ -402,7 +402,7 @@ class Recovery:
         for e in reports:
             if 0 < e.seq < reset:
                 continue
-            if e.kind == m.ErrorKind.COPY:  # a copy of ours failed: internal, never surfaced
+            if e.kind in (m.ErrorKind.COPY, m.ErrorKind.STALE_COPY):  # a copy of ours failed: internal, never shown
                 self.snapshots.copy_failed(rec, w, e)
                 self.moves.copy_failed(s, w, e)
                 continue

@@ -17,6 +17,10 @@ Rules:
 5. A routine snapshot keeps the previous one's copies of tensors nothing wrote since, and the copies of uploads
    nothing wrote after their adopt (lineage.py rule 5): both holders file them under the new namespace
    (CmdKeepCopies), in their streams before the old namespaces' drop, which follows the new snapshot's commit.
+6. What the controller cannot see, the worker holding the tensors checks (`CmdKeepCopies.check`): memory written
+   through another tensor (a view), or shared with a tensor this snapshot copies (its fresh copy would not alias
+   the kept one). It then fails the keep (STALE_COPY): the snapshot fails like any failed copy, and the session's
+   snapshots copy everything from then on (`Lineage.keeping`).
 """
 
 from __future__ import annotations
@@ -63,10 +67,11 @@ class Snapshots:
         upto = rec.sent_upto
         primaries = self.cluster.order(set(s.devices.values()))
         holders = {p: self.pool.backup_for(p) for p in primaries}
-        prev = None if rec.force else rec.snapshot
+        keeping = rec.keeping and not rec.force
+        prev = rec.snapshot if keeping else None
         logged = [b for b in rec.log if b.seq <= upto]
         dirty = None if prev is None else written(logged)
-        touched = None if rec.force else written(logged, adopts=False)  # an upload's adopt is not a later write
+        touched = written(logged, adopts=False) if keeping else None  # an upload's adopt is not a later write
         rec.force = False
         rec.last_snapshot_at = step.now
         if any(h is None for h in holders.values()) or not all(self.cluster.alive(p) for p in primaries):
@@ -112,9 +117,10 @@ class Snapshots:
                 cmds.setdefault(primary, []).extend([
                     m.CmdSendShards(devices=copy, namespace=namespace, host=True),
                     m.CmdSendShards(devices=copy, namespace=namespace, to=self.cluster.address(holder), host=True)])
-            for source, kept in sorted(keep.items()):
+            for source, kept in sorted(keep.items()):  # the primary checks its tensors are as copied (rule 6)
                 for w in (primary, holder):
-                    cmds.setdefault(w, []).append(m.CmdKeepCopies(devices=kept, source=source, namespace=namespace))
+                    cmds.setdefault(w, []).append(m.CmdKeepCopies(devices=kept, source=source, namespace=namespace,
+                                                                  check=w == primary))
             if copy or keep:
                 rec.namespaces.setdefault(namespace, set()).update((primary, holder))
         copies.pending = self.pipeline.send(step, s, cmds)
@@ -175,7 +181,10 @@ class Snapshots:
             self.maybe(step, s)
 
     def copy_failed(self, rec: Lineage, w: Worker, e: m.ErrorReport) -> None:
-        """A copy of this worker's failed (kind COPY): the copies it made are no good."""
+        """A copy of this worker's failed (kind COPY): the copies it made are no good. STALE_COPY (rule 6): copies
+        to keep no longer matched their tensors: this session's snapshots copy everything from now on."""
+        if e.kind == m.ErrorKind.STALE_COPY:
+            rec.keeping = False
         for copies in (rec.taking, *rec.adopts.values()):
             if copies is not None and copies.pending.get(w.id) == e.seq:
                 copies.failed = e.message
