@@ -1104,11 +1104,12 @@ def test_a_routine_snapshot_keeps_the_copies_of_what_nothing_wrote_and_recovery_
     assert rec.snapshot.copied == rec.snapshot.bytes == 4 * 32
 
 
-def test_a_stale_keep_fails_the_snapshot_and_the_sessions_snapshots_copy_everything_from_then_on(make_harness):
-    """snapshots.py rule 6: the worker holding the tensors found a copy to keep stale (aliasing the core cannot
-    see): the snapshot fails like a failed copy, unseen by the client, and no later snapshot keeps anything."""
+def test_a_stale_keep_fails_the_snapshot_and_that_tensor_is_copied_from_then_on(make_harness):
+    """snapshots.py rule 6: the worker holding tensor 1 found its copy stale (aliasing the core cannot see): the
+    snapshot fails like a failed copy, unseen by the client, is retaken whole, and tensor 1 is never kept again
+    (tensor 6, only read, still is)."""
     h, ids, sid = setup(make_harness)
-    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 1, [create(1), create(6)])
     h.submit(sid, 2, [add_(1)])
     h.report_all()
     h.take_sent()
@@ -1119,20 +1120,21 @@ def test_a_stale_keep_fails_the_snapshot_and_the_sessions_snapshots_copy_everyth
                if isinstance(c, m.CmdKeepCopies) and c.check]
     assert checked and len(checked) == 2  # one per device, on the worker holding it
     worker, seq = checked[0]
-    h.report(worker, errors={sid: [m.ErrorReport(op="keep copies", src="", message="tensor 1 changed", seq=seq,
-                                                 kind=m.ErrorKind.STALE_COPY)]})
+    h.report(worker, errors={sid: [m.ErrorReport(op="keep copies", src="", message="tensor 1 changed", tid=1,
+                                                 seq=seq, kind=m.ErrorKind.STALE_COPY)]})
     h.report_all()
     rec = h.core.pipeline.recs[sid]
     snap = rec.snapshot  # the failed one (#s2) did not count; the one retaken at once copied everything
-    assert not rec.keeping and (snap.namespace, snap.upto, snap.copied) == (f"{sid}#s3", 4, snap.bytes)
+    assert rec.unkeepable == {1} and (snap.namespace, snap.upto, snap.copied) == (f"{sid}#s3", 4, snap.bytes)
     sent = h.take_sent()
     assert [c for c in cmds_of(sent, kind=m.CmdSendShards) if c.namespace == f"{sid}#s3"]
     assert not cmds_of(sent, kind=m.CmdKeepCopies)
     h.submit(sid, 5, [_read(1, 4)])
-    h.submit(sid, 6, [_read(1, 5)])  # a routine snapshot again: still nothing kept
+    h.submit(sid, 6, [_read(1, 5)])  # a routine snapshot again: 1 copied, the unwritten rest kept
     sent = h.take_sent()
-    assert [c for c in cmds_of(sent, kind=m.CmdSendShards) if c.namespace == f"{sid}#s4"]
-    assert not cmds_of(sent, kind=m.CmdKeepCopies)
+    assert {t for c in cmds_of(sent, kind=m.CmdSendShards) if c.namespace == f"{sid}#s4"
+            for tids in c.devices.values() for t in tids} == {1, 4, 5}
+    assert {t for c in cmds_of(sent, kind=m.CmdKeepCopies) for tids in c.devices.values() for t in tids} == {2, 3, 6}
     rid, reply = h.sync(sid, 4)
     h.report_all()
     assert not h.replies[rid].errors

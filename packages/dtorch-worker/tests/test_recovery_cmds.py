@@ -138,12 +138,14 @@ def test_the_worker_refuses_to_keep_copies_of_memory_written_or_shared_since_the
     assert not a.executor.take_errors() and a.store.peek((f"{s}#s2", 2, 0)) is not None
     wait(a, send(a, s, CmdKeepCopies(devices={0: [1]}, source=f"{s}#s2", namespace=f"{s}#s3", check=True)))
     (shared,) = a.executor.take_errors()[s]
-    assert shared.kind == ErrorKind.STALE_COPY and "tensor 2 on device 0 shares memory" in shared.message
+    assert shared.kind == ErrorKind.STALE_COPY and shared.tid == 1  # the kept one, to be copied from now on
+    assert "tensor 1 on device 0 shares memory with tensor 2, which is copied afresh" in shared.message
     wait(a, send(a, s, CmdRun(op="aten.add_.Scalar", devices=[0], args=[{"$t": 2}, 1], kwargs={}, outs=[2]),
                  CmdKeepCopies(devices={0: [1]}, source=f"{s}#s2", namespace=f"{s}#s4", check=True),
                  CmdKeepCopies(devices={0: [1]}, source=f"{s}#s2", namespace=f"{s}#s5")))  # the holder's: no check
     (written,) = a.executor.take_errors()[s]
-    assert written.kind == ErrorKind.STALE_COPY and "tensor 1 on device 0 changed since its copy" in written.message
+    assert written.kind == ErrorKind.STALE_COPY and written.tid == 1
+    assert "tensor 1 on device 0 changed since its copy" in written.message
     assert a.store.peek((f"{s}#s3", 1, 0)) is None and a.store.peek((f"{s}#s4", 1, 0)) is None
     assert a.store.peek((f"{s}#s5", 1, 0)) is not None
 

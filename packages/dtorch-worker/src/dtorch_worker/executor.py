@@ -147,7 +147,11 @@ class MemoryCapExceeded(Exception):
 
 
 class StaleCopy(Exception):
-    """Copies a snapshot would keep no longer match their tensors (CmdKeepCopies.check)."""
+    """A copy a snapshot would keep no longer matches tensor `tid` (CmdKeepCopies.check)."""
+
+    def __init__(self, tid: int, message: str) -> None:
+        super().__init__(message)
+        self.tid = tid
 
 
 class Executor:
@@ -486,8 +490,8 @@ class Executor:
                 message, kind = str(e), ErrorKind.STALE_COPY
             else:
                 message = one_line(e)
-            report = ErrorReport(op=op, src=src, message=message, tid=outs[0] if outs else -1, seq=self._seq,
-                                 kind=kind)
+            tid = e.tid if isinstance(e, StaleCopy) else outs[0] if outs else -1
+            report = ErrorReport(op=op, src=src, message=message, tid=tid, seq=self._seq, kind=kind)
             log.debug("command %s failed: %s", op, report.message)
             self._poison(session, cmd, report)
             self._record(session, report)
@@ -712,20 +716,21 @@ class Executor:
         """Each kept tensor's memory as it was copied, and shared with no tensor of its device that is not kept
         (that one's fresh copy would not alias the kept one); records the kept copies' stamps."""
         for dev, tids in cmd.devices.items():
-            kept, memory = set(tids), set()
+            kept, memory = set(tids), {}  # memory -> a kept tensor on it
             for tid in tids:
                 live = self.store.peek((session, tid, dev))
                 if not isinstance(live, torch.Tensor):
                     continue  # poisoned: its copy is the poison
                 stamp = _stamp(live)
                 if self._copied.get((cmd.source, tid, dev)) != stamp:
-                    raise StaleCopy(f"tensor {tid} on device {dev} changed since its copy in {cmd.source}")
+                    raise StaleCopy(tid, f"tensor {tid} on device {dev} changed since its copy in {cmd.source}")
                 self._copied[(cmd.namespace, tid, dev)] = stamp
-                memory.add(stamp[0])
+                memory[stamp[0]] = tid
             for key in self.store.device_keys(session, [dev]):
                 other = self.store.peek(key) if key[1] not in kept else None
                 if isinstance(other, torch.Tensor) and _stamp(other)[0] in memory:
-                    raise StaleCopy(f"tensor {key[1]} on device {dev} shares memory with a kept one but is copied")
+                    raise StaleCopy(memory[_stamp(other)[0]], f"tensor {memory[_stamp(other)[0]]} on device {dev} "
+                                    f"shares memory with tensor {key[1]}, which is copied afresh")
 
     def _fetch_shards(self, session: str, cmd: CmdFetchShards) -> None:
         if self._is_local(cmd.address):

@@ -22,8 +22,8 @@ Rules:
    (`written`: outputs, `InstrCall.writes`, a replayed program's writes), with the same spec and on the same
    two workers, keeps that snapshot's copies (CmdKeepCopies on both, no byte moves); so does an upload nothing
    wrote after its adopt, whose copies (rule 3) are complete, with its upload's copies. The rest is copied. A
-   forced snapshot (after a loss, a move, a drain, a failed copy) copies everything; so does every snapshot of a
-   session once a worker found copies to keep stale (snapshots.py rule 6: aliasing the controller cannot see).
+   forced snapshot (after a loss, a move, a drain, a failed copy) copies everything, and a tensor whose copy a
+   worker found stale (snapshots.py rule 6: aliasing the controller cannot see) is always copied.
 6. Nothing here does I/O or reads a clock: the pipeline (the log, uploads' copies at their adopt), snapshots.py
    and recovery.py drive it from the core's events.
 """
@@ -85,7 +85,7 @@ class Lineage:
     namespaces: dict[str, set[str]] = field(default_factory=dict)  # namespace -> workers holding some of it
     origin: dict[int, tuple[str, str]] = field(default_factory=dict)  # tid -> (op, src) that made it
     force: bool = False  # take a snapshot as soon as possible (copies were lost, a drain needs it)
-    keeping: bool = True  # snapshots may keep earlier copies (rule 5); off once a worker found one stale
+    unkeepable: set[int] = field(default_factory=set)  # tensors whose copies a worker found stale: always copied
     last_snapshot_at: float = 0.0
     sent_upto: int = 0  # the last batch sent to workers
     delivered: int = 0  # highest batch whose errors reached the client (a Sync answered done)

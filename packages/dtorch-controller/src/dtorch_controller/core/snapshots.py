@@ -19,8 +19,9 @@ Rules:
    (CmdKeepCopies), in their streams before the old namespaces' drop, which follows the new snapshot's commit.
 6. What the controller cannot see, the worker holding the tensors checks (`CmdKeepCopies.check`): memory written
    through another tensor (a view), or shared with a tensor this snapshot copies (its fresh copy would not alias
-   the kept one). It then fails the keep (STALE_COPY): the snapshot fails like any failed copy, and the session's
-   snapshots copy everything from then on (`Lineage.keeping`).
+   the kept one). It then fails the keep (STALE_COPY, naming the tensor): the snapshot fails like any failed copy
+   and is retaken whole, and that tensor is copied from then on (`Lineage.unkeepable`): a group of tensors sharing
+   memory ends up copied together, as a snapshot without keeping copies it.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Snapshots:
         upto = rec.sent_upto
         primaries = self.cluster.order(set(s.devices.values()))
         holders = {p: self.pool.backup_for(p) for p in primaries}
-        keeping = rec.keeping and not rec.force
+        keeping = not rec.force
         prev = rec.snapshot if keeping else None
         logged = [b for b in rec.log if b.seq <= upto]
         dirty = None if prev is None else written(logged)
@@ -84,6 +85,8 @@ class Snapshots:
         def kept_from(d: int, t: int, pair: list[str]) -> str:
             """The namespace whose copies of `t` on device `d` this snapshot keeps, or "": copy it (lineage.py
             rule 5)."""
+            if t in rec.unkeepable:
+                return ""
             if prev is not None and dirty is not None and t not in dirty and prev.holders.get(d) == pair \
                     and prev.tensors.get(t) == tensors[t]:
                 return prev.namespace
@@ -181,10 +184,10 @@ class Snapshots:
             self.maybe(step, s)
 
     def copy_failed(self, rec: Lineage, w: Worker, e: m.ErrorReport) -> None:
-        """A copy of this worker's failed (kind COPY): the copies it made are no good. STALE_COPY (rule 6): copies
-        to keep no longer matched their tensors: this session's snapshots copy everything from now on."""
+        """A copy of this worker's failed (kind COPY): the copies it made are no good. STALE_COPY (rule 6): the copy
+        of tensor `e.tid` could not be kept: it is copied from now on."""
         if e.kind == m.ErrorKind.STALE_COPY:
-            rec.keeping = False
+            rec.unkeepable.add(e.tid)
         for copies in (rec.taking, *rec.adopts.values()):
             if copies is not None and copies.pending.get(w.id) == e.seq:
                 copies.failed = e.message
