@@ -103,15 +103,12 @@ def for_put(session: str, tid: int, device: int, parts: Sequence[memoryview]) ->
         return None
     try:
         os.pwrite(fd, _header(session, tid, device), 0)
-        at = HEADER
-        for part in parts:
-            _write_all(fd, part, at)
-            at += len(part)
+        nbytes = _write_parts(fd, parts)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _WRITTEN)
     except OSError:  # no room
         os.close(fd)
         return None
-    return Segment(fd, at - HEADER)
+    return Segment(fd, nbytes)
 
 
 def for_pull(session: str, tid: int, device: int, nbytes: int) -> Segment | None:
@@ -149,10 +146,7 @@ def append_into(name: str, session: str, parts: Sequence[memoryview]) -> None:
     calls; a full memory is SegmentMissing), after the checks of rule 3."""
     fd = _open(name, session, -1, -1, 0, _GROWING)
     try:
-        at = HEADER
-        for part in parts:
-            _write_all(fd, part, at)
-            at += len(part)
+        _write_parts(fd, parts)
     except OSError as e:
         raise SegmentMissing(f"segment {name} could not take the shards ({e.strerror})") from None
     finally:
@@ -193,6 +187,15 @@ def write_into(name: str, session: str, tid: int, device: int, data: memoryview)
         raise SegmentMissing(f"segment {name} could not take the reply ({e.strerror})") from None
     finally:
         os.close(fd)
+
+
+def _write_parts(fd: int, parts: Sequence[memoryview]) -> int:
+    """`parts` one after another from the payload's start; returns their bytes."""
+    at = HEADER
+    for part in parts:
+        _write_all(fd, part, at)
+        at += len(part)
+    return at - HEADER
 
 
 def _write_all(fd: int, data: memoryview, at: int) -> None:
