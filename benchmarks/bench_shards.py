@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
+from bench_vs_torch import median_ms  # the same timing as the other comparisons
 
 from dtorch_protocol import auth
 from dtorch_protocol.messages import ShardsRequest
@@ -35,16 +34,6 @@ def pair(shared_memory: bool) -> tuple[WorkerHandle, WorkerHandle]:
         del os.environ["DTORCH_SHARED_MEMORY"]
     a.executor.peers.grant(SESSION, {b.address: b.capability(SESSION, auth.PEER)})
     return a, b
-
-
-def timed(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()  # warm: connections, first faults
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -73,7 +62,7 @@ def main() -> None:
                                                                                 devices={0: [1, 2]}), SESSION)
                     assert torch.equal(got[0][2], base)
 
-                push_ms, pull_ms = timed(push, args.repeats), timed(pull, args.repeats)
+                push_ms, pull_ms = (median_ms(f, args.repeats, warmup=1) for f in (push, pull))
                 nbytes = base.numel() * 4
                 print(f"{mib:>6} {how:>9} {push_ms:9.1f} {nbytes / push_ms / 1e6:10.2f} {pull_ms:9.1f} "
                       f"{nbytes / pull_ms / 1e6:10.2f}")

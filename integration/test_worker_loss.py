@@ -95,7 +95,7 @@ def test_a_snapshot_keeps_the_copies_of_unwritten_tensors_and_a_loss_restores_th
     snapshot, values = out.stdout.strip().splitlines()
     _, batch, held, copied = snapshot.split()
     assert int(batch) >= 6 and int(held) >= 4096 * 4 + 8 * 4 + 2 * 8 * 4, snapshot
-    assert int(copied) < int(held) - 4096 * 4 + 1, snapshot  # the weights' copies were kept, not made again
+    assert int(copied) <= int(held) - 4096 * 4, snapshot  # the weights' copies were kept, not made again
     assert values == f"values {float(sum(range(4096)))} {[7.0] * 8} {[6.0] * 8}"
 
 

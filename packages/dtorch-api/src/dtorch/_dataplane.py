@@ -29,7 +29,7 @@ from dtorch_protocol import auth, segments, wire
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
 from dtorch_protocol.tls import Tls
-from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes, segment_tensor
+from dtorch_protocol.values import copy_pieces, dtype_from_name, dtype_name, host_bytes, segment_tensor
 
 if TYPE_CHECKING:
     from dtorch._spec import Spec
@@ -74,10 +74,7 @@ def _receive(replies: Any, segment: segments.Segment | None) -> tuple[torch.Tens
         buf = bytearray(parts[0])
     else:
         buf = bytearray(size)
-        view, pos = memoryview(buf), 0
-        for part in parts:
-            view[pos:pos + len(part)] = part
-            pos += len(part)
+        copy_pieces(parts, memoryview(buf))
     return torch.frombuffer(buf, dtype=dtype).reshape(shape), False
 
 

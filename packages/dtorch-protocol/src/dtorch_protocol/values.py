@@ -48,6 +48,14 @@ def host_bytes(t: Any) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def copy_pieces(pieces: Sequence[bytes | memoryview], into: memoryview) -> None:
+    """`pieces` one after another into `into` (a payload that came in chunks, joined once)."""
+    pos = 0
+    for piece in pieces:
+        into[pos:pos + len(piece)] = piece
+        pos += len(piece)
+
+
 def segment_tensor(fd: int, nbytes: int, dtype: str, shape: Sequence[int], shared: bool) -> Any:
     """The payload of a checked segment descriptor (dtorch_protocol.segments) as a tensor: a mapping of it,
     copy-on-write unless `shared`, that keeps no descriptor (segments.py rule 6)."""

@@ -728,9 +728,10 @@ class Executor:
                 memory[stamp[0]] = tid
             for key in self.store.device_keys(session, [dev]):
                 other = self.store.peek(key) if key[1] not in kept else None
-                if isinstance(other, torch.Tensor) and _stamp(other)[0] in memory:
-                    raise StaleCopy(memory[_stamp(other)[0]], f"tensor {memory[_stamp(other)[0]]} on device {dev} "
-                                    f"shares memory with tensor {key[1]}, which is copied afresh")
+                owner = memory.get(other.untyped_storage().data_ptr()) if isinstance(other, torch.Tensor) else None
+                if owner is not None:
+                    raise StaleCopy(owner, f"tensor {owner} on device {dev} shares memory with tensor {key[1]}, "
+                                    "which is copied afresh")
 
     def _fetch_shards(self, session: str, cmd: CmdFetchShards) -> None:
         if self._is_local(cmd.address):

@@ -208,7 +208,7 @@ class WorkerService:
         except (ShardMissing, TypeError) as e:
             yield ShardsChunk(error=one_line(e) if not isinstance(e, ShardMissing) else str(e))
             return
-        nbytes = sum(s.numel() for s in packed.storages)
+        nbytes = packed.nbytes
         in_segment = False
         if request.segment and nbytes >= segments.MIN_BYTES:
             try:  # the puller's segment on this host: the storages go in with system calls, no stream

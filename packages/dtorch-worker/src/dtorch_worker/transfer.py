@@ -24,7 +24,7 @@ import torch
 from dtorch_protocol import segments, wire
 from dtorch_protocol.messages import Chunk, ErrorKind, ErrorReport, PullRequest, PutChunk, ShardsChunk, ShardsRequest
 from dtorch_protocol.tls import Tls
-from dtorch_protocol.values import dtype_from_name, dtype_name, host_bytes, segment_tensor
+from dtorch_protocol.values import copy_pieces, dtype_from_name, dtype_name, host_bytes, segment_tensor
 from dtorch_worker import shards
 from dtorch_worker.device import CPU, DeviceBackend, typed
 from dtorch_worker.store import Poison
@@ -117,10 +117,7 @@ class _Assembler:
         if self.pos != self.size:
             raise ValueError(f"{self.what}: got {self.pos} of {self.size} bytes")
         host = self.backend.host_buffer(self.size)
-        view, pos = host_bytes(host), 0
-        for piece in self.pieces:
-            view[pos:pos + len(piece)] = piece
-            pos += len(piece)
+        copy_pieces(self.pieces, host_bytes(host))
         self.pieces.clear()
         return self.backend.to_device(typed(host, dtype_from_name(self.dtype), self.shape))
 
@@ -305,8 +302,7 @@ class PeerPool:
         the peer refuses them. To a peer on this host their bytes go in a segment (dtorch_protocol.segments) it
         maps, unless it could not open one before (another host: then they stream)."""
         segment = None
-        if self.segments and address not in self._elsewhere \
-                and sum(s.numel() for s in packed.storages) >= segments.MIN_BYTES:
+        if self.segments and address not in self._elsewhere and packed.nbytes >= segments.MIN_BYTES:
             segment = segments.for_put(header["namespace"], -1, -1, list(shards.host_parts(packed, self.backend)))
         try:
             if segment is not None:

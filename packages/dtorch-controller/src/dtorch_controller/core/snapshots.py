@@ -69,10 +69,6 @@ class Snapshots:
         primaries = self.cluster.order(set(s.devices.values()))
         holders = {p: self.pool.backup_for(p) for p in primaries}
         keeping = not rec.force
-        prev = rec.snapshot if keeping else None
-        logged = [b for b in rec.log if b.seq <= upto]
-        dirty = None if prev is None else written(logged)
-        touched = written(logged, adopts=False) if keeping else None  # an upload's adopt is not a later write
         rec.force = False
         rec.last_snapshot_at = step.now
         if any(h is None for h in holders.values()) or not all(self.cluster.alive(p) for p in primaries):
@@ -81,6 +77,10 @@ class Snapshots:
         rec.window += 1
         namespace = f"{s.id}#s{rec.window}"
         tensors = dict(s.tensors)
+        prev = rec.snapshot if keeping else None
+        logged = [b for b in rec.log if b.seq <= upto]
+        dirty = None if prev is None else written(logged)
+        touched = written(logged, adopts=False) if keeping and rec.adopts else None  # an adopt is no later write
 
         def kept_from(d: int, t: int, pair: list[str]) -> str:
             """The namespace whose copies of `t` on device `d` this snapshot keeps, or "": copy it (lineage.py
