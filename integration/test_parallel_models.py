@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -160,6 +162,21 @@ def test_rl_handoff_to_a_differently_sharded_inference_mesh(reference, mesh2d, m
     got = inference.generate(dtorch.distribute_tensor(ids[:1], mesh1, [Replicate()]), max_new_tokens=4,
                              do_sample=False)
     assert got.to_torch().tolist() == expected.tolist()
+
+
+def test_deepcopy_of_a_parallelized_model_is_an_independent_copy_on_the_cluster(reference, mesh1):
+    model, ids, logits = reference
+    tp = parallelize_module(clone(model), mesh1, LLAMA_TP_PLAN)
+    twin = copy.deepcopy(tp)  # torch's default copied the tensor ids and tried to copy the connection
+    w, w2 = tp.model.layers[0].self_attn.q_proj.weight, twin.model.layers[0].self_attn.q_proj.weight
+    assert isinstance(w2, nn.Parameter) and w2.requires_grad and w2.placements == w.placements == (Shard(0),)
+    assert w2._tid != w._tid
+    with torch.no_grad():
+        for p in tp.parameters():
+            p.zero_()  # the copy does not see it
+        got = twin(dtorch.distribute_tensor(ids, mesh1, [Replicate()])).logits
+    torch.testing.assert_close(got.to_torch(), logits, **TOL)
+    assert not tp.model.layers[0].self_attn.q_proj.weight.to_torch().any()
 
 
 def test_llama_twenty_training_steps_dp_x_tp_match_torch(mesh2d):

@@ -34,7 +34,7 @@ def test_a_fast_plan_with_new_numbers_encodes_them(spec, mesh2):
     planner.plan((1, 2, (float, 2.0)), aten.mul.Tensor, (a, 2.0), {})
     p = planner.plan((1, 2, (float, 3.0)), aten.mul.Tensor, (a, 3.0), {})
     assert p.args == [{"$t": 0}, 3.0] and p.encode is not None
-    out = p.encode((p.encode, 7, 8, "", 0))  # a record: (encode, input tid, output tid, file, line)
+    out = p.encode((p.encode, 7, 8, None, 0))  # a record: (encode, input tid, output tid, code, offset)
     call = msgspec.msgpack.decode(out, type=m.InstrCall) if type(out) is msgspec.Raw else out
     assert call.args == [{"$t": 7}, 3.0] and call.outs[0].tid == 8
 

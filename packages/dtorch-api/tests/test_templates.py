@@ -3,6 +3,8 @@ bytes of encoding the message itself, so the controller cannot tell them apart."
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 import torch
 
@@ -35,13 +37,20 @@ def test_no_template_when_a_hole_cannot_be_found_once():
     assert Template.of(call(1, 2, 3, "x"), [sentinel(0)]) is None  # absent
 
 
+def _here() -> tuple:
+    """(code, instruction offset, "file:line") of the caller's frame, as the dispatcher records it."""
+    f = sys._getframe(1)
+    return f.f_code, f.f_lasti, f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
 def test_a_fast_plan_encodes_its_record_as_the_instruction_it_stands_for(spec, mesh2):
     a, b = spec((4, 2), [Shard(0)], mesh2), spec((4, 2), [Replicate()], mesh2)
     p = plan(aten.mul.Tensor, (a, a), {})
     out = m.OutSpec(9, p.outputs.wire)
-    got = p.encode((p.encode, 3, 4, 9, "model.py", 12))
+    code, lasti, line = _here()
+    got = p.encode((p.encode, 3, 4, 9, code, lasti))  # the line is worked out here, from where the frame was
     assert msgspec.msgpack.decode(bytes(got), type=m.Instr) == m.InstrCall(
-        "aten.mul.Tensor", mesh2.id, [{"$t": 3}, {"$t": 4}], {}, [out], None, "model.py:12")
+        "aten.mul.Tensor", mesh2.id, [{"$t": 3}, {"$t": 4}], {}, [out], None, line)
     scalar = plan(aten.add.Tensor, (b, 1.5), {})
-    got = scalar.encode((scalar.encode, 7, 8, "", 0))
+    got = scalar.encode((scalar.encode, 7, 8, None, 0))
     assert msgspec.msgpack.decode(bytes(got), type=m.Instr).args == [{"$t": 7}, 1.5]

@@ -266,7 +266,7 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     f = _getframe(1)  # the user's line: `_source.caller`, inlined (a call costs a tenth of this path)
     while f is not None and f.f_code.co_filename.startswith(SKIP):
         f = f.f_back
-    session.emit((plan.encode, *tids, tid, *((f.f_code.co_filename, f.f_lineno) if f is not None else ("", 0))))
+    session.emit((plan.encode, *tids, tid, *((f.f_code, f.f_lasti) if f is not None else (None, 0))))
     out = plan.outputs
     # positional (size, strides, storage_offset, memory_format, dtype, layout, device): a third cheaper than
     # keywords; strides None for contiguous outputs (the default layout, cheaper still)

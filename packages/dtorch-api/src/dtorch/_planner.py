@@ -74,7 +74,7 @@ class Plan:
     op: Any = None  # the op as dispatched (`func` may be torch's rewrite of it)
     why: str = ""  # sync and local routes: why the op runs on the client (one of the reasons below)
     # the common case (no moves, one output, tensor slots only at the top level of args): `encode` turns the
-    # record (encode, tid of each DTensor leaf..., output tid, file, line) into the wire instruction
+    # record (encode, tid of each DTensor leaf..., output tid, code, offset) into the wire instruction
     encode: Callable[[tuple], Any] | None = None
 
     def __post_init__(self) -> None:
