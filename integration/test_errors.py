@@ -47,6 +47,13 @@ def test_bad_placements_and_meshes_are_one_line_errors(mesh1):
         dtorch.Partial("prod")
 
 
+def test_to_local_is_refused_in_one_line_pointing_at_to_torch(mesh1):
+    x = dtorch.distribute_tensor(torch.arange(4.0), mesh1, [Shard(0)])
+    with pytest.raises(dtorch.DTorchError, match=r"to_local\(\): the client holds no shard.*\.to_torch\(\)") as info:
+        x.to_local()  # torch's DTensor gives its rank's shard; here the code runs once
+    assert "\n" not in str(info.value)
+
+
 def test_mixing_meshes_moves_to_the_first_operands_mesh(mesh1, mesh4):
     a = dtorch.arange(4, device_mesh=mesh1, placements=[Shard(0)])
     b = dtorch.ones(4, device_mesh=mesh4, dtype=torch.int64, placements=[Shard(0)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -177,6 +178,33 @@ def test_deepcopy_of_a_parallelized_model_is_an_independent_copy_on_the_cluster(
         got = twin(dtorch.distribute_tensor(ids, mesh1, [Replicate()])).logits
     torch.testing.assert_close(got.to_torch(), logits, **TOL)
     assert not tp.model.layers[0].self_attn.q_proj.weight.to_torch().any()
+
+
+def test_torch_save_of_a_parallelized_state_dict_is_a_plain_checkpoint_that_loads_sharded_again(reference, mesh1,
+                                                                                               mesh2d):
+    model, ids, logits = reference
+    tp = parallelize_module(clone(model), mesh1, LLAMA_TP_PLAN)
+    with torch.no_grad():
+        for p in tp.parameters():
+            p.mul_(1.01)  # "trained": only the cluster has these values
+    buffer = io.BytesIO()
+    torch.save(tp.state_dict(), buffer)  # failed: a DTensor could not be pickled
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # plain tensors: readable with no cluster
+    expected = {k: v * 1.01 if k in dict(model.named_parameters()) else v for k, v in model.state_dict().items()}
+    assert all(type(v) is torch.Tensor for v in saved.values()) and saved.keys() == expected.keys()
+    for k, v in saved.items():
+        torch.testing.assert_close(v, expected[k])
+    other = parallelize_module(tiny_llama(seed=5), mesh2d, LLAMA_TP_PLAN, tp_mesh_dim="tp")
+    other.load_state_dict(saved)  # sharded again, here on another mesh
+    w = other.model.layers[0].self_attn.q_proj.weight
+    assert w.device_mesh == mesh2d and w.placements == (Replicate(), Shard(0))
+    reloaded = tiny_llama(seed=9)
+    reloaded.load_state_dict(saved)
+    with torch.no_grad():
+        want = reloaded(ids).logits
+        got = other(dtorch.distribute_tensor(ids, mesh2d, [Replicate(), Replicate()])).logits
+    torch.testing.assert_close(got.to_torch(), want, **TOL)
 
 
 def test_llama_twenty_training_steps_dp_x_tp_match_torch(mesh2d):

@@ -20,6 +20,7 @@ from dtorch import _dispatch
 from dtorch._source import user_src
 from dtorch._spec import Spec, normalize_placements
 from dtorch.device_mesh import WRAPPER_DEVICE, DeviceMesh
+from dtorch.errors import DTorchError
 from dtorch_protocol.placement_types import Partial, Placement, Replicate
 
 if TYPE_CHECKING:
@@ -70,6 +71,20 @@ class DTensor(torch.Tensor):
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))  # torch's own marks (`_is_param`, hooks' ids)
         memo[id(self)] = new
         return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """`torch.save` and pickle write the whole tensor as a plain one (a sync point): `torch.save(model.state_dict(),
+        path)` is a checkpoint that `torch.load` reads anywhere, and `load_state_dict` of a parallelized model shards
+        again. (A DTensor is a handle into one session's cluster; the handle itself means nothing elsewhere.)"""
+        full = self.to_torch()
+        if self.requires_grad and full.is_floating_point():
+            full.requires_grad_(True)
+        return full.__reduce_ex__(protocol)
+
+    def to_local(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Refused: torch's DTensor gives its rank's shard; the client has no rank and holds no shard."""
+        raise DTorchError("dtorch: DTensor.to_local(): the client holds no shard (the shards live on the workers, and "
+                          "the code runs once, not per rank); use .to_torch() (or .full_tensor()) for the whole tensor")
 
     # ------------------------------------------------------------------ metadata
     @property
