@@ -70,8 +70,9 @@ class Harness:
 
     # ------------------------------------------------------------ shortcuts
 
-    def register(self, address: str, memory: int = 1 << 30, labels: dict[str, str] | None = None) -> str:
-        reply = self.call(ev.Register, m.RegisterWorker(hello=hello("worker"), address=address, device_type="cpu",
+    def register(self, address: str, memory: int = 1 << 30, labels: dict[str, str] | None = None,
+                 device_type: str = "cpu") -> str:
+        reply = self.call(ev.Register, m.RegisterWorker(hello=hello("worker"), address=address, device_type=device_type,
                                                         memory_bytes=memory, labels=labels or {}))
         assert isinstance(reply, m.Registered), reply
         return reply.worker

@@ -63,6 +63,14 @@ def test_virtual_devices_spread_over_workers_fewest_bound_first(h):
     assert (h.core.workers[w0].bound, h.core.workers[w1].bound) == (1, 0)
 
 
+def test_a_placed_mesh_says_the_device_type_of_each_logical_devices_worker(h):
+    h.register("a:1", device_type="cuda"), h.register("b:1", device_type="cpu")
+    sid = h.open_session()
+    reply = h.open_mesh(sid, 1, [0, 1, 2], [3])
+    assert reply.placed and reply.locations == {0: "a:1", 1: "b:1", 2: "a:1"}
+    assert reply.device_types == {0: "cuda", 1: "cpu", 2: "cuda"}  # the client checks them against its mesh's type
+
+
 def test_logical_devices_are_shared_across_meshes_of_a_session(h):
     h.register("a:1"), h.register("b:1")
     sid = h.open_session()

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from dtorch.errors import ClusterError, env_float
+from dtorch.errors import ClusterError, DTorchError, env_float
 from dtorch_protocol import messages as m
 
 POLL_S = 0.2
@@ -39,4 +39,8 @@ def place(call: Callable[[str, Any, float], Any], session: str, mesh: Any, min_d
         time.sleep(POLL_S)
     if shown:
         out.write("\r" + "dtorch: devices placed".ljust(100) + "\n")
+    other = sorted({t for t in reply.device_types.values() if t != mesh.device_type})
+    if other:  # the controller places logical devices on any worker: the mesh's type is the client's to check
+        raise DTorchError(f"{mesh} was placed on {' and '.join(other)} workers: this cluster gave no "
+                          f"{mesh.device_type} device for it (make the mesh with the workers' device type)")
     return dict(reply.locations), dict(reply.caps)

@@ -195,6 +195,7 @@ class MeshPlaced(Struct, frozen=True):
     locations: dict[int, str] = {}  # logical device -> worker address
     message: str = ""
     caps: dict[str, str] = {}  # worker address -> this session's client capability there (auth.py)
+    device_types: dict[int, str] = {}  # logical device -> its worker's device type, e.g. "cuda" (1.8)
 
 
 class InstrCreate(Struct, frozen=True, gc=False, tag="create"):

@@ -367,8 +367,10 @@ class ControllerCore:
             step.note(f"session {s.id[:8]} mesh {msg.mesh}: devices " + ", ".join(f"{d}->{s.devices[d]}"
                                                                                  for d in new))
         s.meshes[msg.mesh] = Mesh(id=msg.mesh, devices=devices, shape=shape)
+        workers = self.cluster.workers
         step.reply(e.request_id, m.MeshPlaced(
-            mesh=msg.mesh, placed=True, locations={d: self.cluster.address(s.devices[d]) for d in devices}))
+            mesh=msg.mesh, placed=True, locations={d: self.cluster.address(s.devices[d]) for d in devices},
+            device_types={d: workers[s.devices[d]].device_type for d in devices}))
 
     def _submit(self, step: Step, e: ev.Submit) -> None:
         msg = e.msg
