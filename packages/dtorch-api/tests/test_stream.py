@@ -196,6 +196,15 @@ def test_close_stops_the_sender_thread(controller):
     assert not s._sender.is_alive()
 
 
+def test_a_closed_stream_says_so_at_the_next_sync_instead_of_a_transport_error(controller):
+    s = Stream(controller, "s6", "ctl:1")
+    s.close()
+    s.emit(create(1))  # an op on a tensor of the closed session
+    with pytest.raises(ClusterError, match=r"session s6 was closed \(dtorch.shutdown\(\)\)"):
+        list(s.sync(1.0))
+    assert not [name for name, _ in controller.calls if name in ("Submit", "Sync")]
+
+
 def test_records_are_encoded_by_the_flushing_thread_in_queue_order(stream, controller):
     stream.emit(create(1))
     stream.emit((lambda r: create(r[1] * 10), 2))

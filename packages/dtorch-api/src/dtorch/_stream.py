@@ -17,7 +17,8 @@ Rules:
      `keepalive_s` when the controller asks for one (0: never).
   5. `sync` flushes, then asks the controller until every worker executed everything sent (bounded); op
      errors of the session are raised there, the first one with the op and the user's source line.
-  6. A blocking sync (`carry`, the user thread's) sends its last batch inside its first `Sync` (protocol 1.7:
+  6. A closed stream (`close`, at `dtorch.shutdown()`) sends nothing more: a flush or sync raises that it was closed.
+  7. A blocking sync (`carry`, the user thread's) sends its last batch inside its first `Sync` (protocol 1.7:
      one call instead of a Submit and a Sync) and holds the send lock until that call returns, so no later batch
      can reach the controller first (it refuses batches out of order). Meanwhile the sender thread skips its
      flushes (it never waits for the lock, so keep-alives go on); a failed carrying Sync breaks the stream as a
@@ -75,7 +76,7 @@ class Stream:
             self._wake.wait(POLL_S)
             self._wake.clear()
             if (self._queue or len(self._dead) > DEAD_AT) and self._broken is None \
-                    and self._send_lock.acquire(blocking=False):  # else a carrying sync sends them (rule 6)
+                    and self._send_lock.acquire(blocking=False):  # else a carrying sync sends them (rule 7)
                 try:
                     self._flush()
                 except Exception:  # noqa: BLE001 - kept in _broken, raised at the next sync point
@@ -98,6 +99,9 @@ class Stream:
         """Submit what is queued (the send lock held); with `keep_last`, the last batch is returned unsent."""
         if self._broken is not None:
             raise self._broken
+        if self._closed:
+            raise ClusterError(f"session {self.session[:8]} was closed (dtorch.shutdown()): its tensors are gone; "
+                               "dtorch.connect() again and make them anew")
         dead = _drain(self._dead)  # before the queue: every use of a dead tid is already queued
         try:
             instrs = [i if type(i) is not tuple else i[0](i) for i in _drain(self._queue)]
@@ -124,7 +128,7 @@ class Stream:
     def sync(self, timeout: float, carry: bool = True) -> Iterator[m.SyncReply]:
         """Flush, then wait (at most `timeout` s) until the workers executed it all; yields each Sync reply (their
         locations are news for the data plane), then raises the session's op errors, if any. With `carry`, the
-        last batch goes inside the first Sync (rule 6)."""
+        last batch goes inside the first Sync (rule 7)."""
         deadline = time.monotonic() + timeout
         reply = None
         with self._send_lock:

@@ -114,7 +114,7 @@ class Session:
     # ------------------------------------------------------------------ sync points
     def sync(self, carry: bool = True) -> None:
         """Wait until the workers executed everything issued so far; raise the first op error, if any. `carry`: the
-        last batch rides in the Sync (`_stream` rule 6), not for a thread that must not stop the stream (a background
+        last batch rides in the Sync (`_stream` rule 7), not for a thread that must not stop the stream (a background
         fetch, which was a sync point for the step when it was asked for: `fetch_async`)."""
         if self.step is not None and carry:
             self.step.interrupt("a sync point")
