@@ -36,6 +36,17 @@ def test_jobs_finish_and_utilization_is_plausible(base):
     assert not sim.core.sessions  # every session closed
 
 
+def test_a_fake_worker_keeps_nothing_of_what_was_deleted_or_closed(base):
+    # Namespaces of copies come and go all the time: a key whose shards are gone is forgotten, or every report and
+    # swap walks it again (a 100,000-job run slowed down as workers gathered hundreds of empty keys).
+    base["workload"]["synthetic"]["jobs"] = 40
+    base["policy"] = {"name": "dtorch"}  # preemption: frozen sessions' state and copies move about
+    sim = run(base)
+    assert sim.jobs_done == 40 and not sim.core.sessions
+    assert [(w.id, w.store, w.totals) for w in sim.all_workers if w.store or w.totals] == []
+    assert all(w._shards() == {} for w in sim.all_workers)
+
+
 def test_same_seed_same_bytes(base, tmp_path):
     base["faults"] = [{"kind": "worker_failure", "mtbf_s": 60}]
     a = metrics.write(run(base), tmp_path / "a", plots=False)

@@ -66,7 +66,8 @@ class Worker:
         self.totals: dict[str, int] = {}  # session/namespace -> bytes
         self.errors: dict[str, list[m.ErrorReport]] = {}
         self.offloaded: dict[str, int] = {}  # session -> bytes of its state offloaded to host memory (see _swap)
-        self._stats: dict[str, m.ShardStats] | None = {}  # the shard stats now, cached (None: to compute again)
+        self._stats: dict[str, m.ShardStats] = {}  # the shard stats last worked out (`_shards`)
+        self._dirty: set[str] = set()  # sessions/namespaces whose shards changed since
         self._told = (0, self._stats)  # `completed` and shard stats of the last report that got through (registered:
         # none and none, as the core's record of it says)
         self.busy_s = 0.0  # finished busy time
@@ -169,12 +170,16 @@ class Worker:
     def _shards(self) -> dict[str, m.ShardStats]:
         """The shard stats to report: the last ones reported while the shards did not change (frozen sessions' shards
         stay put; a step writes its outputs again at the same sizes), so that `is` tells whether they are new."""
-        stats = self._stats
-        if stats is None:
-            stats = {k: m.ShardStats(tensors=len(self.store[k]), bytes=b) for k, b in self.totals.items() if b}
-            if stats == self._told[1]:
-                stats = self._told[1]
-            self._stats = stats
+        dirty, stats = self._dirty, self._stats
+        if not dirty:
+            return stats
+        totals, store = self.totals, self.store
+        changed = any(stats.get(k) != (m.ShardStats(tensors=len(store[k]), bytes=b) if (b := totals.get(k, 0))
+                                       else None) for k in dirty)  # a step's new outputs replace the old ones
+        dirty.clear()
+        if changed:  # worked out again whole, in the order of `totals`
+            stats = {k: m.ShardStats(tensors=len(store[k]), bytes=b) for k, b in totals.items() if b}
+            self._stats = stats = self._told[1] if stats == self._told[1] else stats
         return stats
 
     def busy_until_now(self) -> float:
@@ -226,19 +231,21 @@ class Worker:
     # ------------------------------------------------------------ the cost model
 
     def _put(self, key: str, shard: tuple[int, int], nbytes: int) -> None:
-        self._stats = None
         store = self.store.get(key)
         if store is None:
             store = self.store[key] = {}
             self.totals[key] = 0
+        self._dirty.add(key)
         self.totals[key] += nbytes - store.get(shard, 0)
         store[shard] = nbytes
 
     def _drop(self, key: str, shard: tuple[int, int]) -> None:
-        self._stats = None
         store = self.store.get(key)
         if store is not None and shard in store:
+            self._dirty.add(key)
             self.totals[key] -= store.pop(shard)
+            if not store:  # its last shard: forget the key, or every report and swap walks it again (namespaces
+                del self.store[key], self.totals[key]  # of copies come and go all the time)
 
     def _error(self, session: str, seq: int, op: str, message: str, kind: m.ErrorKind = m.ErrorKind.OP) -> None:
         self.errors.setdefault(session, []).append(m.ErrorReport(op=op, src="", message=message, seq=seq, kind=kind))
@@ -293,7 +300,7 @@ class Worker:
             elif kind is m.CmdCloseSession:
                 self.store.pop(session, None)
                 self.totals.pop(session, None)
-                self._stats = None
+                self._dirty.add(session)
                 self.offloaded.pop(session, None)
             elif kind is m.CmdSendShards:
                 seconds += self._send_shards(batch, cmd)

@@ -174,13 +174,24 @@ class ControllerCore:
         sessions = self.cluster.sessions
         reporter = step.reporter
         if reporter is not None and step.completed:  # deletes waiting for its reads, Syncs waiting for its work
-            for sid in sorted(reporter.sessions | self.waits.parked_on(reporter.id)):
+            # Only these can move on: a Sync that waits is parked on a busy worker and looks again at its report
+            # (waits.py rule 4), so the one it waits for last finds it there; a frozen session's Syncs wait for
+            # its release. Not every session bound here (under preemption, hundreds of frozen ones).
+            todo = self.waits.parked_on(reporter.id)
+            deferring = self.pipeline.deferring
+            if deferring:
+                todo |= reporter.sessions & deferring
+            for sid in sorted(todo):
                 s = sessions.get(sid)
-                if s is not None:
-                    if s.deferred:
-                        self.pipeline.flush_deferred(step, s)
-                    if s.syncs:  # parked Syncs to answer (most sessions on a worker have none)
-                        step.synced.add(sid)
+                if s is None:
+                    deferring.discard(sid)
+                    continue
+                if s.deferred:
+                    self.pipeline.flush_deferred(step, s)
+                if not s.deferred:
+                    deferring.discard(sid)
+                if s.syncs:
+                    step.synced.add(sid)
         if step.synced or looked:
             for sid in sorted(step.synced | looked):
                 s = sessions.get(sid)

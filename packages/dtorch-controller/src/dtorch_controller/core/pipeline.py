@@ -57,6 +57,8 @@ class Pipeline:
         self.holds: dict[str, set[st.Hold]] = {}  # session -> what holds its batches
         self.compiled: dict[str, dict[int, programs.Compiled]] = {}  # session -> program -> its commands (rule 4)
         self._versions = itertools.count(1)  # numbers each translation of a program the workers keep
+        # sessions that may hold deletes back (rule 6): each one whose `deferred` grew; dropped once seen empty
+        self.deferring: set[str] = set()
 
     def rec(self, s: Session, now: float) -> Lineage:
         """The session's lineage, made at first use: the empty registry before batch 1 is a complete snapshot."""
@@ -142,7 +144,9 @@ class Pipeline:
 
         def take(batch: Batch) -> None:
             errors.extend(batch.errors)
-            s.deferred.extend(batch.deferred)
+            if batch.deferred:
+                s.deferred.extend(batch.deferred)
+                self.deferring.add(s.id)
             for w, batch_cmds in batch.cmds.items():
                 mine = cmds.get(w)
                 if mine is None:

@@ -606,16 +606,23 @@ class Scheduler:
             else:
                 self._resumable[t.session] = None
 
-    def _relocatable(self, upto: int | None) -> list[Tenant]:
+    def _relocatable(self, upto: int | None) -> Iterator[Tenant]:
         """The frozen tenants of rank <= `upto` that `_relocate` looks at, in its order (rank, then freeze order):
         when none packs, only the ones that miss no more devices than are free (the others could take none: free
-        devices only get fewer as it goes), from `_missing_n`, not a walk over every frozen tenant."""
+        devices only get fewer as it goes), from `_missing_n`, not a walk over every frozen tenant. Taken from a
+        heap as `_relocate` goes: it stops once the free devices are gone, usually after the first few of hundreds
+        (a sort of them all at every pass was a tenth of a long run's time)."""
         if self._frozen_packed:
             ranks = [r for r in sorted(self._frozen) if upto is None or r <= upto]
-            return [self.tenants[s] for r in ranks for s in self._frozen[r]]
+            yield from [self.tenants[s] for r in ranks for s in self._frozen[r]]
+            return
         free = self.pool.free_total
-        fit = [self.tenants[s] for n, b in self._missing_n.items() if n <= free for s in b]
-        return sorted((t for t in fit if upto is None or t.rank <= upto), key=lambda t: (t.rank, t.bucketed))
+        tenants = self.tenants
+        fit = [(t.rank, t.bucketed, t) for n, b in self._missing_n.items() if n <= free for s in b
+               for t in (tenants[s],) if upto is None or t.rank <= upto]
+        heapq.heapify(fit)  # (rank, bucketed) is unique: tenants are never compared
+        while fit:
+            yield heapq.heappop(fit)[2]
 
     def _reserving_in(self, rank: int) -> list[Tenant]:
         """The frozen tenants of `rank` that hold a reservation, most recently frozen first (`_reserving`,
@@ -935,9 +942,12 @@ class Scheduler:
             wanting = self._wanted.get(w)
             if not wanting or w not in self.pool:
                 continue
-            for t in sorted((self.tenants[s] for s in wanting), key=lambda t: (t.rank, t.arrival)):
+            wants = [self.tenants[s] for s in wanting]
+            if lends:  # only a tenant this device completes may take it: not a sort of every frozen tenant it had
+                wants = [t for t in wants if len(t.missing) == 1 and w in t.missing]
+            for t in sorted(wants, key=lambda t: (t.rank, t.arrival)):
                 cap = self._cap(t)
-                if not self.pool.fits(w, cap) or (lends and t.missing != {w}):
+                if not self.pool.fits(w, cap):
                     continue
                 self.pool.lease(w, t.session, cap)
                 n = len(t.missing)
