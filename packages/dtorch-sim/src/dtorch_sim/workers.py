@@ -66,8 +66,10 @@ class Worker:
         self.totals: dict[str, int] = {}  # session/namespace -> bytes
         self.errors: dict[str, list[m.ErrorReport]] = {}
         self.offloaded: dict[str, int] = {}  # session -> bytes of its state offloaded to host memory (see _swap)
+        self._resident: set[str] = set()  # keys with bytes here that are not offloaded (what a swap may offload)
         self._stats: dict[str, m.ShardStats] = {}  # the shard stats last worked out (`_shards`)
         self._dirty: set[str] = set()  # sessions/namespaces whose shards changed since
+        self._created = False  # and whether one of them is a key made (again) since
         self._told = (0, self._stats)  # `completed` and shard stats of the last report that got through (registered:
         # none and none, as the core's record of it says)
         self.busy_s = 0.0  # finished busy time
@@ -174,12 +176,23 @@ class Worker:
         if not dirty:
             return stats
         totals, store = self.totals, self.store
-        changed = any(stats.get(k) != (m.ShardStats(tensors=len(store[k]), bytes=b) if (b := totals.get(k, 0))
-                                       else None) for k in dirty)  # a step's new outputs replace the old ones
+        changed = {k: m.ShardStats(tensors=len(store[k]), bytes=b) if (b := totals.get(k, 0)) else None
+                   for k in dirty}
         dirty.clear()
-        if changed:  # worked out again whole, in the order of `totals`
+        changed = {k: v for k, v in changed.items() if stats.get(k) != v}  # a step's new outputs replace the old
+        if not changed:
+            return stats
+        if self._created or any(v is not None and k not in stats for k, v in changed.items()):
+            self._created = False  # a key new to the stats: worked out whole, in the order of `totals`
             stats = {k: m.ShardStats(tensors=len(store[k]), bytes=b) for k, b in totals.items() if b}
-            self._stats = stats = self._told[1] if stats == self._told[1] else stats
+        else:  # the keys keep their places
+            stats = dict(stats)
+            for k, v in changed.items():
+                if v is None:
+                    del stats[k]
+                else:
+                    stats[k] = v
+        self._stats = stats = self._told[1] if stats == self._told[1] else stats
         return stats
 
     def busy_until_now(self) -> float:
@@ -235,17 +248,24 @@ class Worker:
         if store is None:
             store = self.store[key] = {}
             self.totals[key] = 0
+            self._created = True
         self._dirty.add(key)
-        self.totals[key] += nbytes - store.get(shard, 0)
+        held = self.totals[key] = self.totals[key] + nbytes - store.get(shard, 0)
         store[shard] = nbytes
+        if held and key not in self.offloaded:
+            self._resident.add(key)
+        else:
+            self._resident.discard(key)
 
     def _drop(self, key: str, shard: tuple[int, int]) -> None:
         store = self.store.get(key)
         if store is not None and shard in store:
             self._dirty.add(key)
             self.totals[key] -= store.pop(shard)
-            if not store:  # its last shard: forget the key, or every report and swap walks it again (namespaces
-                del self.store[key], self.totals[key]  # of copies come and go all the time)
+            if not self.totals[key]:
+                self._resident.discard(key)
+            if not store:  # its last shard: forget the key (namespaces of copies come and go all the time)
+                del self.store[key], self.totals[key]
 
     def _error(self, session: str, seq: int, op: str, message: str, kind: m.ErrorKind = m.ErrorKind.OP) -> None:
         self.errors.setdefault(session, []).append(m.ErrorReport(op=op, src="", message=message, seq=seq, kind=kind))
@@ -301,6 +321,7 @@ class Worker:
                 self.store.pop(session, None)
                 self.totals.pop(session, None)
                 self._dirty.add(session)
+                self._resident.discard(session)
                 self.offloaded.pop(session, None)
             elif kind is m.CmdSendShards:
                 seconds += self._send_shards(batch, cmd)
@@ -331,13 +352,17 @@ class Worker:
         first; a session whose state was offloaded here loads it back before it computes here again. Both copies
         take bytes / `host_gbps`, on this batch's clock. Packed (capped) sessions fit by their caps: no swapping."""
         session = batch.session
-        nbytes = self.totals.get(session, 0) if self.offloaded.pop(session, None) is not None else 0  # loaded back
+        nbytes = 0
+        if self.offloaded.pop(session, None) is not None:  # loaded back
+            nbytes = self.totals.get(session, 0)
+            if nbytes:
+                self._resident.add(session)
         if not batch.memory_cap:
             live = self.sim.session_jobs
-            for other, held in self.totals.items():
-                if held and other != session and other in live and other not in self.offloaded:
-                    self.offloaded[other] = held
-                    nbytes += held
+            for other in [k for k in self._resident if k != session and k in live]:
+                held = self.offloaded[other] = self.totals[other]
+                nbytes += held
+                self._resident.discard(other)
         if not nbytes:
             return 0.0
         seconds = nbytes * 8 / (self.sim.scenario.cost.host_gbps * 1e9)
