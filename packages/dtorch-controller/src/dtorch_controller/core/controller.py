@@ -490,7 +490,7 @@ class ControllerCore:
         self._heard(step, w)
         before = w.completed
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
-        w.stats = dict(msg.sessions)
+        w.stats = msg.sessions  # the report's own: read only, here and by whoever sent it
         w.received_bytes = msg.received_bytes
         if msg.utilization >= 0:
             w.utilization = msg.utilization
