@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import IO, Any
 
-from dtorch.errors import ClusterError, DTorchError, env_float
+from dtorch.errors import ClusterError, env_float
 from dtorch_protocol import messages as m
 
 POLL_S = 0.2
@@ -41,6 +42,7 @@ def place(call: Callable[[str, Any, float], Any], session: str, mesh: Any, min_d
         out.write("\r" + "dtorch: devices placed".ljust(100) + "\n")
     other = sorted({t for t in reply.device_types.values() if t != mesh.device_type})
     if other:  # the controller places logical devices on any worker: the mesh's type is the client's to check
-        raise DTorchError(f"{mesh} was placed on {' and '.join(other)} workers: this cluster gave no "
-                          f"{mesh.device_type} device for it (make the mesh with the workers' device type)")
+        warnings.warn(f"dtorch: {mesh} was placed on {' and '.join(other)} workers: this cluster gave no "
+                      f"{mesh.device_type} device for it, and its shards live and run there", RuntimeWarning,
+                      stacklevel=2)
     return dict(reply.locations), dict(reply.caps)
