@@ -56,6 +56,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,37 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2, before: C
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples) * 1e3
+
+
+def per_op_us(loop: Callable[[int], object], args: argparse.Namespace, before: Callable[[], object] | None = None,
+              after: Callable[[object], object] | None = None) -> dict[str, float]:
+    """(a): `loop(n)` runs n ops back to back; medians over --repeats loops of --iters ops, per op in us: wall
+    ("a"), the user thread's CPU ("a_cpu") and, with `after` (a sync point on what the loop returned), the time
+    to its end ("a_total")."""
+    walls, cpus, totals = [], [], []
+    for _ in range(args.repeats):
+        if before is not None:
+            before()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        y = loop(args.iters)
+        walls.append((time.perf_counter() - t0) / args.iters * 1e6)
+        cpus.append((time.thread_time() - c0) / args.iters * 1e6)
+        if after is not None:
+            after(y)
+            totals.append((time.perf_counter() - t0) / args.iters * 1e6)
+    out = {"a": statistics.median(walls), "a_cpu": statistics.median(cpus)}
+    if totals:
+        out["a_total"] = statistics.median(totals)
+    return out
+
+
+def _adds(x: Any, one: Any) -> Callable[[int], Any]:
+    """(a)'s loop: x + one + one ... (both as locals of the loop's frame, as in a user's loop)."""
+    def loop(n: int, y: Any = x, one: Any = one) -> Any:
+        for _ in range(n):
+            y = y + one
+        return y
+    return loop
 
 
 def repeats_for(nbytes: int, repeats: int) -> int:
@@ -205,17 +237,8 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
     if "a" in args.only:
         x = distribute_tensor(torch.zeros(1, device=device), mesh, [Replicate()])
         one = distribute_tensor(torch.ones(1, device=device), mesh, [Replicate()])
-        y = x + one
-        walls, cpus = [], []
-        for _ in range(args.repeats):
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            for _ in range(args.iters):
-                y = y + one
-            walls.append((time.perf_counter() - t0) / args.iters * 1e6)
-            cpus.append((time.thread_time() - c0) / args.iters * 1e6)
-            sync()
-        out["a"], out["a_cpu"] = statistics.median(walls), statistics.median(cpus)
+        _ = x + one  # warm: the op's sharding cached
+        out.update(per_op_us(_adds(x, one), args, before=dist.barrier, after=lambda _y: sync()))
 
     if "b" in args.only or "c" in args.only:
         model = make_mlp().to(device)
@@ -302,15 +325,7 @@ def run_plain(args: argparse.Namespace) -> dict:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     out: dict[str, object] = {}
     if "a" in args.only:
-        a, b = torch.zeros(1, device=device), torch.ones(1, device=device)
-        walls, cpus = [], []
-        for _ in range(args.repeats):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            for _ in range(args.iters):
-                a = a + b
-            walls.append((time.perf_counter() - t0) / args.iters * 1e6)
-            cpus.append((time.thread_time() - c0) / args.iters * 1e6)
-        out["a"], out["a_cpu"] = statistics.median(walls), statistics.median(cpus)
+        out.update(per_op_us(_adds(torch.zeros(1, device=device), torch.ones(1, device=device)), args))
     model = make_mlp().to(device)
     inp, target = (t.to(device) for t in batch())
     if "b" in args.only:
@@ -339,18 +354,12 @@ def run_dtorch(args: argparse.Namespace) -> dict:
         x = dtorch.zeros(1, device_mesh=mesh, placements=[Replicate()])
         one = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])
         (x + one).to_torch()  # warm: mesh placed, plan cached
-        walls, cpus, totals = [], [], []
-        for _ in range(args.repeats):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            y = x
-            for _ in range(args.iters):
-                y = y + one
-            walls.append((time.perf_counter() - t0) / args.iters * 1e6)
-            cpus.append((time.thread_time() - c0) / args.iters * 1e6)
-            if y.to_torch().item() != args.iters + 0.0:
-                raise AssertionError(f"(a): dtorch computed {y.to_torch().item()}, expected {args.iters}")
-            totals.append((time.perf_counter() - t0) / args.iters * 1e6)
-        out["a"], out["a_cpu"], out["a_total"] = (statistics.median(v) for v in (walls, cpus, totals))
+
+        def check(y: Any) -> None:  # the values, back on the client: the time to here is "incl. execution"
+            if (got := y.to_torch().item()) != args.iters + 0.0:
+                raise AssertionError(f"(a): dtorch computed {got}, expected {args.iters}")
+
+        out.update(per_op_us(_adds(x, one), args, after=check))
 
     if "b" in args.only or "c" in args.only:
         model = make_mlp()

@@ -176,10 +176,12 @@ class Worker:
         if not dirty:
             return stats
         totals, store = self.totals, self.store
-        changed = {k: m.ShardStats(tensors=len(store[k]), bytes=b) if (b := totals.get(k, 0)) else None
-                   for k in dirty}
+        changed = {}
+        for k in dirty:  # most often a step's new outputs replaced the old ones at the same sizes: no change
+            v = m.ShardStats(tensors=len(store[k]), bytes=b) if (b := totals.get(k, 0)) else None
+            if stats.get(k) != v:
+                changed[k] = v
         dirty.clear()
-        changed = {k: v for k, v in changed.items() if stats.get(k) != v}  # a step's new outputs replace the old
         if not changed:
             return stats
         if self._created or any(v is not None and k not in stats for k, v in changed.items()):
