@@ -211,6 +211,8 @@ def test_time_frozen_is_reported_per_job_and_freezing_costs_an_offload(base, tmp
     assert s["queueing_delay_s"]["max"] < 1  # nobody queued: the frozen time is only visible here
     assert s["frozen_s"]["max"] == pytest.approx(55 + swap) and s["frozen_s"]["p50"] == 0
     assert s["frozen_share_of_jct"]["max"] == pytest.approx(55 / 150, rel=1e-2)  # its JCT: 100 s + b's 50 s
+    # the floor: their JCTs had neither waited nor stopped, their durations (a mean JCT is never below its mean)
+    assert (s["jct_floor_s"]["mean"], s["jct_floor_s"]["max"]) == (75, 100) and s["jct_s"]["mean"] > 75
     metrics.write(sim, tmp_path / "out", plots=False)
     header, *rows = (tmp_path / "out" / "jobs.csv").read_text().splitlines()
     frozen = dict((r.split(",")[0], float(r.split(",")[header.split(",").index("frozen_s")])) for r in rows)

@@ -57,6 +57,8 @@ def _table(rows: list[tuple[dict, float]]) -> Table:
         ("jobs finished", lambda s, w: f"{s['jobs']['finished']}/{s['jobs']['submitted']}"),
         ("jobs failed / restarts", lambda s, w: f"{s['jobs']['failed']} / {s['jobs']['restarts']}"),
         ("JCT mean / p50 / p99 (s)", lambda s, w: " / ".join(f(s["jct_s"][k]) for k in ("mean", "p50", "p99"))),
+        ("JCT floor mean / p99 (no wait, s)", lambda s, w: " / ".join(f(s["jct_floor_s"][k])
+                                                                      for k in ("mean", "p99"))),
         ("queueing delay mean / p50 / p99 (s)", lambda s, w: " / ".join(f(s["queueing_delay_s"][k])
                                                                         for k in ("mean", "p50", "p99"))),
         ("frozen per job mean / p99 (s)", lambda s, w: " / ".join(f(s["frozen_s"][k]) for k in ("mean", "p99"))),

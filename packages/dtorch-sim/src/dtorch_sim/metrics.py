@@ -9,6 +9,10 @@ Definitions (metrics.json):
   max); `frozen_s`: seconds a finished job spent frozen (preempted), in all, and `frozen_share_of_jct` that time
   as a fraction of its JCT (a queueing delay of 0 under preemption hides frozen time: these show it);
   `jct_s_by_priority`, `jct_s_by_group` (the trace's partition values).
+* `jct_floor_s`: the finished jobs' own durations (the work of the trace, on speed-1.0 devices, on the devices
+  each asked for): a job's JCT had it started on arrival and never stopped. No policy brings a job below its
+  duration on such devices (a job on fewer devices runs slower, never faster), so no mean JCT is below this mean:
+  a goal stated as a ratio to another policy's mean (e.g. 1/1.3 of LAS's) is out of reach where it is lower.
 * `makespan_s`: last finish - first arrival.
 * `utilization`: time averages over the samples, weighted by alive devices: `busy` (executing), `allocated`
   (leased to a session), `unallocated_share` (capacity no session leases: a whole device, or the room left by
@@ -94,6 +98,7 @@ def summarize(sim: Simulation) -> dict:
             "restarts": sum(r.restarts for r in sim.jobs),
         },
         "jct_s": _stats(jct),
+        "jct_floor_s": _stats([r.spec.duration for r in done]),
         "jct_s_by_priority": {p: _stats([r.finished - r.spec.arrival for r in done if r.spec.priority == p])
                               for p in PRIORITIES if any(r.spec.priority == p for r in sim.jobs)},
         "queueing_delay_s": _stats(queued),
