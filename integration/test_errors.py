@@ -59,6 +59,7 @@ def test_a_mesh_placed_on_workers_of_another_device_type_says_so(cluster):
     with pytest.warns(RuntimeWarning, match=r"DeviceMesh\('cuda', \[0, 1\]\) was placed on cpu workers") as info:
         x = dtorch.distribute_tensor(torch.ones(4), mesh, [Shard(0)])  # it ran on the CPU workers, silently
     assert len(info) == 1 and "\n" not in str(info[0].message)
+    assert info[0].filename == __file__  # it points at the user's line, not into dtorch
     assert torch.equal((x * 2).to_torch(), torch.full((4,), 2.0))  # and runs there (a GPU script tried on CPUs)
 
 

@@ -1,7 +1,8 @@
-"""Dropping the last reference to a DTensor frees its shards on the workers."""
+"""Dropping the last reference to a DTensor frees its shards on the workers; a shallow copy shares them."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import torch
@@ -40,3 +41,18 @@ def test_temporaries_of_redistribution_are_freed(cluster, mesh4):
     del a, b, c
     gc.collect()
     assert live(cluster) == base
+
+
+def test_copy_copy_shares_the_data_as_torchs_does(cluster, mesh4):
+    ref = torch.arange(8.0).requires_grad_()
+    x = dtorch.distribute_tensor(torch.arange(8.0), mesh4, [Shard(0)]).requires_grad_()
+    c, rc = copy.copy(x), copy.copy(ref)  # torch's default pickled the DTensor whole into a plain tensor
+    assert isinstance(c, dtorch.DTensor) and c.placements == x.placements and c.device_mesh == mesh4
+    assert c.requires_grad == rc.requires_grad and c.is_leaf == rc.is_leaf and c._tid != x._tid
+    with torch.no_grad():
+        c.add_(1)
+        rc.add_(1)
+    assert torch.equal(x.to_torch(), ref.detach())  # the write through the copy shows in the original
+    del c
+    gc.collect()
+    assert torch.equal(x.to_torch(), ref.detach())  # dropping the copy keeps the original's data

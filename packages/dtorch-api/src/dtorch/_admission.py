@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from typing import IO, Any
 
+from dtorch import _source
 from dtorch.errors import ClusterError, env_float
 from dtorch_protocol import messages as m
 
@@ -44,5 +45,5 @@ def place(call: Callable[[str, Any, float], Any], session: str, mesh: Any, min_d
     if other:  # the controller places logical devices on any worker: the mesh's type is the client's to check
         warnings.warn(f"dtorch: {mesh} was placed on {' and '.join(other)} workers: this cluster gave no "
                       f"{mesh.device_type} device for it, and its shards live and run there", RuntimeWarning,
-                      stacklevel=2)
+                      stacklevel=_source.stacklevel())
     return dict(reply.locations), dict(reply.caps)

@@ -27,6 +27,15 @@ def caller(depth: int = 1) -> tuple[CodeType | None, int]:
     return (f.f_code, f.f_lasti) if f is not None else (None, 0)
 
 
+def stacklevel() -> int:
+    """The `stacklevel` that makes a `warnings.warn` of the caller point at the nearest frame outside dtorch and
+    torch (the user's line), however deep in dtorch the warning is given."""
+    f, level = sys._getframe(1), 1
+    while f.f_back is not None and f.f_code.co_filename.startswith(SKIP):
+        f, level = f.f_back, level + 1
+    return level
+
+
 _LINES: dict[tuple[int, int], tuple[CodeType, str]] = {}  # (id(code), offset) -> (code, "file:line")
 _LINES_MAX = 1 << 14
 

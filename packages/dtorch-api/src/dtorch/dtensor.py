@@ -58,6 +58,13 @@ class DTensor(torch.Tensor):
         except AttributeError:  # never finished: nothing to free
             pass
 
+    def __copy__(self) -> DTensor:
+        """`copy.copy`: as torch's, a tensor that shares the data (an alias on the workers: writes to either show in
+        both) with the same `requires_grad`, a leaf; torch's default would pickle it whole and give a plain tensor."""
+        new = self.detach().requires_grad_(self.requires_grad)
+        new.__dict__.update(self.__dict__)
+        return new
+
     def __deepcopy__(self, memo: dict) -> DTensor:
         """A copy on the cluster with the same placements (`copy.deepcopy` of a parallelized model): torch's
         default would copy the tensor id and the session's connection."""
