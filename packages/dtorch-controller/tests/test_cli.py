@@ -125,6 +125,11 @@ def test_no_key_file_is_fatal_at_start(tmp_path):
         assert out.returncode == 2 and "cannot read the key file" in out.stderr
 
 
+def test_a_negative_dispatch_window_is_refused_in_one_line(tmp_path):
+    out = _run("--dispatch-ahead", "-1", "--listen", "127.0.0.1:0")
+    assert out.returncode == 2 and "dispatch_ahead must be >= 0, got -1" in out.stderr and out.stderr.count("\n") == 1
+
+
 def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):
     """Keys are shown once and stored hashed; a running controller honours a revocation within a second."""
     path = tmp_path / "keys.json"

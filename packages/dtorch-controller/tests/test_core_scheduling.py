@@ -759,3 +759,29 @@ def test_a_packed_sessions_later_mesh_leases_free_devices_with_its_cap(h):
     assert leases(h, w0) == {s: 400} and leases(h, w1) == {s: 400}
     other = h.open_session(memory_cap=600)
     assert h.open_mesh(other, 1, [0]).placed and leases(h, w0) == {s: 400, other: 600}  # 1000: fits exactly
+
+
+@pytest.mark.parametrize("ahead, high_seq", [(0, 4), (1, 2)])
+def test_a_dispatch_window_lets_a_preemptor_run_after_k_batches_of_its_victim_not_all_it_sent(make_harness, ahead,
+                                                                                             high_seq):
+    """Pipeline rule 7: a frozen session's batches already sent still run; with `dispatch_ahead` 1 only one was
+    sent, so the preemptor's first batch runs right after it (without a window: after all three). The victim's
+    others go out, in order, when it resumes."""
+    h = make_harness(policy=PriorityPolicy({"relocate": False}), dispatch_ahead=ahead, snapshot_every_batches=0,
+                     **QUIET)
+    (w0,) = workers(h, 1)
+    low, high = h.open_session("low", priority="low"), h.open_session("high", priority="high")
+    assert h.open_mesh(low, 1, [0]).placed
+    h.submit(low, 1, [create(1)])
+    h.submit(low, 2, [m.InstrDelete(tids=[1])])
+    h.submit(low, 3, [create(2)])
+    assert h.open_mesh(high, 1, [0]).placed and sched_state(h, low) == "frozen"
+    h.submit(high, 1, [create(1)])
+    sent = [(x.execute.session, x.execute.seq) for x in h.take_sent()]
+    assert sent[-1] == (high, high_seq) and [q for s, q in sent if s == low] == list(range(1, high_seq))
+    close(h, high)
+    h.report_all()
+    assert sched_state(h, low) == "running"
+    for _ in range(3):
+        h.report_all()
+    assert [x.execute.session for x in h.take_sent()].count(low) == 3 - (high_seq - 1)  # the rest, after the resume

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from _core_helpers import spec
+from _core_helpers import add_, create, spec
 from dtorch_controller.core import Refusal
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.timers import Heartbeat, SyncDeadline
@@ -388,3 +388,38 @@ def test_nan_sync_timeout_answers_at_once(h):
     rid, reply = h.sync(sid, 1, timeout_s=float("nan"))
     h.advance(0.0)
     assert h.replies[rid].done is False
+
+
+# ---------------------------------------------------------------- the dispatch window (pipeline rule 7)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_dispatch_ahead_sends_at_most_k_batches_of_a_session_to_a_worker_and_a_sync_waits_for_the_rest(make_harness,
+                                                                                                     ahead):
+    h = make_harness(dispatch_ahead=ahead, snapshot_every_batches=0)
+    w0, w1 = h.register("10.0.0.0:7000"), h.register("10.0.0.1:7001")
+    s = h.open_session()
+    assert h.open_mesh(s, 1, [0, 1]).placed
+    h.submit(s, 1, [create(1)])
+    for seq in range(2, 6):
+        h.submit(s, seq, [add_(1)])
+    sent = h.take_sent()
+    assert sorted((x.worker_id, x.execute.seq) for x in sent) == [(w, q) for w in (w0, w1) for q in range(1, ahead + 1)]
+    rid, reply = h.sync(s, 5)
+    assert reply is None  # batches wait in the log: the Sync waits for them too
+    h.report(w0, completed=1)
+    assert [(x.worker_id, x.execute.seq) for x in h.take_sent()] == []  # w1 is still full
+    h.report(w1, completed=1)
+    assert sorted((x.worker_id, x.execute.seq) for x in h.take_sent()) == [(w0, ahead + 1), (w1, ahead + 1)]
+    for _ in range(5):
+        h.report_all()
+    assert h.replies[rid].done and h.core.workers[w0].sent == 5  # every batch went out, in order, then the Sync
+
+
+def test_without_a_dispatch_window_everything_accepted_goes_out_at_once(h):
+    h.register("10.0.0.0:7000")
+    s = h.open_session()
+    assert h.open_mesh(s, 1, [0]).placed
+    h.submit(s, 1, [create(1)])
+    h.submit(s, 2, [add_(1)])
+    assert [x.execute.seq for x in h.take_sent()] == [1, 2]

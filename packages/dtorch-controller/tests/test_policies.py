@@ -46,7 +46,7 @@ def test_policies_by_name_with_their_defaults():
     assert (las.thresholds, las.starve_factor, las.starve_min_s) == ((60.0, 600.0, 3600.0), 0.0, 60.0)
     assert (dt.preempts, dt.packs, dt.relocates, dt.relocate_after, dt.lends, dt.shrinks) == \
         (True, True, True, 0.0, True, True)
-    assert (dt.thresholds, dt.levels, dt.fairness) == ((60.0, 600.0, 3600.0), 4, 1.0)
+    assert (dt.thresholds, dt.levels, dt.fairness) == ((60.0, 600.0, 3600.0), 4, 0.0)  # no shield by default
 
 
 def test_parameters_are_taken_as_given():
@@ -100,8 +100,7 @@ def test_policies_describe_themselves():
     assert LasPolicy({"thresholds": [1.5, 60], "starve_factor": 2}).describe() == \
         "las (thresholds 1.5, 60 device-s, starve_factor 2)"
     assert DTorchPolicy().describe() == ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, "
-                                         "shielded once frozen 1x its running time, preempt=on, pack=on, "
-                                         "lend=on)")
+                                         "no shield, preempt=on, pack=on, lend=on)")
     assert DTorchPolicy({"preempt": False, "pack": False, "lend": False, "fairness": 0.5}).describe() == \
         ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, shielded once frozen 0.5x "
          "its running time, preempt=off, pack=off, lend=off)")

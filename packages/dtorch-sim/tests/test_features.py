@@ -219,6 +219,23 @@ def test_time_frozen_is_reported_per_job_and_freezing_costs_an_offload(base, tmp
     assert frozen["b"] == 0 and frozen["a"] == pytest.approx(55 + swap)
 
 
+@pytest.mark.parametrize("ahead, starts", [(0, 50.0), (1, 20.0)])
+def test_a_dispatch_window_lets_a_preemptor_start_after_one_step_of_its_victim(base, tmp_path, ahead, starts):
+    # a: 10 steps of 10 s on 4 devices, a sync point every 5 steps, so at t=15 it has sent steps 1-5 (0-50 s); b
+    # preempts it then. A freeze holds only what was not sent: without a window b waits for all five, with
+    # `controller.dispatch_ahead: 1` only for the step running (pipeline rule 7)
+    jobs_trace(base, tmp_path, "a,0,4,100,low\nb,15,4,50,high\n")
+    base["workload"]["sync_every"] = 5
+    base["policy"] = {"name": "priority"}
+    base["controller"] = {"dispatch_ahead": ahead}
+    sim, s = run(base)
+    b = next(r for r in sim.jobs if r.spec.id == "b")
+    a = next(r for r in sim.jobs if r.spec.id == "a")
+    swap = 2 * 2**30 * 8 / 200e9  # a's state offloaded to host memory first
+    assert b.finished == pytest.approx(starts + swap + 50) and a.preemptions == 1
+    assert a.finished - a.spec.arrival == pytest.approx(150 + 2 * swap)  # a loses nothing either way
+
+
 def test_amdahl_scaling_a_job_on_fewer_devices_than_it_asked_for(base, tmp_path):
     # 8 logical devices on the 4 devices of the cluster: with p = 0.9, 100 s on 8 devices is T1 = 100 / (0.1 +
     # 0.9 / 8) on one, and 4 workers take T1 * (0.1 + 0.9 / 4) = 152.9 s (linear scaling would say 200 s)

@@ -75,7 +75,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = Config(heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                         snapshot_every_batches=args.snapshot_batches, snapshot_every_s=args.snapshot_interval,
-                        session_timeout_s=args.session_timeout, collective_timeout_s=args.collective_timeout)
+                        session_timeout_s=args.session_timeout, collective_timeout_s=args.collective_timeout,
+                        dispatch_ahead=args.dispatch_ahead)
         policy = make_policy(args.policy, _policy_params(args.policy_param))
         if args.usage_interval <= 0:
             raise ValueError(f"--usage-interval must be > 0 seconds, got {args.usage_interval:g}")
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60")),
                         help="bound on a process group's rendezvous and on each collective: past it the op fails "
                              "naming the workers that never arrived (default 60, $DTORCH_COLLECTIVE_TIMEOUT)")
+    parser.add_argument("--dispatch-ahead", type=int, default=0, metavar="N",
+                        help="at most N batches of a session sent and not yet run on a worker: a preempted session "
+                             "frees its devices within N batches, at some cost to pipelining (default 0: no bound)")
     parser.add_argument("--policy", default="dtorch",
                         help="scheduling policy: dtorch (default: classes, then least remaining or attained work, "
                              "preemption by freezing, relocation, packing), priority, fifo or las")

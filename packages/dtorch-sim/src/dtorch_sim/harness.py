@@ -101,7 +101,8 @@ class Simulation:
         config = {"heartbeat_interval_s": sc.heartbeat.interval_s, "heartbeat_timeout_s": sc.heartbeat.timeout_s,
                   "max_sync_timeout_s": FOREVER_S, "session_timeout_s": 0.0,  # simulated clients never vanish
                   "snapshot_every_batches": sc.recovery.snapshot_every_batches,
-                  "snapshot_every_s": sc.recovery.snapshot_every_s}
+                  "snapshot_every_s": sc.recovery.snapshot_every_s,
+                  "dispatch_ahead": sc.controller.dispatch_ahead}
         known = {f.name for f in dataclasses.fields(Config)}
         self.core = ControllerCore(Config(**{k: v for k, v in config.items() if k in known}),
                                    session_ids=counter_ids("s"),

@@ -426,6 +426,14 @@ class Recovery(_Model):
     snapshot_every_s: float = Field(1e12, gt=0)
 
 
+class Controller(_Model):
+    """Settings of the core that are not the policy's (`dtorch_controller.core.Config`)."""
+
+    # at most this many batches of a session sent and not completed on a worker (pipeline rule 7): a freeze
+    # takes effect within that many steps, not after everything sent since the job's last sync point; 0: no bound
+    dispatch_ahead: int = Field(0, ge=0)
+
+
 class Policy(_Model):
     name: str = "fifo"
     params: dict[str, object] = {}
@@ -461,6 +469,7 @@ class Scenario(_Model):
     policy: Policy = Policy()
     heartbeat: Heartbeat = Heartbeat()
     recovery: Recovery = Recovery()
+    controller: Controller = Controller()
     faults: list[Fault] = []
     elastic: list[Elastic] = []
     autoscaler: Autoscaler | None = None

@@ -31,6 +31,9 @@ class Config:
     snapshot_every_s: float = 30.0
     session_timeout_s: float = 5.0  # a client silent this long is gone: its session closes (0: never)
     collective_timeout_s: float = 60.0  # bound on a process group's rendezvous and on each of its collectives
+    # Pipeline rule 7: at most this many Execute batches of a session sent and not completed on any one worker (the
+    # rest wait in its log), so a freeze takes effect within that many batches; 0: no bound (everything goes out).
+    dispatch_ahead: int = 0
     format_time: Callable[[float], str] = format_seconds  # renders `now` in event-log lines
 
     def __post_init__(self) -> None:
@@ -46,6 +49,8 @@ class Config:
                              f"{self.snapshot_every_batches} and {self.snapshot_every_s}")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.dispatch_ahead < 0:
+            raise ValueError(f"dispatch_ahead must be >= 0, got {self.dispatch_ahead}")
         if self.event_log_size < 1:
             raise ValueError(f"event_log_size must be >= 1, got {self.event_log_size}")
 

@@ -93,7 +93,8 @@ class ControllerCore:
         self.sched = Scheduler(self.policy, self.cluster.workers)
         self.sched.growth = True  # elastic sessions grow onto free workers: their devices move (elastic.py)
         self.sched.relocation = True  # frozen sessions resume on free workers: their devices move (elastic.py)
-        self.pipeline = Pipeline(self.cluster, self.sched.pool, recovery=config.snapshot_every_batches > 0)
+        self.pipeline = Pipeline(self.cluster, self.sched.pool, recovery=config.snapshot_every_batches > 0,
+                                 ahead=config.dispatch_ahead)
         self.waits = WaitIndex()
         self.snapshots = Snapshots(config, self.cluster, self.sched.pool, self.pipeline)
         self.moves = Moves(self.cluster, self.sched, self.pipeline)
@@ -144,6 +145,8 @@ class ControllerCore:
         if not (step.changes or step.touched or step.pumped or step.synced or step.everyone or self.drains.jobs):
             if step.reporter is None or (not step.completed and self.waits.idle_for(step.reporter)):
                 return  # nothing changed that could let anything move on (most requests, idle heartbeats)
+        if step.completed and step.reporter is not None and self.pipeline.windowed:
+            self.pipeline.unblock(step, step.reporter.id)  # pipeline rule 7: the next batches fit now
         if step.reporter is not None:
             look = self.waits.looked_at_by(step.reporter)
         elif step.everyone:
@@ -578,6 +581,7 @@ class ControllerCore:
         cause = "timeout" if event == st.TIMEOUT else "unreachable"
         step.emit(fx.Fenced(w.id, reason, cause, silent_s=step.now - w.last_seen))
         self.recovery.worker_lost(step, w, reason)
+        self.pipeline.unblock(step, w.id)  # its batches count no more (pipeline rule 7)
         self.drains.worker_lost(w)
         self.cluster.prune_lost()
         self._apply(step, self.sched.worker_changed(step.now, w))

@@ -21,11 +21,18 @@ Rules:
    (`state.HOLDS`: a frozen session's only while batches are held; recovering and migrating always).
 6. A delete of a tensor that remote readers (redistributions on other workers) still have to read is held back
    until those readers completed (or were lost).
+7. Dispatch window (`Config.dispatch_ahead` = k > 0): a session has at most k Execute batches sent and not completed
+   on any one worker. The next batch waits in the log until that worker reports a completion (`unblock`, from the
+   controller's settle pass, or the worker's loss), and a Sync waits for it as for a held one. Batches already sent
+   run even when the session is frozen (rule 1 holds only what was not sent), so this bounds how long a freeze
+   takes to free its devices, and how long a move or a rebuild queued behind them waits: k batches, not
+   everything the client sent since its last sync point. 0 (the default): no bound.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import programs
@@ -49,10 +56,13 @@ _SYNC_WAITS = frozenset(h for h, rule in st.HOLDS.items() if rule.sync_waits)  #
 
 
 class Pipeline:
-    def __init__(self, cluster: Cluster, pool: Pool, recovery: bool) -> None:
+    def __init__(self, cluster: Cluster, pool: Pool, recovery: bool, ahead: int = 0) -> None:
         self.cluster = cluster
         self.pool = pool
         self.recovery = recovery  # sessions keep lineage (snapshots and their log) to be rebuilt after a loss
+        self.ahead = ahead  # rule 7: batches of a session sent and not completed per worker (0: no bound)
+        self.in_flight: dict[str, dict[str, deque[int]]] = {}  # session -> worker -> its seqs sent there (rule 7)
+        self.windowed: dict[str, set[str]] = {}  # worker -> sessions whose next batch waits for its completion
         self.recs: dict[str, Lineage] = {}  # session -> its log and copies (read them here, change them in place)
         self.holds: dict[str, set[st.Hold]] = {}  # session -> what holds its batches
         self.compiled: dict[str, dict[int, programs.Compiled]] = {}  # session -> program -> its commands (rule 4)
@@ -73,6 +83,7 @@ class Pipeline:
         """Forget the session's log and holds; returns its lineage (its copies are still to be dropped)."""
         self.holds.pop(s.id, None)
         self.compiled.pop(s.id, None)
+        self.in_flight.pop(s.id, None)
         return self.recs.pop(s.id, None)
 
     # ------------------------------------------------------------ accepting and holding (rule 1)
@@ -114,12 +125,39 @@ class Pipeline:
         rec = self.rec(s, step.now)
         for b in rec.log:
             if not b.sent:
+                if self.ahead and (full := self._full(s)) is not None:
+                    self.windowed.setdefault(full, set()).add(s.id)  # rule 7: its completion sends the rest
+                    break
                 b.sent = True
                 rec.sent_upto = b.seq
                 self._send_batch(step, s, rec, b)
         if not rec.enabled:
             rec.log = [b for b in rec.log if not b.sent]
         step.pumped.add(s.id)
+
+    def _full(self, s: Session) -> str | None:
+        """A worker that has `ahead` batches of the session not completed yet (rule 7), or None."""
+        mine = self.in_flight.get(s.id)
+        if not mine:
+            return None
+        workers = self.cluster.workers
+        for worker_id, seqs in list(mine.items()):
+            w = workers.get(worker_id)
+            if w is not None and w.state != st.LOST:
+                while seqs and seqs[0] <= w.completed:
+                    seqs.popleft()
+                if len(seqs) >= self.ahead:
+                    return worker_id
+            if w is None or w.state == st.LOST or not seqs:
+                del mine[worker_id]
+        return None
+
+    def unblock(self, step: Step, worker_id: str) -> None:
+        """`worker_id` completed a batch or was lost: the sessions waiting for it send what now fits (rule 7)."""
+        for sid in sorted(self.windowed.pop(worker_id, ())):
+            s = self.cluster.sessions.get(sid)
+            if s is not None:
+                self.pump(step, s)
 
     def _send_batch(self, step: Step, s: Session, rec: Lineage, b: LoggedBatch) -> None:
         cmds, adopts, errors = self.translate(step.now, s, rec, b, replay=False)
@@ -193,6 +231,8 @@ class Pipeline:
             w = self.cluster.workers[worker_id]
             w.sent += 1
             s.sent[worker_id] = seqs[worker_id] = w.sent
+            if self.ahead:
+                self.in_flight.setdefault(s.id, {}).setdefault(worker_id, deque()).append(w.sent)
             step.emit(fx.SendExecute(worker_id, w.address, m.Execute(seq=w.sent, session=s.id, cmds=batch,
                                                                      memory_cap=s.memory_cap)))
         return seqs
@@ -228,7 +268,9 @@ class Pipeline:
     def held(self, s: Session) -> bool:
         """Does a hold make a Sync wait (rule 5)?"""
         reasons = self.holds.get(s.id)
-        return bool(reasons) and (not _SYNC_WAITS.isdisjoint(reasons) or self.unsent(s))
+        if reasons:
+            return not _SYNC_WAITS.isdisjoint(reasons) or self.unsent(s)
+        return bool(self.ahead) and self.unsent(s)  # rule 7: batches waiting for the window
 
     def done(self, s: Session) -> m.SyncReply:
         """A Sync answered done: every error of the batches sent so far reaches the client now."""
