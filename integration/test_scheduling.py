@@ -9,7 +9,9 @@ nothing depends on timing luck.
 * a high-priority session freezes a low-priority one, which resumes afterwards and finishes correctly;
 * a frozen session relocates onto workers that join (its shards move there) and finishes while its preemptor runs;
 * an elastic session is shrunk from 4 workers to 2 by a higher-priority one (not frozen), runs there, and grows
-  back to 4 when it leaves, with results equal to plain torch throughout.
+  back to 4 when it leaves, with results equal to plain torch throughout;
+* with a dispatch window (`--dispatch-ahead 1`) a stream of batches goes out as the workers report, with torch's
+  results.
 """
 
 from __future__ import annotations
@@ -332,6 +334,29 @@ HIGH = """
     assert torch.equal((y * y).sum().to_torch(), torch.tensor(288.0))
     say("ok")
 """
+
+
+WINDOWED = """
+    dtorch.connect(name="windowed")
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    torch.manual_seed(0)
+    w, x = torch.randn(1024, 1024) / 32, torch.randn(1024, 1024)
+    dw = dtorch.distribute_tensor(w, mesh, [Replicate()])
+    dx = dtorch.distribute_tensor(x, mesh, [Shard(0)])
+    for _ in range(20):  # the stream flushes every 5 ms: a batch per matmul, faster than the workers run them
+        dx = torch.tanh(dx @ dw)
+        x = torch.tanh(x @ w)
+        time.sleep(0.005)
+    assert torch.allclose(dx.to_torch(), x, atol=1e-5)
+    say("ok")
+"""
+
+
+def test_with_a_dispatch_window_batches_go_out_as_real_workers_report_and_the_results_are_torchs(make_cluster):
+    """`--dispatch-ahead 1` (pipeline rule 7): each batch waits for a real worker's report of the one before it."""
+    cluster = make_cluster(2, "--dispatch-ahead", "1")
+    client = cluster.client("windowed", WINDOWED)
+    assert finish(client, cluster, "windowed").split() == ["ok"]
 
 
 def test_high_priority_freezes_low_priority_which_resumes_and_finishes_correctly(make_cluster):
