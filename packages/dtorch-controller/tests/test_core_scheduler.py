@@ -295,6 +295,11 @@ def _check_indexes(sched):
         if t.missing:
             by_missing.setdefault(len(t.missing), set()).add(t.session)
     assert {n: set(b) for n, b in sched._missing_n.items()} == by_missing
+    completes = {}  # each worker: the frozen tenants that miss it alone (a lending policy offers it to those only)
+    for t in frozen:
+        if len(t.missing) == 1:
+            completes.setdefault(next(iter(t.missing)), set()).add(t.session)
+    assert {w: set(b) for w, b in sched._completes.items()} == completes
     assert {t.session for t in frozen if len(t.missing) < len(t.workers)} <= sched._reserving
     assert sched._frozen_packed == sum(sched._packs(t) for t in frozen)
     for bucket in list(sched._frozen.values()) + list(sched._ranks.values()):  # bucket order is `bucketed` order
@@ -308,8 +313,8 @@ def _check_indexes(sched):
 
 
 def test_the_frozen_tenants_indexes_follow_every_freeze_resume_loss_and_close(make_harness):
-    """A pass reads indexes of the frozen tenants (by devices missing, the ones holding reservations, how many pack)
-    instead of walking all of them, hundreds under LAS. Through a churn of preemptions (wide and packed sessions,
+    """A pass reads indexes of the frozen tenants (by devices missing, the ones holding reservations, how many pack,
+    the ones a device completes) instead of walking all of them, hundreds under LAS. Through a churn of preemptions (wide and packed sessions,
     three classes), relocations, worker losses and closes, under the DTorch policy (which lends) and a policy that
     keeps reservations, they agree with the tenants after every event."""
     import random

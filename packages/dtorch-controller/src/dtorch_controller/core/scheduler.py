@@ -63,8 +63,9 @@ Rules:
 11. Cost: no pass walks every frozen tenant (with LAS or the DTorch policy, hundreds sit frozen while a pass runs at
     every close, move and step). Indexes kept as tenants change: frozen tenants by how many devices they miss
     (relocation, rule 6, looks only at the ones that fit in the free devices, when none packs), the ones that may
-    hold a reservation (preemption takes those first), the elastic ones (shrink), and each tenant's place in its
-    rank bucket (`bucketed`), which keeps every walk in the order the rules state.
+    hold a reservation (preemption takes those first), the elastic ones (shrink), for each worker the ones that miss
+    it alone (a lending policy offers a freed device to those only, rule 6), and each tenant's place in its rank
+    bucket (`bucketed`), which keeps every walk in the order the rules state.
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ class Scheduler:
         # devices each misses (relocation looks only at those that fit in the free devices), the ones that may hold
         # a reservation (preemption takes those first; a superset, pruned as it is read), and how many pack.
         self._missing_n: dict[int, dict[str, None]] = {}  # len(missing) > 0 -> frozen tenants
+        self._completes: dict[str, dict[str, None]] = {}  # worker -> frozen tenants it alone is missing from
+        self._sole: dict[str, str] = {}  # frozen tenant -> the one worker it misses (the key in `_completes`)
         self._reserving: set[str] = set()
         self._frozen_packed = 0
         self._bucketing = itertools.count(1)
@@ -942,9 +945,9 @@ class Scheduler:
             wanting = self._wanted.get(w)
             if not wanting or w not in self.pool:
                 continue
-            wants = [self.tenants[s] for s in wanting]
-            if lends:  # only a tenant this device completes may take it: not a sort of every frozen tenant it had
-                wants = [t for t in wants if len(t.missing) == 1 and w in t.missing]
+            # A lending policy offers it only to the tenants it completes (`_completes`), not to every frozen
+            # tenant it had (hundreds, under preemption).
+            wants = [self.tenants[s] for s in (self._completes.get(w, ()) if lends else wanting) if s in wanting]
             for t in sorted(wants, key=lambda t: (t.rank, t.arrival)):
                 cap = self._cap(t)
                 if not self.pool.fits(w, cap):
@@ -1011,6 +1014,16 @@ class Scheduler:
                 del self._missing_n[before]
         if n:
             self._missing_n.setdefault(n, {})[t.session] = None
+        sole = self._sole.pop(t.session, None)
+        if sole is not None:
+            bucket = self._completes[sole]
+            del bucket[t.session]
+            if not bucket:
+                del self._completes[sole]
+        if n == 1:
+            (w,) = t.missing
+            self._sole[t.session] = w
+            self._completes.setdefault(w, {})[t.session] = None
 
     @staticmethod
     def _unbucket(t: Tenant, buckets: dict[int, dict[str, None]]) -> None:
