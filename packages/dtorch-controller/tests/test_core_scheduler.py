@@ -314,9 +314,9 @@ def _check_indexes(sched):
 
 def test_the_frozen_tenants_indexes_follow_every_freeze_resume_loss_and_close(make_harness):
     """A pass reads indexes of the frozen tenants (by devices missing, the ones holding reservations, how many pack,
-    the ones a device completes) instead of walking all of them, hundreds under LAS. Through a churn of preemptions (wide and packed sessions,
-    three classes), relocations, worker losses and closes, under the DTorch policy (which lends) and a policy that
-    keeps reservations, they agree with the tenants after every event."""
+    the ones a device completes) instead of walking all of them, hundreds under LAS. Through a churn of preemptions
+    (wide and packed sessions, three classes), relocations, worker losses and closes, under the DTorch policy
+    (which lends) and a policy that keeps reservations, they agree with the tenants after every event."""
     import random
 
     for policy in (DTorchPolicy({"thresholds": [5, 50]}), PriorityPolicy({"relocate_after": 30})):
