@@ -145,9 +145,14 @@ def _adds(x: Any, one: Any) -> Callable[[int], Any]:
     return loop
 
 
+# (d): untimed bursts first, for both contenders, so that the figure is a steady state: on a VM, memory a process
+# touches for the first time can cost ~30 us a 4 KiB page (the host backs it then), 8x the transfer at 256 MiB
+D_WARMUP = 3
+
+
 def repeats_for(nbytes: int, repeats: int) -> int:
-    """Fewer repeats for the big sizes: the figure is a bandwidth, three samples of a second are plenty."""
-    return max(3, min(repeats, (64 << 20) // max(nbytes, 1)))
+    """Fewer repeats for the big sizes: the figure is a bandwidth, five samples of a second are plenty."""
+    return max(5, min(repeats, (64 << 20) // max(nbytes, 1)))
 
 
 def burst(nbytes: int) -> int:
@@ -288,8 +293,8 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
                     dist.all_gather_into_tensor(t, part)
                 sync()
 
-            bw["all_reduce"][n] = median_ms(all_reduce, reps, warmup=1, before=dist.barrier) / k
-            bw["all_gather"][n] = median_ms(all_gather, reps, warmup=1, before=dist.barrier) / k
+            bw["all_reduce"][n] = median_ms(all_reduce, reps, warmup=D_WARMUP, before=dist.barrier) / k
+            bw["all_gather"][n] = median_ms(all_gather, reps, warmup=D_WARMUP, before=dist.barrier) / k
             del t, part
         out["d"] = bw
 
@@ -397,9 +402,12 @@ def run_dtorch(args: argparse.Namespace) -> dict:
                 del ys
 
             k = burst(n)
-            bw["all_reduce"][n] = median_ms(lambda src=partial, k=k: move(src, [Replicate()], k), reps, warmup=1) / k
-            bw["all_gather"][n] = median_ms(lambda src=sharded, k=k: move(src, [Replicate()], k), reps, warmup=1) / k
-            bw["all_reduce_one"][n] = median_ms(lambda src=partial: move(src, [Replicate()], 1), reps, warmup=1)
+            bw["all_reduce"][n] = median_ms(lambda src=partial, k=k: move(src, [Replicate()], k), reps,
+                                            warmup=D_WARMUP) / k
+            bw["all_gather"][n] = median_ms(lambda src=sharded, k=k: move(src, [Replicate()], k), reps,
+                                            warmup=D_WARMUP) / k
+            bw["all_reduce_one"][n] = median_ms(lambda src=partial: move(src, [Replicate()], 1), reps,
+                                                warmup=D_WARMUP)
             del partial, sharded
         out["d"] = bw
     dtorch.shutdown()

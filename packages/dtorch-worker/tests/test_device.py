@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +34,40 @@ def test_cpu_backend_and_the_registry():
         backend_for("meta")
     with pytest.raises(ValueError, match="bad device 'gpu0'"):
         backend_for("gpu0")
+
+
+_TUNED = """
+import json, torch
+from dtorch_worker.device import MAPPED_FROM, backend_for
+backend_for("cpu").start()
+def in_heap(t):
+    p = t.untyped_storage().data_ptr()
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= p < hi:
+            return line.rstrip().endswith("[heap]")
+def huge_kib():
+    return next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages"))
+small, large = torch.ones(1 << 20, dtype=torch.uint8), torch.ones(MAPPED_FROM + (8 << 20), dtype=torch.uint8)
+print(json.dumps({"small": in_heap(small), "large": in_heap(large), "huge_kib": huge_kib()}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="reads Linux's /proc/self/maps")
+def test_cpu_start_keeps_small_buffers_maps_large_ones_and_backs_them_with_huge_pages():
+    """Rule 5, in a fresh process (the tuning is process-wide): small buffers come from the heap (kept for reuse),
+    large ones are mapped and unmapped on their own (kept in the heap, they grew it by their size whenever no freed
+    hole fit them), and buffers from 2 MiB up are backed by transparent huge pages where the kernel allows it."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    got = json.loads(subprocess.run([sys.executable, "-c", _TUNED], env=env, capture_output=True, text=True,
+                                    check=True, timeout=60).stdout)
+    assert (got["small"], got["large"]) == (True, False)
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        thp = "[never]"
+    if "[never]" not in thp:
+        assert got["huge_kib"] >= 2048
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

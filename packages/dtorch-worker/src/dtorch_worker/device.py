@@ -16,10 +16,17 @@ Rules:
    `new_group` builds one group of its own (never the global default group: one worker serves many sessions),
    and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is several
    times slower than its all_to_all; NCCL's is its best).
-5. `start` tunes the process for the device once, at worker start: on the CPU, glibc's allocator keeps freed
-   memory for reuse (one arena, no per-allocation mappings, up to 1 GiB kept at the top of the heap) instead of
-   mapping large buffers fresh each time (every fresh 4 KiB page costs a fault and zeroing: as much as moving
-   it). The cost: a CPU worker's memory stays near its peak rather than shrinking back.
+5. `start` tunes the process for the device once, at worker start. On the CPU, buffers below MAPPED_FROM (2
+   MiB) come from one heap that keeps freed memory for reuse (one arena, up to 1 GiB kept at its top) instead of
+   mapping them fresh each time: every fresh 4 KiB page costs a fault and zeroing, as much as moving it. Buffers
+   from 2 MiB up are mapped fresh, backed by transparent huge pages (torch's THP_MEM_ALLOC_ENABLE, set unless
+   the operator set it; the kernel's transparent_hugepage must allow madvise: one fault per 2 MiB instead of
+   512), and unmapped when freed. Kept in the heap, they fragmented it: torch aligns a huge-page buffer to 2
+   MiB, so a freed hole of its size never fits the next one, and without huge pages small buffers split the
+   holes; a worker grew by up to the size of each redistribution's output (a run of 256 MiB all-reduces added
+   256 MiB of fresh pages an op, 2.2 GB after 6, each op 2-3 s instead of 0.2; 64 MiB ones grew it to 1.2 GB).
+   The cost: a CPU worker's memory
+   stays near its peak of small buffers rather than shrinking back.
 
 Plugging in another vendor's device (xpu, npu, a PrivateUse1 backend such as `torch.utils.
 rename_privateuse1_backend("npu")`): subclass `DeviceBackend` (usually `AcceleratorBackend` with a module
@@ -46,7 +53,8 @@ import torch
 from dtorch_protocol.values import host_bytes
 
 _Factory = Callable[[torch.device], "DeviceBackend"]
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc mallopt parameters
+MAPPED_FROM = 2 << 20  # CPU buffers from this size up are mapped fresh in huge pages, smaller ones reused (rule 5)
 _REGISTRY: dict[str, _Factory] = {}
 
 
@@ -67,12 +75,13 @@ class DeviceBackend:
 
     def start(self) -> None:
         """Tune this process for the device (rule 5); the worker calls it once, before serving."""
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read by torch at its next large allocation
         try:
             libc = ctypes.CDLL("libc.so.6")
         except OSError:  # not glibc: nothing to tune
             return
         libc.mallopt(_M_ARENA_MAX, 1)  # every thread (executor, lanes, servers) shares the tuned heap
-        libc.mallopt(_M_MMAP_MAX, 0)  # no buffer is mapped (and faulted in) fresh: all come from the heap...
+        libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_FROM)  # smaller buffers come from the heap...
         libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB freed at its top for reuse
 
     def gather_by_all_to_all(self, ranks: int) -> bool:
