@@ -17,7 +17,7 @@ from dtorch_protocol.values import host_bytes
 from dtorch_worker import device as dev
 from dtorch_worker import shards
 from dtorch_worker.cli import parse_device
-from dtorch_worker.device import CPU, DeviceBackend, backend_for
+from dtorch_worker.device import CPU, MAPPED_FROM, DeviceBackend, backend_for
 from dtorch_worker.server import start_worker
 from dtorch_worker.transfer import byte_view, put_chunks, receive_chunks
 
@@ -38,7 +38,7 @@ def test_cpu_backend_and_the_registry():
 
 _TUNED = """
 import json, torch
-from dtorch_worker.device import MAPPED_FROM, backend_for
+from dtorch_worker.device import MAPPED_FROM, backend_for, fresh
 backend_for("cpu").start()
 def in_heap(t):
     p = t.untyped_storage().data_ptr()
@@ -48,26 +48,29 @@ def in_heap(t):
             return line.rstrip().endswith("[heap]")
 def huge_kib():
     return next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages"))
-small, large = torch.ones(1 << 20, dtype=torch.uint8), torch.ones(MAPPED_FROM + (8 << 20), dtype=torch.uint8)
-print(json.dumps({"small": in_heap(small), "large": in_heap(large), "huge_kib": huge_kib()}))
+small, large = torch.ones(MAPPED_FROM - (1 << 20), dtype=torch.uint8), torch.ones(MAPPED_FROM, dtype=torch.uint8)
+before = huge_kib()
+ours = fresh(MAPPED_FROM, torch.uint8, torch.device("cpu")).fill_(1)
+print(json.dumps({"small": in_heap(small), "large": in_heap(large), "ours": in_heap(ours),
+                  "huge_kib": huge_kib() - before}))
 """
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="reads Linux's /proc/self/maps")
-def test_cpu_start_keeps_small_buffers_maps_large_ones_and_backs_them_with_huge_pages():
-    """Rule 5, in a fresh process (the tuning is process-wide): small buffers come from the heap (kept for reuse),
-    large ones are mapped and unmapped on their own (kept in the heap, they grew it by their size whenever no freed
-    hole fit them), and buffers from 2 MiB up are backed by transparent huge pages where the kernel allows it."""
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    got = json.loads(subprocess.run([sys.executable, "-c", _TUNED], env=env, capture_output=True, text=True,
-                                    check=True, timeout=60).stdout)
-    assert (got["small"], got["large"]) == (True, False)
+def test_cpu_start_keeps_small_buffers_maps_large_ones_and_ours_take_huge_pages():
+    """Rule 5, in a fresh process (the tuning is process-wide): buffers below MAPPED_FROM come from the heap (kept
+    for reuse), larger ones are mapped and unmapped on their own (kept in the heap, they grew it by their size
+    whenever no freed hole fit them), and the worker's own large buffers (`fresh`) are backed by transparent huge
+    pages where the kernel allows it."""
+    got = json.loads(subprocess.run([sys.executable, "-c", _TUNED], capture_output=True, text=True, check=True,
+                                    timeout=60).stdout)
+    assert (got["small"], got["large"], got["ours"]) == (True, False, False)
     try:
         thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
     except OSError:
         thp = "[never]"
     if "[never]" not in thp:
-        assert got["huge_kib"] >= 2048
+        assert got["huge_kib"] >= MAPPED_FROM // 2 // 1024
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from dtorch_protocol.messages import CollectiveStep, ErrorReport, GroupOp
+from dtorch_worker.device import fresh
 
 Reports = dict[int, ErrorReport]  # logical device -> why its value is poisoned
 REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
@@ -87,7 +88,7 @@ class BufferPool:
                     self._free = [b for b in self._free if b is not best]
                     self._kept -= best.numel()
                     return best
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return fresh(nbytes, torch.uint8, device)
 
     def give(self, buf: torch.Tensor) -> None:
         if buf.device.type != "cpu" or buf.numel() < self.SMALLEST:
@@ -347,7 +348,7 @@ def _all_gather_direct(pk: _Packing) -> Finish:
     pk.direct.append(x)
     shape = list(x.shape)
     shape[i] *= w
-    out = torch.empty(shape, dtype=pk.dtype, device=pk.device)
+    out = fresh(shape, pk.dtype, pk.device)
     outer = math.prod(x.shape[:i])
     # the output as [outer, rank, the rest of a shard]: rank r's shard is out_by_rank[:, r]
     out_by_rank = _bytes(out).view(outer, w, -1)
@@ -431,8 +432,8 @@ def _exchanges(pk: _Packing) -> Finish:
             if a2a:
                 outputs[op.devices[q]] = torch.cat(ordered, dim=i)
             else:
-                outputs[op.devices[q]] = reduce_in_order(ordered, pk.step.reduce, out=torch.empty(
-                    ordered[0].shape, dtype=pk.dtype, device=pk.device))
+                outputs[op.devices[q]] = reduce_in_order(ordered, pk.step.reduce,
+                                                                 out=fresh(ordered[0].shape, pk.dtype, pk.device))
         return pk.finish(ctx, flags, outputs)
 
     return finish
@@ -453,7 +454,7 @@ def _native(pk: _Packing) -> bool:
 def _native_all_reduce(pk: _Packing) -> Finish:
     """The backend's all_reduce, in place on this rank's (locally summed) value and a trailing poison count."""
     shape, total = list(pk.template.shape), pk.template.numel()
-    buf = torch.empty(total + 1, dtype=pk.dtype, device=pk.device)  # becomes the output: not scratch
+    buf = fresh(total + 1, pk.dtype, pk.device)  # becomes the output: not scratch
     reduce_in_order([pk.inputs[p].reshape(-1) for p in pk.mine], "sum", out=buf[:total])
     buf[total] = 1 if pk.own is not None else 0
 
@@ -497,7 +498,7 @@ def _pair_all_reduce(pk: _Packing) -> Finish:
     (lo, hi), (plo, phi) = [(0, half), (half, total)][me], [(0, half), (half, total)][peer]
     flat = x.reshape(-1)  # a view: the shard is contiguous
     pk.direct.append(x)
-    out = torch.empty(total, dtype=pk.dtype, device=pk.device)
+    out = fresh(total, pk.dtype, pk.device)
     theirs = pk.scratch(hi - lo)
     first = pk.mine[0] < pk.op.layout[peer][0]  # our position comes first in mesh order
 
@@ -541,7 +542,7 @@ def _all_reduce(pk: _Packing) -> Finish:
         by_pos = {p: got[r][k] for r, ps in enumerate(op.layout) for k, p in enumerate(ps)}
         mine = pk.scratch(chunk)
         reduce_in_order([by_pos[p] for p in range(pk.n)], pk.step.reduce, out=mine[: hi_r - lo_r])
-        out = torch.empty(w * chunk, dtype=pk.dtype, device=pk.device)
+        out = fresh(w * chunk, pk.dtype, pk.device)
         if total:
             ctx.all_gather(_bytes(out), _bytes(mine))
         full = out[:total].view(shape)

@@ -16,17 +16,18 @@ Rules:
    `new_group` builds one group of its own (never the global default group: one worker serves many sessions),
    and so does the choice among equivalent primitives (`gather_by_all_to_all`: gloo's all_gather is several
    times slower than its all_to_all; NCCL's is its best).
-5. `start` tunes the process for the device once, at worker start. On the CPU, buffers below MAPPED_FROM (2
-   MiB) come from one heap that keeps freed memory for reuse (one arena, up to 1 GiB kept at its top) instead of
-   mapping them fresh each time: every fresh 4 KiB page costs a fault and zeroing, as much as moving it. Buffers
-   from 2 MiB up are mapped fresh, backed by transparent huge pages (torch's THP_MEM_ALLOC_ENABLE, set unless
-   the operator set it; the kernel's transparent_hugepage must allow madvise: one fault per 2 MiB instead of
-   512), and unmapped when freed. Kept in the heap, they fragmented it: torch aligns a huge-page buffer to 2
-   MiB, so a freed hole of its size never fits the next one, and without huge pages small buffers split the
-   holes; a worker grew by up to the size of each redistribution's output (a run of 256 MiB all-reduces added
-   256 MiB of fresh pages an op, 2.2 GB after 6, each op 2-3 s instead of 0.2; 64 MiB ones grew it to 1.2 GB).
-   The cost: a CPU worker's memory
-   stays near its peak of small buffers rather than shrinking back.
+5. `start` tunes the process for the device once, at worker start. On the CPU, buffers below MAPPED_FROM (32
+   MiB, glibc's ceiling for it) come from one heap that keeps freed memory for reuse (one arena, up to 1 GiB kept
+   at its top) instead of mapping them fresh each time: every fresh 4 KiB page costs a fault and zeroing, as much
+   as moving it. Larger ones are mapped fresh and unmapped when freed: kept in the heap too (until 2026-12-05),
+   each one that no freed hole fit (small buffers split the holes) grew the heap by its size, so a run of 256 MiB
+   all-reduces grew a worker by 256 MiB of never-touched pages an op (2-3 s an op instead of 0.2 on a VM where
+   such a page costs ~30 us), and 64 MiB ones grew it to 1.2 GB. The large buffers the worker makes itself
+   (`fresh`: collectives' outputs and scratch) ask for transparent huge pages before their first touch (where
+   the kernel's transparent_hugepage allows madvise): one fault per 2 MiB instead of 512. Not every buffer does:
+   torch's own switch (THP_MEM_ALLOC_ENABLE) aligns every buffer from 2 MiB up to 2 MiB, which splits the heap's
+   holes, and a training step's fresh 2 MiB gradients faulted in 2 MiB pages (3-5 ms more a step of
+   bench_vs_torch (c)). The cost: a CPU worker's memory stays near its peak of small buffers.
 
 Plugging in another vendor's device (xpu, npu, a PrivateUse1 backend such as `torch.utils.
 rename_privateuse1_backend("npu")`): subclass `DeviceBackend` (usually `AcceleratorBackend` with a module
@@ -54,7 +55,12 @@ from dtorch_protocol.values import host_bytes
 
 _Factory = Callable[[torch.device], "DeviceBackend"]
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc mallopt parameters
-MAPPED_FROM = 2 << 20  # CPU buffers from this size up are mapped fresh in huge pages, smaller ones reused (rule 5)
+_MADV_HUGEPAGE, _HUGE_PAGE = 14, 2 << 20
+MAPPED_FROM = 32 << 20  # CPU buffers from this size up are mapped fresh, smaller ones reused from the heap (rule 5)
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not glibc: nothing to tune
+    _LIBC = None
 _REGISTRY: dict[str, _Factory] = {}
 
 
@@ -75,14 +81,10 @@ class DeviceBackend:
 
     def start(self) -> None:
         """Tune this process for the device (rule 5); the worker calls it once, before serving."""
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read by torch at its next large allocation
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-        except OSError:  # not glibc: nothing to tune
-            return
-        libc.mallopt(_M_ARENA_MAX, 1)  # every thread (executor, lanes, servers) shares the tuned heap
-        libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_FROM)  # smaller buffers come from the heap...
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB freed at its top for reuse
+        if _LIBC is not None:
+            _LIBC.mallopt(_M_ARENA_MAX, 1)  # every thread (executor, lanes, servers) shares the tuned heap
+            _LIBC.mallopt(_M_MMAP_THRESHOLD, MAPPED_FROM)  # smaller buffers come from the heap...
+            _LIBC.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB freed at its top for reuse
 
     def gather_by_all_to_all(self, ranks: int) -> bool:
         """Gather with an all_to_all of copies of the contribution rather than an all_gather (rule 4)."""
@@ -280,6 +282,18 @@ class _Polled:
             time.sleep(min(pause, left))
             pause = min(pause * 2, 2e-3)
         return True
+
+
+def fresh(shape: Sequence[int] | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor the worker fills itself; a large one on the CPU in huge pages where the kernel
+    allows (rule 5)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = t.numel() * t.element_size()
+    if _LIBC is not None and t.device.type == "cpu" and nbytes >= MAPPED_FROM:
+        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the whole huge pages inside it
+        end = (t.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)  # a hint: errors ignored
+    return t
 
 
 def typed(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
