@@ -207,6 +207,9 @@ class Scheduler:
         self._ranks: dict[int, dict[str, None]] = {}  # running tenants by rank, in start order
         self._frozen: dict[int, dict[str, None]] = {}  # frozen tenants by rank, in freeze order
         self._wanted: dict[str, dict[str, None]] = {}  # worker -> frozen tenants missing it
+        # The same by rank (worker -> rank -> frozen tenants missing it): a re-ranked holder of a device is outranked
+        # only by the ones of a better rank than its own (`_wanters`), a few of the hundreds that may want it.
+        self._wanted_at: dict[str, dict[int, dict[str, None]]] = {}
         # Indexes of the frozen tenants, so that a pass does not walk all of them (with LAS, hundreds): by how many
         # devices each misses (relocation looks only at those that fit in the free devices), the ones that may hold
         # a reservation (preemption takes those first; a superset, pruned as it is read), and how many pack.
@@ -276,13 +279,14 @@ class Scheduler:
             return Changes()
         ch = Changes()
         moved: dict[str, None] = {}
+        better: dict[str, None] = {}
         self._accrue(now, t)
         reranked = self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch)
         if reranked:
-            self._wanters(t, moved)
+            self._wanters(t, moved, better)
         self._watch(t, now)
         if moved:
-            self._reclaim_all(now, moved, ch)
+            self._reclaim_all(now, moved, better, ch)
         if reranked:  # a waiting request may now outrank it and preempt it (rule 6), as after a tick
             return self._pass(now, ch)
         return self._finish(ch)
@@ -352,6 +356,7 @@ class Scheduler:
                 self._accrue(now, t)
                 t.workers.pop(worker, None)
                 self._watch(t, now)
+        self._wanted_at.pop(worker, None)
         for session in self._wanted.pop(worker, {}):
             t = self.tenants[session]
             n = len(t.missing)
@@ -459,11 +464,12 @@ class Scheduler:
                 due.append(t)
         ch = Changes()
         moved: dict[str, None] = {}  # frozen tenants that may now outrank the holders of their devices
+        better: dict[str, None] = {}  # the ones among them not outranked by a re-ranked holder (`_wanters`)
         for t in due:
             if t.running:
                 self._accrue(now, t)
                 if self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch):
-                    self._wanters(t, moved)
+                    self._wanters(t, moved, better)
                 self._watch(t, now)
                 continue
             if self.policy.starving(t, now):
@@ -475,27 +481,55 @@ class Scheduler:
                 self._enqueue(t, now)
             elif t.state == FROZEN:
                 if self._rerank(t, self.policy.rank(t, now), self._frozen, now, ch):
-                    self._wanters(t, moved)
+                    self._wanters(t, moved, better)
                 moved[t.session] = None
+                better[t.session] = None
                 self._watch(t, now)
-        self._reclaim_all(now, moved, ch)
+        self._reclaim_all(now, moved, better, ch)
         return self._pass(now, ch)
 
-    def _wanters(self, t: Tenant, into: dict[str, None]) -> None:
-        """`t`'s rank changed: the frozen tenants waiting for the devices it holds may now outrank it."""
+    def _wanters(self, t: Tenant, into: dict[str, None], better: dict[str, None]) -> None:
+        """`t`'s rank changed: the frozen tenants waiting for the devices it holds may now outrank it. `into` gets
+        them all; `better` only the ones of a better rank than `t`'s (`_wanted_at`): the others cannot take back a
+        device `t` holds, as long as it holds it (`_reclaim_all`)."""
+        frozen = t.state == FROZEN
         for w in t.workers:
-            if not (t.state == FROZEN and w in t.missing):
-                into.update(self._wanted.get(w, {}))
+            if frozen and w in t.missing:
+                continue
+            wanting = self._wanted.get(w)
+            if not wanting:
+                continue
+            into.update(wanting)
+            if t.session not in self.pool.holders(w):  # not a holder of it (never, in fact): it rules nobody out
+                better.update(wanting)
+                continue
+            for rank, bucket in self._wanted_at[w].items():  # a few ranks
+                if rank < t.rank:
+                    better.update(bucket)
 
-    def _reclaim_all(self, now: float, moved: Mapping[str, None], ch: Changes) -> bool:
+    def _reclaim_all(self, now: float, moved: Mapping[str, None], better: Mapping[str, None], ch: Changes) -> bool:
         """Ranks moved: the frozen tenants among `moved` that now outrank the holders of their devices take them
         back, best ranked first (only those whose rank, or whose devices' holders' ranks, changed: not a walk over
-        every frozen tenant). True when any did."""
-        took = False
-        for t in sorted((self.tenants[s] for s in moved if s in self.tenants), key=lambda t: (t.rank, t.arrival)):
-            if t.state == FROZEN and t.missing:
-                took = self._reclaim(now, t, ch) or took
-        return took
+        every frozen tenant). True when any did.
+
+        Until one does, nothing changes, so the ones not in `better` (a subset, `_wanters`) cannot: a holder of one
+        of their devices has a rank at least theirs. Only `better` is walked (the other frozen tenants that want a
+        re-ranked tenant's devices are most of `moved`, millions of looks in a long run); after the first that takes
+        devices back, the walk goes on over all of `moved` after it, in the same order, as it always did."""
+        tenants = self.tenants
+
+        def order(t: Tenant) -> tuple[int, int]:
+            return t.rank, t.arrival  # unique: arrivals are
+
+        for t in sorted((tenants[s] for s in better if s in tenants), key=order):
+            if t.state == FROZEN and t.missing and self._reclaim(now, t, ch):
+                after = order(t)  # the frozen tenants' ranks did not change (only running ones are frozen)
+                rest = (u for u in (tenants[s] for s in moved if s in tenants) if order(u) > after)
+                for u in sorted(rest, key=order):
+                    if u.state == FROZEN and u.missing:
+                        self._reclaim(now, u, ch)
+                return True
+        return False
 
     def _rerank(self, t: Tenant, rank: int, buckets: dict[int, dict[str, None]], now: float, ch: Changes) -> bool:
         """Move `t` to bucket `rank`; True when its rank changed."""
@@ -503,7 +537,13 @@ class Scheduler:
             return False
         self._unbucket(t, buckets)
         ch.notes.append(f"session {_short(t.session)} now at rank {rank} ({t.service(now):.0f} device-s attained)")
+        if t.state == FROZEN:
+            for w in t.missing:
+                self._unwant_at(t, w)
         t.rank = rank
+        if t.state == FROZEN:
+            for w in t.missing:
+                self._wanted_at.setdefault(w, {}).setdefault(rank, {})[t.session] = None
         self._bucket(t, buckets)
         return True
 
@@ -896,6 +936,7 @@ class Scheduler:
             if w not in v.missing:
                 v.missing.add(w)
                 self._wanted.setdefault(w, {})[v.session] = None
+                self._wanted_at.setdefault(w, {}).setdefault(v.rank, {})[v.session] = None
                 self._release(w, v.session)
         self._index_missing(v, n)
         self._resumable.pop(v.session, None)
@@ -918,6 +959,19 @@ class Scheduler:
             wanting.pop(t.session, None)
             if not wanting:
                 del self._wanted[w]
+        self._unwant_at(t, w)
+
+    def _unwant_at(self, t: Tenant, w: str) -> None:
+        """`t` leaves `_wanted_at[w]` (it holds `w` again, or its rank changes)."""
+        ranks = self._wanted_at.get(w)
+        if ranks is not None:
+            bucket = ranks.get(t.rank)
+            if bucket is not None:
+                bucket.pop(t.session, None)
+                if not bucket:
+                    del ranks[t.rank]
+                    if not ranks:
+                        del self._wanted_at[w]
 
     def _unfreeze_wants(self, t: Tenant) -> None:
         for w in t.missing:
@@ -926,6 +980,7 @@ class Scheduler:
                 wanting.pop(t.session, None)
                 if not wanting:
                     del self._wanted[w]
+            self._unwant_at(t, w)
         n = len(t.missing)
         t.missing.clear()
         self._index_missing(t, n)
@@ -958,6 +1013,7 @@ class Scheduler:
                 self._index_missing(t, n)
                 self._reserving.add(t.session)
                 del wanting[t.session]
+                self._unwant_at(t, w)
                 if not t.missing:
                     self._resumable[t.session] = None
             if not wanting:
