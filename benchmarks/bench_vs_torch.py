@@ -146,8 +146,10 @@ def _adds(x: Any, one: Any) -> Callable[[int], Any]:
 
 
 # (d): untimed bursts first, for both contenders, so that the figure is a steady state: on a VM, memory a process
-# touches for the first time can cost ~30 us a 4 KiB page (the host backs it then), 8x the transfer at 256 MiB
-D_WARMUP = 3
+# touches for the first time can cost ~30 us a 4 KiB page (the host backs it then), and a worker's first ~10 ops of a
+# new size touch fresh memory (outputs, and the recovery snapshot's copies of the new tensors): 64 MiB all_reduces
+# took 920, 450, 420, 400 ms, then 60-70 ms
+D_WARMUP = 8
 
 
 def repeats_for(nbytes: int, repeats: int) -> int:

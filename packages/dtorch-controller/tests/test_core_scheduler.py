@@ -300,6 +300,12 @@ def _check_indexes(sched):
         if len(t.missing) == 1:
             completes.setdefault(next(iter(t.missing)), set()).add(t.session)
     assert {w: set(b) for w, b in sched._completes.items()} == completes
+    wanted = {}  # each worker: the frozen tenants that miss it, by rank (a re-ranked holder looks at better ones only)
+    for t in frozen:
+        for w in t.missing:
+            wanted.setdefault(w, {}).setdefault(t.rank, set()).add(t.session)
+    assert {w: {r: set(b) for r, b in ranks.items()} for w, ranks in sched._wanted_at.items()} == wanted
+    assert {w: set(b) for w, b in sched._wanted.items()} == {w: set().union(*r.values()) for w, r in wanted.items()}
     assert {t.session for t in frozen if len(t.missing) < len(t.workers)} <= sched._reserving
     assert sched._frozen_packed == sum(sched._packs(t) for t in frozen)
     for bucket in list(sched._frozen.values()) + list(sched._ranks.values()):  # bucket order is `bucketed` order
@@ -314,7 +320,8 @@ def _check_indexes(sched):
 
 def test_the_frozen_tenants_indexes_follow_every_freeze_resume_loss_and_close(make_harness):
     """A pass reads indexes of the frozen tenants (by devices missing, the ones holding reservations, how many pack,
-    the ones a device completes) instead of walking all of them, hundreds under LAS. Through a churn of preemptions
+    the ones a device completes, the ones wanting each device by rank) instead of walking all of them, hundreds under
+    LAS. Through a churn of preemptions
     (wide and packed sessions, three classes), relocations, worker losses and closes, under the DTorch policy
     (which lends) and a policy that keeps reservations, they agree with the tenants after every event."""
     import random
@@ -344,3 +351,55 @@ def test_the_frozen_tenants_indexes_follow_every_freeze_resume_loss_and_close(ma
             h.report_all()
             _check_indexes(h.core.sched)
         assert h.core.sched.decisions > 100 and any(lines(h, "frozen on"))
+
+
+def test_a_re_ranked_holder_is_reclaimed_from_as_if_every_frozen_tenant_wanting_its_devices_looked(
+        make_harness, monkeypatch):
+    """A re-ranked tenant's devices are taken back (rule 6, `_reclaim_all`) by the frozen tenants that want them and
+    now outrank every holder of theirs. Only those of a better rank than its own are looked at until one takes
+    devices back (`_wanted_at`); after that, all of them after it, in order, as the walk over all did. Through a
+    churn of least-attained-service demotions (each one a re-rank, dozens of them taking devices back, several
+    in one walk), every tenant's state, rank, devices and missing devices after each event are the same as with
+    every frozen tenant that wants a re-ranked tenant's devices looked at."""
+    import random
+
+    from dtorch_controller.core.scheduler import Scheduler
+
+    def churn(seed):
+        rng = random.Random(seed)
+        h = make_harness(policy=DTorchPolicy({"thresholds": [2, 10, 40], "fairness": 0}), **QUIET)
+        workers(h, 16)
+        sessions: list[str] = []
+        seen = []
+        for _ in range(300):
+            r = rng.random()
+            if r < 0.4 or len(sessions) < 3:
+                sid = h.open_session()
+                sessions.append(sid)
+                h.open_mesh(sid, 1, list(range(rng.choice([1, 1, 2, 3, 4, 6]))))
+            elif r < 0.55:
+                assert h.call(ev.CloseSession, m.CloseSession(session=sessions.pop(rng.randrange(len(sessions))))).ok
+            else:
+                h.advance(rng.choice([1, 3, 10]))
+            h.report_all()
+            sched = h.core.sched
+            _check_indexes(sched)
+            seen.append((sched.decisions, [(t.session, t.state, t.rank, list(t.workers), sorted(t.missing))
+                                           for t in sched.tenants.values()]))
+        return seen, len(lines(h, "frozen on"))
+
+    wanters = Scheduler._wanters
+    took = []
+
+    def every_one(self, t, into, better):  # the walk as it was: every frozen tenant wanting its devices looks
+        wanters(self, t, into, better)
+        better.update(into)
+
+    for seed in range(3):
+        fast, frozen = churn(seed)
+        with monkeypatch.context() as mp:
+            mp.setattr(Scheduler, "_wanters", every_one)
+            full, _ = churn(seed)
+        assert fast == full
+        took.append(frozen)
+    assert min(took) > 20
