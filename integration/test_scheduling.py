@@ -10,7 +10,7 @@ nothing depends on timing luck.
 * a frozen session relocates onto workers that join (its shards move there) and finishes while its preemptor runs;
 * an elastic session is shrunk from 4 workers to 2 by a higher-priority one (not frozen), runs there, and grows
   back to 4 when it leaves, with results equal to plain torch throughout;
-* with a dispatch window (`--dispatch-ahead 1`) a stream of batches goes out as the workers report, with torch's
+* with the default dispatch window (`--dispatch-ahead 1`) a stream of batches goes out as the workers report, with torch's
   results.
 """
 
@@ -353,8 +353,9 @@ WINDOWED = """
 
 
 def test_with_a_dispatch_window_batches_go_out_as_real_workers_report_and_the_results_are_torchs(make_cluster):
-    """`--dispatch-ahead 1` (pipeline rule 7): each batch waits for a real worker's report of the one before it."""
-    cluster = make_cluster(2, "--dispatch-ahead", "1")
+    """The controller's default window (`--dispatch-ahead 1`, pipeline rule 7): each batch waits for a real worker's
+    report of the one before it."""
+    cluster = make_cluster(2)
     client = cluster.client("windowed", WINDOWED)
     assert finish(client, cluster, "windowed").split() == ["ok"]
 

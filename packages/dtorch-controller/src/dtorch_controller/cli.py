@@ -189,9 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60")),
                         help="bound on a process group's rendezvous and on each collective: past it the op fails "
                              "naming the workers that never arrived (default 60, $DTORCH_COLLECTIVE_TIMEOUT)")
-    parser.add_argument("--dispatch-ahead", type=int, default=0, metavar="N",
+    parser.add_argument("--dispatch-ahead", type=int, default=int(os.environ.get("DTORCH_DISPATCH_AHEAD", "1")),
+                        metavar="N",
                         help="at most N batches of a session sent and not yet run on a worker: a preempted session "
-                             "frees its devices within N batches, at some cost to pipelining (default 0: no bound)")
+                             "frees its devices within N batches (default 1, $DTORCH_DISPATCH_AHEAD; 0: no bound)")
     parser.add_argument("--policy", default="dtorch",
                         help="scheduling policy: dtorch (default: classes, then least remaining or attained work, "
                              "preemption by freezing, relocation, packing), priority, fifo or las")

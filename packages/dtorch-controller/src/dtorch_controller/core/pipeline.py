@@ -26,7 +26,8 @@ Rules:
    controller's settle pass, or the worker's loss), and a Sync waits for it as for a held one. Batches already sent
    run even when the session is frozen (rule 1 holds only what was not sent), so this bounds how long a freeze
    takes to free its devices, and how long a move or a rebuild queued behind them waits: k batches, not
-   everything the client sent since its last sync point. 0 (the default): no bound.
+   everything the client sent since its last sync point. 0 (the core's default): no bound; `dtorch-controller`
+   runs with 1 unless told otherwise (its --dispatch-ahead).
 """
 
 from __future__ import annotations
