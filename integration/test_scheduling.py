@@ -10,8 +10,8 @@ nothing depends on timing luck.
 * a frozen session relocates onto workers that join (its shards move there) and finishes while its preemptor runs;
 * an elastic session is shrunk from 4 workers to 2 by a higher-priority one (not frozen), runs there, and grows
   back to 4 when it leaves, with results equal to plain torch throughout;
-* with the default dispatch window (`--dispatch-ahead 1`) a stream of batches goes out as the workers report, with torch's
-  results.
+* with the default dispatch window (`--dispatch-ahead 1`) a stream of batches goes out as the workers report,
+  with torch's results.
 """
 
 from __future__ import annotations

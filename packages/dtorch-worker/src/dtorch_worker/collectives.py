@@ -432,8 +432,8 @@ def _exchanges(pk: _Packing) -> Finish:
             if a2a:
                 outputs[op.devices[q]] = torch.cat(ordered, dim=i)
             else:
-                outputs[op.devices[q]] = reduce_in_order(ordered, pk.step.reduce,
-                                                                 out=fresh(ordered[0].shape, pk.dtype, pk.device))
+                out = fresh(ordered[0].shape, pk.dtype, pk.device)
+                outputs[op.devices[q]] = reduce_in_order(ordered, pk.step.reduce, out=out)
         return pk.finish(ctx, flags, outputs)
 
     return finish

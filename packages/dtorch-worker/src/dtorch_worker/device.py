@@ -58,7 +58,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc mallopt
 _MADV_HUGEPAGE, _HUGE_PAGE = 14, 2 << 20
 MAPPED_FROM = 32 << 20  # CPU buffers from this size up are mapped fresh, smaller ones reused from the heap (rule 5)
 try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
 except OSError:  # not glibc: nothing to tune
     _LIBC = None
 _REGISTRY: dict[str, _Factory] = {}
