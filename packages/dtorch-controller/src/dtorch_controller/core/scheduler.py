@@ -60,9 +60,11 @@ Rules:
     spare devices of that rank's running elastic tenants (above the minimum they asked for, leased to them
     alone): they keep running on the rest, as virtual devices (the core moves their logical devices off the
     devices they give up, `Changes.shrunk`), and grow back when devices free up and nobody waits (rule 5).
-11. Cost: no pass walks every frozen tenant (with LAS or the DTorch policy, hundreds sit frozen while a pass runs at
-    every close, move and step). Indexes kept as tenants change: frozen tenants by how many devices they miss
-    (relocation, rule 6, looks only at the ones that fit in the free devices, when none packs), the ones that may
+11. Cost: no pass does a tenant's work for every frozen tenant (with LAS or the DTorch policy, hundreds sit frozen
+    while a pass runs at every close, move and step). Indexes kept as tenants change: frozen tenants by how many
+    devices they miss (relocation, rule 6, tries only the ones that fit in the free devices, when none packs: it
+    walks the rank buckets in order, passing over the others with one set lookup each, and stops once the free
+    devices are gone), the ones that may
     hold a reservation (preemption takes those first), the elastic ones (shrink), for each worker the ones that miss
     it alone (a lending policy offers a freed device to those only, rule 6) and the ones that miss it by rank (a
     re-ranked tenant's devices are looked at by the frozen tenants that outrank it, and by the others only once it
