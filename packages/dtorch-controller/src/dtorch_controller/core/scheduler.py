@@ -575,7 +575,7 @@ class Scheduler:
         t.rank = rank
         if t.state == FROZEN:
             for w in t.missing:
-                self._wanted_at.setdefault(w, {}).setdefault(rank, {})[t.session] = None
+                self._want_at(t, w)
         self._bucket(t, buckets)
         return True
 
@@ -976,7 +976,7 @@ class Scheduler:
             if w not in v.missing:
                 v.missing.add(w)
                 self._wanted.setdefault(w, {})[v.session] = None
-                self._wanted_at.setdefault(w, {}).setdefault(v.rank, {})[v.session] = None
+                self._want_at(v, w)
                 self._release(w, v.session)
         self._index_missing(v, n)
         self._resumable.pop(v.session, None)
@@ -994,12 +994,20 @@ class Scheduler:
         t.missing.discard(w)
         self._index_missing(t, n)
         self._reserving.add(t.session)
+        self._drop_want(t, w)
+
+    def _drop_want(self, t: Tenant, w: str) -> None:
+        """`t` leaves the indexes of the frozen tenants that want `w` (`_wanted`, `_wanted_at`)."""
         wanting = self._wanted.get(w)
         if wanting is not None:
             wanting.pop(t.session, None)
             if not wanting:
                 del self._wanted[w]
         self._unwant_at(t, w)
+
+    def _want_at(self, t: Tenant, w: str) -> None:
+        """`t`, frozen, misses `w` at its rank (`_wanted_at`)."""
+        self._wanted_at.setdefault(w, {}).setdefault(t.rank, {})[t.session] = None
 
     def _unwant_at(self, t: Tenant, w: str) -> None:
         """`t` leaves `_wanted_at[w]` (it holds `w` again, or its rank changes)."""
@@ -1015,12 +1023,7 @@ class Scheduler:
 
     def _unfreeze_wants(self, t: Tenant) -> None:
         for w in t.missing:
-            wanting = self._wanted.get(w)
-            if wanting is not None:
-                wanting.pop(t.session, None)
-                if not wanting:
-                    del self._wanted[w]
-            self._unwant_at(t, w)
+            self._drop_want(t, w)
         n = len(t.missing)
         t.missing.clear()
         self._index_missing(t, n)
