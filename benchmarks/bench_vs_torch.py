@@ -375,9 +375,10 @@ def run_dtorch(args: argparse.Namespace) -> dict:
         inp_t, target_t = batch()
         inp = dtorch.distribute_tensor(inp_t, mesh, [Replicate()])
         target = dtorch.distribute_tensor(target_t, mesh, [Replicate()])
+        session = dtorch.runtime.get_session()
         if "b" in args.only:
             with torch.no_grad():
-                out["b"] = median_ms(lambda: model(inp).to_torch(), args.repeats)
+                out["b"], out["b_late"] = early_and_late(session, lambda: model(inp).to_torch(), args.repeats)
                 out["b_cpu"] = cpu_per_call(lambda: model(inp).to_torch(), args.repeats, cluster_processes())
                 out["b_value"] = model(inp).to_torch()
                 more = 2 * int(os.environ.get("DTORCH_SNAPSHOT_BATCHES", "32")) + 8
@@ -387,7 +388,7 @@ def run_dtorch(args: argparse.Namespace) -> dict:
                 out["b_snapshot"] = (more, me.snapshot_bytes, me.snapshot_copied_bytes)
         if "c" in args.only:
             step = sgd_step(model, inp, target)
-            out["c"] = median_ms(step, args.repeats)
+            out["c"], out["c_late"] = early_and_late(session, step, args.repeats)
 
     if "d" in args.only:
         bw: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}, "all_reduce_one": {}}
@@ -422,6 +423,22 @@ def run_dtorch(args: argparse.Namespace) -> dict:
 
 
 PROFILED_STEPS = 3
+
+
+def early_and_late(session: Any, fn: Callable[[], object], repeats: int, warmup: int = 2) -> tuple[float, float]:
+    """`fn`'s median time in ms with early reads (dtorch/session.py), and with reads after the Sync's answer (as
+    before them), the two in turns call by call."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for i in range(2 * (warmup + repeats)):
+            session.early_reads = early = i % 2 == 0
+            t0 = time.perf_counter()
+            fn()
+            if i >= 2 * warmup:
+                times[early].append(time.perf_counter() - t0)
+    finally:
+        session.early_reads = True
+    return statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
 
 
 def in_flight(records: list) -> tuple[float, float]:  # noqa: ANN001 (OpRecords of one worker)
@@ -688,7 +705,8 @@ def main() -> None:
               f"dtorch/plain   {rat('a', 0)}")
     if "b" in args.only:
         print(f"(b) {LAYERS}-layer {HIDDEN}x{HIDDEN} MLP forward, batch {BATCH}, TP=2, value on the client")
-        print(f"    dtorch            {med(2, 'b'):9.2f} ms")
+        print(f"    dtorch            {med(2, 'b'):9.2f} ms   (reads after the Sync, DTORCH_EARLY_READS=0: "
+              f"{med(2, 'b_late'):.2f} ms)")
         print(f"    torch DTensor     {med(1, 'b'):9.2f} ms   dtorch/DTensor {rat('b', 1)}   (target <= 1.0x)")
         print(f"    plain torch       {med(0, 'b'):9.2f} ms   dtorch/plain   {rat('b', 0)}")
         for who, cpu in (("dtorch", dt["b_cpu"]), ("torch DTensor", torch_dt["b_cpu"])):
@@ -705,7 +723,8 @@ def main() -> None:
         print(f"    max |difference| from plain torch: dtorch {err:.2e}, DTensor {err_t:.2e}")
     if "c" in args.only:
         print("(c) the same MLP, forward + backward + SGD step, TP=2, loss on the client")
-        print(f"    dtorch            {med(2, 'c'):9.2f} ms")
+        print(f"    dtorch            {med(2, 'c'):9.2f} ms   (reads after the Sync, DTORCH_EARLY_READS=0: "
+              f"{med(2, 'c_late'):.2f} ms)")
         print(f"    torch DTensor     {med(1, 'c'):9.2f} ms   dtorch/DTensor {rat('c', 1)}   (target <= 1.0x)")
         print(f"    plain torch       {med(0, 'c'):9.2f} ms   dtorch/plain   {rat('c', 0)}")
     if "d" in args.only:

@@ -242,7 +242,8 @@ class Generator:
                         outs=[m.OutSpec(tid, spec)], writes=[hostile_int(rng)] if rng.random() < 0.3 else []),
             m.InstrRedistribute(src=rng.randint(1, 30), dst=tid, src_spec=spec, dst_spec=spec),
             m.InstrDelete(tids=[rng.randint(1, 30)]),
-            m.InstrAdopt(tid=tid, spec=spec)])
+            m.InstrAdopt(tid=tid, spec=spec),
+            m.InstrRead(tid=rng.randint(1, 30), mark=hostile_int(rng))])
 
     def controller_sample(self, method: str) -> Any:
         rng, c = self.rng, self.c
@@ -286,6 +287,7 @@ class Generator:
                 m.CmdRedistribute(src=rng.randint(1, 30), dst=tid, dtype="float32", plans={dev: m.ShardPlan(
                     shape=[4, 4], groups=[[m.Piece("", dev, [0, 0], [0, 0], [4, 4])]])}),
                 m.CmdExpectReads(tid=tid, reads={dev: 1}, dst=tid + 1),
+                m.CmdReadable(mark=hostile_int(rng)),
                 m.CmdDelete(tids=[tid], devices=[dev]),
                 m.CmdSendShards(devices={dev: [tid]}, namespace=f"{sid}#s1"),
                 m.CmdFetchShards(devices={dev: [tid]}, namespace=f"{sid}#s1"),
@@ -296,7 +298,8 @@ class Generator:
             return m.Execute(seq=seq, session=sid, cmds=cmds, memory_cap=64 << 20), sid
         if method == "Pull":
             return m.PullRequest(session=sid, tid=tid, device=dev, timeout_s=rng.choice([0.0, 0.01, 0.2]),
-                                 offset=[0, 0] if rng.random() < 0.5 else None, size=[1, 1]), sid
+                                 offset=[0, 0] if rng.random() < 0.5 else None, size=[1, 1],
+                                 after=hostile_int(rng) if rng.random() < 0.3 else -1), sid
         if method == "Put":
             n = rng.randint(0, 64)
             return [m.PutChunk(session=sid, tid=100 + tid, device=dev, dtype="float32", shape=[n],

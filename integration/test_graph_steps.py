@@ -93,8 +93,9 @@ def test_a_graph_call_sends_one_replay_and_releases_what_the_python_would_have_d
         dx, dy = dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE)
         with tap(cluster, sent, released):
             step(dx, dy).item()
-        if n == 4:  # a graph call: one replay; each .grad is the same object, naming a new tensor
-            assert [type(i) for i in sent] == [m.InstrReplay]
+        if n == 4:  # a graph call: one replay (then .item()'s read mark); each .grad is the same object, naming
+            # a new tensor
+            assert [type(i) for i in sent] == [m.InstrReplay, m.InstrRead]
             now = [(p.grad, p.grad._tid) for p in model.parameters()]
             assert all(g is h for (g, _), (h, _) in zip(now, grads))
             assert all(t != old and old in released for (_, t), (_, old) in zip(now, grads))

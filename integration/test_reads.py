@@ -1,7 +1,7 @@
 """Reads (`_dataplane.read`): values equal torch's, each a tensor of its own, and a read starts no thread (a thread's
 start waits until it holds the GIL: on a busy client, up to a switch interval per read): a replicated value is
-pulled on the calling thread, Pull replies are read by the asking thread, one watcher thread looks after every
-transfer."""
+pulled on the session's one early-read thread (session.py), Pull replies are read by the asking thread, one
+watcher thread looks after every transfer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import torch
 
 import dtorch
-from dtorch import Partial, Replicate, Shard
+from dtorch import Partial, Replicate, Shard, _dataplane
 from dtorch_protocol import segments
 
 
@@ -31,6 +31,37 @@ def test_a_read_starts_no_thread_and_returns_a_tensor_of_its_own(cluster, mesh1,
         assert torch.equal(value, full * 2), layout
     got[0].add_(1)  # the replicated read is the pulled tensor itself: writable, shared with nothing of the session
     assert torch.equal(tensors[0].to_torch(), full)
+
+
+def test_reads_go_out_with_their_sync_and_see_every_write_before_them(cluster, mesh1, mesh4):
+    """Early reads (session.py): the pulls leave with the Sync, not after its answer, and each worker serves them
+    only once its stream ran the read's mark, so an in-place write just before the read is in the value (the
+    shards exist all along: served on arrival, they would hold the value before it)."""
+    session = dtorch.runtime.get_session()
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    for mesh in (mesh1, mesh4):
+        for layout in ([Replicate()], [Shard(0)], [Shard(1)], [Partial()]):
+            x = dtorch.distribute_tensor(full, mesh, layout)
+            for i in range(1, 3):
+                x.mul_(2)
+                early = session.reads["early"]
+                assert torch.equal(x.to_torch(), full * 2 ** i), (mesh, layout)
+                assert session.reads["early"] == early + 1, (mesh, layout)
+
+
+def test_an_early_read_that_misses_is_read_again_after_the_sync(cluster, mesh1, monkeypatch):
+    """A worker whose stream has not reached the read's mark within the read's wait (none here, behind 24 big
+    matmuls) answers that it did not: the session reads the value again once the Sync is answered."""
+    monkeypatch.setattr(_dataplane, "EARLY_WAIT_S", 0.0)
+    session = dtorch.runtime.get_session()
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0)) / 23
+    y, want = dtorch.distribute_tensor(a, mesh1, [Replicate()]), a
+    da = y
+    for _ in range(24):
+        y, want = y @ da, want @ a
+    reads = dict(session.reads)
+    assert torch.allclose(y.to_torch(), want, rtol=1e-4, atol=1e-6)
+    assert session.reads == {"early": reads["early"], "after_sync": reads["after_sync"] + 1}
 
 
 def _spy(monkeypatch, name: str, calls: list[str], rename: str = "") -> None:

@@ -223,6 +223,26 @@ def test_redistribute_without_remote_pieces_announces_nothing(h):
     assert [type(c) for c in sent[w0].cmds] == [m.CmdRedistribute] == [type(c) for c in sent[w1].cmds]
 
 
+def test_a_read_marks_the_stream_of_every_worker_of_the_tensors_mesh_and_is_never_an_error(h):
+    """InstrRead (translate.py rule 4): a CmdReadable after the commands before it, on each worker of the mesh,
+    even one the batch sends nothing else; an unknown tensor sends nothing and reports nothing."""
+    (w0, w1, w2), sid = cluster(h, workers=3, devices=(0, 1, 2))
+    assert h.open_mesh(sid, 2, [0, 1]).placed  # devices 0 and 1: w0 and w1
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([4], mesh=2), init="rand")])
+    h.take_sent()
+    h.submit(sid, 2, [m.InstrCall(op="aten.add_.Tensor", mesh=2, args=[{"$t": 1}, 1.0], kwargs={},
+                                  outs=[m.OutSpec(tid=1, spec=spec([4], mesh=2))]),
+                      m.InstrRead(tid=1, mark=7), m.InstrRead(tid=99, mark=8)])
+    sent = by_worker(h.take_sent())
+    assert set(sent) == {w0, w1}  # not w2: the tensor is not on it
+    for w in (w0, w1):
+        assert sent[w].cmds[-1] == m.CmdReadable(mark=7)
+        assert any(isinstance(c, m.CmdRun) for c in sent[w].cmds[:-1])
+    h.report_all()
+    rid, reply = h.sync(sid, 2)
+    assert (reply or h.replies[rid]).errors == []
+
+
 def test_delete_of_a_remotely_read_source_waits_for_the_readers(h):
     (w0, w1), sid = cluster(h, devices=(0, 1))
     h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([4]), init="rand")])

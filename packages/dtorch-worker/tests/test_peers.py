@@ -14,6 +14,7 @@ from dtorch_protocol import wire
 from dtorch_protocol.messages import (
     CmdCreate,
     CmdExpectReads,
+    CmdReadable,
     CmdRedistribute,
     CmdRun,
     ErrorReport,
@@ -271,6 +272,53 @@ def test_a_pull_waiting_for_the_announcement_wakes_when_it_runs() -> None:
         assert src.executor.take_errors() == {}
     finally:
         src.stop(0)
+
+
+def test_a_client_read_with_a_mark_is_served_once_the_stream_ran_it() -> None:
+    """An early read (`PullRequest.after`, dtorch/session.py) comes before the batch it follows: the shard exists,
+    but it is served only once the stream reached the read's mark, so it holds what the batch wrote before it."""
+    w = start_worker()
+    try:
+        put(w, 200, 0, torch.zeros(8))
+        cond = w.store._marks = WaitSeen()
+        got: list[torch.Tensor] = []
+
+        def client() -> None:
+            stub = wire.Stub("dtorch.Worker", w.address, w.capability(S))
+            got.append(receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=200, device=0, timeout_s=30.0,
+                                                                      after=1)), "early read"))
+            stub.close()
+
+        reader = threading.Thread(target=client)
+        reader.start()
+        assert cond.waiting.wait(30.0), "the read did not wait for its mark"
+        add = CmdRun(op="aten.add_.Tensor", devices=[0], args=[{"$t": 200}, 1.0], kwargs={}, outs=[200])
+        wait(w, Seq((w,)).send(w, add, CmdReadable(mark=1)))
+        reader.join(30.0)
+        assert not reader.is_alive(), "the mark did not wake the waiting read"
+        assert torch.equal(got[0], torch.ones(8))  # the in-place add before the mark, not the value it found
+
+        stub = wire.Stub("dtorch.Worker", w.address, w.capability(S))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not reach the client's read 2 within 0.2s"):  # bounded
+            receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=200, device=0, timeout_s=0.2, after=2)),
+                           "early read")
+        assert time.monotonic() - t0 < 10.0
+        other = wire.Stub("dtorch.Worker", w.address, w.capability("sess-other"))  # marks are per session
+        assert other.send_stream("Put", put_chunks("sess-other", 200, 0, torch.zeros(8))).ok
+        with pytest.raises(RuntimeError, match="did not reach the client's read 1"):
+            receive_chunks(other.stream("Pull", PullRequest(session="sess-other", tid=200, device=0, timeout_s=0.2,
+                                                            after=1)), "early read")
+        w.store.mark_moved(S, [0])  # the device left: its new worker's stream has the mark, stop waiting here
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not reach the client's read 3"):
+            receive_chunks(stub.stream("Pull", PullRequest(session=S, tid=200, device=0, timeout_s=30.0, after=3)),
+                           "early read")
+        assert time.monotonic() - t0 < 10.0
+        stub.close()
+        other.close()
+    finally:
+        w.stop(0)
 
 
 def test_client_fetches_and_failed_pulls(pair: tuple[WorkerHandle, WorkerHandle]) -> None:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 IO_THREADS = 8
 CAP_REFRESH_S = 600.0  # ask for fresh capabilities when one has less than this left
+EARLY_WAIT_S = 10.0  # how long a worker holds an early read (session.py) for its stream to reach the read's mark
 # A Pull's replies are read by the thread that asked (gRPC's experimental single-threaded server-streaming calls),
 # not handed over by a channel thread that gRPC starts for each burst of calls and ends when none is left: one thread
 # start less per read, whose `Thread.start` waits until the new thread holds the GIL (a busy client: milliseconds).
@@ -161,17 +162,19 @@ class DataPlane:
         return stub
 
     # ------------------------------------------------------------------ reads
-    def read(self, tid: int, spec: Spec) -> torch.Tensor:
+    def read(self, tid: int, spec: Spec, after: int = -1) -> torch.Tensor:
         """The full value of tensor `tid` laid out as `spec`: one replica of each distinct shard (a strided shard is
-        read in its unflattened layout, each piece reshaped to its box there)."""
+        read in its unflattened layout, each piece reshaped to its box there). `after`: an early read (session.py),
+        served once each worker's stream reached that read mark, from where the devices were, never retried."""
         shape, spec = spec.shape, spec.unflattened()
         groups, op = gather_groups(spec.shape, spec.mesh.shape, spec.placements)
         wanted = [[(flat, box) for flat, box in group if all(n for _, n in box)] for group in groups]
         if op is None and len(wanted) == 1 and len(wanted[0]) == 1:  # one shard holds the value: here, as it comes
             flat, box = wanted[0][0]
             if [n for _, n in box] == list(spec.shape):
-                return self._pull(tid, spec.mesh.devices[flat], _nbytes(box, spec.dtype)).to(spec.dtype).reshape(shape)
-        jobs = [[(box, self._pool.submit(self._pull, tid, spec.mesh.devices[flat], _nbytes(box, spec.dtype)))
+                return self._pull(tid, spec.mesh.devices[flat], _nbytes(box, spec.dtype), after
+                                  ).to(spec.dtype).reshape(shape)
+        jobs = [[(box, self._pool.submit(self._pull, tid, spec.mesh.devices[flat], _nbytes(box, spec.dtype), after))
                  for flat, box in group] for group in wanted]
         parts = []
         for group in jobs:
@@ -181,15 +184,17 @@ class DataPlane:
             parts.append(full)
         return (parts[0] if op is None else _reduce(parts, op, spec.dtype)).reshape(shape)
 
-    def _pull(self, tid: int, device: int, nbytes: int) -> torch.Tensor:
+    def _pull(self, tid: int, device: int, nbytes: int, after: int = -1) -> torch.Tensor:
+        if after >= 0:
+            return self._pull_from(self.where(device), tid, device, nbytes, after)
         return self._relocating(device, lambda address: self._pull_from(address, tid, device, nbytes))
 
-    def _pull_from(self, address: str, tid: int, device: int, nbytes: int) -> torch.Tensor:
+    def _pull_from(self, address: str, tid: int, device: int, nbytes: int, after: int = -1) -> torch.Tensor:
         segment = segments.for_pull(self.session, tid, device, nbytes) if self._segments_to(address, nbytes) else None
+        wait = min(self.timeout, m.MAX_TIMEOUT_S, EARLY_WAIT_S if after >= 0 else m.MAX_TIMEOUT_S)
         try:
             call, replies = self._worker(address).open_stream(
-                "Pull", m.PullRequest(session=self.session, tid=tid, device=device,
-                                      timeout_s=min(self.timeout, m.MAX_TIMEOUT_S),
+                "Pull", m.PullRequest(session=self.session, tid=tid, device=device, timeout_s=wait, after=after,
                                       segment=segment.name if segment else ""),
                 timeout=self.timeout + 10.0, credential=self._cap(address))
             with Watch(self._look, device, address, call.cancel) as watch:

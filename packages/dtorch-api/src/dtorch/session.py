@@ -9,6 +9,13 @@ The session speaks tensor ids and specs only (DTensors are the dispatcher's). Sy
 the stream, wait until every worker has executed it (bounded), raise any op error with the user's source
 line, then read shards straight from the workers. Uploads write shards straight to workers.
 
+Early reads: a fetch does not wait for the Sync's answer to ask for the shards. It ends the stream with an
+InstrRead naming a fresh read mark, and pulls with that mark (`PullRequest.after`) while the Sync is under way:
+each worker serves the pull once its stream ran the mark (every write before it), so the bytes come back about
+when the answer does, two one-way legs sooner. An early read that fails for any reason (a move, a loss, a stream
+that did not reach the mark in EARLY_WAIT_S) is only a miss: the value is read again after the Sync, as without
+it. One early read at a time; `DTORCH_EARLY_READS=0` (or `early_reads = False`) turns them off.
+
 The controller knows the session by its API key; each worker by the capability the controller hands out
 next to every location (MeshPlaced, SyncReply, the session's own entry in Status): the session passes them
 to the data plane with the locations.
@@ -17,6 +24,7 @@ to the data plane with the locations.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,6 +86,11 @@ class Session:
         self._data = DataPlane(self.id, self.timeout, self.status, tls=tls)
         # async fetches wait on pulls in the data plane's pool: they must not occupy its threads
         self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-fetch")
+        self.early_reads = os.environ.get("DTORCH_EARLY_READS", "1") != "0"
+        self._early = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-early-read")  # the same rule
+        self._early_read: Future | None = None  # the last one, until it ends (one at a time)
+        self._marks = itertools.count(1)  # read marks (InstrRead)
+        self.reads = {"early": 0, "after_sync": 0}  # how this session's fetches got their values
         self._closed = False
         self.step: Any = None  # automatic capture or the compiled step running now (dtorch._capture): told of sync
         # points, uploads and flushes
@@ -134,12 +147,34 @@ class Session:
             return lost
 
     def fetch(self, tid: int, spec: Spec, carry: bool = True) -> torch.Tensor:
-        """The full value of tensor `tid` (laid out as `spec`) on the client."""
+        """The full value of tensor `tid` (laid out as `spec`) on the client (early when it can: module doc)."""
+        early = self._read_early(tid, spec) if carry else None
         self.sync(carry)
+        if early is not None:
+            try:
+                value = early.result()
+            except Exception:  # noqa: BLE001 - a miss (module doc): read it now, the ordinary way
+                pass
+            else:
+                self.reads["early"] += 1
+                return value
+        self.reads["after_sync"] += 1
         try:
             return self._data.read(tid, spec)
         except DeviceLost as e:
             raise self._loss(e) from None
+
+    def _read_early(self, tid: int, spec: Spec) -> Future | None:
+        """Mark the read in the stream and start pulling with that mark (module doc); None when it cannot."""
+        if not self.early_reads or self._stream.broken or (self._early_read is not None
+                                                            and not self._early_read.done()):
+            return None
+        if self.step is not None:
+            self.step.interrupt("a sync point")  # before the InstrRead: it belongs to no step
+        mark = next(self._marks)
+        self.emit(m.InstrRead(tid=tid, mark=mark))
+        self._early_read = self._early.submit(self._data.read, tid, spec, mark)
+        return self._early_read
 
     def fetch_async(self, tid: int, spec: Spec) -> Future:
         """`fetch` in the background, in call order (the tensor should not change meanwhile)."""
@@ -185,4 +220,5 @@ class Session:
         self._stream.close()
         self._data.close()
         self._fetches.shutdown(wait=False, cancel_futures=True)
+        self._early.shutdown(wait=False, cancel_futures=True)
         self.stub.close()

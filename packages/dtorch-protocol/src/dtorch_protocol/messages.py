@@ -43,7 +43,8 @@ PROTOCOL_VERSION = "1.8"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # commands shared by every worker of a mesh (CmdMesh, CmdRun.mesh, CmdDelete.mesh; `dtorch_protocol.shared`);
 # 1.8: same-host segments for client payloads (PutChunk.segment, PullRequest.segment, Chunk.in_segment,
 # ShardsChunk.segment, ShardsRequest.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`); InstrCall.writes and
-# CmdKeepCopies (a snapshot keeps the copies of tensors unchanged since the last one instead of copying them again)
+# CmdKeepCopies (a snapshot keeps the copies of tensors unchanged since the last one instead of copying them again);
+# InstrRead, CmdReadable and PullRequest.after (a sync point's read goes out with its Sync, not after its answer)
 
 
 class ErrorKind(str, enum.Enum):
@@ -246,6 +247,14 @@ class InstrDelete(Struct, frozen=True, gc=False, tag="delete"):
     tids: list[int]
 
 
+class InstrRead(Struct, frozen=True, tag="read"):
+    """The client reads `tid` once the instructions before this one ran: its pulls name `mark` (`PullRequest.after`)
+    and go out with the Sync instead of after its answer. A hint: an unknown tensor is no error (nothing is sent)."""
+
+    tid: int
+    mark: int  # the session's read marks only grow
+
+
 StepInstr = InstrCreate | InstrCall | InstrRedistribute | InstrDelete  # what a captured program holds
 
 
@@ -272,7 +281,8 @@ class InstrReplay(Struct, frozen=True, tag="replay"):
     scalars: list[float] = []
 
 
-Instr = InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete | InstrDefine | InstrReplay
+Instr = (InstrCreate | InstrAdopt | InstrCall | InstrRedistribute | InstrDelete | InstrDefine | InstrReplay
+         | InstrRead)
 
 
 class Submit(Struct, frozen=True):
@@ -460,6 +470,13 @@ class ShardPlan(Struct, frozen=True):
     shape: list[int]
     groups: list[list[Piece]]  # empty: the shard is zeros
     reduce: str = "sum"  # combines groups: "sum" | "avg" | "max" | "min"
+
+
+class CmdReadable(Struct, frozen=True, tag="readable"):
+    """The client's reads of this session up to `mark` may be served (`PullRequest.after`): every command before this
+    one in the stream ran. Sent for an InstrRead to each worker of the read tensor's mesh."""
+
+    mark: int
 
 
 class CmdRedistribute(Struct, frozen=True, tag="redistribute"):
@@ -654,7 +671,7 @@ class CmdReplay(Struct, frozen=True, tag="replay"):
 
 Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
        | CmdKeepCopies | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective | CmdProgram
-       | CmdReplay | CmdMesh)
+       | CmdReplay | CmdMesh | CmdReadable)
 
 
 class Execute(Struct, frozen=True):
@@ -687,6 +704,7 @@ class PullRequest(Struct, frozen=True):
     expected: bool = False  # a peer's planned read, announced by CmdExpectReads: counted as served when done
     dst: int = -1  # with `expected`: served only after the source ran the CmdExpectReads of redistribution `dst`
     segment: Annotated[str, Meta(max_length=64)] = ""  # a client's same-host segment for the bytes (segments.py)
+    after: int = -1  # a client's read: served only once this worker ran the session's CmdReadable of this mark
 
 
 class Chunk(Struct, frozen=True):

@@ -123,6 +123,7 @@ class Agent:
         report = WorkerReport(worker=self.worker_id, completed=completed, errors=errors, sessions=self.store.stats(),
                               utilization=utilization, received_bytes=self.executor.received_bytes,
                               proof=self.proof)
+        self.executor.release_reads(completed)  # the early reads' bytes go out behind this report (executor.py)
         try:
             reply: ReportReply = self.stub.call("Report", report, timeout=self.report_timeout_s)
         except Exception:

@@ -21,6 +21,10 @@ first command that uses one waits for it there (as do peers' pulls and whole-sha
 completed (reported to the controller) only once its collectives are done, and their errors are reported
 with it. Why the waits cannot deadlock across sessions: groups.py, rule 5.
 
+A client's early read (CmdReadable, `PullRequest.after`) is served once the batch of its mark completed and the
+agent's report of that completion is on its way (`release_reads`): on a busy worker the read's bytes would
+otherwise go out first and delay the report its Sync waits for.
+
 Captured programs (`dtorch.compile`): a CmdProgram keeps this worker's commands of a session's program (slots for
 tensor ids, seeds, numbers and group op numbers, `dtorch_protocol.programs`); a CmdReplay runs them filled in, in
 its place in the batch, each as if it had been sent (errors, profiles and metrics per command).
@@ -65,6 +69,7 @@ from dtorch_protocol.messages import (
     CmdGroup,
     CmdKeepCopies,
     CmdProgram,
+    CmdReadable,
     CmdRebuilt,
     CmdRedistribute,
     CmdReplay,
@@ -180,6 +185,7 @@ class Executor:
         self._inflight: dict[int, int] = {}  # batch seq -> collectives of it still in flight
         self._sessions: dict[int, str] = {}  # seq -> session of the batches started and not completed yet
         self._told = first_seq - 1  # the completed seq last told (on_complete or on_deferred)
+        self._marks: list[tuple[int, str, int]] = []  # (batch seq, session, mark) of CmdReadables not yet in effect
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._errors: dict[str, list[ErrorReport]] = {}
@@ -341,6 +347,18 @@ class Executor:
                 tell(done)
             except Exception:  # a reporting hiccup must not kill execution
                 log.exception("completion callback failed")
+        if tell is None:  # no agent reports completions (in-process workers): in effect at once
+            self.release_reads(done)
+
+    def release_reads(self, completed: int) -> None:
+        """The completion up to batch `completed` is being reported: the client reads marked in those batches
+        (CmdReadable) may be served now, their bytes after the report their Sync waits for."""
+        with self._cond:
+            marks = [(session, mark) for seq, session, mark in self._marks if seq <= completed]
+            if marks:
+                self._marks = [x for x in self._marks if x[0] > completed]
+        for session, mark in marks:
+            self.store.readable(session, mark)
 
     # ------------------------------------------------------------ errors
 
@@ -445,6 +463,9 @@ class Executor:
             elif isinstance(cmd, CmdExpectReads):
                 for device, n in cmd.reads.items():
                     self.store.expect_reads((session, cmd.tid, device), n, cmd.dst)
+            elif isinstance(cmd, CmdReadable):
+                with self._cond:
+                    self._marks.append((self._seq, session, cmd.mark))
             elif isinstance(cmd, CmdDelete):
                 for tid in cmd.tids:
                     for device in cmd.devices:

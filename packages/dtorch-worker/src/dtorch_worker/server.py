@@ -115,6 +115,11 @@ class WorkerService:
             yield Chunk(data=b"", error=f"this worker never reached the redistribution into tensor {request.dst} "
                                         f"within {wait:g}s", kind=ErrorKind.MISSING)
             return
+        early = request.after >= 0 and not request.expected  # a client's early read (store.py): after its mark
+        if early and not self.store.wait_readable(key[0], key[2], request.after, wait):
+            yield Chunk(data=b"", error=f"this worker's stream did not reach the client's read {request.after} "
+                                        f"within {wait:g}s", kind=ErrorKind.MISSING)
+            return
         try:
             value = self.store.get(key, wait) if request.expected else self._client_get(key, wait)
         except ShardMissing as e:

@@ -9,6 +9,10 @@ The store also counts the peers' planned reads of each shard (CmdExpectReads add
 the expected ones, the Pull handler marks them served), so the executor can hold an
 in-place write to a shard's storage until the reads announced before it are done.
 
+A client's read may come before the batch it follows (it goes out with the Sync, `PullRequest.after`): the store
+keeps each session's highest read mark this worker's stream reached (CmdReadable), and the Pull handler waits for
+the mark before it reads.
+
 A shard a collective is still writing (the last step of a CmdCollective, in flight on a group's lane) is a
 `Pending`: `get` waits for it (its first use), bounded, then returns the tensor or its Poison; `peek` sees
 nothing there yet.
@@ -116,6 +120,10 @@ class TensorStore:
         self._caps: dict[str, int] = {}  # session -> memory cap on this worker in bytes (absent: none)
         self._reads: dict[Key, int] = {}  # expected - served planned reads; only keys where that is not 0
         self._announced: dict[Key, set[int]] = {}  # redistributions (dst tids) whose reads of a key were announced
+        self._readable: dict[str, int] = {}  # session -> the highest client read mark its stream reached
+        # early reads wait on a condition of their own: the store's is notified at every put, and a read waiting for
+        # its mark through a backward pass would take the GIL from the executor hundreds of times
+        self._marks = threading.Condition()  # guards `_readable` only
         self._cond = threading.Condition()
         # Recovery and migration (CmdAbandon, CmdSendShards(move=...), CmdRebuilt):
         self._gen: dict[str, int] = {}  # session -> bumped when it is abandoned: waits on its shards end
@@ -151,6 +159,8 @@ class TensorStore:
         """Wake every wait on this store to look again (a call it serves ended: `wire.on_call_end`)."""
         with self._cond:
             self._cond.notify_all()
+        with self._marks:
+            self._marks.notify_all()
 
     def put(self, key: Key, value: Shard) -> None:
         with self._cond:
@@ -217,6 +227,8 @@ class TensorStore:
                 del self._reads[k]
             for k in [k for k in self._announced if k[0] == session]:
                 del self._announced[k]
+            with self._marks:
+                self._readable.pop(session, None)
             keys = list(self._by_session.pop(session, {}))
             for k in keys:
                 del self._data[k]
@@ -289,6 +301,8 @@ class TensorStore:
         with self._cond:
             self._moved.update((session, d) for d in devices)
             self._cond.notify_all()
+        with self._marks:  # an early read of a device that left stops waiting for its mark here
+            self._marks.notify_all()
 
     def clear_moved(self, session: str, devices: list[int] | None = None) -> None:
         with self._cond:
@@ -392,6 +406,27 @@ class TensorStore:
                 if left <= 0 or call_ended():
                     return False
                 self._cond.wait(left)
+            return True
+
+    # ------------------------------------------------------------ the client's reads (CmdReadable)
+
+    def readable(self, session: str, mark: int) -> None:
+        """The session's stream reached read mark `mark` (CmdReadable): its client's pulls up to it may be served."""
+        with self._marks:
+            if mark > self._readable.get(session, -1):
+                self._readable[session] = mark
+                self._marks.notify_all()
+
+    def wait_readable(self, session: str, device: int, mark: int, timeout: float) -> bool:
+        """Wait up to `timeout` s until the session's stream reached read mark `mark` (False at once when `device`
+        moved away: its new worker's stream has the mark)."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._marks:
+            while self._readable.get(session, -1) < mark:
+                left = deadline - time.monotonic()
+                if left <= 0 or call_ended() or (session, device) in self._moved:
+                    return False
+                self._marks.wait(left)
             return True
 
     def read_served(self, key: Key) -> None:

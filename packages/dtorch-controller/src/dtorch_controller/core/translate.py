@@ -15,6 +15,9 @@ Rules:
      So translating such an instruction costs the same at 1 and at 64 workers.
   3. The first time a batch's translator routes to a mesh, each of the mesh's live workers gets a
      CmdMesh(mesh, its devices) first: the shared commands after it in the batch run on those devices.
+  4. A read (InstrRead) is a hint, never an error: each live worker of the tensor's mesh gets one CmdReadable at
+     that point of its stream, and an unknown tensor sends nothing (the client's early pulls then time out and
+     it reads after the Sync instead).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def _describe(instr: m.Instr) -> tuple[str, str, int]:
         return "redistribute", instr.src_line, instr.dst
     if isinstance(instr, m.InstrAdopt):
         return "adopt", "", instr.tid
+    if isinstance(instr, m.InstrRead):
+        return "read", "", instr.tid
     return "delete", "", -1
 
 
@@ -82,7 +87,7 @@ class _Translator:
 
     def run(self, instrs: list[m.Instr]) -> Batch:
         handlers = {m.InstrCreate: self._create, m.InstrCall: self._call, m.InstrRedistribute: self._redistribute,
-                    m.InstrDelete: self._delete, m.InstrAdopt: self._adopt}
+                    m.InstrDelete: self._delete, m.InstrAdopt: self._adopt, m.InstrRead: self._read}
         for instr in instrs:
             try:
                 handlers[type(instr)](instr)
@@ -305,6 +310,14 @@ class _Translator:
                 groups.setdefault((worker, tuple(devices)), []).extend(tids)
         for (worker, devices), tids in groups.items():
             self._emit(worker, m.CmdDelete(tids=tids, devices=list(devices)))
+
+    def _read(self, instr: m.InstrRead) -> None:
+        spec = self.s.tensors.get(instr.tid)
+        mesh = self.s.meshes.get(spec.mesh) if spec is not None else None
+        if mesh is not None:  # rule 4
+            cmd = m.CmdReadable(mark=instr.mark)
+            for worker in self._hosts(mesh, instr, report_lost=False):
+                self._emit(worker, cmd)
 
     def _adopt(self, instr: m.InstrAdopt) -> None:
         self._layout(instr.spec)
