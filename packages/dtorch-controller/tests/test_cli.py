@@ -130,6 +130,15 @@ def test_a_negative_dispatch_window_is_refused_in_one_line(tmp_path):
     assert out.returncode == 2 and "dispatch_ahead must be >= 0, got -1" in out.stderr and out.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(("name", "takes"), [("DTORCH_DISPATCH_AHEAD", "a whole number"),
+                                             ("DTORCH_HEARTBEAT_TIMEOUT", "a number"),
+                                             ("DTORCH_SNAPSHOT_BATCHES", "a whole number")])
+def test_a_malformed_environment_default_is_one_line_naming_the_variable(name, takes):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+    out = _run("--listen", "127.0.0.1:0", env={**env, name: "1.5x"})
+    assert out.returncode == 2 and out.stderr == f"dtorch-controller: ${name} must be {takes}, not '1.5x'\n"
+
+
 def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):
     """Keys are shown once and stored hashed; a running controller honours a revocation within a second."""
     path = tmp_path / "keys.json"

@@ -12,7 +12,7 @@ import os
 import threading
 
 from dtorch._capture import AutoSteps
-from dtorch.errors import ClusterError
+from dtorch.errors import ClusterError, env_int
 from dtorch.local_cluster import LocalCluster
 from dtorch.session import Session
 from dtorch_protocol import messages as m
@@ -47,7 +47,7 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
         address = controller or os.environ.get("DTORCH_CONTROLLER")
         tls = None
         if not address:
-            n = workers if workers is not None else int(os.environ.get("DTORCH_LOCAL_WORKERS", "2"))
+            n = workers if workers is not None else env_int("DTORCH_LOCAL_WORKERS", 2)
             _cluster = LocalCluster(n, device=os.environ.get("DTORCH_LOCAL_DEVICE", "cpu"))
             address, api_key = _cluster.address, _cluster.api_key
         else:

@@ -169,6 +169,17 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _from_env(name: str, default: str, kind: type[float] | type[int]) -> float:
+    """An option's default from `$name`; a malformed value is one line naming the variable and what it takes."""
+    raw = os.environ.get(name, default)
+    try:
+        return kind(raw)
+    except ValueError:
+        print(f"dtorch-controller: ${name} must be {'a whole number' if kind is int else 'a number'}, not {raw!r}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtorch-controller",
                                      description="Run the DTorch controller (API keys from --keys / $DTORCH_KEYS).")
@@ -181,15 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-interval", type=float, default=0.2, metavar="S",
                         help="how often workers report (default 0.2)")
     parser.add_argument("--heartbeat-timeout", type=float, metavar="S",
-                        default=float(os.environ.get("DTORCH_HEARTBEAT_TIMEOUT", "1.0")),
+                        default=_from_env("DTORCH_HEARTBEAT_TIMEOUT", "1.0", float),
                         help="a worker silent this long is lost (default 1.0, $DTORCH_HEARTBEAT_TIMEOUT)")
     parser.add_argument("--session-timeout", type=float, default=5.0, metavar="S",
                         help="close a client session silent this long, freeing its shards (default 5.0; 0: never)")
     parser.add_argument("--collective-timeout", type=float, metavar="S",
-                        default=float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60")),
+                        default=_from_env("DTORCH_COLLECTIVE_TIMEOUT", "60", float),
                         help="bound on a process group's rendezvous and on each collective: past it the op fails "
                              "naming the workers that never arrived (default 60, $DTORCH_COLLECTIVE_TIMEOUT)")
-    parser.add_argument("--dispatch-ahead", type=int, default=int(os.environ.get("DTORCH_DISPATCH_AHEAD", "1")),
+    parser.add_argument("--dispatch-ahead", type=int, default=_from_env("DTORCH_DISPATCH_AHEAD", "1", int),
                         metavar="N",
                         help="at most N batches of a session sent and not yet run on a worker: a preempted session "
                              "frees its devices within N batches (default 1, $DTORCH_DISPATCH_AHEAD; 0: no bound)")
@@ -199,11 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy-param", action="append", default=[], metavar="K=V",
                         help="a policy parameter, e.g. preempt=false or thresholds=[60,600] (repeatable)")
     parser.add_argument("--snapshot-batches", type=int, metavar="N",
-                        default=int(os.environ.get("DTORCH_SNAPSHOT_BATCHES", "32")),
+                        default=_from_env("DTORCH_SNAPSHOT_BATCHES", "32", int),
                         help="copy each session's live tensors to another worker every N batches, so a lost "
                              "worker's tensors are rebuilt (default 32, $DTORCH_SNAPSHOT_BATCHES; 0: no recovery)")
     parser.add_argument("--snapshot-interval", type=float, metavar="S",
-                        default=float(os.environ.get("DTORCH_SNAPSHOT_INTERVAL", "30")),
+                        default=_from_env("DTORCH_SNAPSHOT_INTERVAL", "30", float),
                         help="... or at the next batch once the last copy is this old (default 30)")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                         help="serve Prometheus metrics on this port (default 0: none; metrics.py lists the series)")
