@@ -11,8 +11,9 @@ line, then read shards straight from the workers. Uploads write shards straight 
 
 Early reads: a fetch does not wait for the Sync's answer to ask for the shards. It ends the stream with an
 InstrRead naming a fresh read mark, and pulls with that mark (`PullRequest.after`) while the Sync is under way:
-each worker serves the pull once its stream ran the mark (every write before it), so the bytes come back about
-when the answer does, two one-way legs sooner. An early read that fails for any reason (a move, a loss, a stream
+each worker serves the pull once the batch with the mark (every write before it) completed there and its report
+is on the way, so the bytes come back about when the Sync's answer does, not a Pull's round trip after it. An
+early read that fails for any reason (a move, a loss, a stream
 that did not reach the mark in EARLY_WAIT_S) is only a miss: the value is read again after the Sync, as without
 it. One early read at a time; `DTORCH_EARLY_READS=0` (or `early_reads = False`) turns them off.
 
