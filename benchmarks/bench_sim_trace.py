@@ -16,6 +16,10 @@ jobs).
 
     python benchmarks/bench_sim_trace.py                                   # 100,000 jobs, 512 and 10,000 devices
     python benchmarks/bench_sim_trace.py --jobs 20000 --devices 512 --policies las --profile 25
+    python benchmarks/bench_sim_trace.py --jobs 50000 --devices 10000 --policies dtorch --params '{"lend": false}'
+
+Under each row: what the policy did with the jobs (makespan, mean and p99 JCT, busy and allocated shares,
+preemptions, relocations), from the simulator's own metrics.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import csv
+import json
 import pstats
 import resource
 import tempfile
 import time
 from pathlib import Path
 
+from dtorch_sim import metrics
 from dtorch_sim.harness import Simulation
 from dtorch_sim.scenario import parse
 
@@ -52,7 +58,7 @@ def tiled_trace(path: Path, jobs: int) -> None:
             out.writerow([float(r["submission_time"]) + (i // len(rows)) * span, r["duration"], r["num_gpu"]])
 
 
-def scenario(trace: Path, devices: int, policy: str) -> dict:
+def scenario(trace: Path, devices: int, policy: str, params: dict | None = None) -> dict:
     return {
         "name": f"itp04-tiled-{devices}",
         "seed": 1,
@@ -62,7 +68,8 @@ def scenario(trace: Path, devices: int, policy: str) -> dict:
                                "arrival_scale": TIME_SCALE * BASE_DEVICES / devices,
                                "columns": {"submit": "submit", "duration": "duration", "num_gpu": "gpus"}},
                      "step_s": 30, "max_steps": 20, "sync_every": 5, "retry_s": 1800},
-        "policy": {"name": policy, "params_for": {"las": {"thresholds": [36, 360, 3600]}}},
+        "policy": {"name": policy, "params_for": {"las": {"thresholds": [36, 360, 3600]}, **({policy: params}
+                                                                                           if params else {})}},
         "heartbeat": {"interval_s": 60.0, "timeout_s": 180.0},
     }
 
@@ -81,7 +88,8 @@ def run(data: dict, profile: int) -> dict:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     return {"wall": wall, "cpu": cpu, "events": sim.events, "sim_s": sim.env.now, "jobs": len(sim.jobs),
-            "finished": sum(r.finished is not None for r in sim.jobs), "workers": len(sim.all_workers)}
+            "finished": sum(r.finished is not None for r in sim.jobs), "workers": len(sim.all_workers),
+            "summary": metrics.summarize(sim)}
 
 
 def main() -> None:
@@ -90,6 +98,8 @@ def main() -> None:
     parser.add_argument("--devices", default="512,10000", help="comma-separated cluster sizes (multiples of 8)")
     parser.add_argument("--policies", default="fifo,las,dtorch")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N most expensive functions")
+    parser.add_argument("--params", type=json.loads, default=None, metavar="JSON",
+                        help='policy parameters for every policy run, e.g. \'{"lend": false}\'')
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "itp04-tiled.csv"
@@ -98,10 +108,14 @@ def main() -> None:
               f"{'events/CPU s':>13} {'jobs/CPU s':>11} {'CPU min/100k jobs':>18} {'finished':>16}", flush=True)
         for devices in (int(d) for d in args.devices.split(",")):
             for policy in args.policies.split(","):
-                r = run(scenario(trace, devices, policy), args.profile)
+                r = run(scenario(trace, devices, policy, args.params), args.profile)
                 print(f"{devices:>8,} {policy:>8} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['sim_s'] / 3600:>8.1f} h "
                       f"{r['events']:>12,} {r['events'] / r['cpu']:>13,.0f} {r['jobs'] / r['cpu']:>11,.0f} "
                       f"{r['cpu'] / r['jobs'] * 100_000 / 60:>18.1f} {r['finished']:>7,}/{r['jobs']:<8,}", flush=True)
+                s, u, jct = r["summary"]["scheduling"], r["summary"]["utilization"], r["summary"]["jct_s"]
+                print(f"{'':>17} makespan {r['summary']['makespan_s'] / 3600:.2f} h, mean JCT {jct['mean']:,.0f} s, "
+                      f"p99 {jct['p99']:,.0f} s, busy {u['busy_mean']:.1%}, allocated {u['allocated_mean']:.1%}, "
+                      f"preemptions {s['preemptions']:,}, relocations {s['relocations']:,}", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak memory {rss:,.0f} MiB")
 
