@@ -166,6 +166,21 @@ def test_frozen_sessions_lend_the_devices_they_wait_for(make_harness):
     assert not h2.open_mesh(h2.open_session(priority="low"), 1, [0]).placed
 
 
+def test_a_lending_session_takes_its_own_devices_back_without_relocation(make_harness):
+    # relocate=false: no substitutes, but a frozen session that lends gets its own devices back once they are all
+    # free again (no move); it waited for ever before (66 of the 600 jobs of the ITP cluster04 subset never ended)
+    h = harness(make_harness, thresholds=[10], relocate=False)
+    w0, w1 = workers(h, 2)
+    a = h.open_session()
+    assert h.open_mesh(a, 1, [0, 1]).placed
+    h.advance(20)
+    b = h.open_session()
+    assert h.open_mesh(b, 1, [0]).placed and state(h, a) == "frozen"
+    h.call(ev.CloseSession, m.CloseSession(session=b))
+    assert state(h, a) == "running" and sorted(h.core.sched.tenants[a].workers) == [w0, w1]
+    assert h.core.sched.relocations == 0
+
+
 def test_parameters_are_checked():
     with pytest.raises(PolicyError, match="ascending"):
         DTorchPolicy({"thresholds": [5, 1]})

@@ -37,7 +37,8 @@ Rules:
    outrank the holders of its devices takes them back at the next tick. A policy that `lends` keeps no idle
    reservations: a device a frozen tenant waits for is leased back to it only when it completes it (it resumes
    at once); until then it serves anyone, and the frozen tenant takes back its own devices that are free (no
-   move) when it relocates.
+   move) when they are all free, or with substitutes when it relocates (also when the policy does not relocate:
+   a device that frees before the last one never completes it, so without this it would wait for ever).
    *Relocation* (the core sets `relocation` when it can move logical devices; the policy's `relocates`): a
    frozen tenant need not wait for the devices it lost. Once it has been frozen `relocate_after` seconds
    (most preemptions end sooner: moving would cost more than waiting), when as many free devices as it
@@ -650,13 +651,16 @@ class Scheduler:
 
     def _relocate(self, now: float, ch: Changes, upto: int | None) -> None:
         """Frozen tenants of rank <= `upto` (all when None), best first, that miss devices lease free devices
-        as substitutes when there are enough for all they miss (rule 6)."""
-        if not self.relocation or not self._frozen or not self.policy.relocates:
+        as substitutes when there are enough for all they miss (rule 6). A lending policy's tenants take back their
+        own devices that are free, with or without relocation (without it, that is the only way back: a freed
+        device is reserved for a lending tenant only when it completes it, and one that frees first never is)."""
+        moves = self.relocation and self.policy.relocates
+        lends = self.policy.lends
+        if not self._frozen or not (moves or lends):
             return
         if not self.pool.free_total and not self.pool.shared_room():
             return  # nothing to take (the usual case in a busy cluster): no walk over the frozen
-        patience = self.policy.relocate_after - _EPS
-        lends = self.policy.lends
+        patience = self.policy.relocate_after - _EPS if moves else -_EPS  # own devices only: no move to wait for
         for t in self._relocatable(upto):
             session = t.session
             if not t.missing or session in self._resumable or now < (t.waiting_since or now) + patience \
@@ -670,7 +674,7 @@ class Scheduler:
             own = [w for w in t.missing if self.pool.is_free(w) or (cap and self.pool.fits(w, cap)
                                                                     and self.pool.slots[w].placeable)] \
                 if lends else []  # its own devices that are free now come back as they are (no move)
-            subs = self._pick(t, len(t.missing) - len(own), t.workers)
+            subs = self._pick(t, len(t.missing) - len(own), t.workers) if moves else []
             if len(own) + len(subs) < len(t.missing):
                 continue  # all or nothing: a lending policy keeps no idle reservation
             for w in own:
