@@ -191,7 +191,9 @@ class DataPlane:
 
     def _pull_from(self, address: str, tid: int, device: int, nbytes: int, after: int = -1) -> torch.Tensor:
         segment = segments.for_pull(self.session, tid, device, nbytes) if self._segments_to(address, nbytes) else None
-        wait = min(self.timeout, m.MAX_TIMEOUT_S, EARLY_WAIT_S if after >= 0 else m.MAX_TIMEOUT_S)
+        wait = min(self.timeout, m.MAX_TIMEOUT_S)
+        if after >= 0:  # an early read: a worker whose stream is not there by then answers MISSING
+            wait = min(wait, EARLY_WAIT_S)
         try:
             call, replies = self._worker(address).open_stream(
                 "Pull", m.PullRequest(session=self.session, tid=tid, device=device, timeout_s=wait, after=after,

@@ -10,8 +10,8 @@ the expected ones, the Pull handler marks them served), so the executor can hold
 in-place write to a shard's storage until the reads announced before it are done.
 
 A client's read may come before the batch it follows (it goes out with the Sync, `PullRequest.after`): the store
-keeps each session's highest read mark this worker's stream reached (CmdReadable), and the Pull handler waits for
-the mark before it reads.
+keeps each session's highest read mark the executor released (a CmdReadable whose batch completed and is being
+reported: executor.py), and the Pull handler waits for the mark before it reads.
 
 A shard a collective is still writing (the last step of a CmdCollective, in flight on a group's lane) is a
 `Pending`: `get` waits for it (its first use), bounded, then returns the tensor or its Poison; `peek` sees
@@ -411,14 +411,14 @@ class TensorStore:
     # ------------------------------------------------------------ the client's reads (CmdReadable)
 
     def readable(self, session: str, mark: int) -> None:
-        """The session's stream reached read mark `mark` (CmdReadable): its client's pulls up to it may be served."""
+        """Read mark `mark` of the session is released (executor.py): its client's pulls up to it may be served."""
         with self._marks:
             if mark > self._readable.get(session, -1):
                 self._readable[session] = mark
                 self._marks.notify_all()
 
     def wait_readable(self, session: str, device: int, mark: int, timeout: float) -> bool:
-        """Wait up to `timeout` s until the session's stream reached read mark `mark` (False at once when `device`
+        """Wait up to `timeout` s until read mark `mark` of the session is released (False at once when `device`
         moved away: its new worker's stream has the mark)."""
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._marks:
