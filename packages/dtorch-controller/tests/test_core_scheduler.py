@@ -391,9 +391,10 @@ def test_a_re_ranked_holder_is_reclaimed_from_as_if_every_frozen_tenant_wanting_
     wanters = Scheduler._wanters
     took = []
 
-    def every_one(self, t, into, better, held):  # the walk as it was: every frozen tenant wanting its devices looks
-        wanters(self, t, into, better, held)
-        better.update(into)
+    def every_one(self, t, better, held):  # the walk as it was: every frozen tenant wanting its devices looks
+        wanters(self, t, better, held)
+        for _holder, _w, _rank, worse in held:
+            better.update(dict.fromkeys(worse))
         held.clear()
 
     for seed in range(3):

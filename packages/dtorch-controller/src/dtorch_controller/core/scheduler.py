@@ -290,15 +290,14 @@ class Scheduler:
         if not t.running:
             return Changes()
         ch = Changes()
-        moved: dict[str, None] = {}
         better: dict[str, None] = {}
         held: list[_Held] = []
         self._accrue(now, t)
         reranked = self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch)
         if reranked:
-            self._wanters(t, moved, better, held)
+            self._wanters(t, better, held)
         self._watch(t, now)
-        if moved:
+        if better or held:
             self._reclaim_all(now, better, held, ch)
         if reranked:  # a waiting request may now outrank it and preempt it (rule 6), as after a tick
             return self._pass(now, ch)
@@ -476,14 +475,13 @@ class Scheduler:
             if t is not None and t.stamp == stamp:
                 due.append(t)
         ch = Changes()
-        moved: dict[str, None] = {}  # frozen tenants that may now outrank the holders of their devices
-        better: dict[str, None] = {}  # the ones among them not outranked by a re-ranked holder (`_wanters`)
-        held: list[_Held] = []  # ... and the others, with the device and holder that outrank them
+        better: dict[str, None] = {}  # frozen tenants that may now outrank the holders of their devices (`_wanters`)
+        held: list[_Held] = []  # ... and the ones a re-ranked holder still outranks, with the device it holds
         for t in due:
             if t.running:
                 self._accrue(now, t)
                 if self._rerank(t, self.policy.rank(t, now), self._ranks, now, ch):
-                    self._wanters(t, moved, better, held)
+                    self._wanters(t, better, held)
                 self._watch(t, now)
                 continue
             if self.policy.starving(t, now):
@@ -495,17 +493,16 @@ class Scheduler:
                 self._enqueue(t, now)
             elif t.state == FROZEN:
                 if self._rerank(t, self.policy.rank(t, now), self._frozen, now, ch):
-                    self._wanters(t, moved, better, held)
-                moved[t.session] = None
+                    self._wanters(t, better, held)
                 better[t.session] = None
                 self._watch(t, now)
         self._reclaim_all(now, better, held, ch)
         return self._pass(now, ch)
 
-    def _wanters(self, t: Tenant, into: dict[str, None], better: dict[str, None], held: list[_Held]) -> None:
-        """`t`'s rank changed: the frozen tenants waiting for the devices it holds may now outrank it. `into` gets
-        them all; `better` the ones of a better rank than `t`'s (`_wanted_at`), and `held` the others, with the
-        device `t` holds that they want: they cannot take devices back while it holds it (`_reclaim_all`)."""
+    def _wanters(self, t: Tenant, better: dict[str, None], held: list[_Held]) -> None:
+        """`t`'s rank changed: the frozen tenants waiting for the devices it holds may now outrank it. `better` gets
+        the ones of a better rank than `t`'s (`_wanted_at`), and `held` the others, with the device `t` holds that
+        they want: they cannot take devices back while it holds it (`_reclaim_all`)."""
         frozen = t.state == FROZEN
         for w in t.workers:
             if frozen and w in t.missing:
@@ -513,7 +510,6 @@ class Scheduler:
             wanting = self._wanted.get(w)
             if not wanting:
                 continue
-            into.update(wanting)
             if self._frozen_packed or t.session not in self.pool.holders(w):  # no sure witness: all of them look
                 better.update(wanting)
                 continue
