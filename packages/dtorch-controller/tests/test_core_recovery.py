@@ -353,6 +353,35 @@ def test_drain_moves_devices_and_copies_then_releases_the_worker(make_harness):
     assert any("released after draining" in line for line in h.status().events)
 
 
+def test_a_batch_waiting_in_the_dispatch_window_for_a_drained_worker_goes_out_when_it_is_released(make_harness):
+    # pipeline rule 7 with a drain: s's move off the victim is done, but the delete after it is not when s sends
+    # batch 2, which waits for a completion there. The victim is released (once c's copies in its host memory are
+    # taken elsewhere) without ever completing it: the release must let batch 2 go, as a loss does
+    h = make_harness(snapshot_every_batches=1, dispatch_ahead=1)
+    for i in range(2):
+        h.register(f"10.0.0.{i}:7000")
+    sid, cid = h.open_session(), h.open_session()
+    assert h.open_mesh(sid, 1, [0]).placed and h.open_mesh(cid, 1, [0]).placed
+    h.submit(sid, 1, [create(1)])
+    h.submit(cid, 1, [create(1)])
+    for _ in range(3):
+        h.report_all()
+    s = session(h, sid)
+    victim = s.devices[0]
+    h.register("10.0.0.9:7000")
+    rid, _ = h.ask(ev.Drain, m.DrainRequest(worker=victim))
+    h.report(victim)  # the move's push is done; the delete of what it left goes out and is never completed
+    h.take_sent()
+    h.submit(sid, 2, [add_(1)])
+    assert not h.take_sent()  # it waits for the victim's completion
+    for _ in range(2):
+        for wid, w in list(h.core.workers.items()):
+            if w.state != "lost" and wid != victim:
+                h.report(wid)
+    assert h.replies[rid].ok and h.core.workers[victim].state == "lost"
+    assert any(m.CmdRun in map(type, x.execute.cmds) for x in h.take_sent() if x.worker_id == s.devices[0])
+
+
 def test_drain_of_an_unknown_worker_is_refused(make_harness, refused):
     h, ids, sid = setup(make_harness)
     reply = h.call(ev.Drain, m.DrainRequest(worker="w42"))

@@ -430,8 +430,9 @@ class Controller(_Model):
     """Settings of the core that are not the policy's (`dtorch_controller.core.Config`)."""
 
     # at most this many batches of a session sent and not completed on a worker (pipeline rule 7): a freeze
-    # takes effect within that many steps, not after everything sent since the job's last sync point; 0: no bound
-    dispatch_ahead: int = Field(0, ge=0)
+    # takes effect within that many steps, not after everything sent since the job's last sync point; 0: no bound.
+    # 1 by default, as `dtorch-controller` runs (its --dispatch-ahead): the simulator models the deployed controller
+    dispatch_ahead: int = Field(1, ge=0)
 
 
 class Policy(_Model):

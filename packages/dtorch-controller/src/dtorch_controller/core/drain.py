@@ -163,6 +163,7 @@ class Drains:
         for s in self.cluster.sessions.values():  # nothing is bound there: no Sync waits for it (it is forgotten)
             s.sent.pop(w.id, None)
         self.cluster.fence(w)
+        self.pipeline.unblock(step, w.id)  # its batches count no more (pipeline rule 7)
         took = step.now - job.requested
         step.note(f"worker {w.id} at {w.address} released after draining in {took:.3f}s ({len(job.moves)} moves)")
         step.apply(self.sched.worker_changed(step.now, w))
