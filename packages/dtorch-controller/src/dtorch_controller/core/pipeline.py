@@ -23,11 +23,11 @@ Rules:
    until those readers completed (or were lost).
 7. Dispatch window (`Config.dispatch_ahead` = k > 0): a session has at most k Execute batches sent and not completed
    on any one worker. The next batch waits in the log until that worker reports a completion (`unblock`, from the
-   controller's settle pass, or the worker's loss or its release after a drain), and a Sync waits for it as for a held one. Batches already sent
-   run even when the session is frozen (rule 1 holds only what was not sent), so this bounds how long a freeze
-   takes to free its devices, and how long a move or a rebuild queued behind them waits: k batches, not
-   everything the client sent since its last sync point. 0 (the core's default): no bound; `dtorch-controller`
-   runs with 1 unless told otherwise (its --dispatch-ahead).
+   controller's settle pass, or the worker's loss or its release after a drain), and a Sync waits for it as for a
+   held one. Batches already sent run even when the session is frozen (rule 1 holds only what was not sent), so
+   this bounds how long a freeze takes to free its devices, and how long a move or a rebuild queued behind them
+   waits: k batches, not everything the client sent since its last sync point. 0 (the core's default): no bound;
+   `dtorch-controller` runs with 1 unless told otherwise (its --dispatch-ahead), and so does the simulator.
 """
 
 from __future__ import annotations
