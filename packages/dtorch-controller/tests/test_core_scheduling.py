@@ -262,6 +262,28 @@ def test_preemption_freezes_the_smallest_session_that_frees_enough_before_a_larg
     assert sched_state(h, small) == "frozen" and sched_state(h, big) == "running"  # big was the most recent
 
 
+@pytest.mark.parametrize("pace", [True, False])
+def test_preemption_freezes_first_the_session_whose_sent_batches_should_be_done_soonest(make_harness, pace):
+    # A freeze takes effect once what was sent has run, and the preemptor waits idle until then: of two sessions
+    # that would do, the one done soonest by the pace of its batches goes (pipeline.py rule 8), not the most recent
+    h = make_harness(policy=make_policy("dtorch", {"pace": pace, "backfill_after": 0}), session_timeout_s=0, **QUIET)
+    workers(h, 2)
+    quick, slow = h.open_session(priority="low"), h.open_session(priority="low")
+    assert h.open_mesh(quick, 1, [0]).placed and h.open_mesh(slow, 1, [0]).placed
+    h.submit(slow, 1, [create(1)])
+    h.advance(9)
+    h.submit(quick, 1, [create(1)])
+    h.advance(1)
+    h.submit(slow, 2, [create(2)])  # a batch every 10 s: its last one should be done at t + 10
+    h.submit(quick, 2, [create(2)])  # one a second: done at t + 1
+    h.advance(0.5)
+    assert h.core.pipeline.busy_for(quick, h.now) == pytest.approx(0.5)
+    assert h.core.pipeline.busy_for(slow, h.now) == pytest.approx(9.5)
+    assert h.open_mesh(h.open_session(priority="high"), 1, [0]).placed
+    first, second = (quick, slow) if pace else (slow, quick)  # without `pace` (LAS too): the most recent, slow
+    assert sched_state(h, first) == "frozen" and sched_state(h, second) == "running"
+
+
 def test_same_class_never_preempts(h):
     workers(h, 1)
     a, b = h.open_session(), h.open_session(kind="realtime")

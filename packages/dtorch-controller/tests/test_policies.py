@@ -100,10 +100,10 @@ def test_policies_describe_themselves():
     assert LasPolicy({"thresholds": [1.5, 60], "starve_factor": 2}).describe() == \
         "las (thresholds 1.5, 60 device-s, starve_factor 2)"
     assert DTorchPolicy().describe() == ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, "
-                                         "no shield, preempt=on, pack=on, lend=on)")
-    assert DTorchPolicy({"preempt": False, "pack": False, "lend": False, "fairness": 0.5}).describe() == \
-        ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, shielded once frozen 0.5x "
-         "its running time, preempt=off, pack=off, lend=off)")
+                                         "no shield, preempt=on, pack=on, lend=on, pace=on)")
+    assert DTorchPolicy({"preempt": False, "pack": False, "lend": False, "fairness": 0.5, "pace": False}).describe() \
+        == ("dtorch (levels at 60, 600, 3600 device-s of remaining or attained work, shielded once frozen 0.5x "
+            "its running time, preempt=off, pack=off, lend=off, pace=off)")
 
 
 # ---------------------------------------------------------------- fifo and priority

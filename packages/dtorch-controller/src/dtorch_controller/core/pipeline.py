@@ -28,11 +28,15 @@ Rules:
    this bounds how long a freeze takes to free its devices, and how long a move or a rebuild queued behind them
    waits: k batches, not everything the client sent since its last sync point. 0 (the core's default): no bound;
    `dtorch-controller` runs with 1 unless told otherwise (its --dispatch-ahead), and so does the simulator.
+8. Pace: each session's batches going out are timed (`pace`: when the last went out, and a moving average of the
+   gaps between them). `busy_for` says when its last batch should be done: the scheduler freezes first the
+   session that frees its devices soonest (scheduler.py rule 6). Unknown (one batch so far): infinity.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 
 from dtorch_controller.core import effects as fx
@@ -53,6 +57,7 @@ from dtorch_controller.core.translate import Batch, translate
 from dtorch_protocol import messages as m
 
 Cmds = dict[str, list[m.Cmd]]  # worker id -> commands, in order
+_PACE_WEIGHT = 0.25  # weight of the latest gap between a session's batches in its pace (`busy_for`)
 _SYNC_WAITS = frozenset(h for h, rule in st.HOLDS.items() if rule.sync_waits)  # holds a Sync waits for (rule 5)
 
 
@@ -65,6 +70,8 @@ class Pipeline:
         self.in_flight: dict[str, dict[str, deque[int]]] = {}  # session -> worker -> its seqs sent there (rule 7)
         self.windowed: dict[str, set[str]] = {}  # worker -> sessions whose next batch waits for its completion
         self.recs: dict[str, Lineage] = {}  # session -> its log and copies (read them here, change them in place)
+        self.pace: dict[str, tuple[float, float]] = {}  # session -> when its last batch went out, and the seconds
+        # between its batches (a moving average; 0: one batch so far): when its devices should be done (`busy_for`)
         self.holds: dict[str, set[st.Hold]] = {}  # session -> what holds its batches
         self.compiled: dict[str, dict[int, programs.Compiled]] = {}  # session -> program -> its commands (rule 4)
         self._versions = itertools.count(1)  # numbers each translation of a program the workers keep
@@ -85,6 +92,7 @@ class Pipeline:
         self.holds.pop(s.id, None)
         self.compiled.pop(s.id, None)
         self.in_flight.pop(s.id, None)
+        self.pace.pop(s.id, None)
         return self.recs.pop(s.id, None)
 
     # ------------------------------------------------------------ accepting and holding (rule 1)
@@ -160,7 +168,15 @@ class Pipeline:
             if s is not None:
                 self.pump(step, s)
 
+    def busy_for(self, session: str, now: float) -> float:
+        """Seconds until the session's last batch should be done, from the pace of its batches (inf: unknown)."""
+        last, period = self.pace.get(session, (now, 0.0))
+        return max(0.0, last + period - now) if period else math.inf
+
     def _send_batch(self, step: Step, s: Session, rec: Lineage, b: LoggedBatch) -> None:
+        last, period = self.pace.get(s.id, (step.now, 0.0))
+        gap = step.now - last
+        self.pace[s.id] = (step.now, gap if not period else period + _PACE_WEIGHT * (gap - period))
         cmds, adopts, errors = self.translate(step.now, s, rec, b, replay=False)
         s.errors.extend(errors)
         seqs = self.send(step, s, cmds)

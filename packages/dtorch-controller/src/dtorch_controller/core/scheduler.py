@@ -28,8 +28,9 @@ Rules:
    logical devices grow onto free devices when nobody waits (`growth`, set by the core when it can move
    logical devices): the core moves some of their logical devices there and reports it with `moved`.
 6. Preemption freezes running tenants of a strictly higher rank, least important and most recently started
-   first (but within a rank the smallest recent one that frees enough by itself goes first), only when that
-   frees enough devices. A frozen tenant *reserves* its devices: the ones the
+   first (but within a rank a recent one that frees enough by itself goes first: when the policy `paces`, the one
+   whose sent batches should be done soonest by the pace of its batches (`busy_for`, pipeline.py rule 8); then the
+   smallest), only when that frees enough devices. A frozen tenant *reserves* its devices: the ones the
    preemptor did not take, and each one that comes free later, are leased back to it (reservation leases;
    several frozen tenants wanting one device: the best ranked gets it). It resumes, with its batches
    flushed in order, once it holds all of them again. A higher-ranked request may take reserved devices
@@ -246,6 +247,7 @@ class Scheduler:
         # is neither preempted nor relocated nor shrunk again until they are done: its moves go to the devices
         # it leases now, which it would give up meanwhile (rules 6 and 10).
         self.moving: Callable[[str], bool] = lambda session: False
+        self.busy_for: Callable[[str, float], float] = lambda session, now: 0.0
 
     # ------------------------------------------------------------ queries
 
@@ -879,7 +881,7 @@ class Scheduler:
             if rank <= mine:
                 break
             frozen = self._reserving_in(rank)  # the others reserve nothing: they cannot give a device
-            running = self._best_fit_first(self._ranks.get(rank, {}), short - len(freed))
+            running = self._best_fit_first(self._ranks.get(rank, {}), short - len(freed), now)
             for v in itertools.chain(frozen, (None,), running):
                 if v is None:  # the frozen tenants' reservations were not enough: shrink, then freeze
                     for e, give in self._spares(self._ranks.get(rank, {}), short - len(freed)) if shrinks else ():
@@ -940,14 +942,17 @@ class Scheduler:
         ch.notes.append(f"session {_short(v.session)} shrinks to {_plural(len(v.workers), 'device')} "
                         f"({v.logical} logical): preempted by session {_short(by.session)}")
 
-    def _best_fit_first(self, bucket: Mapping[str, None], left: int) -> Iterator[Tenant]:
-        """Running tenants of one rank, most recent first, except that the smallest one among the most recent
-        `_FIT_WINDOW` that frees `left` devices by itself goes first: a 1-device request should not freeze an
-        8-device session when a 1-device one would do (the 7 others would sit reserved and idle)."""
+    def _best_fit_first(self, bucket: Mapping[str, None], left: int, now: float) -> Iterator[Tenant]:
+        """Running tenants of one rank, most recent first, except that one among the most recent `_FIT_WINDOW` that
+        frees `left` devices by itself goes first: when the policy `paces`, the one whose devices should be done
+        soonest (`busy_for`: a freeze takes effect when the batches sent run out, and the preemptor's devices wait
+        idle until then); the smallest among equals (a 1-device request should not freeze an 8-device session when
+        a 1-device one would do)."""
         recent = [self.tenants[s] for s in itertools.islice(reversed(bucket), _FIT_WINDOW)]
         fits = [v for v in recent if len(v.workers) >= left]
         if fits:
-            best = min(fits, key=lambda v: len(v.workers))  # min keeps the most recent of equal sizes
+            pace = self.busy_for if self.policy.paces else lambda session, now: 0.0
+            best = min(fits, key=lambda v: (pace(v.session, now), len(v.workers)))  # the most recent of equals
             recent.remove(best)
             recent.insert(0, best)
         rest = (self.tenants[s] for s in itertools.islice(reversed(bucket), _FIT_WINDOW, None))

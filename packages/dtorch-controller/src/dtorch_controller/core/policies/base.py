@@ -22,7 +22,8 @@ Rules:
    threshold, a starvation promotion), or None. The scheduler sets a timer for the earliest one.
 7. `starving(t, now)`: a waiting or frozen session waited so long that its counted service restarts from zero.
 8. `lends`: frozen sessions keep no idle reservations (scheduler.py rule 6); `shrinks`: preemption takes the spare
-   devices of running elastic sessions before it freezes anyone (scheduler.py rule 10).
+   devices of running elastic sessions before it freezes anyone (scheduler.py rule 10); `paces`: preemption freezes
+   first the session whose sent batches should be done soonest (scheduler.py rule 6).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Policy(Protocol):
     relocate_after: float
     lends: bool  # frozen sessions keep no idle reservations (scheduler.py rule 6)
     shrinks: bool  # preemption shrinks elastic sessions before freezing anyone (scheduler.py rule 10)
+    paces: bool  # preemption freezes first who frees its devices soonest (scheduler.py rule 6)
 
     def rank(self, t: Tenant, now: float) -> int: ...
 
@@ -96,6 +98,7 @@ class BasePolicy:
     relocate_after = 0.0
     lends = False
     shrinks = False
+    paces = False
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         params = dict(params or {})

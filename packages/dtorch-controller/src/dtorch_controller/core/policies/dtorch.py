@@ -45,10 +45,13 @@ Rules (a session's *score* is in device-seconds; lower goes first):
    25 one-device jobs queued 360 s behind a 64-device one, with 28 devices free). At slot 0 the requests behind it
    may go ahead on the free devices, and once it fits it may preempt them, as it may preempt any running session
    of its class outside slot 0. 0: off.
+9. Preemption by pace: of the sessions that would free enough by themselves, the one whose sent batches should be
+   done soonest is frozen first (the core times each session's batches: pipeline.py rule 8). A freeze takes
+   effect only once what was sent has run, and the preemptor's devices wait idle until then (scheduler.py rule 6).
 
 Parameters: `thresholds` (device-seconds, ascending; default 60, 600, 3600), `fairness` (default 0: no
 shield), `backfill_after` (seconds, default 30; 0: off), `preempt`, `pack`, `fgd` (fragmentation-aware packing;
-false: best fit), `relocate`, `lend`, `shrink` (default true), `relocate_after` (default 0 s).
+false: best fit), `relocate`, `lend`, `shrink`, `pace` (default true), `relocate_after` (default 0 s).
 """
 
 from __future__ import annotations
@@ -87,11 +90,12 @@ class DTorchPolicy(BasePolicy):
         self.fgd = flag(self.params, "fgd", True)  # fragmentation-aware packing (pool.py rule 7); false: best fit
         self.lends = flag(self.params, "lend", True)
         self.shrinks = flag(self.params, "shrink", True)
+        self.paces = flag(self.params, "pace", True)
         relocation(self, 0.0)
 
     def accepts(self) -> tuple[str, ...]:
         return ("thresholds", "fairness", "backfill_after", "preempt", "pack", "fgd", "relocate", "relocate_after",
-                "lend", "shrink")
+                "lend", "shrink", "pace")
 
     # ------------------------------------------------------------ the score (rules 2 and 3)
 
@@ -155,4 +159,4 @@ class DTorchPolicy(BasePolicy):
         shield = f"shielded once frozen {self.fairness:g}x its running time" if self.fairness else "no shield"
         return (f"dtorch (levels at {limits} device-s of remaining or attained work, {shield}, "
                 f"preempt={'on' if self.preempts else 'off'}, pack={'on' if self.packs else 'off'}, "
-                f"lend={'on' if self.lends else 'off'})")
+                f"lend={'on' if self.lends else 'off'}, pace={'on' if self.paces else 'off'})")
