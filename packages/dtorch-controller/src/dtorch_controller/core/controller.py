@@ -99,7 +99,7 @@ class ControllerCore:
         self.snapshots = Snapshots(config, self.cluster, self.sched.pool, self.pipeline)
         self.moves = Moves(self.cluster, self.sched, self.pipeline)
         self.sched.moving = self.moves.busy  # ... and are left alone while their devices move (scheduler rule 6)
-        self.sched.busy_for = self.pipeline.busy_for  # preemption freezes first who frees its devices soonest
+        self.sched.busy_for = self.pipeline.busy_for  # ... and when their devices should be done (policies that pace)
         self.recovery = Recovery(self.cluster, self.sched, self.pipeline, self.snapshots, self.moves)
         self.drains = Drains(self.cluster, self.sched, self.pipeline, self.snapshots, self.moves)
         self.view = CoreView(self.cluster, self.sched)
