@@ -82,28 +82,15 @@ def test_big_uploads_and_reads_go_through_same_host_segments_and_leave_no_descri
     calls: list[str] = []
     _spy(monkeypatch, "for_put", calls)
     _spy(monkeypatch, "for_pull", calls)
-    before = _segments_open()
+    before = segments.held()  # by inode: an earlier test's transfer may still hold one, and close it meanwhile
     kept = []
     for layout in ([Replicate()], [Shard(0)], [Shard(1)], [Partial()]):
         x = dtorch.distribute_tensor(full, mesh1, layout)
         kept += [x.to_torch(), (x * 2).to_torch()]
         assert torch.equal(kept[-2], full) and torch.equal(kept[-1], full * 2), layout
     assert calls.count("for_put") >= 5 and calls.count("for_pull") >= 8
-    assert not _segments_open() - before  # closed once each transfer is done; the reads kept hold none either
+    assert not segments.held() - before  # closed once each transfer is done; the reads kept hold none either
 
-
-def _segments_open() -> set[int]:
-    """The segments this process has a descriptor of, by inode: each memory file has its own, so one opened here is
-    told from one a transfer of an earlier test still held when this one started (and may close meanwhile); gRPC
-    opens and closes sockets of its own."""
-    held = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "dtorch-segment" in os.readlink(f"/proc/self/fd/{fd}"):
-                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
-        except OSError:  # the listing's own descriptor, closed by now
-            continue
-    return held
 
 
 def test_a_worker_that_cannot_open_the_segments_gets_the_bytes_streamed(cluster, mesh1, monkeypatch):

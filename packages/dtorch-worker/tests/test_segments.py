@@ -56,12 +56,12 @@ def moved(w: WorkerHandle, direction: str) -> float:
 
 
 def test_a_put_and_a_pull_through_segments_move_the_bytes(worker):
-    held = _segments_held()
+    held = segments.held()
     seg = segments.for_put(A, 1, 0, [host_bytes(VALUE)])
     put(worker, A, 1, seg.name)
     seg.close()
     assert torch.equal(worker.store.get((A, 1, 0)), VALUE)
-    assert not _segments_held() - held  # the worker keeps the upload's mapping, not a descriptor (segments.py rule 6)
+    assert not segments.held() - held  # the worker keeps the upload's mapping, not a descriptor (segments.py rule 6)
     assert moved(worker, "in") == N
     reply = segments.for_pull(A, 1, 0, N)
     with closing(stub(worker, A)) as s:
@@ -182,7 +182,7 @@ def test_whole_shards_pulled_from_a_peer_on_this_host_come_in_the_pullers_segmen
     a, b = pair
     _stock(b, f"{A}#s1")
     a.executor.peers.grant(A, {b.address: b.capability(A, auth.PEER)})
-    held = _segments_held()
+    held = segments.held()
     got = {t: v for t, _d, v in a.executor.peers.pull_shards(
         b.address, ShardsRequest(session=f"{A}#s1", devices={0: [1, 2], 1: [3, 4, 5]}), A)}
     assert b.service.telemetry.registry.get_sample_value(  # no byte went through gRPC: the header alone
@@ -192,21 +192,9 @@ def test_whole_shards_pulled_from_a_peer_on_this_host_come_in_the_pullers_segmen
     got[2].add_(1)  # the puller writes its copy-on-write mapping: the peer's shard is not touched
     assert got[1][0, 1] == 2.0 and b.store.get((f"{A}#s1", 1, 0))[0, 1] == 1.0
     assert torch.equal(got[3], torch.ones(3)) and got[4].numel() == 0 and isinstance(got[5], Poison)
-    assert len(_segments_held() - held) == 1  # the call's one mapping (segments.py rule 6), while its shards live
+    assert len(segments.held() - held) == 1  # the call's one mapping (segments.py rule 6), while its shards live
     del got
-    assert not _segments_held() - held and b.address not in a.executor.peers._elsewhere
-
-
-def _segments_held() -> set[int]:
-    """The segments this process holds a descriptor of, by inode (descriptor numbers are reused)."""
-    held = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "dtorch-segment" in os.readlink(f"/proc/self/fd/{fd}"):
-                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
-        except OSError:
-            continue
-    return held
+    assert not segments.held() - held and b.address not in a.executor.peers._elsewhere
 
 
 def test_a_peer_writes_shards_only_into_an_empty_segment_made_for_the_namespace_pulled(pair):

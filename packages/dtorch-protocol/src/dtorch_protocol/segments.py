@@ -159,6 +159,19 @@ def path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
+def held() -> set[int]:
+    """The segments this process holds a descriptor of, by inode (descriptor numbers are reused, a memory file's
+    inode is not): what tests check to show that nothing a transfer opened is left open (Linux: /proc)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "dtorch-segment" in os.readlink(f"/proc/self/fd/{fd}"):
+                found.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return found
+
+
 def opened(name: str, session: str, tid: int, device: int, nbytes: int) -> int:
     """The worker's side of a Put: a descriptor of segment `name` after the checks of rule 3 (the caller maps it
     copy-on-write, `path`, and closes it). SegmentMissing when it cannot be used here (rule 4), SegmentRefused when
