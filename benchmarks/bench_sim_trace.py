@@ -4,7 +4,9 @@ The trace is ITP cluster04 (scenarios/traces/msft-itp-cluster04.csv, 15,802 jobs
 until it has `--jobs` jobs, written to a temporary CSV and read through the generic `csv` trace format. Time is
 compressed 100x (a 3-hour job runs 108 simulated seconds); arrivals are compressed a further 512/devices so that
 the offered load is the same on every cluster size (~1: the average demand of the trace is ~495 GPUs). Jobs run
-as steps of ~30 s (at most 20 a job), syncing every 5, heartbeats every 60 s.
+as steps of ~30 s (at most 20 a job), syncing every 5, heartbeats every 60 s, under the controller's dispatch
+window of one batch (the simulator's default, as `dtorch-controller` runs; without it a freeze waits for all the
+steps its victim sent: docs/simulation.md, "Full scale, session 19").
 
 Prints, per cluster size and policy: wall and CPU time of the run (this process, one core), simulated time, core
 events, events and jobs per CPU second, CPU minutes per 100,000 jobs (the run's own rate; with `--jobs 100000` it is
