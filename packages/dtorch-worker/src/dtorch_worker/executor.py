@@ -352,7 +352,11 @@ class Executor:
 
     def release_reads(self, completed: int) -> None:
         """The completion up to batch `completed` is being reported: the client reads marked in those batches
-        (CmdReadable) may be served now, their bytes after the report their Sync waits for."""
+        (CmdReadable) may be served now, their bytes after the report their Sync waits for. Called at every report:
+        with no read marked (most reports) it takes no lock (a mark of a batch up to `completed` was recorded before
+        that batch completed)."""
+        if not self._marks:
+            return
         with self._cond:
             marks = [(session, mark) for seq, session, mark in self._marks if seq <= completed]
             if marks:
