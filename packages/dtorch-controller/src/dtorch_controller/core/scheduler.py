@@ -131,7 +131,8 @@ class Tenant:
     cap: int  # memory cap per device in bytes (0: whole devices)
     state: str = IDLE
     workers: dict[str, None] = field(default_factory=dict)  # its devices: leased (running) / its own (frozen)
-    missing: set[str] = field(default_factory=set)  # frozen: its devices it does not hold a reservation on
+    missing: dict[str, None] = field(default_factory=dict)  # frozen: its devices it holds no reservation on, in
+    # its devices' order (a set's order follows the string hash, which changes from process to process)
     request: Request | None = None
     arrival: int = 0  # queue tie-break, from its first request (kept through freezes)
     key: tuple | None = None  # its queue entry while waiting
@@ -374,7 +375,7 @@ class Scheduler:
         for session in self._wanted.pop(worker, {}):
             t = self.tenants[session]
             n = len(t.missing)
-            t.missing.discard(worker)
+            t.missing.pop(worker, None)
             self._index_missing(t, n)
         for t in (self.tenants[s] for b in self._frozen.values() for s in b):
             if worker in t.workers:
@@ -979,7 +980,7 @@ class Scheduler:
         n = len(v.missing)
         for w in v.workers:
             if w not in v.missing:
-                v.missing.add(w)
+                v.missing[w] = None
                 self._wanted.setdefault(w, {})[v.session] = None
                 self._want_at(v, w)
                 self._release(w, v.session)
@@ -996,7 +997,7 @@ class Scheduler:
     def _unwant(self, t: Tenant, w: str) -> None:
         """`t` holds `w` again."""
         n = len(t.missing)
-        t.missing.discard(w)
+        t.missing.pop(w, None)
         self._index_missing(t, n)
         self._reserving.add(t.session)
         self._drop_want(t, w)
@@ -1061,7 +1062,7 @@ class Scheduler:
                     continue
                 self.pool.lease(w, t.session, cap)
                 n = len(t.missing)
-                t.missing.discard(w)
+                t.missing.pop(w, None)
                 self._index_missing(t, n)
                 self._reserving.add(t.session)
                 del wanting[t.session]
