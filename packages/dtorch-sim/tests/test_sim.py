@@ -96,6 +96,37 @@ def test_only_a_stopped_workers_heartbeat_deadlines_reach_the_core_and_it_is_det
     assert sim.jobs_done == 12
 
 
+def test_idle_workers_beat_through_their_slot_roster_with_no_call_each_and_the_core_hears_the_same(base):
+    # An idle worker with nothing new joins the roster of its slot phase, which adds its entry to each interval's
+    # WorkersAlive: the core gets the same (time, worker, utilization) entries as from a call per worker and beat.
+    base["cluster"]["nodes"][0]["count"] = 8  # 32 devices for 12 jobs of 1-4: most idle most of the time
+
+    def run(roster: bool) -> tuple[list, int, float]:
+        sim = Simulation(parse(base))
+        if not roster:
+            sim.quiet = lambda worker, due: False  # every beat a call of the worker's own
+        heard: list[tuple[float, str, float]] = []
+        handle, later, calls = sim.core.handle, sim.later, [0]
+
+        def spy(now, event):
+            if isinstance(event, ev.WorkersAlive):
+                heard.extend((round(now, 9), w, u) for w, u in event.workers.items())
+            return handle(now, event)
+
+        def count(at, fn, arg):
+            calls[0] += fn.__name__ == "_beat"  # a worker's own beat
+            later(at, fn, arg)
+
+        sim.core.handle, sim.later = spy, count
+        sim.run_all()
+        return sorted(heard), calls[0], metrics.summarize(sim)["jct_s"]["mean"]
+
+    heard, calls, jct = run(roster=True)
+    heard_each, calls_each, jct_each = run(roster=False)
+    assert len(heard) > 1000 and heard == heard_each and jct == jct_each
+    assert calls < calls_each / 2, (calls, calls_each)  # the rest: beats in steps longer than the interval
+
+
 def test_heartbeats_with_nothing_new_reach_the_core_as_one_event_per_slot_and_a_fenced_worker_stops(base):
     # A heartbeat with nothing new is no Report of its own: the slot's beats go as one WorkersAlive, fed before any
     # other event. A worker the core declared lost while it runs learns it from that event's answer and stops, as

@@ -3,7 +3,8 @@
 The harness is the core's adapter, like the gRPC server: it feeds events with `env.now` and performs the
 effects it gets back (a Reply wakes the process waiting for it, a SendExecute lands in a fake worker, a
 SetTimer becomes a simpy timeout with replace-by-key semantics). Nothing in the core knows it is simulated.
-Heartbeats with nothing new, due in one heartbeat slot, go to the core as one `WorkersAlive` (see `alive`).
+Heartbeats with nothing new, due in one heartbeat slot, go to the core as one `WorkersAlive` (see `alive`); idle
+workers' are one roster per slot phase, with no call per worker (see `quiet`).
 
 What the harness observes, it observes from outside the core, through the core's observer surface only: the
 notices among the effects (a `Placed` session wakes its queued job, `Frozen` counts as a preemption, `Recovered`
@@ -14,7 +15,9 @@ and bound devices for the samples, the sessions on a worker when it fails), and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 import random
@@ -41,6 +44,7 @@ FOREVER_S = 1e12
 DRAIN_RETRY_S = 30.0  # a refused drain (nowhere to move a session yet) is asked again this often
 STALL_CHECK = 0xFFFF  # the run's watchdog looks at the clock every 65,536 simulator events
 STALL_EVENTS = 1 << 22  # simulator events at one simulated time (plus 64 per job and worker) that mean a stall
+GC_THRESHOLD = (50_000, 20, 20)  # while the clock runs: Python's default is (700, 10, 10); see `_rare_collections`
 
 
 class Stalled(RuntimeError):
@@ -119,6 +123,10 @@ class Simulation:
         self._slots: dict[float, list] = {}  # time -> calls due then (see `later`)
         self._alive: dict[str, float] = {}  # worker id -> utilization: heartbeats with nothing new (see `alive`)
         self._slot = sc.heartbeat.interval_s / sc.heartbeat.batch_slots if sc.heartbeat.batch_slots else 0.0
+        self._rosters: dict[int, dict[str, Worker]] = {}  # slot phase -> idle workers it beats for (see `quiet`)
+        self._joining: dict[float, dict[str, Worker]] = {}  # time -> idle workers that join their roster then
+        self._roster_due: dict[int, float] = {}  # slot phase -> when its roster beats next
+        self._roster_last: dict[int, float] = {}  # slot phase -> when its roster beat last
         self.workers: dict[str, Worker] = {}  # core id -> worker
         self.by_address: dict[str, Worker] = {}  # address -> the worker process there now
         self.all_workers: list[Worker] = []  # every worker process, in creation order
@@ -203,6 +211,58 @@ class Simulation:
         joins the `WorkersAlive` of this heartbeat slot, fed before any other event and when the slot's calls are
         done, so the core sees the same reports in the same order as one `Report` each (its rule 13)."""
         self._alive[worker.id] = utilization  # type: ignore[index]
+
+    def quiet(self, worker: Worker, due: float) -> bool:
+        """`worker` is idle with everything told (workers.Worker._next_beat): from `due` (its next heartbeat) on, the
+        roster of its slot phase beats for it, one `alive` entry (utilization 0) an interval apart, the entries its
+        own beats would have made, until `wake`. On a long trace most devices idle most of the time, and their
+        beats were a quarter of the run. False with exact timing (no slots): it beats on its own."""
+        if not self._slot:
+            return False
+        joining = self._joining.get(due)
+        if joining is None:
+            joining = self._joining[due] = {}
+            self.later(due, self._join, due)
+        joining[worker.id] = worker  # type: ignore[index]
+        worker.quiet = (None, due)
+        return True
+
+    def _join(self, due: float) -> None:
+        """The workers joining at `due` beat (this slot's entries) and join the roster of their phase."""
+        joining = self._joining.pop(due)
+        if not joining:
+            return
+        phase = round(due / self._slot) % self.scenario.heartbeat.batch_slots
+        roster, alive = self._rosters.setdefault(phase, {}), self._alive
+        for worker_id, worker in joining.items():
+            alive.setdefault(worker_id, 0.0)  # the roster may have beaten in this slot already
+            roster[worker_id] = worker
+            worker.quiet = (phase, due)
+        if phase not in self._roster_due:
+            nxt = self._roster_due[phase] = self.slot_after(due + self.scenario.heartbeat.interval_s)
+            self.later(nxt, self._roster_beat, phase)
+
+    def wake(self, worker: Worker) -> float:
+        """`worker` leaves its roster (or the queue to join one); returns when it last beat (or reported)."""
+        phase, since = worker.quiet  # type: ignore[misc]
+        worker.quiet = None
+        if phase is None:  # not joined yet: `since` is when it would have, and its last report stands
+            del self._joining[since][worker.id]  # type: ignore[arg-type]
+            return worker.last_report
+        del self._rosters[phase][worker.id]  # type: ignore[arg-type]
+        return max(since, self._roster_last.get(phase, since))
+
+    def _roster_beat(self, phase: int) -> None:
+        del self._roster_due[phase]
+        roster = self._rosters[phase]
+        if not roster:
+            return
+        now = self._roster_last[phase] = self.env.now
+        alive = self._alive
+        for worker_id in roster:
+            alive.setdefault(worker_id, 0.0)  # the ones that joined in this slot have beaten already
+        due = self._roster_due[phase] = self.slot_after(now + self.scenario.heartbeat.interval_s)
+        self.later(due, self._roster_beat, phase)
 
     def _feed_alive(self) -> None:
         batch, self._alive = self._alive, {}
@@ -567,13 +627,13 @@ class Simulation:
     def partition(self, worker: Worker, fault: Fault):
         """Cut the worker off from the controller: its reports are lost and sends to it fail; it keeps running
         what it has. When the partition heals its next report gets through (or is answered "fenced")."""
-        worker.partitioned = True
+        worker.cut_off()
         self.unhold(worker)
         record = self._record_failure(worker, "partition")
         yield self.env.timeout(max(0.0, self._until(fault) - self.env.now))
-        worker.partitioned = False
         if worker.alive:
-            worker.report()
+            worker.heal()
+        worker.partitioned = False
         if not worker.alive:  # fenced: it was declared lost meanwhile
             if fault.repair_s is not None:
                 self.env.timeout(fault.repair_s).callbacks.append(lambda _e: self.restart_worker(worker))
@@ -738,9 +798,10 @@ class Simulation:
         """Advance until every job ended or the end time; yields the simulated time after each slice. Raises
         `Stalled` when the clock stops advancing (see `_advance`)."""
         step = self.end_guess() / chunks
-        while not self.all_jobs_done.triggered and self.env.now < self.end_time:
-            self._advance(min(self.env.now + step, self.end_time))
-            yield self.env.now
+        with _rare_collections():
+            while not self.all_jobs_done.triggered and self.env.now < self.end_time:
+                self._advance(min(self.env.now + step, self.end_time))
+                yield self.env.now
 
     def _advance(self, until: float) -> None:
         """`env.run(until)`, with a watchdog: every `STALL_CHECK` events it checks that the clock moved; after
@@ -753,7 +814,7 @@ class Simulation:
         step = env.step
         n = 0
         frozen_at, since = env.now, self.events
-        try:
+        with contextlib.suppress(simpy.core.StopSimulation, simpy.core.EmptySchedule):
             while True:
                 step()
                 n += 1
@@ -763,10 +824,6 @@ class Simulation:
                         n = 0
                     elif n >= self.stall_events:
                         raise Stalled(env.now, n, self.events - since)
-        except simpy.core.StopSimulation:
-            return
-        except simpy.core.EmptySchedule:
-            return
 
     def run_all(self) -> None:
         for _ in self.run():
@@ -774,3 +831,20 @@ class Simulation:
 
     def jobs_ended(self) -> int:
         return self.jobs_done
+
+
+@contextlib.contextmanager
+def _rare_collections() -> Iterator[None]:
+    """Python's cyclic garbage collector, rarely and only over what the run makes, for as long as it runs: a run's
+    objects (workers, sessions, jobs, the core's records) live long and make few cycles, and at 10,000 devices
+    the default thresholds spent a third of the run walking them (20% at 512). What exists when the run starts is
+    frozen (never collected during it). Restoring the defaults between slices cost a full collection each (5% of
+    a run): they come back when the run ends, or is abandoned."""
+    threshold = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()

@@ -5,6 +5,8 @@ Like the real worker (dtorch_worker.executor and agent), a fake worker
 * registers, then reports: after every batch it finishes, and when it said nothing for a heartbeat interval
   (a report after a batch counts as a heartbeat: idle workers beat, busy ones report anyway); a heartbeat with
   nothing new to say is no report of its own but one entry of its slot's `events.WorkersAlive` (harness.py);
+  who makes it (`_next_beat`): the roster of its slot while the worker is idle with everything told, until a
+  batch or a fault wakes it; nobody while its running batch reports first; else a beat of its own;
 * runs Execute batches strictly in seq order; a batch with a CmdAbandon acts on arrival (the session's earlier
   batches are skipped);
 * reports completions, errors, the live shards and bytes of each session it holds (memory), and the fraction
@@ -19,7 +21,7 @@ host-memory copies and `network_gbps` between workers (copies a snapshot keeps f
 cost nothing); every command adds `launch_s`.
 
 Everything is driven by simpy timeouts with callbacks, not processes: 10,000 workers cost no generators, and
-an idle worker costs one timeout per heartbeat interval.
+an idle worker costs one dict entry per heartbeat interval (its roster's).
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class Worker:
         self.last_report = 0.0
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
         self.busy_at_report = 0.0
-        self.beat_armed = False
+        self.beat_armed = False  # a beat of its own is pending (`_beat`)
+        self.quiet: tuple[int | None, float] | None = None  # in a roster: (phase, since when); joining: (None, when)
 
     # ------------------------------------------------------------ life
 
@@ -93,15 +96,18 @@ class Worker:
         self.interval = reply.heartbeat_interval_s
         self.last_report = self.env.now - self.interval + self.sim.rng.uniform(0, self.interval)
         self.sim.registered(self)
-        self._arm(self.last_report + self.interval - self.env.now)
+        self._next_beat()
 
     def stop(self) -> None:
         """Stop everything at once: no more reports, no more work (the batch running now is cut short)."""
         if not self.alive:
             return
         self.alive = False
-        self.token += 1
+        self.token += 1  # a beat still pending is of the old life: it does nothing
+        self.beat_armed = False
         self.sim.unhold(self)
+        if self.quiet is not None:
+            self.last_report = self.sim.wake(self)
         if self.id is not None:
             self.sim.alive_n -= 1
         if self.current is not None:
@@ -116,15 +122,36 @@ class Worker:
 
     # ------------------------------------------------------------ reports
 
+    def _next_beat(self) -> None:
+        """Who makes the next heartbeat, due an interval after the last report: the roster of its slot while the
+        worker is idle with everything told (`Simulation.quiet`: one dict entry an interval, no call of its own);
+        nobody while the batch it runs ends, and reports, before then; else a beat of its own (`_beat`). Called
+        whenever that may change (a report, a batch started, a wake); at most one beat of its own is pending."""
+        if self.beat_armed or self.quiet is not None or not self.alive:
+            return
+        due = self.sim.slot_after(self.last_report + self.interval)
+        if self.current is not None:
+            if self.started + self.seconds < due:
+                return
+        elif not self.pending and self._all_told() and self.sim.quiet(self, due):
+            return
+        self._arm(due - self.env.now)
+
     def _arm(self, delay: float) -> None:
         if not self.beat_armed:
             self.beat_armed = True
             self.sim.later(self.sim.slot_after(self.env.now + max(0.0, delay)), self._beat, self.token)
 
+    def _all_told(self) -> bool:
+        """Nothing new since the last report that got through: the same completed batches, no errors, the same
+        shards (a step writes its outputs again at the same sizes)."""
+        return not self.partitioned and not self.errors and self.completed == self._told[0] and \
+            self._shards() is self._told[1]
+
     def _beat(self, token: int) -> None:
-        self.beat_armed = False
         if not self.alive or token != self.token:
-            return
+            return  # a beat of an earlier life (see `stop`)
+        self.beat_armed = False
         # The next heartbeat is due in the slot an interval after its last report. Compared on the slot grid (the
         # same rounding `_arm` used), with a relative tolerance: re-arming is for a strictly later time, so the
         # clock always advances (an absolute 1e-9 s against a rounding of 1e-9 slot looped forever at 3600 s).
@@ -132,23 +159,36 @@ class Worker:
         due = sim.slot_after(self.last_report + self.interval)
         now = self.env.now
         if due > now + 1e-9 * max(1.0, abs(due)):  # it reported since
-            self._arm(due - now)
+            self._next_beat()
             return
-        if self.partitioned or self.errors or self.completed != self._told[0] or self._shards() is not self._told[1]:
+        if not self._all_told():
             self.report()
+            self._next_beat()
             return
-        # Nothing new since the last report that got through: no report of its own, one entry of the slot's
-        # `WorkersAlive` (`Simulation.alive`), which the core handles as the same report.
+        # Nothing new: no report of its own, one entry of the slot's `WorkersAlive` (`Simulation.alive`), which the
+        # core handles as the same report.
         self.last_report = now
-        self.beat_armed = True
-        sim.later(sim.slot_after(now + self.interval), self._beat, token)
         sim.alive(self, self._utilization(now))
+        self._next_beat()
+
+    def cut_off(self) -> None:
+        """A partition cuts it off from the controller: its reports are lost; it beats on its own (and is lost)."""
+        self.partitioned = True
+        if self.quiet is not None:
+            self.last_report = self.reported_at = self.sim.wake(self)
+        self._next_beat()
+
+    def heal(self) -> None:
+        """The partition that cut it off from the controller healed: report now."""
+        self.partitioned = False
+        self.report()
+        self._next_beat()
 
     def report(self) -> None:
-        """Report now: after a batch, on a partition's end, or as a heartbeat with something new to say."""
+        """Report now: after a batch, on a partition's end, or as a heartbeat with something new to say (the caller
+        sees to the next heartbeat, `_next_beat`, once it knows what it runs next)."""
         now = self.env.now
         self.last_report = now
-        self._arm(self.interval)
         if self.partitioned:
             return  # lost on the way; the completions and errors ride along with a later report
         utilization = self._utilization(now)
@@ -206,12 +246,15 @@ class Worker:
         """A batch arrived (the harness checked that it can): queue it; a CmdAbandon acts now."""
         if batch.seq <= self.completed or batch.seq in self.pending:
             return
+        if self.quiet is not None:  # it leaves its roster, which beat for it last then (idle since)
+            self.last_report = self.reported_at = self.sim.wake(self)
         if any(type(c) is m.CmdAbandon for c in batch.cmds):
             self.skip_below[batch.session] = max(self.skip_below.get(batch.session, 0), batch.seq)
             self.errors.pop(batch.session, None)  # reports of abandoned work: nobody wants them
         self.pending[batch.seq] = batch
         if self.current is None:
             self._next()
+        self._next_beat()
 
     def _next(self) -> None:
         """Start the next batch in seq order, if it is here (a gap waits, as on a real worker)."""
@@ -240,8 +283,10 @@ class Worker:
         self.current = self.work = None
         self.completed = batch.seq
         self.report()
-        if self.alive and self.current is None:
-            self._next()
+        if self.alive:
+            if self.current is None:
+                self._next()
+            self._next_beat()
 
     # ------------------------------------------------------------ the cost model
 
