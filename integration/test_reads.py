@@ -92,7 +92,6 @@ def test_big_uploads_and_reads_go_through_same_host_segments_and_leave_no_descri
     assert not segments.held() - before  # closed once each transfer is done; the reads kept hold none either
 
 
-
 def test_a_worker_that_cannot_open_the_segments_gets_the_bytes_streamed(cluster, mesh1, monkeypatch):
     """What a worker on another host does (the segment's name means nothing there): refuses the Put's segment, so
     the client streams the bytes, and to that worker from then on; writes a Pull's reply as a stream."""

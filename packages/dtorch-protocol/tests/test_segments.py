@@ -55,7 +55,6 @@ def test_a_pulls_reply_written_by_the_worker_is_the_clients_tensor_and_the_segme
     assert inode not in segments.held()  # the tensor's mapping keeps no descriptor (rule 6)
 
 
-
 @pytest.mark.parametrize("session, tid, device", [("s2", 7, 2), ("s1", 8, 2), ("s1", 7, 3)])
 def test_a_segment_made_for_another_session_tensor_or_device_is_refused(session, tid, device):
     put, pull = for_put("s1", 7, 2, [host_bytes(payload())]), for_pull("s1", 7, 2, N)

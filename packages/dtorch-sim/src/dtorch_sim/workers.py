@@ -106,8 +106,7 @@ class Worker:
         self.token += 1  # a beat still pending is of the old life: it does nothing
         self.beat_armed = False
         self.sim.unhold(self)
-        if self.quiet is not None:
-            self.last_report = self.sim.wake(self)
+        self._leave_roster()
         if self.id is not None:
             self.sim.alive_n -= 1
         if self.current is not None:
@@ -142,6 +141,12 @@ class Worker:
             self.beat_armed = True
             self.sim.later(self.sim.slot_after(self.env.now + max(0.0, delay)), self._beat, self.token)
 
+    def _leave_roster(self) -> None:
+        """If a roster beats for it, it leaves it: its last report is the roster's last beat for it (idle since, so
+        `busy_at_report` holds)."""
+        if self.quiet is not None:
+            self.last_report = self.reported_at = self.sim.wake(self)
+
     def _all_told(self) -> bool:
         """Nothing new since the last report that got through: the same completed batches, no errors, the same
         shards (a step writes its outputs again at the same sizes)."""
@@ -174,8 +179,7 @@ class Worker:
     def cut_off(self) -> None:
         """A partition cuts it off from the controller: its reports are lost; it beats on its own (and is lost)."""
         self.partitioned = True
-        if self.quiet is not None:
-            self.last_report = self.reported_at = self.sim.wake(self)
+        self._leave_roster()
         self._next_beat()
 
     def heal(self) -> None:
@@ -246,8 +250,7 @@ class Worker:
         """A batch arrived (the harness checked that it can): queue it; a CmdAbandon acts now."""
         if batch.seq <= self.completed or batch.seq in self.pending:
             return
-        if self.quiet is not None:  # it leaves its roster, which beat for it last then (idle since)
-            self.last_report = self.reported_at = self.sim.wake(self)
+        self._leave_roster()
         if any(type(c) is m.CmdAbandon for c in batch.cmds):
             self.skip_below[batch.session] = max(self.skip_below.get(batch.session, 0), batch.seq)
             self.errors.pop(batch.session, None)  # reports of abandoned work: nobody wants them
