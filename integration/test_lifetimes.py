@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 
 import torch
 
@@ -11,10 +12,18 @@ import dtorch
 from dtorch import Shard
 
 
-def live(cluster):
-    cluster.sync()
-    status = dtorch.status()
-    return sum(w.tensors for w in status.workers), sum(w.bytes for w in status.workers)
+def live(cluster, settle_s: float = 2.0):
+    """Tensors and bytes on the workers, once they stop changing (at most `settle_s`): an earlier test's deletes
+    may still be on their way (they go out with later batches) and land in the middle of a test."""
+    deadline, last = time.monotonic() + settle_s, None
+    while True:
+        cluster.sync()
+        status = dtorch.status()
+        now = sum(w.tensors for w in status.workers), sum(w.bytes for w in status.workers)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(0.05)
 
 
 def test_dropping_dtensors_frees_worker_memory(cluster, mesh4):
