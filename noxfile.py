@@ -126,6 +126,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_recovery.py")  # SIGKILL detection and recovery, migration downtime
     session.run("python", "benchmarks/bench_recovery.py", "--core")  # the same core at 10,000 workers
     session.run("python", "benchmarks/bench_sim.py")  # simulator: 10,000 fake workers, 20,000 jobs; events/s
+    session.run("python", "benchmarks/bench_fgd.py")  # FGD's inflation experiment on the pool: FGD vs best fit
     session.run("python", "benchmarks/bench_vs_torch.py")  # DTorch vs torch DTensor (2 gloo ranks) vs plain torch
     session.run("python", "benchmarks/bench_instructions.py")  # controller: instructions/s, eager vs replayed steps
     session.run("python", "benchmarks/bench_uploads.py")  # uploads with recovery backups off, in the stream, behind
