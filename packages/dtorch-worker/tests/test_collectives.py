@@ -631,3 +631,13 @@ def test_a_collectives_outputs_are_freed_once_the_session_drops_them(workers):
     for d, w in binding.items():
         cluster.worker[w].store.delete((cluster.session, 121, d))
     assert [r() is None for r in refs] == [True, True]  # at once: a worker frees by reference counts, rarely by gc
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                                   torch.bfloat16])
+def test_every_dtype_sums_to_torchs_value_whether_or_not_the_backend_reduces_it(workers, dtype):
+    """The backend's own all_reduce only for dtypes it reduces (gloo and NCCL have no int16: "Invalid scalar type");
+    the others go through the exchange and sum here, with the same values."""
+    got, expected, _ = redistribute(Cluster(workers), (5, 3), (2,), {0: "w0", 1: "w1"}, [Partial("sum")], [Replicate()],
+                                    dtype=dtype)
+    check(got, expected)

@@ -252,8 +252,12 @@ class CudaBackend(AcceleratorBackend):
         import torch.distributed as dist
 
         # On a timeout NCCL's watchdog aborts the communicators and the wait raises; the default (3) would
-        # tear the whole worker down, taking every other session's shards with it.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # tear the whole worker down, taking every other session's shards with it. For the same reason no debug
+        # dump on a timeout: its signal goes through the rendezvous store, which every group meeting at that
+        # worker shares, and the heartbeat monitor ends a process some minutes after it dumped.
+        for name, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "0"),
+                            ("TORCH_NCCL_ENABLE_MONITORING", "0")):
+            os.environ.setdefault(name, value)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(store, rank, size, options)
