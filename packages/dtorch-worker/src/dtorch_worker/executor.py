@@ -598,7 +598,7 @@ class Executor:
             before = hygiene.sizes_before(cmd.op, (a, k))
             with self._rng(cmd.seed):
                 flat = flatten(run(*a, **k))
-            hygiene.scrub(cmd.op, flat, before)  # no bytes another session left behind
+            hygiene.scrub(cmd.op, flat, before, (a, k))  # no bytes another session left behind
             if len(cmd.outs) > len(flat):
                 raise ValueError(f"{cmd.op} returned {len(flat)} outputs, expected {len(cmd.outs)}")
             for i, tid in enumerate(cmd.outs):
