@@ -118,6 +118,29 @@ def test_a_client_capability_does_not_reach_backup_namespaces(worker):
         assert code == grpc.StatusCode.PERMISSION_DENIED
 
 
+def test_a_closed_sessions_capabilities_are_refused(worker):
+    """A capability lives an hour; its session may close sooner. Uploads to a closed session were accepted into a
+    namespace nobody accounted for or ever freed (eight 16 MiB Puts after the close were all kept)."""
+    w, channel = worker
+    closed = "sess-closed"
+    stub = wire.Stub(SERVICE, w.address, w.execute_token())
+    batch = m.Execute(seq=w.executor.completed + 1, session=closed, cmds=[m.CmdCloseSession()])
+    assert stub.call("Execute", batch).ok and w.executor.wait_completed(batch.seq, 10)
+    stub.close()
+    requests = {
+        "Pull": wire.encode(m.PullRequest(session=closed, tid=1, device=0, timeout_s=0.0)),
+        "Put": [wire.encode(c) for c in put_chunks(closed, 1, 0, torch.ones(2))],
+        "PullShards": wire.encode(m.ShardsRequest(session=closed, devices={0: [1]}, timeout_s=0.0)),
+        "PutShards": [wire.encode(m.ShardsChunk(namespace=f"{closed}#s1"))],
+    }
+    for method, request in requests.items():
+        role = auth.CLIENT if method in ("Pull", "Put") else auth.PEER
+        code, details = wire.raw_call(channel, SERVICE, method, request, auth.bearer(w.capability(closed, role)),
+                                      timeout=5)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "the session was closed" in details, (method, details)
+    assert (closed, 1, 0) not in w.store
+
+
 def test_a_duplicate_batch_is_an_error_the_controller_sees(worker):
     """An Execute at a batch number already queued or done used to be answered ok ("duplicate"): the controller
     never knew that the batch it sent was dropped."""

@@ -57,10 +57,12 @@ SEGMENT = "shared_memory"  # the path label of client bytes that went through a 
 CALLS_PER_SESSION = 16  # concurrent client calls (Pulls waiting for shards, Puts) of one session
 
 
-def _covered(caller: auth.Caller, session: str, method: str) -> None:
+def _covered(caller: auth.Caller, session: str, method: str, store: TensorStore) -> None:
     if not auth.covers(caller, session):
         raise wire.PermissionDenied(f"{method} of session {session[:16]!r} refused: the call came with "
                                     f"{caller.describe()}")
+    if store.closed(session):
+        raise wire.PermissionDenied(f"{method} of session {session[:16]!r} refused: the session was closed")
 
 
 class WorkerService:
@@ -87,7 +89,7 @@ class WorkerService:
         return Ack(ok=False, message=f"batch {request.seq} is a duplicate: this worker already ran or queued it")
 
     def Pull(self, request: PullRequest, caller: auth.Caller) -> Iterator[Chunk]:
-        _covered(caller, request.session, "Pull")
+        _covered(caller, request.session, "Pull", self.store)
         wire.on_call_end(self.store.wake)  # a caller that gives up ends the wait for the shard
         if request.expected and caller.role != auth.PEER:
             raise wire.PermissionDenied("a planned read (expected=True) is a peer's: a client capability cannot "
@@ -163,7 +165,7 @@ class WorkerService:
 
     def _admit_put(self, caller: auth.Caller, key: tuple[str, int, int], declared: int) -> None:
         """Before anything of a Put is kept: its session, that it replaces nothing, and its declared size."""
-        _covered(caller, key[0], "Put")
+        _covered(caller, key[0], "Put", self.store)
         if self.store.peek(key) is not None:
             raise wire.PermissionDenied(f"Put refused: tensor {key[1]} on logical device {key[2]} already exists "
                                         "here (uploads never replace a live shard)")
@@ -197,7 +199,7 @@ class WorkerService:
 
         With `move`, those devices are leaving for the puller: uploads for them are refused from now on, and
         the ones not adopted yet go along (and are dropped here once sent)."""
-        _covered(caller, request.session, "PullShards")
+        _covered(caller, request.session, "PullShards", self.store)
         wire.on_call_end(self.store.wake)
         wait = min(max(request.timeout_s, 0.0), self.max_pull_wait_s)
         listed = {(tid, device) for device, tids in request.devices.items() for tid in tids}
@@ -238,7 +240,7 @@ class WorkerService:
         try:
             for chunk in requests:
                 if receiver.header is None:  # before the header's storages are allocated
-                    _covered(caller, chunk.namespace, "PutShards")
+                    _covered(caller, chunk.namespace, "PutShards", self.store)
                 receiver.add(chunk)
                 self.telemetry.bytes_moved("copy", "in", sum(chunk.storages) if chunk.segment else len(chunk.data))
             header, items = receiver.finish(host=receiver.header is not None and receiver.header.host)

@@ -21,6 +21,10 @@ Memory caps: the store keeps each session's cap on this worker (the latest Execu
 packed leases only) and counts the bytes a session's shards hold here, a storage shared by views once (as
 `stats` does), so the executor can fail commands, and the Put handler refuse uploads, that would take a
 capped session over its cap. Keys are indexed by session: that count never scans other sessions' shards.
+
+Closed sessions: a session closed here (CmdCloseSession of the session itself, not of one of its `#` namespaces) is
+remembered for as long as a capability for it may live (`auth.CAP_TTL_S`), and the worker refuses its capabilities:
+an upload to a closed session would hold memory nobody accounts for or ever frees.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dtorch_protocol.auth import CAP_TTL_S
 from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
 from dtorch_protocol.wire import call_ended
 
@@ -118,6 +123,7 @@ class TensorStore:
         self._data: dict[Key, Shard] = {}
         self._by_session: dict[str, dict[Key, None]] = {}  # session -> its keys in `_data` (per-session bytes)
         self._caps: dict[str, int] = {}  # session -> memory cap on this worker in bytes (absent: none)
+        self._closed: dict[str, float] = {}  # session closed here -> when (monotonic), oldest first
         self._reads: dict[Key, int] = {}  # expected - served planned reads; only keys where that is not 0
         self._announced: dict[Key, set[int]] = {}  # redistributions (dst tids) whose reads of a key were announced
         self._readable: dict[str, int] = {}  # session -> the highest client read mark its stream reached
@@ -238,8 +244,23 @@ class TensorStore:
             self._rebuilding.discard(session)
             self._caps.pop(session, None)
             self._traffic.pop(session, None)
+            if "#" not in session:
+                self._remember_closed(session)
             self._cond.notify_all()
             return len(keys)
+
+    def _remember_closed(self, session: str) -> None:
+        now = time.monotonic()
+        while self._closed:
+            oldest, when = next(iter(self._closed.items()))
+            if now - when <= CAP_TTL_S:
+                break
+            del self._closed[oldest]
+        self._closed[session] = now
+
+    def closed(self, session: str) -> bool:
+        """Was `session` (or the session a `#` namespace belongs to) closed here?"""
+        return session.partition("#")[0] in self._closed
 
     def drop_derived(self, session: str) -> int:
         """Forget the shards of every namespace derived from `session` (`{session}#...`: its backups)."""
