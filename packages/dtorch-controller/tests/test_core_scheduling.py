@@ -202,6 +202,8 @@ def test_high_priority_freezes_low_which_holds_its_batches_and_resumes_in_order(
     assert sched_state(h, low) == "frozen" and leases(h, w0) == {high: 0}
     assert h.core.sessions[low].devices == {0: w0, 1: w1}  # its shards stay where they are
     assert any("frozen on 2 devices: preempted by session" in line for line in h.core.log.lines())
+    why = h.core.sched._why(h.core.sched.tenants[low])  # what its owner may be told: not whose session (another's)
+    assert why.startswith("frozen (preempted") and high[:8] not in why
     # the frozen session's client goes on: batches are accepted and held, its sync waits
     assert h.submit(low, 2, [create(2)]) == m.SubmitReply(accepted=2)
     assert h.submit(low, 3, [create(3)]) == m.SubmitReply(accepted=3)

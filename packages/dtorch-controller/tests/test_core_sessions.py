@@ -91,6 +91,20 @@ def test_bad_meshes_are_refused(h, refused, devices, shape):
     assert refused(h.call(ev.OpenMesh, m.OpenMesh(session=sid, mesh=1, devices=devices, shape=shape)))
 
 
+def test_a_session_has_at_most_64_logical_devices_per_device_of_the_cluster(h, refused):
+    """A 2,048-device mesh packed onto one worker, then a redistribution of it, held the core for 29 s (its plan is
+    O(sources x destinations)): its workers gave the controller up and exited."""
+    from dtorch_controller.core.controller import MAX_LOGICAL_PER_DEVICE
+
+    h.register("a:1")
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, list(range(MAX_LOGICAL_PER_DEVICE))).placed
+    over = h.open_mesh(sid, 2, list(range(MAX_LOGICAL_PER_DEVICE, 2 * MAX_LOGICAL_PER_DEVICE)))
+    assert refused(over) and "128 logical devices, over 64 (64 per device of the cluster's 1)" in over.message
+    h.register("b:1")
+    assert h.open_mesh(sid, 2, list(range(MAX_LOGICAL_PER_DEVICE, 2 * MAX_LOGICAL_PER_DEVICE))).placed
+
+
 def test_unknown_session_is_refused_everywhere(h, refused):
     h.register("a:1")
     assert refused(h.open_mesh("nope", 1, [0]))
@@ -400,6 +414,17 @@ def test_a_deferred_delete_never_hits_a_reused_tensor_id(h):
     h.take_sent()
     h.report_all()
     assert h.take_sent() == [] and h.core.sessions[sid].deferred == []
+
+
+def test_a_sync_that_times_out_names_the_busy_workers_but_no_batch_counts(h):
+    """A worker's batch numbers count every session's batches there: another tenant's activity, over time."""
+    (w0, w1), sid = cluster(h)
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([8]), init="rand")])
+    rid, _ = h.sync(sid, 1, timeout_s=0.3)
+    h.advance(0.4)
+    reply = h.replies[rid]
+    assert reply.done is False and "workers still busy" in reply.message and w0 in reply.message
+    assert "completed" not in reply.message and " of " not in reply.message
 
 
 def test_nan_sync_timeout_answers_at_once(h):

@@ -55,7 +55,8 @@ def test_another_tenants_requests_keep_nothing_alive(two):
 
 def test_a_tenant_sees_its_own_work_and_counts_of_the_rest(two):
     h, a, b = two
-    h.report("w0", sessions={a: m.ShardStats(2, 64), b: m.ShardStats(5, 1000)})
+    h.call(ev.Report, m.WorkerReport(worker="w0", completed=h.core.workers["w0"].sent, received_bytes=1 << 30,
+                                     sessions={a: m.ShardStats(2, 64), b: m.ShardStats(5, 1000)}))
     mine = h.call(as_(ALICE, ev.Status), m.StatusRequest())
     assert [s.session for s in mine.sessions] == [a] and mine.sessions[0].tenant == "alice"
     used = set(h.core.sessions[a].devices.values())
@@ -63,11 +64,13 @@ def test_a_tenant_sees_its_own_work_and_counts_of_the_rest(two):
     for w in mine.workers:
         assert all(d.startswith(a) for d in w.devices) and set(w.leases) <= {a}
         assert w.utilization == -1.0 and w.backup_bytes == 0
+        assert w.received_bytes == 0  # every session's traffic through that worker: bob's volume, over time
     assert sum(w.bytes for w in mine.workers) == 64  # its own shards only
     assert mine.events == []  # event lines name everyone's sessions
     assert (mine.other_sessions, mine.other_devices, mine.other_workers) == (1, 1, 4 - len(used))
     every = h.call(as_(ADMIN, ev.Status), m.StatusRequest())
     assert {s.session for s in every.sessions} == {a, b} and len(every.workers) == 4 and every.events
+    assert {w.worker: w.received_bytes for w in every.workers}["w0"] == 1 << 30
 
 
 def test_quotas_refuse_at_once_naming_the_quota(make_harness):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from dtorch_controller.core import Config
@@ -240,3 +242,26 @@ def test_a_sync_whose_caller_gave_up_frees_its_thread_and_slot(keys, register_wo
         stub.close()
         server.stop(0)
         served.server.stop(0)
+
+
+def test_closing_another_tenants_session_writes_nothing_for_it(keys, tmp_path, register_worker):
+    """CloseSession of alice's session by bob is refused as for an unknown one; before, it first settled alice's
+    usage (a record in her name, at bob's asking) and dropped her session's queue-wait metric."""
+    from dtorch_controller.usage import UsageLog
+
+    server, address = run_server("127.0.0.1:0", keys.authenticate, Config(), usage=UsageLog(tmp_path / "usage.jsonl"),
+                                 usage_interval_s=3600.0)
+    alice, bob, worker = (wire.Stub("dtorch.Controller", address, key) for key in (keys.alice, keys.bob, keys.worker))
+    try:
+        register_worker(worker, "127.0.0.1:1")
+        sid = alice.call("OpenSession", m.OpenSession(hello=wire.hello("client")), timeout=5).session
+        assert alice.call("OpenMesh", m.OpenMesh(session=sid, mesh=1, devices=[0], shape=[1]), timeout=5).placed
+        time.sleep(0.2)  # device-seconds to account for
+        assert bob.call("CloseSession", m.CloseSession(session=sid), timeout=5).ok is False
+        assert sid not in (tmp_path / "usage.jsonl").read_text()
+        assert alice.call("CloseSession", m.CloseSession(session=sid), timeout=5).ok
+        assert sid in (tmp_path / "usage.jsonl").read_text()
+    finally:
+        for stub in (alice, bob, worker):
+            stub.close()
+        server.stop(0)

@@ -222,8 +222,12 @@ class ControllerService:
         self._usage_thread = threading.Thread(target=loop, name="dtorch-usage", daemon=True)
         self._usage_thread.start()
 
-    def _write_usage(self, only: str | None = None) -> None:
+    def _write_usage(self, only: str | None = None, who: ev.Principal | None = None) -> None:
+        """Usage records up to now (`only`: of that session, if `who` may name it)."""
         status = self.snapshot()
+        if status is not None and only is not None and who is not None and not who.admin and not any(
+                s.session == only and s.tenant == who.tenant for s in status.sessions):
+            return
         if status is not None:
             records = self.accounts.take(status, only)
             if self.usage is not None:
@@ -317,10 +321,11 @@ class ControllerService:
 
     def CloseSession(self, request: m.CloseSession, caller: auth.Caller) -> m.Ack:
         who = self._who(caller)
-        self._write_usage(only=request.session)  # its usage up to now; its last record follows once it is gone
-        with self._timed("CloseSession"):
+        self._write_usage(only=request.session, who=who)  # its usage up to now; its last record follows once it
+        with self._timed("CloseSession"):  # is gone
             reply: m.Ack = self.request(lambda rid: ev.CloseSession(rid, request, who))
-        self.metrics.closed(request.session)
+        if reply.ok:  # another tenant's session (or none) is no close: its queue wait stays
+            self.metrics.closed(request.session)
         return reply
 
     def KeepAlive(self, request: m.KeepAlive, caller: auth.Caller) -> m.Ack:

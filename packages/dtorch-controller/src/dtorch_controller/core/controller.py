@@ -32,7 +32,10 @@ Rules:
    is answered as for an unknown one, and keeps nothing alive. A tenant's Status shows its own sessions, the
    workers they use (with its own shards only) and everyone else's work as anonymous counts; an admin sees
    all (status.py). Quotas (`who.quota`, tenancy.py) are checked when a session or mesh is asked for, and
-   refused at once, naming the quota.
+   refused at once, naming the quota. A session has at most `MAX_LOGICAL_PER_DEVICE` logical devices per device
+   of the cluster: planning a redistribution costs the core O(sources x destinations) (redistribute.py), and a
+   2,048-device mesh packed onto one worker (a 1-byte memory cap) held the core for 29 s, long enough for its
+   workers to give the controller up.
 12. A Sync is a step of its session's progress (`Scheduler.progress`, scheduler.py rule 9); a parked Sync is
    filed under the worker it waits for (waits.py), so that worker's completion answers it even when it hosts
    none of the session's devices any more (a shrunk or relocated session).
@@ -76,6 +79,7 @@ PRIORITIES = ("high", "normal", "low")
 KINDS = ("batch", "realtime")
 _EPS = 1e-9  # timers due "at" a deadline must count as past it despite float rounding
 _SETTLE_ROUNDS = 64  # a settle pass that has not come to rest by then leaves the rest to the next event
+MAX_LOGICAL_PER_DEVICE = 64  # rule 11: a session's logical devices per device of the cluster (virtual devices)
 _REPORT_OK = m.ReportReply(ok=True)  # immutable: one for every accepted report
 
 
@@ -369,6 +373,12 @@ class ControllerCore:
         new = tuple(d for d in devices if d not in s.devices)
         if new and (problem := device_quota(self.cluster, self.sched, e.who, s, len(new))):
             return step.refuse(e.request_id, problem, "quota")
+        most = MAX_LOGICAL_PER_DEVICE * max(1, len(self.sched.pool))
+        if len(s.devices) + len(new) > most:
+            return step.refuse(e.request_id, f"bad mesh {msg.mesh}: the session would have "
+                                             f"{len(s.devices) + len(new)} logical devices, over {most} "
+                                             f"({MAX_LOGICAL_PER_DEVICE} per device of the cluster's "
+                                             f"{len(self.sched.pool)}): use fewer logical devices")
         if new:
             queued = self.sched.position(s.id)
             changes, answer = self.sched.place(step.now, s.id, msg.mesh, new, msg.min_devices)
@@ -463,7 +473,7 @@ class ControllerCore:
                 done=False, locations=locations,
                 message=f"{timed_out}; the session is frozen (preempted) with batches held, queue position "
                         f"{self.sched.position(s.id)}"))
-        names = ", ".join(f"{w.id} at {w.address} (completed {w.completed} of {s.sent[w.id]})" for w in busy)
+        names = ", ".join(f"{w.id} at {w.address}" for w in busy)  # its batch counts are every tenant's
         step.reply(key.request, m.SyncReply(done=False, locations=locations,
                                             message=f"{timed_out}; workers still busy: {names}"))
 

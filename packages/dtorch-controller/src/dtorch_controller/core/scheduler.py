@@ -141,7 +141,6 @@ class Tenant:
     base: float = 0.0  # counted service starts here (a starvation promotion resets it)
     since: float = 0.0  # running since
     waiting_since: float | None = None  # waiting or frozen since
-    frozen_by: str = ""
     logical: int = 0  # logical devices placed: the most physical devices it can use
     elastic: bool = False  # asked with a minimum below its size: it grows onto devices that come free
     floor: int = 0  # elastic: the fewest physical devices it accepts (it may be shrunk down to them)
@@ -430,7 +429,7 @@ class Scheduler:
 
     def _why(self, t: Tenant) -> str:
         if t.state == FROZEN:
-            return f"frozen (preempted by session {_short(t.frozen_by)})"
+            return "frozen (preempted by a session of a better rank)"  # its owner: the preemptor may be another's
         if not self.pool:
             return "no workers registered"
         need = max(1, min(t.request.need if t.request else 1, len(self.pool)))
@@ -963,7 +962,6 @@ class Scheduler:
         """Stop dispatching `v`: its devices go back to the pool (it gets back the ones left over)."""
         self._stop(now, v)
         self._step(v, FREEZE)
-        v.frozen_by = by.session
         v.waiting_since = now
         v.rank = self.policy.rank(v, now)
         self._bucket(v, self._frozen)
@@ -1097,7 +1095,6 @@ class Scheduler:
         if t.waiting_since is not None:
             t.waited += now - t.waiting_since
         t.waiting_since = None
-        t.frozen_by = ""
         t.rank = self.policy.rank(t, now)
         self._bucket(t, buckets)
         self._watch(t, now)

@@ -57,7 +57,7 @@ def _tenant_view(cluster: Cluster, reply: m.StatusReply, tenant: str) -> m.Statu
         own = [x for sid, x in cluster.workers[ws.worker].stats.items() if sid in mine]
         workers.append(msgspec.structs.replace(
             ws, tensors=sum(x.tensors for x in own), bytes=sum(x.bytes for x in own), utilization=-1.0,
-            backup_bytes=0, devices=[d for d in ws.devices if d.partition(":")[0] in mine],
+            backup_bytes=0, received_bytes=0, devices=[d for d in ws.devices if d.partition(":")[0] in mine],
             leases={sid: cap for sid, cap in ws.leases.items() if sid in mine}))
     others = [s for s in cluster.sessions.values() if s.id not in mine]
     return msgspec.structs.replace(
