@@ -809,3 +809,30 @@ def test_a_dispatch_window_lets_a_preemptor_run_after_k_batches_of_its_victim_no
     for _ in range(3):
         h.report_all()
     assert [x.execute.session for x in h.take_sent()].count(low) == 3 - (high_seq - 1)  # the rest, after the resume
+
+
+def test_a_drain_that_moves_a_frozen_sessions_devices_keeps_every_device_exclusive(make_harness):
+    """A drain moves every session's devices, frozen ones' too. The scheduler ignored the move of a frozen one: it
+    leased nothing for it, the session later ran on the drain's target with no lease there, and a new session was
+    given that device exclusively while the frozen one was bound and running on it."""
+    h = make_harness(policy=PriorityPolicy({"relocate_after": 1000}), heartbeat_interval_s=1e5,
+                     heartbeat_timeout_s=1e6, session_timeout_s=0)
+    (w0,) = workers(h, 1)
+    low = h.open_session()
+    assert h.open_mesh(low, 1, [0]).placed
+    h.submit(low, 1, [create(1)])
+    h.report_all()
+    high = h.open_session(priority="high")
+    assert h.open_mesh(high, 1, [0]).placed and sched_state(h, low) == "frozen"
+    workers(h, 2, start=1)
+    rid, _ = h.ask(ev.Drain, m.DrainRequest(worker=w0, timeout_s=50))
+    for _ in range(6):
+        h.report_all()
+    assert h.replies[rid].ok
+    newcomer = h.open_session()
+    h.open_mesh(newcomer, 1, [0])
+    for sid, s in h.core.sessions.items():  # a running session holds a lease on every device it is bound to
+        if sched_state(h, sid) == "running":
+            assert all(sid in leases(h, w) for w in s.devices.values()), (sid, s.devices)
+    bound = [w for s in h.core.sessions.values() for w in set(s.devices.values())]
+    assert sched_state(h, low) == "running" and len(bound) == len(set(bound)), bound  # no device shared

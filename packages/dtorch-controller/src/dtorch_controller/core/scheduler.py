@@ -767,8 +767,10 @@ class Scheduler:
         """Logical devices of `session` moved from `src` to `dst` (a migration, a drain, a growth): `dst` is
         leased to it, and `src` goes back to the pool when none of its devices is left there."""
         t = self.tenants.get(session)
-        if t is None or t.state == FROZEN:
+        if t is None:
             return self._finish(Changes())
+        if t.state == FROZEN:
+            return self._moved_frozen(now, t, src, dst, src_empty)
         self._accrue(now, t)
         if dst not in t.workers and dst in self.pool:
             self.pool.lease(dst, session, self._cap(t))
@@ -777,6 +779,28 @@ class Scheduler:
             del t.workers[src]
             self._release(src, session)
         self._watch(t, now)
+        return self._pass(now, Changes())
+
+    def _moved_frozen(self, now: float, t: Tenant, src: str, dst: str, src_empty: bool) -> Changes:
+        """A frozen tenant's devices moved (a drain moves everyone's): its own devices are now where its shards
+        are, and it wants `dst` back instead of `src` (it took nothing: `dst` was leased to nobody for it, and a
+        running session could be given it while the frozen one is bound there)."""
+        n = len(t.missing)
+        if src_empty and src != dst and src in t.workers:
+            del t.workers[src]
+            if src in t.missing:
+                del t.missing[src]
+                self._drop_want(t, src)
+            else:  # a reservation it held there
+                self._release(src, t.session)
+        if dst not in t.workers:
+            t.workers[dst] = None
+            t.missing[dst] = None
+            self._wanted.setdefault(dst, {})[t.session] = None
+            self._want_at(t, dst)
+            if self.pool.is_free(dst):
+                self._freed.append(dst)  # offered to it as a device that just came free (rule 6)
+        self._index_missing(t, n)
         return self._pass(now, Changes())
 
     def shrink(self, now: float, session: str, workers: list[str], stop_growing: bool = True) -> Changes:
