@@ -468,3 +468,19 @@ def test_without_a_dispatch_window_everything_accepted_goes_out_at_once(h):
     h.submit(s, 1, [create(1)])
     h.submit(s, 2, [add_(1)])
     assert [x.execute.seq for x in h.take_sent()] == [1, 2]
+
+
+def test_a_session_closed_during_a_move_is_forgotten_by_the_moves_target_too(h):
+    """The target of a move under way may hold the session's shards already; the close went only to the workers
+    its devices were bound to, so the copies stayed on the target until the worker restarted."""
+    w0, _w1, w2 = (h.register(f"10.0.0.{i}:7000") for i in range(3))
+    sid = h.open_session()
+    assert h.open_mesh(sid, 1, [0]).locations == {0: "10.0.0.0:7000"}
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([8]), init="rand")])
+    h.report_all()
+    h.take_sent()
+    rid, _ = h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=0, to_worker=w2, timeout_s=30))
+    assert [s.worker_id for s in h.take_sent()] == [w0]  # the copy to w2 is under way
+    assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
+    closes = {s.worker_id for s in h.take_sent() if any(type(c) is m.CmdCloseSession for c in s.execute.cmds)}
+    assert closes == {w0, w2} and h.replies[rid].ok is False

@@ -424,7 +424,7 @@ class ControllerCore:
             step.reply(pending.request_id, m.SyncReply(done=False, message="session closed"))
         s.syncs.clear()
         self.cluster.unbind_all(s)
-        self.moves.closed(step, s)
+        self.moves.closed(step, s, holders)
         self.recovery.closed(s)
         self.waits.stop(s.id)
         rec = self.pipeline.close(s)
