@@ -94,3 +94,26 @@ def test_quotas_refuse_at_once_naming_the_quota(make_harness):
     assert h.call(as_(memory, ev.OpenMesh), m.OpenMesh(session=s, mesh=1, devices=[0, 1], shape=[2])).placed
     over = h.call(as_(memory, ev.OpenMesh), m.OpenMesh(session=s, mesh=2, devices=[2], shape=[1]))
     assert over.kind == "quota" and "may lease 1000 bytes" in over.message and "leases 800" in over.message
+
+
+def test_a_worker_cannot_speak_for_a_session_it_never_ran(make_harness):
+    """A worker's errors and shard stats count only for sessions bound to it or sent work there: a worker (buggy or
+    compromised) named alice's session and her Sync failed with its error, her bill and Status took its bytes."""
+    from _core_helpers import create
+
+    h = make_harness()
+    for i in range(2):
+        h.register(f"10.0.0.{i}:7000")
+    a = h.call(as_(ALICE, ev.OpenSession), m.OpenSession(hello=hello("client"))).session
+    placed = h.call(as_(ALICE, ev.OpenMesh), m.OpenMesh(session=a, mesh=1, devices=[0], shape=[1]))
+    mine = h.core.sessions[a].devices[0]
+    other = next(w for w in h.core.workers if w != mine)
+    assert placed.placed
+    h.call(as_(ALICE, ev.Submit), m.Submit(session=a, seq=1, instrs=[create(1)]))
+    h.report_all()
+    forged = m.ErrorReport(op="aten.mm", src="", message="poison from a stranger", seq=1)
+    h.call(ev.Report, m.WorkerReport(worker=other, completed=h.core.workers[other].sent, errors={a: [forged]},
+                                     sessions={a: m.ShardStats(1, 10**9)}))
+    reply = h.call(as_(ALICE, ev.Sync), m.Sync(session=a, upto=1))
+    assert reply.done and reply.errors == []
+    assert h.core.workers[other].bytes == 0

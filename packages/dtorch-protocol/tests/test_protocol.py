@@ -76,6 +76,19 @@ def test_bad_message_names_the_field():
         wire.decode(m.Submit, unknown)
 
 
+def test_a_workers_stats_are_bounded_so_their_sums_stay_encodable():
+    """Two sessions of 2**64 - 1 bytes on one worker made its byte total unencodable: every admin Status failed."""
+    huge = msgspec.msgpack.encode({"worker": "w1", "completed": 0,
+                                   "sessions": {"a": {"tensors": 1, "bytes": 2**64 - 1}}})
+    with pytest.raises(wire.ProtocolError, match=r"bad WorkerReport message: .*bytes"):
+        wire.decode(m.WorkerReport, huge)
+    many = msgspec.msgpack.encode({"worker": "w1", "completed": 0,
+                                   "sessions": {str(i): {"tensors": 1, "bytes": 1} for i in range(m.MAX_REPORTED + 1)}})
+    with pytest.raises(wire.ProtocolError, match="sessions"):
+        wire.decode(m.WorkerReport, many)
+    assert m.MAX_REPORTED * 2**46 < 2**63  # the worst sum a worker can report
+
+
 @pytest.mark.parametrize("role, theirs, refused", [
     ("client", "1.3", None), ("client", "1.0", None), ("worker", "1.3", None), ("worker", "1.9", None),
     ("client", "1.4", "upgrade dtorch-controller"), ("worker", "1.2", "upgrade dtorch-worker"),

@@ -395,10 +395,15 @@ class Registered(Struct, frozen=True):
     heartbeat_interval_s: float
 
 
+Stat = Annotated[int, Meta(ge=0, le=2**46)]  # counts and bytes a worker reports: 64 TiB at most, so that sums over
+# MAX_REPORTED sessions stay below 2**62 (a Status with a sum past 2**64 could not be encoded at all)
+MAX_REPORTED = 65536  # sessions (and namespaces) one report may name
+
+
 class ShardStats(Struct, frozen=True):
-    tensors: int
-    bytes: int
-    moved_bytes: int = 0  # tensor bytes moved for the session here so far: in from peers and clients, out to clients
+    tensors: Stat
+    bytes: Stat
+    moved_bytes: Stat = 0  # tensor bytes moved for the session here so far: in from peers and clients, out to clients
 
 
 class WorkerReport(Struct, frozen=True):
@@ -406,8 +411,8 @@ class WorkerReport(Struct, frozen=True):
 
     worker: Ident
     completed: int  # highest Execute seq finished
-    errors: dict[str, list[ErrorReport]] = {}  # session -> new op failures
-    sessions: dict[str, ShardStats] = {}  # live shards per session
+    errors: Annotated[dict[str, list[ErrorReport]], Meta(max_length=MAX_REPORTED)] = {}  # session -> new failures
+    sessions: Annotated[dict[str, ShardStats], Meta(max_length=MAX_REPORTED)] = {}  # live shards per session
     utilization: float = -1.0  # fraction of the time since the last report spent executing (-1: unknown)
     received_bytes: Annotated[int, Meta(ge=0)] = 0  # tensor bytes received from peers since it started
     proof: Ident = ""  # auth.report_proof(secret): only the process that registered can report for the worker

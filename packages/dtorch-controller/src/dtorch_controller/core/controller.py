@@ -42,6 +42,9 @@ Rules:
 13. `WorkersAlive` is one `Report` with nothing new per worker, in order, each with its own step and settle pass
    (`_alive`); a worker that such a report leaves as it was (alive or draining, no memory cap to check, nothing
    filed under it, polled or fresh, no drain going on) costs its `last_seen` and utilization only.
+14. A worker speaks only for the sessions bound to it or sent work there (`Worker.sessions`, `Session.sent`):
+   errors and shard stats it reports for any other live session are dropped, so a worker cannot fail another
+   tenant's Sync, bill it or push it over its memory cap.
 """
 
 from __future__ import annotations
@@ -504,19 +507,29 @@ class ControllerCore:
         self._heard(step, w)
         before = w.completed
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
-        w.stats = msg.sessions  # the report's own: read only, here and by whoever sent it
-        w.received_bytes = msg.received_bytes
+        w.stats = self._own(w, msg.sessions)  # the report's own (read only, here and by whoever sent it) unless
+        w.received_bytes = msg.received_bytes  # it names a session never sent to this worker
         if msg.utilization >= 0:
             w.utilization = msg.utilization
         for session_id, errors in msg.errors.items():
             s = self.cluster.sessions.get(session_id)
-            if s is not None:
+            if s is not None and (w.id in s.sent or session_id in w.sessions):  # rule 14: none for a stranger's
                 s.errors.extend(self.recovery.errors(s, w, errors))
-        if msg.sessions and self.sched.capping:  # every report carries its shards: checked only when caps exist
-            self._check_caps(step, w, msg.sessions)
+        if w.stats and self.sched.capping:  # every report carries its shards: checked only when caps exist
+            self._check_caps(step, w, w.stats)
         step.reporter = w  # the settle pass moves on what waited for it (waits.py)
         step.completed = w.completed > before  # only a completion lets deletes and Syncs go (holds: on release)
         step.reply(e.request_id, _REPORT_OK)
+
+    def _own(self, w: Worker, stats: dict[str, m.ShardStats]) -> dict[str, m.ShardStats]:
+        """`stats` without the live sessions neither bound to `w` nor sent work there (rule 14): what a worker says
+        of them would count in their owners' Status, bills and memory caps. (A session's `#` namespaces, its
+        recovery copies, land on workers it sends nothing and count only in the admin's backup bytes.) The same
+        dict when there are none (the usual case)."""
+        sessions = self.cluster.sessions
+        foreign = [k for k in stats
+                   if k not in w.sessions and (s := sessions.get(k)) is not None and w.id not in s.sent]
+        return {k: v for k, v in stats.items() if k not in foreign} if foreign else stats
 
     def _heard(self, step: Step, w: Worker) -> None:
         """What any report of a worker that is not lost does first: it is alive (a suspect one is back)."""

@@ -289,9 +289,9 @@ class Recovery:
         rec.replayed.clear()
         # errors of work after the snapshot are redone by the replay (or were caused by the loss)
         first = rec.snapshot.first_seq if rec.snapshot is not None else {}
-        drop = [e for w, e in rec.window_errors if e.seq >= first.get(w, 0)]
-        s.errors = [e for e in s.errors if not any(e is d for d in drop)]
-        rec.window_errors = [(w, e) for w, e in rec.window_errors if not any(e is d for d in drop)]
+        drop = {id(e) for w, e in rec.window_errors if e.seq >= first.get(w, 0)}  # by identity, in O(errors)
+        s.errors = [e for e in s.errors if id(e) not in drop]
+        rec.window_errors = [(w, e) for w, e in rec.window_errors if id(e) not in drop]
         r.to(st.BOUND)
 
     def _replay(self, step: Step, s: Session, rec: Lineage, r: Rebuild) -> None:
