@@ -484,3 +484,19 @@ def test_a_session_closed_during_a_move_is_forgotten_by_the_moves_target_too(h):
     assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
     closes = {s.worker_id for s in h.take_sent() if any(type(c) is m.CmdCloseSession for c in s.execute.cmds)}
     assert closes == {w0, w2} and h.replies[rid].ok is False
+
+
+def test_a_session_keeps_a_bounded_number_of_error_reports_and_its_sync_counts_the_rest(h):
+    """A worker's flood of error reports for a session it runs grew the controller's memory without bound (and, on a
+    rebuild, took time quadratic in their number)."""
+    from dtorch_controller.core.controller import MAX_ERRORS_HELD
+
+    (w0, w1), sid = cluster(h)
+    h.submit(sid, 1, [m.InstrCreate(tid=1, spec=spec([8]), init="rand")])
+    flood = [m.ErrorReport(op="aten.add", src="train.py:9", message=f"failure {i}")
+             for i in range(MAX_ERRORS_HELD + 10)]
+    h.report(w0, errors={sid: flood})
+    h.report_all()
+    _, reply = h.sync(sid, 1)
+    assert reply.done and len(reply.errors) == MAX_ERRORS_HELD + 1
+    assert reply.errors[0].message == "failure 0" and reply.errors[-1].message.startswith("10 more error reports")

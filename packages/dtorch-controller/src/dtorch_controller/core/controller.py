@@ -44,7 +44,8 @@ Rules:
    filed under it, polled or fresh, no drain going on) costs its `last_seen` and utilization only.
 14. A worker speaks only for the sessions bound to it or sent work there (`Worker.sessions`, `Session.sent`):
    errors and shard stats it reports for any other live session are dropped, so a worker cannot fail another
-   tenant's Sync, bill it or push it over its memory cap.
+   tenant's Sync, bill it or push it over its memory cap. A session keeps at most `MAX_ERRORS_HELD` of its
+   workers' error reports for its next Sync, which says how many more came (a flood of them grew without bound).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ KINDS = ("batch", "realtime")
 _EPS = 1e-9  # timers due "at" a deadline must count as past it despite float rounding
 _SETTLE_ROUNDS = 64  # a settle pass that has not come to rest by then leaves the rest to the next event
 MAX_LOGICAL_PER_DEVICE = 64  # rule 11: a session's logical devices per device of the cluster (virtual devices)
+MAX_ERRORS_HELD = 4096  # rule 14: workers' error reports a session keeps for its next Sync (the rest are counted)
 _REPORT_OK = m.ReportReply(ok=True)  # immutable: one for every accepted report
 
 
@@ -514,7 +516,10 @@ class ControllerCore:
         for session_id, errors in msg.errors.items():
             s = self.cluster.sessions.get(session_id)
             if s is not None and (w.id in s.sent or session_id in w.sessions):  # rule 14: none for a stranger's
-                s.errors.extend(self.recovery.errors(s, w, errors))
+                kept = self.recovery.errors(s, w, errors)
+                room = max(0, MAX_ERRORS_HELD - len(s.errors))  # rule 14: what a session holds until its Sync
+                s.errors.extend(kept[:room])
+                s.errors_dropped += len(kept) - min(room, len(kept))
         if w.stats and self.sched.capping:  # every report carries its shards: checked only when caps exist
             self._check_caps(step, w, w.stats)
         step.reporter = w  # the settle pass moves on what waited for it (waits.py)

@@ -106,6 +106,7 @@ class Session:
     seq: int = 0  # last accepted Submit batch
     sent: dict[str, int] = field(default_factory=dict)  # worker -> last Execute seq sent for this session
     errors: list[m.ErrorReport] = field(default_factory=list)  # surfaced (and cleared) at the next Sync
+    errors_dropped: int = 0  # workers' error reports past MAX_ERRORS_HELD since the last Sync: counted, not kept
     syncs: dict[Hashable, PendingSync] = field(default_factory=dict)
     readers: dict[int, dict[str, int]] = field(default_factory=dict)  # tid -> remote reader worker -> Execute seq
     deferred: list[DeferredDelete] = field(default_factory=list)

@@ -296,6 +296,10 @@ class Pipeline:
             rec.delivered = rec.sent_upto
             rec.window_errors.clear()
         errors, s.errors = s.errors, []
+        if s.errors_dropped:
+            errors.append(m.ErrorReport(op="errors", src="", message=f"{s.errors_dropped} more error reports came "
+                                        f"from workers since the last sync; only the first {len(errors)} are kept"))
+            s.errors_dropped = 0
         return m.SyncReply(done=True, errors=errors, locations=self.cluster.locations(s))
 
     def answer_syncs(self, step: Step, s: Session) -> str | None:
