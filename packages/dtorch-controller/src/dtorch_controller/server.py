@@ -321,8 +321,8 @@ class ControllerService:
 
     def CloseSession(self, request: m.CloseSession, caller: auth.Caller) -> m.Ack:
         who = self._who(caller)
-        self._write_usage(only=request.session, who=who)  # its usage up to now; its last record follows once it
-        with self._timed("CloseSession"):  # is gone
+        self._write_usage(only=request.session, who=who)  # up to now; its last record follows once it is gone
+        with self._timed("CloseSession"):
             reply: m.Ack = self.request(lambda rid: ev.CloseSession(rid, request, who))
         if reply.ok:  # another tenant's session (or none) is no close: its queue wait stays
             self.metrics.closed(request.session)

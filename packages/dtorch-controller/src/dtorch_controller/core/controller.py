@@ -509,8 +509,8 @@ class ControllerCore:
         self._heard(step, w)
         before = w.completed
         w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
-        w.stats = self._own(w, msg.sessions)  # the report's own (read only, here and by whoever sent it) unless
-        w.received_bytes = msg.received_bytes  # it names a session never sent to this worker
+        w.stats = self._own(w, msg.sessions)  # read only, here and by whoever sent it
+        w.received_bytes = msg.received_bytes
         if msg.utilization >= 0:
             w.utilization = msg.utilization
         for session_id, errors in msg.errors.items():
