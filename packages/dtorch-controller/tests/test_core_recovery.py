@@ -1209,3 +1209,20 @@ def test_a_snapshot_keeps_an_uploads_copies_unless_something_wrote_it_after_its_
     sent = h.take_sent()
     assert 8 in {t for c in cmds_of(sent, kind=m.CmdSendShards) if not c.background
                  for tids in c.devices.values() for t in tids}
+
+
+def test_a_session_closed_while_a_rebuild_interrupts_a_copy_is_closed_on_the_copys_target_too(make_harness):
+    """The interrupted copy's target may hold shards without hosting a device (`Rebuild.extra`); a close before the
+    rebuild's reset reached it went only to the session's devices' workers, and the shards stayed there."""
+    h, ids, sid = setup(make_harness, workers=5)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()
+    dst = [w for w in ids if w not in s.devices.values()][-1]
+    h.ask(ev.Migrate, m.MigrateRequest(session=sid, device=1, to_worker=dst))
+    h.take_sent()
+    h.handle(ev.WorkerUnreachable(s.devices[0], "", "killed"))
+    h.take_sent()
+    assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
+    assert cmds_of(h.take_sent(), dst, m.CmdCloseSession)

@@ -430,7 +430,7 @@ class ControllerCore:
         s.syncs.clear()
         self.cluster.unbind_all(s)
         self.moves.closed(step, s, holders)
-        self.recovery.closed(s)
+        self.recovery.closed(step, s, holders)
         self.waits.stop(s.id)
         rec = self.pipeline.close(s)
         if rec is not None:
