@@ -429,8 +429,9 @@ class ControllerCore:
             step.reply(pending.request_id, m.SyncReply(done=False, message="session closed"))
         s.syncs.clear()
         self.cluster.unbind_all(s)
-        self.moves.closed(step, s, holders)
-        self.recovery.closed(step, s, holders)
+        copies = self.moves.closed(step, s) | self.recovery.closed(s)  # workers that may hold shards, no device
+        others = self.cluster.order({w for w in copies if w not in holders and self.cluster.alive(w)})
+        self.pipeline.send(step, s, {w: [m.CmdCloseSession()] for w in others})
         self.waits.stop(s.id)
         rec = self.pipeline.close(s)
         if rec is not None:
@@ -519,7 +520,7 @@ class ControllerCore:
                 kept = self.recovery.errors(s, w, errors)
                 room = max(0, MAX_ERRORS_HELD - len(s.errors))  # rule 14: what a session holds until its Sync
                 s.errors.extend(kept[:room])
-                s.errors_dropped += len(kept) - min(room, len(kept))
+                s.errors_dropped += max(0, len(kept) - room)
         if w.stats and self.sched.capping:  # every report carries its shards: checked only when caps exist
             self._check_caps(step, w, w.stats)
         step.reporter = w  # the settle pass moves on what waited for it (waits.py)

@@ -36,7 +36,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from dtorch_controller.core import effects as fx
@@ -472,18 +472,16 @@ class Moves:
                 self._done(step, s, mv)
                 self._settle(step, s)
 
-    def closed(self, step: Step, s: Session, told: Collection[str]) -> None:
-        """`s` closed (its devices' workers, `told`, were sent its close): its moves end, and the targets of those
-        that started, which may hold copies already, forget the session too."""
-        targets: dict[str, None] = {}
+    def closed(self, step: Step, s: Session) -> set[str]:
+        """`s` closed: its moves end. Returns the targets of those that started: they may hold copies already."""
+        targets = set()
         for mv in self.queues.pop(s.id, []):
-            if mv.seq and mv.dst not in told and self.cluster.alive(mv.dst):
-                targets[mv.dst] = None
+            if mv.seq:
+                targets.add(mv.dst)
             mv.failed = "the session closed"
             self._done(step, s, mv, closing=True)
-        if targets:
-            self.pipeline.send(step, s, {w: [m.CmdCloseSession()] for w in targets})
         self._keep([d for d in self.drops if d.session != s.id])
+        return targets
 
     def _keep(self, drops: list[Drop]) -> None:
         if len(drops) != len(self.drops):

@@ -26,7 +26,6 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import msgspec
@@ -387,13 +386,11 @@ class Recovery:
         for reason in sorted(self.pipeline.holding(s) - {st.Hold.FROZEN}, key=lambda h: h.value):
             self.pipeline.release(step, s, reason)
 
-    def closed(self, step: Step, s: Session, told: Collection[str]) -> None:
-        """`s` closed (`told`: the workers sent its close): a rebuild's extra workers, which may hold its shards
-        without hosting a device, forget it too."""
+    def closed(self, s: Session) -> set[str]:
+        """`s` closed: its rebuild ends. Returns the workers that may hold its shards without hosting a device (the
+        targets of copies the rebuild interrupted, `Rebuild.extra`)."""
         r = self.rebuilds.pop(s.id, None)
-        extra = [w for w in sorted(r.extra) if w not in told and self.cluster.alive(w)] if r is not None else []
-        if extra:
-            self.pipeline.send(step, s, {w: [m.CmdCloseSession()] for w in extra})
+        return set(r.extra) if r is not None else set()
 
     # ------------------------------------------------------------ what the client sees
 
