@@ -73,8 +73,7 @@ def _zero(storage: torch.UntypedStorage, start: int) -> None:
 
 def _covers(t: torch.Tensor) -> bool:
     """Does every byte of `t`'s storage belong to one of its elements?"""
-    return (t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-            and (t.is_contiguous() or _dense(t)))
+    return t.storage_offset() == 0 and t.nbytes == t.untyped_storage().nbytes() and (t.is_contiguous() or _dense(t))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -111,27 +110,27 @@ def _zero_uncovered(views: list[torch.Tensor]) -> None:
     raw.masked_fill_(~covered, 0)
 
 
-def scrub(op: str, outputs: Iterable[Any], before: dict[int, int] | None, inputs: Iterable[Any] = ()) -> None:
-    """Zero what `op` handed out without writing it (module rules); `inputs`: the op's arguments. For most ops,
-    one look at each output."""
-    outs = list(_tensors(outputs))
+def scrub(op: str, outputs: list[Any], before: dict[int, int] | None, inputs: Iterable[Any] = ()) -> None:
+    """Zero what `op` handed out without writing it (module rules); `outputs`: its flat results, `inputs`: its
+    arguments. For most ops, one look at each output (the executor's hot path)."""
     if op in UNINITIALIZED:
-        for t in outs:
+        for t in _tensors(outputs):
             _zero(t.untyped_storage(), 0)
         return
     if before is not None:
-        for t in outs:
+        for t in _tensors(outputs):
             st = t.untyped_storage()
             _zero(st, before.get(st._cdata, 0))
         return
-    if all(_covers(t) for t in outs):
+    partial = [t for t in outputs if isinstance(t, torch.Tensor) and not _covers(t)]
+    if not partial:
         return
-    own = {t.untyped_storage()._cdata for t in _tensors(inputs)}
+    skip = {t.untyped_storage()._cdata for t in _tensors(inputs)}  # views of inputs: the session's own bytes
+    skip |= {t.untyped_storage()._cdata for t in outputs if isinstance(t, torch.Tensor) and _covers(t)}
     fresh: dict[int, list[torch.Tensor]] = {}
-    for t in outs:
+    for t in partial:
         key = t.untyped_storage()._cdata
-        if key not in own:
+        if key not in skip:
             fresh.setdefault(key, []).append(t)
     for views in fresh.values():
-        if not any(_covers(v) for v in views):
-            _zero_uncovered(views)
+        _zero_uncovered(views)
