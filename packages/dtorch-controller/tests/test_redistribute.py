@@ -7,11 +7,12 @@ each other apart (a share of zeros is not the identity of max, min or avg, and m
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
 
-from dtorch_controller.core.redistribute import PlanError, _tile, parse_placements, plan_redistribute
+from dtorch_controller.core.redistribute import PlanError, _tile, parse_placements, plan_redistribute, pulled
 from dtorch_protocol.layout import box_shape, coords, shard_box
 from dtorch_protocol.messages import Piece, ShardPlan
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
@@ -93,6 +94,12 @@ def check(shape, src_mesh, src_pl, dst_mesh, dst_pl, workers=2):
     src = source_shards(shape, src_mesh, src_pl)
     want = global_value(shape, src_mesh, src_pl)
     dst = {d: apply_plan(plans[d], d, src, where) for d in dst_mesh[0]}
+    # what the collective cost rule reads instead of the plans: each worker's pulled elements, counted without them
+    remote: dict[str, int] = {}
+    for d, w, _address in where:
+        for piece in (p for g in plans[d].groups for p in g if p.address) if d in plans else ():
+            remote[w] = remote.get(w, 0) + math.prod(piece.size)
+    assert pulled(shape, src_mesh, src_pl, dst_mesh, dst_pl, tuple((d, w) for d, w, _a in where)) == remote
     # group destination devices that share a box and differ only along Partial dims; their reduction is the value
     partial_dims = [k for k, p in enumerate(dst_pl) if p.is_partial()]
     op = OPS[partial_op(dst_pl) or "sum"]

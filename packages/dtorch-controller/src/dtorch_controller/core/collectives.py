@@ -25,7 +25,8 @@ Rules:
    group of two or more workers has members of one device type that all registered a rendezvous store, none is
    lost, no two share a physical device (NCCL allows one rank per GPU), and the busiest worker receives at most
    COST_FACTOR times the bytes the point-to-point plan would make it pull (padding of uneven shards can make a
-   collective move more). Cross-mesh moves, recovery, migration, client Pull and Put stay point-to-point.
+   collective move more), counted without making that plan (`redistribute.pulled`: the plan is O(devices^2)).
+   Cross-mesh moves, recovery, migration, client Pull and Put stay point-to-point.
 6. Groups (`CommGroups`, one table per session): a group is identified by its ranks' workers; it carries the
    session's current generation. Any change of where the session's devices are bound (loss and rebuild,
    migration, relocation, elastic growth, drain) bumps the generation (`CommGroups.bump`): later steps name
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from dtorch_controller.core.ids import random_session_id
+from dtorch_controller.core.redistribute import pulled
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import Box, coords, shard_box
 from dtorch_protocol.placement_types import Placement, Replicate
@@ -196,8 +198,7 @@ def _apply(shape: tuple[int, ...], mesh_shape: tuple[int, ...], state: tuple[Pla
             return None
         g = GroupGeom(tuple(members), g.sizes, g.src_sizes, g.other, g.total)
         groups.append(g)
-        cost = max(cost, max(_received(mv.kind, g, [[p] for p in range(len(members))], r)
-                             for r in range(len(members))))
+        cost = max(cost, *_received(mv.kind, g, [[p] for p in range(len(members))]))
     return Step(mv.kind, mv.mesh_dims, dim, src_dim, reduce, tuple(groups)), new, cost
 
 
@@ -269,22 +270,24 @@ class Lowering:
     received: dict[str, int]  # worker -> bytes it receives over the whole redistribution
 
 
-def _received(kind: str, g: GroupGeom, layout: list[list[int]] | tuple[tuple[int, ...], ...], r: int) -> int:
-    """Elements rank `r` receives from the other ranks in one step of group `g` (what the worker moves)."""
+def _received(kind: str, g: GroupGeom, layout: list[list[int]] | tuple[tuple[int, ...], ...]) -> list[int]:
+    """Elements each rank receives from the other ranks in one step of group `g` (what the workers move), by rank.
+    O(positions): a 1,024-rank group is one pass, not one per rank."""
     w = len(layout)
     if w < 2 or kind == "slice":
-        return 0
+        return [0] * w
+    positions = sum(len(ps) for ps in layout)
     if kind == "all_gather":
-        return (w - 1) * max(len(ps) for ps in layout) * max(g.sizes) * g.other
-    if kind == "all_to_all":
-        return sum(g.src_sizes[p] * g.sizes[q] * g.other
-                   for rr, ps in enumerate(layout) if rr != r for p in ps for q in layout[r])
+        return [(w - 1) * max(len(ps) for ps in layout) * max(g.sizes) * g.other] * w
+    if kind == "all_to_all":  # every other position's input rows times this rank's output columns
+        every = sum(g.src_sizes)
+        return [(every - sum(g.src_sizes[p] for p in ps)) * sum(g.sizes[q] for q in ps) * g.other for ps in layout]
     if kind == "reduce_scatter":
-        return sum(g.sizes[q] * g.other for rr, ps in enumerate(layout) if rr != r for _p in ps for q in layout[r])
+        return [(positions - len(ps)) * sum(g.sizes[q] for q in ps) * g.other for ps in layout]
     if kind == "all_reduce":
         chunk = -(-g.total // w)
-        mine = max(0, min(chunk, g.total - r * chunk))
-        return sum(len(ps) for rr, ps in enumerate(layout) if rr != r) * mine + (w - 1) * chunk
+        return [(positions - len(ps)) * max(0, min(chunk, g.total - r * chunk)) + (w - 1) * chunk
+                for r, ps in enumerate(layout)]
     raise ValueError(f"unknown step kind {kind!r}")
 
 
@@ -322,8 +325,8 @@ def lower(shape: tuple[int, ...], dtype: str, mesh: MeshKey, src: tuple[Placemen
                 continue
             if not all(info[w][1] for w in b.ranks) or len({info[w][0] for w in b.ranks}) > 1:
                 return None  # a rank cannot join collectives, or the group mixes device kinds: pieces
-            for r, w in enumerate(b.ranks):
-                received[w] = received.get(w, 0) + _received(step.kind, b.geom, b.layout, r) * itemsize
+            for w, n in zip(b.ranks, _received(step.kind, b.geom, b.layout)):
+                received[w] = received.get(w, 0) + n * itemsize
         bound_steps.append((step, bound))
     return Lowering(tuple(bound_steps), received)
 
@@ -332,19 +335,6 @@ def cheaper(lowering: Lowering, piece_bytes: dict[str, int]) -> bool:
     """Rule 5's cost comparison: the busiest worker's bytes on collectives vs on pieces."""
     coll = max(lowering.received.values(), default=0)
     return coll <= COST_FACTOR * max(piece_bytes.values(), default=0) or coll == 0
-
-
-def piece_bytes(plans: tuple[tuple[int, m.ShardPlan], ...], dtype: str, worker_of: dict[int, str]) -> dict[str, int]:
-    """Bytes each worker pulls from peers under a point-to-point plan."""
-    itemsize = ITEMSIZE.get(dtype, 4)
-    out: dict[str, int] = {}
-    for d, plan in plans:
-        w = worker_of[d]
-        for group in plan.groups:
-            for p in group:
-                if p.address:
-                    out[w] = out.get(w, 0) + math.prod(p.size) * itemsize
-    return out
 
 
 # ---------------------------------------------------------------------------- groups and commands (rule 6)
@@ -433,8 +423,7 @@ def commands(lowering: Lowering, groups: CommGroups, members: dict[str, Member],
 
 def route(groups: CommGroups, shape: tuple[int, ...], dtype: str, mesh: MeshKey, src: tuple[Placement, ...],
           dst: tuple[Placement, ...], worker_of: dict[int, str], info: dict[str, tuple[str, bool, Member]],
-          plans: tuple[tuple[int, m.ShardPlan], ...], tids: tuple[int, int], src_line: str
-          ) -> dict[str, list[m.Cmd]] | None:
+          tids: tuple[int, int], src_line: str) -> dict[str, list[m.Cmd]] | None:
     """The translator's entry: the commands of the collective path for a same-mesh redistribution, or None when
     the pieces' path is the one to take (rule 5). `info`: worker -> (device type, can join collectives, Member)."""
     binding = tuple(sorted((d, worker_of[d]) for d in mesh[0]))
@@ -443,7 +432,10 @@ def route(groups: CommGroups, shape: tuple[int, ...], dtype: str, mesh: MeshKey,
               any(v != w and info[v][2].device_id == info[w][2].device_id for v in used)}
     workers = tuple(sorted((w, info[w][0], info[w][1] and w not in shared) for w in used))
     low = lower(shape, dtype, mesh, src, dst, binding, workers)
-    if low is None or not cheaper(low, piece_bytes(plans, dtype, worker_of)):
+    if low is None:
+        return None
+    itemsize = ITEMSIZE.get(dtype, 4)
+    if not cheaper(low, {w: n * itemsize for w, n in pulled(shape, mesh, src, mesh, dst, binding).items()}):
         return None
     cs = coords(mesh[1])
     boxes = [{d: [n for _s, n in shard_box(shape, mesh[1], pl, cs[i])] for i, d in enumerate(mesh[0])}
@@ -453,4 +445,4 @@ def route(groups: CommGroups, shape: tuple[int, ...], dtype: str, mesh: MeshKey,
 
 
 __all__ = ["MOVES", "COST_FACTOR", "CONTRACTS", "Step", "GroupGeom", "Lowering", "CommGroups", "Member",
-           "steps_for", "lower", "cheaper", "piece_bytes", "commands", "route"]
+           "steps_for", "lower", "cheaper", "commands", "route"]

@@ -236,6 +236,8 @@ class _Translator:
         dst_mesh, dst_pl = self._layout(instr.dst_spec)
         if list(instr.src_spec.shape) != list(instr.dst_spec.shape):
             raise InstrError(f"redistribute cannot change the shape ({instr.src_spec.shape} -> {instr.dst_spec.shape})")
+        if src_mesh.key == dst_mesh.key and self._collective(instr, src_mesh, src_pl, dst_pl):
+            return  # collectives first: their cost rule needs no pieces, whose plan is O(devices^2) (rule 5)
         devices = sorted(set(src_mesh.devices) | set(dst_mesh.devices))
         where = tuple((d, self.s.devices[d], self.workers[self.s.devices[d]].address) for d in devices)
         plans = plan_redistribute(tuple(instr.src_spec.shape), src_mesh.key, src_pl, dst_mesh.key, dst_pl, where)
@@ -243,8 +245,6 @@ class _Translator:
                                if self.workers[self.s.devices[p.device]].state == st.LOST})
         if lost_sources:
             raise InstrError(f"source shards on logical devices {lost_sources} were lost with their worker")
-        if src_mesh.key == dst_mesh.key and self._collective(instr, src_mesh, src_pl, dst_pl, plans):
-            return
         by_device = dict(plans)
         readers = self.s.readers.setdefault(instr.src, {})
         dst_hosts = self._hosts(dst_mesh, instr)
@@ -269,14 +269,14 @@ class _Translator:
         self.s.tensors[instr.dst] = instr.dst_spec
 
     def _collective(self, instr: m.InstrRedistribute, mesh: Mesh, src_pl: tuple[Placement, ...],
-                    dst_pl: tuple[Placement, ...], plans: tuple[tuple[int, m.ShardPlan], ...]) -> bool:
+                    dst_pl: tuple[Placement, ...]) -> bool:
         """The redistribution on collectives when the cost rule picks them (collectives.py); False: pieces."""
         worker_of = {d: self.s.devices[d] for d in mesh.devices}
         info = {w: (self.workers[w].device_type, self.workers[w].state != st.LOST and bool(self.workers[w].rendezvous),
                     collectives.Member(self.workers[w].address, self.workers[w].rendezvous, self.workers[w].device_id))
                 for w in set(worker_of.values())}
         cmds = collectives.route(self.s.comm, tuple(instr.src_spec.shape), instr.dst_spec.dtype, mesh.key, src_pl,
-                                 dst_pl, worker_of, info, plans, (instr.src, instr.dst), instr.src_line)
+                                 dst_pl, worker_of, info, (instr.src, instr.dst), instr.src_line)
         if cmds is None:
             return False
         for worker, batch in cmds.items():
