@@ -223,6 +223,29 @@ def test_a_capped_session_going_over_its_cap_gets_a_one_line_error_and_goes_on(m
         "device"), out
 
 
+FIRST_UPLOAD = """
+    dtorch.connect(name="capped", memory_cap=1 << 20)
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    try:  # the session's first act: no batch of it has reached a worker, the cap rides in its capabilities
+        dtorch.distribute_tensor(torch.ones(1024, 512), mesh, [Replicate()])
+    except Exception as e:
+        say("upload: " + str(e))
+    x = dtorch.distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    assert torch.equal((x * 2).to_torch(), torch.arange(8.0) * 2)
+    say("ok")
+"""
+
+
+def test_a_capped_sessions_first_upload_is_held_to_its_cap(make_cluster):
+    """Workers learned the cap from the session's first Execute: uploads before it were not held to any."""
+    cluster = make_cluster(2)
+    out = finish(cluster.client("capped", FIRST_UPLOAD), cluster, "capped").splitlines()
+    assert len(out) == 2 and out[-1] == "ok", out
+    assert out[0].startswith("upload: ") and out[0].endswith(
+        "refused Put: memory cap exceeded: session holds 2.0 MiB on this worker, over its cap of 1.0 MiB per "
+        "device"), out
+
+
 # ---------------------------------------------------------------- a killed client leaks nothing
 
 KILLED = """

@@ -78,10 +78,10 @@ def test_derived_credentials_are_macs_keyed_by_the_worker_secret():
     assert auth.report_proof(SECRET) != token.removeprefix("ctl1.")  # a report proof is not an execute token
 
 
-def test_a_capability_names_role_session_and_expiry():
+def test_a_capability_names_role_session_expiry_and_memory_cap():
     cap = auth.mint(SECRET, auth.PEER, "s1", ttl_s=60, now=NOW)
-    version, role, session, expires, mac = cap.split(".")
-    assert (version, role, session, expires) == ("cap1", "peer", "s1", str(int(NOW + 60)))
+    version, role, session, expires, memory_cap, mac = cap.split(".")
+    assert (version, role, session, expires, memory_cap) == ("cap2", "peer", "s1", str(int(NOW + 60)), "0")
     assert re.fullmatch(r"[0-9a-f]{64}", mac)
     assert auth.cap_expiry(cap) == int(NOW + 60)
     assert auth.mint(SECRET, auth.CLIENT, "s1", now=NOW).split(".")[3] == str(int(NOW + 3600))
@@ -99,7 +99,7 @@ def test_a_malformed_capability_has_no_expiry(cap):
 def test_only_client_and_peer_capabilities_of_a_plain_session_are_minted(role, session):
     with pytest.raises(ValueError) as e:
         auth.mint(SECRET, role, session)
-    assert str(e.value) == f"cannot mint a {role!r} capability for session {session!r}"
+    assert str(e.value) == f"cannot mint a {role!r} capability for session {session!r} with cap 0"
 
 
 def test_a_worker_accepts_its_own_execute_token_and_capabilities():
@@ -110,6 +110,23 @@ def test_a_worker_accepts_its_own_execute_token_and_capabilities():
     assert worker.authenticate(auth.mint(SECRET, auth.PEER, "s1", ttl_s=5, now=NOW), now=NOW + 5) == \
         auth.Caller("peer", "s1")  # good up to and including its expiry second
     assert auth.WorkerAuth().secret != auth.WorkerAuth().secret
+
+
+def test_a_capability_carries_its_sessions_memory_cap_and_a_cap1_one_none():
+    """The cap reaches a worker that has run none of the session's batches (a packed session's first uploads)."""
+    worker = auth.WorkerAuth(SECRET)
+    capped = auth.mint(SECRET, auth.CLIENT, "s1", now=NOW, memory_cap=64 << 20)
+    assert capped.split(".")[4] == str(64 << 20)
+    assert worker.authenticate(capped, now=NOW) == auth.Caller("client", "s1", memory_cap=64 << 20)
+    with pytest.raises(auth.Unauthenticated, match="not issued for this worker"):  # a raised cap is a forgery
+        worker.authenticate(capped.replace(f".{64 << 20}.", f".{1 << 40}."), now=NOW)
+    with pytest.raises(auth.Unauthenticated, match="not issued for this worker"):  # and so is a dropped one
+        worker.authenticate(capped.replace(f".{64 << 20}.", ".0."), now=NOW)
+    expires = str(int(NOW + 60))  # what a controller of protocol 1.8 mints: no cap field
+    old = f"cap1.client.s1.{expires}.{auth._mac(SECRET, 'cap1', 'client', 's1', expires)}"
+    assert worker.authenticate(old, now=NOW) == auth.Caller("client", "s1")
+    with pytest.raises(ValueError, match="with cap -1"):
+        auth.mint(SECRET, auth.CLIENT, "s1", memory_cap=-1)
 
 
 def test_a_worker_refuses_what_it_did_not_issue():
@@ -125,8 +142,9 @@ def test_a_worker_refuses_what_it_did_not_issue():
     assert refusal("ctl1.") == "wrong execute token: Execute is accepted only from this worker's controller"
     not_cap = "not a capability for this worker (ask the controller for the session's locations again)"
     good = auth.mint(SECRET, auth.PEER, "s1", now=NOW)
-    for bad in ("", "let-me-in", good + ".x", "cap2" + good[4:], good.replace(".peer.", ".controller."),
-                good.replace(".peer.", ".tenant."), good.replace(f".{int(NOW + 3600)}.", ".soon."),
+    for bad in ("", "let-me-in", good + ".x", "cap3" + good[4:], "cap1" + good[4:],
+                good.replace(".peer.", ".controller."), good.replace(".peer.", ".tenant."),
+                good.replace(f".{int(NOW + 3600)}.", ".soon."),
                 ".".join(good.split(".")[:4])):
         assert refusal(bad) == not_cap, bad
     assert refusal(auth.mint(other, auth.PEER, "s1", now=NOW)) == "capability refused: not issued for this worker"

@@ -104,11 +104,26 @@ def test_the_latest_execute_sets_the_cap_and_closing_forgets_it(ex: Executor) ->
     assert ex.store.cap(S) == 0 and ex.store.session_bytes(S) == 0
 
 
-def put(service: WorkerService, session: str, tid: int, n: int, data: bytes | None = None) -> None:
+def put(service: WorkerService, session: str, tid: int, n: int, data: bytes | None = None, cap: int = 0) -> None:
     value = torch.zeros(n)
     service.Put(iter([PutChunk(session=session, tid=tid, device=0, dtype="float32", shape=[n],
                                data=tensor_to_bytes(value) if data is None else data)]),
-                auth.Caller(auth.CLIENT, name=session))
+                auth.Caller(auth.CLIENT, name=session, memory_cap=cap))
+
+
+def test_uploads_before_the_first_execute_are_held_to_the_cap_the_capability_carries(ex: Executor) -> None:
+    """A packed session's client uploads before any of its batches reached this worker: the worker knew no cap, and
+    any upload fit (a co-tenant's device could be filled until the session's next Sync)."""
+    service = WorkerService(ex.store, ex)
+    put(service, S, 1, 200, cap=CAP)  # 800 bytes
+    with pytest.raises(wire.LimitExceeded, match="over its cap of 1000 bytes per device"):  # declared: refused at once
+        put(service, S, 2, 100, cap=CAP)
+    assert ex.store.session_bytes(S) == 800 and ex.store.cap(S) == CAP
+    run(ex, zeros(3, 10), cap=2000)  # the Execute's cap holds from then on
+    put(service, S, 4, 100, cap=CAP)
+    assert ex.store.cap(S) == 2000 and ex.store.session_bytes(S) == 800 + 40 + 400
+    put(service, "uncapped", 1, 1000)  # a capability without a cap: none
+    assert ex.store.cap("uncapped") == 0
 
 
 def test_uploads_over_the_cap_are_refused_with_a_one_line_reason(ex: Executor) -> None:

@@ -97,8 +97,10 @@ class Credentials:
             creds = self._by_address.get(address)
         return address if creds is None else creds.client_address
 
-    def for_client(self, session: str, locations: dict[int, str]) -> tuple[dict[int, str], dict[str, str]]:
-        """Locations as the client dials them, and its capability for each of those workers."""
+    def for_client(self, session: str, locations: dict[int, str], memory_cap: int
+                   ) -> tuple[dict[int, str], dict[str, str]]:
+        """Locations as the client dials them, and its capability for each of those workers (carrying the
+        session's memory cap: the workers hold its uploads to it)."""
         with self._lock:
             known = {a: self._by_address.get(a) for a in set(locations.values())}
         caps: dict[str, str] = {}
@@ -110,7 +112,8 @@ class Credentials:
                 continue
             out[device] = creds.client_address
             if creds.client_address not in caps:
-                caps[creds.client_address] = auth.mint(creds.secret, auth.CLIENT, session, self.cap_ttl_s)
+                caps[creds.client_address] = auth.mint(creds.secret, auth.CLIENT, session, self.cap_ttl_s,
+                                                       memory_cap=memory_cap)
         return out, caps
 
     def with_peer_caps(self, execute: m.Execute, own_address: str) -> m.Execute:

@@ -280,7 +280,7 @@ class ControllerService:
         self.metrics.mesh(request.session, reply)
         if not reply.placed:
             return reply
-        locations, caps = self.credentials.for_client(request.session, reply.locations)
+        locations, caps = self.credentials.for_client(request.session, reply.locations, reply.memory_cap)
         return msgspec.structs.replace(reply, locations=locations, caps=caps)
 
     def Submit(self, request: m.Submit, caller: auth.Caller) -> m.SubmitReply:
@@ -300,7 +300,7 @@ class ControllerService:
                 self.request(lambda rid: ev.Submit(rid, batch, who))
                 request = msgspec.structs.replace(request, instrs=[])
             reply: m.SyncReply = self.request(lambda rid: ev.Sync(rid, request, who), wait_s=wait)
-        locations, caps = self.credentials.for_client(request.session, reply.locations)
+        locations, caps = self.credentials.for_client(request.session, reply.locations, reply.memory_cap)
         return msgspec.structs.replace(reply, locations=locations, caps=caps)
 
     @contextmanager
@@ -344,7 +344,7 @@ class ControllerService:
         for s in reply.sessions:
             if s.tenant == caller.name:
                 where = {d: address[w] for d, w in s.devices.items() if w in address}
-                s = msgspec.structs.replace(s, caps=self.credentials.for_client(s.session, where)[1])
+                s = msgspec.structs.replace(s, caps=self.credentials.for_client(s.session, where, s.memory_cap)[1])
             sessions.append(s)
         workers = [msgspec.structs.replace(w, address=self.credentials.client_address(w.address))
                    for w in reply.workers]

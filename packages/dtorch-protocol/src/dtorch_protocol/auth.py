@@ -11,8 +11,12 @@ Rules:
 3. A worker's callers hold credentials derived from the worker's own random secret, which it hands to
    the controller when it registers, and which nobody else ever learns:
    * the controller's **execute token** (Execute only);
-   * **capabilities** the controller mints per (session, worker): `cap1.<role>.<session>.<expiry>.<mac>`,
-     an HMAC over role, session and expiry, checked by the worker with no round trip. Role `client`
+   * **capabilities** the controller mints per (session, worker):
+     `cap2.<role>.<session>.<expiry>.<memory cap>.<mac>`, an HMAC over role, session, expiry and the session's
+     memory cap in bytes per device (0: none), checked by the worker with no round trip. The cap rides in the
+     capability so that a packed session's uploads are held to it before the worker has run any of its
+     batches (an Execute carries it too). A `cap1` capability (a controller of protocol 1.8: no cap field) is
+     still accepted, with no cap. Role `client`
      (given to the session's owner: Pull, Put, Profile of its own session) or `peer` (put by the controller into the
      session's Execute batches for the workers they name: Pull, PullShards, PutShards of the session and of
      its backup namespaces `{session}#...`). A capability is scoped to one worker, since the MAC is keyed
@@ -36,7 +40,8 @@ from dataclasses import dataclass
 
 HEADER = "authorization"
 KEY_PREFIX = "dtorch"
-CAP_VERSION = "cap1"
+CAP_VERSION = "cap2"
+CAP_V1 = "cap1"  # without the memory cap (protocol 1.8 controllers)
 EXECUTE_VERSION = "ctl1"
 CAP_TTL_S = 3600  # a capability is good for an hour; the controller hands out fresh ones with every location
 
@@ -87,6 +92,7 @@ class Caller:
     key_id: str = ""  # API keys: the key's id (workers must Report over the key they registered with)
     node: str = ""  # worker keys: the node the admin assigned to the key ("" = none; ANY_NODE: the worker's own)
     mtls: bool = False  # the call came with a client certificate the server verified
+    memory_cap: int = 0  # capabilities: the session's memory cap in bytes per device they carry (0: none)
 
     def describe(self) -> str:
         if self.role in (TENANT, ADMIN):
@@ -160,18 +166,20 @@ def report_proof(secret: str) -> str:
     return _mac(secret, "report")
 
 
-def mint(secret: str, role: str, session: str, ttl_s: float = CAP_TTL_S, now: float | None = None) -> str:
-    """A capability for `session` on the worker holding `secret`, for `role` (client | peer)."""
-    if role not in (CLIENT, PEER) or "." in session or not session:
-        raise ValueError(f"cannot mint a {role!r} capability for session {session!r}")
-    expires = int((time.time() if now is None else now) + ttl_s)
-    return f"{CAP_VERSION}.{role}.{session}.{expires}.{_mac(secret, CAP_VERSION, role, session, str(expires))}"
+def mint(secret: str, role: str, session: str, ttl_s: float = CAP_TTL_S, now: float | None = None,
+         memory_cap: int = 0) -> str:
+    """A capability for `session` on the worker holding `secret`, for `role` (client | peer), carrying the
+    session's memory cap in bytes per device (0: none)."""
+    if role not in (CLIENT, PEER) or "." in session or not session or memory_cap < 0:
+        raise ValueError(f"cannot mint a {role!r} capability for session {session!r} with cap {memory_cap}")
+    fields = (CAP_VERSION, role, session, str(int((time.time() if now is None else now) + ttl_s)), str(memory_cap))
+    return ".".join(fields) + "." + _mac(secret, *fields)
 
 
 def cap_expiry(cap: str) -> int:
     """When a capability expires (unix seconds), without checking it; 0 when it is malformed."""
     parts = cap.split(".")
-    return int(parts[3]) if len(parts) == 5 and parts[3].isdigit() else 0
+    return int(parts[3]) if len(parts) in (5, 6) and parts[3].isdigit() else 0
 
 
 class WorkerAuth:
@@ -186,16 +194,18 @@ class WorkerAuth:
             if hmac.compare_digest(credential.encode(), self._execute.encode()):
                 return Caller(CONTROLLER)
             raise Unauthenticated("wrong execute token: Execute is accepted only from this worker's controller")
-        parts = credential.split(".")
-        if len(parts) != 5 or parts[0] != CAP_VERSION or parts[1] not in (CLIENT, PEER) or not parts[3].isdigit():
+        *fields, mac = credential.split(".")
+        version = {5: CAP_VERSION, 4: CAP_V1}.get(len(fields))
+        if version is None or fields[0] != version or fields[1] not in (CLIENT, PEER) \
+                or not all(f.isascii() and f.isdigit() for f in fields[3:]):
             raise Unauthenticated("not a capability for this worker (ask the controller for the session's "
                                   "locations again)")
-        _, role, session, expires, mac = parts
-        if not hmac.compare_digest(mac.encode(), _mac(self.secret, CAP_VERSION, role, session, expires).encode()):
+        if not hmac.compare_digest(mac.encode(), _mac(self.secret, *fields).encode()):
             raise Unauthenticated("capability refused: not issued for this worker")
+        role, session, expires = fields[1:4]
         if int(expires) < (time.time() if now is None else now):
             raise Unauthenticated(f"capability for session {session[:8]} expired")
-        return Caller(role, name=session)
+        return Caller(role, name=session, memory_cap=int(fields[4]) if len(fields) == 5 else 0)
 
 
 def covers(caller: Caller, session: str) -> bool:

@@ -29,7 +29,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.8"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.9"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
@@ -44,7 +44,8 @@ PROTOCOL_VERSION = "1.8"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # 1.8: same-host segments for client payloads (PutChunk.segment, PullRequest.segment, Chunk.in_segment,
 # ShardsChunk.segment, ShardsRequest.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`); InstrCall.writes and
 # CmdKeepCopies (a snapshot keeps the copies of tensors unchanged since the last one instead of copying them again);
-# InstrRead, CmdReadable and PullRequest.after (a sync point's read goes out with its Sync, not after its answer)
+# InstrRead, CmdReadable and PullRequest.after (a sync point's read goes out with its Sync, not after its answer);
+# 1.9: capabilities carry the session's memory cap (`auth`, cap2), MeshPlaced.memory_cap and SyncReply.memory_cap
 
 
 class ErrorKind(str, enum.Enum):
@@ -197,6 +198,7 @@ class MeshPlaced(Struct, frozen=True):
     message: str = ""
     caps: dict[str, str] = {}  # worker address -> this session's client capability there (auth.py)
     device_types: dict[int, str] = {}  # logical device -> its worker's device type, e.g. "cuda" (1.8)
+    memory_cap: int = 0  # bytes per device the session's leases carry (0: whole devices); its `caps` carry it (1.9)
 
 
 class InstrCreate(Struct, frozen=True, gc=False, tag="create"):
@@ -311,6 +313,7 @@ class SyncReply(Struct, frozen=True):
     locations: dict[int, str] = {}  # logical device -> worker address, for fetches
     message: str = ""
     caps: dict[str, str] = {}  # worker address -> this session's client capability there
+    memory_cap: int = 0  # as MeshPlaced.memory_cap (1.9)
 
 
 class CloseSession(Struct, frozen=True):

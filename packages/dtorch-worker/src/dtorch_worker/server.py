@@ -166,6 +166,7 @@ class WorkerService:
     def _admit_put(self, caller: auth.Caller, key: tuple[str, int, int], declared: int) -> None:
         """Before anything of a Put is kept: its session, that it replaces nothing, and its declared size."""
         _covered(caller, key[0], "Put", self.store)
+        self.store.learn_cap(key[0], caller.memory_cap)  # uploads may come before the session's first Execute
         if self.store.peek(key) is not None:
             raise wire.PermissionDenied(f"Put refused: tensor {key[1]} on logical device {key[2]} already exists "
                                         "here (uploads never replace a live shard)")
@@ -292,8 +293,8 @@ class WorkerHandle:
     def execute_token(self) -> str:
         return auth.execute_token(self.credentials.secret)
 
-    def capability(self, session: str, role: str = auth.CLIENT) -> str:
-        return auth.mint(self.credentials.secret, role, session)
+    def capability(self, session: str, role: str = auth.CLIENT, memory_cap: int = 0) -> str:
+        return auth.mint(self.credentials.secret, role, session, memory_cap=memory_cap)
 
 
 def start_worker(listen: str = "127.0.0.1:0", device: str | torch.device = "cpu", tls: Tls | None = None,

@@ -18,9 +18,10 @@ A shard a collective is still writing (the last step of a CmdCollective, in flig
 nothing there yet.
 
 Memory caps: the store keeps each session's cap on this worker (the latest Execute's `memory_cap`, set for
-packed leases only) and counts the bytes a session's shards hold here, a storage shared by views once (as
-`stats` does), so the executor can fail commands, and the Put handler refuse uploads, that would take a
-capped session over its cap. Keys are indexed by session: that count never scans other sessions' shards.
+packed leases only; before the session's first Execute here, the cap its client's capability carries) and counts
+the bytes a session's shards hold here, a storage shared by views once (as `stats` does), so the executor can fail
+commands, and the Put handler refuse uploads, that would take a capped session over its cap. Keys are indexed by
+session: that count never scans other sessions' shards.
 
 Closed sessions: a session closed here (CmdCloseSession of the session itself, not of one of its `#` namespaces) is
 remembered for as long as a capability for it may live (`auth.CAP_TTL_S`), and the worker refuses its capabilities:
@@ -369,6 +370,13 @@ class TensorStore:
                 self._caps[session] = cap
             else:
                 self._caps.pop(session, None)
+
+    def learn_cap(self, session: str, cap: int) -> None:
+        """The cap a client's capability carries, for a session no Execute has told this worker about yet (its
+        first uploads come before its first batch): the same value as the Execute's, which holds from then on."""
+        if cap > 0:
+            with self._cond:
+                self._caps.setdefault(session, cap)
 
     def cap(self, session: str) -> int:
         with self._cond:

@@ -401,7 +401,7 @@ class ControllerCore:
         workers = self.cluster.workers
         step.reply(e.request_id, m.MeshPlaced(
             mesh=msg.mesh, placed=True, locations={d: self.cluster.address(s.devices[d]) for d in devices},
-            device_types={d: workers[s.devices[d]].device_type for d in devices}))
+            device_types={d: workers[s.devices[d]].device_type for d in devices}, memory_cap=s.memory_cap))
 
     def _submit(self, step: Step, e: ev.Submit) -> None:
         msg = e.msg
@@ -474,14 +474,15 @@ class ControllerCore:
             return step.reply(key.request, self.pipeline.done(s))
         if not busy and self.pipeline.holding(s) - {st.Hold.FROZEN}:
             return step.reply(key.request, m.SyncReply(
-                done=False, locations=locations, message=f"{timed_out}; the session is {s.state} with batches held"))
+                done=False, locations=locations, memory_cap=s.memory_cap,
+                message=f"{timed_out}; the session is {s.state} with batches held"))
         if not busy:
             return step.reply(key.request, m.SyncReply(
-                done=False, locations=locations,
+                done=False, locations=locations, memory_cap=s.memory_cap,
                 message=f"{timed_out}; the session is frozen (preempted) with batches held, queue position "
                         f"{self.sched.position(s.id)}"))
         names = ", ".join(f"{w.id} at {w.address}" for w in busy)  # its batch counts are every tenant's
-        step.reply(key.request, m.SyncReply(done=False, locations=locations,
+        step.reply(key.request, m.SyncReply(done=False, locations=locations, memory_cap=s.memory_cap,
                                             message=f"{timed_out}; workers still busy: {names}"))
 
     # ------------------------------------------------------------ workers

@@ -300,7 +300,7 @@ class Pipeline:
             errors.append(m.ErrorReport(op="errors", src="", message=f"{s.errors_dropped} more error reports came "
                                         f"from workers since the last sync; only the first {len(errors)} are kept"))
             s.errors_dropped = 0
-        return m.SyncReply(done=True, errors=errors, locations=self.cluster.locations(s))
+        return m.SyncReply(done=True, errors=errors, locations=self.cluster.locations(s), memory_cap=s.memory_cap)
 
     def answer_syncs(self, step: Step, s: Session) -> str | None:
         """Answer the session's parked Syncs if they can be (rule 5); else the worker they wait for, if any (the

@@ -38,7 +38,7 @@ def status(now: float, cluster: Cluster, sched: Scheduler, recovery: Recovery, l
     sessions = [recovery.session_status(m.SessionStatus(
         session=s.id, name=s.name, priority=s.priority, state=s.state, tenant=s.tenant,
         devices=dict(sorted(s.devices.items())), tensors=len(s.tensors), queue_position=sched.position(s.id),
-        kind=s.kind, schedule=sched.state(s.id), memory_cap=tenants[s.id].cap, attained_s=tenants[s.id].service(now),
+        kind=s.kind, schedule=sched.state(s.id), memory_cap=s.memory_cap, attained_s=tenants[s.id].service(now),
         batches=s.seq))
         for s in sorted(cluster.sessions.values(), key=lambda s: s.opened_at)]
     reply = m.StatusReply(workers=workers, sessions=sessions, events=log.lines(), policy=sched.policy.describe(),
