@@ -123,6 +123,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_foundation.py", *session.posargs)
     session.run("python", "benchmarks/bench_models.py")  # SD3 transformer step (TP, SP), MoE layer (EP) vs torch
     session.run("python", "benchmarks/bench_scheduler.py")  # 10,000 fake workers, 1,000 queued sessions
+    session.run("python", "benchmarks/bench_core_scale.py")  # the core's longest events on 1,024 and 4,096 workers
     session.run("python", "benchmarks/bench_recovery.py")  # SIGKILL detection and recovery, migration downtime
     session.run("python", "benchmarks/bench_recovery.py", "--core")  # the same core at 10,000 workers
     session.run("python", "benchmarks/bench_sim.py")  # simulator: 10,000 fake workers, 20,000 jobs; events/s

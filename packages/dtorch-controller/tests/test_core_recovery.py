@@ -1226,3 +1226,25 @@ def test_a_session_closed_while_a_rebuild_interrupts_a_copy_is_closed_on_the_cop
     h.take_sent()
     assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
     assert cmds_of(h.take_sent(), dst, m.CmdCloseSession)
+
+
+def test_a_session_being_rebuilt_is_not_looked_at_by_every_report_and_snapshots_once_open(make_harness):
+    """The snapshot a rebuild forces cannot start before the session is open again: it put the session on every
+    report's list, so each heartbeat round looked at it once per worker (0.9 s a round at 4,096 workers)."""
+    h, ids, sid = setup(make_harness, workers=4)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()
+    h.take_sent()
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    assert s.state == "recovering" and h.core.pipeline.recs[sid].force
+    spare = next(w for w in h.core.workers.values() if w.state != "lost" and w.id not in s.devices.values())
+    assert h.core.waits.idle_for(spare)  # a report of a worker the rebuild does not wait on looks at nothing
+    sent = []
+    for _ in range(4):
+        sent += h.take_sent()
+        h.report_all()
+    sent += h.take_sent()
+    assert s.state == "open"
+    assert {c.namespace for c in cmds_of(sent, kind=m.CmdSendShards)} == {f"{sid}#s2"}  # the forced snapshot

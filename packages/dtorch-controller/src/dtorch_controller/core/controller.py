@@ -239,7 +239,7 @@ class ControllerCore:
         if s is None:
             return self.waits.stop(sid)
         rec = self.pipeline.recs.get(sid)
-        if (rec is None or not self.snapshots.busy(rec)) and not self.recovery.rebuilding(sid) \
+        if (rec is None or not self.snapshots.busy(s, rec)) and not self.recovery.rebuilding(sid) \
                 and not self.moves.busy(sid):
             return self.waits.stop(sid)
         self.waits.start(sid)
@@ -253,7 +253,7 @@ class ControllerCore:
                 return None
             waits += more
         if rec is not None:
-            more = self.snapshots.awaits(rec)
+            more = self.snapshots.awaits(s, rec)
             if more is None:
                 return None
             waits += more

@@ -20,6 +20,8 @@ a shard may be empty; an empty target box gets an empty plan.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Collection, Sequence
 from functools import lru_cache
@@ -66,7 +68,7 @@ def plan_redistribute(shape: tuple[int, ...], src_mesh: MeshKey, src_placements:
     """One ShardPlan per destination device. Cached: a training loop plans each redistribution once."""
     loc = {device: (worker, address) for device, worker, address in where}
     plan = _Partials(shape, src_mesh, src_placements, dst_mesh, dst_placements, loc.keys())
-    sources = list(zip(src_mesh[0], coords(src_mesh[1])))
+    sources = _Sources(shape, src_mesh, src_placements)
     return tuple((d, _plan_one(plan, sources, d, c_d, i, loc))
                  for i, (d, c_d) in enumerate(zip(dst_mesh[0], coords(dst_mesh[1]))))
 
@@ -135,13 +137,40 @@ class _Partials:
         return target
 
 
-def _plan_one(plan: _Partials, sources: list[tuple[int, tuple[int, ...]]], d: int, c_d: tuple[int, ...],
-              index: int, loc: dict[int, tuple[str, str]]) -> ShardPlan:
+class _Sources:
+    """The source shards by box, found for a target box per tensor dim by bisection: a layout's boxes are identical
+    or disjoint, and so are their non-empty extents along each dim. A destination's plan then costs what overlaps
+    it, not a pass over every source (a move between two 1,024-device meshes took the core 0.9 s for 1,024 pieces)."""
+
+    def __init__(self, shape: tuple[int, ...], mesh: MeshKey, placements: tuple[Placement, ...]) -> None:
+        self.by_box: dict[Box, list[tuple[int, int, tuple[int, ...]]]] = {}  # (mesh position, device, coordinate)
+        for i, (s, c_s) in enumerate(zip(mesh[0], coords(mesh[1]))):
+            self.by_box.setdefault(shard_box(shape, mesh[1], placements, c_s), []).append((i, s, c_s))
+        self.extents = [sorted({box[k] for box in self.by_box if box[k][1]}) for k in range(len(shape))]
+        self.starts = [[start for start, _ in extents] for extents in self.extents]
+
+    def overlapping(self, target: Box) -> list[tuple[int, tuple[int, ...]]]:
+        """(device, coordinate) of the sources whose boxes overlap `target` (not empty), in mesh order."""
+        per_dim = []
+        for (t0, tl), extents, starts in zip(target, self.extents, self.starts):
+            j = max(bisect.bisect_right(starts, t0) - 1, 0)
+            hits = []
+            while j < len(extents) and extents[j][0] < t0 + tl:
+                if extents[j][0] + extents[j][1] > t0:
+                    hits.append(extents[j])
+                j += 1
+            per_dim.append(hits)
+        found = [src for box in itertools.product(*per_dim) for src in self.by_box.get(box, ())]
+        return [(s, c_s) for _i, s, c_s in sorted(found)]
+
+
+def _plan_one(plan: _Partials, sources: _Sources, d: int, c_d: tuple[int, ...], index: int,
+              loc: dict[int, tuple[str, str]]) -> ShardPlan:
     target = plan.target(c_d)
     if target is None:
         return ShardPlan(shape=list(box_shape(shard_box(plan.shape, plan.dst_shape, plan.dst_pl, c_d))), groups=[])
     groups: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}
-    for s, c_s in sources:
+    for s, c_s in sources.overlapping(target):
         if all(c_s[k] == c_d[k] for k in plan.kept):
             groups.setdefault(tuple(c_s[k] for k in plan.reduced), []).append((s, c_s))
     plan_groups = [_tile(plan.shape, plan.src_shape, plan.src_pl, target, members, d, index, loc)

@@ -43,9 +43,14 @@ class Snapshots:
         self.pool = pool
         self.pipeline = pipeline
 
-    def busy(self, rec: Lineage) -> bool:
-        """Copies being made (a snapshot, uploads), or a snapshot wanted and not started yet."""
-        return rec.taking is not None or any(c.pending for c in rec.adopts.values()) or (rec.force and rec.enabled)
+    def busy(self, s: Session, rec: Lineage) -> bool:
+        """Copies being made (a snapshot, uploads), or a snapshot wanted that could start now. One that cannot (the
+        session is not open, or held) waits for nothing a report brings: what ends the hold looks at the session."""
+        return rec.taking is not None or any(c.pending for c in rec.adopts.values()) \
+            or (rec.force and rec.enabled and self._can_start(s))
+
+    def _can_start(self, s: Session) -> bool:
+        return s.state == st.OPEN and all(st.HOLDS[h].snapshots for h in self.pipeline.holding(s))
 
     # ------------------------------------------------------------ taking (rules 1, 2, 4)
 
@@ -53,8 +58,7 @@ class Snapshots:
         """Take a snapshot if one is due (rule 2)."""
         rec = self.pipeline.rec(s, step.now)
         cfg = self.config
-        if not rec.enabled or rec.taking is not None or s.state != st.OPEN \
-                or any(not st.HOLDS[h].snapshots for h in self.pipeline.holding(s)):
+        if not rec.enabled or rec.taking is not None or not self._can_start(s):
             return
         since = rec.batches_since_snapshot()
         due = rec.force or rec.snapshot is None and (since or s.tensors) or since >= cfg.snapshot_every_batches \
@@ -101,11 +105,14 @@ class Snapshots:
         copies = Copies(namespace=namespace, upto=upto, tensors=tensors, started=step.now,
                         first_seq={w: self.cluster.workers[w].sent + 1 for w in workers
                                    if w in self.cluster.workers})
+        hosted: dict[str, list[int]] = {}
+        for d, w in sorted(s.devices.items()):
+            hosted.setdefault(w, []).append(d)
         cmds: Cmds = {}
         for primary in primaries:
             holder = holders[primary]
             assert holder is not None
-            devices = {d: tensors_on(tensors, s.meshes, d) for d, w in sorted(s.devices.items()) if w == primary}
+            devices = {d: tensors_on(tensors, s.meshes, d) for d in hosted[primary]}
             copy: dict[int, list[int]] = {}
             keep: dict[str, dict[int, list[int]]] = {}  # source namespace -> device -> tids
             for d, tids in devices.items():
@@ -194,10 +201,11 @@ class Snapshots:
 
     # ------------------------------------------------------------ what waits
 
-    def awaits(self, rec: Lineage) -> list[tuple[str, int]] | None:
-        """(worker, Execute seq) pairs the copies wait on; None when a forced snapshot could not start yet (look
-        at the session on every report)."""
-        if rec.force and rec.enabled and rec.taking is None:
+    def awaits(self, s: Session, rec: Lineage) -> list[tuple[str, int]] | None:
+        """(worker, Execute seq) pairs the copies wait on; None when a forced snapshot that could start did not yet
+        (look at the session on every report). One that cannot start (`busy`) waits on nothing here: a session
+        being rebuilt was looked at on every report of every worker, O(workers^2) a heartbeat round."""
+        if rec.force and rec.enabled and rec.taking is None and self._can_start(s):
             return None
         waits: list[tuple[str, int]] = []
         for copies in (rec.taking, *rec.adopts.values()):

@@ -5,7 +5,7 @@ Rules:
 1. A session is *active* while it has copies being made, a rebuild or a move in flight (the controller decides,
    asking each feature). Active sessions are filed under the (worker, Execute seq) pairs they wait for.
 2. A report of worker w looks only at the sessions filed under a seq w has now completed, plus the active sessions
-   that wait on no seq (`poll`: the scheduler placing devices, a snapshot that could not start yet) and the ones
+   that wait on no seq (`poll`: the scheduler placing devices, a snapshot that could start and has not) and the ones
    not filed yet (`fresh`). Any other event that may unblock many sessions (a loss) looks at every active one.
    So a report costs O(sessions waiting on it), not O(sessions with copies), with thousands snapshotting.
 3. Filing is idempotent; entries of sessions that moved on go stale and are skipped.
