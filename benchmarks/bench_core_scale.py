@@ -9,6 +9,8 @@ stores, and prints the time of each event below, for N = 1,024 and 4,096:
   cross-mesh       Shard(0) on N/2 devices -> (Shard(0), Shard(1)) on a square mesh of N/4: pieces
   snapshot         the Submit that starts a recovery snapshot of the N/2-device session
   alive, rebuild   a heartbeat round (`WorkersAlive` of every worker) while that session is being rebuilt
+
+and the bytes of the Execute batches the all_gather sends, the first time (its group is made) and the next.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import math
 import time
 from collections.abc import Callable
 
-from dtorch_controller.core import Config, ControllerCore, counter_ids
+from dtorch_controller.core import Config, ControllerCore, SendExecute, counter_ids
 from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
+from dtorch_protocol import wire
 from dtorch_protocol.wire import hello
 
 
@@ -41,7 +44,12 @@ class Core:
 
     def handle(self, event: object) -> list[object]:
         self.now += 1e-3
-        return self.core.handle(self.now, event)
+        self.effects = self.core.handle(self.now, event)
+        return self.effects
+
+    def sent_bytes(self) -> int:
+        """Bytes of the Execute batches the last event sent, encoded as the wire encodes them."""
+        return sum(len(wire.encode(e.execute)) for e in self.effects if isinstance(e, SendExecute))
 
     def call(self, cls: Callable, msg: object) -> object:
         rid = next(self.rids)
@@ -87,12 +95,18 @@ def run(n: int) -> dict[str, float]:
     c.submit(big, m.InstrCreate(tid=1, spec=spec(one, 1, ("S0",)), init="ones"))
     c.submit(square, m.InstrCreate(tid=1, spec=spec(two, 1, ("S0", "S1")), init="ones"))
     c.report_all()
+    gather = m.InstrRedistribute(src=1, dst=2, src_spec=spec(one, 1, ("S0",)), dst_spec=spec(one, 1, ("R",)))
     out = {
-        "all_gather": timed(lambda: c.submit(big, m.InstrRedistribute(
-            src=1, dst=2, src_spec=spec(one, 1, ("S0",)), dst_spec=spec(one, 1, ("R",))))),
-        "swap 2-D": timed(lambda: c.submit(square, m.InstrRedistribute(
+        "all_gather (s)": timed(lambda: c.submit(big, gather)),
+        "its Executes (MB)": c.sent_bytes() / 1e6,
+    }
+    c.report_all()
+    c.submit(big, m.InstrDelete(tids=[2]), gather)
+    out["again (MB)"] = c.sent_bytes() / 1e6
+    out |= {
+        "swap 2-D (s)": timed(lambda: c.submit(square, m.InstrRedistribute(
             src=1, dst=2, src_spec=spec(two, 1, ("S0", "S1")), dst_spec=spec(two, 1, ("S1", "S0"))))),
-        "cross-mesh": timed(lambda: c.submit(big, m.InstrRedistribute(
+        "cross-mesh (s)": timed(lambda: c.submit(big, m.InstrRedistribute(
             src=1, dst=3, src_spec=spec(one, 1, ("S0",)), dst_spec=spec(one, 2, ("S0", "S1"))))),
     }
     c.report_all()
@@ -102,12 +116,12 @@ def run(n: int) -> dict[str, float]:
     for _ in range(10):
         submits.append(timed(lambda: c.submit(big, add)))
         c.report_all()
-    out["snapshot"] = max(submits)
+    out["snapshot (s)"] = max(submits)
     victim = c.core.sessions[big].devices[7]
     c.handle(ev.WorkerUnreachable(victim, "", "killed"))
     assert c.core.sessions[big].state == "recovering"
     alive = {w: -1.0 for w in c.workers if w != victim}
-    out["alive, rebuild"] = timed(lambda: c.call(ev.WorkersAlive, alive))
+    out["alive, rebuild (s)"] = timed(lambda: c.call(ev.WorkersAlive, alive))
     return out
 
 
@@ -117,9 +131,9 @@ def main() -> None:
     args = parser.parse_args()
     print(__doc__.splitlines()[0])
     results = {n: run(n) for n in args.workers}
-    print(f"{'event (seconds)':<18}" + "".join(f"{n:>10,}" for n in args.workers))
+    print(f"{'event':<22}" + "".join(f"{n:>10,}" for n in args.workers))
     for name in results[args.workers[0]]:
-        print(f"{name:<18}" + "".join(f"{results[n][name]:>10.3f}" for n in args.workers))
+        print(f"{name:<22}" + "".join(f"{results[n][name]:>10.3f}" for n in args.workers))
 
 
 if __name__ == "__main__":

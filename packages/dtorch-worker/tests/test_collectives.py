@@ -21,7 +21,7 @@ from dtorch_protocol.layout import coords, shard_box
 from dtorch_protocol.messages import CmdAbandon, CmdGroup, CollectiveStep, Execute, GroupOp
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
 from dtorch_protocol.values import dtype_name
-from dtorch_worker.collectives import reduce_in_order
+from dtorch_worker.collectives import reduce_in_order, spelled_out
 from dtorch_worker.server import WorkerHandle, start_worker
 from dtorch_worker.store import Poison
 
@@ -641,3 +641,14 @@ def test_every_dtype_sums_to_torchs_value_whether_or_not_the_backend_reduces_it(
     got, expected, _ = redistribute(Cluster(workers), (5, 3), (2,), {0: "w0", 1: "w1"}, [Partial("sum")], [Replicate()],
                                     dtype=dtype)
     check(got, expected)
+
+
+def test_short_forms_are_spelled_out_on_receipt():
+    short = GroupOp(group="g1", generation=1, seq=1, rank=1, layout=[], devices={1: 1}, sizes=[3], src_sizes=[2],
+                    ranks=3)
+    full = spelled_out(short)
+    assert (full.layout, full.sizes, full.src_sizes) == ([[0], [1], [2]], [3, 3, 3], [2, 2, 2])
+    assert spelled_out(full) is full
+    virtual = GroupOp(group="g1", generation=1, seq=1, rank=0, layout=[[0, 2], [1]], devices={0: 0, 2: 2},
+                      sizes=[4, 4, 1])
+    assert spelled_out(virtual) is virtual

@@ -45,7 +45,8 @@ PROTOCOL_VERSION = "1.9"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # ShardsChunk.segment, ShardsRequest.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`); InstrCall.writes and
 # CmdKeepCopies (a snapshot keeps the copies of tensors unchanged since the last one instead of copying them again);
 # InstrRead, CmdReadable and PullRequest.after (a sync point's read goes out with its Sync, not after its answer);
-# 1.9: capabilities carry the session's memory cap (`auth`, cap2), MeshPlaced.memory_cap and SyncReply.memory_cap
+# 1.9: capabilities carry the session's memory cap (`auth`, cap2), MeshPlaced.memory_cap and SyncReply.memory_cap;
+# GroupOp.ranks, and GroupOp's layout and lengths in short forms (O(1) per rank, not O(ranks), where they are regular)
 
 
 class ErrorKind(str, enum.Enum):
@@ -535,10 +536,12 @@ class GroupOp(Struct, frozen=True, array_like=True):
     generation: int
     seq: int  # the op's number in the group: members issue a group's ops in this order
     rank: int  # this worker's rank in the group
-    layout: list[list[int]]  # positions hosted by each rank, in rank order
+    layout: list[list[int]]  # positions hosted by each rank, in rank order; [] (1.9): rank r hosts position r only
     devices: dict[int, int]  # position -> this worker's logical device
-    sizes: list[int]  # per position: length along the step's dim (all_gather: input; others: output)
-    src_sizes: list[int] = []  # all_to_all: per position, input length along src_dim
+    sizes: list[int]  # per position: length along the step's dim (all_gather: input; others: output); one (1.9):
+    # every position's
+    src_sizes: list[int] = []  # all_to_all: per position, input length along src_dim; one (1.9): every position's
+    ranks: Annotated[int, Meta(ge=0, le=1 << 20)] = 0  # with an empty layout: the group's ranks (1.9)
 
 
 class CollectiveStep(Struct, frozen=True, array_like=True):

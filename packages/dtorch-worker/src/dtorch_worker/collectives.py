@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from dtorch_protocol.messages import CollectiveStep, ErrorReport, GroupOp
@@ -56,6 +57,18 @@ from dtorch_worker.device import fresh
 
 Reports = dict[int, ErrorReport]  # logical device -> why its value is poisoned
 REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
+
+
+def spelled_out(op: GroupOp) -> GroupOp:
+    """`op` with its layout and lengths in full: the controller sends short forms where they are regular (an empty
+    layout: rank r hosts position r only, of `op.ranks`; one length: every position's)."""
+    layout = op.layout or [[r] for r in range(op.ranks)]
+    n = sum(len(ps) for ps in layout)
+    sizes = op.sizes * n if len(op.sizes) == 1 else op.sizes
+    src_sizes = op.src_sizes * n if len(op.src_sizes) == 1 else op.src_sizes
+    if layout is op.layout and sizes is op.sizes and src_sizes is op.src_sizes:
+        return op
+    return msgspec.structs.replace(op, layout=layout, sizes=sizes, src_sizes=src_sizes)
 
 
 @dataclass

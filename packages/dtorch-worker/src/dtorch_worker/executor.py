@@ -835,7 +835,7 @@ class Executor:
             what = f"{step.kind} of tensor {cmd.src} into {cmd.dst}"
             done = collectives.Result()
             flying = []
-            for op in step.ops:
+            for op in map(collectives.spelled_out, step.ops):
                 direct: list[torch.Tensor] = []
                 finish = collectives.prepare(step, op, current, poisoned, dtype, self.buffers,
                                              self.backend.gather_by_all_to_all(len(op.layout)), direct)
