@@ -94,3 +94,18 @@ def test_filling_a_partial_sum_puts_the_value_on_one_device_of_each_group(spec, 
     assert {d: args[1] for d, (args, _) in p.local.items()} == {0: 3.0, 1: 3.0, 2: 0.0, 3: 0.0}
     p = plan(aten.fill_.Scalar, (spec((4,), [Partial("max")], mesh2), 3.0), {})  # max of equal shares is v
     assert p.local is None and p.args == [{"$t": 0}, 3.0]
+
+
+def test_a_view_of_uneven_shards_is_propagated_once_per_distinct_local_shape(spec, monkeypatch):
+    """torch's rule gives each rank its local view sizes; ranks with the same local shapes get the same ones. It
+    ran once per rank (0.36 ms a device: 1.5 s a view on 4,096 devices), and every op filled each device's args."""
+    from dtorch import _sharding
+
+    mesh = DeviceMesh("cpu", list(range(64)))
+    real, calls = _sharding._prop.propagate_op_sharding_non_cached, []
+    monkeypatch.setattr(_sharding._prop, "propagate_op_sharding_non_cached", lambda s: calls.append(s) or real(s))
+    p = plan(aten.view.default, (spec((1000, 2, 3), [Shard(0)], mesh), [1000, 6]), {})
+    rows = [len(c) for c in torch.arange(1000).chunk(64)] + [0]  # 62 devices of 16 rows, one of 8, one of none
+    assert {d: args[1] for d, (args, _) in p.local.items()} == {d: [n, 6] for d, n in enumerate(rows)}
+    assert len(calls) == 3  # the global rule, then the 8-row and the empty shard (not 63 more)
+    assert len({id(t) for t in p.local.values()}) == 3  # one template per distinct set of local shapes

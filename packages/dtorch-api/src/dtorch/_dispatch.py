@@ -398,8 +398,11 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
         out_tids = [tids[0]] + [session.new_tid() if s is not None else None for s in outs[1:]]
     else:
         out_tids = [session.new_tid() if s is not None else None for s in outs]
-    local = None if plan.local is None else {dev: [_fill(a, tids), _fill(k, tids)]
-                                              for dev, (a, k) in plan.local.items()}
+    local = None
+    if plan.local is not None:  # each distinct template filled once (devices whose args are alike share one)
+        filled: dict[int, list] = {}
+        local = {dev: filled.get(id(t)) or filled.setdefault(id(t), [_fill(t[0], tids), _fill(t[1], tids)])
+                 for dev, t in plan.local.items()}
     session.emit(m.InstrCall(op=plan.op_name, mesh=leaves[0]._spec.mesh.id, args=_fill(plan.args, tids),
                              kwargs=_fill(plan.kwargs, tids),
                              outs=[None if t is None else m.OutSpec(t, s.wire) for t, s in zip(out_tids, outs)],

@@ -261,8 +261,10 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
             raise NoRule("max/min/avg over an empty shard")  # torch refuses e.g. max() of nothing
         required = [s for s in pytree.tree_leaves((new_args, prop.kwargs)) if isinstance(s, Spec)]
         _sharding.check_local(func, prop, mesh)
-        if prop.rank_args is not None:
-            local = {mesh.devices[rank]: list(_slot_templates(a, k)) for rank, (a, k) in enumerate(prop.rank_args)}
+        if prop.rank_args is not None:  # devices whose args are alike share one template (filled once an op)
+            shared: dict[int, list] = {}
+            local = {mesh.devices[rank]: shared.get(id(a)) or shared.setdefault(id(a), list(_slot_templates(a, k)))
+                     for rank, (a, k) in enumerate(prop.rank_args)}
     except NoRule:
         route, run_func, new_args = "replicate", func, spec_args
         replicate = (Replicate(),) * mesh.ndim
