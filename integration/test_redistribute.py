@@ -104,3 +104,26 @@ def test_redistribute_is_differentiable(mesh4):
     y = x.redistribute(placements=[Replicate()])
     (y * 2).sum().backward()
     assert_same(x.grad, torch.full((8, 3), 2.0))
+
+
+def test_a_replicated_upload_streamed_to_several_workers_leaves_the_client_once(cluster, mesh4, mesh2d, monkeypatch):
+    """Replicate sent every device the whole tensor: n copies through the client's link (64 GiB for a 1 GiB model on
+    64 workers). Streamed to two or more workers, it goes out once, sharded, and the workers gather it."""
+    data = cluster._data
+    monkeypatch.setattr(data, "_segments", False)  # as to workers on other hosts (DTORCH_SHARED_MEMORY=0)
+    sent: list[int] = []
+    put = data._put_to
+    monkeypatch.setattr(data, "_put_to", lambda address, tid, device, local: sent.append(
+        local.numel() * local.element_size()) or put(address, tid, device, local))
+    t = torch.randn(1024, 300)  # 1.2 MB
+    for mesh, placements in ((mesh4, [Replicate()]), (mesh2d, [Replicate(), Shard(1)])):
+        sent.clear()
+        x = dtorch.distribute_tensor(t, mesh, placements)
+        assert x.placements == tuple(placements)
+        assert_same(x, t)
+        assert_same(x * 2, t * 2)
+        assert sum(sent) == t.numel() * 4  # once (it was 4 and 2 times)
+    sent.clear()
+    small = torch.randn(16, 16)
+    assert_same(dtorch.distribute_tensor(small, mesh4, [Replicate()]), small)
+    assert sum(sent) == 4 * small.numel() * 4  # below SPREAD_MIN_BYTES: each device its copy

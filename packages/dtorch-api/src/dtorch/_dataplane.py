@@ -28,6 +28,7 @@ from dtorch.errors import ClusterError, DTorchError, RemoteOpError
 from dtorch_protocol import auth, segments, wire
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
+from dtorch_protocol.placement_types import Replicate, Shard
 from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import copy_pieces, dtype_from_name, dtype_name, host_bytes, segment_tensor
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 IO_THREADS = 8
 CAP_REFRESH_S = 600.0  # ask for fresh capabilities when one has less than this left
+SPREAD_MIN_BYTES = 1 << 20  # a replicated upload this large goes out once, sharded, and the workers gather it
 EARLY_WAIT_S = 10.0  # how long a worker holds an early read (session.py) for its stream to reach the read's mark
 # A Pull's replies are read by the thread that asked (gRPC's experimental single-threaded server-streaming calls),
 # not handed over by a channel thread that gRPC starts for each burst of calls and ends when none is left: one thread
@@ -221,6 +223,27 @@ class DataPlane:
         return self._segments and nbytes >= segments.MIN_BYTES and address not in self._elsewhere
 
     # ------------------------------------------------------------------ writes
+    def spread(self, spec: Spec, nbytes: int) -> Spec | None:
+        """The layout in which to upload a replicated tensor of `nbytes` instead, or None: as it is.
+
+        A Replicate upload sends the whole tensor to every device: n copies through the client's link (64 GiB for a
+        1 GiB model replicated on 64 workers). From SPREAD_MIN_BYTES up, on devices of two or more workers the
+        bytes reach by streaming (not through a same-host segment, where a copy is a memcpy), each Replicate mesh
+        dim becomes a Shard of a tensor dim no other mesh dim shards (the largest that has a row for every device
+        of that dim): the client sends the bytes once and the workers gather them (an all_gather where they take
+        part in collectives, else pieces between them)."""
+        if nbytes < SPREAD_MIN_BYTES or spec.unflattened() is not spec or \
+                sum(not self._segments_to(w, nbytes) for w in {self.where(d) for d in spec.mesh.devices}) < 2:
+            return None
+        placements = list(spec.placements)
+        for k, p in enumerate(placements):
+            if isinstance(p, Replicate):
+                taken = {q.dim for q in placements if isinstance(q, Shard)}
+                free = [d for d in range(len(spec.shape)) if d not in taken and spec.shape[d] >= spec.mesh.shape[k]]
+                if free:
+                    placements[k] = Shard(max(free, key=lambda d: (spec.shape[d], -d)))
+        return None if tuple(placements) == spec.placements else spec.with_placements(tuple(placements))
+
     def write(self, tensor: torch.Tensor, spec: Spec, tid: int) -> None:
         """Each device's box of the full `tensor` (on the client, of spec's dtype) to its worker, as tensor `tid`."""
         futures = []

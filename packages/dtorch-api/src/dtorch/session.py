@@ -37,6 +37,7 @@ from dtorch import _admission
 from dtorch._dataplane import DataPlane
 from dtorch._relocate import DeviceLost
 from dtorch._seeds import Seeds
+from dtorch._source import user_src
 from dtorch._stream import Stream
 from dtorch._version import __version__
 from dtorch.errors import env_float
@@ -191,11 +192,19 @@ class Session:
         self.ensure_mesh(spec.mesh)
         tensor = tensor.detach().to("cpu", spec.dtype)
         tid = self.new_tid()
+        sent = self._data.spread(spec, tensor.numel() * tensor.element_size())  # replicated: sent once, gathered
+        sent_tid = tid if sent is None else self.new_tid()
         try:
-            self._data.write(tensor, spec, tid)
+            self._data.write(tensor, sent or spec, sent_tid)
         except DeviceLost as e:
             raise self._loss(e) from None
-        self.emit(m.InstrAdopt(tid=tid, spec=spec.to_wire()))
+        if sent is None:
+            self.emit(m.InstrAdopt(tid=tid, spec=spec.to_wire()))
+            return tid
+        self.emit(m.InstrAdopt(tid=sent_tid, spec=sent.to_wire()))
+        self.emit(m.InstrRedistribute(src=sent_tid, dst=tid, src_spec=sent.to_wire(), dst_spec=spec.to_wire(),
+                                      src_line=user_src()))
+        self.emit(m.InstrDelete(tids=[sent_tid]))
         return tid
 
     # ------------------------------------------------------------------ admin and shutdown
