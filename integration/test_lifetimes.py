@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
+import weakref
 
 import torch
 
@@ -65,3 +66,25 @@ def test_copy_copy_shares_the_data_as_torchs_does(cluster, mesh4):
     del c
     gc.collect()
     assert torch.equal(x.to_torch(), ref.detach())  # dropping the copy keeps the original's data
+
+
+def test_a_read_whose_early_pull_missed_keeps_nothing_alive(cluster, mesh1):
+    """A read whose early pull missed (it went where the client last saw a device that has moved since) re-raised
+    the miss in the caller's frame, and the session kept that exception in its last early read's future: its
+    traceback kept the caller's frames, their DTensors and so their shards on the workers until the next read."""
+
+    def where(device: int) -> str:
+        return next(s for s in dtorch.status().sessions if s.session == cluster.id).devices[device]
+
+    def read_after_moves() -> list[weakref.ref]:
+        first = dtorch.distribute_tensor(torch.arange(8.0), mesh1, [Shard(0)])
+        home, other = where(0), where(1)
+        assert dtorch.migrate(0, other).ok
+        second = dtorch.distribute_tensor(torch.arange(12.0), mesh1, [Shard(0)])  # the client learns `other`
+        assert dtorch.migrate(0, home).ok
+        assert torch.equal(first.to_torch(), torch.arange(8.0))  # its early pull goes to `other`: a miss
+        return [weakref.ref(first), weakref.ref(second)]
+
+    refs = read_after_moves()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

@@ -153,10 +153,13 @@ class Session:
         early = self._read_early(tid, spec) if carry else None
         self.sync(carry)
         if early is not None:
+            # the future is done with: kept, it held the value, or a miss whose traceback (re-raised here) held the
+            # caller's frames, their DTensors and so their shards on the workers, until the next early read
+            self._early_read = None
             try:
                 value = early.result()
-            except Exception:  # noqa: BLE001 - a miss (module doc): read it now, the ordinary way
-                pass
+            except Exception as e:  # noqa: BLE001 - a miss (module doc): read it now, the ordinary way
+                e.__traceback__ = None
             else:
                 self.reads["early"] += 1
                 return value
