@@ -80,8 +80,8 @@ def test_derived_credentials_are_macs_keyed_by_the_worker_secret():
 
 def test_a_capability_names_role_session_expiry_and_memory_cap():
     cap = auth.mint(SECRET, auth.PEER, "s1", ttl_s=60, now=NOW)
-    version, role, session, expires, memory_cap, mac = cap.split(".")
-    assert (version, role, session, expires, memory_cap) == ("cap2", "peer", "s1", str(int(NOW + 60)), "0")
+    version, role, session, expires, mac = cap.split(".")  # no cap: the form 1.8 clients read the expiry of
+    assert (version, role, session, expires) == ("cap1", "peer", "s1", str(int(NOW + 60)))
     assert re.fullmatch(r"[0-9a-f]{64}", mac)
     assert auth.cap_expiry(cap) == int(NOW + 60)
     assert auth.mint(SECRET, auth.CLIENT, "s1", now=NOW).split(".")[3] == str(int(NOW + 3600))
@@ -122,9 +122,11 @@ def test_a_capability_carries_its_sessions_memory_cap_and_a_cap1_one_none():
         worker.authenticate(capped.replace(f".{64 << 20}.", f".{1 << 40}."), now=NOW)
     with pytest.raises(auth.Unauthenticated, match="not issued for this worker"):  # and so is a dropped one
         worker.authenticate(capped.replace(f".{64 << 20}.", ".0."), now=NOW)
-    expires = str(int(NOW + 60))  # what a controller of protocol 1.8 mints: no cap field
+    assert auth.cap_expiry(capped) == int(NOW + 3600)
+    expires = str(int(NOW + 60))  # what a controller of protocol 1.8 mints
     old = f"cap1.client.s1.{expires}.{auth._mac(SECRET, 'cap1', 'client', 's1', expires)}"
     assert worker.authenticate(old, now=NOW) == auth.Caller("client", "s1")
+    assert auth.mint(SECRET, auth.CLIENT, "s1", now=NOW + 60 - 3600) == old  # and what a session without a cap gets
     with pytest.raises(ValueError, match="with cap -1"):
         auth.mint(SECRET, auth.CLIENT, "s1", memory_cap=-1)
 
@@ -142,7 +144,7 @@ def test_a_worker_refuses_what_it_did_not_issue():
     assert refusal("ctl1.") == "wrong execute token: Execute is accepted only from this worker's controller"
     not_cap = "not a capability for this worker (ask the controller for the session's locations again)"
     good = auth.mint(SECRET, auth.PEER, "s1", now=NOW)
-    for bad in ("", "let-me-in", good + ".x", "cap3" + good[4:], "cap1" + good[4:],
+    for bad in ("", "let-me-in", good + ".x", "cap3" + good[4:], "cap2" + good[4:],
                 good.replace(".peer.", ".controller."), good.replace(".peer.", ".tenant."),
                 good.replace(f".{int(NOW + 3600)}.", ".soon."),
                 ".".join(good.split(".")[:4])):

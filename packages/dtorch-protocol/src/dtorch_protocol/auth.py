@@ -13,10 +13,10 @@ Rules:
    * the controller's **execute token** (Execute only);
    * **capabilities** the controller mints per (session, worker):
      `cap2.<role>.<session>.<expiry>.<memory cap>.<mac>`, an HMAC over role, session, expiry and the session's
-     memory cap in bytes per device (0: none), checked by the worker with no round trip. The cap rides in the
+     memory cap in bytes per device, checked by the worker with no round trip. The cap rides in the
      capability so that a packed session's uploads are held to it before the worker has run any of its
-     batches (an Execute carries it too). A `cap1` capability (a controller of protocol 1.8: no cap field) is
-     still accepted, with no cap. Role `client`
+     batches (an Execute carries it too). A session without a cap gets `cap1.<role>.<session>.<expiry>.<mac>`,
+     the form of protocol 1.8, which a 1.8 client still reads the expiry of. Role `client`
      (given to the session's owner: Pull, Put, Profile of its own session) or `peer` (put by the controller into the
      session's Execute batches for the workers they name: Pull, PullShards, PutShards of the session and of
      its backup namespaces `{session}#...`). A capability is scoped to one worker, since the MAC is keyed
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 HEADER = "authorization"
 KEY_PREFIX = "dtorch"
 CAP_VERSION = "cap2"
-CAP_V1 = "cap1"  # without the memory cap (protocol 1.8 controllers)
+CAP_V1 = "cap1"  # without a memory cap (and the only form of protocol 1.8)
 EXECUTE_VERSION = "ctl1"
 CAP_TTL_S = 3600  # a capability is good for an hour; the controller hands out fresh ones with every location
 
@@ -172,7 +172,8 @@ def mint(secret: str, role: str, session: str, ttl_s: float = CAP_TTL_S, now: fl
     session's memory cap in bytes per device (0: none)."""
     if role not in (CLIENT, PEER) or "." in session or not session or memory_cap < 0:
         raise ValueError(f"cannot mint a {role!r} capability for session {session!r} with cap {memory_cap}")
-    fields = (CAP_VERSION, role, session, str(int((time.time() if now is None else now) + ttl_s)), str(memory_cap))
+    expires = str(int((time.time() if now is None else now) + ttl_s))
+    fields = (CAP_VERSION, role, session, expires, str(memory_cap)) if memory_cap else (CAP_V1, role, session, expires)
     return ".".join(fields) + "." + _mac(secret, *fields)
 
 

@@ -45,8 +45,9 @@ PROTOCOL_VERSION = "1.9"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # ShardsChunk.segment, ShardsRequest.segment, ErrorKind.NO_SEGMENT; `dtorch_protocol.segments`); InstrCall.writes and
 # CmdKeepCopies (a snapshot keeps the copies of tensors unchanged since the last one instead of copying them again);
 # InstrRead, CmdReadable and PullRequest.after (a sync point's read goes out with its Sync, not after its answer);
-# 1.9: capabilities carry the session's memory cap (`auth`, cap2), MeshPlaced.memory_cap and SyncReply.memory_cap;
-# GroupOp.ranks, and GroupOp's layout and lengths in short forms (O(1) per rank, not O(ranks), where they are regular)
+# 1.9: a capped session's capabilities carry its memory cap (`auth`, cap2), MeshPlaced.memory_cap and
+# SyncReply.memory_cap; GroupOp.ranks, and GroupOp's layout and lengths in short forms (O(1) per rank, not
+# O(ranks), where they are regular)
 
 
 class ErrorKind(str, enum.Enum):
