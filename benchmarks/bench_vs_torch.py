@@ -278,6 +278,8 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
 
     if "d" in args.only:
         bw: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}}
+        # torch 2.13 renamed all_gather_into_tensor (deprecated there); the GPU image's torch 2.11 has only that name
+        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         for n in args.sizes:
             t = torch.ones(n // 4, device=device)
             part = torch.ones(n // 4 // world, device=device)  # all_gather of n bytes in all: n / world per rank
@@ -292,7 +294,7 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
 
             def all_gather(t: torch.Tensor = t, part: torch.Tensor = part, k: int = k) -> None:
                 for _ in range(k):
-                    dist.all_gather_into_tensor(t, part)
+                    gather_into(t, part)
                 sync()
 
             bw["all_reduce"][n] = median_ms(all_reduce, reps, warmup=D_WARMUP, before=dist.barrier) / k
