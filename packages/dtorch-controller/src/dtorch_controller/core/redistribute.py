@@ -67,7 +67,7 @@ def plan_redistribute(shape: tuple[int, ...], src_mesh: MeshKey, src_placements:
                       dst_mesh: MeshKey, dst_placements: tuple[Placement, ...], where: Where) -> Plans:
     """One ShardPlan per destination device. Cached: a training loop plans each redistribution once."""
     loc = {device: (worker, address) for device, worker, address in where}
-    plan = _Partials(shape, src_mesh, src_placements, dst_mesh, dst_placements, loc.keys())
+    plan = _Shared(shape, src_mesh, src_placements, dst_mesh, dst_placements, loc.keys())
     sources = _Sources(shape, src_mesh, src_placements)
     return tuple((d, _plan_one(plan, sources, d, c_d, i, loc))
                  for i, (d, c_d) in enumerate(zip(dst_mesh[0], coords(dst_mesh[1]))))
@@ -83,7 +83,7 @@ def pulled(shape: tuple[int, ...], src_mesh: MeshKey, src_placements: tuple[Plac
     O(destinations x sources per worker), where the plans are O(destinations x sources) (1,048,576 pieces for an
     all_gather on 1,024 devices). The collective cost rule compares with it (collectives.py rule 5)."""
     worker = dict(binding)
-    plan = _Partials(shape, src_mesh, src_placements, dst_mesh, dst_placements, worker.keys())
+    plan = _Shared(shape, src_mesh, src_placements, dst_mesh, dst_placements, worker.keys())
     local: dict[str, list[tuple[int, ...]]] = {}
     for s, c_s in zip(src_mesh[0], coords(src_mesh[1])):
         local.setdefault(worker[s], []).append(c_s)
@@ -105,7 +105,7 @@ def pulled(shape: tuple[int, ...], src_mesh: MeshKey, src_placements: tuple[Plac
     return out
 
 
-class _Partials:
+class _Shared:
     """What every destination's plan shares: the checked layouts, and which Partial source dims are kept or reduced
     (module docstring)."""
 
@@ -164,7 +164,7 @@ class _Sources:
         return [(s, c_s) for _i, s, c_s in sorted(found)]
 
 
-def _plan_one(plan: _Partials, sources: _Sources, d: int, c_d: tuple[int, ...], index: int,
+def _plan_one(plan: _Shared, sources: _Sources, d: int, c_d: tuple[int, ...], index: int,
               loc: dict[int, tuple[str, str]]) -> ShardPlan:
     target = plan.target(c_d)
     if target is None:
