@@ -33,10 +33,9 @@ Rules:
    workers they use (with its own shards only) and everyone else's work as anonymous counts; an admin sees
    all (status.py). Quotas (`who.quota`, tenancy.py) are checked when a session or mesh is asked for, and
    refused at once, naming the quota. A session has at most `MAX_LOGICAL_PER_DEVICE` logical devices per device
-   of the cluster: planning a point-to-point redistribution costs the core O(sources x destinations)
-   (redistribute.py; across meshes, where collectives do not apply), and a
-   2,048-device mesh packed onto one worker (a 1-byte memory cap) held the core for 29 s, long enough for its
-   workers to give the controller up.
+   of the cluster: a point-to-point redistribution's plan costs the core the pieces it makes, up to O(sources x
+   destinations) for a Shard -> Replicate across meshes (redistribute.py), and a 2,048-device mesh packed onto
+   one worker (a 1-byte memory cap) held the core for 29 s, long enough for its workers to give the controller up.
 12. A Sync is a step of its session's progress (`Scheduler.progress`, scheduler.py rule 9); a parked Sync is
    filed under the worker it waits for (waits.py), so that worker's completion answers it even when it hosts
    none of the session's devices any more (a shrunk or relocated session).
