@@ -51,14 +51,17 @@ def test_reads_go_out_with_their_sync_and_see_every_write_before_them(cluster, m
 
 def test_an_early_read_that_misses_is_read_again_after_the_sync(cluster, mesh1, monkeypatch):
     """A worker whose stream has not reached the read's mark within the read's wait (none here, behind 24 big
-    matmuls) answers that it did not: the session reads the value again once the Sync is answered."""
+    matmuls issued back to back: the reference is computed before, as computing it between them let the workers
+    keep up) answers that it did not: the session reads the value again once the Sync is answered."""
     monkeypatch.setattr(_dataplane, "EARLY_WAIT_S", 0.0)
     session = dtorch.runtime.get_session()
     a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0)) / 23
-    y, want = dtorch.distribute_tensor(a, mesh1, [Replicate()]), a
-    da = y
+    want = a
     for _ in range(24):
-        y, want = y @ da, want @ a
+        want = want @ a
+    y = da = dtorch.distribute_tensor(a, mesh1, [Replicate()])
+    for _ in range(24):
+        y = y @ da
     reads = dict(session.reads)
     assert torch.allclose(y.to_torch(), want, rtol=1e-4, atol=1e-6)
     assert session.reads == {"early": reads["early"], "after_sync": reads["after_sync"] + 1}
@@ -107,3 +110,37 @@ def test_a_worker_that_cannot_open_the_segments_gets_the_bytes_streamed(cluster,
     y = dtorch.distribute_tensor(full, mesh1, [Shard(1)])
     assert torch.equal(y.to_torch(), full)
     assert calls == ["for_put", "for_put"]  # then no segment is made for them, for reads nor for uploads
+
+
+def test_a_partial_read_has_the_bits_of_a_redistribution_and_a_large_one_comes_back_once(cluster, mesh4, mesh2d,
+                                                                                            monkeypatch):
+    """A Partial tensor's values are combined as a redistribution combines them, in mesh order, one addition at a
+    time (bfloat16 sums round at every addition, so any other order or a wider accumulator shows): a small one on
+    the client from each device's copy, one of SHARDED_MIN_BYTES or more on the workers first, so that one copy
+    comes back to the client, not one per device. Both give the bits of `redistribute(Replicate)`."""
+    pulled: list[int] = []
+    plane = dtorch.runtime.get_session()._data
+    pull = plane._pull
+    monkeypatch.setattr(plane, "_pull", lambda tid, device, nbytes, after=-1: (pulled.append(nbytes),
+                                                                               pull(tid, device, nbytes, after))[1])
+    g = torch.Generator().manual_seed(3)
+    for rows, cols in ((64, 48), (1024, 512)):  # 6 KiB, 1 MiB
+        a, b = torch.randn(rows, 256, generator=g).bfloat16(), torch.randn(256, cols, generator=g).bfloat16()
+        want = a[:, :64] @ b[:64]
+        for k in range(1, 4):
+            want.add_(a[:, k * 64:(k + 1) * 64] @ b[k * 64:(k + 1) * 64])
+        for mesh, la, lb in ((mesh4, [Shard(1)], [Shard(0)]), (mesh2d, [Shard(1)] * 2, [Shard(0)] * 2)):
+            y = dtorch.distribute_tensor(a, mesh, la) @ dtorch.distribute_tensor(b, mesh, lb)  # a Partial sum
+            assert y.placements == (Partial(),) * mesh.ndim
+            nbytes = y.numel() * y.element_size()
+            pulled.clear()
+            got = y.to_torch()
+            assert sum(pulled) == (nbytes if nbytes >= _dataplane.SHARDED_MIN_BYTES else 4 * nbytes), (rows, mesh)
+            assert torch.equal(got, y.redistribute(mesh, [Replicate()] * mesh.ndim).to_torch()), (rows, mesh)
+            assert torch.equal(y.to_torch_async().result(), got)
+            assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    x = dtorch.distribute_tensor(torch.tensor([-3, 5, 7]), mesh4, [Partial("avg")])  # integer avg
+    assert (x * 3).to_torch().tolist() == (x * 3).redistribute(mesh4, [Replicate()]).to_torch().tolist() == [-9, 15, 21]
+    x = dtorch.distribute_tensor(torch.full((1 << 18,), -3), mesh4, [Partial("avg")])  # 2 MiB: on the workers
+    assert torch.equal((x * 3).to_torch(), torch.full((1 << 18,), -9))
+    assert (dtorch.distribute_tensor(torch.tensor(2.5), mesh4, [Partial()]) * 2).to_torch().item() == 5.0

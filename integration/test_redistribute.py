@@ -126,4 +126,4 @@ def test_a_replicated_upload_streamed_to_several_workers_leaves_the_client_once(
     sent.clear()
     small = torch.randn(16, 16)
     assert_same(dtorch.distribute_tensor(small, mesh4, [Replicate()]), small)
-    assert sum(sent) == 4 * small.numel() * 4  # below SPREAD_MIN_BYTES: each device its copy
+    assert sum(sent) == 4 * small.numel() * 4  # below SHARDED_MIN_BYTES: each device its copy

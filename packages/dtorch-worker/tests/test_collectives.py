@@ -20,8 +20,8 @@ from dtorch_controller.core import collectives as lowering
 from dtorch_protocol.layout import coords, shard_box
 from dtorch_protocol.messages import CmdAbandon, CmdGroup, CollectiveStep, Execute, GroupOp
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
-from dtorch_protocol.values import dtype_name
-from dtorch_worker.collectives import reduce_in_order, spelled_out
+from dtorch_protocol.values import dtype_name, reduce_in_order
+from dtorch_worker.collectives import spelled_out
 from dtorch_worker.server import WorkerHandle, start_worker
 from dtorch_worker.store import Poison
 

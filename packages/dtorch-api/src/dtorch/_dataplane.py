@@ -1,8 +1,9 @@
 """The data plane of one session: shard bytes straight between this client and the workers.
 
-Reads (`Pull`, one replica of each distinct shard, Partial groups reduced on the client) and writes (`Put`,
-each device's box of a full tensor) go to the worker that `where(device)` names. When that worker no longer
-serves the device (moved, lost, stopped), `_relocate` finds it again and the transfer is retried there; the
+Reads (`Pull`, one replica of each distinct shard; the values of a small Partial tensor combined here as the
+workers combine them, a large one's on the workers first: `DTensor.to_torch`) and writes (`Put`, each device's
+box of a full tensor) go to the worker that `where(device)` names. When that worker no longer serves the device
+(moved, lost, stopped), `_relocate` finds it again and the transfer is retried there; the
 new address is kept in this object's own table. A device lost for good raises `DeviceLost`.
 
 It speaks tensor ids and specs; the session tells it where devices are and the capability this session holds
@@ -28,9 +29,9 @@ from dtorch.errors import ClusterError, DTorchError, RemoteOpError
 from dtorch_protocol import auth, segments, wire
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords, gather_groups, holds_value, shard_box
-from dtorch_protocol.placement_types import Replicate, Shard
+from dtorch_protocol.placement_types import Replicate
 from dtorch_protocol.tls import Tls
-from dtorch_protocol.values import copy_pieces, dtype_from_name, dtype_name, host_bytes, segment_tensor
+from dtorch_protocol.values import copy_pieces, dtype_from_name, dtype_name, host_bytes, reduce_in_order, segment_tensor
 
 if TYPE_CHECKING:
     from dtorch._spec import Spec
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 IO_THREADS = 8
 CAP_REFRESH_S = 600.0  # ask for fresh capabilities when one has less than this left
-SPREAD_MIN_BYTES = 1 << 20  # a replicated upload this large goes out once, sharded, and the workers gather it
+SHARDED_MIN_BYTES = 1 << 20  # a replicated upload this large goes out once, sharded, and the workers gather it;
+# a Partial read this large is combined by the workers into shards first (DTensor.to_torch)
 EARLY_WAIT_S = 10.0  # how long a worker holds an early read (session.py) for its stream to reach the read's mark
 # A Pull's replies are read by the thread that asked (gRPC's experimental single-threaded server-streaming calls),
 # not handed over by a channel thread that gRPC starts for each burst of calls and ends when none is left: one thread
@@ -91,16 +93,6 @@ def _in_segment(chunk: m.Chunk, segment: segments.Segment | None) -> torch.Tenso
 
 def _nbytes(box: tuple[tuple[int, int], ...], dtype: torch.dtype) -> int:
     return math.prod(n for _, n in box) * dtype.itemsize
-
-
-def _reduce(parts: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
-    """One value from the full tensors of a Partial group's members."""
-    stacked = torch.stack(parts)
-    if op == "sum":
-        return stacked.sum(0, dtype=dtype) if dtype != torch.bool else stacked.any(0)
-    if op == "avg":
-        return stacked.mean(0) if dtype.is_floating_point else stacked.sum(0) // len(parts)
-    return stacked.amax(0) if op == "max" else stacked.amin(0)
 
 
 class DataPlane:
@@ -184,7 +176,8 @@ class DataPlane:
             for box, future in group:
                 full[_slices(box)] = future.result().reshape([n for _, n in box])
             parts.append(full)
-        return (parts[0] if op is None else _reduce(parts, op, spec.dtype)).reshape(shape)
+        # a small Partial tensor (DTensor.to_torch): its groups in mesh order, combined as the workers combine them
+        return (parts[0] if op is None else reduce_in_order(parts, op)).reshape(shape)
 
     def _pull(self, tid: int, device: int, nbytes: int, after: int = -1) -> torch.Tensor:
         if after >= 0:
@@ -227,22 +220,16 @@ class DataPlane:
         """The layout in which to upload a replicated tensor of `nbytes` instead, or None: as it is.
 
         A Replicate upload sends the whole tensor to every device: n copies through the client's link (64 GiB for a
-        1 GiB model replicated on 64 workers). From SPREAD_MIN_BYTES up, on devices of two or more workers the
+        1 GiB model replicated on 64 workers). From SHARDED_MIN_BYTES up, on devices of two or more workers the
         bytes reach by streaming (not through a same-host segment, where a copy is a memcpy), each Replicate mesh
         dim becomes a Shard of a tensor dim no other mesh dim shards (the largest that has a row for every device
         of that dim): the client sends the bytes once and the workers gather them (an all_gather where they take
         part in collectives, else pieces between them)."""
-        if nbytes < SPREAD_MIN_BYTES or spec.unflattened() is not spec or \
+        if nbytes < SHARDED_MIN_BYTES or spec.unflattened() is not spec or \
                 sum(not self._segments_to(w, nbytes) for w in {self.where(d) for d in spec.mesh.devices}) < 2:
             return None
-        placements = list(spec.placements)
-        for k, p in enumerate(placements):
-            if isinstance(p, Replicate):
-                taken = {q.dim for q in placements if isinstance(q, Shard)}
-                free = [d for d in range(len(spec.shape)) if d not in taken and spec.shape[d] >= spec.mesh.shape[k]]
-                if free:
-                    placements[k] = Shard(max(free, key=lambda d: (spec.shape[d], -d)))
-        return None if tuple(placements) == spec.placements else spec.with_placements(tuple(placements))
+        placements = spec.sharded_instead(Replicate)
+        return None if placements == spec.placements else spec.with_placements(placements)
 
     def write(self, tensor: torch.Tensor, spec: Spec, tid: int) -> None:
         """Each device's box of the full `tensor` (on the client, of spec's dtype) to its worker, as tensor `tid`."""

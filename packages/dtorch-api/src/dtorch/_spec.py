@@ -134,3 +134,16 @@ class Spec:
 
     def has_partial(self) -> bool:
         return any(isinstance(p, Partial) for p in self.placements)
+
+    def sharded_instead(self, kind: type[Placement]) -> tuple[Placement, ...]:
+        """These placements with each mesh dim placed as `kind` (Replicate or Partial) sharding a tensor dim that
+        no other mesh dim shards (the largest with a row for each of that dim's devices), or Replicate where none
+        is left: the same values, 1/n of them on each device. Data-plane transfers go through this layout, where
+        one copy of the tensor passes the client's link instead of n (a replicated upload, a Partial read)."""
+        placements = list(self.placements)
+        for k, p in enumerate(placements):
+            if isinstance(p, kind):
+                taken = {q.dim for q in placements if isinstance(q, (Shard, StridedShard))}
+                free = [d for d in range(len(self.shape)) if d not in taken and self.shape[d] >= self.mesh.shape[k]]
+                placements[k] = Shard(max(free, key=lambda d: (self.shape[d], -d))) if free else Replicate()
+        return tuple(placements)

@@ -16,7 +16,7 @@ import torch
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
-from dtorch import _dispatch
+from dtorch import _dataplane, _dispatch
 from dtorch._source import user_src
 from dtorch._spec import Spec, normalize_placements
 from dtorch.device_mesh import WRAPPER_DEVICE, DeviceMesh
@@ -105,15 +105,29 @@ class DTensor(torch.Tensor):
     # ------------------------------------------------------------------ sync points
     def to_torch(self) -> torch.Tensor:
         """The whole tensor as a plain torch.Tensor on the client (a sync point)."""
-        return self._session.fetch(self._tid, self._spec)
+        values = self._combined()
+        return self._session.fetch(values._tid, values._spec)
+
+    def _combined(self) -> DTensor:
+        """This DTensor, or where it is a Partial one of SHARDED_MIN_BYTES or more, its values combined on the
+        workers into 1/n of the tensor on each device (`Spec.sharded_instead`): one copy comes back to the client,
+        not one per device. A smaller one is read as it is and combined on the client, in the same order with the
+        same function (`reduce_in_order`), without a collective on the way: either way a read has the bits of
+        `redistribute(placements=[Replicate()])`."""
+        if not self._spec.has_partial() or self.numel() * self.element_size() < _dataplane.SHARDED_MIN_BYTES:
+            return self
+        return _dispatch.redistribute_to(self, self.device_mesh, self._spec.sharded_instead(Partial), user_src())
 
     full_tensor = to_torch
 
     def to_torch_async(self) -> Future:
         """Like `to_torch()`, but returns at once with a Future of the tensor as it is now: later in-place
         writes do not show (the workers copy it first, as torch's non-blocking copies read the source now)."""
-        with torch.no_grad():
-            now = torch.ops.aten.clone.default(self)
+        if self._spec.has_partial():
+            now = self._combined()  # a new tensor as well
+        else:
+            with torch.no_grad():
+                now = torch.ops.aten.clone.default(self)
         future = self._session.fetch_async(now._tid, now._spec)
         alive = [now]  # the copy is not freed before it is read
         future.add_done_callback(lambda _: alive.clear())

@@ -138,3 +138,36 @@ def decode_value(v: Any, resolve: Callable[[int], Any], device: Any) -> Any:
             raise ValueError(f"unknown {key[1:]} {val!r}")
         return obj
     raise ValueError(f"unknown argument tag {key!r}")
+
+
+REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})  # the reduce ops of Partial placements
+
+
+def reduce_in_order(bufs: list[Any], op: str, out: Any = None) -> Any:
+    """Combine partial values in the given (mesh) order: sum, avg, max or min, into `out` (default: into the
+    first buffer; into `out`, the first two are combined in one pass, with no copy of the first before). Every
+    path that combines Partial values uses it (the workers' collectives and point-to-point plans, the client's
+    read of a small Partial tensor), so all of them round alike."""
+    import torch
+
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}")
+    fn = torch.add if op in ("sum", "avg") else torch.maximum if op == "max" else torch.minimum
+    if out is None:
+        acc, rest = bufs[0], bufs[1:]
+    elif len(bufs) > 1:
+        acc, rest = fn(bufs[0], bufs[1], out=out), bufs[2:]  # a + b written once: the bits of a.clone().add_(b)
+    else:
+        acc, rest = out.copy_(bufs[0]), []
+    for b in rest:
+        fn(acc, b, out=acc)
+    if op == "avg" and len(bufs) > 1:
+        divide(acc, len(bufs))
+    return acc
+
+
+def divide(acc: Any, n: int) -> Any:
+    """avg after the sum, as `reduce_in_order` does it."""
+    if acc.is_floating_point() or acc.is_complex():
+        return acc.div_(n)
+    return acc.div_(n, rounding_mode="trunc")

@@ -53,10 +53,10 @@ import msgspec
 import torch
 
 from dtorch_protocol.messages import CollectiveStep, ErrorReport, GroupOp
+from dtorch_protocol.values import REDUCE_OPS, divide, reduce_in_order
 from dtorch_worker.device import fresh
 
 Reports = dict[int, ErrorReport]  # logical device -> why its value is poisoned
-REDUCE_OPS = frozenset({"sum", "avg", "max", "min"})
 
 
 def spelled_out(op: GroupOp) -> GroupOp:
@@ -148,26 +148,6 @@ class LocalCtx:
 
     def report_of(self, rank: int) -> ErrorReport | None:
         return next(iter(self.reports.values()), None)
-
-
-def reduce_in_order(bufs: list[torch.Tensor], op: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Combine partial values in the given (mesh) order: sum, avg, max or min, into `out` (default: into the
-    first buffer; into `out`, the first two are combined in one pass, with no copy of the first before). The
-    point-to-point plan uses it too, so both paths round alike."""
-    if op not in REDUCE_OPS:
-        raise ValueError(f"unknown reduce op {op!r}")
-    fn = torch.add if op in ("sum", "avg") else torch.maximum if op == "max" else torch.minimum
-    if out is None:
-        acc, rest = bufs[0], bufs[1:]
-    elif len(bufs) > 1:
-        acc, rest = fn(bufs[0], bufs[1], out=out), bufs[2:]  # a + b written once: the bits of a.clone().add_(b)
-    else:
-        acc, rest = out.copy_(bufs[0]), []
-    for b in rest:
-        fn(acc, b, out=acc)
-    if op == "avg" and len(bufs) > 1:
-        _divide(acc, len(bufs))
-    return acc
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -479,7 +459,7 @@ def _native_all_reduce(pk: _Packing) -> Finish:
         ctx.all_reduce(buf)
         value = buf[:total].view(shape)
         if pk.step.reduce == "avg":
-            _divide(value, pk.n)
+            divide(value, pk.n)
         report = None
         if buf[total].item():  # how many ranks contributed poison: find whose report to carry
             report = pk.own or ctx.report_of(next((r for r in range(pk.w) if ctx.published(r)), 0))
@@ -487,13 +467,6 @@ def _native_all_reduce(pk: _Packing) -> Finish:
         return Result(outputs, {d: report for d in outputs} if report is not None else {})
 
     return finish
-
-
-def _divide(acc: torch.Tensor, n: int) -> torch.Tensor:
-    """avg after the sum, as `reduce_in_order` does it."""
-    if acc.is_floating_point() or acc.is_complex():
-        return acc.div_(n)
-    return acc.div_(n, rounding_mode="trunc")
 
 
 def _pair(pk: _Packing) -> bool:

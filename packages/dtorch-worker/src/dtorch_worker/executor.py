@@ -86,7 +86,7 @@ from dtorch_protocol.messages import (
     ShardsRequest,
 )
 from dtorch_protocol.tls import Tls
-from dtorch_protocol.values import decode_value, dtype_from_name
+from dtorch_protocol.values import decode_value, dtype_from_name, reduce_in_order
 from dtorch_worker import collectives, hygiene, random_blocks, shards
 from dtorch_worker.device import backend_for
 from dtorch_worker.groups import GroupError, Groups
@@ -801,7 +801,7 @@ class Executor:
             if not bufs:
                 made[dev] = torch.zeros(list(plan.shape), dtype=dtype, device=self.device)
             else:
-                made[dev] = collectives.reduce_in_order(bufs, plan.reduce)
+                made[dev] = reduce_in_order(bufs, plan.reduce)
         for dev, t in made.items():
             self.store.put((session, cmd.dst, dev), t)
 
