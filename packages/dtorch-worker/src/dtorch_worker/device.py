@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import os
 import socket
 import threading
@@ -52,6 +53,8 @@ from typing import Any
 import torch
 
 from dtorch_protocol.values import host_bytes
+
+log = logging.getLogger(__name__)
 
 _Factory = Callable[[torch.device], "DeviceBackend"]
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc mallopt parameters
@@ -255,12 +258,21 @@ class CudaBackend(AcceleratorBackend):
         # tear the whole worker down, taking every other session's shards with it. For the same reason no debug
         # dump on a timeout: its signal goes through the rendezvous store, which every group meeting at that
         # worker shares, and the heartbeat monitor ends a process some minutes after it dumped.
+        # An image's own setting of these (a launcher's defaults) is overridden, with a warning: it would do just that.
         for name, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "0"),
                             ("TORCH_NCCL_ENABLE_MONITORING", "0")):
-            os.environ.setdefault(name, value)
+            if os.environ.get(name, value) != value:
+                log.warning("%s=%s overridden with %s: a timed-out collective must fail its op, not end the worker",
+                            name, os.environ[name], value)
+            os.environ[name] = value
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        # Connect now (torch's own eager init), on the lane, while every member is known to be there (the group's
+        # rendezvous just met): NCCL initialises a communicator lazily at its first op otherwise, where a member
+        # that failed before its first op leaves the others blocked in an init no wait of ours bounds or aborts.
+        pg.eager_connect_single_device(self.device)
+        return pg
 
 
 class _Polled:
