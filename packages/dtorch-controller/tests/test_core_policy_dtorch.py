@@ -79,6 +79,23 @@ def test_declared_steps_rank_by_remaining_work(make_harness):
     assert state(h, short) == "running" and state(h, long) == "frozen"
 
 
+def test_an_estimate_above_the_attained_service_does_not_demote_the_session(make_harness):
+    # 1 of 1,000 declared steps done in 5 s: 4,995 device-s left, but 5 attained. Least attained service keeps it at
+    # level 0 of [10] (ranked by the estimate it would be at level 1, and a newcomer would freeze it at once), until
+    # its attained service crosses 10 device-s by the clock (a wake-up at t + 5 s, not at its next step).
+    h = harness(make_harness, thresholds=[10])
+    workers(h, 1)
+    long = h.open_session(expected_steps=1000)
+    assert h.open_mesh(long, 1, [0]).placed
+    h.advance(5)
+    step(h, long)
+    assert h.core.sched.tenants[long].rank == 3 + 1 + 0
+    new = h.open_session()
+    assert not h.open_mesh(new, 1, [0]).placed and state(h, long) == "running"
+    h.advance(6)  # 11 device-s attained, still 4,995 estimated: level 1, and the waiting newcomer preempts it
+    assert state(h, long) == "frozen" and state(h, new) == "running"
+
+
 def test_a_session_past_its_declared_steps_falls_back_to_attained_service(make_harness):
     h = harness(make_harness, thresholds=[10])
     workers(h, 1)

@@ -153,19 +153,28 @@ def test_a_frozen_session_does_not_relocate_while_a_better_ranked_request_is_blo
 
 def test_a_running_session_ranked_down_at_its_step_is_preempted_by_a_waiting_request_at_once(make_harness):
     """Rule 9: a running session is ranked anew at each of its steps; one that falls below a waiting request's
-    rank can be preempted by it (rule 6), then and there, not at whatever pass comes next. Its first step makes
-    its estimated remaining work 999 device-s (level 1, from level 0): the newcomer queued at level 0 freezes it."""
-    h = make_harness(policy=DTorchPolicy({"thresholds": [50], "fairness": 0}), **QUIET)
+    rank can be preempted by it (rule 6), then and there, not at whatever pass comes next. Its first step (1 s of 3
+    declared) estimates 2 device-s left: level 0, where it stays while its estimate holds although it attains 100
+    device-s; its second step, 99 s later, estimates 50 left (level 1): the newcomer queued at level 0 freezes it
+    (backfill off: after 30 s the newcomer would move above the level and preempt it then)."""
+    h = make_harness(policy=DTorchPolicy({"thresholds": [50], "fairness": 0, "backfill_after": 0}), **QUIET)
     workers(h, 1)
-    a = h.open_session(expected_steps=1000)
+    a = h.open_session(expected_steps=3)
     assert h.open_mesh(a, 1, [0]).placed
+
+    def step(tid: int) -> None:
+        h.submit(a, tid, [m.InstrCreate(tid=tid, spec=m.TensorSpec(shape=[4], dtype="float32", mesh=1,
+                                                                    placements=["R"]), init="zeros")])
+        h.report_all()
+        h.sync(a, tid)
+
     h.advance(1)
+    step(1)
     b = h.open_session()
     assert not h.open_mesh(b, 1, [0]).placed  # both at level 0 of the same class: it waits
-    h.submit(a, 1, [m.InstrCreate(tid=1, spec=m.TensorSpec(shape=[4], dtype="float32", mesh=1, placements=["R"]),
-                                  init="zeros")])
-    h.report_all()
-    h.sync(a, 1)  # its first step: 1 device-s per step, 999 steps left
+    h.advance(99)
+    assert state(h, a) == "running"
+    step(2)
     assert state(h, a) == "frozen" and state(h, b) == "running"
 
 
