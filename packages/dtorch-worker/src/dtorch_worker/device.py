@@ -6,7 +6,10 @@ Rules:
    else in the worker names `cuda` or calls into `torch.cuda`.
 2. Host copies go through host buffers the backend hands out: plain memory on the CPU, page-locked (pinned) on
    CUDA, so a device <-> host copy is one DMA and never goes through numpy. `host_bytes` (the protocol's, shared
-   with the client) is a zero-copy byte view of a host tensor for the wire.
+   with the client) is a zero-copy byte view of a host tensor for the wire. Pinned only up to PINNED_MAX (256
+   MiB): torch's caching host allocator rounds each pinned block up to a power of two and keeps it pinned for
+   reuse, so a Pull of a 33 GiB shard would lock 64 GiB of the host's memory for good; a larger copy goes
+   through pageable memory, staged by the driver.
 3. Random values of factories never depend on the device: each box is drawn on the CPU by `random_blocks` (the
    blocks it overlaps: O(shard)) and copied over. Random ops (dropout) run under `seeded(seed)` on the device's
    own generator, so every device of one type draws the same values; two device types draw different ones (a
@@ -59,6 +62,7 @@ log = logging.getLogger(__name__)
 _Factory = Callable[[torch.device], "DeviceBackend"]
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc mallopt parameters
 _MADV_HUGEPAGE, _HUGE_PAGE = 14, 2 << 20
+PINNED_MAX = 256 << 20  # an accelerator's host buffers are pinned up to this size, pageable above it (rule 2)
 MAPPED_FROM = 32 << 20  # CPU buffers from this size up are mapped fresh, smaller ones reused from the heap (rule 5)
 try:
     _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
@@ -212,8 +216,9 @@ class AcceleratorBackend(DeviceBackend):
         self.module.synchronize(self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        # pinned memory comes from torch's caching host allocator: reusing it costs nothing after the first time
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # pinned memory comes from torch's caching host allocator: reusing it costs nothing after the first time;
+        # it is kept pinned, so only up to PINNED_MAX (rule 2)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes <= PINNED_MAX)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         t = DeviceBackend.to_host(self, t)  # resolved bits, contiguous, still on the device
@@ -221,7 +226,7 @@ class AcceleratorBackend(DeviceBackend):
             return t
         nbytes = t.numel() * t.element_size()
         host = typed(self.host_buffer(nbytes), t.dtype, list(t.shape))
-        host.copy_(t, non_blocking=True)
+        host.copy_(t, non_blocking=host.is_pinned())
         self._stream_synchronize()
         return host
 
