@@ -6,10 +6,11 @@ import os
 import signal
 import threading
 
+import pytest
 import torch
 
 import dtorch
-from dtorch import Shard, runtime
+from dtorch import Partial, Shard, runtime
 
 
 def test_ops_return_while_workers_are_frozen(cluster, mesh1, monkeypatch):
@@ -47,3 +48,13 @@ def test_an_async_fetch_returns_the_value_at_the_call_even_if_written_in_place_a
         x.add_(1)  # written right after: the fetch must not see it
     assert [f.result(timeout=60)[0, 0].item() for f in futures] == [float(i) for i in range(20)]
     assert torch.equal(x.to_torch(), torch.full((8, 4), 20.0))
+
+
+@pytest.mark.parametrize("rows", [8, 1 << 17])  # 128 B and 4 MiB: combined on the client, and on the workers first
+def test_an_async_fetch_of_a_partial_tensor_returns_the_value_at_the_call(cluster, mesh1, rows):
+    x = dtorch.distribute_tensor(torch.ones(rows, 8), mesh1, [Partial()])
+    futures = []
+    for _ in range(5):
+        futures.append(x.to_torch_async())
+        x.mul_(2)  # written right after: the fetch must not see it
+    assert [f.result(timeout=60)[-1, -1].item() for f in futures] == [float(2 ** i) for i in range(5)]

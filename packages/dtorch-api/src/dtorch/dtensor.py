@@ -123,9 +123,8 @@ class DTensor(torch.Tensor):
     def to_torch_async(self) -> Future:
         """Like `to_torch()`, but returns at once with a Future of the tensor as it is now: later in-place
         writes do not show (the workers copy it first, as torch's non-blocking copies read the source now)."""
-        if self._spec.has_partial():
-            now = self._combined()  # a new tensor as well
-        else:
+        now = self._combined()  # a new tensor where it combines
+        if now is self:
             with torch.no_grad():
                 now = torch.ops.aten.clone.default(self)
         future = self._session.fetch_async(now._tid, now._spec)
