@@ -63,6 +63,10 @@ def ops(info: dict) -> None:
     info["softmax"] = err(torch.softmax(da, dim=-1).to_torch(), torch.softmax(a, dim=-1))
     info["sum"] = err(da.sum(dim=0).to_torch(), a.sum(dim=0))
     info["gather"] = err(da.redistribute(placements=[Replicate()]).to_torch(), a)
+    # Partial reads: a small one combined on the client, one of 1 MiB or more on the worker first (to shards)
+    c, d = torch.randn(1024, 256) / 16, torch.randn(256, 512) / 16
+    dc, dd = dtorch.distribute_tensor(c, mesh, [Shard(1)]), dtorch.distribute_tensor(d, mesh, [Shard(0)])
+    info["partial_read"] = max(err((dc @ dd).to_torch(), c @ d), err((dc[:8] @ dd).to_torch(), c[:8] @ d))
     ours, theirs = train_tp(mesh)  # backward in the client's autograd engine, with or without CUDA here
     info["train"] = max(abs(x - y) for x, y in zip(ours, theirs))
     info["device_types"] = sorted({w.device_type for w in dtorch.status().workers})  # a tenant sees those it uses

@@ -73,7 +73,7 @@ def test_a_cuda_worker_takes_and_gives_bytes_through_same_host_segments():
 def test_a_cuda_worker_runs_ops_and_training_like_the_cpu():
     info = run_scenario("_gpu_run.py", "ops", env={"DTORCH_LOCAL_DEVICE": "cuda:0"})
     assert info["device_types"] == ["cuda"]
-    for key in ("matmul", "softmax", "sum", "gather", "train"):
+    for key in ("matmul", "softmax", "sum", "gather", "partial_read", "train"):
         assert info[key] < TOL, info
 
 
