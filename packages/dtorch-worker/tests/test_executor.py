@@ -25,6 +25,7 @@ from dtorch_protocol.messages import (
     ShardPlan,
 )
 from dtorch_protocol.placement_types import Replicate, Shard
+from dtorch_worker import executor as executor_module
 from dtorch_worker import random_blocks
 from dtorch_worker.executor import Executor
 from dtorch_worker.store import Poison, TensorStore
@@ -208,6 +209,27 @@ def test_error_reports(ex: Executor, cmd: object, op: str, message: str) -> None
     assert (report.op, report.src, report.tid) == (op, "a.py:1", 7)
     assert report.message.startswith(message), report.message
     assert isinstance(ex.store.get((S, 7, 0)), Poison)
+
+
+def test_a_device_error_says_the_worker_stays_unusable(ex: Executor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA device-side assert (raised as torch.AcceleratorError) leaves the process's device context unusable:
+    its report says so, and how to find the op that caused it. Any other error reports only itself."""
+    def kernel(name: str, op: object, device: object) -> object:
+        def run(*args: object, **kwargs: object) -> object:
+            if name == "aten.neg.default":
+                raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+            raise RuntimeError("an ordinary failure")
+        return run
+
+    monkeypatch.setattr(executor_module, "kernel", kernel)
+    run(ex, CmdCreate(tid=1, dtype="float32", shape=[2], init="ones", boxes={0: [[0, 2]]}),
+        CmdRun(op="aten.neg.default", devices=[0], args=[t(1)], kwargs={}, outs=[2], src="a.py:1"),
+        CmdRun(op="aten.abs.default", devices=[0], args=[t(1)], kwargs={}, outs=[3], src="a.py:2"))
+    device_error, ordinary = ex.take_errors()[S]
+    assert device_error.message.startswith("AcceleratorError: CUDA error: device-side assert triggered (a device "
+                                           "error leaves this worker's device unusable: every later op on it fails")
+    assert "CUDA_LAUNCH_BLOCKING=1" in device_error.message
+    assert ordinary.message == "RuntimeError: an ordinary failure"
 
 
 def test_a_kept_program_replays_with_new_ids_seeds_and_numbers_like_torch(ex: Executor) -> None:

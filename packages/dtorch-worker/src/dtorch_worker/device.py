@@ -93,6 +93,15 @@ class DeviceBackend:
             _LIBC.mallopt(_M_MMAP_THRESHOLD, MAPPED_FROM)  # smaller buffers come from the heap...
             _LIBC.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB freed at its top for reuse
 
+    def error_hint(self, e: BaseException) -> str:
+        """What a user should know besides an op's error: after a device error (a CUDA device-side assert, such as
+        an index out of range), the process's device context stays unusable, whatever op reports it."""
+        if isinstance(e, getattr(torch, "AcceleratorError", ())):
+            return (" (a device error leaves this worker's device unusable: every later op on it fails until the "
+                    "worker process restarts; the op that caused it may be an earlier one, which "
+                    "CUDA_LAUNCH_BLOCKING=1 on the worker names)")
+        return ""
+
     def gather_by_all_to_all(self, ranks: int) -> bool:
         """Gather with an all_to_all of copies of the contribution rather than an all_gather (rule 4)."""
         return self.comm == "gloo" and ranks <= 8

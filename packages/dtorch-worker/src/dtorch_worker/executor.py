@@ -514,7 +514,7 @@ class Executor:
             elif isinstance(e, StaleCopy):
                 message, kind = str(e), ErrorKind.STALE_COPY
             else:
-                message = one_line(e)
+                message = one_line(e) + self.backend.error_hint(e)
             tid = e.tid if isinstance(e, StaleCopy) else outs[0] if outs else -1
             report = ErrorReport(op=op, src=src, message=message, tid=tid, seq=self._seq, kind=kind)
             log.debug("command %s failed: %s", op, report.message)
