@@ -20,7 +20,8 @@ Items (those of issue #11):
 (d) all_reduce (Partial -> Replicate) and all_gather (Shard(0) -> Replicate) bandwidth from 4 KiB to 256 MiB on
     2 devices, against raw `torch.distributed` collectives on 2 gloo ranks;
 (e) bytes received per device for a `Partial -> Replicate` of a 4 MiB tensor on 2 and 4 devices, from the
-    workers' own counters (`WorkerStatus.received_bytes`);
+    workers' own counters (`WorkerStatus.received_bytes`), and the bytes the client pulls to read the Partial
+    tensor (`to_torch()`: combined on the workers first, one copy; one per device until session 23);
 (f) overlap: a data-parallel training step (DP=2, the MLP above, batch 256 sharded) with collectives in flight
     while the workers compute (the default) against the same step with each collective waited for where it is
     issued (workers started with DTORCH_SYNC_COLLECTIVES=1): each gradient's all-reduce is issued as soon as
@@ -510,11 +511,16 @@ def received_per_device(devices: int, nbytes: int = 4 << 20) -> dict[str, float]
         y._session.sync()
         time.sleep(0.5)
         after = counters()
+        plane, pulled = x._session._data, []  # the client's Pulls of a read of x: one copy, or one per device
+        pull = plane._pull
+        plane._pull = lambda tid, device, n, after=-1: (pulled.append(n), pull(tid, device, n, after))[1]
+        x.to_torch()
+        plane._pull = pull
         got = [after[w] - before[w] for w in after if after[w] >= 0]
         if not got:  # workers without the counter: count what the point-to-point plan pulls
             got = [float((devices - 1) * nbytes)] * devices
-            return {"max": max(got), "mean": statistics.mean(got), "measured": 0.0}
-        return {"max": max(got), "mean": statistics.mean(got), "measured": 1.0}
+            return {"max": max(got), "mean": statistics.mean(got), "measured": 0.0, "read": sum(pulled)}
+        return {"max": max(got), "mean": statistics.mean(got), "measured": 1.0, "read": sum(pulled)}
     finally:
         dtorch.shutdown()
 
@@ -752,7 +758,8 @@ def main() -> None:
         for n, e in dt["e"].items():
             how = "measured" if e["measured"] else "from the point-to-point plan (workers count nothing)"
             print(f"    {n} devices: max {e['max'] / (4 << 20):5.2f}x the tensor, mean "
-                  f"{e['mean'] / (4 << 20):5.2f}x  ({how})")
+                  f"{e['mean'] / (4 << 20):5.2f}x  ({how}); a read of the Partial tensor on the client pulled "
+                  f"{e.get('read', 0) / (4 << 20):5.2f}x the tensor")
     if "f" in args.only:
         f = dt["f"]
         print("(f) overlap: DP=2 training step of the MLP, batch 256, gradients all-reduced as they are accumulated")
