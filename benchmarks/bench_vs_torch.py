@@ -199,6 +199,9 @@ def cluster_processes() -> dict[str, int]:
     return out
 
 
+CPU_CALLS = 40  # calls per CPU figure of (b) and (c): /proc counts another process's CPU in 10 ms ticks
+
+
 def cpu_per_call(fn: Callable[[], object], calls: int, pids: dict[str, int]) -> dict[str, float]:
     """Run `fn` `calls` times; CPU ms per call of this process ("client") and of each of `pids`."""
     before = {role: process_cpu_s(pid) for role, pid in pids.items()}
@@ -264,18 +267,13 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
         if "b" in args.only:
             with torch.no_grad():
                 out["b"] = median_ms(forward, args.repeats, before=dist.barrier)
-                dist.barrier()
-                cpu = time.process_time()
-                for _ in range(args.repeats):
-                    forward()
-                cpus = [None, None]
-                dist.all_gather_object(cpus, (time.process_time() - cpu) / args.repeats * 1e3)
-                out["b_cpu"] = {f"rank {r}": c for r, c in enumerate(cpus)}
+                out["b_cpu"] = _ranks_cpu(forward, CPU_CALLS)
                 value = forward()
             out["b_value"] = value.cpu().tolist() if rank == 0 else None  # a tensor in a queue needs its sender
         if "c" in args.only:
             step = sgd_step(model, inp, target)
             out["c"] = median_ms(step, args.repeats, before=dist.barrier)
+            out["c_cpu"] = _ranks_cpu(step, CPU_CALLS)
 
     if "d" in args.only:
         bw: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}}
@@ -307,6 +305,17 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
+
+
+def _ranks_cpu(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """Run `fn` `calls` times on every rank; CPU ms per call of each rank (a collective: every rank calls it)."""
+    dist.barrier()
+    cpu = time.process_time()
+    for _ in range(calls):
+        fn()
+    cpus = [None] * dist.get_world_size()
+    dist.all_gather_object(cpus, (time.process_time() - cpu) / calls * 1e3)
+    return {f"rank {r}": c for r, c in enumerate(cpus)}
 
 
 def run_torch(args: argparse.Namespace) -> dict:
@@ -382,7 +391,7 @@ def run_dtorch(args: argparse.Namespace) -> dict:
         if "b" in args.only:
             with torch.no_grad():
                 out["b"], out["b_late"] = early_and_late(session, lambda: model(inp).to_torch(), args.repeats)
-                out["b_cpu"] = cpu_per_call(lambda: model(inp).to_torch(), args.repeats, cluster_processes())
+                out["b_cpu"] = cpu_per_call(lambda: model(inp).to_torch(), CPU_CALLS, cluster_processes())
                 out["b_value"] = model(inp).to_torch()
                 more = 2 * int(os.environ.get("DTORCH_SNAPSHOT_BATCHES", "32")) + 8
                 for _ in range(more):
@@ -392,6 +401,7 @@ def run_dtorch(args: argparse.Namespace) -> dict:
         if "c" in args.only:
             step = sgd_step(model, inp, target)
             out["c"], out["c_late"] = early_and_late(session, step, args.repeats)
+            out["c_cpu"] = cpu_per_call(step, CPU_CALLS, cluster_processes())
 
     if "d" in args.only:
         bw: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}, "all_reduce_one": {}}
@@ -694,6 +704,13 @@ def main() -> None:
         return f"{statistics.median(ratios):5.2f}x" + (f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(rounds) > 1
                                                         else "")
 
+    def print_cpu(key: str, what: str) -> None:  # CPU per call of every process, summed over all: a floor on 2 cores
+        for who, cpu in (("dtorch", dt[f"{key}_cpu"]), ("torch DTensor", torch_dt[f"{key}_cpu"])):
+            parts = ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items())
+            print(f"    CPU ms per {what}, {who}{' (round 1)' if len(rounds) > 1 else ''}: {sum(cpu.values()):.2f} "
+                  f"in all ({parts}); "
+                  f"on {os.cpu_count()} CPUs no {what} takes less than {sum(cpu.values()) / os.cpu_count():.2f} ms")
+
     capture = run_capture(args) if "g" in args.only else {}
     factories = run_factories(args) if "h" in args.only else {}
 
@@ -717,11 +734,7 @@ def main() -> None:
               f"{med(2, 'b_late'):.2f} ms)")
         print(f"    torch DTensor     {med(1, 'b'):9.2f} ms   dtorch/DTensor {rat('b', 1)}   (target <= 1.0x)")
         print(f"    plain torch       {med(0, 'b'):9.2f} ms   dtorch/plain   {rat('b', 0)}")
-        for who, cpu in (("dtorch", dt["b_cpu"]), ("torch DTensor", torch_dt["b_cpu"])):
-            parts = ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items())
-            print(f"    CPU ms per forward, {who}{' (round 1)' if len(rounds) > 1 else ''}: {sum(cpu.values()):.2f} "
-                  f"in all ({parts}); "
-                  f"on {os.cpu_count()} CPUs no forward takes less than {sum(cpu.values()) / os.cpu_count():.2f} ms")
+        print_cpu("b", "forward")
         more, held, copied = dt["b_snapshot"]
         print(f"    dtorch's recovery snapshot after {more} more forwards (one every "
               f"{os.environ.get('DTORCH_SNAPSHOT_BATCHES', 32)} batches): {held / 2**20:.2f} MiB held, "
@@ -735,6 +748,7 @@ def main() -> None:
               f"{med(2, 'c_late'):.2f} ms)")
         print(f"    torch DTensor     {med(1, 'c'):9.2f} ms   dtorch/DTensor {rat('c', 1)}   (target <= 1.0x)")
         print(f"    plain torch       {med(0, 'c'):9.2f} ms   dtorch/plain   {rat('c', 0)}")
+        print_cpu("c", "step")
     if "d" in args.only:
         print("(d) bandwidth on 2 devices: MB/s of the whole tensor, ops issued back to back (up to 8 per sync); "
               "ratio = dtorch time / raw gloo time (target <= 1.25x, i.e. >= 0.8x the bandwidth, from 1 MiB)"
