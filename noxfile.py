@@ -153,7 +153,9 @@ def gpu_integration(session: nox.Session) -> None:
     and the session passes. With CUDA, benchmarks/bench_gpu.py then prints DTorch's CUDA worker against plain
     torch on the same GPU."""
     install(session, *TEST_DEPS)
-    gpus = int(session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True) or 0)
+    # silent: stdout and stderr together, where torch may warn first (NVML): the count is the last line
+    out = session.run("python", "-W", "ignore", "-c", "import torch; print(torch.cuda.device_count())", silent=True)
+    gpus = int((out or "0").strip().splitlines()[-1])
     session.log(f"CUDA devices on this machine: {gpus}")
     session.run("pytest", "-v", "-rs", "-m", "gpu", *session.posargs)
     if gpus:

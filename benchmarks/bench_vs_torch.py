@@ -429,7 +429,8 @@ def run_dtorch(args: argparse.Namespace) -> dict:
     dtorch.shutdown()
 
     if "e" in args.only:
-        out["e"] = {n: received_per_device(n) for n in (2, 4)}
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 4  # one worker per GPU
+        out["e"] = {n: received_per_device(n, args.device) for n in (2, 4) if n <= gpus}
     if "f" in args.only:
         out["f"] = {mode: dp_step(args, sync=(mode == "waited")) for mode in ("overlapped", "waited")}
     return out
@@ -501,14 +502,14 @@ def dp_step(args: argparse.Namespace, sync: bool) -> dict[str, float]:
         os.environ.pop("DTORCH_SYNC_COLLECTIVES", None)
 
 
-def received_per_device(devices: int, nbytes: int = 4 << 20) -> dict[str, float]:
+def received_per_device(devices: int, device_type: str = "cpu", nbytes: int = 4 << 20) -> dict[str, float]:
     """Bytes each worker received for one Partial -> Replicate of `nbytes` on `devices` devices (1 per worker)."""
     import dtorch
     from dtorch import Partial, Replicate
 
     dtorch.connect(workers=devices)
     try:
-        mesh = dtorch.DeviceMesh("cpu", list(range(devices)))
+        mesh = dtorch.DeviceMesh(device_type, list(range(devices)))
         x = dtorch.ones(nbytes // 4, device_mesh=mesh, placements=[Partial()])
         x._session.sync()
 
@@ -616,7 +617,8 @@ def run_capture(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     plain, _ = llama_step_times(args.steps, "plain")
     sgd_plain, _ = llama_step_times(args.steps, "plain", "sgd")
-    dtorch.connect(workers=2)
+    os.environ.pop("DTORCH_LOCAL_DEVICE", None)  # CPU workers whatever --device: the client's capture against plain
+    dtorch.connect(workers=2)                    # torch on this CPU, on a mesh of "cpu" devices
     try:
         eager, eager_losses = llama_step_times(args.steps, "eager")
         captured, captured_losses = llama_step_times(args.steps, "compiled")
