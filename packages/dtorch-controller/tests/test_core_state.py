@@ -119,3 +119,24 @@ def test_a_drain_whose_copy_fails_is_answered_failed_and_the_worker_keeps_its_de
     reply = h.replies[rid]
     assert not reply.ok and "the copy to" in reply.message and "refused" in reply.message
     assert s.devices[1] == victim and s.state == "open"
+
+
+def test_a_failed_drain_puts_its_worker_back_into_service(make_harness):
+    """WORKER_TABLE: draining --drain_failed--> alive. A drain that fails leaves the worker where it was, taking new
+    devices again (a worker left draining would take none until it restarts), and the operator is told so."""
+    h, ids, sid, s = setup(make_harness, workers=2, every=0)
+    victim = s.devices[1]
+    h.take_sent()
+    rid, _ = h.ask(ev.Drain, m.DrainRequest(worker=victim))
+    assert h.core.workers[victim].state == "draining"
+    (e,) = [e for e in h.take_sent() if e.worker_id == victim]
+    h.report(victim, errors={sid: [m.ErrorReport(op="copy shards", src="", message="refused", seq=e.execute.seq,
+                                                 kind=m.ErrorKind.COPY)]})
+    h.report_all()
+    assert not h.replies[rid].ok and h.replies[rid].message.endswith(f"; {victim} takes new devices again")
+    assert h.core.workers[victim].state == "alive"
+    assert h.call(ev.CloseSession, m.CloseSession(session=sid)).ok
+    h.report_all()
+    other = h.open_session("next")
+    placed = h.open_mesh(other, 1, [0, 1])  # both workers: the drained one too
+    assert placed.placed and h.core.workers[victim].address in placed.locations.values()

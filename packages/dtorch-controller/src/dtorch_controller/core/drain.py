@@ -9,7 +9,9 @@ Rules:
 2. Phases (`state.DRAIN_TABLE`): moving, until every move of the drain is over; protecting, until every session
    whose copies (snapshots, uploads) or devices sat on the worker took a new snapshot elsewhere (forced); then it
    is released: fenced like a lost worker (`release` in `state.WORKER_TABLE`), it exits. Nothing is lost.
-3. A drain fails when one of its moves fails or the worker is lost meanwhile; the operator is told why.
+3. A drain fails when one of its moves fails or the worker is lost meanwhile; the operator is told why. A worker
+   whose drain failed serves again (`drain_failed` in `state.WORKER_TABLE`): what moved stays moved, the rest
+   stays on it, and it takes new devices; the operator may drain it again.
 4. Every Drain request gets exactly one reply: when done, or at its timeout (the drain goes on).
 """
 
@@ -111,8 +113,13 @@ class Drains:
             w = self.cluster.workers.get(worker_id)
             if job.failed or w is None or w.state == st.LOST:
                 del self.jobs[worker_id]
-                self._answer(step, job, ok=False, message=f"drain of {worker_id} failed: "
-                                                          f"{job.failed or 'the worker is gone'}")
+                why = f"drain of {worker_id} failed: {job.failed or 'the worker is gone'}"
+                if w is not None and w.state == st.DRAINING:  # rule 3: back in service
+                    w.state = st.step(st.WORKER_TABLE, w.state, st.DRAIN_FAILED)
+                    step.apply(self.sched.worker_changed(step.now, w))
+                    why += f"; {worker_id} takes new devices again"
+                    step.note(why)
+                self._answer(step, job, ok=False, message=why)
                 continue
             if job.phase == st.DrainPhase.MOVING:
                 if job.pending:

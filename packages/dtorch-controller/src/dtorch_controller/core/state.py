@@ -14,7 +14,8 @@ Rules (in the spirit of h11's `_state.py`):
 4. Only `alive` workers receive new logical devices. `suspect` workers keep theirs and still get
    commands: one missed heartbeat is not a fault.
 5. A drained worker is released through `lost` (event `release`): fenced like a dead one, but only once
-   nothing of any session is left on it (drain.py).
+   nothing of any session is left on it (drain.py). A drain that fails puts its worker back to `alive` (event
+   `drain_failed`): it keeps what did not move and takes new devices again, as before the drain.
 6. A session whose worker was lost is `recovering` while its shards are rebuilt (its batches are held);
    one whose logical device is being moved is `migrating` (held too). `degraded` means data was lost for
    good: the client was told at a sync point, and no later loss is recovered.
@@ -40,7 +41,7 @@ from typing import TypeVar
 
 ALIVE = "alive"  # heard from within the suspect window
 SUSPECT = "suspect"  # silent for a while, not yet declared lost
-DRAINING = "draining"  # leaving on purpose: keeps its tensors, gets no new devices (used by a later issue)
+DRAINING = "draining"  # leaving on purpose: keeps its tensors, gets no new devices (drain.py)
 LOST = "lost"  # declared dead and fenced
 
 REPORT = "report"  # a heartbeat/completion report arrived
@@ -49,13 +50,14 @@ TIMEOUT = "timeout"  # no report for Config.heartbeat_timeout_s
 UNREACHABLE = "unreachable"  # the adapter could not deliver a command batch
 DRAIN = "drain"  # an operator asked the worker to leave
 RELEASE = "release"  # a draining worker holds nothing any more: it leaves (fenced, it exits)
+DRAIN_FAILED = "drain_failed"  # its drain failed: it serves as before
 
 _GONE = {TIMEOUT: LOST, UNREACHABLE: LOST}
 
 WORKER_TABLE: Mapping[str, Mapping[str, str]] = {
     ALIVE: {REPORT: ALIVE, SILENT: SUSPECT, DRAIN: DRAINING, **_GONE},
     SUSPECT: {REPORT: ALIVE, SILENT: SUSPECT, DRAIN: DRAINING, **_GONE},
-    DRAINING: {REPORT: DRAINING, SILENT: DRAINING, DRAIN: DRAINING, RELEASE: LOST, **_GONE},
+    DRAINING: {REPORT: DRAINING, SILENT: DRAINING, DRAIN: DRAINING, RELEASE: LOST, DRAIN_FAILED: ALIVE, **_GONE},
     LOST: {},
 }
 
