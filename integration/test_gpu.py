@@ -10,6 +10,8 @@ Scenarios run in their own processes (integration/_gpu_run.py, _fault_run.py), s
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -19,12 +21,8 @@ pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_cuda = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device: torch sees none on this machine")
 needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices: this machine has {GPUS}")
-try:  # the Llama scenarios' model (an offline GPU image may lack it: integration/gpu_offline.sh)
-    import transformers  # noqa: F401
-    HAS_TRANSFORMERS = True
-except ImportError:
-    HAS_TRANSFORMERS = False
-needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers: not installed here")
+needs_transformers = pytest.mark.skipif(  # the Llama scenarios' model: an offline GPU image may lack it
+    importlib.util.find_spec("transformers") is None, reason="needs transformers: not installed here")
 TOL = 1e-4  # CUDA kernels round differently from the CPU's
 
 
