@@ -46,7 +46,7 @@ except ImportError:  # --core needs neither torch nor the client
 
 
 def worker_pid(worker_id: str) -> int:
-    cluster = runtime._cluster
+    cluster = runtime.get_session().cluster
     for i, proc in enumerate(cluster.procs[1:]):
         text = (cluster.dir / f"worker{i}.log").read_text(errors="replace")
         if re.search(rf"dtorch-worker {worker_id} on", text):

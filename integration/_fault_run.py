@@ -32,7 +32,7 @@ from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 
 def worker_pids() -> dict[str, int]:
     """Worker id -> pid of the embedded cluster's worker processes (from their logs)."""
-    cluster = runtime._cluster
+    cluster = runtime.get_session().cluster
     out = {}
     for i, proc in enumerate(cluster.procs[1:]):
         text = (cluster.dir / f"worker{i}.log").read_text(errors="replace")
@@ -186,7 +186,7 @@ def main() -> None:
                              "moves": [{"from": mv.from_worker, "to": mv.to_worker, "devices": mv.devices,
                                         "bytes": mv.bytes, "downtime_s": mv.downtime_s} for mv in reply.moves]}
     if args.mode == "stop":  # woken up, the fenced worker learns it was declared lost and exits
-        proc = next(p for p in runtime._cluster.procs if p.pid == info["pid"])
+        proc = next(p for p in runtime.get_session().cluster.procs if p.pid == info["pid"])
         os.kill(info["pid"], signal.SIGCONT)
         try:
             info["exit_code"] = proc.wait(20)
@@ -194,7 +194,7 @@ def main() -> None:
             info["exit_code"] = None
     status = dtorch.status()
     info["events"] = status.events
-    cluster = runtime._cluster  # None with --controller: the workers' logs are not ours to read
+    cluster = runtime.get_session().cluster  # None with --controller: the workers' logs are not ours to read
     info["worker_warnings"] = [line for i in range(len(cluster.procs) - 1)
                                for line in (cluster.dir / f"worker{i}.log").read_text(errors="replace")
                                .splitlines() if "WARNING" in line] if cluster is not None else []

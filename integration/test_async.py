@@ -16,7 +16,7 @@ from dtorch import Partial, Shard, runtime
 def test_ops_return_while_workers_are_frozen(cluster, mesh1, monkeypatch):
     """No round trip per op: with the workers stopped, 200 ops return, and the user's thread made no call at all
     (the sender thread ships the batches)."""
-    workers = runtime._cluster.procs[1:]
+    workers = runtime.get_session().cluster.procs[1:]
     x = dtorch.ones(64, 64, device_mesh=mesh1, placements=[Shard(0)])
     (x + 1).to_torch()  # placed, and the op's plan cached: planning is a one-time cost per signature
     session = runtime.get_session()

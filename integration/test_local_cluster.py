@@ -56,6 +56,25 @@ def test_embedded_cluster_dies_with_a_killed_client():
     assert _children_of(proc.pid) == []
 
 
+def test_a_with_block_closes_its_session_and_stops_its_cluster():
+    code = """
+import os, torch, dtorch
+with dtorch.connect(workers=1) as s:
+    x = torch.arange(6.0).reshape(2, 3)
+    d = dtorch.distribute_tensor(x, dtorch.DeviceMesh("cpu", [0, 1]), [dtorch.Shard(0)])
+    assert torch.equal((d * 2).full_tensor(), x * 2)
+    procs = list(s.cluster.procs)
+    print("inside", len(procs), flush=True)
+print("closed", s.closed, all(p.poll() is not None for p in procs), flush=True)
+y = dtorch.distribute_tensor(x, dtorch.DeviceMesh("cpu", [0, 1]), [dtorch.Shard(1)])  # a new default session
+print("again", torch.equal(y.full_tensor(), x), dtorch.runtime.get_session() is not s, flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env={k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["inside 2", "closed True True", "again True True"]
+
+
 @pytest.fixture
 def standalone_cluster(tmp_path):
     keys = Keys.make(tmp_path)

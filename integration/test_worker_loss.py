@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     u = dtorch.distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])  # its backups are copied in the background
     u.add_(1)  # an in-place write right after: the backups keep the uploaded values
     assert torch.equal(x.to_torch(), torch.full((8, 4), 3.0))
-    os.kill(runtime._cluster.procs[2].pid, signal.SIGKILL)
+    os.kill(runtime.get_session().cluster.procs[2].pid, signal.SIGKILL)
     time.sleep(0.1)
     y = x * 2 + u
     t0 = time.monotonic()
@@ -78,7 +78,7 @@ KEPT = textwrap.dedent("""
     time.sleep(0.5)
     (s,) = dtorch.status().sessions
     print("snapshot", s.snapshot_batch, s.snapshot_bytes, s.snapshot_copied_bytes)
-    os.kill(runtime._cluster.procs[2].pid, signal.SIGKILL)
+    os.kill(runtime.get_session().cluster.procs[2].pid, signal.SIGKILL)
     time.sleep(0.1)
     print("values", (w * 1).to_torch().sum().item(), p.to_torch().tolist(), q.to_torch().tolist())
 """)
@@ -112,7 +112,7 @@ ALIASED = textwrap.dedent("""
     for _ in range(4):
         v.add_(1.0)  # writes w's memory too, through an instruction that names only v
         (w * 1).to_torch()  # a batch each: a snapshot after each (DTORCH_SNAPSHOT_BATCHES=1)
-    os.kill(runtime._cluster.procs[2].pid, signal.SIGKILL)
+    os.kill(runtime.get_session().cluster.procs[2].pid, signal.SIGKILL)
     time.sleep(0.1)
     print("values", w.to_torch().unique().tolist(), v.to_torch().unique().tolist())
     v.add_(1.0)

@@ -3,6 +3,7 @@
     dtorch.connect("host:50051")     # explicit; otherwise the first DTensor connects lazily
     dtorch.status()                  # workers, sessions, live tensors and bytes per worker
     dtorch.shutdown()                # also runs at exit
+    with dtorch.connect(workers=4) as s: ...   # closed (and its local cluster stopped) when the block ends
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dtorch_protocol.tls import Tls
 
 _lock = threading.RLock()
 _session: Session | None = None
-_cluster: LocalCluster | None = None
 
 
 def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca: str | None = None,
@@ -41,23 +41,25 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
     `auto_compile`: a step that repeats (the ops between two sync points or uploads) is recorded once and then
     replayed (`dtorch.auto_compile`).
     """
-    global _session, _cluster
+    global _session
     with _lock:
         shutdown()
         address = controller or os.environ.get("DTORCH_CONTROLLER")
-        tls = None
+        tls, cluster = None, None
         if not address:
             n = workers if workers is not None else env_int("DTORCH_LOCAL_WORKERS", 2)
-            _cluster = LocalCluster(n, device=os.environ.get("DTORCH_LOCAL_DEVICE", "cpu"))
-            address, api_key = _cluster.address, _cluster.api_key
+            cluster = LocalCluster(n, device=os.environ.get("DTORCH_LOCAL_DEVICE", "cpu"))
+            address, api_key = cluster.address, cluster.api_key
         else:
             tls = Tls.load(ca=tls_ca)
         try:
             _session = Session(address, api_key, tls=tls, name=name, priority=priority, kind=kind,
                                memory_cap=memory_cap, min_devices=min_devices, expected_steps=expected_steps)
         except BaseException:
-            shutdown()
+            if cluster is not None:
+                cluster.stop()
             raise
+        _session.cluster = cluster
         if auto_compile:
             AutoSteps(_session).arm()
         return _session
@@ -65,7 +67,7 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
 
 def get_session() -> Session:
     with _lock:
-        return _session if _session is not None else connect()
+        return _session if _session is not None and not _session.closed else connect()
 
 
 def status() -> m.StatusReply:
@@ -98,14 +100,11 @@ def _admin(method: str, request: m.DrainRequest | m.MigrateRequest) -> m.AdminRe
 
 def shutdown() -> None:
     """Close the default session and stop the local cluster, if this process started one."""
-    global _session, _cluster
+    global _session
     with _lock:
         if _session is not None:
             _session.close()
             _session = None
-        if _cluster is not None:
-            _cluster.stop()
-            _cluster = None
 
 
 atexit.register(shutdown)

@@ -48,6 +48,7 @@ from dtorch_protocol.tls import Tls
 if TYPE_CHECKING:
     from dtorch._spec import Spec
     from dtorch.device_mesh import DeviceMesh
+    from dtorch.local_cluster import LocalCluster
 
 
 class Session:
@@ -94,6 +95,7 @@ class Session:
         self._marks = itertools.count(1)  # read marks (InstrRead)
         self.reads = {"early": 0, "after_sync": 0}  # how this session's fetches got their values
         self._closed = False
+        self.cluster: LocalCluster | None = None  # the local cluster started for this session: close() stops it
         self.step: Any = None  # automatic capture or the compiled step running now (dtorch._capture): told of sync
         # points, uploads and flushes
         self._programs = itertools.count(1)
@@ -218,7 +220,20 @@ class Session:
             self._data.learn({}, mine.caps)
         return reply
 
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """`with dtorch.connect(...) as s:` closes the session when the block ends (and the local cluster started
+        for it, if any); the next DTensor opens a new default session."""
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        """Free the session's tensors on the cluster and stop the local cluster started for it, if any."""
         if self._closed:
             return
         if self.step is not None:  # a replay sends what it matched, automatic capture stops (dtorch._capture)
@@ -235,3 +250,5 @@ class Session:
         self._fetches.shutdown(wait=False, cancel_futures=True)
         self._early.shutdown(wait=False, cancel_futures=True)
         self.stub.close()
+        if self.cluster is not None:
+            self.cluster.stop()
