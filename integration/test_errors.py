@@ -32,6 +32,18 @@ def test_worker_op_error_surfaces_at_next_sync_with_source_line(mesh1):
     assert torch.equal((x * 0).to_torch(), torch.zeros(4, 4))
 
 
+def test_synchronize_waits_for_the_ops_issued_and_raises_their_error(mesh1):
+    x = dtorch.distribute_tensor(torch.randn(4, 4), mesh1, [Replicate()])
+    dtorch.synchronize()  # nothing failed: returns
+    idx = dtorch.distribute_tensor(torch.tensor([0, 9]), mesh1, [Replicate()])
+    bad = torch.index_select(x, 0, idx)  # noqa: F841  (the failing line)
+    line = sys._getframe().f_lineno - 1
+    with pytest.raises(RemoteOpError, match=rf"aten.index_select.*test_errors.py:{line}"):
+        dtorch.synchronize()  # no value read: the error comes all the same
+    dtorch.synchronize()  # told once
+    assert torch.equal((x * 0).to_torch(), torch.zeros(4, 4))
+
+
 def test_bad_placements_and_meshes_are_one_line_errors(mesh1):
     with pytest.raises(ValueError, match="placements for a 1-d mesh"):
         dtorch.zeros(4, device_mesh=mesh1, placements=[Shard(0), Shard(0)])

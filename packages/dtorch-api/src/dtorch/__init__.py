@@ -33,6 +33,7 @@ _LAZY = {
     "connect": "dtorch.runtime",
     "shutdown": "dtorch.runtime",
     "status": "dtorch.runtime",
+    "synchronize": "dtorch.runtime",
     "drain": "dtorch.runtime",
     "migrate": "dtorch.runtime",
     "compile": "dtorch.steps",

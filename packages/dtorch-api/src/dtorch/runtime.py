@@ -2,6 +2,7 @@
 
     dtorch.connect("host:50051")     # explicit; otherwise the first DTensor connects lazily
     dtorch.status()                  # workers, sessions, live tensors and bytes per worker
+    dtorch.synchronize()             # wait for every op issued so far (raises the first op error)
     dtorch.shutdown()                # also runs at exit
     with dtorch.connect(workers=4) as s: ...   # closed (and its local cluster stopped) when the block ends
 """
@@ -68,6 +69,13 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
 def get_session() -> Session:
     with _lock:
         return _session if _session is not None and not _session.closed else connect()
+
+
+def synchronize() -> None:
+    """Wait until the workers have run every op issued so far (ops return at once and run in the background, as on a
+    CUDA stream); raises the first op error, naming the op and your source line. Like `torch.cuda.synchronize()`: for
+    timing, and to surface errors at a point of your choosing."""
+    get_session().sync()
 
 
 def status() -> m.StatusReply:
