@@ -66,13 +66,18 @@ with dtorch.connect(workers=1) as s:
     procs = list(s.cluster.procs)
     print("inside", len(procs), flush=True)
 print("closed", s.closed, all(p.poll() is not None for p in procs), flush=True)
+for use in (lambda: d.to_torch(), lambda: print(d + 1), lambda: d.sum().item()):  # the early read's pool is shut
+    try:
+        use()
+    except dtorch.DTorchError as e:
+        print("refused", "was closed" in str(e) and "\\n" not in str(e), flush=True)
 y = dtorch.distribute_tensor(x, dtorch.DeviceMesh("cpu", [0, 1]), [dtorch.Shard(1)])  # a new default session
 print("again", torch.equal(y.full_tensor(), x), dtorch.runtime.get_session() is not s, flush=True)
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
                           env={k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split("\n")[:3] == ["inside 2", "closed True True", "again True True"]
+    assert proc.stdout.split("\n")[:6] == ["inside 2", "closed True True", *["refused True"] * 3, "again True True"]
 
 
 @pytest.fixture

@@ -200,7 +200,8 @@ def test_a_closed_stream_says_so_at_the_next_sync_instead_of_a_transport_error(c
     s = Stream(controller, "s6", "ctl:1")
     s.close()
     s.emit(create(1))  # an op on a tensor of the closed session
-    with pytest.raises(ClusterError, match=r"session s6 was closed \(dtorch.shutdown\(\)\)"):
+    with pytest.raises(ClusterError, match=r"session s6 was closed \(dtorch.shutdown\(\), or the end of its `with "
+                                           r"dtorch.connect\(\)` block\)"):
         list(s.sync(1.0))
     assert not [name for name, _ in controller.calls if name in ("Submit", "Sync")]
 

@@ -17,7 +17,8 @@ Rules:
      `keepalive_s` when the controller asks for one (0: never).
   5. `sync` flushes, then asks the controller until every worker executed everything sent (bounded); op
      errors of the session are raised there, the first one with the op and the user's source line.
-  6. A closed stream (`close`, at `dtorch.shutdown()`) sends nothing more: a flush or sync raises that it was closed.
+  6. A closed stream (`close`, at `dtorch.shutdown()` or the end of a `with dtorch.connect()` block) sends nothing
+     more: a flush or sync raises that it was closed (`check_open`; the session's reads and uploads ask it first).
   7. A blocking sync (`carry`, the user thread's) sends its last batch inside its first `Sync` (protocol 1.7:
      one call instead of a Submit and a Sync) and holds the send lock until that call returns, so no later batch
      can reach the controller first (it refuses batches out of order). Meanwhile the sender thread skips its
@@ -99,9 +100,7 @@ class Stream:
         """Submit what is queued (the send lock held); with `keep_last`, the last batch is returned unsent."""
         if self._broken is not None:
             raise self._broken
-        if self._closed:
-            raise ClusterError(f"session {self.session[:8]} was closed (dtorch.shutdown()): its tensors are gone; "
-                               "dtorch.connect() again and make them anew")
+        self.check_open()
         dead = _drain(self._dead)  # before the queue: every use of a dead tid is already queued
         try:
             instrs = [i if type(i) is not tuple else i[0](i) for i in _drain(self._queue)]
@@ -160,6 +159,11 @@ class Stream:
     @property
     def broken(self) -> bool:
         return self._broken is not None
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClusterError(f"session {self.session[:8]} was closed (dtorch.shutdown(), or the end of its `with "
+                               "dtorch.connect()` block): its tensors are gone; make them anew in an open session")
 
     def close(self) -> None:
         """Stop the sender thread (after the caller's last flush)."""

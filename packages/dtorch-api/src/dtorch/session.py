@@ -173,7 +173,7 @@ class Session:
 
     def _read_early(self, tid: int, spec: Spec) -> Future | None:
         """Mark the read in the stream and start pulling with that mark (module doc); None when it cannot."""
-        if not self.early_reads or self._stream.broken or (self._early_read is not None
+        if not self.early_reads or self._closed or self._stream.broken or (self._early_read is not None
                                                             and not self._early_read.done()):
             return None
         if self.step is not None:
@@ -185,6 +185,7 @@ class Session:
 
     def fetch_async(self, tid: int, spec: Spec) -> Future:
         """`fetch` in the background, in call order (the tensor should not change meanwhile)."""
+        self._stream.check_open()
         if self.step is not None:
             self.step.interrupt("a sync point")
         return self._fetches.submit(self.fetch, tid, spec, False)  # the user thread goes on streaming
@@ -192,6 +193,7 @@ class Session:
     # ------------------------------------------------------------------ uploads
     def upload(self, tensor: torch.Tensor, spec: Spec) -> int:
         """Write each device's shard of `tensor` straight to its worker; returns the new tensor id."""
+        self._stream.check_open()
         if self.step is not None:
             self.step.interrupt("an upload")
         self.ensure_mesh(spec.mesh)
