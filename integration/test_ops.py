@@ -166,6 +166,28 @@ def test_in_place_op_whose_input_had_to_move_is_written_back(mesh4, dim):
     assert_same(view, a.cumsum(dim)[:, 1:3] if dim == 0 else a.cumsum(dim)[2:5])
 
 
+@pytest.mark.parametrize("layout", [Replicate(), Shard(0), Shard(1)])
+def test_batch_norm_training_updates_its_running_statistics_as_torch(mesh4, layout):
+    """native_batch_norm writes running_mean and running_var in place without saying so in its schema
+    (dtorch_protocol.writes): with the channels sharded (Shard(1)) the statistics that had to move are copied back,
+    so they follow torch's; with them still plain tensors the op refuses, rather than updating a copy."""
+    torch.manual_seed(0)
+    ref = torch.nn.BatchNorm1d(6)
+    mean, var = dist(torch.zeros(6), mesh4, Replicate()), dist(torch.ones(6), mesh4, Replicate())
+    for i in range(3):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(i))
+        want = ref(x)
+        got = F.batch_norm(dist(x, mesh4, layout), mean, var, training=True, momentum=0.1)
+        assert_same(got, want, exact=False)
+    assert_same(mean, ref.running_mean, exact=False)
+    assert_same(var, ref.running_var, exact=False)
+    with torch.no_grad():  # evaluation reads the statistics only: plain ones are fine there
+        assert_same(F.batch_norm(dist(x, mesh4, layout), ref.running_mean, ref.running_var, training=False),
+                    F.batch_norm(x, ref.running_mean, ref.running_var, training=False), exact=False)
+    with pytest.raises(NotImplementedError, match="would write into the plain torch.Tensor 'running_mean'"):
+        F.batch_norm(dist(x, mesh4, layout), torch.zeros(6), torch.ones(6), training=True)
+
+
 def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):
     """Random in-place ops draw into a fresh copy that is copied into x; draws of one value are not random."""
     base = dist(torch.zeros(4, 6), mesh4, Shard(0))

@@ -99,6 +99,40 @@ def test_a_snapshot_keeps_the_copies_of_unwritten_tensors_and_a_loss_restores_th
     assert values == f"values {float(sum(range(4096)))} {[7.0] * 8} {[6.0] * 8}"
 
 
+BATCH_NORM = textwrap.dedent("""
+    import os, signal, time
+    import torch
+    import dtorch
+    from dtorch import Shard, runtime
+    from dtorch.nn import replicate_module
+
+    dtorch.connect(workers=2)
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    torch.manual_seed(0)
+    ref, bn = torch.nn.BatchNorm1d(4), replicate_module(torch.nn.BatchNorm1d(4), mesh)
+    for i in range(6):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+        ref(x)
+        bn(dtorch.distribute_tensor(x, mesh, [Shard(0)])).sum().to_torch()  # a batch each: a snapshot after each
+    time.sleep(0.5)
+    os.kill(runtime.get_session().cluster.procs[2].pid, signal.SIGKILL)
+    time.sleep(0.1)
+    print(torch.allclose(bn.running_mean.to_torch(), ref.running_mean, atol=1e-6),
+          torch.allclose(bn.running_var.to_torch(), ref.running_var, atol=1e-6), bn.num_batches_tracked.item())
+""")
+
+
+def test_a_batch_norms_running_statistics_survive_a_loss():
+    """BatchNorm's kernel writes its running statistics in place, unmarked in its schema (dtorch_protocol.writes):
+    each batch tells the controller they changed, so a snapshot copies them anew instead of keeping the first
+    batch's copies (lineage.py rule 5), and after a SIGKILL they have torch's values."""
+    out = subprocess.run([sys.executable, "-c", BATCH_NORM], capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"},
+                              "DTORCH_SNAPSHOT_BATCHES": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "6"]
+
+
 ALIASED = textwrap.dedent("""
     import os, signal, time
     import torch

@@ -12,6 +12,7 @@ import torch
 from dtorch_protocol import messages as m
 from dtorch_protocol import wire
 from dtorch_protocol.values import decode_value, encode_value, tensor_from_bytes, tensor_to_bytes
+from dtorch_protocol.writes import UNDECLARED_WRITES, undeclared_writes
 
 
 def test_round_trip_of_an_instruction_batch():
@@ -153,3 +154,18 @@ def test_chunks_stay_below_the_message_limit():
     assert [len(p) for p in parts] == [wire.CHUNK_BYTES, wire.CHUNK_BYTES, 5]
     assert wire.CHUNK_BYTES < wire.MAX_MESSAGE_BYTES
     assert [len(p) for p in wire.chunks(b"")] == [0]
+
+
+def test_undeclared_writes_name_real_arguments_torch_does_not_mark():
+    for op, (written, flag) in UNDECLARED_WRITES.items():
+        _aten, name, overload = op.split(".")
+        schema = getattr(getattr(torch.ops.aten, name), overload)._schema
+        args = {a.name: a for a in schema.arguments}
+        assert flag in args and all(w in args and args[w].alias_info is None for w in written), op
+    names = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
+    op = "aten.native_batch_norm.default"
+    assert undeclared_writes(op, names, [None] * 5 + [True, 0.1, 1e-5]) == {"running_mean", "running_var"}
+    assert undeclared_writes(op, names, [None] * 5 + [False, 0.1, 1e-5]) == frozenset()
+    assert undeclared_writes(op, names, [None] * 5, {"training": True}) == {"running_mean", "running_var"}
+    assert undeclared_writes(op, names) == {"running_mean", "running_var"}  # no args: whatever it may write
+    assert undeclared_writes("aten.add_.Tensor", ["self", "other", "alpha"], []) == frozenset()

@@ -476,3 +476,11 @@ def test_a_read_that_never_comes_delays_the_write_only_up_to_the_timeout(watched
         assert torch.equal(watched.get((S, 1, 0)), torch.full((2,), 2.0))
     finally:
         ex.stop()
+
+
+def test_written_args_include_a_batch_norms_running_statistics():
+    """native_batch_norm's schema leaves running_mean and running_var unmarked, yet it writes them (training): the
+    worker orders that write after the reads in flight, as for any in-place op (dtorch_protocol.writes)."""
+    assert executor_module.written_args(torch.ops.aten.native_batch_norm.default) == ((3, "running_mean"),
+                                                                                      (4, "running_var"))
+    assert executor_module.written_args(torch.ops.aten.add_.Tensor) == ((0, "self"),)

@@ -21,6 +21,7 @@ _LAZY = {
     "init_device_mesh": "dtorch.device_mesh",
     "DTensor": "dtorch.dtensor",
     "distribute_tensor": "dtorch.factories",
+    "distribute_module": "dtorch.nn",
     "rand": "dtorch.factories",
     "randn": "dtorch.factories",
     "zeros": "dtorch.factories",

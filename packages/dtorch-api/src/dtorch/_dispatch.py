@@ -201,7 +201,7 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     ref = next((v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, dtensor.DTensor)), None)
     if ref is None:
         raise TypeError("no DTensor among the arguments")
-    for pos, name in writes(func):
+    for pos, name in writes(func, args, kwargs):
         value = args[pos] if pos < len(args) else kwargs.get(name)
         if any(isinstance(v, torch.Tensor) and not isinstance(v, dtensor.DTensor) for v in pytree.tree_leaves(value)):
             raise NotImplementedError(f"dtorch: {func} would write into the plain torch.Tensor {name!r}; "

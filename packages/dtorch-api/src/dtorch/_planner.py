@@ -44,6 +44,7 @@ from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords
 from dtorch_protocol.placement_types import Partial, Replicate
 from dtorch_protocol.values import encode_value
+from dtorch_protocol.writes import undeclared_writes
 
 WORKER_NAMESPACES = ("aten", "prims")  # what workers run (dtorch_worker.ops); other ops take the local route
 # Why an op runs on the client (the sync and local routes; docs/architecture.md has the table of such ops):
@@ -150,24 +151,29 @@ def is_inplace(func: Any) -> bool:
 
 
 def _written_leaves(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
-    """Indices (in DTensor-leaf order) of the tensors `func` writes: `add_`'s self, `out=`, `_foreach_*_` lists."""
+    """Indices (in DTensor-leaf order) of the tensors `func` writes: `add_`'s self, `out=`, `_foreach_*_` lists,
+    a training batch norm's running statistics."""
     schema = {a.name: a for a in func._schema.arguments}
     positional = func._schema.arguments
+    names = {name for _i, name in writes(func, args, kwargs)}
     written, index = set(), 0
     named = [(positional[i] if i < len(positional) else None, v) for i, v in enumerate(args)]
     named += [(schema.get(k), v) for k, v in kwargs.items()]
     for arg, value in named:
         n = sum(isinstance(x, Spec) for x in pytree.tree_leaves(value))
-        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
+        if arg is not None and arg.name in names:
             written.update(range(index, index + n))
         index += n
     return frozenset(written)
 
 
-def writes(func: Any) -> list[tuple[int, str]]:
-    """(position, name) of the arguments `func` writes (self of in-place ops, out=)."""
-    return [(i, a.name) for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write]
+def writes(func: Any, args: tuple | None = None, kwargs: dict | None = None) -> list[tuple[int, str]]:
+    """(position, name) of the arguments `func` writes: those its schema marks (self of in-place ops, out=), and
+    those it writes unmarked (`dtorch_protocol.writes`) with these args (without args: any it may write)."""
+    arguments = func._schema.arguments
+    unmarked = undeclared_writes(str(func), [a.name for a in arguments], args, kwargs)
+    return [(i, a.name) for i, a in enumerate(arguments)
+            if a.alias_info is not None and a.alias_info.is_write or a.name in unmarked]
 
 
 _out_names: dict[Any, tuple[str, ...]] = {}

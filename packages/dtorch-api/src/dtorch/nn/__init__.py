@@ -2,6 +2,7 @@
 
 from dtorch.nn.api import (
     copy_weights,
+    distribute_module,
     fully_shard,
     microbatch_forward,
     parallelize_module,
@@ -20,6 +21,7 @@ from dtorch.nn.style import (
     SequenceParallel,
 )
 
-__all__ = ["parallelize_module", "replicate_module", "fully_shard", "place_on_mesh", "microbatch_forward",
-           "copy_weights", "to_layout", "llama_tp_plan", "moe_ep_plan", "ParallelStyle", "ColwiseParallel",
-           "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ExpertParallel"]
+__all__ = ["distribute_module", "parallelize_module", "replicate_module", "fully_shard", "place_on_mesh",
+           "microbatch_forward", "copy_weights", "to_layout", "llama_tp_plan", "moe_ep_plan", "ParallelStyle",
+           "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+           "ExpertParallel"]

@@ -1,5 +1,7 @@
 """Parallelism as configuration: lay out an unmodified nn.Module's parameters and activations on a mesh.
 
+* `distribute_module(module, mesh, partition_fn, input_fn, output_fn)`: torch's lowest-level module API, each
+  submodule laid out by a function of the user's, the rest replicated, inputs and outputs converted by hooks.
 * `parallelize_module(module, mesh, plan)`: tensor parallelism by ParallelStyle (torch's names), expert
   parallelism by `ExpertParallel`; every parameter and buffer not named by the plan is replicated, so the
   whole model runs on the mesh. One plan per mesh dim: call it once per dim (`tp_mesh_dim`).
@@ -18,7 +20,8 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -130,6 +133,35 @@ def _replicate_own(mod: nn.Module, mesh: DeviceMesh, keep: Any) -> None:
         if b is not None and not keep(b):
             mod.register_buffer(name, _distribute(b, mesh, replicate),
                                 persistent=name not in mod._non_persistent_buffers_set)
+
+
+def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                      partition_fn: Callable[[str, nn.Module, DeviceMesh], None] | None = None,
+                      input_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
+                      output_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None) -> nn.Module:
+    """`torch.distributed.tensor.distribute_module`: `partition_fn(name, submodule, mesh)` lays out each submodule's
+    own parameters (registering DTensor parameters, as with torch), and every parameter and buffer it leaves plain is
+    replicated; `input_fn(module, inputs, mesh)` runs before each forward and `output_fn(module, outputs, mesh)`
+    after it, their results replacing the inputs and outputs. Once per module."""
+    if device_mesh is None:
+        raise ValueError("distribute_module needs a device_mesh (DTorch keeps no current mesh)")
+    if getattr(module, "_distribute_module_applied", False):
+        raise RuntimeError("distribute_module should only be called once on a module, but it has already been "
+                           "called on this module")
+    for fn, what in ((input_fn, "input_fn(module, inputs, device_mesh)"),
+                     (output_fn, "output_fn(module, outputs, device_mesh)")):
+        if fn is not None and len(inspect.signature(fn).parameters) != 3:
+            raise ValueError(f"{what} takes 3 arguments; this one takes {len(inspect.signature(fn).parameters)}")
+    for name, submodule in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, submodule, device_mesh)
+        _replicate_own(submodule, device_mesh, keep=lambda t: isinstance(t, DTensor))
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, _inputs, outputs: output_fn(mod, outputs, device_mesh))
+    module._distribute_module_applied = True  # type: ignore[assignment]
+    return module
 
 
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,

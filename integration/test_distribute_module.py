@@ -1,0 +1,61 @@
+"""`dtorch.distribute_module`, torch's lowest-level module API: a partition function, the rest replicated, input
+and output hooks; a forward and a training step equal to plain torch's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtorch
+from dtorch import Replicate, Shard
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+
+def shard_first_linear(name: str, module: nn.Module, mesh: dtorch.DeviceMesh) -> None:
+    if name == "0":  # colwise: the output features split over the mesh
+        for key, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(key, nn.Parameter(dtorch.distribute_tensor(param.data, mesh, [Shard(0)])))
+
+
+def test_distribute_module_runs_and_trains_as_torch(mesh1):
+    ref, model = _model(), _model()
+    dmodel = dtorch.distribute_module(
+        model, mesh1, shard_first_linear,
+        input_fn=lambda _mod, inputs, mesh: tuple(dtorch.distribute_tensor(x, mesh, [Shard(0)]) for x in inputs),
+        output_fn=lambda _mod, outputs, mesh: outputs.redistribute(mesh, [Replicate()]))
+    assert dmodel is model
+    assert model[0].weight.placements == (Shard(0),) and model[0].bias.placements == (Shard(0),)
+    assert model[3].weight.placements == (Replicate(),)  # left plain by partition_fn: replicated
+    assert isinstance(model[2].running_mean, dtorch.DTensor)  # buffers too
+
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    opt, dopt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        out, dout = ref(x), model(x)  # a plain input: input_fn distributes it
+        assert isinstance(dout, dtorch.DTensor) and dout.placements == (Replicate(),)
+        torch.testing.assert_close(dout.full_tensor(), out, rtol=1e-5, atol=1e-6)
+        out.square().mean().backward()
+        dout.square().mean().backward()
+        opt.step(), dopt.step()
+        opt.zero_grad(), dopt.zero_grad()
+    for (name, p), dp in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(dp.full_tensor(), p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(model[2].running_mean.full_tensor(), ref[2].running_mean, rtol=1e-5, atol=1e-6)
+
+
+def test_distribute_module_refuses_a_second_call_and_bad_hooks(mesh1):
+    model = dtorch.distribute_module(nn.Linear(4, 4), mesh1)  # no partition_fn: all replicated
+    assert model.weight.placements == (Replicate(),)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        dtorch.distribute_module(model, mesh1)
+    with pytest.raises(ValueError, match=r"input_fn\(module, inputs, device_mesh\) takes 3 arguments; this one takes"):
+        dtorch.distribute_module(copy.deepcopy(nn.Linear(4, 4)), mesh1, input_fn=lambda inputs, mesh: inputs)
+    with pytest.raises(ValueError, match="needs a device_mesh"):
+        dtorch.distribute_module(nn.Linear(4, 4))

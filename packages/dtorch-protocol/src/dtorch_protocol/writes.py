@@ -1,0 +1,35 @@
+"""Ops that write arguments their schema does not mark as written (`Tensor(a!)`).
+
+The client's plans read an op's writes from its schema (a written argument that had to move is copied back, and
+the controller is told which tensors changed, for snapshots); the worker reads them to order a write after the
+reads in flight. A few kernels write more than their schema says: `native_batch_norm` (and the cudnn and miopen
+kernels behind `batch_norm` on GPUs) update `running_mean` and `running_var` in place while training, yet declare
+them `Tensor?` (`_native_batch_norm_legit` is the same op with an honest schema). Without this table a BatchNorm
+whose input is sharded over its channels trained with running statistics that never moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+UNDECLARED_WRITES: dict[str, tuple[tuple[str, ...], str]] = {  # op -> (arguments written, the flag they need)
+    "aten.native_batch_norm.default": (("running_mean", "running_var"), "training"),
+    "aten.cudnn_batch_norm.default": (("running_mean", "running_var"), "training"),
+    "aten.miopen_batch_norm.default": (("running_mean", "running_var"), "training"),
+}
+
+
+def undeclared_writes(op: str, names: Sequence[str], args: Sequence[Any] | None = None,
+                      kwargs: Mapping[str, Any] | None = None) -> frozenset[str]:
+    """The arguments `op` (named `names`, in schema order) writes beyond its schema, for these `args` and `kwargs`;
+    without args, every argument it may write."""
+    rule = UNDECLARED_WRITES.get(op)
+    if rule is None:
+        return frozenset()
+    written, flag = rule
+    if args is not None:
+        at = names.index(flag)
+        if not (args[at] if at < len(args) else (kwargs or {}).get(flag, False)):
+            return frozenset()
+    return frozenset(written)
