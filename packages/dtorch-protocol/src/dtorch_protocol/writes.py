@@ -3,8 +3,9 @@
 The client's plans read an op's writes from its schema (a written argument that had to move is copied back, and
 the controller is told which tensors changed, for snapshots); the worker reads them to order a write after the
 reads in flight. A few kernels write more than their schema says: `native_batch_norm` (and the cudnn and miopen
-kernels behind `batch_norm` on GPUs) update `running_mean` and `running_var` in place while training, yet declare
-them `Tensor?` (`_native_batch_norm_legit` is the same op with an honest schema). Without this table a BatchNorm
+kernels behind `batch_norm` on GPUs) update `running_mean` and `running_var` in place while training, and
+`batch_norm_update_stats` always, yet declare them `Tensor?` (`_native_batch_norm_legit` is the same op with an
+honest schema). Without this table a BatchNorm
 whose input is sharded over its channels trained with running statistics that never moved.
 """
 
@@ -13,10 +14,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-UNDECLARED_WRITES: dict[str, tuple[tuple[str, ...], str]] = {  # op -> (arguments written, the flag they need)
-    "aten.native_batch_norm.default": (("running_mean", "running_var"), "training"),
-    "aten.cudnn_batch_norm.default": (("running_mean", "running_var"), "training"),
-    "aten.miopen_batch_norm.default": (("running_mean", "running_var"), "training"),
+_STATS = ("running_mean", "running_var")
+UNDECLARED_WRITES: dict[str, tuple[tuple[str, ...], str]] = {  # op -> (arguments written, the flag that must be
+    # true for the write; "": always)
+    "aten.native_batch_norm.default": (_STATS, "training"),
+    "aten.native_batch_norm.out": (_STATS, "training"),
+    "aten.cudnn_batch_norm.default": (_STATS, "training"),
+    "aten.cudnn_batch_norm.out": (_STATS, "training"),
+    "aten.miopen_batch_norm.default": (_STATS, "training"),
+    "aten.miopen_batch_norm.out": (_STATS, "training"),
+    "aten.batch_norm_update_stats.default": (_STATS, ""),
+    "aten.batch_norm_update_stats.out": (_STATS, ""),
 }
 
 
@@ -28,7 +36,7 @@ def undeclared_writes(op: str, names: Sequence[str], args: Sequence[Any] | None 
     if rule is None:
         return frozenset()
     written, flag = rule
-    if args is not None:
+    if args is not None and flag:
         at = names.index(flag)
         if not (args[at] if at < len(args) else (kwargs or {}).get(flag, False)):
             return frozenset()
