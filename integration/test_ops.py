@@ -188,6 +188,38 @@ def test_batch_norm_training_updates_its_running_statistics_as_torch(mesh4, layo
         F.batch_norm(dist(x, mesh4, layout), torch.zeros(6), torch.ones(6), training=True)
 
 
+def test_a_small_cnn_trains_data_parallel_as_torch(mesh1):
+    """Conv2d, BatchNorm2d, max pooling and a Linear head, batch Shard(0), SGD with momentum: losses, parameters,
+    running statistics and the eval-mode output equal torch's. The first conv's backward leaves the input's
+    gradient undefined (`convolution_backward` with output_mask [False, True, True]): it keeps its place among the
+    op's outputs on the worker."""
+    import copy
+
+    from dtorch.nn import replicate_module
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10))
+    model = replicate_module(copy.deepcopy(ref), mesh1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    dopt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+        loss = F.cross_entropy(ref(x), y)
+        dloss = F.cross_entropy(model(dist(x, mesh1, Shard(0))), dist(y, mesh1, Shard(0)))
+        for one, o in ((loss, opt), (dloss, dopt)):
+            one.backward()
+            o.step()
+            o.zero_grad()
+        torch.testing.assert_close(dloss.item(), loss.item(), rtol=1e-5, atol=1e-6)
+    for (name, t), d in zip([*ref.named_parameters(), *ref.named_buffers()], [*model.parameters(), *model.buffers()]):
+        torch.testing.assert_close(d.full_tensor(), t.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    ref.eval(), model.eval()
+    x = torch.randn(4, 3, 8, 8, generator=g)
+    assert_same(model(dist(x, mesh1, Shard(0))), ref(x), exact=False)
+
+
 def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):
     """Random in-place ops draw into a fresh copy that is copied into x; draws of one value are not random."""
     base = dist(torch.zeros(4, 6), mesh4, Shard(0))

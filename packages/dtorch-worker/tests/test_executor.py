@@ -484,3 +484,11 @@ def test_written_args_include_a_batch_norms_running_statistics():
     assert executor_module.written_args(torch.ops.aten.native_batch_norm.default) == ((3, "running_mean"),
                                                                                       (4, "running_var"))
     assert executor_module.written_args(torch.ops.aten.add_.Tensor) == ((0, "self"),)
+
+
+def test_an_undefined_output_keeps_its_place():
+    """convolution_backward without the input's gradient returns (None, grad_weight, grad_bias): the client numbers
+    three outputs, the first one unused."""
+    t = torch.ones(1)
+    assert executor_module.flatten((None, t, [t, t])) == [None, t, t, t]
+    assert executor_module.flatten(None) == [] and executor_module.flatten(t) == [t]

@@ -112,11 +112,13 @@ def one_line(e: BaseException, limit: int = 500) -> str:
 
 
 def flatten(result: Any) -> list[Any]:
-    """An op result as the flat list of leaves the client numbers outputs by (pytree order)."""
+    """An op result as the flat list of outputs the client numbers (nested lists in order); an output torch leaves
+    undefined keeps its place as None (`convolution_backward` with `output_mask` [False, True, True]: no gradient
+    for the input), and an op that returns nothing has no outputs."""
     if isinstance(result, (tuple, list)):
         out: list[Any] = []
         for item in result:
-            out.extend(flatten(item))
+            out.extend(flatten(item) if isinstance(item, (tuple, list)) else [item])
         return out
     if result is None:
         return []
