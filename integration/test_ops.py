@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,8 +195,6 @@ def test_a_small_cnn_trains_data_parallel_as_torch(mesh1):
     running statistics and the eval-mode output equal torch's. The first conv's backward leaves the input's
     gradient undefined (`convolution_backward` with output_mask [False, True, True]): it keeps its place among the
     op's outputs on the worker."""
-    import copy
-
     from dtorch.nn import replicate_module
 
     torch.manual_seed(0)
@@ -218,6 +218,30 @@ def test_a_small_cnn_trains_data_parallel_as_torch(mesh1):
     ref.eval(), model.eval()
     x = torch.randn(4, 3, 8, 8, generator=g)
     assert_same(model(dist(x, mesh1, Shard(0))), ref(x), exact=False)
+
+
+@pytest.mark.parametrize("convert", ["bfloat16", "double"])
+def test_module_dtype_conversion_converts_the_shards(mesh1, convert):
+    """`nn.Module.to(dtype)`, `.double()`: torch sets `param.data` (and the gradient's) to the converted tensor, which
+    a DTensor's `data` setter adopts whole; before, the wrapper said the new dtype while its shards kept the old one
+    ("mat1 and mat2 must have the same dtype" at the next forward)."""
+    from dtorch.nn import replicate_module
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    model = replicate_module(copy.deepcopy(ref), mesh1)
+    x = torch.randn(6, 8)
+    model(dist(x, mesh1, Shard(0))).sum().backward()  # a gradient to convert as well
+    ref(x).sum().backward()
+    getattr(ref, convert)(), getattr(model, convert)()
+    dtype = getattr(torch, convert)
+    for p, d in zip(ref.parameters(), model.parameters()):
+        assert d.dtype == dtype and d.full_tensor().dtype == dtype and d.grad.full_tensor().dtype == dtype
+        assert torch.equal(d.full_tensor(), p.detach())
+        torch.testing.assert_close(d.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-6)  # summed over the batch
+    assert_same(model(dist(x.to(dtype), mesh1, Shard(0))), ref(x.to(dtype)), exact=False)
+    with pytest.raises(TypeError, match=r"cannot assign a plain Tensor to a DTensor's .data"):
+        model[0].weight.data = torch.zeros(16, 8, dtype=dtype)
 
 
 def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
+_BASE_DATA = torch._C.TensorBase.data  # the `data` attribute DTensor's own property wraps
 
 
 class DTensor(torch.Tensor):
@@ -57,6 +58,23 @@ class DTensor(torch.Tensor):
             self._session.release(self._tid)
         except AttributeError:  # never finished: nothing to free
             pass
+
+    @property
+    def data(self) -> torch.Tensor:
+        return _BASE_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`p.data = q`, as `nn.Module.to(dtype)`, `.half()` and `.double()` convert parameters and gradients: `p`
+        becomes `q` (its tensor id, layout, session and metadata; `q`'s release frees `p`'s old shards). torch's own
+        setter would change the metadata alone and leave `p` naming its old shards."""
+        if not isinstance(new, DTensor):
+            raise TypeError(f"cannot assign a plain {type(new).__name__} to a DTensor's .data; make it a DTensor first "
+                            "(dtorch.distribute_tensor)")
+        _BASE_DATA.__set__(self, new)
+        self._spec, new._spec = new._spec, self._spec
+        self._tid, new._tid = new._tid, self._tid
+        self._session, new._session = new._session, self._session
 
     def __copy__(self) -> DTensor:
         """`copy.copy`: as torch's, a tensor that shares the data (an alias on the workers: writes to either show in
