@@ -114,6 +114,31 @@ def test_another_architecture_gpt2_tensor_parallel(mesh1):
     torch.testing.assert_close(out.to_torch(), expected, **TOL)
 
 
+@pytest.mark.parametrize("layout", ["dp", "fsdp", "tp"])
+def test_tied_embeddings_stay_one_parameter_and_train_as_torch(mesh1, layout):
+    """GPT-2 ties its output projection to its input embedding: every layout keeps the one parameter (each use got a
+    copy of its own, trained apart: losses 3.6e-3 off torch's after three steps), and training follows torch's."""
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(cfg)
+    model = copy.deepcopy(ref)
+    lay_out = {"dp": lambda m: replicate_module(m, mesh1), "fsdp": lambda m: fully_shard(m, mesh1),
+               "tp": lambda m: parallelize_module(m, mesh1, {"lm_head": ColwiseParallel()})}[layout]
+    lay_out(model)
+    assert len(list(model.parameters())) == len(list(ref.parameters()))
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(0))
+    dids = dtorch.distribute_tensor(ids, mesh1, [Replicate() if layout == "tp" else Shard(0)])
+    opt, dopt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        for m, o, x in ((ref, opt, ids), (model, dopt, dids)):
+            m(input_ids=x, labels=x).loss.backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(model(input_ids=dids, labels=dids).loss.item(),
+                               ref(input_ids=ids, labels=ids).loss.item(), **TOL)
+
+
 def _train(model, opt, batches, step_input):
     losses = []
     for x, y in batches:

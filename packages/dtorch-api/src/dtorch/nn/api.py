@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -44,6 +45,36 @@ def _mesh_dim(mesh: DeviceMesh, dim: int | str) -> int:
     if not -mesh.ndim <= dim < mesh.ndim:
         raise ValueError(f"mesh dim {dim} is out of range for a {mesh.ndim}-d mesh")
     return dim % mesh.ndim
+
+
+def _own_param(mod: nn.Module, name: str) -> nn.Parameter:
+    """`mod`'s parameter `name` as stored (behind a parametrization: its `original`)."""
+    if parametrize.is_parametrized(mod, name):
+        return mod.parametrizations[name].original
+    return mod._parameters[name]
+
+
+def _keeps_ties(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Parameters that several submodules share (tied input and output embeddings: GPT-2, T5, BERT's heads) stay one
+    parameter: the entry points lay parameters out submodule by submodule, which gave every use a copy of its own,
+    trained apart. After the layout, each other use takes the first use's parameter."""
+    @functools.wraps(lay_out)
+    def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        uses: dict[int, list[tuple[nn.Module, str]]] = {}
+        for mod in module.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    uses.setdefault(id(p), []).append((mod, name))
+        result = lay_out(module, *args, **kwargs)
+        for (mod, name), *others in (u for u in uses.values() if len(u) > 1):
+            shared = _own_param(mod, name)
+            for other, other_name in others:
+                if parametrize.is_parametrized(other, other_name):
+                    other.parametrizations[other_name].original = shared
+                else:
+                    other.register_parameter(other_name, shared)
+        return result
+    return run
 
 
 def _with(placements: tuple[Placement, ...], dim: int, p: Placement, ndim: int) -> tuple[Placement, ...]:
@@ -116,6 +147,7 @@ def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim:
         module.register_forward_hook(post_hook)
 
 
+@_keeps_ties
 def replicate_module(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Every parameter and buffer that is still a plain tensor becomes a Replicate DTensor on `mesh`."""
     for mod in module.modules():
@@ -135,6 +167,7 @@ def _replicate_own(mod: nn.Module, mesh: DeviceMesh, keep: Any) -> None:
                                 persistent=name not in mod._non_persistent_buffers_set)
 
 
+@_keeps_ties
 def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
                       partition_fn: Callable[[str, nn.Module, DeviceMesh], None] | None = None,
                       input_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
@@ -164,6 +197,7 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     return module
 
 
+@_keeps_ties
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
                        parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None, *,
                        tp_mesh_dim: int | str = -1) -> nn.Module:
@@ -202,6 +236,7 @@ class _Gather(nn.Module):
         return x.redistribute(placements=_with(x.placements, self.dim, Replicate(), x.ndim))
 
 
+@_keeps_ties
 def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | str = 0) -> nn.Module:
     """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered when used.
 
@@ -221,6 +256,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | s
     return module
 
 
+@_keeps_ties
 def place_on_mesh(module: nn.Module, stages: Mapping[str, DeviceMesh]) -> nn.Module:
     """Pipeline stages: each named submodule's parameters live on its mesh, and its inputs move there.
 
