@@ -244,6 +244,36 @@ def test_module_dtype_conversion_converts_the_shards(mesh1, convert):
         model[0].weight.data = torch.zeros(16, 8, dtype=dtype)
 
 
+LOSSES = {  # name -> loss(input, float target, class target, class weight), as torch users call them
+    "mse": lambda x, t, y, w: F.mse_loss(x, t),
+    "smooth_l1": lambda x, t, y, w: F.smooth_l1_loss(x, t, beta=0.5),
+    "huber": lambda x, t, y, w: F.huber_loss(x, t),
+    "bce": lambda x, t, y, w: F.binary_cross_entropy(torch.sigmoid(x), t),
+    "bce_with_logits": lambda x, t, y, w: F.binary_cross_entropy_with_logits(x, t),
+    "soft_margin": lambda x, t, y, w: F.soft_margin_loss(x, t * 2 - 1),
+    "cross_entropy ignore_index": lambda x, t, y, w: F.cross_entropy(x, y, ignore_index=1),
+    "cross_entropy weight": lambda x, t, y, w: F.cross_entropy(x, y, weight=w, label_smoothing=0.1),
+}
+
+
+@pytest.mark.parametrize("rows", [5, 6])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_mean_losses_of_a_sharded_batch_are_the_whole_batchs_mean(mesh1, loss, rows):
+    """reduction="mean" over a batch sharded on 2 devices: 5 rows (3 and 2) and 6 rows with ignored targets or class
+    weights. torch's rule averaged the shards' means (dtorch._losses): the loss and the input's gradient were off."""
+    g = torch.Generator().manual_seed(rows)
+    x, t = torch.randn(rows, 4, generator=g), torch.rand(rows, 4, generator=g)
+    y, w = torch.randint(0, 4, (rows,), generator=g), torch.rand(4, generator=g)
+    dx = dist(x, mesh1, Shard(0)).requires_grad_()
+    x.requires_grad_()
+    want = LOSSES[loss](x, t, y, w)
+    got = LOSSES[loss](dx, dist(t, mesh1, Shard(0)), dist(y, mesh1, Shard(0)), dist(w, mesh1, Replicate()))
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx.grad.full_tensor(), x.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):
     """Random in-place ops draw into a fresh copy that is copied into x; draws of one value are not random."""
     base = dist(torch.zeros(4, 6), mesh4, Shard(0))

@@ -1,0 +1,86 @@
+"""Losses with reduction "mean" on sharded tensors (a batch split over devices): the mean over the whole tensor, not
+a mean of the shards' means.
+
+torch's DTensor rules turn a loss op's "mean" into Partial("avg") over the sharded dims, which is the mean only when
+every shard holds as many elements, and as much target weight, as the others. A batch of 5 rows on 2 devices (3 and
+2) gave a wrong loss and wrong gradients for mse_loss, smooth_l1, huber, binary cross entropy (with logits too) and
+soft margin; on even shards, ignored targets (`ignore_index`) or class weights did the same to nll_loss.
+
+Rules (decompositions, `_registry.register_decomposition`; each declines, NotImplemented, unless the reduction is
+MEAN and some DTensor argument is sharded):
+  1. A loss op of table ELEMENTWISE (one loss per element of its input) with reduction MEAN is the op with
+     reduction NONE, then `mean` (whose rule is exact on uneven shards).
+  2. Its backward (table BACKWARD) with reduction MEAN is the backward with reduction NONE of the incoming gradient
+     spread over the input's elements: `grad_output.expand(self.shape) / self.numel()`.
+  3. nll_loss (nll_loss2d) forward with reduction MEAN is its SUM divided by its total weight; the total weight it
+     returns is the sum over the shards, which is what its backward divides by.
+Reduction codes are torch's: NONE 0, MEAN 1, SUM 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtorch._local import is_dtensor
+from dtorch._registry import register_decomposition
+from dtorch_protocol.placement_types import Shard
+
+aten = torch.ops.aten
+NONE, MEAN, SUM = 0, 1, 2
+
+ELEMENTWISE = (aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+               aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
+               aten.soft_margin_loss.default)
+BACKWARD = (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default, aten.huber_loss_backward.default,
+            aten.binary_cross_entropy_backward.default, aten.soft_margin_loss_backward.default)
+NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+
+
+def _with_reduction(op: Any, args: tuple, kwargs: dict) -> tuple[list, dict, int]:
+    """The op's arguments with `reduction` made explicit (positional where it was, or a keyword), and its value."""
+    names = [a.name for a in op._schema.arguments]
+    at = names.index("reduction")
+    args, kwargs = list(args), dict(kwargs)
+    if at < len(args):
+        return args, kwargs, args[at]
+    default = op._schema.arguments[at].default_value
+    kwargs.setdefault("reduction", MEAN if default is None else default)
+    return args, kwargs, kwargs["reduction"]
+
+
+def _sharded(args: list, kwargs: dict) -> bool:
+    return any(is_dtensor(v) and any(isinstance(p, Shard) for p in v.placements)
+               for v in (*args, *kwargs.values()))
+
+
+def _set_reduction(op: Any, args: list, kwargs: dict, value: int) -> None:
+    at = [a.name for a in op._schema.arguments].index("reduction")
+    if at < len(args):
+        args[at] = value
+    else:
+        kwargs["reduction"] = value
+
+
+def _decomposition(op: Any) -> Any:
+    def run(args: tuple, kwargs: dict) -> Any:
+        args, kwargs, reduction = _with_reduction(op, args, kwargs)
+        if reduction != MEAN or not _sharded(args, kwargs):
+            return NotImplemented
+        if op in NLL:  # rule 3
+            _set_reduction(op, args, kwargs, SUM)
+            total, total_weight = op(*args, **kwargs)
+            return aten.div.Tensor(total, total_weight), total_weight
+        _set_reduction(op, args, kwargs, NONE)
+        if op in BACKWARD:  # rule 2: grad_output, then self
+            grad, self = args[0], args[1]
+            args[0] = aten.div.Scalar(aten.expand.default(grad, list(self.shape)), self.numel())
+            return op(*args, **kwargs)
+        return aten.mean.default(op(*args, **kwargs))  # rule 1
+
+    return run
+
+
+for _op in (*ELEMENTWISE, *BACKWARD, *NLL):
+    register_decomposition(_op)(_decomposition(_op))
