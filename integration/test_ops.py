@@ -274,6 +274,33 @@ def test_mean_losses_of_a_sharded_batch_are_the_whole_batchs_mean(mesh1, loss, r
     torch.testing.assert_close(dx.grad.full_tensor(), x.grad, rtol=1e-5, atol=1e-6)
 
 
+EVERY_DIM = {  # reductions over dim=[], which torch reads as every dim
+    "sum": lambda a: torch.ops.aten.sum.dim_IntList(a, []),
+    "mean": lambda a: torch.ops.aten.mean.dim(a, []),
+    "nansum": lambda a: torch.ops.aten.nansum.default(a, []),
+    "var": lambda a: torch.ops.aten.var.correction(a, []),
+    "std_mean": lambda a: torch.ops.aten.std_mean.correction(a, [])[0],
+    "vector_norm": lambda a: torch.ops.aten.linalg_vector_norm.default(a, 2, []),
+    "count_nonzero": lambda a: torch.ops.aten.count_nonzero.dim_IntList(a > 0, []),
+}
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(2), Replicate()], ids=str)
+def test_reductions_over_an_empty_dim_list_reduce_every_dim(mesh1, placement):
+    """torch's rules read dim=[] as no dim (dtorch._reductions): planning crashed with an IndexError on sharded
+    tensors, nansum failed on any layout, and `x.amax()`'s gradient was wrong with the last dim sharded."""
+    x = torch.randn(5, 6, 4, generator=torch.Generator().manual_seed(0))
+    dx = dist(x, mesh1, placement)
+    for name, reduce in EVERY_DIM.items():
+        want, got = reduce(x), reduce(dx).full_tensor()
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    xr, dxr = x.clone().requires_grad_(), dist(x, mesh1, placement).requires_grad_()
+    xr.amax().backward()
+    dxr.amax().backward()
+    assert torch.equal(dxr.grad.full_tensor(), xr.grad)
+
+
 def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):
     """Random in-place ops draw into a fresh copy that is copied into x; draws of one value are not random."""
     base = dist(torch.zeros(4, 6), mesh4, Shard(0))
