@@ -301,6 +301,41 @@ def test_reductions_over_an_empty_dim_list_reduce_every_dim(mesh1, placement):
     assert torch.equal(dxr.grad.full_tensor(), xr.grad)
 
 
+def test_a_fully_sharded_models_state_dict_keeps_the_models_names(mesh1):
+    """fully_shard stores parameters behind a parametrization; state_dict() named them
+    `0.parametrizations.weight.original`, so no checkpoint moved between the model and its sharded layout. The
+    names and their order are the model's now, either checkpoint loads into the other, and a CNN step follows torch."""
+    import io
+
+    from dtorch.nn import fully_shard
+
+    def cnn():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+
+    ref, model = cnn(), fully_shard(cnn(), mesh1)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+    for m, xx, yy in ((ref, x, y), (model, dist(x, mesh1, Shard(0)), dist(y, mesh1, Shard(0)))):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        F.cross_entropy(m(xx), yy).backward()
+        opt.step()
+    for (key, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-6, msg=key)
+    saved = io.BytesIO()
+    torch.save(model.state_dict(), saved)
+    saved.seek(0)
+    plain = cnn()
+    plain.load_state_dict(torch.load(saved))  # the sharded model's checkpoint into the plain model
+    again = fully_shard(cnn(), mesh1)
+    again.load_state_dict(plain.state_dict())  # and a plain checkpoint into a sharded model
+    for key, want in ref.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[key], want, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(again.state_dict()[key].full_tensor(), want, rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):
     """Random in-place ops draw into a fresh copy that is copied into x; draws of one value are not random."""
     base = dist(torch.zeros(4, 6), mesh4, Shard(0))

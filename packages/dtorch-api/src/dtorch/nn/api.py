@@ -247,13 +247,45 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | s
     dim = _mesh_dim(device_mesh, mesh_dim)
     replicate_module(module, device_mesh)
     for mod in list(module.modules()):
+        names = []
         for name, p in list(mod.named_parameters(recurse=False)):
             if p.ndim == 0 or parametrize.is_parametrized(mod, name):
                 continue
             sharded = p.redistribute(placements=_with(p.placements, dim, Shard(0), p.ndim))
             _set_param(mod, name, sharded, p.requires_grad)
             parametrize.register_parametrization(mod, name, _Gather(dim), unsafe=True)
+            names.append(name)
+        if names:
+            _plain_names(mod, names)
     return module
+
+
+def _plain_names(mod: nn.Module, names: list[str]) -> None:
+    """`state_dict()` and `load_state_dict()` name the sharded parameters as the model did (`weight`, not
+    `parametrizations.weight.original`, as torch's FSDP keeps them): a checkpoint of either loads into the other."""
+    def stored(prefix: str, name: str) -> str:
+        return f"{prefix}parametrizations.{name}.original"
+
+    def save(mod: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
+        # this module's entries are the last ones (its own, then its children's): the parameters go back before its
+        # buffers, where the model had them
+        keys = list(state_dict)
+        start = next((i for i, k in enumerate(keys) if k.startswith(prefix)), len(keys))
+        tail = {k: state_dict.pop(k) for k in keys[start:]}
+        for k in [k for k in tail if k[len(prefix):] in mod._parameters]:
+            state_dict[k] = tail.pop(k)
+        for n in names:
+            if stored(prefix, n) in tail:
+                state_dict[prefix + n] = tail.pop(stored(prefix, n))
+        state_dict.update(tail)
+
+    def load(_mod: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
+        for n in names:
+            if prefix + n in state_dict:
+                state_dict[stored(prefix, n)] = state_dict.pop(prefix + n)
+
+    mod.register_state_dict_post_hook(save)
+    mod.register_load_state_dict_pre_hook(load)
 
 
 @_keeps_ties
