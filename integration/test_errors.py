@@ -142,3 +142,17 @@ def test_the_local_route_is_bounded_and_names_the_op_and_the_size(mesh1, monkeyp
         torch.equal(x, x * 2)  # both fetched
     monkeypatch.setenv("DTORCH_LOCAL_MAX_BYTES", "64")
     assert torch.nonzero(x).shape == (8, 1)  # at the limit: allowed
+
+
+def test_a_sparse_gradient_is_refused_at_the_op_in_one_line(mesh1):
+    """nn.Embedding(sparse=True) makes a sparse gradient: refused when the backward plans it, naming the layout, not
+    an error from a worker at a later sync ("nbytes is not defined for sparse tensors")."""
+    from dtorch.nn import replicate_module
+
+    emb = replicate_module(torch.nn.Embedding(10, 4, sparse=True), mesh1)
+    out = emb(dtorch.distribute_tensor(torch.tensor([1, 2]), mesh1, [Replicate()])).sum()
+    with pytest.raises(NotImplementedError, match=r"returns a torch.sparse_coo tensor; DTensors hold strided tensors "
+                                                  r"only \(nn.Embedding: sparse=False\)") as info:
+        out.backward()
+    assert "\n" not in str(info.value)
+    assert torch.equal((emb.weight * 0).to_torch(), torch.zeros(10, 4))  # the session goes on

@@ -254,6 +254,9 @@ def meta_outputs(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
 
     def to_spec(t: Any) -> Any:
         if isinstance(t, torch.Tensor):
+            if t.layout != torch.strided:  # e.g. nn.Embedding(sparse=True)'s gradient: refused here, at the op
+                raise NotImplementedError(f"dtorch: {func} returns a {t.layout} tensor; DTensors hold strided tensors "
+                                          "only (nn.Embedding: sparse=False)")
             return Spec(mesh, replicate, tuple(t.shape), tuple(t.stride()), t.dtype)
         if t is None:
             return None
