@@ -336,6 +336,25 @@ def test_a_fully_sharded_models_state_dict_keeps_the_models_names(mesh1):
         torch.testing.assert_close(again.state_dict()[key].full_tensor(), want, rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("layout", [Shard(0), Shard(1)], ids=str)
+@pytest.mark.parametrize("norm", ["batch_norm_eval", "layer_norm", "group_norm"])
+def test_a_norm_layers_weights_get_gradients_when_its_input_needs_none(mesh1, norm, layout):
+    """A first layer's input needs no gradient: its backward's output_mask turns the input's gradient off and the
+    kernel leaves it undefined, where torch's rule for batch norm still described a tensor, which no worker could
+    store ("output 0 is a NoneType"). Such outputs are None in the plan (`_planner._masked_outputs`)."""
+    from dtorch.nn import replicate_module
+
+    torch.manual_seed(0)
+    ref = {"batch_norm_eval": lambda: torch.nn.BatchNorm1d(4).eval(), "layer_norm": lambda: torch.nn.LayerNorm(4),
+           "group_norm": lambda: torch.nn.GroupNorm(2, 4)}[norm]()
+    model = replicate_module(copy.deepcopy(ref), mesh1)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    ref(x).square().mean().backward()
+    model(dist(x, mesh1, layout)).square().mean().backward()
+    for p, d in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(d.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):
     """Random in-place ops draw into a fresh copy that is copied into x; draws of one value are not random."""
     base = dist(torch.zeros(4, 6), mesh4, Shard(0))

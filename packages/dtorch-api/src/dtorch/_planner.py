@@ -283,6 +283,7 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
         except ValueDependent:
             return _local_plan(func, specs, VALUE_DEPENDENT, random)
     inputs = [None if r.placements == s.placements else r for r, s in zip(required, specs)]
+    outputs = _masked_outputs(func, spec_args, spec_kwargs, outputs)
     flat_outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     if outs(func) and _out_mismatch(func, spec_kwargs, flat_outputs):
         return out_plan(func, specs, "computes outputs laid out unlike its out= tensors")
@@ -291,6 +292,20 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
     wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
     return Plan(_WIRE_NAME.get(run_func, str(run_func)), route, run_func, inputs, wire_args, wire_kwargs, local,
                 outputs, flat_outputs, inplace, random, _written_leaves(func, spec_args, spec_kwargs))
+
+
+def _masked_outputs(func: Any, args: tuple, kwargs: dict, outputs: Any) -> Any:
+    """A backward op's outputs that its `output_mask` turns off are None: the kernels leave them undefined (the
+    input's gradient of a layer whose input needs none), where meta kernels and torch's rules may still describe a
+    tensor for them (`native_batch_norm_backward`), which a worker could never store."""
+    names = [a.name for a in func._schema.arguments]
+    if "output_mask" not in names or not isinstance(outputs, (list, tuple)):
+        return outputs
+    at = names.index("output_mask")
+    mask = args[at] if at < len(args) else kwargs.get("output_mask")
+    if mask is None:
+        return outputs
+    return type(outputs)(o if i >= len(mask) or mask[i] else None for i, o in enumerate(outputs))
 
 
 def _non_sum_partial(outputs: Any) -> bool:
