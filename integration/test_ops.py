@@ -355,6 +355,49 @@ def test_a_norm_layers_weights_get_gradients_when_its_input_needs_none(mesh1, no
         torch.testing.assert_close(d.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_training_resumes_from_a_checkpoint_of_model_and_optimizer(mesh1):
+    """torch.save of the model's and the optimizer's state dicts, then a new model and optimizer load them and go on:
+    the loaded optimizer state is plain tensors, laid out like their parameters before the next step (factories,
+    `_lay_out_loaded_state`); AdamW's update refused to write into them. The result equals an uninterrupted run."""
+    import io
+
+    from dtorch.nn import replicate_module
+
+    def linear():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)]
+    ref = linear()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for x, y in batches:
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    def train(model, opt, part):
+        for x, y in part:
+            F.cross_entropy(model(dist(x, mesh1, Shard(0))), dist(y, mesh1, Shard(0))).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = replicate_module(linear(), mesh1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, opt, batches[:2])
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    resumed = replicate_module(linear(), mesh1)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=0.01)
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    train(resumed, resumed_opt, batches[2:])
+    for p, d in zip(ref.parameters(), resumed.parameters()):
+        torch.testing.assert_close(d.full_tensor(), p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_random_in_place_op_is_written_back_into_x_and_its_base(mesh4):
     """Random in-place ops draw into a fresh copy that is copied into x; draws of one value are not random."""
     base = dist(torch.zeros(4, 6), mesh4, Shard(0))

@@ -1,5 +1,9 @@
 """Creating DTensors: random and constant factories, `distribute_tensor`, and the session RNG seed.
 
+Also optimizer state loaded from a checkpoint (`optimizer.load_state_dict`): it arrives as plain tensors, and each
+one shaped like its DTensor parameter is laid out like it before the optimizer's next step (a global step pre-hook,
+`_lay_out_loaded_state`); torch's update would otherwise write into plain tensors, which DTorch refuses.
+
 Random factories give the same values whatever the mesh and placements: the global tensor is cut into fixed
 blocks, each drawn from a seed of (the session's random stream, its index), and each worker draws only the blocks
 its box overlaps (`dtorch_worker.random_blocks`), so generation costs O(shard) per device.
@@ -11,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dtorch import _dispatch
 from dtorch._source import user_src
@@ -122,3 +127,23 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
 def manual_seed(seed: int) -> None:
     """Seed DTorch's random stream: the same seed gives the same values under any mesh and placements."""
     get_session().manual_seed(seed)
+
+
+def _lay_out_loaded_state(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    """Before every optimizer step (module doc): scans a state dict it has not seen yet, once (a load replaces the
+    dict; torch's own steps add DTensor entries to it in place), so a step otherwise costs one comparison."""
+    state = optimizer.state
+    if getattr(optimizer, "_dtorch_state_seen", None) is state:
+        return
+    optimizer._dtorch_state_seen = state  # type: ignore[attr-defined]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if type(p) is not DTensor or p not in state:
+                continue
+            entries = state[p]
+            for key, value in entries.items():
+                if type(value) is torch.Tensor and value.ndim and value.shape == p.shape:
+                    entries[key] = distribute_tensor(value, p.device_mesh, p.placements)
+
+
+register_optimizer_step_pre_hook(_lay_out_loaded_state)
