@@ -38,46 +38,34 @@ BACKWARD = (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default
 NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
 
-def _with_reduction(op: Any, args: tuple, kwargs: dict) -> tuple[list, dict, int]:
-    """The op's arguments with `reduction` made explicit (positional where it was, or a keyword), and its value."""
-    names = [a.name for a in op._schema.arguments]
-    at = names.index("reduction")
-    args, kwargs = list(args), dict(kwargs)
-    if at < len(args):
-        return args, kwargs, args[at]
-    default = op._schema.arguments[at].default_value
-    kwargs.setdefault("reduction", MEAN if default is None else default)
-    return args, kwargs, kwargs["reduction"]
-
-
 def _sharded(args: list, kwargs: dict) -> bool:
     return any(is_dtensor(v) and any(isinstance(p, Shard) for p in v.placements)
                for v in (*args, *kwargs.values()))
 
 
-def _set_reduction(op: Any, args: list, kwargs: dict, value: int) -> None:
-    at = [a.name for a in op._schema.arguments].index("reduction")
-    if at < len(args):
-        args[at] = value
-    else:
-        kwargs["reduction"] = value
-
-
 def _decomposition(op: Any) -> Any:
+    names = [a.name for a in op._schema.arguments]
+    at = names.index("reduction")  # positional where the caller put it there, else a keyword (default: MEAN)
+    default = op._schema.arguments[at].default_value
+
     def run(args: tuple, kwargs: dict) -> Any:
-        args, kwargs, reduction = _with_reduction(op, args, kwargs)
+        positional = at < len(args)
+        reduction = args[at] if positional else kwargs.get("reduction", MEAN if default is None else default)
         if reduction != MEAN or not _sharded(args, kwargs):
             return NotImplemented
+
+        def call(value: int, args: tuple = args) -> Any:
+            if positional:
+                return op(*args[:at], value, *args[at + 1:], **kwargs)
+            return op(*args, **{**kwargs, "reduction": value})
+
         if op in NLL:  # rule 3
-            _set_reduction(op, args, kwargs, SUM)
-            total, total_weight = op(*args, **kwargs)
+            total, total_weight = call(SUM)
             return aten.div.Tensor(total, total_weight), total_weight
-        _set_reduction(op, args, kwargs, NONE)
         if op in BACKWARD:  # rule 2: grad_output, then self
             grad, self = args[0], args[1]
-            args[0] = aten.div.Scalar(aten.expand.default(grad, list(self.shape)), self.numel())
-            return op(*args, **kwargs)
-        return aten.mean.default(op(*args, **kwargs))  # rule 1
+            return call(NONE, (aten.div.Scalar(aten.expand.default(grad, list(self.shape)), self.numel()), *args[1:]))
+        return aten.mean.default(call(NONE))  # rule 1
 
     return run
 

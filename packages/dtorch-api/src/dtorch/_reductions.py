@@ -28,9 +28,11 @@ def _every_dim(op: Any) -> Any:
     at = [a.name for a in op._schema.arguments].index("dim")
 
     def run(args: tuple, kwargs: dict) -> Any:
-        self = args[0]
         dim = args[at] if at < len(args) else kwargs.get("dim")
-        if not is_dtensor(self) or self.ndim == 0 or not isinstance(dim, (list, tuple)) or len(dim) != 0:
+        if dim or dim is None:  # the common case first (every call of these ops asks): a dim named
+            return NotImplemented
+        self = args[0]
+        if not is_dtensor(self) or self.ndim == 0 or not isinstance(dim, (list, tuple)):
             return NotImplemented
         every = list(range(self.ndim))
         if at < len(args):
