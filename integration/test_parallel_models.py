@@ -348,3 +348,29 @@ def test_optimizers_and_clipping_take_their_foreach_paths_as_with_torch_dtensor(
         torch.testing.assert_close(norms[0].to_torch(), norms[1], **TOL)
     for p, r in zip(params, refs):
         torch.testing.assert_close(p.to_torch(), r.detach(), **TOL)
+
+
+def test_grad_scaler_unscales_sharded_gradients_and_skips_the_step_of_an_overflow(mesh1):
+    """`torch.amp.GradScaler` on DTensor gradients (sharded and replicated): each step unscales them, a step whose
+    gradient overflows on one shard is skipped and halves the scale, the others grow it, as with plain torch."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(8, 4, generator=gen), torch.randn(4, generator=gen)]
+    params = [nn.Parameter(dtorch.distribute_tensor(w, mesh1, [p])) for w, p in zip(ws, (Shard(0), Replicate()))]
+    refs = [nn.Parameter(w.clone()) for w in ws]
+    runs = []
+    for ps in (params, refs):
+        opt, scaler = torch.optim.SGD(ps, lr=0.1), torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1)
+        scales = []
+        for step in range(4):
+            opt.zero_grad()
+            loss = (ps[0] * ps[0]).sum() + ps[1].sum()
+            if step == 1:  # overflows on the rows of the first shard only
+                loss = loss + (ps[0][:2] * 1e38).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append(scales)
+    assert runs[0] == runs[1] == [512.0, 256.0, 512.0, 1024.0]
+    for p, r in zip(params, refs):
+        torch.testing.assert_close(p.to_torch(), r.detach(), **TOL)
