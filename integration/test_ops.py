@@ -301,6 +301,26 @@ def test_reductions_over_an_empty_dim_list_reduce_every_dim(mesh1, placement):
     assert torch.equal(dxr.grad.full_tensor(), xr.grad)
 
 
+@pytest.mark.parametrize("placements", [(Shard(0), Shard(0)), (Shard(0), Replicate()), (Replicate(), Shard(0))],
+                         ids=str)
+def test_gather_with_an_index_shorter_than_its_input_and_scatter_adds_gradient(mesh1, placements):
+    """An index with fewer rows than the input on a dim it does not gather along pairs rows from the top
+    (dtorch._gather): torch's rule sharded both alike and paired the shards' rows, giving wrong values and a wrong
+    `scatter_add` gradient."""
+    gen = torch.Generator().manual_seed(0)
+    x, src = torch.randn(10, 5, generator=gen), torch.randn(5, 5, generator=gen)
+    index = torch.randint(0, 5, (5, 5), generator=gen)
+    dx, dindex = dist(x, mesh1, placements[0]), dist(index, mesh1, placements[1])
+    torch.testing.assert_close(dx.gather(1, dindex).full_tensor(), x.gather(1, index))
+    xr, srcr = x.clone().requires_grad_(), src.clone().requires_grad_()
+    dxr, dsrc = dist(x, mesh1, placements[0]).requires_grad_(), dist(src, mesh1, placements[0]).requires_grad_()
+    weight = torch.randn(10, 5, generator=gen)
+    (xr.scatter_add(1, index, srcr) * weight).sum().backward()
+    (dxr.scatter_add(1, dindex, dsrc) * dist(weight, mesh1, Replicate())).sum().backward()
+    torch.testing.assert_close(dsrc.grad.full_tensor(), srcr.grad)
+    torch.testing.assert_close(dxr.grad.full_tensor(), xr.grad)
+
+
 def test_a_fully_sharded_models_state_dict_keeps_the_models_names(mesh1):
     """fully_shard stores parameters behind a parametrization; state_dict() named them
     `0.parametrizations.weight.original`, so no checkpoint moved between the model and its sharded layout. The
