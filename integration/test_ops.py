@@ -168,6 +168,69 @@ def test_in_place_op_whose_input_had_to_move_is_written_back(mesh4, dim):
     assert_same(view, a.cumsum(dim)[:, 1:3] if dim == 0 else a.cumsum(dim)[2:5])
 
 
+WRITES_THROUGH_VIEWS = {  # name -> a write through a view, as torch users write it (t: the tensor, like(v): a value)
+    "x[1] = 5": lambda t, like: t.__setitem__(1, 5.0),
+    "x[:, 2] = 5": lambda t, like: t.__setitem__((slice(None), 2), 5.0),
+    "x[::2] = 5": lambda t, like: t.__setitem__(slice(None, None, 2), 5.0),
+    "x[2:5, 1:3] = v": lambda t, like: t.__setitem__((slice(2, 5), slice(1, 3)), like(torch.ones(3, 2))),
+    "narrow().add_": lambda t, like: t.narrow(1, 1, 2).add_(1),
+    "select().mul_": lambda t, like: t.select(1, 2).mul_(3),
+    "chunk()[1].zero_": lambda t, like: t.chunk(2, dim=1)[1].zero_(),
+    "unbind()[3].fill_": lambda t, like: t.unbind(0)[3].fill_(7),
+    "split()[1].copy_": lambda t, like: t.split(2, dim=0)[1].copy_(like(torch.zeros(2, 4))),
+    "diagonal().fill_": lambda t, like: t.diagonal().fill_(9),
+    "view(-1)[3:9].fill_": lambda t, like: t.view(-1)[3:9].fill_(9),
+    "t()[1:3].mul_": lambda t, like: t.t()[1:3].mul_(2),
+    "x[2:4].unsqueeze(0).mul_": lambda t, like: t[2:4].unsqueeze(0).mul_(2),
+}
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)
+@pytest.mark.parametrize("write", WRITES_THROUGH_VIEWS)
+def test_a_write_through_a_view_reaches_the_tensor_when_the_view_had_to_move_it(mesh1, placement, write):
+    """A view across the sharded dim (`x[1]` of a row-sharded x) is taken of a moved copy of x; a write through
+    it stayed in the copy (`x[1] = 5` did nothing, as with torch's DTensor). DTorch copies it back (dtorch._views)."""
+    x = torch.arange(24.0).view(6, 4)
+    dx = dist(x.clone(), mesh1, placement)
+    WRITES_THROUGH_VIEWS[write](x, lambda v: v)
+    WRITES_THROUGH_VIEWS[write](dx, lambda v: dist(v, mesh1, Replicate()))
+    assert_same(dx, x)
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)
+def test_views_of_moved_copies_see_writes_to_their_tensor_and_to_each_other(mesh1, placement):
+    """Views that had to move x follow later writes to x, to each other, and to views of themselves, as torch's
+    views do; the copies they hold go when they go."""
+    from dtorch import _views
+
+    x = torch.arange(24.0).view(6, 4)
+    dx = dist(x.clone(), mesh1, placement)
+    views = [(x[1], dx[1]), (x[:, 2], dx[:, 2])]
+    sub, dsub = views[0][0][1:3], views[0][1][1:3]  # a view of a view
+    parts, dparts = x.split(2), dx.split(2)
+    for write in (lambda t: t.add_(1), lambda t: t[1].mul_(2), lambda t: t[1][1:3].fill_(-1),
+                  lambda t: t.__setitem__(slice(2, 5), 7.0), lambda t: t.split(2)[1].zero_()):
+        write(x)
+        write(dx)
+        for v, dv in [*views, (sub, dsub), *zip(parts, dparts)]:
+            assert_same(dv, v)
+        assert_same(dx, x)
+    del views, sub, dsub, parts, dparts, v, dv
+    assert not _views.by_root
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)
+def test_gradients_through_item_assignment_on_a_sharded_dim(mesh1, placement):
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    dw = dist(w.detach(), mesh1, placement).requires_grad_()
+    for t in (w, dw):
+        y = t * 2
+        y[1] = y[2] * 3
+        y[:, 0] = 0
+        (y * y).sum().backward()
+    assert_same(dw.grad, w.grad)
+
+
 @pytest.mark.parametrize("layout", [Replicate(), Shard(0), Shard(1)])
 def test_batch_norm_training_updates_its_running_statistics_as_torch(mesh4, layout):
     """native_batch_norm writes running_mean and running_var in place without saying so in its schema

@@ -170,6 +170,36 @@ def test_compiled_llama_dp_x_tp_training_matches_plain_torch(mesh2d):
     torch.testing.assert_close(torch.tensor([g.item() for g in got]), torch.tensor(expected), rtol=1e-5, atol=1e-5)
 
 
+def test_a_step_writing_through_views_of_moved_copies_replays_with_torchs_values(mesh4):
+    """`t[1] = ...` of a row-sharded t writes through a view of a moved copy, which is copied back (dtorch._views):
+    the replayed program does the same. A view of a moved copy kept from before a step makes that step eager, with
+    a warning saying why: the program was recorded without it."""
+    x = torch.arange(32.0).view(8, 4)
+    dx = dtorch.distribute_tensor(x, mesh4, [Shard(0)])
+
+    @dtorch.compile
+    def step(t):
+        t[1] = t[1] * 2 + 1
+        t[2:6, 1:3].add_(1)
+        return t.sum()
+
+    def torch_step(t):
+        t[1] = t[1] * 2 + 1
+        t[2:6, 1:3].add_(1)
+        return t.sum()
+
+    for _ in range(5):
+        assert step(dx).item() == torch_step(x).item()
+        assert torch.equal(dx.to_torch(), x)
+    assert (step.replays, step.fallbacks, step.unreplayable) == (3, 0, None)
+    row = dx[1]
+    with pytest.warns(UserWarning, match="reaches a view of a copy moved before the step"):
+        for _ in range(2):
+            step(dx)
+            torch_step(x)
+            assert torch.equal(row.to_torch(), x[1]) and torch.equal(dx.to_torch(), x)
+
+
 def test_an_integer_argument_that_changes_falls_back_for_that_step(mesh1):
     x = torch.arange(8.0)
     dx = dtorch.distribute_tensor(x, mesh1, [Shard(0)])

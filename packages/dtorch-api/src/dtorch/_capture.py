@@ -23,7 +23,10 @@ Rules:
      tensors from outside the step dropped during it, are released after the step's instructions.
   5. A recording that holds what a replay cannot reproduce (a sync point, an upload, a plain tensor mixed
      into an op, an operation that changes a DTensor's id or layout in place or that raised, another session's
-     tensors) makes the step run eagerly from then on, with one warning saying why.
+     tensors, a write that reaches a view of a copy moved before the step: `_views`) makes the step run eagerly
+     from then on, with one warning saying why. A view of a moved copy made in the step is rebuilt by a replay
+     with its origin (`_views`), so its copy lives as long as it does; while one made before the step lives, a
+     replay falls back (rule 3).
   6. Numbers. An op whose float arguments changed (an optimizer's step size, a learning rate schedule) is
      planned again, into a list: when its instructions are the program's but for numbers in the op's
      arguments, those numbers become holes of the program (`{"$s": k}`, defined again once) and the replay
@@ -57,7 +60,7 @@ import msgspec
 import torch
 import torch.utils._pytree as pytree
 
-from dtorch import _dispatch
+from dtorch import _dispatch, _views
 from dtorch.dtensor import DTensor, wrap
 from dtorch.session import Session
 from dtorch_protocol import messages as m
@@ -200,6 +203,9 @@ class _Recorder(_Mode):
     def _slot(self, tid: int) -> int:
         slot = self.slot_of.get(tid)
         if slot is None:
+            if _views.copying is not None:
+                raise Unreplayable("a write in it reaches a view of a copy moved before the step (a view such as "
+                                   "x[1] of a row-sharded x, kept from an earlier step)")
             raise Unreplayable(f"an op reads tensor {tid}, which is not among its arguments")
         return slot
 
@@ -262,7 +268,7 @@ class _Recorder(_Mode):
             self.abandon(str(e))
             return result
         spec, recipe = op.result
-        if spec.is_leaf() and recipe[0][0] == "new" and not recipe[0][3]:
+        if spec.is_leaf() and recipe[0][0] == "new" and not recipe[0][3] and recipe[0][4] is None:
             op.single = recipe[0][1], recipe[0][2]
         self.program.ops.append(op)
         return result
@@ -277,7 +283,7 @@ class _Recorder(_Mode):
                 if index is not None:
                     out.append(("in", index))
                 elif slot >= first_tid and slot not in self.external:
-                    out.append(("new", slot, v._spec, v.requires_grad))
+                    out.append(("new", slot, v._spec, v.requires_grad, self._origin(v, leaves, first_tid)))
                 else:
                     raise Unreplayable("an op returns a DTensor that is neither an argument nor new")
             elif isinstance(v, torch.Tensor):
@@ -285,6 +291,19 @@ class _Recorder(_Mode):
             else:
                 out.append(("val", v))
         return spec, out
+
+    def _origin(self, v: DTensor, leaves: list, first_tid: int) -> Any:
+        """How a replay gives a view of a moved copy its origin (`_views`): None (no origin), ("leaf", i) (that of
+        argument i) or ("moved", i, slot, spec) (argument i and its copy made by this op)."""
+        origin = getattr(v, "_origin", None)
+        if origin is None:
+            return None
+        for i, leaf in enumerate(leaves):
+            if origin is getattr(leaf, "_origin", None):
+                return "leaf", i
+            if origin.base is leaf and self.slot_of.get(origin.moved._tid, -1) >= first_tid:
+                return "moved", i, self.slot_of[origin.moved._tid], origin.moved._spec
+        raise Unreplayable("an op returns a view of a copy moved outside it")
 
     def cut(self) -> None:
         """A sync point inside the operation running now ends an automatic step (rule 8): the program ends before
@@ -335,6 +354,8 @@ class _Replayer(_Mode):
     def install(self) -> None:
         super().install()
         self.session.release = self.released.append  # DTensor.__del__: a list append, sorted out by `_drops`
+        if _views.by_root:  # views of copies moved before the step: a write in it may have to reach them, and the
+            self.fall_back()  # program was recorded without them (`_views`, rule 4)
 
     def _release(self, tid: int) -> None:
         slot = self.slot_of.get(tid)
@@ -407,14 +428,23 @@ class _Replayer(_Mode):
             return wrap(spec, tids[slot], self.session)
         spec, recipe = op.result
         out = []
+        origins: dict = {}
         for how in recipe:
             if how[0] == "new":
                 out.append(DTensor(how[2], tids[how[1]], self.session, how[3]))
+                if how[4] is not None:
+                    out[-1]._origin = origins.get(how[4]) or origins.setdefault(how[4], self._origin(how[4], leaves))
             elif how[0] == "in":
                 out.append(leaves[how[1]])
             else:
                 out.append(how[1])
         return pytree.tree_unflatten(out, spec)
+
+    def _origin(self, how: tuple, leaves: list) -> Any:
+        """The origin a recorded view of a moved copy gets (`_Recorder._origin` says how)."""
+        if how[0] == "leaf":
+            return leaves[how[1]]._origin
+        return _views.Origin(leaves[how[1]], DTensor(how[3], self.tids[how[2]], self.session))
 
     def _bind(self, op: _Op, leaves: list) -> bool:
         tids = self.tids

@@ -12,7 +12,8 @@ carry it out as several ops. Carrying a plan out by route (see `_planner` for th
 An op whose shapes or dtypes torch refuses raises here, at once, with torch's error, the op and the user's line.
 
 In-place ops keep the DTensor object; when they change its shape (`squeeze_`, `transpose_`, `resize_`)
-the wrapper's metadata follows. An op that would write into a plain torch.Tensor is refused.
+the wrapper's metadata follows. An op that would write into a plain torch.Tensor is refused. A view op whose input
+had to move gives views of the moved copy; `_views` keeps writes through them and to their input in step.
 
 This module and `dtensor` are the one pair of client modules that import each other (by module).
 """
@@ -27,12 +28,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
-from dtorch import _planner
+from dtorch import _planner, _views
 from dtorch._planner import MixedMeshes, Plan, out_plan, outs, writes
 from dtorch._registry import NoRule, Refused, decomposition_for
 from dtorch._sharding import NestedShard, check_strided, local_shape
 from dtorch._source import SKIP, caller, user_src
 from dtorch._spec import Spec, StridedShard, contiguous_stride
+from dtorch._views import by_root as _origins
 from dtorch.device_mesh import WRAPPER_DEVICE
 from dtorch.errors import DTorchError, describe_src, env_int
 from dtorch_protocol import messages as m
@@ -273,6 +275,8 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     r = _make_wrapper(cls, out.shape, None if out.contiguous else out.stride, None, None, out.dtype, _STRIDED,
                       WRAPPER_DEVICE)
     r._spec, r._tid, r._session = out, tid, session
+    if _origins and plan.view:
+        _views.after_view(args[0], None, [r])
     return r
 
 
@@ -350,7 +354,10 @@ def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
         session: Session = leaves[0]._session
         tid = session.new_tid()
         session.emit((plan.encode, *[d._tid for d in leaves], tid, *caller(2)))
-        return dtensor.DTensor(plan.outputs, tid, session)
+        result = dtensor.DTensor(plan.outputs, tid, session)
+        if _origins and plan.view:
+            _views.after_view(leaves[0], None, [result])
+        return result
     if plan.random and plan.inplace:
         return _random_in_place(plan, leaves)
     if plan.route == "sync":
@@ -380,11 +387,11 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
     session: Session = leaves[0]._session
     src = user_src(3)
     tids, temps = [], []
-    held = {}  # inputs moved from strided shards (several instructions: `_from_strided`), kept alive until sent
+    held = {}  # inputs moved from or to strided shards (several instructions: `_from_strided`), kept alive until sent
     for i, (d, target) in enumerate(zip(leaves, plan.inputs)):
         if target is None:
             tids.append(d._tid)
-        elif d._spec.unflattened() is not d._spec:
+        elif d._spec.unflattened() is not d._spec or target.unflattened() is not target:
             held[i] = redistribute_to(d, target.mesh, target.placements, src)
             tids.append(held[i]._tid)
         else:
@@ -409,20 +416,32 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
                              local=local, src=src, seed=session.next_seed() if plan.random else None,
                              writes=[tids[i] for i in sorted(plan.mutated) if tids[i] not in out_tids]))
     # a written input that had to move was written in its moved copy: copy it back in place (keeps aliasing)
-    written_back = []
+    written_back = {}
     for i in plan.mutated:
         target = plan.inputs[i]
         if i in held:
-            written_back.append((leaves[i], held[i]))
+            written_back[i] = held[i]
         elif target is not None:
             temps.remove(tids[i])
-            written_back.append((leaves[i], dtensor.DTensor(target, tids[i], session)))
+            written_back[i] = dtensor.DTensor(target, tids[i], session)
+    moved_view = None  # a view op's outputs alias the moved copy of its input (`_views`, rule 1)
+    if plan.view and plan.inputs and plan.inputs[0] is not None:
+        moved_view = held.get(0)
+        if moved_view is None:
+            temps.remove(tids[0])
+            moved_view = dtensor.DTensor(plan.inputs[0], tids[0], session)
     if temps:
         session.emit(m.InstrDelete(tids=temps))
-    for dst, moved in written_back:
-        torch.ops.aten.copy_.default(dst, moved)
+    for i, moved in written_back.items():
+        torch.ops.aten.copy_.default(leaves[i], moved)
     results = [None if s is None else leaves[0] if plan.inplace and i == 0 else dtensor.DTensor(s, t, session)
                for i, (t, s) in enumerate(zip(out_tids, outs))]
+    if plan.view and (moved_view is not None or _origins):
+        _views.after_view(leaves[0], moved_view, results)
+    if _origins:  # writes through views of moved copies, and into the tensors they were taken of (`_views`)
+        for i in plan.mutated:
+            if i not in written_back:
+                _views.after_write(leaves[i])
     if isinstance(plan.outputs, (list, tuple)):
         return type(plan.outputs)(results)
     return results[0]

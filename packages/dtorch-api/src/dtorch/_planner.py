@@ -74,6 +74,7 @@ class Plan:
     mutated: frozenset[int] = frozenset()  # DTensor leaves the op writes in place (schema alias_info.is_write)
     op: Any = None  # the op as dispatched (`func` may be torch's rewrite of it)
     why: str = ""  # sync and local routes: why the op runs on the client (one of the reasons below)
+    view: bool = False  # the outputs alias the first input (`_views`: a moved input is then their origin)
     # the common case (no moves, one output, tensor slots only at the top level of args): `encode` turns the
     # record (encode, tid of each DTensor leaf..., output tid, code, offset) into the wire instruction
     encode: Callable[[tuple], Any] | None = None
@@ -148,6 +149,12 @@ def is_inplace(func: Any) -> bool:
     return bool(schema.returns) and schema.returns[0].alias_info is not None and \
         schema.returns[0].alias_info.is_write and bool(schema.arguments) and \
         schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+
+
+def is_view(func: Any) -> bool:
+    """Does `func` return aliases of its input (`select`, `view`, `split`), without writing it?"""
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 def _written_leaves(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
@@ -291,7 +298,8 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
         outputs, flat_outputs = (), []
     wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
     return Plan(_WIRE_NAME.get(run_func, str(run_func)), route, run_func, inputs, wire_args, wire_kwargs, local,
-                outputs, flat_outputs, inplace, random, _written_leaves(func, spec_args, spec_kwargs))
+                outputs, flat_outputs, inplace, random, _written_leaves(func, spec_args, spec_kwargs),
+                view=is_view(func))
 
 
 def _masked_outputs(func: Any, args: tuple, kwargs: dict, outputs: Any) -> Any:

@@ -175,14 +175,15 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
             out = _prop.propagate_op_sharding_non_cached(_schema(func, args, kwargs, 0))
         op, new_args = _apply_suggestion(func, args, kwargs, out, mesh)
         outputs = cpu_outputs(func, args, _convert(out.output_spec, lambda s: _our_spec(s, mesh)), mesh)
-    except NoRule:
-        raise
     except Exception as e:  # no strategy, or a rule that cannot handle these placements
         if func is _aten.copy_.default and _copy_in_place(args):
-            # torch refuses e.g. a self sharded on a dim smaller than the mesh; copying never needs self to
-            # move (which would recurse: a moved self is written back with copy_): move src to self's layout
+            # torch refuses e.g. a self sharded on a dim smaller than the mesh, or one with strided shards; copying
+            # never needs self to move (which would recurse: a moved self is written back with copy_): move src to
+            # self's layout
             self, src = args[0], args[1]
             return Propagation(func, (self, src.with_placements(self.placements), *args[2:]), kwargs, None, self)
+        if isinstance(e, NoRule):
+            raise
         raise NoRule(f"{type(e).__name__}: {e}") from None
     # the input Specs keep the caller's shape/stride metadata; only placements change
     rank_args = None

@@ -35,7 +35,7 @@ _BASE_DATA = torch._C.TensorBase.data  # the `data` attribute DTensor's own prop
 class DTensor(torch.Tensor):
     # slots, not the instance dict torch.Tensor gives: no dict is made per op's output, and `__del__` reads them
     # faster (together a quarter of a microsecond of the user thread's per-op path)
-    __slots__ = ("_spec", "_tid", "_session")
+    __slots__ = ("_spec", "_tid", "_session", "_origin")  # _origin: `_views.Origin`, set on views of moved copies
     _spec: Spec
     _tid: int
     _session: Session
