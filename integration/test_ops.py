@@ -144,6 +144,11 @@ def test_sync_points_item_tolist_bool(mesh4):
     if x.max() > 3:  # control flow on data
         flag = True
     assert flag
+    loss = x.mean()
+    assert f"loss {loss:.3f}" == f"loss {a.mean():.3f}" == "loss 2.500"  # a training loop's print
+    assert f"{x}" == str(x)
+    with pytest.raises(TypeError):
+        f"{x:.3f}"  # as with a plain tensor of more than one element
 
 
 def test_inplace_ops(mesh4):

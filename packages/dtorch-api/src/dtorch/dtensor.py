@@ -156,6 +156,12 @@ class DTensor(torch.Tensor):
     def numpy(self, *, force: bool = False) -> Any:
         return self.to_torch().numpy()
 
+    def __format__(self, format_spec: str) -> str:
+        """`f"{loss:.4f}"`: a 0-dim DTensor formats its value, as a plain tensor does (a sync point)."""
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
         return f"DTensor({self.to_torch()!r}, device_mesh={self.device_mesh!r}, placements={self.placements}{grad})"
