@@ -151,6 +151,31 @@ def test_sync_points_item_tolist_bool(mesh4):
         f"{x:.3f}"  # as with a plain tensor of more than one element
 
 
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)
+def test_nn_init_functions_initialise_sharded_parameters(mesh1, placement):
+    """Every `torch.nn.init` function runs on a DTensor as on a tensor: the deterministic ones give torch's values
+    (`eye_` writes through `eye.m_out`, which had no functional overload to run instead and was refused on a
+    sharded tensor), the random ones finite values of torch's spread, `orthogonal_` an orthogonal matrix."""
+    init = torch.nn.init
+    exact = {init.zeros_: torch.zeros(6, 4), init.ones_: torch.ones(6, 4), init.eye_: torch.eye(6, 4),
+             (lambda t: init.constant_(t, 3.0)): torch.full((6, 4), 3.0)}
+    random = (init.normal_, init.uniform_, init.xavier_uniform_, init.xavier_normal_, init.kaiming_uniform_,
+              init.kaiming_normal_, lambda t: init.trunc_normal_(t, std=0.02), lambda t: init.sparse_(t, 0.5))
+    w = dist(torch.empty(6, 4), mesh1, placement)
+    for fill, want in exact.items():
+        fill(w)
+        assert_same(w, want)
+    for fill in random:
+        fill(w)
+        values = w.to_torch()
+        assert torch.isfinite(values).all() and values.std() > 0
+    init.orthogonal_(w)
+    values = w.to_torch()
+    torch.testing.assert_close(values.T @ values, torch.eye(4), rtol=1e-5, atol=1e-5)
+    conv = dist(torch.empty(4, 4, 3, 3), mesh1, placement)
+    assert_same(init.dirac_(conv), init.dirac_(torch.empty(4, 4, 3, 3)))
+
+
 def test_inplace_ops(mesh4):
     a = torch.randn(4, 6)
     x = dist(a, mesh4, Shard(0))

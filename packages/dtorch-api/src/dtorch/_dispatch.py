@@ -503,8 +503,14 @@ def _run_out(plan: Plan, func: Any, args: tuple, kwargs: dict) -> Any:
     does); returns the out tensors. A plain out tensor receives the fetched values (a sync point)."""
     names = outs(func)
     targets = [kwargs.get(n) for n in names]
-    result = plan.func(*args, **{k: v for k, v in kwargs.items() if k not in names})
-    results = list(result) if len(names) > 1 else [result]
+    if plan.func is func:  # no functional overload: the op writes Replicate copies of its out= tensors
+        from dtorch import factories
+
+        results = [factories.empty(*t.shape, device_mesh=t.device_mesh, dtype=t.dtype) for t in targets]
+        func(*args, **{**kwargs, **dict(zip(names, results))})
+    else:
+        result = plan.func(*args, **{k: v for k, v in kwargs.items() if k not in names})
+        results = list(result) if len(names) > 1 else [result]
     for out, res in zip(targets, results):
         for o, r in zip(*((out, res) if isinstance(out, (list, tuple)) else ([out], [res]))):
             _write_out(plan, o, r)

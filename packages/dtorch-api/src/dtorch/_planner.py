@@ -207,8 +207,11 @@ def functional(func: Any) -> Any:
     return None
 
 
-def out_plan(func: Any, specs: list[Spec], why: str) -> Plan:
-    run = functional(func)
+def out_plan(func: Any, specs: list[Spec], why: str, into_copies: bool = False) -> Plan:
+    """The out route: the functional overload, its results copied into the out= tensors; with `into_copies`,
+    where there is no such overload (`eye.m_out`, as `nn.init.eye_` calls it), the op itself into Replicate
+    copies of its out= tensors, copied into them."""
+    run = functional(func) or (func if into_copies else None)
     if run is None:
         raise NotImplementedError(f"dtorch: {func} {why}, and it has no functional overload to run instead, so "
                                   f"it cannot run on DTensors with placements {_placements(specs)}")
@@ -293,7 +296,8 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
     outputs = _masked_outputs(func, spec_args, spec_kwargs, outputs)
     flat_outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     if outs(func) and _out_mismatch(func, spec_kwargs, flat_outputs):
-        return out_plan(func, specs, "computes outputs laid out unlike its out= tensors")
+        return out_plan(func, specs, "computes outputs laid out unlike its out= tensors",
+                        into_copies=all(isinstance(spec_kwargs.get(n), Spec) for n in outs(func)))
     if not func._schema.returns:  # e.g. _linalg_check_errors: runs for its error only (dispatch returns None)
         outputs, flat_outputs = (), []
     wire_args, wire_kwargs = _slot_templates(new_args, spec_kwargs)
