@@ -212,3 +212,23 @@ def test_an_op_that_raises_while_a_step_is_recorded_leaves_no_program(mesh1):
             assert torch.equal(t.to_torch(), want)
         # step 3 raised while recorded: steps 4 and 5 run eagerly, 6 is recorded, 7-8 are replayed
         assert (auto.replays, auto.fallbacks) == (2, 0)
+
+
+def test_torch_compile_of_a_model_trains_as_torch(mesh1):
+    """torch.compile traces DTorch's dispatch and keeps none of the state a step sets: automatic capture stood aside
+    for each op it traced (it recursed without end before). Each op runs as without torch.compile."""
+    torch.manual_seed(0)
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    dtorch.nn.replicate_module(model, mesh1)
+    compiled = torch.compile(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 8, generator=gen)
+        for net, o, inp in ((compiled, opt, dtorch.distribute_tensor(x, mesh1, [Shard(0)])), (ref, ref_opt, x)):
+            o.zero_grad()
+            net(inp).pow(2).mean().backward()
+            o.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), r.detach(), rtol=1e-5, atol=1e-6)
