@@ -176,6 +176,22 @@ def test_nn_init_functions_initialise_sharded_parameters(mesh1, placement):
     assert_same(init.dirac_(conv), init.dirac_(torch.empty(4, 4, 3, 3)))
 
 
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Shard(2)], ids=str)
+def test_a_boolean_mask_over_several_dims_reads_and_writes_as_torch(mesh1, placement):
+    """`x[mask]` with a 2-d mask of a 3-d x, read and written: torch's rules take each index for one dim, and split
+    x on its second dim against a whole mask (the worker refused the shapes at the next sync point)."""
+    gen = torch.Generator().manual_seed(0)
+    x, mask = torch.randn(4, 6, 5, generator=gen), torch.rand(4, 6, generator=gen) > 0.5
+    values = torch.randn(int(mask.sum()), 5, generator=gen)
+    dx, dmask = dist(x.clone(), mesh1, placement), dist(mask, mesh1, Replicate())
+    assert_same(dx[dmask], x[mask])
+    for write in (lambda t, m, v: t.__setitem__(m, 0.5), lambda t, m, v: t.__setitem__(m, v),
+                  lambda t, m, v: t.index_put_((m,), v, accumulate=True)):
+        write(x, mask, values)
+        write(dx, dmask, dist(values, mesh1, Replicate()))
+        assert_same(dx, x)
+
+
 def test_inplace_ops(mesh4):
     a = torch.randn(4, 6)
     x = dist(a, mesh4, Shard(0))

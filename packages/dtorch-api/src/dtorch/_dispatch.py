@@ -504,9 +504,8 @@ def _run_out(plan: Plan, func: Any, args: tuple, kwargs: dict) -> Any:
     names = outs(func)
     targets = [kwargs.get(n) for n in names]
     if plan.func is func:  # no functional overload: the op writes Replicate copies of its out= tensors
-        from dtorch import factories
-
-        results = [factories.empty(*t.shape, device_mesh=t.device_mesh, dtype=t.dtype) for t in targets]
+        results = [torch.ops.aten.new_empty.default(replicate_plain(torch.zeros(()), t), list(t.shape), dtype=t.dtype)
+                   for t in targets]
         func(*args, **{**kwargs, **dict(zip(names, results))})
     else:
         result = plan.func(*args, **{k: v for k, v in kwargs.items() if k not in names})

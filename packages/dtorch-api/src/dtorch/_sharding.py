@@ -167,6 +167,8 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
     rule = rule_for(func)  # our own rules (registered in `_registry`) where torch has none
     if rule is not None:
         return rule(func, args, kwargs, mesh)
+    if func in _MASK_INDEXED and _mask_over_sharded_dim(args):
+        raise NoRule("a boolean mask indexes a sharded dim")
     if func is _aten.fill_.Scalar and isinstance(args[0], Spec) and args[0].has_partial():
         return _fill_partial(func, args, kwargs, mesh)
     try:
@@ -206,6 +208,24 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
         if any(_nontensor_leaves(a) != base for a, _ in per_rank[1:]):
             rank_args = per_rank
     return Propagation(op, new_args, kwargs, rank_args, outputs)
+
+
+# Indexing ops whose indices may hold a boolean mask: torch's rules take each index for one dim, where a mask
+# indexes as many dims as it has, so a self sharded on its second dim or later was split against an unsplit mask.
+_MASK_INDEXED = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                 torch.ops.aten._index_put_impl_.default}
+
+
+def _mask_over_sharded_dim(args: tuple) -> bool:
+    self, indices = args[0], args[1]
+    sharded = {p.dim for p in self.placements if isinstance(p, Shard)} if isinstance(self, Spec) else set()
+    dim = 0
+    for index in indices:
+        n = len(index.shape) if isinstance(index, Spec) and index.dtype in (torch.bool, torch.uint8) else 1
+        if n > 1 and sharded & set(range(dim, dim + n)):
+            return True
+        dim += n
+    return False
 
 
 def _fill_partial(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propagation:
