@@ -374,3 +374,17 @@ def test_grad_scaler_unscales_sharded_gradients_and_skips_the_step_of_an_overflo
     assert runs[0] == runs[1] == [512.0, 256.0, 512.0, 1024.0]
     for p, r in zip(params, refs):
         torch.testing.assert_close(p.to_torch(), r.detach(), **TOL)
+
+
+def test_gradient_norms_of_every_order_in_turn_are_torchs(mesh1):
+    """`_foreach_norm`'s plan depends on its order (max of shards for inf, a sum of powers otherwise): the plan
+    cache kept it for any order as it does elementwise ops' plans, so after an inf norm every other order was
+    wrong (clip_grad_norm_(norm_type=1) after a norm_type=inf one)."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(16, 8, generator=gen), torch.randn(16, generator=gen), torch.randn(4, 16, generator=gen),
+             torch.randn(4, generator=gen)]
+    placements = (Shard(0), Shard(0), Shard(1), Replicate())
+    dgrads = [dtorch.distribute_tensor(g, mesh1, [p]) for g, p in zip(grads, placements)]
+    for order in (float("inf"), 1.0, 2.0, 3.0, 1.0, float("inf"), 2.0):
+        torch.testing.assert_close(torch.nn.utils.get_total_norm(dgrads, order).to_torch(),
+                                   torch.nn.utils.get_total_norm(grads, order), **TOL)

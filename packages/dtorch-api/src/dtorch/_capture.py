@@ -60,7 +60,7 @@ import msgspec
 import torch
 import torch.utils._pytree as pytree
 
-from dtorch import _dispatch, _views
+from dtorch import _dispatch, _planner, _views
 from dtorch.dtensor import DTensor, wrap
 from dtorch.session import Session
 from dtorch_protocol import messages as m
@@ -504,7 +504,7 @@ class _Replayer(_Mode):
         if numbers is None:
             self.fall_back(items)
             return result
-        if func is not None and (torch.Tag.pointwise in func.tags or func.__name__.startswith("_foreach_")):
+        if func is not None and _planner.numbers_free(func):
             _learn_positions(op, key, numbers, _holes_in(self.program.instrs[op.start:op.end]))
             # (its output shapes cannot depend on the numbers)
         self.pos += 1

@@ -19,8 +19,9 @@ Shapes or dtypes torch's meta kernel refuses raise `Refused` (from `_sharding`),
   out       an out= op whose out tensors are laid out (or shaped) unlike its outputs, or are plain
             tensors: the functional op runs, then each result is copied into its out tensor
 
-An elementwise op's plan does not depend on the values of its float arguments (an optimizer's step size, a
-learning rate schedule: new every step), only on their places: the cache keeps it once under its key with
+An elementwise op's plan (`numbers_free`: pointwise ops, and `_foreach_` ops but the norm) does not depend on the
+values of its float arguments (an optimizer's step size, a learning rate schedule: new every step), only on their
+places: the cache keeps it once under its key with
 those values left out (`numberless`), and a call with other values takes a copy of it with the new numbers
 in its wire arguments (`with_numbers`), unplanned and not kept. Kept per value, such plans would be planned
 again every step and push the others out of the cache.
@@ -360,6 +361,18 @@ def _same_but_floats(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+# `_foreach_` ops that reduce: their numbers choose the reduction (`_foreach_norm`'s ord: max for inf, a sum of
+# powers otherwise), so their plans depend on them
+_FOREACH_REDUCTIONS = ("_foreach_norm",)
+
+
+def numbers_free(func: Any) -> bool:
+    """Is `func` elementwise, so that its plan does not depend on the values of its float arguments?"""
+    name = func.__name__
+    return torch.Tag.pointwise in func.tags or \
+        (name.startswith("_foreach_") and not name.startswith(_FOREACH_REDUCTIONS))
+
+
 class Planner:
     """Plans by key, at most `size` of them (the oldest is dropped first: a dropped plan is simply made again)."""
 
@@ -373,7 +386,7 @@ class Planner:
         holds `func` (`Plan.op`), so the id cannot go to another object while the key is kept. An elementwise
         op's plan is also kept under its key without float values, for other values (module docstring)."""
         keys = [key]
-        if key is not None and (torch.Tag.pointwise in func.tags or func.__name__.startswith("_foreach_")):
+        if key is not None and numbers_free(func):
             general = numberless(key)
             if general != key:
                 kept = self._plans.get(general)
