@@ -161,13 +161,18 @@ def test_training_matches_single_process(mesh2d, layout):
         parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
     else:
         fully_shard(model, mesh2d, mesh_dim="dp")
-        assert model[0].parametrizations.weight.original.placements[0] == Shard(0)
+        # as with torch's FSDP2: the model's parameters under the model's names, sharded outside the forward
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        assert isinstance(model[0].weight, nn.Parameter) and model[0].weight.placements[0] == Shard(0)
     gen = torch.Generator().manual_seed(5)
     batches = [(torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(5)]
     expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches, lambda t: t)
     got = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
                  lambda t: dtorch.distribute_tensor(t, mesh2d, [Shard(0), Replicate()]))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    for p, r in zip(model.parameters(), ref.parameters()):  # the last step's gradients, laid out as the parameters
+        assert p.grad.placements == p.placements
+        torch.testing.assert_close(p.grad.to_torch(), r.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_rl_handoff_to_a_differently_sharded_inference_mesh(reference, mesh2d, mesh1):

@@ -36,7 +36,19 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from dtorch import _amp, _experts, _gather, _joint, _losses, _random_ops, _reductions, _rules, _sharding  # noqa: F401 (rule modules register themselves)
+# rule modules register themselves
+from dtorch import (  # noqa: F401
+    _amp,
+    _embedding,
+    _experts,
+    _gather,
+    _joint,
+    _losses,
+    _random_ops,
+    _reductions,
+    _rules,
+    _sharding,
+)
 from dtorch._registry import NoRule, ValueDependent, rule_for
 from dtorch._source import src_text
 from dtorch._spec import Spec

@@ -10,7 +10,7 @@
   hook on every parameter placed here issues the redistribution to the parameter's placements), so the
   all-reduce of one layer's gradient runs on the workers while the rest of the backward pass computes.
 * `fully_shard(module, mesh)`: FSDP/ZeRO-style, parameters stored `Shard(0)` over a mesh dim and gathered
-  on use; the gather's backward reduce-scatters the gradient.
+  for their submodule's forward (hooks, as torch's FSDP2); the gather's backward reduce-scatters the gradient.
 * `place_on_mesh(module, {submodule: mesh})`: pipeline stages on sub-meshes; activations move between
   stage meshes by `redistribute(device_mesh=...)`. Calling the model on micro-batches in turn
   (`microbatch_forward`) pipelines them, since each worker runs its own instruction stream.
@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.nn.utils import parametrize
 
 from dtorch.device_mesh import DeviceMesh
 from dtorch.dtensor import DTensor
@@ -47,13 +46,6 @@ def _mesh_dim(mesh: DeviceMesh, dim: int | str) -> int:
     return dim % mesh.ndim
 
 
-def _own_param(mod: nn.Module, name: str) -> nn.Parameter:
-    """`mod`'s parameter `name` as stored (behind a parametrization: its `original`)."""
-    if parametrize.is_parametrized(mod, name):
-        return mod.parametrizations[name].original
-    return mod._parameters[name]
-
-
 def _keeps_ties(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """Parameters that several submodules share (tied input and output embeddings: GPT-2, T5, BERT's heads) stay one
     parameter: the entry points lay parameters out submodule by submodule, which gave every use a copy of its own,
@@ -67,12 +59,9 @@ def _keeps_ties(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
                     uses.setdefault(id(p), []).append((mod, name))
         result = lay_out(module, *args, **kwargs)
         for (mod, name), *others in (u for u in uses.values() if len(u) > 1):
-            shared = _own_param(mod, name)
+            shared = mod._parameters[name]
             for other, other_name in others:
-                if parametrize.is_parametrized(other, other_name):
-                    other.parametrizations[other_name].original = shared
-                else:
-                    other.register_parameter(other_name, shared)
+                other.register_parameter(other_name, shared)
         return result
     return run
 
@@ -225,67 +214,54 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
     return replicate_module(module, device_mesh)
 
 
-class _Gather(nn.Module):
-    """Parametrization: the stored parameter is sharded; each use sees it gathered on one mesh dim."""
+class _Gathered:
+    """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dim `dim`
+    (a forward pre-hook puts the gathered tensors in their places, a forward hook puts the sharded parameters back);
+    the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered."""
 
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.dim = dim
+    def __init__(self, names: list[str], dim: int) -> None:
+        self.names, self.dim = names, dim
+        self.stored: dict[str, nn.Parameter] = {}
 
-    def forward(self, x: DTensor) -> DTensor:
-        return x.redistribute(placements=_with(x.placements, self.dim, Replicate(), x.ndim))
+    def gather(self, mod: nn.Module, _args: Any) -> None:
+        for name in self.names:
+            p = mod._parameters.get(name)
+            if isinstance(p, DTensor) and name not in self.stored:  # (not again in a nested call of the module)
+                self.stored[name] = p
+                mod._parameters[name] = p.redistribute(placements=_with(p.placements, self.dim, Replicate(), p.ndim))
+
+    def restore(self, mod: nn.Module, _args: Any, _output: Any) -> None:
+        for name, p in self.stored.items():
+            mod._parameters[name] = p
+        self.stored.clear()
 
 
 @_keeps_ties
 def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | str = 0) -> nn.Module:
-    """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered when used.
+    """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered for their submodule's forward.
 
-    Works on a plain module (other mesh dims replicated) or on one already tensor-parallel on
-    the same mesh (the stored layout adds Shard(0) on `mesh_dim`). Optimizer state follows the
-    sharded parameters, so it is sharded too.
+    As with torch's FSDP2, `module.weight` is the sharded parameter under its own name (`named_parameters()`,
+    `state_dict()` and `.grad` as the model's, sharded), and only the submodule's forward sees it whole. A use
+    outside that forward (another module reading a tied weight) reads the sharded parameter, which DTorch's ops take
+    as any other layout. Works on a plain module (other mesh dims replicated) or on one already tensor-parallel on
+    the same mesh (the stored layout adds Shard(0) on `mesh_dim`). Optimizer state follows the sharded parameters,
+    so it is sharded too.
     """
     dim = _mesh_dim(device_mesh, mesh_dim)
     replicate_module(module, device_mesh)
     for mod in list(module.modules()):
         names = []
         for name, p in list(mod.named_parameters(recurse=False)):
-            if p.ndim == 0 or parametrize.is_parametrized(mod, name):
+            if p.ndim == 0:
                 continue
             sharded = p.redistribute(placements=_with(p.placements, dim, Shard(0), p.ndim))
             _set_param(mod, name, sharded, p.requires_grad)
-            parametrize.register_parametrization(mod, name, _Gather(dim), unsafe=True)
             names.append(name)
         if names:
-            _plain_names(mod, names)
+            hooks = _Gathered(names, dim)
+            mod.register_forward_pre_hook(hooks.gather)
+            mod.register_forward_hook(hooks.restore, always_call=True)
     return module
-
-
-def _plain_names(mod: nn.Module, names: list[str]) -> None:
-    """`state_dict()` and `load_state_dict()` name the sharded parameters as the model did (`weight`, not
-    `parametrizations.weight.original`, as torch's FSDP keeps them): a checkpoint of either loads into the other."""
-    def stored(prefix: str, name: str) -> str:
-        return f"{prefix}parametrizations.{name}.original"
-
-    def save(mod: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
-        # this module's entries are the last ones (its own, then its children's): the parameters go back before its
-        # buffers, where the model had them
-        keys = list(state_dict)
-        start = next((i for i, k in enumerate(keys) if k.startswith(prefix)), len(keys))
-        tail = {k: state_dict.pop(k) for k in keys[start:]}
-        for k in [k for k in tail if k[len(prefix):] in mod._parameters]:
-            state_dict[k] = tail.pop(k)
-        for n in names:
-            if stored(prefix, n) in tail:
-                state_dict[prefix + n] = tail.pop(stored(prefix, n))
-        state_dict.update(tail)
-
-    def load(_mod: nn.Module, state_dict: dict, prefix: str, *_args: Any) -> None:
-        for n in names:
-            if prefix + n in state_dict:
-                state_dict[stored(prefix, n)] = state_dict.pop(prefix + n)
-
-    mod.register_state_dict_post_hook(save)
-    mod.register_load_state_dict_pre_hook(load)
 
 
 @_keeps_ties
