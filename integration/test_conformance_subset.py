@@ -33,3 +33,19 @@ def test_out_and_in_place_variants_write_their_target(name, inplace, mesh4):
     res = conformance.run_op(op, mesh4, max_samples=2, max_combos=1, variants=True)
     assert res.out == "pass", f"{name}: {res.out}"
     assert res.inplace == ("pass" if inplace else ""), f"{name}_: {res.inplace}"
+
+
+GRADIENTS = ("add", "mul", "div.no_rounding_mode", "where", "pow", "sum", "mean", "amax", "var", "softmax", "cumsum",
+             "matmul", "addmm", "nn.functional.linear", "view", "permute", "expand_as", "cat", "split", "gather",
+             "scatter_add", "index_select", "index_put", "masked_fill", "nn.functional.layer_norm",
+             "nn.functional.embedding", "nn.functional.cross_entropy", "nn.functional.mse_loss")
+
+
+@pytest.mark.parametrize("name", GRADIENTS)
+def test_opinfo_gradients_match_torch(name, mesh4):
+    """Gradients of every float input, sharded and replicated, against torch's (`--grad`: `scatter_add`'s, a gather
+    with a shorter index, was wrong until session 26)."""
+    op = conformance.select_ops([name])[0]
+    res = conformance.run_op(op, mesh4, max_samples=2, grad=True)
+    assert res.status == "pass", f"{name}: {res.status}: {res.error} ({res.failing_case})"
+    assert res.grad == "pass", f"{name}: {res.grad}"

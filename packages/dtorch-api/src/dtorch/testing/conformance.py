@@ -35,6 +35,11 @@ Options: `--partial` adds one combination per sample, the first float input as P
 `--variants` also runs each OpInfo's in-place variant (where the result has self's shape and dtype) and
 out= variant (into a DTensor of zeros laid out like the first input, unless Partial), on all-Replicate and the first
 sharded combination; they are reported apart, the OpInfo's status stays its function variant's.
+`--grad` checks gradients too, on every case whose values are compared, of OpInfos that support autograd, in
+float32: `torch.autograd.grad` of the float outputs (those that need a gradient) with fixed random cotangents
+(Replicate DTensors for DTorch) with respect to every float input, compared with torch's as values are (a gradient
+torch leaves undefined may be all zeros); a gradient that is a plain tensor, not a DTensor, fails. Reported apart,
+as the variants are.
 
 The module imports no cluster; `run()` takes a mesh. The CLI (`main`) starts ONE embedded cluster
 (`dtorch.connect(workers=2)`) for the whole run and reconnects only if the cluster breaks.
@@ -101,6 +106,7 @@ class OpResult:
     failing_case: str = ""  # which sample/placements gave `error`
     inplace: str = ""  # with --variants: "pass", or "fail: <error>" / "not-supported: <error>"; "" = not run
     out: str = ""  # with --variants: the out= variant, likewise
+    grad: str = ""  # with --grad: the gradients, likewise
 
 
 @dataclass
@@ -340,6 +346,85 @@ def run_variant(op: Any, kind: str, sample: Any, expected: torch.Tensor, combo: 
         del inputs, target, got
 
 
+def _differentiable(tree: Any) -> list[torch.Tensor]:
+    return [t for t in _tensor_leaves(tree) if t.is_floating_point()]
+
+
+def torch_grads(op: Any, sample: Any) -> tuple[list, list] | None:
+    """(cotangents, gradients) of torch's run of a sample (--grad), or None when no output needs a gradient."""
+    inputs = _clone((sample.input, sample.args, sample.kwargs))
+    leaves = _differentiable(inputs)
+    for t in leaves:
+        t.requires_grad_()
+    torch.manual_seed(0)
+    outs = [o for o in _differentiable(_call(op, inputs)) if o.requires_grad]
+    if not outs:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    cotangents = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+    return cotangents, list(torch.autograd.grad(outs, leaves, cotangents, allow_unused=True))
+
+
+def run_grad_case(op: Any, sample: Any, combo: tuple, mesh: Any, cotangents: list, want: list) -> _Outcome:
+    """The gradients of one (sample, placements) case against torch's (--grad)."""
+    import dtorch
+    from dtorch.dtensor import DTensor
+    from dtorch_protocol.placement_types import Replicate
+
+    inputs = outs = grads = None
+    try:
+        inputs = _distribute(_clone((sample.input, sample.args, sample.kwargs)), combo, mesh)
+        leaves = _differentiable(inputs)
+        for t in leaves:
+            t.requires_grad_()
+        torch.manual_seed(0)
+        dtorch.manual_seed(0)
+        outs = [o for o in _differentiable(_call(op, inputs)) if o.requires_grad]
+        if len(outs) != len(cotangents):
+            raise _Mismatch(f"{len(outs)} outputs need a gradient, torch's {len(cotangents)}")
+        grads = torch.autograd.grad(outs, leaves, [dtorch.distribute_tensor(c, mesh, [Replicate()] * mesh.ndim)
+                                                   for c in cotangents], allow_unused=True)
+        for i, (g, w) in enumerate(zip(grads, want)):
+            if g is not None and not isinstance(g, DTensor):
+                raise _Mismatch(f"gradient {i} is a plain {type(g).__name__}, not a DTensor")
+            if g is None or w is None:
+                other = w if g is None else g.to_torch()
+                if other is not None and bool(other.count_nonzero()):
+                    raise _Mismatch(f"gradient {i} is {'None' if g is None else 'not None'}, torch's is not")
+                continue
+            compare(g, w)
+        return _Outcome("pass")
+    except _Unsupported as e:
+        return _Outcome("not-supported", str(e))
+    except _Mismatch as e:
+        return _Outcome("fail", f"wrong gradient: {e}")
+    except Exception as e:  # noqa: BLE001
+        return _Outcome("not-supported" if _refusal(e) else "fail", one_line(e))
+    finally:
+        del inputs, outs, grads
+
+
+def _record(res: OpResult, kind: str, out: _Outcome, combo: tuple) -> None:
+    """Keep the worst outcome of a variant (`kind`: inplace, out or grad) over its cases."""
+    before = getattr(res, kind)
+    if out.status == "pass":
+        setattr(res, kind, before or "pass")
+    elif not before.startswith("fail") and not (out.status == "not-supported" and before.startswith("not")):
+        setattr(res, kind, f"{out.status}: {out.error} ({list(combo)})")
+
+
+def _grads(op: Any, sample: Any, combos: list[tuple], mesh: Any, res: OpResult) -> None:
+    """--grad: every combination's gradients against torch's."""
+    try:
+        reference = torch_grads(op, sample)
+    except Exception:  # noqa: BLE001 (torch cannot differentiate this sample)
+        return
+    if reference is None:
+        return
+    for combo in combos:
+        _record(res, "grad", run_grad_case(op, sample, combo, mesh, *reference), combo)
+
+
 def _variants(op: Any, sample: Any, expected: Any, combos: list[tuple], mesh: Any, res: OpResult) -> None:
     """--variants: the in-place and out= variants on all-Replicate and the first sharded combination."""
     if not isinstance(expected, torch.Tensor) or expected.layout != torch.strided:
@@ -352,16 +437,11 @@ def _variants(op: Any, sample: Any, expected: Any, combos: list[tuple], mesh: An
         kinds.append("out")
     for kind in kinds:
         for combo in combos[:2]:
-            out = run_variant(op, kind, sample, expected, combo, mesh)
-            before = getattr(res, kind)
-            if out.status == "pass":
-                setattr(res, kind, before or "pass")
-            elif not before.startswith("fail") and not (out.status == "not-supported" and before.startswith("not")):
-                setattr(res, kind, f"{out.status}: {out.error} ({list(combo)})")
+            _record(res, kind, run_variant(op, kind, sample, expected, combo, mesh), combo)
 
 
 def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partial: bool = False,
-           variants: bool = False) -> OpResult:
+           variants: bool = False, grad: bool = False) -> OpResult:
     """Every case of one OpInfo; see the module docstring for the rules."""
     start = time.perf_counter()
     name = op_key(op)
@@ -400,6 +480,8 @@ def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partia
         combos = placement_combos([t.shape for t in leaves], max_combos, partial_at)
         if variants and values:
             _variants(op, sample, expected, combos, mesh, res)
+        if grad and values and op.supports_autograd and dtype == torch.float32:
+            _grads(op, sample, combos, mesh, res)
         for combo in combos:
             out = run_case(op, sample, expected, combo, mesh, values)
             res.cases += 1
@@ -434,11 +516,11 @@ def _cluster_broken(res: OpResult, mesh: Any) -> bool:
 
 
 def run(ops: Sequence, mesh: Any, max_samples: int = 3, max_combos: int = 3, reconnect: Any = None,
-        progress: Any = None, partial: bool = False, variants: bool = False) -> list[OpResult]:
+        progress: Any = None, partial: bool = False, variants: bool = False, grad: bool = False) -> list[OpResult]:
     """Run `ops` on `mesh`; `reconnect()` (optional) returns a fresh mesh after the cluster broke."""
     results = []
     for i, op in enumerate(ops):
-        res = run_op(op, mesh, max_samples, max_combos, partial, variants)
+        res = run_op(op, mesh, max_samples, max_combos, partial, variants, grad)
         results.append(res)
         if progress is not None:
             progress(i, len(ops), res)
@@ -500,11 +582,12 @@ def write_report(results: Sequence[OpResult], out_dir: str, meta: dict) -> tuple
         if chosen:
             lines += [f"## {status} ({len(chosen)})", "", "| OpInfo | first error | case |", "|---|---|---|"]
             lines += [f"| `{r.name}` | {_md(r.error)} | {_md(r.failing_case)} |" for r in chosen] + [""]
-    for kind in ("inplace", "out"):
+    for kind in ("inplace", "out", "grad"):
         ran = [r for r in results if getattr(r, kind)]
         if ran:
             bad = [r for r in ran if not getattr(r, kind).startswith("pass")]
-            lines += [f"## {kind} variants: {len(ran) - len(bad)} of {len(ran)} pass", ""]
+            title = "gradients" if kind == "grad" else f"{kind} variants"
+            lines += [f"## {title}: {len(ran) - len(bad)} of {len(ran)} pass", ""]
             if bad:
                 lines += ["| OpInfo | first error |", "|---|---|"]
                 lines += [f"| `{r.name}` | {_md(getattr(r, kind))} |" for r in bad] + [""]
@@ -531,6 +614,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="one more combination per sample: the first float input as Partial('sum')")
     parser.add_argument("--variants", action="store_true",
                         help="also the in-place and out= variants (reported apart; the status is the function's)")
+    parser.add_argument("--grad", action="store_true",
+                        help="also the gradients of every float input (reported apart, as the variants)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -552,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def progress(i: int, n: int, res: OpResult) -> None:
         if not args.quiet:
             err = f"  {res.error[:150]}" if res.status != "pass" else ""
-            for kind in ("inplace", "out"):
+            for kind in ("inplace", "out", "grad"):
                 if getattr(res, kind) and not getattr(res, kind).startswith("pass"):
                     err += f"  [{kind}: {getattr(res, kind)[:150]}]"
             print(f"[{i + 1}/{n}] {res.name}: {res.status} ({res.passed}/{res.cases}, {res.seconds:.1f}s){err}",
@@ -562,12 +647,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = connect()
     try:
         results = run(ops, mesh, args.max_samples, args.max_combos, reconnect=connect, progress=progress,
-                      partial=args.partial, variants=args.variants)
+                      partial=args.partial, variants=args.variants, grad=args.grad)
     finally:
         dtorch.shutdown()
     seconds = round(time.perf_counter() - start, 1)
     meta = {"torch": torch.__version__, "workers": args.workers, "mesh_devices": 4, "max_samples": args.max_samples,
-            "max_combos": args.max_combos, "partial": args.partial, "variants": args.variants,
+            "max_combos": args.max_combos, "partial": args.partial, "variants": args.variants, "grad": args.grad,
             "seconds": seconds}
     json_path, md_path = write_report(results, args.out_dir, meta)
     counts = summarize(results)
