@@ -219,6 +219,28 @@ def test_an_embedding_trains_as_torch_in_every_layout(mesh1, layout, options):
     torch.testing.assert_close(model.weight.full_tensor(), ref.weight.detach())
 
 
+def test_mixed_precision_is_cpu_autocast_and_cuda_autocast_says_so(mesh1, monkeypatch):
+    """DTensors are CPU tensors in the client whatever their mesh: torch.autocast("cpu", dtype) casts their ops, as
+    torch does on the full tensors; torch.autocast("cuda") never reaches them, so DTorch warns where it is on. (A
+    client without CUDA cannot turn it on: torch disables it, so `is_autocast_enabled` stands in for a GPU here.)"""
+    from dtorch._dispatch import AUTOCAST_CUDA
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    dtorch.nn.replicate_module(model, mesh1)
+    x = torch.randn(6, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(dist(x, mesh1, Shard(0))), ref(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.full_tensor(), want)
+    enabled = torch.is_autocast_enabled
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device="cpu": device == "cuda" or enabled(device))
+    with pytest.warns(UserWarning, match=r"torch.autocast\('cuda'\) does not reach DTensors"):
+        dist(torch.randn(5, 3), mesh1, Shard(0)).cos()
+    assert "torch.autocast('cpu', dtype=...)" in AUTOCAST_CUDA
+
+
 def test_inplace_ops(mesh4):
     a = torch.randn(4, 6)
     x = dist(a, mesh4, Shard(0))

@@ -21,6 +21,7 @@ This module and `dtensor` are the one pair of client modules that import each ot
 from __future__ import annotations
 
 import math
+import warnings
 from sys import _getframe
 from typing import TYPE_CHECKING, Any
 
@@ -215,6 +216,9 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return pytree.tree_map(lift, args), pytree.tree_map(lift, kwargs)
 
 
+AUTOCAST_CUDA = ("dtorch: torch.autocast('cuda') does not reach DTensors, which are CPU tensors in this process (their "
+                 "mesh says where the shards live); use torch.autocast('cpu', dtype=...): the workers then compute in "
+                 "that dtype, on whatever devices they have")
 _FLAT = (int, float, bool, type(None))
 _TORCH_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)  # what torch raises about shapes and dtypes
 LOCAL_MAX_BYTES = 64 << 20  # default bound on what one op may fetch to run on the client (DTORCH_LOCAL_MAX_BYTES)
@@ -343,6 +347,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
             key, leaves = None, [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, dtensor.DTensor)]
     plan = planner.get(key) if key is not None else None
     if plan is None:
+        if torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu"):
+            warnings.warn(AUTOCAST_CUDA, stacklevel=3)
         try:
             plan = planner.plan(key, func, _specs(args), _specs(kwargs))
         except MixedMeshes:
