@@ -265,6 +265,16 @@ def _refusal(e: BaseException) -> bool:
     return isinstance(e, NotImplementedError) and "dtorch" in str(e)
 
 
+def _outcome(e: BaseException, wrong: str) -> _Outcome:
+    """A case's outcome from what it raised: inputs DTorch cannot take and DTorch's refusals are not-supported; a
+    mismatch (`wrong`: what was wrong) or any other error fails."""
+    if isinstance(e, _Unsupported):
+        return _Outcome("not-supported", str(e))
+    if isinstance(e, _Mismatch):
+        return _Outcome("fail", f"{wrong}: {e}")
+    return _Outcome("not-supported" if _refusal(e) else "fail", one_line(e))
+
+
 def _distribute(tree: Any, placements: Iterable, mesh: Any) -> Any:
     import dtorch
 
@@ -300,12 +310,8 @@ def run_case(op: Any, sample: Any, expected: Any, combo: tuple, mesh: Any, value
         got = _call(op, inputs)
         compare(got, expected, values)
         return _Outcome("pass")
-    except _Unsupported as e:
-        return _Outcome("not-supported", str(e))
-    except _Mismatch as e:
-        return _Outcome("fail", f"wrong result: {e}")
     except Exception as e:  # noqa: BLE001 (anything else is the op's outcome)
-        return _Outcome("not-supported" if _refusal(e) else "fail", one_line(e))
+        return _outcome(e, "wrong result")
     finally:
         del got, inputs
 
@@ -336,12 +342,8 @@ def run_variant(op: Any, kind: str, sample: Any, expected: torch.Tensor, combo: 
         if got is not target:
             return _Outcome("fail", f"wrong result: the {kind} variant returned a new tensor, not its target")
         return _Outcome("pass")
-    except _Unsupported as e:
-        return _Outcome("not-supported", str(e))
-    except _Mismatch as e:
-        return _Outcome("fail", f"wrong result: {e}")
     except Exception as e:  # noqa: BLE001
-        return _Outcome("not-supported" if _refusal(e) else "fail", one_line(e))
+        return _outcome(e, "wrong result")
     finally:
         del inputs, target, got
 
@@ -394,12 +396,8 @@ def run_grad_case(op: Any, sample: Any, combo: tuple, mesh: Any, cotangents: lis
                 continue
             compare(g, w)
         return _Outcome("pass")
-    except _Unsupported as e:
-        return _Outcome("not-supported", str(e))
-    except _Mismatch as e:
-        return _Outcome("fail", f"wrong gradient: {e}")
     except Exception as e:  # noqa: BLE001
-        return _Outcome("not-supported" if _refusal(e) else "fail", one_line(e))
+        return _outcome(e, "wrong gradient")
     finally:
         del inputs, outs, grads
 
