@@ -241,6 +241,21 @@ def test_mixed_precision_is_cpu_autocast_and_cuda_autocast_says_so(mesh1, monkey
     assert "torch.autocast('cpu', dtype=...)" in AUTOCAST_CUDA
 
 
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)
+def test_in_place_ops_on_a_plain_tensor_take_the_dtensors_values(mesh1, placement):
+    """`buf[i] = x` of a plain `buf` from a factory (generate's beam search does this) brings x's values into buf, as a
+    copy to the CPU would (a sync point); it was refused. (A batch norm's plain running statistics still are:
+    test_batch_norm_training_updates_its_running_statistics_as_torch.)"""
+    a = torch.arange(12.0).view(3, 4)
+    x = dist(a, mesh1, placement)
+    buf, want = torch.zeros(3, 4), torch.zeros(3, 4)
+    for t, src in ((buf, x), (want, a)):
+        t[1] = src[0]
+        t[:, 0].add_(src[:, 1])
+        t.mul_(src)
+    assert type(buf) is torch.Tensor and torch.equal(buf, want)
+
+
 def test_inplace_ops(mesh4):
     a = torch.randn(4, 6)
     x = dist(a, mesh4, Shard(0))

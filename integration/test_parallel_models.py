@@ -62,6 +62,12 @@ def test_llama_tensor_parallel_logits_and_generation(reference, mesh1):
     expected = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
     got = tp.generate(dtorch.distribute_tensor(ids[:1], mesh1, [Replicate()]), max_new_tokens=6, do_sample=False)
     assert got.to_torch().tolist() == expected.tolist()
+    # beam search writes the DTensor ids into plain buffers it makes (`running_sequences[:, :, :n] = ids`)
+    expected = model.generate(ids[:2], max_new_tokens=4, num_beams=2, do_sample=False)
+    got = tp.generate(dtorch.distribute_tensor(ids[:2], mesh1, [Replicate()]), max_new_tokens=4, num_beams=2,
+                      do_sample=False)
+    got = got.to_torch() if isinstance(got, dtorch.DTensor) else got
+    assert got.tolist() == expected.tolist()
     state = tp.state_dict()["model.layers.1.self_attn.q_proj.weight"]
     assert torch.equal(state.to_torch(), model.state_dict()["model.layers.1.self_attn.q_proj.weight"])
 

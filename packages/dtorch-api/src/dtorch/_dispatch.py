@@ -12,7 +12,8 @@ carry it out as several ops. Carrying a plan out by route (see `_planner` for th
 An op whose shapes or dtypes torch refuses raises here, at once, with torch's error, the op and the user's line.
 
 In-place ops keep the DTensor object; when they change its shape (`squeeze_`, `transpose_`, `resize_`)
-the wrapper's metadata follows. An op that would write into a plain torch.Tensor is refused. A view op whose input
+the wrapper's metadata follows. An in-place op on a plain torch.Tensor (`buf[i] = x`) takes the DTensors' values
+there (a sync point); any other op that would write into a plain torch.Tensor is refused. A view op whose input
 had to move gives views of the moved copy; `_views` keeps writes through them and to their input in step.
 
 This module and `dtensor` are the one pair of client modules that import each other (by module).
@@ -30,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
 from dtorch import _planner, _views
-from dtorch._planner import MixedMeshes, Plan, out_plan, outs, writes
+from dtorch._planner import MixedMeshes, Plan, is_inplace, out_plan, outs, writes
 from dtorch._registry import NoRule, Refused, decomposition_for
 from dtorch._sharding import NestedShard, check_strided, local_shape
 from dtorch._source import SKIP, caller, user_src
@@ -219,6 +220,7 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 AUTOCAST_CUDA = ("dtorch: torch.autocast('cuda') does not reach DTensors, which are CPU tensors in this process (their "
                  "mesh says where the shards live); use torch.autocast('cpu', dtype=...): the workers then compute in "
                  "that dtype, on whatever devices they have")
+WRITES_PLAIN = "writes into a plain torch.Tensor"  # why an in-place op on one runs on the client (a sync point)
 _FLAT = (int, float, bool, type(None))
 _TORCH_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)  # what torch raises about shapes and dtypes
 LOCAL_MAX_BYTES = 64 << 20  # default bound on what one op may fetch to run on the client (DTORCH_LOCAL_MAX_BYTES)
@@ -340,6 +342,11 @@ def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
         except _Plain:
             if outs(func) and _plain_out(func, kwargs):
                 return _run_out(out_plan(func, [], "writes plain torch.Tensors"), func, args, kwargs)
+            if is_inplace(func) and args and type(args[0]) is torch.Tensor:
+                # `buf[i] = x` of a plain `buf` (made by a factory, as generate's beam search does): x's values
+                # come into buf as a copy to the CPU would bring them (a sync point, bounded)
+                dtensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, dtensor.DTensor)]
+                return _run_locally(func, args, kwargs, dtensors, WRITES_PLAIN)
             args, kwargs = _lift_plain(func, args, kwargs)
             leaves = []
             key = (id(func), None, _key(args, leaves), _key(kwargs, leaves) if kwargs else None)
