@@ -329,6 +329,26 @@ def test_views_of_moved_copies_see_writes_to_their_tensor_and_to_each_other(mesh
     assert not _views.by_root
 
 
+@pytest.mark.parametrize("style", ["rowwise", "colwise"])
+def test_writing_rows_and_columns_of_a_sharded_parameter_under_no_grad(mesh1, style):
+    """`emb.weight[pad].fill_(0)`, `weight.data[i] = v`, `weight[:, j] = v` on a vocab- or dim-sharded embedding did
+    nothing before dtorch._views (the writes stayed in moved copies)."""
+    from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(10, 4)
+    model = copy.deepcopy(ref)
+    layout = RowwiseParallel if style == "rowwise" else ColwiseParallel
+    parallelize_module(model, mesh1, layout(input_layouts=Replicate()))
+    for m in (model, ref):
+        with torch.no_grad():
+            m.weight[3].fill_(0)
+            m.weight.data[5] = 1.0
+            m.weight[:, 1] = 2.0
+    assert model.weight.placements == ((Shard(0),) if style == "rowwise" else (Shard(1),))
+    assert_same(model.weight.detach(), ref.weight.detach())
+
+
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)
 def test_gradients_through_item_assignment_on_a_sharded_dim(mesh1, placement):
     w = torch.randn(6, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
