@@ -102,6 +102,17 @@ def test_uneven_view_per_device_sizes(mesh4):
     assert_same(x.view(6, 2, 2).sum(-1), a.view(6, 2, 2).sum(-1), exact=False)
 
 
+def test_flattening_a_dim_sharded_twice_unevenly(mesh2d):
+    """6 rows sharded on both mesh dims (3 and 3, then 2 and 1): torch's view rule gave every device the local size
+    of an even split ([12]); the workers refused it at the next sync point. The local sizes are checked now."""
+    a = torch.arange(48.0).view(6, 8)
+    x = dist(a.clone(), mesh2d, Shard(0), Shard(0))
+    assert_same(x.view(-1), a.view(-1))
+    x.view(-1)[5:20].fill_(0)
+    a.view(-1)[5:20].fill_(0)
+    assert_same(x, a)
+
+
 @pytest.mark.parametrize("p", [Shard(0), Shard(1), Replicate()])
 def test_softmax_family(mesh4, p):
     a = torch.randn(5, 8)

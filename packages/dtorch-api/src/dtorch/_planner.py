@@ -289,7 +289,7 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
         if _non_sum_partial(outputs) and any(_has_empty_shard(s) for s in specs):
             raise NoRule("max/min/avg over an empty shard")  # torch refuses e.g. max() of nothing
         required = [s for s in pytree.tree_leaves((new_args, prop.kwargs)) if isinstance(s, Spec)]
-        _sharding.check_local(func, prop, mesh)
+        _sharding.check_local(func, prop, mesh, spec_args)
         if prop.rank_args is not None:  # devices whose args are alike share one template (filled once an op)
             shared: dict[int, list] = {}
             local = {mesh.devices[rank]: shared.get(id(a)) or shared.setdefault(id(a), list(_slot_templates(a, k)))

@@ -347,13 +347,15 @@ def local_shape(spec: Spec, coord: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2:])
 
 
-def check_local(func: Any, prop: Propagation, mesh: DeviceMesh) -> None:
+def check_local(func: Any, prop: Propagation, mesh: DeviceMesh, given: tuple = ()) -> None:
     """Raise NoRule unless the op accepts every device's local shapes and gives the local outputs torch promised.
 
     torch's rules are written for the global view; a few break on particular local shapes: squeeze_copy drops
     a sharded dim whose shard has size 1, pixel_unshuffle gets shards not divisible by the factor, and
     batch_norm, fft or max refuse the empty shards of small dims. Each distinct set of local shapes runs once
     on meta tensors (and, when it has an empty shard, once on small real zeros); the plan is cached after.
+    `given` are the args as the op was called with them: where the rule rewrote their numbers (a view's local
+    sizes), a refusal of the local shapes always counts.
     """
     expected = _flat(prop.outputs)
     seen: set = set()
@@ -380,9 +382,11 @@ def check_local(func: Any, prop: Propagation, mesh: DeviceMesh) -> None:
         except NotImplementedError:
             return  # no meta kernel: nothing to check against
         except Exception as e:  # noqa: BLE001
-            if prop.rank_args is None and _global_meta_fails(func, args, kwargs):
-                return  # the meta kernel cannot judge these args at all (data-dependent); per-device args (a view's
-                # local sizes) are judged: nested uneven shards of a merged dim do not split like the view's dims
+            if prop.rank_args is None and _nontensor_leaves(args) == _nontensor_leaves(given) and \
+                    _global_meta_fails(func, args, kwargs):
+                return  # the meta kernel cannot judge these args at all (data-dependent); args torch rewrote (a view's
+                # local sizes, the same on every device or not) are judged: nested uneven shards of a merged dim do
+                # not split like the view's dims
             raise NoRule(f"the op refuses the local shapes {shapes} at mesh position {rank}: {e}") from None
         got = _flat(result)
         for i, spec in enumerate(expected):
