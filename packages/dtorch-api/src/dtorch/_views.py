@@ -3,8 +3,9 @@
 A view op (`x[1]`, `x[:, 2]`, `x.view(-1)[::5]`, `x.diagonal()`, `x.split(2)`) aliases its input. When the input has
 to move first (a row of a row-sharded tensor is read from a replicated copy), the view aliases that moved copy on the
 workers, not the input: a write through the view (`x[1] = 5`, which is `x.select(0, 1).fill_(5)`) stayed in the
-copy, and later writes to the input did not show in the view. torch's DTensor behaves the same way. DTorch keeps
-torch's aliasing with an `Origin` per such move: the input and its moved copy, which the views keep alive.
+copy, and later writes to the input did not show in the view (torch 2.13's DTensor loses `x[1].mul_(0)` too).
+DTorch keeps torch's aliasing with an `Origin` per such move: the input and its moved copy, which the views keep
+alive.
 
 Rules (`after_view` and `after_write`, called by `_dispatch` inside the op's dispatch, so that their copies are
 not the user's: autograd does not see them and no version counter moves):
