@@ -399,3 +399,29 @@ def test_gradient_norms_of_every_order_in_turn_are_torchs(mesh1):
     for order in (float("inf"), 1.0, 2.0, 3.0, 1.0, float("inf"), 2.0):
         torch.testing.assert_close(torch.nn.utils.get_total_norm(dgrads, order).to_torch(),
                                    torch.nn.utils.get_total_norm(grads, order), **TOL)
+
+
+def test_a_gradient_torch_makes_as_plain_zeros_becomes_the_parameters_layout(mesh1):
+    """torch's formula for `sgn` makes its zero gradient with a factory that takes no tensor, so autograd stored a
+    plain tensor as a DTensor parameter's `.grad`; it is now a DTensor laid out as the parameter, and AdamW steps as
+    with torch."""
+    class Signed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.v = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return x * torch.sgn(self.w) + x * self.v
+
+    torch.manual_seed(0)
+    ref = Signed()
+    model = copy.deepcopy(ref)
+    replicate_module(model, mesh1)
+    x = torch.randn(4, 3)
+    for m, inp in ((model, dtorch.distribute_tensor(x, mesh1, [Replicate()])), (ref, x)):
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        (m(inp) ** 2).sum().backward()
+        opt.step()
+    assert isinstance(model.w.grad, dtorch.DTensor) and model.w.grad.placements == model.w.placements
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), r.detach(), **TOL)

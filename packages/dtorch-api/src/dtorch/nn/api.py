@@ -83,8 +83,14 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor, requires_grad:
 
 def _reduce_early(param: torch.Tensor) -> None:
     """A gradient autograd just accumulated that is still Partial is reduced now, to the parameter's placements
-    (what the optimizer's first use would do later): issued here, the collective overlaps the rest of backward."""
+    (what the optimizer's first use would do later): issued here, the collective overlaps the rest of backward.
+    A plain one (torch's formulas that make their zeros with a factory taking no tensor: `sgn`, `copysign`'s sign)
+    becomes a DTensor laid out as the parameter."""
     grad = param.grad
+    if isinstance(param, DTensor) and grad is not None and not isinstance(grad, DTensor):
+        param.grad = torch.zeros_like(param) if grad._is_zerotensor() else \
+            distribute_tensor(grad.detach(), param.device_mesh, param.placements)
+        return
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.device_mesh == param.device_mesh \
             and any(p.is_partial() for p in grad.placements) and grad.placements != param.placements:
         param.grad = grad.redistribute(placements=param.placements)
