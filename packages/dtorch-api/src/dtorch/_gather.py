@@ -32,9 +32,11 @@ def _sharded_dims(t: Any) -> set[int]:
 def gather(args: tuple, kwargs: dict) -> Any:
     values = dict(zip(("self", "dim", "index", "sparse_grad"), args), **kwargs)
     x, index = values["self"], values["index"]
+    sharded = _sharded_dims(x) | _sharded_dims(index)
+    if not sharded:  # the common case, answered first
+        return NotImplemented
     dim = values["dim"] % max(x.dim(), 1)
     shorter = [d for d in range(index.dim()) if d != dim and index.shape[d] < x.shape[d]]
-    sharded = _sharded_dims(x) | _sharded_dims(index)
     if not any(d in sharded for d in shorter):
         return NotImplemented
     for d in shorter:
