@@ -57,7 +57,7 @@ from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords
 from dtorch_protocol.placement_types import Partial, Replicate
 from dtorch_protocol.values import encode_value
-from dtorch_protocol.writes import undeclared_writes
+from dtorch_protocol.writes import written_arguments
 
 WORKER_NAMESPACES = ("aten", "prims")  # what workers run (dtorch_worker.ops); other ops take the local route
 # Why an op runs on the client (the sync and local routes; docs/architecture.md has the table of such ops):
@@ -190,10 +190,7 @@ def _written_leaves(func: Any, args: tuple, kwargs: dict) -> frozenset[int]:
 def writes(func: Any, args: tuple | None = None, kwargs: dict | None = None) -> list[tuple[int, str]]:
     """(position, name) of the arguments `func` writes: those its schema marks (self of in-place ops, out=), and
     those it writes unmarked (`dtorch_protocol.writes`) with these args (without args: any it may write)."""
-    arguments = func._schema.arguments
-    unmarked = undeclared_writes(str(func), [a.name for a in arguments], args, kwargs)
-    return [(i, a.name) for i, a in enumerate(arguments)
-            if a.alias_info is not None and a.alias_info.is_write or a.name in unmarked]
+    return written_arguments(str(func), func._schema.arguments, args, kwargs)
 
 
 _out_names: dict[Any, tuple[str, ...]] = {}

@@ -41,3 +41,14 @@ def undeclared_writes(op: str, names: Sequence[str], args: Sequence[Any] | None 
         if not (args[at] if at < len(args) else (kwargs or {}).get(flag, False)):
             return frozenset()
     return frozenset(written)
+
+
+def written_arguments(op: str, arguments: Sequence[Any], args: Sequence[Any] | None = None,
+                      kwargs: Mapping[str, Any] | None = None) -> list[tuple[int, str]]:
+    """(position, name) of the arguments `op` writes, given its schema's `arguments` (torch's `Argument`s): those the
+    schema marks (`Tensor(a!)`: self of an in-place op, out=) and those of the table, for these args (without
+    args: any it may write). The client's plans and the worker both ask here."""
+    unmarked = undeclared_writes(op, [a.name for a in arguments], args, kwargs)
+    return [(i, a.name) for i, a in enumerate(arguments)
+            if a.alias_info is not None and a.alias_info.is_write or a.name in unmarked]
+

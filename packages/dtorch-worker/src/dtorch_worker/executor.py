@@ -87,7 +87,7 @@ from dtorch_protocol.messages import (
 )
 from dtorch_protocol.tls import Tls
 from dtorch_protocol.values import decode_value, dtype_from_name, reduce_in_order
-from dtorch_protocol.writes import undeclared_writes
+from dtorch_protocol.writes import written_arguments
 from dtorch_worker import collectives, hygiene, random_blocks, shards
 from dtorch_worker.device import backend_for
 from dtorch_worker.groups import GroupError, Groups
@@ -955,10 +955,7 @@ def _volume(size: Sequence[int]) -> int:
 def written_args(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments `op` may write in place (`Tensor(a!)` in its schema, out= included, and
     those it writes unmarked: a training batch norm's running statistics, `dtorch_protocol.writes`)."""
-    arguments = op._schema.arguments
-    unmarked = undeclared_writes(str(op), [a.name for a in arguments])
-    return tuple((i, a.name) for i, a in enumerate(arguments)
-                 if a.alias_info is not None and a.alias_info.is_write or a.name in unmarked)
+    return tuple(written_arguments(str(op), op._schema.arguments))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
