@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from dtorch.nn import (
     RowwiseParallel,
     copy_weights,
     fully_shard,
+    hf_tp_plan,
     llama_tp_plan,
     microbatch_forward,
     parallelize_module,
@@ -118,6 +120,56 @@ def test_another_architecture_gpt2_tensor_parallel(mesh1):
     with torch.no_grad():
         out = dmodel(dtorch.distribute_tensor(ids, mesh1, [Shard(0)])).logits
     torch.testing.assert_close(out.to_torch(), expected, **TOL)
+
+
+# Families whose shipped plans use different transformers styles: plain colwise/rowwise (Gemma 3), fused projections
+# gathered and split again (Phi-3: colwise_gather_output, rowwise_split_input), gathered q/k/v (OLMo 2), and
+# multi-head latent attention, whose mla_kv_a_proj has no DTorch style and stays replicated (DeepSeek-V3).
+HF_FAMILIES = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}, None),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, None),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, None),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                         first_k_dense_replace=1, n_group=1, topk_group=1), "kv_a_proj_with_mqa (mla_kv_a_proj)"),
+}
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_the_tensor_parallel_plan_a_transformers_model_ships_trains_as_torch(mesh1, family):
+    config_name, model_name, extra, replicated = HF_FAMILIES[family]
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = getattr(transformers, config_name)(**{**sizes, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = hf_tp_plan(model)
+    said = [str(w.message) for w in caught if "hf_tp_plan" in str(w.message)]
+    assert said == ([f"hf_tp_plan: {model_name} keeps these entries of its tp_plan replicated (no DTorch style takes "
+                     f"them as they are): model.layers.*.self_attn.{replicated}"] if replicated else [])
+    assert plan and all(isinstance(style, (ColwiseParallel, RowwiseParallel)) for style in plan.values())
+    tp = parallelize_module(copy.deepcopy(model), mesh1, plan)
+    assert tp.lm_head.weight.placements == (Shard(0),)
+    ids = torch.randint(3, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    ref_opt, opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(tp.parameters(), lr=0.1)
+    for _ in range(2):
+        expected = model(input_ids=ids, labels=ids)
+        expected.loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        dids = dtorch.distribute_tensor(ids, mesh1, [Replicate()])
+        got = tp(input_ids=dids, labels=dids)
+        got.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(got.logits.full_tensor(), expected.logits, **TOL)
+    generated = tp.generate(dtorch.distribute_tensor(ids[:, :4], mesh1, [Replicate()]), max_new_tokens=4,
+                            do_sample=False)
+    assert generated.full_tensor().tolist() == model.generate(ids[:, :4], max_new_tokens=4, do_sample=False).tolist()
 
 
 @pytest.mark.parametrize("layout", ["dp", "fsdp", "tp"])

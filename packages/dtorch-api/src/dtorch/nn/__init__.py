@@ -10,7 +10,7 @@ from dtorch.nn.api import (
     replicate_module,
     to_layout,
 )
-from dtorch.nn.plans import llama_tp_plan, moe_ep_plan
+from dtorch.nn.plans import hf_tp_plan, llama_tp_plan, moe_ep_plan
 from dtorch.nn.style import (
     ColwiseParallel,
     ExpertParallel,
@@ -22,6 +22,7 @@ from dtorch.nn.style import (
 )
 
 __all__ = ["distribute_module", "parallelize_module", "replicate_module", "fully_shard", "place_on_mesh",
-           "microbatch_forward", "copy_weights", "to_layout", "llama_tp_plan", "moe_ep_plan", "ParallelStyle",
+           "microbatch_forward", "copy_weights", "to_layout", "hf_tp_plan", "llama_tp_plan", "moe_ep_plan",
+           "ParallelStyle",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
            "ExpertParallel"]

@@ -1,9 +1,14 @@
 """Ready-made plans (plans are data): tensor parallelism for Llama-style Hugging Face decoders (any model whose module
-names follow transformers' Llama layout: Llama, Mistral, Qwen2, ...), expert parallelism for their
-mixture-of-experts variants, and tensor and sequence parallelism for diffusers' SD3 and FLUX transformers.
+names follow transformers' Llama layout: Llama, Mistral, Qwen2, ...), the plan any transformers model ships
+(`hf_tp_plan`), expert parallelism for their mixture-of-experts variants, and tensor and sequence parallelism for
+diffusers' SD3 and FLUX transformers.
 """
 
 from __future__ import annotations
+
+import fnmatch
+import warnings
+from typing import Any
 
 from dtorch.nn.style import (
     ColwiseParallel,
@@ -12,6 +17,7 @@ from dtorch.nn.style import (
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
 )
 from dtorch_protocol.placement_types import Replicate, Shard
 
@@ -34,6 +40,62 @@ def llama_tp_plan(mlp: bool = True) -> dict[str, ParallelStyle]:
         plan.update({"model.layers.*.mlp.gate_proj": ColwiseParallel(),
                      "model.layers.*.mlp.up_proj": ColwiseParallel(),
                      "model.layers.*.mlp.down_proj": RowwiseParallel()})
+    return plan
+
+
+# transformers' style names (`model.tp_plan` values) -> DTorch's style. DTensors keep global semantics, so a style
+# that only changes where a layer's shards live (unit_colwise, packed_colwise) is the plain one; None: replicated
+# (`replicate` and friends ask for nothing else). A name missing here is left replicated, with a warning.
+HF_STYLES: dict[str, ParallelStyle | None] = {
+    "colwise": ColwiseParallel(),
+    "unit_colwise": ColwiseParallel(),
+    "packed_colwise": ColwiseParallel(),
+    "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
+    "rowwise": RowwiseParallel(),
+    "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": ColwiseParallel(output_layouts=Replicate()),
+    "sequence_parallel": SequenceParallel(),
+    "replicate": None,
+    "replicated_with_grad_allreduce": None,
+    "local_params": None,
+}
+
+
+def hf_tp_plan(model: Any) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan a transformers model ships (`model.tp_plan`: its config's `base_model_tp_plan` plus
+    the head's), as DTorch styles: `parallelize_module(model, mesh, hf_tp_plan(model))`.
+
+    Entries DTorch cannot take as they are stay replicated, which changes where the work runs, never the results;
+    a warning names them: styles with no DTorch counterpart (`mla_kv_a_proj`, `moe_tp_experts`, ...), entries
+    that name a parameter rather than a module, and entries on modules other than nn.Linear and nn.Embedding.
+    """
+    import torch.nn as nn
+
+    hf_plan = getattr(model, "tp_plan", None)
+    if not isinstance(hf_plan, dict):
+        raise TypeError(f"hf_tp_plan takes a transformers model (one with a `tp_plan` dict), "
+                        f"got {type(model).__name__}")
+    modules = dict(model.named_modules())
+    plan: dict[str, ParallelStyle] = {}
+    left: list[str] = []
+    for pattern, name in hf_plan.items():
+        if name in HF_STYLES and HF_STYLES[name] is None:
+            continue
+        style = HF_STYLES.get(name)
+        matched = [m for n, m in modules.items() if fnmatch.fnmatchcase(n, pattern)]
+        if not matched and not any(fnmatch.fnmatchcase(n, pattern) for n, _ in model.named_parameters()):
+            continue  # an entry for a variant of the architecture this model is not (transformers skips it too)
+        if style and matched and (isinstance(style, SequenceParallel)
+                                  or all(isinstance(m, (nn.Linear, nn.Embedding)) for m in matched)):
+            plan[pattern] = style
+        else:
+            left.append(f"{pattern} ({name})")
+    if left:
+        warnings.warn(f"hf_tp_plan: {type(model).__name__} keeps these entries of its tp_plan replicated (no DTorch "
+                      f"style takes them as they are): {', '.join(left)}", stacklevel=2)
     return plan
 
 
