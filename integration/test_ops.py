@@ -696,3 +696,25 @@ def test_a_cuda_mesh_runs_and_trains_from_a_client_without_cuda():
     for key in ("matmul", "softmax", "sum", "gather", "train"):
         assert info[key] < 1e-5, info
 
+
+
+def test_a_fully_sharded_embedding_with_max_norm_renormalizes_its_stored_rows(mesh1):
+    """`nn.Embedding(max_norm=...)` renormalizes the rows it looks up in place; under fully_shard its forward sees
+    the gathered weight, and the write stayed there (the stored shards kept the old rows, and training drifted from
+    torch's). The write now reaches the sharded parameter."""
+    from dtorch.nn import fully_shard
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Linear(4, 3))
+    model = fully_shard(copy.deepcopy(ref), mesh1)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, 10, (4, 3), generator=g)
+        ref(ids).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(dist(ids, mesh1, Shard(0))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(model[0].weight.full_tensor(), ref[0].weight)

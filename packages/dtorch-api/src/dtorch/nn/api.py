@@ -223,21 +223,27 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
 class _Gathered:
     """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dim `dim`
     (a forward pre-hook puts the gathered tensors in their places, a forward hook puts the sharded parameters back);
-    the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered."""
+    the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered. A forward that
+    writes a gathered parameter in place (`nn.Embedding(max_norm=...)` renormalizes the rows it looks up) has the
+    write copied into the sharded parameter, as the module's own parameter would keep it."""
 
     def __init__(self, names: list[str], dim: int) -> None:
         self.names, self.dim = names, dim
-        self.stored: dict[str, nn.Parameter] = {}
+        self.stored: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
 
     def gather(self, mod: nn.Module, _args: Any) -> None:
         for name in self.names:
             p = mod._parameters.get(name)
             if isinstance(p, DTensor) and name not in self.stored:  # (not again in a nested call of the module)
-                self.stored[name] = p
-                mod._parameters[name] = p.redistribute(placements=_with(p.placements, self.dim, Replicate(), p.ndim))
+                whole = p.redistribute(placements=_with(p.placements, self.dim, Replicate(), p.ndim))
+                self.stored[name] = (p, whole, whole._version)
+                mod._parameters[name] = whole
 
     def restore(self, mod: nn.Module, _args: Any, _output: Any) -> None:
-        for name, p in self.stored.items():
+        for name, (p, whole, version) in self.stored.items():
+            if whole._version != version:
+                with torch.no_grad():
+                    p.copy_(whole)
             mod._parameters[name] = p
         self.stored.clear()
 
