@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -91,3 +92,46 @@ def test_dropout_and_init_on_shards_draw_and_move_only_shards(mesh4, cluster):
     assert 0.6 < kept.float().mean() < 0.9
     torch.testing.assert_close(y.to_torch()[kept], x.to_torch()[kept] / 0.75)
     assert 1.5 < w.to_torch().std() < 2.5
+
+
+def test_torch_manual_seed_and_rng_state_govern_dtensor_random_values(mesh1):
+    """Each random op draws its seed from torch's default generator: `torch.manual_seed` (transformers' `set_seed`)
+    makes DTensor random values reproducible as plain ones, `torch.set_rng_state` resumes them, and a sampling
+    generate of a tensor-parallel model repeats under one seed. DTorch had a stream of its own that only
+    `dtorch.manual_seed` reset, so the same `torch.manual_seed` gave other values each time."""
+    x = dtorch.distribute_tensor(torch.rand(4, 8) + 0.1, mesh1, [Shard(0)])
+
+    def draw():
+        return [t.full_tensor() for t in (F.dropout(x, 0.5), torch.rand_like(x), torch.multinomial(x, 3),
+                                          dtorch.randn(4, 4, device_mesh=mesh1, placements=[Shard(1)]))]
+
+    torch.manual_seed(5)
+    first = draw()
+    torch.manual_seed(5)
+    again = draw()
+    torch.manual_seed(6)
+    other = draw()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not any(torch.equal(a, b) for a, b in zip(first[1:], other[1:]))
+    saved = torch.get_rng_state()
+    resumed = [draw(), draw()]
+    torch.set_rng_state(saved)
+    assert all(torch.equal(a, b) for one, two in zip(resumed, [draw(), draw()]) for a, b in zip(one, two))
+
+
+def test_a_sampling_generate_repeats_under_transformers_set_seed(mesh1):
+    transformers = pytest.importorskip("transformers")
+    from dtorch.nn import hf_tp_plan, parallelize_module
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    tp = parallelize_module(model, mesh1, hf_tp_plan(model))
+    ids = dtorch.distribute_tensor(torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(1)), mesh1,
+                                   [Replicate()])
+    runs = []
+    for seed in (3, 3, 4):
+        transformers.set_seed(seed)
+        runs.append(tp.generate(ids, max_new_tokens=8, do_sample=True, top_k=20).full_tensor())
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])

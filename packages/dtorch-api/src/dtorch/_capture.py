@@ -11,7 +11,7 @@ Rules:
   2. Slots are numbered in order of first use: a DTensor from outside the step the first time an operation
      reads it, a tensor id when an operation makes it. A replayed operation matches when its key is equal and
      each DTensor sits in the recorded slot (a new outside tensor where the recording had one); it then makes
-     its tensor ids, draws its seeds from the session's stream (so later random values are those of an eager
+     its tensor ids, draws its seeds from torch's generator (so later random values are those of an eager
      run) and builds its result.
   3. A mismatch (other shapes, placements, dtypes, mesh, ops or non-float arguments; a sync point, an upload
      or any other instruction) ends the replay for this step: the instructions of the operations matched so far are

@@ -562,8 +562,9 @@ def _run_and_upload(plan: Plan, args: tuple, kwargs: dict, leaves: list[DTensor]
     """The local route: run on the fetched full tensors (a sync point), upload the outputs as Replicate."""
     ref = leaves[0]
     if plan.random:
+        seed = ref._session.next_seed()  # (drawn before the fork, which would give the draw back)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(ref._session.next_seed())
+            torch.manual_seed(seed)
             result = _run_locally(plan.func, args, kwargs, leaves, plan.why)
     else:
         result = _run_locally(plan.func, args, kwargs, leaves, plan.why)

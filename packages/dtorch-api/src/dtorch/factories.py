@@ -125,8 +125,9 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
 
 
 def manual_seed(seed: int) -> None:
-    """Seed DTorch's random stream: the same seed gives the same values under any mesh and placements."""
-    get_session().manual_seed(seed)
+    """`torch.manual_seed(seed)`, from whose generator DTensor random ops draw their seeds: the same seed gives the
+    same values under any mesh and placements."""
+    torch.manual_seed(seed)
 
 
 def _lay_out_loaded_state(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:

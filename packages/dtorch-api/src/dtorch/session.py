@@ -2,8 +2,7 @@
 
     Session ── _stream.Stream       queue, sender thread, Submit, Sync, keep-alive
             ├─ _dataplane.DataPlane Pull/Put straight to workers, relocation (_relocate)
-            ├─ _admission.place     OpenMesh, queue position on stderr
-            └─ _seeds.Seeds         the random stream
+            └─ _admission.place     OpenMesh, queue position on stderr
 
 The session speaks tensor ids and specs only (DTensors are the dispatcher's). Sync points (`fetch`) flush
 the stream, wait until every worker has executed it (bounded), raise any op error with the user's source
@@ -36,7 +35,6 @@ import torch
 from dtorch import _admission
 from dtorch._dataplane import DataPlane
 from dtorch._relocate import DeviceLost
-from dtorch._seeds import Seeds
 from dtorch._source import user_src
 from dtorch._stream import Stream
 from dtorch._version import __version__
@@ -78,7 +76,6 @@ class Session:
         self.min_devices = min_devices  # elastic: each mesh accepts this many physical devices (0: all of them)
         self._tids = itertools.count(1)
         self._placed: set[int] = set()
-        self._seeds = Seeds()
         self._lost: Exception | None = None  # the loss error, once a transfer met a device lost for good
         self._lost_lock = threading.Lock()
         self._stream = Stream(self._call, self.id, controller, opened.keepalive_s)
@@ -121,12 +118,12 @@ class Session:
         self._data.learn(*_admission.place(self._call, self.id, mesh, self.min_devices))
         self._placed.add(mesh.id)
 
-    def next_seed(self) -> int:
-        """The next seed of this session's random stream (see `dtorch.manual_seed`)."""
-        return self._seeds.next()
-
-    def manual_seed(self, seed: int) -> None:
-        self._seeds.reset(seed)
+    @staticmethod
+    def next_seed() -> int:
+        """A random op's seed, drawn from torch's default generator: `torch.manual_seed(s)` (transformers'
+        `set_seed`, Lightning's `seed_everything`) and `torch.set_rng_state` govern DTensor random values as they
+        do plain ones, and the values never depend on the mesh, the placements or the plan (one draw per op)."""
+        return int(torch.empty((), dtype=torch.int64).random_())
 
     # ------------------------------------------------------------------ sync points
     def sync(self, carry: bool = True) -> None:
