@@ -173,9 +173,11 @@ def test_the_tensor_parallel_plan_a_transformers_model_ships_trains_as_torch(mes
 
 
 @pytest.mark.parametrize("layout", ["dp", "fsdp", "tp"])
-def test_tied_embeddings_stay_one_parameter_and_train_as_torch(mesh1, layout):
+def test_tied_embeddings_stay_one_parameter_and_train_as_torch(mesh1, layout, tmp_path):
     """GPT-2 ties its output projection to its input embedding: every layout keeps the one parameter (each use got a
-    copy of its own, trained apart: losses 3.6e-3 off torch's after three steps), and training follows torch's."""
+    copy of its own, trained apart: losses 3.6e-3 off torch's after three steps), and training follows torch's.
+    `save_pretrained` writes the trained weights, tied, for a plain `from_pretrained` (safetensors refused
+    DTensors: "invalid python storage"), and a copy of the model saves its own."""
     cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
@@ -195,6 +197,17 @@ def test_tied_embeddings_stay_one_parameter_and_train_as_torch(mesh1, layout):
             o.zero_grad()
     torch.testing.assert_close(model(input_ids=dids, labels=dids).loss.item(),
                                ref(input_ids=ids, labels=ids).loss.item(), **TOL)
+    model.save_pretrained(tmp_path / "trained")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.transformer.wte.weight.zero_()
+    other.save_pretrained(tmp_path / "zeroed")
+    saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "trained")
+    for (key, want), got in zip(ref.state_dict().items(), saved.state_dict().values()):
+        torch.testing.assert_close(got, want, **TOL, msg=key)
+    assert saved.lm_head.weight is saved.transformer.wte.weight
+    zeroed = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "zeroed")
+    assert not zeroed.lm_head.weight.any() and model.transformer.wte.weight.full_tensor().any()
 
 
 def _train(model, opt, batches, step_input):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,10 +47,13 @@ def _mesh_dim(mesh: DeviceMesh, dim: int | str) -> int:
     return dim % mesh.ndim
 
 
-def _keeps_ties(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Parameters that several submodules share (tied input and output embeddings: GPT-2, T5, BERT's heads) stay one
-    parameter: the entry points lay parameters out submodule by submodule, which gave every use a copy of its own,
-    trained apart. After the layout, each other use takes the first use's parameter."""
+def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """What every entry point keeps of the model it lays out:
+
+    * parameters that several submodules share (tied input and output embeddings: GPT-2, T5, BERT's heads) stay
+      one parameter: the entry points lay parameters out submodule by submodule, which gave every use a copy of its
+      own, trained apart. After the layout, each other use takes the first use's parameter;
+    * a transformers model's `save_pretrained` writes the full weights (`_save_pretrained`)."""
     @functools.wraps(lay_out)
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         uses: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -62,8 +66,20 @@ def _keeps_ties(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
             shared = mod._parameters[name]
             for other, other_name in others:
                 other.register_parameter(other_name, shared)
+        if callable(getattr(type(module), "save_pretrained", None)):
+            module.save_pretrained = types.MethodType(save_pretrained, module)
         return result
     return run
+
+
+def save_pretrained(self: nn.Module, *args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+    """transformers' `save_pretrained`, given the model's full weights: safetensors reads each tensor's memory, and a
+    DTensor's wrapper has none ("invalid python storage"). Tied weights stay one tensor."""
+    if state_dict is None:
+        whole: dict[int, torch.Tensor] = {}
+        state_dict = {key: whole.setdefault(id(v), v.full_tensor()) if isinstance(v, DTensor) else v
+                      for key, v in self.state_dict().items()}
+    return type(self).save_pretrained(self, *args, state_dict=state_dict, **kwargs)
 
 
 def _with(placements: tuple[Placement, ...], dim: int, p: Placement, ndim: int) -> tuple[Placement, ...]:
@@ -142,7 +158,7 @@ def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim:
         module.register_forward_hook(post_hook)
 
 
-@_keeps_ties
+@_lays_out
 def replicate_module(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Every parameter and buffer that is still a plain tensor becomes a Replicate DTensor on `mesh`."""
     for mod in module.modules():
@@ -162,7 +178,7 @@ def _replicate_own(mod: nn.Module, mesh: DeviceMesh, keep: Any) -> None:
                                 persistent=name not in mod._non_persistent_buffers_set)
 
 
-@_keeps_ties
+@_lays_out
 def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
                       partition_fn: Callable[[str, nn.Module, DeviceMesh], None] | None = None,
                       input_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
@@ -192,7 +208,7 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     return module
 
 
-@_keeps_ties
+@_lays_out
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
                        parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None, *,
                        tp_mesh_dim: int | str = -1) -> nn.Module:
@@ -248,7 +264,7 @@ class _Gathered:
         self.stored.clear()
 
 
-@_keeps_ties
+@_lays_out
 def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | str = 0) -> nn.Module:
     """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered for their submodule's forward.
 
@@ -276,7 +292,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | s
     return module
 
 
-@_keeps_ties
+@_lays_out
 def place_on_mesh(module: nn.Module, stages: Mapping[str, DeviceMesh]) -> nn.Module:
     """Pipeline stages: each named submodule's parameters live on its mesh, and its inputs move there.
 
