@@ -718,3 +718,65 @@ def test_a_fully_sharded_embedding_with_max_norm_renormalizes_its_stored_rows(me
         opt.step()
         opt.zero_grad()
         torch.testing.assert_close(model[0].weight.full_tensor(), ref[0].weight)
+
+
+def test_a_transformer_encoders_inference_with_a_padding_mask_takes_the_padded_path(mesh1):
+    """In eval mode under no_grad, nn.TransformerEncoder packs a padded batch into a nested tensor, which a DTensor
+    cannot hold ("NestedTensorImpl doesn't support sizes"). DTorch answers its left-alignment check with False, so
+    the encoder takes its padded path: torch's values wherever the mask keeps a position."""
+    from dtorch.nn import replicate_module
+
+    torch.manual_seed(0)
+    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+                                          2).eval()
+    dencoder = replicate_module(copy.deepcopy(encoder), mesh1)
+    x, pad = torch.randn(4, 7, 8), torch.zeros(4, 7, dtype=torch.bool)
+    pad[0, 5:] = pad[2, 6:] = True
+    with torch.no_grad():
+        want = encoder(x, src_key_padding_mask=pad)
+        got = dencoder(dist(x, mesh1, Shard(0)), src_key_padding_mask=dist(pad, mesh1, Shard(0))).full_tensor()
+    torch.testing.assert_close(got[~pad], want[~pad])
+    unchecked = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1,
+                                            mask_check=False).eval()
+    replicate_module(unchecked, mesh1)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="enable_nested_tensor=False"):
+        unchecked(dist(x, mesh1, Shard(0)), src_key_padding_mask=dist(pad, mesh1, Shard(0)))
+
+
+def test_a_packed_sequence_of_a_dtensor_batch_trains_a_recurrent_model_as_torch(mesh1):
+    """`pack_padded_sequence` of a DTensor batch gave DTensor batch sizes, which torch's RNN kernels read in the
+    user's process ("data is not allocated yet"). The batch sizes stay plain (dtorch._sequences), and a
+    bidirectional GRU over unsorted lengths trains as in torch, padded back by `pad_packed_sequence`."""
+    from dtorch.nn import replicate_module
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True)
+            self.head = torch.nn.Linear(12, 3)
+
+        def forward(self, x, lengths):
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            out, last = self.rnn(packed)
+            out, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+            return self.head(out), last
+
+    torch.manual_seed(0)
+    ref = Tagger()
+    model = replicate_module(copy.deepcopy(ref), mesh1)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    g, lengths = torch.Generator().manual_seed(1), torch.tensor([3, 7, 2, 5])
+    for _ in range(2):
+        x = torch.randn(4, 7, 8, generator=g)
+        want, want_last = ref(x, lengths)
+        (want.pow(2).mean() + want_last.sum()).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got, got_last = model(dist(x, mesh1, Shard(0)), lengths)
+        (got.pow(2).mean() + got_last.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(got.full_tensor(), want)
+        torch.testing.assert_close(got_last.full_tensor(), want_last)
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.full_tensor(), want)

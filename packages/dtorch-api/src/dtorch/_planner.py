@@ -47,6 +47,7 @@ from dtorch import (  # noqa: F401
     _random_ops,
     _reductions,
     _rules,
+    _sequences,
     _sharding,
 )
 from dtorch._registry import NoRule, ValueDependent, rule_for
