@@ -780,3 +780,13 @@ def test_a_packed_sequence_of_a_dtensor_batch_trains_a_recurrent_model_as_torch(
         torch.testing.assert_close(got_last.full_tensor(), want_last)
     for got, want in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(got.full_tensor(), want)
+
+
+def test_an_op_across_meshes_writes_its_out_tensor_where_it_lives(cluster):
+    """Ops across meshes run where their first DTensor lives, the others moved there; an out= tensor on another mesh
+    was moved too, and the result went into the copy. An op that writes runs on the written tensor's mesh."""
+    stage0, stage1 = dtorch.DeviceMesh("cpu", [0]), dtorch.DeviceMesh("cpu", [1])
+    a, b = dist(torch.ones(3), stage0, Replicate()), dist(torch.full((3,), 2.0), stage0, Replicate())
+    out = dist(torch.zeros(3), stage1, Replicate())
+    torch.add(a, b, out=out)
+    assert out.device_mesh == stage1 and out.full_tensor().tolist() == [3.0, 3.0, 3.0]

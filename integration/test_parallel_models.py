@@ -107,6 +107,37 @@ def test_llama_pipeline_stages_with_microbatches(reference, cluster):
     assert got.to_torch().tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("optimizer", ["adamw_foreach", "sgd_momentum"])
+def test_pipeline_training_with_clipping_and_a_foreach_optimizer_matches_torch(cluster, optimizer):
+    """An optimizer or `clip_grad_norm_` over parameters on several stage meshes runs each foreach op over lists
+    that span the meshes; DTorch moved every list onto the first tensor's mesh, so the in-place updates of the
+    other stages' parameters went into copies (AdamW's foreach step left them as they were: parameters off by the
+    learning rate after one step) and clipping scaled copies of their gradients. Each mesh now gets its own call."""
+    stage0, stage1 = dtorch.DeviceMesh("cpu", [0]), dtorch.DeviceMesh("cpu", [1])
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    pp = place_on_mesh(copy.deepcopy(ref), {"0": stage0, "1": stage0, "2": stage1, "3": stage1, "4": stage1})
+    make = {"adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+            "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)}[optimizer]
+    ref_opt, opt = make(ref.parameters()), make(pp.parameters())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        nn.functional.cross_entropy(ref(x), y).backward()
+        want_norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out = microbatch_forward(pp, dtorch.distribute_tensor(x, stage0, [Replicate()]), microbatches=2)
+        nn.functional.cross_entropy(out, dtorch.distribute_tensor(y, stage1, [Replicate()])).backward()
+        got_norm = nn.utils.clip_grad_norm_(pp.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(got_norm.full_tensor(), want_norm)
+    for (name, want), got in zip(ref.named_parameters(), pp.parameters()):
+        assert got.device_mesh == (stage0 if name.startswith("0") else stage1)
+        torch.testing.assert_close(got.full_tensor(), want.detach(), **TOL, msg=name)
+
+
 def test_another_architecture_gpt2_tensor_parallel(mesh1):
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     torch.manual_seed(0)

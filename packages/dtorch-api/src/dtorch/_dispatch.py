@@ -186,6 +186,43 @@ def _to_mesh(tree: Any, first: DTensor) -> Any:
     return pytree.tree_map(move, tree)
 
 
+def _written_dtensor(func: Any, args: tuple, kwargs: dict) -> DTensor | None:
+    """The first DTensor an op writes (self of an in-place op, out=): an op across meshes runs on its mesh, since
+    a moved copy would take the write."""
+    for position, name in writes(func, args, kwargs):
+        value = kwargs.get(name) if position >= len(args) else args[position]
+        if isinstance(value, dtensor.DTensor):
+            return value
+    return None
+
+
+def _foreach_by_mesh(func: Any, args: tuple) -> dict[Any, list[int]] | None:
+    """The positions of a foreach op's lists, by the mesh of their tensors, when they live on several meshes (an
+    optimizer or `clip_grad_norm_` over pipeline stages); None for any other op."""
+    if not func.__name__.startswith("_foreach_") or not args or not isinstance(args[0], (list, tuple)):
+        return None
+    lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == len(args[0])]
+    by_mesh: dict[Any, list[int]] = {}
+    for i in range(len(args[0])):
+        mesh = next((a[i].device_mesh for a in lists if isinstance(a[i], dtensor.DTensor)), None)
+        by_mesh.setdefault(mesh, []).append(i)
+    return by_mesh if len(by_mesh) > 1 else None
+
+
+def _run_by_mesh(func: Any, args: tuple, kwargs: dict, by_mesh: dict[Any, list[int]]) -> Any:
+    """One call of a foreach op per mesh, on its positions of every list: each write stays on the tensor it writes
+    (moving every list to one mesh, as other ops cross meshes, wrote into copies), results come back in order."""
+    n = len(args[0])
+    results: list[Any] = [None] * n
+    for positions in by_mesh.values():
+        def pick(v: Any, positions: list[int] = positions) -> Any:
+            return [v[i] for i in positions] if isinstance(v, (list, tuple)) and len(v) == n else v
+        out = func(*[pick(a) for a in args], **{k: pick(v) for k, v in kwargs.items()})
+        for i, value in zip(positions, out or ()):
+            results[i] = value
+    return results if func._schema.returns else None
+
+
 def replicate_plain(tensor: torch.Tensor, like: DTensor) -> DTensor:
     """A plain tensor mixed into an op: small ones ride inside the instruction, large ones are uploaded."""
     mesh, session = like.device_mesh, like._session
@@ -359,7 +396,11 @@ def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
         try:
             plan = planner.plan(key, func, _specs(args), _specs(kwargs))
         except MixedMeshes:
-            return func(*_to_mesh(args, leaves[0]), **_to_mesh(kwargs, leaves[0]))
+            if (by_mesh := _foreach_by_mesh(func, args)) is not None:
+                return _run_by_mesh(func, args, kwargs, by_mesh)
+            home = _written_dtensor(func, args, kwargs)
+            home = leaves[0] if home is None else home
+            return func(*_to_mesh(args, home), **_to_mesh(kwargs, home))
         except Refused as e:  # torch refuses these shapes or dtypes: say so now, where the user wrote the op
             kind = e.error_type if e.error_type in _TORCH_ERRORS else RuntimeError
             raise kind(f"{func} at {describe_src(user_src(2))}: {e.message}") from None
