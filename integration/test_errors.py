@@ -66,6 +66,23 @@ def test_to_local_is_refused_in_one_line_pointing_at_to_torch(mesh1):
     assert "\n" not in str(info.value)
 
 
+def test_a_tensor_parallel_module_under_torch_func_grad_is_refused_in_one_line(mesh1):
+    """torch.func.grad wraps the module's outputs; a parallel style's hook took the wrapper for a plain tensor and
+    uploaded it, which failed in the sender thread with "Cannot access data pointer". The error now says what to do.
+    Replicated modules, with no hooks, take torch.func.grad."""
+    from dtorch.nn import ColwiseParallel, parallelize_module, replicate_module
+
+    x = dtorch.distribute_tensor(torch.randn(5, 4), mesh1, [Replicate()])
+    plain = replicate_module(torch.nn.Linear(4, 2), mesh1)
+    grads = torch.func.grad(lambda p: torch.func.functional_call(plain, p, (x,)).sum())(
+        {k: v.detach() for k, v in plain.named_parameters()})
+    torch.testing.assert_close(grads["bias"].full_tensor(), torch.full((2,), 5.0))
+    tp = parallelize_module(torch.nn.Linear(4, 2), mesh1, ColwiseParallel(output_layouts=Replicate()))
+    with pytest.raises(NotImplementedError, match="torch.func transform .* loss.backward"):
+        torch.func.grad(lambda p: torch.func.functional_call(tp, p, (x,)).sum())(
+            {k: v.detach() for k, v in tp.named_parameters()})
+
+
 def test_a_mesh_placed_on_workers_of_another_device_type_says_so(cluster):
     mesh = dtorch.DeviceMesh("cuda", [0, 1])  # the test cluster's workers are CPU ones
     with pytest.warns(RuntimeWarning, match=r"DeviceMesh\('cuda', \[0, 1\]\) was placed on cpu workers") as info:

@@ -115,6 +115,11 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
         raise TypeError("distribute_tensor takes a plain torch.Tensor; use .redistribute() on a DTensor")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"distribute_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+    if torch._C._functorch.is_functorch_wrapped_tensor(tensor):  # its values live in no memory of its own
+        raise NotImplementedError("dtorch: distribute_tensor got a tensor of a torch.func transform (grad, vmap, "
+                                  "jacrev), which DTorch cannot upload or lay out (a parallel style's hook does: "
+                                  "tensor-parallel modules under torch.func.grad); take gradients with "
+                                  "loss.backward() or torch.autograd.grad instead")
     mesh = _check_mesh("distribute_tensor", device_mesh)
     shape = tuple(tensor.shape)
     spec = Spec(mesh, normalize_placements(placements, mesh, len(shape)), shape, contiguous_stride(shape),
