@@ -135,3 +135,29 @@ def test_a_sampling_generate_repeats_under_transformers_set_seed(mesh1):
         transformers.set_seed(seed)
         runs.append(tp.generate(ids, max_new_tokens=8, do_sample=True, top_k=20).full_tensor())
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recomputes_the_same_dropout_masks(mesh1, reentrant):
+    """torch.utils.checkpoint restores torch's RNG state before it recomputes a forward, so dropout draws the same
+    mask again. DTorch's seeds came from a stream of its own, which the restore did not reach: the recomputed masks
+    differed, and the gradients were silently not those of the forward that ran."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dtorch.nn import replicate_module
+
+    torch.manual_seed(0)
+    block = replicate_module(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.GELU(),
+                                                 torch.nn.Linear(16, 8)), mesh1)
+    x = dtorch.distribute_tensor(torch.randn(6, 8), mesh1, [Shard(0)])
+    runs = []
+    for run in (block, lambda v: checkpoint(block, v, use_reentrant=reentrant)):
+        block.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        out = run(x.detach().requires_grad_(reentrant))
+        out.pow(2).sum().backward()
+        runs.append((out.full_tensor(), [p.grad.full_tensor() for p in block.parameters()]))
+    (plain_out, plain_grads), (out, grads) = runs
+    assert torch.equal(out, plain_out)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want)
