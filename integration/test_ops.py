@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -206,11 +207,10 @@ def test_a_boolean_mask_over_several_dims_reads_and_writes_as_torch(mesh1, place
 @pytest.mark.parametrize("layout", ["dp", "fully_shard", "rowwise", "colwise"])
 @pytest.mark.parametrize("options", [{}, {"padding_idx": 0}, {"max_norm": 1.0}, {"scale_grad_by_freq": True}], ids=str)
 def test_an_embedding_trains_as_torch_in_every_layout(mesh1, layout, options):
-    """Frequency-scaled gradients were each device's own count of its shard of a sharded batch (dtorch._embedding)."""
+    """Frequency-scaled gradients were each device's own count of its shard of a sharded batch (dtorch._embedding);
+    under fully_shard, max_norm renormalised the weight gathered for the forward and the stored shards missed it."""
     from dtorch.nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module, replicate_module
 
-    if layout == "fully_shard" and "max_norm" in options:
-        pytest.skip("max_norm renormalises the gathered weight of the forward in place; the stored shards miss it")
     torch.manual_seed(0)
     ref = torch.nn.Embedding(10, 4, **options)
     model = copy.deepcopy(ref)
@@ -698,28 +698,6 @@ def test_a_cuda_mesh_runs_and_trains_from_a_client_without_cuda():
 
 
 
-def test_a_fully_sharded_embedding_with_max_norm_renormalizes_its_stored_rows(mesh1):
-    """`nn.Embedding(max_norm=...)` renormalizes the rows it looks up in place; under fully_shard its forward sees
-    the gathered weight, and the write stayed there (the stored shards kept the old rows, and training drifted from
-    torch's). The write now reaches the sharded parameter."""
-    from dtorch.nn import fully_shard
-
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Linear(4, 3))
-    model = fully_shard(copy.deepcopy(ref), mesh1)
-    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        ids = torch.randint(0, 10, (4, 3), generator=g)
-        ref(ids).pow(2).sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        model(dist(ids, mesh1, Shard(0))).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        torch.testing.assert_close(model[0].weight.full_tensor(), ref[0].weight)
-
-
 def test_a_transformer_encoders_inference_with_a_padding_mask_takes_the_padded_path(mesh1):
     """In eval mode under no_grad, nn.TransformerEncoder packs a padded batch into a nested tensor, which a DTensor
     cannot hold ("NestedTensorImpl doesn't support sizes"). DTorch answers its left-alignment check with False, so
@@ -790,3 +768,40 @@ def test_an_op_across_meshes_writes_its_out_tensor_where_it_lives(cluster):
     out = dist(torch.zeros(3), stage1, Replicate())
     torch.add(a, b, out=out)
     assert out.device_mesh == stage1 and out.full_tensor().tolist() == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize("layout", ["classes", "rows_and_classes"])
+def test_cross_entropy_over_sharded_classes_reduces_rows_not_logits(cluster, mesh4, mesh2d, layout):
+    """A vocabulary-parallel head's logits (classes sharded): log-softmax and nll_loss reduce one maximum, one sum
+    and one picked value per row (dtorch._softmax, _losses rule 4), where torch's rules gathered the logits whole
+    on every device; values and gradients are torch's for every reduction, class weights, label smoothing and
+    ignored targets."""
+    from dtorch_protocol import messages as m
+
+    mesh, x_at, y_at = {"classes": (mesh4, [Shard(1)], [Replicate()]),
+                        "rows_and_classes": (mesh2d, [Shard(0), Shard(1)], [Shard(0), Replicate()])}[layout]
+    replicated = [Replicate()] * mesh.ndim
+    g = torch.Generator().manual_seed(0)
+    for reduction, weighted, smoothing in [("mean", False, 0.0), ("sum", True, 0.0), ("none", True, 0.1),
+                                           ("mean", True, 0.1)]:
+        x, y = torch.randn(8, 11, generator=g) * 3, torch.randint(0, 11, (8,), generator=g)
+        y[1] = -100
+        weight = torch.rand(11, generator=g) if weighted else None
+        xr, dx = x.clone().requires_grad_(), dist(x, mesh, *x_at).requires_grad_()
+        want = F.cross_entropy(xr, y, weight=weight, reduction=reduction, label_smoothing=smoothing)
+        sent, eager_emit = [], cluster.emit
+        cluster.emit = lambda item, sent=sent, eager_emit=eager_emit: (sent.append(item), eager_emit(item))[1]
+        try:
+            got = F.cross_entropy(dx, dist(y, mesh, *y_at), reduction=reduction, label_smoothing=smoothing,
+                                  weight=None if weight is None else dist(weight, mesh, *replicated))
+            upstream = torch.randn(want.shape, generator=g)
+            (got * dist(upstream, mesh, *replicated)).sum().backward()
+        finally:
+            cluster.emit = eager_emit
+        (want * upstream).sum().backward()
+        torch.testing.assert_close(got.full_tensor(), want)
+        torch.testing.assert_close(dx.grad.full_tensor(), xr.grad)
+        # what communicates is a value per row at most (Replicate -> Shard is a local slice: the class indices)
+        talks = [(i.src_spec.shape, i.src_spec.placements) for i in sent if isinstance(i, m.InstrRedistribute) and
+                 any(a not in ("R", b) for a, b in zip(i.src_spec.placements, i.dst_spec.placements))]
+        assert talks and all(math.prod(shape) <= 8 for shape, _ in talks), talks

@@ -19,6 +19,7 @@ from dtorch.nn import (
     fully_shard,
     hf_tp_plan,
     llama_tp_plan,
+    loss_parallel,
     microbatch_forward,
     parallelize_module,
     place_on_mesh,
@@ -136,6 +137,38 @@ def test_pipeline_training_with_clipping_and_a_foreach_optimizer_matches_torch(c
     for (name, want), got in zip(ref.named_parameters(), pp.parameters()):
         assert got.device_mesh == (stage0 if name.startswith("0") else stage1)
         torch.testing.assert_close(got.full_tensor(), want.detach(), **TOL, msg=name)
+
+
+def test_a_vocabulary_parallel_head_trains_as_torch_with_its_logits_never_gathered(mesh1):
+    """torch's recipe for a vocabulary-parallel loss (`"lm_head": ColwiseParallel()`, whose logits stay Shard(-1),
+    and `loss_parallel()`) on an unmodified Llama: transformers' own loss over sharded logits, training and greedy
+    generation as torch's, the logits sharded throughout."""
+    model = tiny_llama()
+    tp = parallelize_module(clone(model), mesh1, {**LLAMA_TP_PLAN, "lm_head": ColwiseParallel()})
+    ref_opt, opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(tp.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(3, 96, (4, 9), generator=gen)
+        labels = ids.clone()
+        labels[0, :3] = -100
+        expected = model(input_ids=ids, labels=labels)
+        expected.loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with loss_parallel():
+            got = tp(input_ids=dtorch.distribute_tensor(ids, mesh1, [Replicate()]),
+                     labels=dtorch.distribute_tensor(labels, mesh1, [Replicate()]))
+            got.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert got.logits.placements == (Shard(2),)
+        torch.testing.assert_close(got.loss.full_tensor(), expected.loss, **TOL)
+    for (name, want), param in zip(model.named_parameters(), tp.parameters()):
+        torch.testing.assert_close(param.full_tensor(), want.detach(), **TOL, msg=name)
+    ids = torch.randint(3, 96, (2, 5), generator=gen)
+    assert tp.generate(dtorch.distribute_tensor(ids, mesh1, [Replicate()]), max_new_tokens=4,
+                       do_sample=False).full_tensor().tolist() == \
+        model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
 
 
 def test_another_architecture_gpt2_tensor_parallel(mesh1):

@@ -8,6 +8,7 @@ args of each mesh position, in the mesh's row-major order), as for ops planned w
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ import torch.utils._pytree as pytree
 from dtorch._source import user_src
 from dtorch._spec import Spec, contiguous_stride
 from dtorch_protocol import messages as m
-from dtorch_protocol.placement_types import Placement, Replicate
+from dtorch_protocol.placement_types import Placement, Replicate, Shard
 from dtorch_protocol.values import encode_value
 
 _R = Replicate()
@@ -62,3 +63,16 @@ def to(t: Any, placements: tuple[Placement, ...]) -> Any:
 def is_dtensor(v: Any) -> bool:
     """A DTensor, told without importing the module (decompositions sit below `dtensor`)."""
     return isinstance(v, torch.Tensor) and getattr(v, "_spec", None) is not None and hasattr(v, "_tid")
+
+
+def sharded_dim(*tensors: Any, dim: int) -> bool:
+    """Is `dim` of these DTensors (laid out alike) sharded, with some of it on every device and nothing Partial?"""
+    if not all(is_dtensor(t) for t in tensors):
+        return False
+    first = tensors[0]
+    dim %= max(first.ndim, 1)
+    if any(p.is_partial() for t in tensors for p in t.placements):
+        return False
+    parts = math.prod(first.device_mesh.size(i) for i, p in enumerate(first.placements)
+                      if isinstance(p, Shard) and p.dim % first.ndim == dim)
+    return parts > 1 and first.shape[dim] >= parts

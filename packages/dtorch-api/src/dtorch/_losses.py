@@ -14,6 +14,12 @@ MEAN and some DTensor argument is sharded):
      spread over the input's elements: `grad_output.expand(self.shape) / self.numel()`.
   3. nll_loss (nll_loss2d) forward with reduction MEAN is its SUM divided by its total weight; the total weight it
      returns is the sum over the shards, which is what its backward divides by.
+  4. nll_loss of (rows, classes) log-probabilities whose class dim is sharded (a vocabulary-parallel head, after
+     `_softmax`'s log-softmax), any reduction, and its backward: torch's rule gathers the classes whole. Instead,
+     each device compares its own classes with the targets (a one-hot of its shard: the class indices, made on the
+     workers and laid out as the classes) and sums what it holds of each row's target: one all-reduced value per
+     row. Weights and ignored targets apply per row as torch's kernel does; the backward puts -weight x gradient
+     at each row's target, in the classes' layout.
 Reduction codes are torch's: NONE 0, MEAN 1, SUM 2.
 """
 
@@ -23,9 +29,9 @@ from typing import Any
 
 import torch
 
-from dtorch._local import is_dtensor
+from dtorch._local import is_dtensor, sharded_dim, to
 from dtorch._registry import register_decomposition
-from dtorch_protocol.placement_types import Shard
+from dtorch_protocol.placement_types import Replicate, Shard
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
@@ -43,6 +49,57 @@ def _sharded(args: list, kwargs: dict) -> bool:
                for v in (*args, *kwargs.values()))
 
 
+def _class_sharded(self: Any, target: Any) -> bool:
+    return getattr(self, "ndim", 0) == 2 and sharded_dim(self, dim=1) and not (
+        is_dtensor(target) and any(p.is_partial() for p in target.placements))
+
+
+def _picks(self: Any, target: Any, weight: Any, ignore_index: int) -> tuple[Any, Any]:
+    """(the one-hot of each row's target in self's class layout, each row's weight) for rule 4."""
+    classes = aten.sub.Tensor(aten.cumsum.default(aten.new_ones.default(self, [self.shape[1]], dtype=torch.int64), 0),
+                              1)
+    classes = to(classes, tuple(Shard(0) if isinstance(p, Shard) and p.dim == 1 else Replicate()
+                                for p in self.placements))
+    onehot = aten.eq.Tensor(aten.unsqueeze.default(target, 1), classes)
+    kept = aten.ne.Scalar(target, ignore_index)
+    if weight is None:
+        row_weight = aten._to_copy.default(kept, dtype=self.dtype)
+    else:
+        safe = aten.where.self(kept, target, aten.zeros_like.default(target))
+        row_weight = aten.where.self(kept, aten.index.Tensor(weight, [safe]), aten.zeros_like.default(safe,
+                                                                                                     dtype=self.dtype))
+    return onehot, row_weight
+
+
+def _nll_by_class_shard(args: tuple, kwargs: dict) -> Any:  # rule 4, forward
+    values = dict(zip(("self", "target", "weight", "reduction", "ignore_index"), args), **kwargs)
+    self, target, weight = values["self"], values["target"], values.get("weight")
+    if not _class_sharded(self, target):
+        return NotImplemented
+    onehot, row_weight = _picks(self, target, weight, values.get("ignore_index", -100))
+    picked = aten.sum.dim_IntList(aten.where.self(onehot, self, aten.new_zeros.default(self, [])), [1])
+    losses = aten.neg.default(aten.mul.Tensor(picked, row_weight))
+    reduction = values.get("reduction", MEAN)
+    if reduction == NONE:
+        return losses, aten.zeros.default([], dtype=self.dtype)
+    total, total_weight = aten.sum.default(losses), aten.sum.default(row_weight)
+    return (aten.div.Tensor(total, total_weight) if reduction == MEAN else total), total_weight
+
+
+@register_decomposition(aten.nll_loss_backward.default)
+def nll_backward_by_class_shard(args: tuple, kwargs: dict) -> Any:  # rule 4, backward
+    values = dict(zip(("grad_output", "self", "target", "weight", "reduction", "ignore_index", "total_weight"), args),
+                  **kwargs)
+    grad, self, target = values["grad_output"], values["self"], values["target"]
+    if not _class_sharded(self, target):
+        return NotImplemented
+    onehot, row_weight = _picks(self, target, values["weight"], values["ignore_index"])
+    if values["reduction"] == MEAN:
+        grad = aten.div.Tensor(grad, values["total_weight"])
+    per_row = aten.neg.default(aten.mul.Tensor(row_weight, grad))
+    return aten.where.self(onehot, aten.unsqueeze.default(per_row, 1), aten.new_zeros.default(self, []))
+
+
 def _decomposition(op: Any) -> Any:
     names = [a.name for a in op._schema.arguments]
     at = names.index("reduction")  # positional where the caller put it there, else a keyword (default: MEAN)
@@ -51,6 +108,8 @@ def _decomposition(op: Any) -> Any:
     def run(args: tuple, kwargs: dict) -> Any:
         positional = at < len(args)
         reduction = args[at] if positional else kwargs.get("reduction", MEAN if default is None else default)
+        if op is aten.nll_loss_forward.default and (done := _nll_by_class_shard(args, kwargs)) is not NotImplemented:
+            return done
         if reduction != MEAN or not _sharded(args, kwargs):
             return NotImplemented
 

@@ -49,6 +49,7 @@ from dtorch import (  # noqa: F401
     _rules,
     _sequences,
     _sharding,
+    _softmax,
 )
 from dtorch._registry import NoRule, ValueDependent, rule_for
 from dtorch._source import src_text

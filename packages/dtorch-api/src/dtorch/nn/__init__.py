@@ -4,6 +4,7 @@ from dtorch.nn.api import (
     copy_weights,
     distribute_module,
     fully_shard,
+    loss_parallel,
     microbatch_forward,
     parallelize_module,
     place_on_mesh,
@@ -22,7 +23,6 @@ from dtorch.nn.style import (
 )
 
 __all__ = ["distribute_module", "parallelize_module", "replicate_module", "fully_shard", "place_on_mesh",
-           "microbatch_forward", "copy_weights", "to_layout", "hf_tp_plan", "llama_tp_plan", "moe_ep_plan",
-           "ParallelStyle",
-           "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "ExpertParallel"]
+           "microbatch_forward", "loss_parallel", "copy_weights", "to_layout", "hf_tp_plan", "llama_tp_plan",
+           "moe_ep_plan", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+           "PrepareModuleInput", "PrepareModuleOutput", "ExpertParallel"]

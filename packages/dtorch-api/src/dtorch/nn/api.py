@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import inspect
@@ -352,3 +353,12 @@ def copy_weights(src: nn.Module, dst: nn.Module) -> None:
         moved = p.detach().redistribute(device_mesh=q.device_mesh, placements=q.placements)
         owner, _, leaf = name.rpartition(".")
         _set_param(dst.get_submodule(owner) if owner else dst, leaf, moved, q.requires_grad)
+
+
+@contextlib.contextmanager
+def loss_parallel() -> Any:
+    """torch's `loss_parallel()`, for code written for it: with DTorch, a loss over logits whose class dim is sharded
+    (a `ColwiseParallel` head whose output stays `Shard(-1)`) is always computed in parallel, inside this block or
+    not: one maximum, one sum and one picked value reduced per row, never the logits gathered (dtorch._softmax,
+    dtorch._losses rule 4)."""
+    yield

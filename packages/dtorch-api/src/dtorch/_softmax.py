@@ -1,0 +1,88 @@
+"""Softmax and log-softmax over a sharded dim: a vocabulary split over devices (tensor-parallel logits).
+
+torch's rule gathers the whole dim on every device first, so the logits of a vocabulary-parallel head (a
+`ColwiseParallel` whose output stays `Shard(-1)`) were gathered whole, tokens x vocabulary on every device, for each
+loss. As Megatron's vocabulary-parallel cross entropy does, DTorch reduces a maximum and a sum per row instead
+(decompositions, `_registry.register_decomposition`):
+  1. `_log_softmax(x, dim)` is x - m - log(sum(exp(x - m), dim)) and `_softmax(x, dim)` is exp(x - m) / sum(exp(x -
+     m), dim), with m = amax(x, dim): one all-reduced maximum and one all-reduced sum per row; the output keeps x's
+     layout.
+  2. Their backwards: `_log_softmax_backward_data(g, out)` is g - exp(out) * sum(g, dim) and
+     `_softmax_backward_data(g, out)` is out * (g - sum(g * out, dim)): one all-reduced sum per row.
+Each declines (NotImplemented) unless `dim` is sharded on some mesh dim, every device holds some of it, and no input
+is Partial. The loss that follows (`nll_loss` over a sharded class dim) is `_losses` rule 4.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtorch._local import sharded_dim, to
+from dtorch._registry import register_decomposition
+from dtorch_protocol.placement_types import Replicate
+
+aten = torch.ops.aten
+
+
+def _reduced(t: Any) -> Any:
+    """A row's reduction over the sharded dim, all-reduced (Partial -> Replicate) before it meets the rows again:
+    left Partial, a product with it would be Partial too, and reduced at full size."""
+    return to(t, tuple(Replicate() if p.is_partial() else p for p in t.placements))
+
+
+def _row_max(x: Any, dim: int) -> Any:
+    return _reduced(aten.amax.default(x, [dim], True))
+
+
+def _row_sum(x: Any, dim: int) -> Any:
+    return _reduced(aten.sum.dim_IntList(x, [dim], True))
+
+
+@register_decomposition(aten._log_softmax.default)
+def log_softmax(args: tuple, kwargs: dict) -> Any:
+    values = dict(zip(("self", "dim", "half_to_float"), args), **kwargs)
+    x, dim = values["self"], values["dim"]
+    if not sharded_dim(x, dim=dim):
+        return NotImplemented
+    if values["half_to_float"]:
+        x = aten._to_copy.default(x, dtype=torch.float32)
+    shifted = aten.sub.Tensor(x, _row_max(x, dim))
+    total = _row_sum(aten.exp.default(shifted), dim)
+    return aten.sub.Tensor(shifted, aten.log.default(total))
+
+
+@register_decomposition(aten._softmax.default)
+def softmax(args: tuple, kwargs: dict) -> Any:
+    values = dict(zip(("self", "dim", "half_to_float"), args), **kwargs)
+    x, dim = values["self"], values["dim"]
+    if not sharded_dim(x, dim=dim):
+        return NotImplemented
+    if values["half_to_float"]:
+        x = aten._to_copy.default(x, dtype=torch.float32)
+    exp = aten.exp.default(aten.sub.Tensor(x, _row_max(x, dim)))
+    return aten.div.Tensor(exp, _row_sum(exp, dim))
+
+
+@register_decomposition(aten._log_softmax_backward_data.default)
+def log_softmax_backward(args: tuple, kwargs: dict) -> Any:
+    values = dict(zip(("grad_output", "output", "dim", "input_dtype"), args), **kwargs)
+    grad, out, dim = values["grad_output"], values["output"], values["dim"]
+    if not sharded_dim(grad, out, dim=dim):
+        return NotImplemented
+    result = aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), _row_sum(grad, dim)))
+    return result if result.dtype == values["input_dtype"] else \
+        aten._to_copy.default(result, dtype=values["input_dtype"])
+
+
+@register_decomposition(aten._softmax_backward_data.default)
+def softmax_backward(args: tuple, kwargs: dict) -> Any:
+    values = dict(zip(("grad_output", "output", "dim", "input_dtype"), args), **kwargs)
+    grad, out, dim = values["grad_output"], values["output"], values["dim"]
+    if not sharded_dim(grad, out, dim=dim):
+        return NotImplemented
+    dot = _row_sum(aten.mul.Tensor(grad, out), dim)
+    result = aten.mul.Tensor(out, aten.sub.Tensor(grad, dot))
+    return result if result.dtype == values["input_dtype"] else \
+        aten._to_copy.default(result, dtype=values["input_dtype"])
