@@ -6,9 +6,12 @@
     embedded cluster: the transformer tensor parallel (TP=2) and guidance-parallel x sequence parallel (2x2);
 (b) the same for one mixture-of-experts layer's forward (transformers' MixtralSparseMoeBlock) under expert
     parallelism (EP=2, tokens sharded with the experts) against plain torch;
-(c) step capture: not built yet (issue #12 item 2), so no figure.
+(c) a tensor-parallel LM head and its cross entropy, forward and backward (TP=2): the head's logits gathered
+    (`ColwiseParallel(output_layouts=Replicate())`) against left sharded over the vocabulary (`ColwiseParallel()`,
+    the loss reduced per row: dtorch._softmax, _losses rule 4), with the bytes each worker received per step (its
+    own counters), against plain torch.
 
-    python benchmarks/bench_models.py [--steps 5] [--tokens 1024] [--layers 4]
+    python benchmarks/bench_models.py [--steps 5] [--tokens 1024] [--layers 4] [--vocab 32000]
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 import dtorch
 from dtorch import Replicate, Shard
-from dtorch.nn import ExpertParallel, parallelize_module
+from dtorch.nn import ColwiseParallel, ExpertParallel, parallelize_module
 from dtorch.nn.plans import sd3_cfg_plan, sd3_sp_plan, sd3_tp_plan
 
 
@@ -125,6 +128,42 @@ def denoise_moe(block, x, iters: int, fetch) -> tuple[float, float]:
     return issued / iters, total / iters
 
 
+def bench_vocab_loss(tokens: int, vocab: int, repeats: int) -> list[tuple[str, float, float, float]]:
+    """(name, user-thread s, end-to-end s, MiB each worker received) per head + cross entropy step."""
+    hidden = 256
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(tokens, hidden, generator=g), torch.randint(0, vocab, (tokens,), generator=g)
+
+    def step(model, inputs, targets, fetch) -> tuple[float, float]:
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        issued = time.perf_counter() - start
+        fetch(loss)
+        return issued, time.perf_counter() - start
+
+    xr = x.clone().requires_grad_()
+    rows = [("plain torch", *best([step(head, xr, y, lambda t: t.item()) for _ in range(repeats)]), 0.0)]
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    dx = dtorch.distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+    dy = dtorch.distribute_tensor(y, mesh, [Replicate()])
+
+    def received() -> list[int]:
+        return [w.received_bytes for w in dtorch.status().workers]
+
+    for name, style in (("DTorch TP=2, logits gathered", ColwiseParallel(output_layouts=Replicate())),
+                        ("DTorch TP=2, vocabulary-parallel", ColwiseParallel())):
+        model = parallelize_module(copy.deepcopy(head), mesh, style)
+        step(model, dx, dy, lambda t: t.item())
+        before = received()
+        runs = [step(model, dx, dy, lambda t: t.item()) for _ in range(repeats)]
+        moved = max(b - a for a, b in zip(before, received())) / repeats / 2**20
+        rows.append((name, *best(runs), moved))
+    return rows
+
+
 def show(title: str, rows: list[tuple[str, float, float]]) -> None:
     print(title)
     base = rows[0][2]  # plain torch with all threads
@@ -139,6 +178,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
     os.environ.setdefault("DTORCH_HEARTBEAT_TIMEOUT", "10")  # a busy 2-core machine can starve a heartbeat
     dtorch.connect(workers=int(os.environ.get("DTORCH_LOCAL_WORKERS", "2")))
@@ -149,7 +189,12 @@ def main() -> None:
          bench_sd3(args.steps, args.layers, args.repeats))
     show(f"(b) one Mixtral MoE layer forward (8 experts, top-2, {args.tokens} tokens, hidden 512)",
          bench_moe(args.tokens, args.repeats, args.steps))
-    print("(c) step capture: not built yet (issue #12 item 2)")
+    print(f"(c) an LM head ({args.vocab} classes, hidden 256) and its cross entropy over {args.tokens} tokens, "
+          "forward and backward")
+    vocab_rows = bench_vocab_loss(args.tokens, args.vocab, args.repeats)
+    for name, issued, total, moved in vocab_rows:
+        print(f"  {name:48s} user thread {issued * 1e3:8.1f} ms   end to end {total * 1e3:8.1f} ms "
+              f"({total / vocab_rows[0][2]:5.2f}x plain torch)   {moved:8.2f} MiB received per worker")
     dtorch.shutdown()
 
 

@@ -81,7 +81,7 @@ def _nll_by_class_shard(args: tuple, kwargs: dict) -> Any:  # rule 4, forward
     losses = aten.neg.default(aten.mul.Tensor(picked, row_weight))
     reduction = values.get("reduction", MEAN)
     if reduction == NONE:
-        return losses, aten.zeros.default([], dtype=self.dtype)
+        return losses, aten.new_zeros.default(self, [])
     total, total_weight = aten.sum.default(losses), aten.sum.default(row_weight)
     return (aten.div.Tensor(total, total_weight) if reduction == MEAN else total), total_weight
 
