@@ -805,3 +805,26 @@ def test_cross_entropy_over_sharded_classes_reduces_rows_not_logits(cluster, mes
         talks = [(i.src_spec.shape, i.src_spec.placements) for i in sent if isinstance(i, m.InstrRedistribute) and
                  any(a not in ("R", b) for a, b in zip(i.src_spec.placements, i.dst_spec.placements))]
         assert talks and all(math.prod(shape) <= 8 for shape, _ in talks), talks
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Shard(2)], ids=str)
+def test_attention_with_a_mask_of_any_rank_on_every_layout(mesh1, placement):
+    """A mask's dims align with the query's from the right, so a 2-d mask is query rows x keys; with the query
+    rows sharded (context parallelism) such a mask was given whole to each device's rows ("The expanded size of the
+    tensor (3) must match the existing size (6)"). Each mask is now sharded like the query where it has that dim."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
+    masks = [torch.rand(6, 6, generator=gen) > 0.3, torch.randn(4, 6, 6, generator=gen),
+             torch.randn(2, 1, 6, 6, generator=gen), torch.rand(2, 1, 1, 6, generator=gen) > 0.2]
+    for mask in masks:
+        if mask.dtype == torch.bool:
+            mask[..., 0] = True  # every row attends somewhere
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*inputs, attn_mask=mask)
+        want.pow(2).sum().backward()
+        dinputs = [dist(t, mesh1, placement).requires_grad_() for t in (q, k, v)]
+        got = F.scaled_dot_product_attention(*dinputs, attn_mask=dist(mask, mesh1, Replicate()))
+        got.pow(2).sum().backward()
+        torch.testing.assert_close(got.full_tensor(), want, msg=str(mask.shape))
+        for d, t in zip(dinputs, inputs):
+            torch.testing.assert_close(d.grad.full_tensor(), t.grad, msg=str(mask.shape))

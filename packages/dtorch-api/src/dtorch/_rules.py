@@ -46,18 +46,18 @@ def _roles(q: Spec, k: Spec) -> list[str]:
 
 def _place(roles: list[str], kind: str, spec: Spec | None) -> tuple[Placement, ...] | None:
     """Placements for one operand: kind "q" follows the roles, "kv" is gathered on the sequence dim,
-    "mask" broadcasts where its dim has size 1."""
+    "mask" (its dims aligned with the query's from the right: a 2-d mask is query rows x keys) is sharded like the
+    query where it has that dim, and replicated where it has not or broadcasts it (size 1)."""
     if spec is None:
         return None
     out: list[Placement] = []
     for role in roles:
         dim = "bhs".find(role)
-        if role == "r" or (role == "s" and kind == "kv"):
-            out.append(_R)
-        elif kind == "mask" and (len(spec.shape) < 4 or spec.shape[dim - 4] == 1):
+        at = len(spec.shape) - 4 + dim if kind == "mask" else dim
+        if role == "r" or (role == "s" and kind == "kv") or at < 0 or (kind == "mask" and spec.shape[at] == 1):
             out.append(_R)
         else:
-            out.append(Shard(dim if kind != "mask" else len(spec.shape) - 4 + dim))
+            out.append(Shard(at))
     return tuple(out)
 
 
