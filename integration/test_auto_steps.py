@@ -232,3 +232,55 @@ def test_torch_compile_of_a_model_trains_as_torch(mesh1):
             o.step()
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.to_torch(), r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_batches_uploaded_by_another_thread_train_as_torch_and_end_automatic_capture(mesh1):
+    """A thread that uploads the next batches while the loop trains (prefetching) called into the session's step:
+    its uploads interrupted a replay from the other thread and its tensor ids went into the program
+    ("IndexError: list index out of range" in the replay). Another thread's calls now run eagerly, and the first
+    one ends automatic capture for the session, with a warning (rule 10)."""
+    import queue
+    import threading
+    import warnings
+
+    ref, model = _mlp(), parallelize_module(_mlp(), mesh1, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.05), torch.optim.SGD(model.parameters(), lr=0.05)
+    batches = _batches(24)
+    want = []
+    for x, y in batches:
+        loss = ((ref(x) - y) ** 2).mean()
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(loss.item())
+    ready: queue.Queue = queue.Queue(maxsize=3)
+
+    def prefetch():
+        for x, y in batches[4:]:
+            ready.put((dtorch.distribute_tensor(x, mesh1, [Replicate()]),
+                       dtorch.distribute_tensor(y, mesh1, [Replicate()])))
+
+    got = []
+    with _auto() as capture, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches[:4]:  # steps of this thread alone: recorded, then replayed
+            loss = ((model(dtorch.distribute_tensor(x, mesh1, [Replicate()])) -
+                     dtorch.distribute_tensor(y, mesh1, [Replicate()])) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(loss.item())
+        assert capture.replays >= 1
+        producer = threading.Thread(target=prefetch, daemon=True)
+        producer.start()
+        for _ in batches[4:]:
+            dx, dy = ready.get(timeout=60)
+            loss = ((model(dx) - dy) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(loss.item())
+        producer.join(timeout=60)
+        assert capture.stopped and get_session().step is None
+    assert any("automatic capture is off" in str(w.message) for w in caught)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)

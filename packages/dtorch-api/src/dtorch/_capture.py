@@ -48,10 +48,20 @@ between two boundaries are one.
      later ones are replayed while they match. A recording that defines nothing (unreplayable, fewer than
      MIN_OPS operations or more than MAX_OPS) or a fallback makes the next 2, 4, ... MAX_WAIT steps of that
      kind run eagerly before the next recording. Sizes cost nothing per op: each boundary takes a tensor id.
+
+Threads:
+  10. A step belongs to the thread that runs it (automatic capture: the thread that turned it on). Another
+     thread's DTorch calls while it runs (a thread that uploads the next batches, one that logs a loss) go the eager
+     way: its ops skip the step hook and the session's per-op calls send its instructions as they come, never into
+     the step's program. Its first call also ends automatic capture for the session (one warning), which the owning
+     thread carries out at its next step: a program records one thread's operations, and another thread's would
+     interleave with them differently each time. Compiled steps (`dtorch.compile`) stay.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +71,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from dtorch import _dispatch, _planner, _views
+from dtorch._source import stacklevel
 from dtorch.dtensor import DTensor, wrap
 from dtorch.session import Session
 from dtorch_protocol import messages as m
@@ -115,6 +126,7 @@ class _Mode:
 
     def __init__(self, session: Session, outer: AutoSteps | None = None) -> None:
         self.session, self.outer = session, outer
+        self.owner = threading.get_ident()  # the thread that runs the step (rule 10)
         self.emit, self.new_tid, self.release = session.emit, session.new_tid, session.release  # the eager ones
         self.slot_of: dict[int, int] = {}
         self.tids: list[int] = []
@@ -123,7 +135,9 @@ class _Mode:
 
     def install(self) -> None:
         s = self.session
-        s.emit, s.new_tid, s.release = self._emit, self._new_tid, self._release
+        # (a release from another thread, a tensor it made, is one from outside the step: held until its end)
+        s.emit, s.new_tid, s.release = self._owned(self._emit, self.emit), self._owned(self._new_tid, self.new_tid), \
+            self._release
         s.step = self.outer or self
         _dispatch.step_hook = self
         self.active = True
@@ -139,6 +153,19 @@ class _Mode:
         for tid in self.held:
             self.release(tid)
         self.held.clear()
+
+    def _owned(self, mine: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
+        """One of the session's per-op calls while the step runs: the step's for its thread, else the eager one."""
+        owner, thread = self.owner, threading.get_ident
+
+        def call(*args: Any) -> Any:
+            return mine(*args) if thread() == owner else eager(*args)
+        return call
+
+    def foreign(self) -> None:
+        """Another thread called DTorch while the step runs (rule 10)."""
+        if self.outer is not None:
+            self.outer.foreign()
 
     def dispatch(self, cls: type, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
         """An aten op of the step (`DTensor.__torch_dispatch__` while the step runs): keyed, then `run`."""
@@ -738,6 +765,8 @@ class AutoSteps:
         self.mark = 0  # a tensor id taken at the last boundary: the next one's minus this one is a step's size
         self.replays = 0  # automatic steps that ran as one InstrReplay
         self.fallbacks = 0  # replays that fell back to eager (rule 3)
+        self.owner = threading.get_ident()  # rule 10
+        self.stopped = False  # another thread used the session: off at the owner's next step
 
     def arm(self) -> None:
         """After a boundary: the next operation starts an automatic step."""
@@ -748,7 +777,17 @@ class AutoSteps:
     def pause(self) -> None:
         self.session.step = _dispatch.step_hook = None
 
+    def foreign(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            warnings.warn("dtorch: automatic capture is off for this session: DTensors are used from more than one "
+                          "thread, and a captured step holds one thread's operations (dtorch.compile steps still "
+                          "run)", stacklevel=stacklevel())
+
     def _begin(self, key: Any) -> None:
+        if self.stopped:  # (rule 10: carried out here, by the owning thread)
+            self.close()
+            return
         _dispatch.step_hook = None
         track = self.track = self.tracks.get(key)
         if track is None:
@@ -806,7 +845,10 @@ class AutoSteps:
             else:
                 self.replays += 1
                 track.misses = 0
-        self.arm()  # (after the mode is gone: its mark is a tensor id of the session's own)
+        if self.stopped:
+            self.pause()
+        else:
+            self.arm()  # (after the mode is gone: its mark is a tensor id of the session's own)
         if mode is None and track is not None:  # an eager step: does its kind repeat?
             size = self.mark - start
             track.again, track.size = size == track.size, size

@@ -22,6 +22,7 @@ This module and `dtensor` are the one pair of client modules that import each ot
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from sys import _getframe
 from typing import TYPE_CHECKING, Any
@@ -105,9 +106,10 @@ def _specs(tree: Any) -> Any:
 
 def redistribute_to(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor:
     """Queue a redistribution of `x` and return the new DTensor (no autograd)."""
-    if step_hook is not None:
-        return step_hook.run(("redistribute", x._spec.sid, mesh.id, tuple(placements)), [x],
-                             lambda: redistribute_to(x, mesh, placements, src))
+    hook = owned_hook()
+    if hook is not None:
+        return hook.run(("redistribute", x._spec.sid, mesh.id, tuple(placements)), [x],
+                        lambda: redistribute_to(x, mesh, placements, src))
     if x._spec.unflattened() is not x._spec:
         return _from_strided(x, mesh, placements, src)
     if any(isinstance(p, StridedShard) for p in placements):
@@ -283,8 +285,11 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: d
     user's line, one record queued (the sender thread encodes it), the output wrapper. Nothing else.
     (Keys hold the op's id, not the op: OpOverload's `__hash__` is Python; the plan holds the op, so the id
     stays its own while the key is cached.)"""
-    if step_hook is not None:  # a compiled step is being recorded or replayed (dtorch.steps)
-        return step_hook.dispatch(cls, func, types, args, kwargs)
+    hook = step_hook
+    if hook is not None:  # a compiled step is being recorded or replayed (dtorch.steps), by this thread or another
+        if hook.owner == _thread():
+            return hook.dispatch(cls, func, types, args, kwargs)
+        hook.foreign()  # (another thread's ops run eagerly: `_capture` rule 10)
     if kwargs:
         return dispatch(func, args, kwargs)
     if len(args) == 2 and type(args[0]) is cls and type(args[1]) is cls:  # binary ops: most of a model's
@@ -356,6 +361,17 @@ def _literal_key(t: torch.Tensor) -> Any:
 
 
 step_hook: Any = None  # the compiled step recording or replaying now (`dtorch.steps`), else None
+_thread = threading.get_ident
+
+
+def owned_hook() -> Any:
+    """The step hook for the thread that runs the step; None for any other thread, whose calls run eagerly and
+    end automatic capture (`_capture` rule 10)."""
+    hook = step_hook
+    if hook is not None and hook.owner != _thread():
+        hook.foreign()
+        return None
+    return hook
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass

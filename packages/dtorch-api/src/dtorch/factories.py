@@ -47,7 +47,7 @@ def _check_mesh(name: str, mesh: Any) -> DeviceMesh:
 
 def _create(init: str, shape: tuple[int, ...], mesh: DeviceMesh | None, placements: Sequence[Placement] | None,
             dtype: torch.dtype | None, requires_grad: bool, value: Any = None, arange: list | None = None) -> DTensor:
-    hook = _dispatch.step_hook
+    hook = _dispatch.owned_hook()
     if hook is not None:  # in a compiled step (dtorch.steps): an operation of its own
         key = ("create", init, shape, getattr(mesh, "id", None), tuple(placements or ()), dtype, requires_grad,
                type(value), value, tuple(arange or ()))

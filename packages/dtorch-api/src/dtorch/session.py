@@ -103,8 +103,7 @@ class Session:
     # ------------------------------------------------------------------ the instruction stream
     def flush(self) -> None:
         """Send everything queued so far, in order."""
-        if self.step is not None:
-            self.step.interrupt("a flush")
+        self._boundary("a flush")
         self._stream.flush()
 
     def new_program_id(self) -> int:
@@ -126,12 +125,19 @@ class Session:
         return int(torch.empty((), dtype=torch.int64).random_())
 
     # ------------------------------------------------------------------ sync points
+    def _boundary(self, why: str) -> None:
+        """A boundary of the step running now (`_capture` rule 7), told by the thread that runs it; another
+        thread's uploads and sync points end automatic capture instead (rule 10)."""
+        step = self.step
+        if step is not None:
+            step.interrupt(why) if step.owner == threading.get_ident() else step.foreign()
+
     def sync(self, carry: bool = True) -> None:
         """Wait until the workers executed everything issued so far; raise the first op error, if any. `carry`: the
         last batch rides in the Sync (`_stream` rule 7), not for a thread that must not stop the stream (a background
         fetch, which was a sync point for the step when it was asked for: `fetch_async`)."""
-        if self.step is not None and carry:
-            self.step.interrupt("a sync point")
+        if carry:
+            self._boundary("a sync point")
         for reply in self._stream.sync(self.timeout, carry):
             self._data.learn(reply.locations, reply.caps)
 
@@ -173,8 +179,7 @@ class Session:
         if not self.early_reads or self._closed or self._stream.broken or (self._early_read is not None
                                                             and not self._early_read.done()):
             return None
-        if self.step is not None:
-            self.step.interrupt("a sync point")  # before the InstrRead: it belongs to no step
+        self._boundary("a sync point")  # before the InstrRead: it belongs to no step
         mark = next(self._marks)
         self.emit(m.InstrRead(tid=tid, mark=mark))
         self._early_read = self._early.submit(self._data.read, tid, spec, mark)
@@ -183,16 +188,14 @@ class Session:
     def fetch_async(self, tid: int, spec: Spec) -> Future:
         """`fetch` in the background, in call order (the tensor should not change meanwhile)."""
         self._stream.check_open()
-        if self.step is not None:
-            self.step.interrupt("a sync point")
+        self._boundary("a sync point")
         return self._fetches.submit(self.fetch, tid, spec, False)  # the user thread goes on streaming
 
     # ------------------------------------------------------------------ uploads
     def upload(self, tensor: torch.Tensor, spec: Spec) -> int:
         """Write each device's shard of `tensor` straight to its worker; returns the new tensor id."""
         self._stream.check_open()
-        if self.step is not None:
-            self.step.interrupt("an upload")
+        self._boundary("an upload")
         self.ensure_mesh(spec.mesh)
         tensor = tensor.detach().to("cpu", spec.dtype)
         tid = self.new_tid()
