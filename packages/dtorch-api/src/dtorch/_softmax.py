@@ -40,49 +40,55 @@ def _row_sum(x: Any, dim: int) -> Any:
     return _reduced(aten.sum.dim_IntList(x, [dim], True))
 
 
-@register_decomposition(aten._log_softmax.default)
-def log_softmax(args: tuple, kwargs: dict) -> Any:
+def _forward_input(args: tuple, kwargs: dict) -> tuple[Any, int] | None:
+    """(x, dim) of `_softmax`/`_log_softmax` (x in float32 under half_to_float), or None where they decline."""
     values = dict(zip(("self", "dim", "half_to_float"), args), **kwargs)
     x, dim = values["self"], values["dim"]
     if not sharded_dim(x, dim=dim):
+        return None
+    return (aten._to_copy.default(x, dtype=torch.float32) if values["half_to_float"] else x), dim
+
+
+def _backward_input(args: tuple, kwargs: dict) -> tuple[Any, Any, int, torch.dtype] | None:
+    """(grad, out, dim, input dtype) of the backwards, or None where they decline."""
+    values = dict(zip(("grad_output", "output", "dim", "input_dtype"), args), **kwargs)
+    grad, out, dim = values["grad_output"], values["output"], values["dim"]
+    return (grad, out, dim, values["input_dtype"]) if sharded_dim(grad, out, dim=dim) else None
+
+
+def _as(t: Any, dtype: torch.dtype) -> Any:
+    return t if t.dtype == dtype else aten._to_copy.default(t, dtype=dtype)
+
+
+@register_decomposition(aten._log_softmax.default)
+def log_softmax(args: tuple, kwargs: dict) -> Any:
+    if (found := _forward_input(args, kwargs)) is None:
         return NotImplemented
-    if values["half_to_float"]:
-        x = aten._to_copy.default(x, dtype=torch.float32)
+    x, dim = found
     shifted = aten.sub.Tensor(x, _row_max(x, dim))
-    total = _row_sum(aten.exp.default(shifted), dim)
-    return aten.sub.Tensor(shifted, aten.log.default(total))
+    return aten.sub.Tensor(shifted, aten.log.default(_row_sum(aten.exp.default(shifted), dim)))
 
 
 @register_decomposition(aten._softmax.default)
 def softmax(args: tuple, kwargs: dict) -> Any:
-    values = dict(zip(("self", "dim", "half_to_float"), args), **kwargs)
-    x, dim = values["self"], values["dim"]
-    if not sharded_dim(x, dim=dim):
+    if (found := _forward_input(args, kwargs)) is None:
         return NotImplemented
-    if values["half_to_float"]:
-        x = aten._to_copy.default(x, dtype=torch.float32)
+    x, dim = found
     exp = aten.exp.default(aten.sub.Tensor(x, _row_max(x, dim)))
     return aten.div.Tensor(exp, _row_sum(exp, dim))
 
 
 @register_decomposition(aten._log_softmax_backward_data.default)
 def log_softmax_backward(args: tuple, kwargs: dict) -> Any:
-    values = dict(zip(("grad_output", "output", "dim", "input_dtype"), args), **kwargs)
-    grad, out, dim = values["grad_output"], values["output"], values["dim"]
-    if not sharded_dim(grad, out, dim=dim):
+    if (found := _backward_input(args, kwargs)) is None:
         return NotImplemented
-    result = aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), _row_sum(grad, dim)))
-    return result if result.dtype == values["input_dtype"] else \
-        aten._to_copy.default(result, dtype=values["input_dtype"])
+    grad, out, dim, dtype = found
+    return _as(aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), _row_sum(grad, dim))), dtype)
 
 
 @register_decomposition(aten._softmax_backward_data.default)
 def softmax_backward(args: tuple, kwargs: dict) -> Any:
-    values = dict(zip(("grad_output", "output", "dim", "input_dtype"), args), **kwargs)
-    grad, out, dim = values["grad_output"], values["output"], values["dim"]
-    if not sharded_dim(grad, out, dim=dim):
+    if (found := _backward_input(args, kwargs)) is None:
         return NotImplemented
-    dot = _row_sum(aten.mul.Tensor(grad, out), dim)
-    result = aten.mul.Tensor(out, aten.sub.Tensor(grad, dot))
-    return result if result.dtype == values["input_dtype"] else \
-        aten._to_copy.default(result, dtype=values["input_dtype"])
+    grad, out, dim, dtype = found
+    return _as(aten.mul.Tensor(out, aten.sub.Tensor(grad, _row_sum(aten.mul.Tensor(grad, out), dim))), dtype)
