@@ -25,17 +25,21 @@ def _cli_only_through_the_interpreter():
 @pytest.fixture(scope="session")
 def cluster():
     """The cluster most tests share. Its workers may be silent for 10 s before they count as lost (the default is
-    1 s): a loaded 2-core machine, or `test_async`'s SIGSTOPped workers, must not cost every later test its
-    workers. Tests of failure detection start clusters of their own."""
-    old = os.environ.get("DTORCH_HEARTBEAT_TIMEOUT")
-    os.environ["DTORCH_HEARTBEAT_TIMEOUT"] = "10"
+    1 s), and its client 30 s before its session closes (the default is 5 s): a loaded 2-core machine, or
+    `test_async`'s SIGSTOPped workers, must not cost every later test its workers or its session (once, in a
+    whole-suite run, the shared session was closed for silence between two tests). Tests of failure detection
+    start clusters of their own."""
+    lenient = {"DTORCH_HEARTBEAT_TIMEOUT": "10", "DTORCH_SESSION_TIMEOUT": "30"}
+    old = {name: os.environ.get(name) for name in lenient}
+    os.environ.update(lenient)
     try:
         session = dtorch.connect(workers=2)
     finally:
-        if old is None:
-            del os.environ["DTORCH_HEARTBEAT_TIMEOUT"]
-        else:
-            os.environ["DTORCH_HEARTBEAT_TIMEOUT"] = old
+        for name, value in old.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     yield session
     dtorch.shutdown()
 

@@ -194,8 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout", type=float, metavar="S",
                         default=_from_env("DTORCH_HEARTBEAT_TIMEOUT", "1.0", float),
                         help="a worker silent this long is lost (default 1.0, $DTORCH_HEARTBEAT_TIMEOUT)")
-    parser.add_argument("--session-timeout", type=float, default=5.0, metavar="S",
-                        help="close a client session silent this long, freeing its shards (default 5.0; 0: never)")
+    parser.add_argument("--session-timeout", type=float, metavar="S",
+                        default=_from_env("DTORCH_SESSION_TIMEOUT", "5.0", float),
+                        help="close a client session silent this long, freeing its shards (default 5.0; 0: never; "
+                             "$DTORCH_SESSION_TIMEOUT)")
     parser.add_argument("--collective-timeout", type=float, metavar="S",
                         default=_from_env("DTORCH_COLLECTIVE_TIMEOUT", "60", float),
                         help="bound on a process group's rendezvous and on each collective: past it the op fails "
