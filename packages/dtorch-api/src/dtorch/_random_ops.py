@@ -2,7 +2,7 @@
 
 `dropout` (CPU: `bernoulli_`, fused devices: `native_dropout`), `uniform_` and `normal_` (`nn.init`) are
 decompositions (`_registry.register_decomposition`): a random factory laid out like the tensor (the workers draw
-only the blocks of their shards, `dtorch_worker.random_blocks`, seeded from the session's random stream), then
+only the blocks of their shards, `dtorch_worker.random_blocks`, seeded by a draw from torch's generator), then
 elementwise ops on the same layout. Values depend on the seed and the global shape only, never on the mesh or the
 placements; each device draws and moves nothing but its shard.
 

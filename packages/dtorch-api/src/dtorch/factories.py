@@ -5,8 +5,9 @@ one shaped like its DTensor parameter is laid out like it before the optimizer's
 `_lay_out_loaded_state`); torch's update would otherwise write into plain tensors, which DTorch refuses.
 
 Random factories give the same values whatever the mesh and placements: the global tensor is cut into fixed
-blocks, each drawn from a seed of (the session's random stream, its index), and each worker draws only the blocks
-its box overlaps (`dtorch_worker.random_blocks`), so generation costs O(shard) per device.
+blocks, each drawn from a seed of (the factory's seed, drawn from torch's generator, and the block's index), and
+each worker draws only the blocks its box overlaps (`dtorch_worker.random_blocks`), so generation costs O(shard)
+per device.
 """
 
 from __future__ import annotations

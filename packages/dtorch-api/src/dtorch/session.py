@@ -129,8 +129,12 @@ class Session:
         """A boundary of the step running now (`_capture` rule 7), told by the thread that runs it; another
         thread's uploads and sync points end automatic capture instead (rule 10)."""
         step = self.step
-        if step is not None:
-            step.interrupt(why) if step.owner == threading.get_ident() else step.foreign()
+        if step is None:
+            return
+        if step.owner == threading.get_ident():
+            step.interrupt(why)
+        else:
+            step.foreign()
 
     def sync(self, carry: bool = True) -> None:
         """Wait until the workers executed everything issued so far; raise the first op error, if any. `carry`: the

@@ -51,4 +51,3 @@ def written_arguments(op: str, arguments: Sequence[Any], args: Sequence[Any] | N
     unmarked = undeclared_writes(op, [a.name for a in arguments], args, kwargs)
     return [(i, a.name) for i, a in enumerate(arguments)
             if a.alias_info is not None and a.alias_info.is_write or a.name in unmarked]
-

@@ -54,7 +54,8 @@ def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     * parameters that several submodules share (tied input and output embeddings: GPT-2, T5, BERT's heads) stay
       one parameter: the entry points lay parameters out submodule by submodule, which gave every use a copy of its
       own, trained apart. After the layout, each other use takes the first use's parameter;
-    * a transformers model's `save_pretrained` writes the full weights (`_save_pretrained`)."""
+    * a transformers model's `save_pretrained` writes the full weights (`save_pretrained` below, bound to the
+      model under transformers' name, which is also how pickle finds a bound method again)."""
     @functools.wraps(lay_out)
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         uses: dict[int, list[tuple[nn.Module, str]]] = {}

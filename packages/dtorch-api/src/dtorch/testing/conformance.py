@@ -20,8 +20,8 @@ Rules (the report states them too):
              uninitialised memory), and any sample whose torch reference run calls an op tagged
              `nondeterministic_seeded` (e.g. scaled_dot_product_attention with dropout_p > 0). The
              report lists these ops separately.
-  seeding    torch.manual_seed(0) before an op's samples are drawn, and torch.manual_seed(0) plus
-             dtorch.manual_seed(0) before every run.
+  seeding    torch.manual_seed(0) before an op's samples are drawn and before every run (DTorch's random ops
+             draw their seeds from torch's generator).
   pass       every (sample, placements) case ran and matched.
   fail       some case gave a wrong result or raised anything but a DTorch NotImplementedError
              (the first such error is recorded, one line).
@@ -300,12 +300,9 @@ def _describe_case(index: int, sample: Any, combo: tuple) -> str:
 
 
 def run_case(op: Any, sample: Any, expected: Any, combo: tuple, mesh: Any, values: bool) -> _Outcome:
-    import dtorch
-
     got = inputs = None
     try:
         torch.manual_seed(0)
-        dtorch.manual_seed(0)
         inputs = _distribute(_clone((sample.input, sample.args, sample.kwargs)), combo, mesh)
         got = _call(op, inputs)
         compare(got, expected, values)
@@ -325,7 +322,6 @@ def run_variant(op: Any, kind: str, sample: Any, expected: torch.Tensor, combo: 
     inputs = target = got = None
     try:
         torch.manual_seed(0)
-        dtorch.manual_seed(0)
         inputs = _distribute(_clone((sample.input, sample.args, sample.kwargs)), combo, mesh)
         if kind == "inplace":
             target = inputs[0]
@@ -380,7 +376,6 @@ def run_grad_case(op: Any, sample: Any, combo: tuple, mesh: Any, cotangents: lis
         for t in leaves:
             t.requires_grad_()
         torch.manual_seed(0)
-        dtorch.manual_seed(0)
         outs = [o for o in _differentiable(_call(op, inputs)) if o.requires_grad]
         if len(outs) != len(cotangents):
             raise _Mismatch(f"{len(outs)} outputs need a gradient, torch's {len(cotangents)}")
