@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import warnings
 
@@ -308,6 +309,44 @@ def test_training_matches_single_process(mesh2d, layout):
     for p, r in zip(model.parameters(), ref.parameters()):  # the last step's gradients, laid out as the parameters
         assert p.grad.placements == p.placements
         torch.testing.assert_close(p.grad.to_torch(), r.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["tp", "fsdp_blocks_then_root", "tp_x_fsdp"])
+def test_a_model_built_on_the_meta_device_is_laid_out_loaded_and_trained_as_torch(mesh1, mesh2d, layout):
+    """The way to build a model too large for one host (torchtitan's, FSDP2's): on the meta device, laid out, then
+    `to_empty` and a checkpoint loaded. distribute_tensor could not copy out of a meta tensor; and fully_shard per
+    block and then on the root (FSDP2's pattern) gathered the blocks' parameters twice, leaving them gathered after
+    the forward: the optimizer stepped the shards while the forward kept reading the stale gathered copies."""
+    ref = tiny_llama()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(ref.config)
+    if layout == "tp":
+        parallelize_module(model, mesh1, hf_tp_plan(model))
+    else:
+        if layout == "fsdp_blocks_then_root":
+            shard = functools.partial(fully_shard, device_mesh=mesh1)
+        else:  # torch's keyword for the mesh
+            parallelize_module(model, mesh2d, hf_tp_plan(model), tp_mesh_dim="tp")
+            shard = functools.partial(fully_shard, mesh=mesh2d, mesh_dim="dp")
+        for block in model.model.layers:
+            shard(block)
+        shard(model)
+    assert all(isinstance(p, dtorch.DTensor) for p in model.parameters())
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    for name, buffer in ref.named_buffers():  # not in the state dict (rotary frequencies): made again, as with torch
+        model.get_buffer(name).copy_(buffer)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(model(ids).logits.full_tensor(), ref(ids).logits, **TOL)
+    if layout != "tp":
+        shard = model.model.layers[0].mlp.up_proj.weight
+        assert isinstance(shard, nn.Parameter) and shard.placements[0] == Shard(0)  # stored sharded after a forward
 
 
 def test_rl_handoff_to_a_differently_sharded_inference_mesh(reference, mesh2d, mesh1):

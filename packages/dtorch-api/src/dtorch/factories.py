@@ -111,7 +111,8 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, device_mesh: DeviceMes
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None,
                       ) -> DTensor:
-    """Shard a full torch tensor from the client onto the mesh (data goes straight to the workers)."""
+    """Shard a full torch tensor from the client onto the mesh (data goes straight to the workers); a meta tensor
+    has no values, and its shards are allocated on the workers uninitialized, as `torch.empty`."""
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor takes a plain torch.Tensor; use .redistribute() on a DTensor")
     if not isinstance(tensor, torch.Tensor):
@@ -123,6 +124,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
                                   "loss.backward() or torch.autograd.grad instead")
     mesh = _check_mesh("distribute_tensor", device_mesh)
     shape = tuple(tensor.shape)
+    if tensor.is_meta:  # no values to upload: shards allocated on the workers, as torch.empty
+        return _create("empty", shape, mesh, placements, tensor.dtype, tensor.requires_grad)
     spec = Spec(mesh, normalize_placements(placements, mesh, len(shape)), shape, contiguous_stride(shape),
                 tensor.dtype)
     session = get_session()

@@ -267,7 +267,8 @@ class _Gathered:
 
 
 @_lays_out
-def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | str = 0) -> nn.Module:
+def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mesh: DeviceMesh | None = None,
+                mesh_dim: int | str = 0) -> nn.Module:
     """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered for their submodule's forward.
 
     As with torch's FSDP2, `module.weight` is the sharded parameter under its own name (`named_parameters()`,
@@ -276,22 +277,34 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, mesh_dim: int | s
     as any other layout. Works on a plain module (other mesh dims replicated) or on one already tensor-parallel on
     the same mesh (the stored layout adds Shard(0) on `mesh_dim`). Optimizer state follows the sharded parameters,
     so it is sharded too.
+
+    The mesh is given positionally or as torch's `mesh=`. As with torch, blocks may be sharded first and the root
+    last (`for block in model.layers: fully_shard(block, mesh)`, then `fully_shard(model, mesh)`): a submodule
+    already sharded keeps its layout and its own gathers. A model built on the meta device is laid out without
+    values, its shards allocated on the workers (then `model.to_empty(device=...)` and initialize in place, or
+    `load_state_dict`).
     """
+    if (device_mesh is None) == (mesh is None):
+        raise TypeError("fully_shard needs one mesh: fully_shard(module, mesh) or fully_shard(module, mesh=mesh)")
+    device_mesh = device_mesh or mesh
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"fully_shard's mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
     dim = _mesh_dim(device_mesh, mesh_dim)
-    replicate_module(module, device_mesh)
+    replicate = (Replicate(),) * device_mesh.ndim
     for mod in list(module.modules()):
+        if getattr(mod, "_dtorch_gathered", None) is not None:  # sharded by an earlier call (per block, then root)
+            continue
         names = []
         for name, p in list(mod.named_parameters(recurse=False)):
-            if p.ndim == 0:
-                continue
-            sharded = p.redistribute(placements=_with(p.placements, dim, Shard(0), p.ndim))
-            _set_param(mod, name, sharded, p.requires_grad)
-            names.append(name)
+            mesh, base = (p.device_mesh, p.placements) if isinstance(p, DTensor) else (device_mesh, replicate)
+            if p.ndim:  # laid out once, where it is stored (a meta parameter is allocated there, sharded)
+                _set_param(mod, name, _distribute(p, mesh, _with(base, dim, Shard(0), p.ndim)), p.requires_grad)
+                names.append(name)
         if names:
-            hooks = _Gathered(names, dim)
+            mod._dtorch_gathered = hooks = _Gathered(names, dim)
             mod.register_forward_pre_hook(hooks.gather)
             mod.register_forward_hook(hooks.restore, always_call=True)
-    return module
+    return replicate_module(module, device_mesh)
 
 
 @_lays_out
