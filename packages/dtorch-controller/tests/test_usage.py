@@ -132,3 +132,26 @@ def test_the_usage_command_sums_by_tenant_or_session_as_table_csv_or_json(tmp_pa
     assert capsys.readouterr().err.startswith("dtorch-controller usage: bad --since 'yesterday'")
     assert cli.main(["usage", "--usage-file", str(tmp_path / "none.jsonl")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_lines_that_are_not_usage_records_are_named_not_summed_in_silence(tmp_path, capsys):
+    """Another file given as the usage file (the key file) printed an empty table and said nothing; a record whose
+    fields had the wrong types (a hand-edited or foreign line) was summed until a comparison raised."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"version": 1, "keys": []}, indent=1) + "\n")
+    assert cli.main(["usage", "--usage-file", str(keys)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{keys} holds no usage records (line 1 is not one)" in err
+    path = tmp_path / "usage.jsonl"
+    log = UsageLog(path)
+    log.append([_record(1)])
+    log.close()
+    with open(path, "a") as f:
+        f.write(json.dumps({**_record(2).__dict__, "devices": "4"}) + "\n\n")  # a string count, then an empty line
+        f.write(json.dumps({**_record(3).__dict__, "device_seconds": True}) + "\n")
+    foreign: list[int] = []
+    assert [r.seq for r in read(path, foreign)] == [1] and foreign == [2, 4]
+    assert cli.main(["usage", "--usage-file", str(path), "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)[0]["device_seconds"] == 10.0
+    assert out.err == f"dtorch-controller usage: skipped 2 lines of {path} that are not usage records (first: line 2)\n"

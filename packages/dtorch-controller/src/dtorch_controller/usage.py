@@ -19,11 +19,14 @@ Rules:
    its sessions' usage from zero (the sessions of the old run ended with it): nothing is counted twice.
 4. A file that cannot be written is one line on stderr and the controller goes on without usage records.
 
-`summarise` reads a file back for `dtorch-controller usage` (by tenant or session, since a time).
+`summarise` reads a file back for `dtorch-controller usage` (by tenant or session, since a time); a complete line that
+is not a record (a field missing or of another type, another file given by mistake) is skipped, and the command
+says how many and which first, or refuses a file that holds none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -231,18 +234,34 @@ def _drop_torn_tail(fd: int) -> None:
 # ---------------------------------------------------------------- reading it back (`dtorch-controller usage`)
 
 
-def read(path: str | Path) -> Iterator[Record]:
-    """Every complete record once (by run and seq); a torn or foreign line is skipped."""
+_KINDS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}  # Record's annotations
+
+
+def _record(line: str) -> Record | None:
+    """The record a line holds, or None: not a JSON object of Record's fields with their types."""
+    try:
+        fields = json.loads(line)
+        r = Record(**fields)
+    except (ValueError, TypeError):
+        return None
+    kinds = {f.name: _KINDS[f.type] for f in dataclasses.fields(Record)}
+    ok = all(isinstance(v, kinds[k]) and (k == "final" or not isinstance(v, bool)) for k, v in fields.items())
+    return r if ok else None
+
+
+def read(path: str | Path, foreign: list[int] | None = None) -> Iterator[Record]:
+    """Every complete record once (by run and seq); a torn last line is skipped, and so is a complete line that is
+    not a record, whose number goes into `foreign`."""
     seen: set[tuple[str, int]] = set()
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if not line.endswith("\n"):
                 break
-            try:
-                r = Record(**json.loads(line))
-            except (ValueError, TypeError):
-                continue
-            if (r.run, r.seq) not in seen:
+            r = _record(line)
+            if r is None:
+                if foreign is not None and line.strip():
+                    foreign.append(number)
+            elif (r.run, r.seq) not in seen:
                 seen.add((r.run, r.seq))
                 yield r
 

@@ -57,21 +57,30 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         since = parse_since(args.since)
-        rows = summarise(read(args.usage_file), args.by, since)
+        foreign: list[int] = []
+        records = list(read(args.usage_file, foreign))
+        rows = summarise(records, args.by, since)
     except ValueError as e:
         print(f"dtorch-controller usage: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"dtorch-controller usage: cannot read {args.usage_file} ({e.strerror or e})", file=sys.stderr)
         return 1
-    records = [_fields(r, args.by) for r in rows]
+    if foreign and not records:
+        print(f"dtorch-controller usage: {args.usage_file} holds no usage records (line {foreign[0]} is not one); "
+              "expected the file the controller writes with --usage-file", file=sys.stderr)
+        return 2
+    if foreign:
+        print(f"dtorch-controller usage: skipped {len(foreign)} lines of {args.usage_file} that are not usage records "
+              f"(first: line {foreign[0]})", file=sys.stderr)
+    out = [_fields(r, args.by) for r in rows]
     if args.format == "json":
-        print(json.dumps(records, indent=1))
+        print(json.dumps(out, indent=1))
     elif args.format == "csv":
-        columns = list(records[0]) if records else [args.by, *COLUMNS[1:]]
+        columns = list(out[0]) if out else [args.by, *COLUMNS[1:]]
         writer = csv.DictWriter(sys.stdout, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
-        writer.writerows(records)
+        writer.writerows(out)
     else:
         table = Table(title=f"usage by {args.by}" + (f" since {_iso(since)}" if since else ""), title_justify="left")
         for c in (args.by, *(("tenant",) if args.by == "session" else ()), "sessions", "devices", "device-hours",
