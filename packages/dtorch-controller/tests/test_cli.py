@@ -178,6 +178,28 @@ def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):
         proc.wait(10)
 
 
+def test_tenant_and_node_names_are_labels_and_admin_is_no_tenants(tmp_path, capsys):
+    """Any string was a tenant: a newline broke `keys list` and every log line naming it, and a tenant key named
+    'admin' shared the admin keys' tenant, which is what isolation compares."""
+    path = str(tmp_path / "keys.json")
+    for args, said in (
+            (["--role", "tenant", "--tenant", "x\ny"], "tenant name 'x\\ny' must be 1-63 letters, digits"),
+            (["--role", "tenant", "--tenant", "a" * 64], "must be 1-63"),
+            (["--role", "tenant", "--tenant=-a"], "starting with a letter or digit"),
+            (["--role", "tenant", "--tenant", "admin"], "tenant name 'admin' is the admin keys' own"),
+            (["--role", "worker", "--node", "rack 1"], "node name 'rack 1' must be '*' or 1-253")):
+        assert cli.main(["keys", "create", "--keys", path, *args]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    for args in (["--role", "tenant", "--tenant", "team-a.ml_1"], ["--role", "worker", "--node", "*"],
+                 ["--role", "worker", "--node", "gpu-node-7.example.com"], ["--role", "admin"]):
+        assert cli.main(["keys", "create", "--keys", path, *args]) == 0
+    assert cli.main(["keys", "quota", "team-a.ml_1", "--keys", path, "--devices", "2"]) == 0
+    capsys.readouterr()
+    assert cli.main(["keys", "quota", "a b", "--keys", path, "--devices", "1"]) == 1
+    assert "tenant name 'a b' must be" in capsys.readouterr().err
+
+
 def test_cleartext_off_loopback_warns_once(tmp_path):
     proc, address = start(tmp_path, listen="0.0.0.0:0")
     try:

@@ -10,6 +10,10 @@ Rules:
    names, such as Kubernetes' downward API). Revoking marks the key; it never comes back.
 3. A tenant's quotas (`keys quota`): devices its sessions may hold at once, device memory it may lease,
    sessions it may have open. 0 = no limit.
+5. Names are labels (`NAMES`): a tenant is 1-63 letters, digits, `.`, `_` or `-`, starting with a letter or digit
+   (it is a Prometheus label, a usage record's field, a column of `keys list`); a node as long as a Kubernetes
+   node name (253), or `*`. `admin` is the admin keys' tenant and no tenant key's: whatever isolates tenants
+   compares their names.
 4. The running controller re-reads the file when it changes (checked at most once a second), so a
    revocation or a new quota takes effect without a restart; if the new content is unusable it keeps the
    last good one and logs why.
@@ -21,6 +25,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +38,20 @@ log = logging.getLogger("dtorch_controller.keys")
 
 FILE_VERSION = 1
 RELOAD_EVERY_S = 1.0
+
+
+NAMES = {  # what a name is -> (its pattern, the rule said in an error)
+    "tenant": (re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"),
+               "1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"),
+    "node": (re.compile(r"\*|[A-Za-z0-9][A-Za-z0-9._-]{0,252}"),
+             "'*' or 1-253 letters, digits, '.', '_' or '-', starting with a letter or digit"),
+}
+
+
+def check_name(what: str, name: str) -> None:
+    pattern, rule = NAMES[what]
+    if not pattern.fullmatch(name):
+        raise ValueError(f"{what} name {name!r} must be {rule}")
 
 
 class KeyFileError(Exception):
@@ -107,6 +126,12 @@ class KeyFile:
             raise ValueError("a worker key belongs to no tenant (drop --tenant)")
         if node and role != auth.WORKER:
             raise ValueError("--node is for worker keys: it is the node label their workers get")
+        if tenant:
+            check_name("tenant", tenant)
+        if node:
+            check_name("node", node)
+        if role == auth.TENANT and tenant == auth.ADMIN:
+            raise ValueError("tenant name 'admin' is the admin keys' own; give the tenant another name")
         key_id, key = auth.new_key()
         while any(k.id == key_id for k in self.keys):
             key_id, key = auth.new_key()
@@ -125,6 +150,7 @@ class KeyFile:
         raise ValueError(f"no key {key_id!r} (see `dtorch-controller keys list`)")
 
     def set_quota(self, tenant: str, devices: int | None, memory_bytes: int | None, sessions: int | None) -> Quota:
+        check_name("tenant", tenant)
         old = self.quotas.get(tenant, Quota())
         quota = Quota(devices=old.devices if devices is None else devices,
                       memory_bytes=old.memory_bytes if memory_bytes is None else memory_bytes,
