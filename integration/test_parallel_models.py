@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import io
+import time
 import warnings
 
 import pytest
@@ -347,6 +349,84 @@ def test_a_model_built_on_the_meta_device_is_laid_out_loaded_and_trained_as_torc
     if layout != "tp":
         shard = model.model.layers[0].mlp.up_proj.weight
         assert isinstance(shard, nn.Parameter) and shard.placements[0] == Shard(0)  # stored sharded after a forward
+
+
+def _held(cluster):
+    """Bytes on each worker, once pending deletes have landed."""
+    gc.collect()
+    last = None
+    for _ in range(40):
+        cluster.sync()
+        now = {w.worker: w.bytes for w in dtorch.status().workers}
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.05)
+    return last
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_them_again_for_backward(
+        cluster, mesh1, reshard):
+    """torch's FSDP2 default (reshard_after_forward=True). Autograd saved the gathered weights of every layer for its
+    backward, so between a forward and its backward each worker held the whole model gathered, as under data
+    parallelism, besides its shards: fully sharding saved no memory in training."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256, bias=False), nn.LayerNorm(256)) for _ in range(4)])
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 256)
+    before = _held(cluster)
+    fully_shard(model, mesh1, **({} if reshard else {"reshard_after_forward": False}))  # True: torch's default
+    batch = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
+    sharded = {w: b - before.get(w, 0) for w, b in _held(cluster).items()}
+    loss = model(batch).pow(2).mean()
+    after_forward = {w: b - before.get(w, 0) for w, b in _held(cluster).items()}
+    weights = 3 * 256 * 256 * 4  # the gathered weights autograd saves: each Linear's but the first (its input needs
+    # no gradient), whole on each worker
+    for w, b in after_forward.items():
+        if reshard:  # the shards and the activations (a few KiB); no layer's gathered weight
+            assert b - sharded[w] < 256 * 256 * 4, (w, b, sharded[w])
+        else:
+            assert b - sharded[w] >= weights, (w, b, sharded[w])
+    loss.backward()
+    ref(x).pow(2).mean().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.grad.placements == p.placements == (Shard(0),)
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_fully_sharded_blocks_under_activation_checkpointing_save_only_their_inputs_and_train_as_torch(
+        cluster, mesh1):
+    """Checkpointing's own saved-tensor hooks stay in force inside a fully sharded block: fully_shard installs its
+    own only where none are (`_reshard` rule 4); in their place, the block's activations were saved after all. The
+    recomputation in backward gathers the parameters again."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[_Checkpointed(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)))
+                          for _ in range(4)])
+    model = copy.deepcopy(ref)
+    for block in model:
+        fully_shard(block.block, mesh1)
+    x = torch.randn(256, 256)
+    batch = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
+    before = _held(cluster)
+    loss = model(batch).pow(2).mean()
+    after = _held(cluster)
+    activation = 128 * 256 * 4  # one activation's rows on each worker
+    for w, b in after.items():  # the blocks' inputs and outputs: 5 activations; the blocks' insides were 3 each more
+        assert b - before.get(w, 0) < 6 * activation, (w, b - before.get(w, 0))
+    loss.backward()
+    ref(x).pow(2).mean().backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL, msg=name)
 
 
 def test_rl_handoff_to_a_differently_sharded_inference_mesh(reference, mesh2d, mesh1):

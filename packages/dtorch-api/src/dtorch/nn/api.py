@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from dtorch.device_mesh import DeviceMesh
 from dtorch.dtensor import DTensor
 from dtorch.factories import distribute_tensor
+from dtorch.nn import _reshard
 from dtorch.nn.style import ParallelStyle
 from dtorch_protocol.placement_types import Placement, Replicate, Shard
 
@@ -241,13 +242,15 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
 class _Gathered:
     """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dim `dim`
     (a forward pre-hook puts the gathered tensors in their places, a forward hook puts the sharded parameters back);
-    the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered. A forward that
-    writes a gathered parameter in place (`nn.Embedding(max_norm=...)` renormalizes the rows it looks up) has the
-    write copied into the sharded parameter, as the module's own parameter would keep it."""
+    the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered. With `reshard`,
+    autograd saves no gathered tensor for backward, which gathers again (`_reshard`). A forward that writes a
+    gathered parameter in place (`nn.Embedding(max_norm=...)` renormalizes the rows it looks up) has the write
+    copied into the sharded parameter, as the module's own parameter would keep it."""
 
-    def __init__(self, names: list[str], dim: int) -> None:
-        self.names, self.dim = names, dim
+    def __init__(self, names: list[str], dim: int, reshard: bool) -> None:
+        self.names, self.dim, self.reshard = names, dim, reshard
         self.stored: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
+        self.hooks: list[Any] = []  # per call under way (nested ones too): the saved-tensor hooks it entered, or None
 
     def gather(self, mod: nn.Module, _args: Any) -> None:
         for name in self.names:
@@ -256,19 +259,26 @@ class _Gathered:
                 whole = p.redistribute(placements=_with(p.placements, self.dim, Replicate(), p.ndim))
                 self.stored[name] = (p, whole, whole._version)
                 mod._parameters[name] = whole
+                if self.reshard:
+                    _reshard.track(whole, p)
+        self.hooks.append(_reshard.install() if self.reshard else None)
 
     def restore(self, mod: nn.Module, _args: Any, _output: Any) -> None:
+        hooks = self.hooks.pop() if self.hooks else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
         for name, (p, whole, version) in self.stored.items():
             if whole._version != version:
                 with torch.no_grad():
                     p.copy_(whole)
             mod._parameters[name] = p
+            _reshard.untrack(whole)
         self.stored.clear()
 
 
 @_lays_out
 def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mesh: DeviceMesh | None = None,
-                mesh_dim: int | str = 0) -> nn.Module:
+                mesh_dim: int | str = 0, reshard_after_forward: bool = True) -> nn.Module:
     """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered for their submodule's forward.
 
     As with torch's FSDP2, `module.weight` is the sharded parameter under its own name (`named_parameters()`,
@@ -277,6 +287,11 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     as any other layout. Works on a plain module (other mesh dims replicated) or on one already tensor-parallel on
     the same mesh (the stored layout adds Shard(0) on `mesh_dim`). Optimizer state follows the sharded parameters,
     so it is sharded too.
+
+    `reshard_after_forward` (torch's name and default): the gathered parameters are freed when the submodule's
+    forward ends and gathered again for its backward, so a training step holds one submodule's gathered parameters
+    at a time on each worker, not the whole model's (`_reshard`); False keeps them from forward to backward (one
+    gather fewer per parameter and step).
 
     The mesh is given positionally or as torch's `mesh=`. As with torch, blocks may be sharded first and the root
     last (`for block in model.layers: fully_shard(block, mesh)`, then `fully_shard(model, mesh)`): a submodule
@@ -301,7 +316,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
                 _set_param(mod, name, _distribute(p, mesh, _with(base, dim, Shard(0), p.ndim)), p.requires_grad)
                 names.append(name)
         if names:
-            mod._dtorch_gathered = hooks = _Gathered(names, dim)
+            mod._dtorch_gathered = hooks = _Gathered(names, dim, reshard_after_forward)
             mod.register_forward_pre_hook(hooks.gather)
             mod.register_forward_hook(hooks.restore, always_call=True)
     return replicate_module(module, device_mesh)
