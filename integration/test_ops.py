@@ -487,6 +487,40 @@ def test_module_dtype_conversion_converts_the_shards(mesh1, convert):
         model[0].weight.data = torch.zeros(16, 8, dtype=dtype)
 
 
+NORMS = {  # name -> (module, input shape)
+    "layer_norm": (lambda: torch.nn.LayerNorm(8), (6, 3, 8)),
+    "layer_norm without weight": (lambda: torch.nn.LayerNorm(8, elementwise_affine=False), (6, 3, 8)),
+    "batch_norm": (lambda: torch.nn.BatchNorm1d(3), (6, 3, 8)),
+    "group_norm": (lambda: torch.nn.GroupNorm(1, 3), (6, 3, 8)),
+}
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Replicate()], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_norms_train_in_half_precision_as_torch(mesh1, norm, dtype, placement):
+    """A CPU kernel keeps a half-precision norm's statistics (mean, rstd) in the input's dtype where the meta kernel
+    says float32; DTorch took the meta kernel's word, and the backward failed on the workers ("expected scalar type
+    BFloat16 but found Float"): no bfloat16 model with LayerNorm or BatchNorm trained on a sharded batch."""
+    from dtorch.nn import replicate_module
+
+    make, shape = NORMS[norm]
+    torch.manual_seed(0)
+    ref = make().to(dtype)
+    model = replicate_module(copy.deepcopy(ref), mesh1)
+    x = torch.randn(shape).to(dtype)
+    xr, xd = x.clone().requires_grad_(), dist(x, mesh1, placement).requires_grad_()
+    out, want = model(xd), ref(xr)
+    want.float().pow(2).sum().backward()
+    out.float().pow(2).sum().backward()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(out.full_tensor(), want, **tol)
+    torch.testing.assert_close(xd.grad.full_tensor(), xr.grad, **tol)
+    for p, r in zip(model.parameters(), ref.parameters()):  # sums over the batch: rounded apart, relative to it
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=tol["rtol"],
+                                   atol=tol["atol"] * r.grad.abs().max())
+
+
 LOSSES = {  # name -> loss(input, float target, class target, class weight), as torch users call them
     "mse": lambda x, t, y, w: F.mse_loss(x, t),
     "smooth_l1": lambda x, t, y, w: F.smooth_l1_loss(x, t, beta=0.5),

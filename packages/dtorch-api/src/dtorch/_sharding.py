@@ -306,27 +306,36 @@ def _fake_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 _aten = torch.ops.aten
-# CPU batch-norm kernels return empty save_mean/save_invstd when not training, where the meta kernels (which
-# torch's rules follow) say [C]: op -> position of its `training` argument (None: never training).
-_CPU_EMPTY_STATS = {_aten.native_batch_norm.default: 5, _aten._native_batch_norm_legit.default: 5,
-                    _aten._native_batch_norm_legit_no_training.default: None,
-                    _aten._batch_norm_no_update.default: None}
+# CPU norm kernels' statistics (outputs 1 and 2) differ from the meta kernels' (which torch's rules follow):
+#   1. a batch norm not training returns them empty where the meta kernel says [C];
+#   2. in bfloat16 or float16 they have the weight's dtype (the input's without a weight) where the meta kernel
+#      says float32 (a training step's backward then failed on the worker: "expected scalar type BFloat16").
+# op -> (position of `weight`, position of `training`: None never training, -1 always)
+_CPU_STATS = {_aten.native_layer_norm.default: (2, -1), _aten.native_batch_norm.default: (1, 5),
+              _aten._native_batch_norm_legit.default: (1, 5), _aten._native_batch_norm_legit.no_stats: (1, -1),
+              _aten._native_batch_norm_legit_no_training.default: (1, None),
+              _aten._batch_norm_no_update.default: (1, None), _aten._batch_norm_with_update.default: (1, -1)}
+_REDUCED = (torch.bfloat16, torch.float16)
 
 
-def _empty_stats(func: Any, args: tuple) -> bool:
-    if func not in _CPU_EMPTY_STATS:
-        return False
-    at = _CPU_EMPTY_STATS[func]
-    return at is None or (len(args) > at and not args[at])
+def _cpu_stats(func: Any, args: tuple, mesh: DeviceMesh) -> bool:
+    return mesh.device_type == "cpu" and func in _CPU_STATS
 
 
 def cpu_outputs(func: Any, args: tuple, outputs: Any, mesh: DeviceMesh) -> Any:
-    """Output specs corrected where a CPU kernel's output shapes differ from the meta kernel's."""
-    if mesh.device_type != "cpu" or not _empty_stats(func, args):
+    """Output specs corrected where a CPU kernel's outputs differ from the meta kernel's (`_CPU_STATS`)."""
+    if not _cpu_stats(func, args, mesh):
+        return outputs
+    at_weight, at_training = _CPU_STATS[func]
+    empty = at_training is None or (at_training >= 0 and len(args) > at_training and not args[at_training])
+    x, weight = args[0], (args[at_weight] if len(args) > at_weight else None)
+    if not empty and x.dtype not in _REDUCED:
         return outputs
     fixed = list(outputs)
     for i in (1, 2):
-        fixed[i] = Spec(mesh, (Replicate(),) * mesh.ndim, (0,), (1,), fixed[i].dtype)
+        dtype = (weight if isinstance(weight, Spec) else x).dtype if x.dtype in _REDUCED else fixed[i].dtype
+        fixed[i] = Spec(mesh, (Replicate(),) * mesh.ndim, (0,), (1,), dtype) if empty else \
+            Spec(mesh, fixed[i].placements, fixed[i].shape, fixed[i].stride, dtype)
     return type(outputs)(fixed)
 
 
@@ -390,7 +399,7 @@ def check_local(func: Any, prop: Propagation, mesh: DeviceMesh, given: tuple = (
             raise NoRule(f"the op refuses the local shapes {shapes} at mesh position {rank}: {e}") from None
         got = _flat(result)
         for i, spec in enumerate(expected):
-            if spec is None or (i in (1, 2) and _empty_stats(func, args)):
+            if spec is None or (i in (1, 2) and _cpu_stats(func, args, mesh)):  # not the meta kernel's
                 continue
             t = got[i] if i < len(got) else None
             want = local_shape(spec, coord)
