@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import dtorch
 from dtorch import Replicate, Shard
@@ -349,6 +350,47 @@ def test_a_model_built_on_the_meta_device_is_laid_out_loaded_and_trained_as_torc
     if layout != "tp":
         shard = model.model.layers[0].mlp.up_proj.weight
         assert isinstance(shard, nn.Parameter) and shard.placements[0] == Shard(0)  # stored sharded after a forward
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32], ids=["reduce_bf16", "reduce_fp32"])
+def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as_torch(mesh1, reduce_dtype):
+    """torch's `MixedPrecisionPolicy`: the parameters stay float32 (the optimizer's), are gathered and computed in
+    bfloat16, and their gradients are reduced in `reduce_dtype` and kept in float32. The reference is what FSDP2
+    computes on one device: a bfloat16 copy of the float32 model for forward and backward, its gradients stepped
+    into the float32 parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    ref = tiny_llama().train()
+    model = copy.deepcopy(ref)
+    for block in model.model.layers:
+        fully_shard(block, mesh1, mp_policy=policy)
+    fully_shard(model, mesh1, mp_policy=MixedPrecisionPolicy(torch.bfloat16, reduce_dtype, output_dtype=torch.float32))
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(6))
+    for _ in range(3):
+        half = copy.deepcopy(ref).to(torch.bfloat16)
+        want = half(ids).logits.float()
+        F.cross_entropy(want.flatten(0, 1), ids.flatten()).backward()
+        for r, h in zip(ref.parameters(), half.parameters()):
+            r.grad = h.grad.float()
+        ref_opt.step()
+        got = model(ids).logits
+        assert got.dtype == torch.float32  # output_dtype
+        F.cross_entropy(got.flatten(0, 1), ids.flatten()).backward()
+        assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(got.full_tensor(), want, rtol=2e-2, atol=2e-2)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-2, atol=1e-2, msg=name)
+    with pytest.raises(NotImplementedError, match=r"reduces gradients in the parameter's dtype \(torch.float32\) or "
+                                                  r"in param_dtype \(torch.bfloat16\), not in reduce_dtype="):
+        fully_shard(nn.Linear(4, 4), mesh1, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float16))(
+            torch.randn(2, 4))
+    with pytest.raises(TypeError, match="mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got dtype"):
+        fully_shard(nn.Linear(4, 4), mesh1, mp_policy=torch.bfloat16)
 
 
 def _held(cluster):

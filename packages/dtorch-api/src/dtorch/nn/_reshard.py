@@ -9,7 +9,7 @@ default); DTorch does it with autograd's saved-tensor hooks, in force for the su
 Rules:
   1. A saved tensor that is a gathered parameter, its transpose (a linear's weight), or any view of one gathered
      on every mesh dim (replicated: the view's global strides are each device's) is saved as a recipe: the sharded
-     parameter, the gathered placements and the view.
+     parameter, the gathered placements and dtype (a mixed-precision policy's `param_dtype`), and the view.
   2. Backward unpacks a recipe by gathering the parameter again; recipes unpacked while that copy is alive share it.
   3. Any other tensor is saved as autograd saves it.
   4. The hooks are installed only while grad is enabled and no other saved-tensor hooks are in force: activation
@@ -31,7 +31,7 @@ from dtorch_protocol.placement_types import Placement
 
 # id(gathered tensor) -> (the gathered tensor, its sharded parameter), while a forward holds it
 _live: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
-# (id(sharded parameter), gathered placements) -> the copy backward gathered, while a use holds it (rule 2)
+# (id(sharded parameter), gathered placements, dtype) -> the copy backward gathered, while a use holds it (rule 2)
 _again: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -39,6 +39,7 @@ _again: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 class _Recipe:
     param: nn.Parameter
     placements: tuple[Placement, ...]
+    dtype: torch.dtype
     view: tuple | str | None  # None: the gathered tensor; "t": its transpose; (size, stride, offset): as_strided
 
 
@@ -60,26 +61,27 @@ def _pack(t: Any) -> Any:
         return t
     param = _param_of(t)
     if param is not None:
-        return _Recipe(param, t.placements, None)
+        return _Recipe(param, t.placements, t.dtype, None)
     base = t._base
     param = _param_of(base)
     if param is None:  # rule 3
         return t
     if t.ndim == base.ndim == 2 and t.shape == base.shape[::-1] and t.stride() == base.stride()[::-1] \
             and t.storage_offset() == base.storage_offset():
-        return _Recipe(param, base.placements, "t")
+        return _Recipe(param, base.placements, base.dtype, "t")
     if all(p.is_replicate() for p in base.placements):
-        return _Recipe(param, base.placements, (tuple(t.shape), t.stride(), t.storage_offset()))
+        return _Recipe(param, base.placements, base.dtype, (tuple(t.shape), t.stride(), t.storage_offset()))
     return t
 
 
 def _unpack(saved: Any) -> Any:
     if type(saved) is not _Recipe:
         return saved
-    key = (id(saved.param), saved.placements)
+    p, key = saved.param, (id(saved.param), saved.placements, saved.dtype)
     whole = _again.get(key)
     if whole is None:
-        whole = _again[key] = saved.param.redistribute(placements=saved.placements)
+        whole = _again[key] = (p if p.dtype == saved.dtype else p.to(saved.dtype)).redistribute(
+            placements=saved.placements)
     if saved.view is None:
         return whole
     return whole.t() if saved.view == "t" else whole.as_strided(*saved.view)

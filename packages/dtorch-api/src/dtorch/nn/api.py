@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import functools
 import inspect
@@ -239,16 +240,62 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
     return replicate_module(module, device_mesh)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Precision:
+    """torch's `MixedPrecisionPolicy` for one `fully_shard` call: parameters gathered in `param_dtype` (None: their
+    own), gradients reduced in `reduce_dtype` (None: `param_dtype`) and kept in the parameter's dtype, the forward's
+    floating point inputs cast to `param_dtype` (`cast_forward_inputs`) and its outputs to `output_dtype`."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    @classmethod
+    def of(cls, policy: Any) -> _Precision:
+        if policy is None:
+            return cls()
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not all(hasattr(policy, f) for f in fields):
+            raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                            f"{type(policy).__name__}")
+        return cls(**{f: getattr(policy, f) for f in fields})
+
+    def gather(self, p: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+        """`p` gathered to `placements` in the forward's dtype; the gradient is reduced in `reduce_dtype`: the cast
+        goes after the gather where that is the parameter's dtype, before it where it is `param_dtype`."""
+        dtype = self.param_dtype or p.dtype
+        reduce = self.reduce_dtype or dtype
+        if reduce == dtype:
+            return p.to(dtype).redistribute(placements=placements)
+        if reduce == p.dtype:
+            return p.redistribute(placements=placements).to(dtype)
+        raise NotImplementedError(f"dtorch fully_shard reduces gradients in the parameter's dtype ({p.dtype}) or in "
+                                  f"param_dtype ({dtype}), not in reduce_dtype={reduce}")
+
+    def cast(self, dtype: torch.dtype | None, tree: Any) -> Any:
+        if dtype is None:
+            return tree
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+    def inputs(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self.cast(self.param_dtype if self.cast_forward_inputs else None, (args, kwargs))
+
+    def outputs(self, _mod: nn.Module, _args: Any, output: Any) -> Any:
+        return self.cast(self.output_dtype, output)
+
+
 class _Gathered:
     """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dim `dim`
     (a forward pre-hook puts the gathered tensors in their places, a forward hook puts the sharded parameters back);
-    the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered. With `reshard`,
+    the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered (in the dtypes of
+    `precision`, a mixed-precision policy). With `reshard`,
     autograd saves no gathered tensor for backward, which gathers again (`_reshard`). A forward that writes a
     gathered parameter in place (`nn.Embedding(max_norm=...)` renormalizes the rows it looks up) has the write
     copied into the sharded parameter, as the module's own parameter would keep it."""
 
-    def __init__(self, names: list[str], dim: int, reshard: bool) -> None:
-        self.names, self.dim, self.reshard = names, dim, reshard
+    def __init__(self, names: list[str], dim: int, reshard: bool, precision: _Precision) -> None:
+        self.names, self.dim, self.reshard, self.precision = names, dim, reshard, precision
         self.stored: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
         self.hooks: list[Any] = []  # per call under way (nested ones too): the saved-tensor hooks it entered, or None
 
@@ -256,7 +303,7 @@ class _Gathered:
         for name in self.names:
             p = mod._parameters.get(name)
             if isinstance(p, DTensor) and name not in self.stored:  # (not again in a nested call of the module)
-                whole = p.redistribute(placements=_with(p.placements, self.dim, Replicate(), p.ndim))
+                whole = self.precision.gather(p, _with(p.placements, self.dim, Replicate(), p.ndim))
                 self.stored[name] = (p, whole, whole._version)
                 mod._parameters[name] = whole
                 if self.reshard:
@@ -278,7 +325,7 @@ class _Gathered:
 
 @_lays_out
 def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mesh: DeviceMesh | None = None,
-                mesh_dim: int | str = 0, reshard_after_forward: bool = True) -> nn.Module:
+                mesh_dim: int | str = 0, reshard_after_forward: bool = True, mp_policy: Any = None) -> nn.Module:
     """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered for their submodule's forward.
 
     As with torch's FSDP2, `module.weight` is the sharded parameter under its own name (`named_parameters()`,
@@ -293,6 +340,11 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     at a time on each worker, not the whole model's (`_reshard`); False keeps them from forward to backward (one
     gather fewer per parameter and step).
 
+    `mp_policy`: torch's `MixedPrecisionPolicy` (`torch.distributed.fsdp`): the parameters are gathered in
+    `param_dtype` and the gradients reduced in `reduce_dtype` (None: `param_dtype`; or the parameter's own dtype),
+    stored in the parameter's dtype, as the optimizer keeps them; the module's floating point inputs are cast to
+    `param_dtype` (`cast_forward_inputs`) and its outputs to `output_dtype`.
+
     The mesh is given positionally or as torch's `mesh=`. As with torch, blocks may be sharded first and the root
     last (`for block in model.layers: fully_shard(block, mesh)`, then `fully_shard(model, mesh)`): a submodule
     already sharded keeps its layout and its own gathers. A model built on the meta device is laid out without
@@ -305,20 +357,25 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"fully_shard's mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
     dim = _mesh_dim(device_mesh, mesh_dim)
+    precision = _Precision.of(mp_policy)
     replicate = (Replicate(),) * device_mesh.ndim
     for mod in list(module.modules()):
         if getattr(mod, "_dtorch_gathered", None) is not None:  # sharded by an earlier call (per block, then root)
             continue
         names = []
         for name, p in list(mod.named_parameters(recurse=False)):
-            mesh, base = (p.device_mesh, p.placements) if isinstance(p, DTensor) else (device_mesh, replicate)
+            on, base = (p.device_mesh, p.placements) if isinstance(p, DTensor) else (device_mesh, replicate)
             if p.ndim:  # laid out once, where it is stored (a meta parameter is allocated there, sharded)
-                _set_param(mod, name, _distribute(p, mesh, _with(base, dim, Shard(0), p.ndim)), p.requires_grad)
+                _set_param(mod, name, _distribute(p, on, _with(base, dim, Shard(0), p.ndim)), p.requires_grad)
                 names.append(name)
         if names:
-            mod._dtorch_gathered = hooks = _Gathered(names, dim, reshard_after_forward)
+            mod._dtorch_gathered = hooks = _Gathered(names, dim, reshard_after_forward, precision)
             mod.register_forward_pre_hook(hooks.gather)
             mod.register_forward_hook(hooks.restore, always_call=True)
+    if precision.param_dtype is not None and precision.cast_forward_inputs:
+        module.register_forward_pre_hook(precision.inputs, with_kwargs=True)
+    if precision.output_dtype is not None:
+        module.register_forward_hook(precision.outputs)
     return replicate_module(module, device_mesh)
 
 
