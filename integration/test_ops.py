@@ -487,6 +487,18 @@ def test_module_dtype_conversion_converts_the_shards(mesh1, convert):
         model[0].weight.data = torch.zeros(16, 8, dtype=dtype)
 
 
+def test_half_precision_scalars_go_to_and_from_the_workers(mesh1):
+    """A 0-d bfloat16 tensor could not be turned into bytes, so a scalar argument (`torch.where(mask, x, zero)`,
+    `clamp(min=t)`, the masked ops), a distributed scalar and a gradient through clamp failed in bfloat16."""
+    x = torch.randn(4, 3, dtype=torch.bfloat16)
+    d = dist(x, mesh1, Shard(0)).requires_grad_()
+    zero = torch.tensor(0.5, dtype=torch.bfloat16)
+    assert torch.equal(torch.where(d > 0, d, zero).full_tensor(), torch.where(x > 0, x, zero))
+    d.clamp(min=zero).sum().backward()
+    assert torch.equal(d.grad.full_tensor(), (x >= zero).to(torch.bfloat16))
+    assert torch.equal(dist(zero, mesh1, Replicate()).full_tensor(), zero)
+
+
 NORMS = {  # name -> (module, input shape)
     "layer_norm": (lambda: torch.nn.LayerNorm(8), (6, 3, 8)),
     "layer_norm without weight": (lambda: torch.nn.LayerNorm(8, elementwise_affine=False), (6, 3, 8)),

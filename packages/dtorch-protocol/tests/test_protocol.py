@@ -129,10 +129,13 @@ def test_protocol_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize("shape", [[3, 5], []], ids=["2-d", "0-d"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16])
-def test_tensor_bytes_round_trip(dtype):
-    t = (torch.randn(3, 5) * 10).to(dtype)
-    assert torch.equal(tensor_from_bytes(tensor_to_bytes(t), str(dtype)[6:], [3, 5]), t)
+def test_tensor_bytes_round_trip(dtype, shape):
+    """A 0-d bfloat16 tensor (a scalar argument: `torch.where(mask, x, torch.tensor(0.0, dtype=torch.bfloat16))`,
+    a bfloat16 loss) could not be viewed as bytes ("self.dim() cannot be 0 to view BFloat16 as Byte")."""
+    t = (torch.randn(shape) * 10).to(dtype)
+    assert torch.equal(tensor_from_bytes(tensor_to_bytes(t), str(dtype)[6:], shape), t)
 
 
 def test_argument_values_round_trip():

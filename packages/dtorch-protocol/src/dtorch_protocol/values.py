@@ -31,7 +31,7 @@ def tensor_to_bytes(t: Any) -> bytes:
 
     t = t.detach().contiguous().cpu()
     if t.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # (a 0-d one cannot view)
     return t.numpy().tobytes()
 
 

@@ -11,8 +11,10 @@ DTensor on a 4-device mesh (`DeviceMesh("cpu", [0, 1, 2, 3])`) under a few place
 with torch's result on the full tensors.
 
 Rules (the report states them too):
-  dtype      float32 when the OpInfo supports it on CPU, else the first of int64, bool, complex64 it supports.
-  compare    assert_close with rtol = atol = 1e-4 for float/complex outputs (equal NaNs), exact for
+  dtype      float32 when the OpInfo supports it on CPU, else the first of int64, bool, complex64 it supports;
+             with `--dtype bfloat16` (or float16) that dtype, and OpInfos without it on CPU are not-supported.
+  compare    assert_close with rtol = atol = 1e-4 for float/complex outputs (2e-2 for bfloat16 outputs, 2e-3 for
+             float16: rounding apart in another order; equal NaNs), exact for
              integer/bool outputs; shapes and dtypes must match; non-tensor outputs compare with ==
              (floats with the same tolerance); outputs are matched leaf by leaf (pytree order).
   random     samples whose values cannot be compared are checked on shapes and dtypes only, and pass when
@@ -36,10 +38,10 @@ Options: `--partial` adds one combination per sample, the first float input as P
 out= variant (into a DTensor of zeros laid out like the first input, unless Partial), on all-Replicate and the first
 sharded combination; they are reported apart, the OpInfo's status stays its function variant's.
 `--grad` checks gradients too, on every case whose values are compared, of OpInfos that support autograd, in
-float32: `torch.autograd.grad` of the float outputs (those that need a gradient) with fixed random cotangents
-(Replicate DTensors for DTorch) with respect to every float input, compared with torch's as values are (a gradient
-torch leaves undefined may be all zeros); a gradient that is a plain tensor, not a DTensor, fails. Reported apart,
-as the variants are.
+a floating point dtype: `torch.autograd.grad` of the float outputs (those that need a gradient) with fixed random
+cotangents (Replicate DTensors for DTorch) with respect to every float input, compared with torch's as values are (a
+gradient torch leaves undefined may be all zeros); a gradient that is a plain tensor, not a DTensor, fails. Reported
+apart, as the variants are.
 
 The module imports no cluster; `run()` takes a mesh. The CLI (`main`) starts ONE embedded cluster
 (`dtorch.connect(workers=2)`) for the whole run and reconnects only if the cluster breaks.
@@ -65,6 +67,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 RTOL = ATOL = 1e-4
+HALF_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}  # rtol = atol for outputs of these dtypes
 DTYPES = (torch.float32, torch.int64, torch.bool, torch.complex64)
 
 # OpInfo names whose values are random or uninitialised: compared on shapes and dtypes only.
@@ -172,8 +175,10 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     return msg if len(msg) <= limit else msg[:limit - 3] + "..."
 
 
-def pick_dtype(op: Any) -> torch.dtype | None:
+def pick_dtype(op: Any, want: torch.dtype = torch.float32) -> torch.dtype | None:
     supported = op.supported_dtypes("cpu")
+    if want != torch.float32:
+        return want if want in supported else None
     return next((d for d in DTYPES if d in supported), None)
 
 
@@ -249,7 +254,8 @@ def compare(got: Any, expected: Any, values: bool = True) -> None:
                 continue
             if e.layout != torch.strided:
                 e = e.to_dense()
-            tol = (RTOL, ATOL) if (e.is_floating_point() or e.is_complex()) else (0.0, 0.0)
+            tol = (0.0, 0.0) if not (e.is_floating_point() or e.is_complex()) else \
+                (HALF_TOLERANCE[e.dtype],) * 2 if e.dtype in HALF_TOLERANCE else (RTOL, ATOL)
             try:
                 torch.testing.assert_close(g, e, rtol=tol[0], atol=tol[1], equal_nan=True, check_device=False,
                                            check_stride=False, check_layout=False)
@@ -434,14 +440,15 @@ def _variants(op: Any, sample: Any, expected: Any, combos: list[tuple], mesh: An
 
 
 def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partial: bool = False,
-           variants: bool = False, grad: bool = False) -> OpResult:
+           variants: bool = False, grad: bool = False, want: torch.dtype = torch.float32) -> OpResult:
     """Every case of one OpInfo; see the module docstring for the rules."""
     start = time.perf_counter()
     name = op_key(op)
     res = OpResult(name, "pass", values_checked=not UNCOMPARABLE.match(name))
-    dtype = pick_dtype(op)
+    dtype = pick_dtype(op, want)
     if dtype is None:
-        res.status, res.error = "not-supported", "no CPU dtype among float32, int64, bool, complex64"
+        res.status, res.error = "not-supported", (f"no CPU {str(want).removeprefix('torch.')}" if want != torch.float32
+                                                  else "no CPU dtype among float32, int64, bool, complex64")
         return res
     res.dtype = str(dtype).removeprefix("torch.")
     refusal = ""
@@ -473,7 +480,7 @@ def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partia
         combos = placement_combos([t.shape for t in leaves], max_combos, partial_at)
         if variants and values:
             _variants(op, sample, expected, combos, mesh, res)
-        if grad and values and op.supports_autograd and dtype == torch.float32:
+        if grad and values and op.supports_autograd and dtype.is_floating_point:
             _grads(op, sample, combos, mesh, res)
         for combo in combos:
             out = run_case(op, sample, expected, combo, mesh, values)
@@ -509,11 +516,12 @@ def _cluster_broken(res: OpResult, mesh: Any) -> bool:
 
 
 def run(ops: Sequence, mesh: Any, max_samples: int = 3, max_combos: int = 3, reconnect: Any = None,
-        progress: Any = None, partial: bool = False, variants: bool = False, grad: bool = False) -> list[OpResult]:
+        progress: Any = None, partial: bool = False, variants: bool = False, grad: bool = False,
+        want: torch.dtype = torch.float32) -> list[OpResult]:
     """Run `ops` on `mesh`; `reconnect()` (optional) returns a fresh mesh after the cluster broke."""
     results = []
     for i, op in enumerate(ops):
-        res = run_op(op, mesh, max_samples, max_combos, partial, variants, grad)
+        res = run_op(op, mesh, max_samples, max_combos, partial, variants, grad, want)
         results.append(res)
         if progress is not None:
             progress(i, len(ops), res)
@@ -562,9 +570,10 @@ def write_report(results: Sequence[OpResult], out_dir: str, meta: dict) -> tuple
         f"to {meta.get('max_combos')} sharded placement combinations per sample; {meta.get('seconds')} s.", "",
         "| status | OpInfos |", "|---|---|",
         *[f"| {k} | {counts[k]} |" for k in ("pass", "fail", "not-supported", "total")], "",
-        "Rules: see the docstring of `dtorch.testing.conformance` (float32 samples; rtol = atol = 1e-4, exact for",
-        "integer/bool; random ops compared on shapes and dtypes only; a DTorch NotImplementedError is",
-        "not-supported, any other error or a wrong result is a failure).", "",
+        f"Rules: see the docstring of `dtorch.testing.conformance` ({meta.get('dtype', 'float32')} samples; "
+        "rtol = atol = 1e-4 (2e-2 bfloat16, 2e-3 float16), exact for integer/bool; random ops compared on shapes",
+        "and dtypes only; a DTorch NotImplementedError is not-supported, any other error or a wrong result is a",
+        "failure).", "",
     ]
     top = causes(results)
     if top:
@@ -609,6 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also the in-place and out= variants (reported apart; the status is the function's)")
     parser.add_argument("--grad", action="store_true",
                         help="also the gradients of every float input (reported apart, as the variants)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the samples' floating point dtype (bfloat16, float16: only OpInfos that support it)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -640,12 +651,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = connect()
     try:
         results = run(ops, mesh, args.max_samples, args.max_combos, reconnect=connect, progress=progress,
-                      partial=args.partial, variants=args.variants, grad=args.grad)
+                      partial=args.partial, variants=args.variants, grad=args.grad, want=getattr(torch, args.dtype))
     finally:
         dtorch.shutdown()
     seconds = round(time.perf_counter() - start, 1)
     meta = {"torch": torch.__version__, "workers": args.workers, "mesh_devices": 4, "max_samples": args.max_samples,
             "max_combos": args.max_combos, "partial": args.partial, "variants": args.variants, "grad": args.grad,
+            "dtype": args.dtype,
             "seconds": seconds}
     json_path, md_path = write_report(results, args.out_dir, meta)
     counts = summarize(results)
