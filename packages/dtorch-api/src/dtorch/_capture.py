@@ -807,8 +807,6 @@ class AutoSteps:
 
     # the step hook (`_dispatch.step_hook`) between a boundary and the first operation after it
     def dispatch(self, cls: type, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
-        if torch.compiler.is_compiling():  # torch.compile traces this code, and its trace keeps none of the state
-            return _dispatch.dispatch(func, args, kwargs or {})  # a step sets: each op runs on its own
         try:
             key = _dispatch.op_key(func, args, kwargs)[0]
         except (_dispatch._Plain, TypeError):

@@ -9,6 +9,10 @@ the caller falls back to running the op on replicated inputs, which is always co
 carry: split factor 1 as `NestedShard` (nested chunking, Shard's boxes), a larger one as `_spec.StridedShard` where it
 is the only mesh dim sharding its tensor dim (a linear's flattened batch x sequence under context parallelism).
 Rules DTorch writes itself are registered in `_registry` and read here before torch's.
+
+One more private door, to torch.compile's tracer: DTorch's own packages are on its skip list (`trace_rules.add`, as
+numpy is), so a compiled function that runs ops on DTensors calls DTorch as it is, never tracing or compiling
+DTorch's dispatch (it did, frame by frame, with a warning about `_thread.get_ident` and a recompile per frame).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._dynamo import trace_rules as _dynamo_trace_rules
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -304,6 +309,9 @@ def _fake_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
     except Exception as e:  # noqa: BLE001 - torch's own error about these shapes or dtypes
         raise Refused(e) from None
 
+
+for _package in ("dtorch", "dtorch_protocol"):
+    _dynamo_trace_rules.add(_package)
 
 _aten = torch.ops.aten
 # CPU norm kernels' statistics (outputs 1 and 2) differ from the meta kernels' (which torch's rules follow):
