@@ -76,6 +76,24 @@ def tap(session: Any, sent: list | None = None, released: list | None = None) ->
                 setattr(session, name, inner)
 
 
+def worker_bytes(cluster: Any) -> dict[str, int]:
+    """Bytes of shards on each worker, once they stop changing: deletes go out with later batches."""
+    import gc
+
+    import dtorch
+
+    gc.collect()
+    last = None
+    for _ in range(40):
+        cluster.sync()
+        now = {w.worker: w.bytes for w in dtorch.status().workers}
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.05)
+    return last
+
+
 def run_scenario(script: str, *args: str, env: dict | None = None, timeout: float = 600) -> dict:
     """Run integration/`script` in a process (and embedded cluster) of its own; the JSON line it ends with."""
     full_env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"} | (env or {})

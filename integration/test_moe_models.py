@@ -7,13 +7,12 @@ The references are the same models in plain torch; expert weights are sharded ov
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
 
 import dtorch
-from _helpers import tap
+from _helpers import tap, worker_bytes
 from dtorch import Partial, Replicate, Shard, _dispatch
 from dtorch.nn import ExpertParallel, llama_tp_plan, moe_ep_plan, parallelize_module
 from dtorch_protocol import messages as m
@@ -140,14 +139,9 @@ def test_expert_weights_take_one_ep_th_of_the_bytes_per_device(cluster, ep):
     experts = tiny("mixtral").model.layers[0].mlp.experts
     total = sum(p.numel() * p.element_size() for p in experts.parameters())
 
-    def per_worker():
-        gc.collect()
-        cluster.sync()
-        return {w.worker: w.bytes for w in dtorch.status().workers}
-
-    before = per_worker()
+    before = worker_bytes(cluster)
     parallelize_module(experts, mesh, ExpertParallel())
-    after = per_worker()
+    after = worker_bytes(cluster)
     status = dtorch.status()
     devices = {w.worker: sum(1 for d in w.devices if d.startswith(f"{cluster.id}:") and
                              int(d.split(":")[1]) in mesh.devices) for w in status.workers}

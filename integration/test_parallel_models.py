@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import io
-import time
 import warnings
 
 import pytest
@@ -15,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dtorch
+from _helpers import worker_bytes
 from dtorch import Replicate, Shard
 from dtorch.nn import (
     ColwiseParallel,
@@ -393,20 +392,6 @@ def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as
         fully_shard(nn.Linear(4, 4), mesh1, mp_policy=torch.bfloat16)
 
 
-def _held(cluster):
-    """Bytes on each worker, once pending deletes have landed."""
-    gc.collect()
-    last = None
-    for _ in range(40):
-        cluster.sync()
-        now = {w.worker: w.bytes for w in dtorch.status().workers}
-        if now == last:
-            return now
-        last = now
-        time.sleep(0.05)
-    return last
-
-
 @pytest.mark.parametrize("reshard", [True, False])
 def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_them_again_for_backward(
         cluster, mesh1, reshard):
@@ -417,12 +402,12 @@ def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_the
     ref = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256, bias=False), nn.LayerNorm(256)) for _ in range(4)])
     model = copy.deepcopy(ref)
     x = torch.randn(8, 256)
-    before = _held(cluster)
+    before = worker_bytes(cluster)
     fully_shard(model, mesh1, **({} if reshard else {"reshard_after_forward": False}))  # True: torch's default
     batch = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
-    sharded = {w: b - before.get(w, 0) for w, b in _held(cluster).items()}
+    sharded = {w: b - before.get(w, 0) for w, b in worker_bytes(cluster).items()}
     loss = model(batch).pow(2).mean()
-    after_forward = {w: b - before.get(w, 0) for w, b in _held(cluster).items()}
+    after_forward = {w: b - before.get(w, 0) for w, b in worker_bytes(cluster).items()}
     weights = 3 * 256 * 256 * 4  # the gathered weights autograd saves: each Linear's but the first (its input needs
     # no gradient), whole on each worker
     for w, b in after_forward.items():
@@ -459,9 +444,9 @@ def test_fully_sharded_blocks_under_activation_checkpointing_save_only_their_inp
         fully_shard(block.block, mesh1)
     x = torch.randn(256, 256)
     batch = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
-    before = _held(cluster)
+    before = worker_bytes(cluster)
     loss = model(batch).pow(2).mean()
-    after = _held(cluster)
+    after = worker_bytes(cluster)
     activation = 128 * 256 * 4  # one activation's rows on each worker
     for w, b in after.items():  # the blocks' inputs and outputs: 5 activations; the blocks' insides were 3 each more
         assert b - before.get(w, 0) < 6 * activation, (w, b - before.get(w, 0))

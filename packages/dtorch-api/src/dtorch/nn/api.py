@@ -289,10 +289,10 @@ class _Gathered:
     """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dim `dim`
     (a forward pre-hook puts the gathered tensors in their places, a forward hook puts the sharded parameters back);
     the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered (in the dtypes of
-    `precision`, a mixed-precision policy). With `reshard`,
-    autograd saves no gathered tensor for backward, which gathers again (`_reshard`). A forward that writes a
-    gathered parameter in place (`nn.Embedding(max_norm=...)` renormalizes the rows it looks up) has the write
-    copied into the sharded parameter, as the module's own parameter would keep it."""
+    `precision`, a mixed-precision policy). With `reshard`, autograd saves no gathered tensor for backward, which
+    gathers again (`_reshard`). A forward that writes a gathered parameter in place (`nn.Embedding(max_norm=...)`
+    renormalizes the rows it looks up) has the write copied into the sharded parameter, as the module's own
+    parameter would keep it."""
 
     def __init__(self, names: list[str], dim: int, reshard: bool, precision: _Precision) -> None:
         self.names, self.dim, self.reshard, self.precision = names, dim, reshard, precision
