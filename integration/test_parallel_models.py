@@ -636,6 +636,40 @@ def test_optimizers_and_clipping_take_their_foreach_paths_as_with_torch_dtensor(
         torch.testing.assert_close(p.to_torch(), r.detach(), **TOL)
 
 
+FUSED = {  # name -> optimizer(params), fused=True
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True),
+    "sgd momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, fused=True),
+    "sgd nesterov maximize": lambda ps: torch.optim.SGD(ps, lr=torch.tensor(0.05), momentum=0.9, nesterov=True,
+                                                        maximize=True, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, weight_decay=0.01, fused=True),
+    "adagrad maximize": lambda ps: torch.optim.Adagrad(ps, lr=0.1, maximize=True, fused=True),
+}
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["", "grad_scaler"])
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_sgd_and_adagrad_train_as_torch(mesh1, name, scaled):
+    """`SGD(fused=True)` and `Adagrad(fused=True)` failed on DTensors ("output shapes that depend on the values",
+    "would write into the plain torch.Tensor 'state_steps'"), as on torch's DTensor; they run as the foreach ops
+    of their kernels' math now (`_optimizers`), with a GradScaler's skipped steps too."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = parallelize_module(copy.deepcopy(ref), mesh1, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opts = FUSED[name](model.parameters()), FUSED[name](ref.parameters())
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled) for _ in range(2)]
+    x = torch.randn(6, 8)
+    for step in range(4):
+        for net, opt, scaler in zip((model, ref), opts, scalers):
+            loss = net(x * (float("inf") if scaled and step == 2 else 1.0)).pow(2).mean()  # step 2: skipped
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), **TOL)
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+
+
 def test_grad_scaler_unscales_sharded_gradients_and_skips_the_step_of_an_overflow(mesh1):
     """`torch.amp.GradScaler` on DTensor gradients (sharded and replicated): each step unscales them, a step whose
     gradient overflows on one shard is skipped and halves the scale, the others grow it, as with plain torch."""

@@ -44,6 +44,7 @@ from dtorch import (  # noqa: F401
     _gather,
     _joint,
     _losses,
+    _optimizers,
     _random_ops,
     _reductions,
     _rules,

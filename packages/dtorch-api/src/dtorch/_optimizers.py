@@ -1,0 +1,92 @@
+"""torch's fused optimizer kernels that have no sharding rule, on DTensors: `SGD(fused=True)` and
+`Adagrad(fused=True)`. torch's rules cover the fused Adam and AdamW kernels; these two failed ("output shapes that
+depend on the values", "would write into the plain torch.Tensor 'state_steps'"), as they do on torch's DTensor.
+
+Rules (decompositions, `_registry.register_decomposition`): each kernel is carried out as the foreach ops of its
+math, in the order its CPU kernel computes it (`FusedSGDKernel.cpp`, `FusedAdagradKernel.cpp`):
+  1. GradScaler's `found_inf` (a plain tensor) set: no step. Its `grad_scale`: the gradients are divided by it in
+     place, as the kernels write them back.
+  2. `maximize` negates the gradient; `weight_decay` adds `weight_decay * param` to it.
+  3. SGD: with momentum, the buffer is the gradient at the first step, else `momentum * buf + (1 - dampening) *
+     grad`; the direction is `grad + momentum * buf` (nesterov) or the buffer; `param -= lr * direction`.
+  4. Adagrad: `state_sum += grad * grad`, then `param -= clr * grad / (sqrt(state_sum) + eps)` with
+     `clr = lr / (1 + (step - 1) * lr_decay)`, each parameter's `step` read from its plain step tensor (the optimizer
+     increments it before the kernel, which only reads it, whatever the schema says).
+A learning rate given as a tensor is read once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtorch._registry import register_decomposition
+
+aten = torch.ops.aten
+
+
+def _named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    values = {a.name: a.default_value if a.has_default_value() else None for a in func._schema.arguments}
+    values.update(zip((a.name for a in func._schema.arguments), args))
+    values.update(kwargs)
+    return values
+
+
+def _number(v: Any) -> float:
+    return float(v) if isinstance(v, torch.Tensor) else v
+
+
+def _gradients(v: dict[str, Any]) -> list | None:
+    """Rules 1 and 2: the gradients the step uses, or None where GradScaler found an inf or a NaN."""
+    if v["found_inf"] is not None and bool(v["found_inf"]):
+        return None
+    grads = list(v["grads"])
+    if v["grad_scale"] is not None:
+        aten._foreach_div_.Scalar(grads, _number(v["grad_scale"]))
+    if v["maximize"]:
+        grads = aten._foreach_neg.default(grads)
+    if v["weight_decay"]:
+        grads = aten._foreach_add.List(grads, v["self"], alpha=v["weight_decay"])
+    return grads
+
+
+def _sgd(func: Any) -> Any:
+    def step(args: tuple, kwargs: dict) -> Any:
+        v = _named(func, args, kwargs)
+        grads = _gradients(v)
+        if grads is None:
+            return None
+        params, bufs, momentum = v["self"], v["momentum_buffer_list"], v["momentum"]
+        if momentum:  # rule 3
+            if v["is_first_step"]:
+                aten._foreach_copy_.default(bufs, grads)
+            else:
+                aten._foreach_mul_.Scalar(bufs, momentum)
+                aten._foreach_add_.List(bufs, grads, alpha=1 - v["dampening"])
+            grads = aten._foreach_add.List(grads, bufs, alpha=momentum) if v["nesterov"] else bufs
+        aten._foreach_add_.List(params, grads, alpha=-_number(v["lr"]))
+        return None
+    return step
+
+
+def _adagrad(func: Any) -> Any:
+    def step(args: tuple, kwargs: dict) -> Any:
+        v = _named(func, args, kwargs)
+        grads = _gradients(v)
+        if grads is None:
+            return None
+        lr, decay, sums = _number(v["lr"]), v["lr_decay"], v["state_sums"]  # rule 4
+        aten._foreach_addcmul_.Scalar(sums, grads, grads)
+        std = aten._foreach_sqrt.default(sums)
+        aten._foreach_add_.Scalar(std, v["eps"])
+        steps = [-lr / (1 + (float(s) - 1) * decay) for s in v["state_steps"]]
+        aten._foreach_addcdiv_.ScalarList(v["self"], grads, std, steps)
+        return None
+    return step
+
+
+for _op in (aten._fused_sgd_.default, aten._fused_sgd_.tensor_lr):
+    register_decomposition(_op)(_sgd(_op))
+for _op in (aten._fused_adagrad_.default, aten._fused_adagrad_.tensor_lr):
+    register_decomposition(_op)(_adagrad(_op))
