@@ -390,6 +390,10 @@ def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as
             torch.randn(2, 4))
     with pytest.raises(TypeError, match="mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got dtype"):
         fully_shard(nn.Linear(4, 4), mesh1, mp_policy=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"fully_shard needs one mesh: fully_shard\(module, mesh\) or "):
+        fully_shard(nn.Linear(4, 4), mesh1, mesh=mesh1)
+    with pytest.raises(TypeError, match="fully_shard's mesh must be a dtorch.DeviceMesh, got str"):
+        fully_shard(nn.Linear(4, 4), mesh="dp")
 
 
 @pytest.mark.parametrize("reshard", [True, False])
