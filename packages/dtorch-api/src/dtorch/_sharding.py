@@ -46,6 +46,9 @@ from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.layout import box_shape, coords, shard_box
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
+for _package in ("dtorch", "dtorch_protocol"):  # torch.compile's tracer calls them as they are (module doc)
+    _dynamo_trace_rules.add(_package)
+
 _prop = _TorchDTensor._op_dispatcher.sharding_propagator
 # torch logs every op its fake tensors refuse (a traceback per line, `E... fake_tensor.py:...`); DTorch raises the
 # refusal itself, once, in the user's words (see `meta_outputs`)
@@ -310,9 +313,6 @@ def _fake_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
         raise Refused(e) from None
 
 
-for _package in ("dtorch", "dtorch_protocol"):
-    _dynamo_trace_rules.add(_package)
-
 _aten = torch.ops.aten
 # CPU norm kernels' statistics (outputs 1 and 2) differ from the meta kernels' (which torch's rules follow):
 #   1. a batch norm not training returns them empty where the meta kernel says [C];
@@ -326,24 +326,27 @@ _CPU_STATS = {_aten.native_layer_norm.default: (2, -1), _aten.native_batch_norm.
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
-def _cpu_stats(func: Any, args: tuple, mesh: DeviceMesh) -> bool:
+def _cpu_stats(func: Any, mesh: DeviceMesh) -> bool:
     return mesh.device_type == "cpu" and func in _CPU_STATS
 
 
 def cpu_outputs(func: Any, args: tuple, outputs: Any, mesh: DeviceMesh) -> Any:
     """Output specs corrected where a CPU kernel's outputs differ from the meta kernel's (`_CPU_STATS`)."""
-    if not _cpu_stats(func, args, mesh):
+    if not _cpu_stats(func, mesh):
         return outputs
     at_weight, at_training = _CPU_STATS[func]
     empty = at_training is None or (at_training >= 0 and len(args) > at_training and not args[at_training])
-    x, weight = args[0], (args[at_weight] if len(args) > at_weight else None)
+    x = args[0]
     if not empty and x.dtype not in _REDUCED:
         return outputs
+    weight = args[at_weight] if len(args) > at_weight else None
     fixed = list(outputs)
     for i in (1, 2):
-        dtype = (weight if isinstance(weight, Spec) else x).dtype if x.dtype in _REDUCED else fixed[i].dtype
-        fixed[i] = Spec(mesh, (Replicate(),) * mesh.ndim, (0,), (1,), dtype) if empty else \
-            Spec(mesh, fixed[i].placements, fixed[i].shape, fixed[i].stride, dtype)
+        dtype = (weight if isinstance(weight, Spec) else x).dtype if x.dtype in _REDUCED else fixed[i].dtype  # 2
+        if empty:  # 1
+            fixed[i] = Spec(mesh, (Replicate(),) * mesh.ndim, (0,), (1,), dtype)
+        else:
+            fixed[i] = Spec(mesh, fixed[i].placements, fixed[i].shape, fixed[i].stride, dtype)
     return type(outputs)(fixed)
 
 
@@ -407,7 +410,7 @@ def check_local(func: Any, prop: Propagation, mesh: DeviceMesh, given: tuple = (
             raise NoRule(f"the op refuses the local shapes {shapes} at mesh position {rank}: {e}") from None
         got = _flat(result)
         for i, spec in enumerate(expected):
-            if spec is None or (i in (1, 2) and _cpu_stats(func, args, mesh)):  # not the meta kernel's
+            if spec is None or (i in (1, 2) and _cpu_stats(func, mesh)):  # not the meta kernel's
                 continue
             t = got[i] if i < len(got) else None
             want = local_shape(spec, coord)
