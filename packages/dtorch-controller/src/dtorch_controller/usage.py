@@ -26,7 +26,6 @@ says how many and which first, or refuses a file that holds none.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -36,6 +35,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from dtorch_protocol import messages as m
 
@@ -234,19 +235,15 @@ def _drop_torn_tail(fd: int) -> None:
 # ---------------------------------------------------------------- reading it back (`dtorch-controller usage`)
 
 
-_KINDS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}  # Record's annotations
+_DECODER = msgspec.json.Decoder(Record)  # typed: a field of another type is no record
 
 
 def _record(line: str) -> Record | None:
     """The record a line holds, or None: not a JSON object of Record's fields with their types."""
     try:
-        fields = json.loads(line)
-        r = Record(**fields)
-    except (ValueError, TypeError):
+        return _DECODER.decode(line)
+    except msgspec.DecodeError:  # (ValidationError included)
         return None
-    kinds = {f.name: _KINDS[f.type] for f in dataclasses.fields(Record)}
-    ok = all(isinstance(v, kinds[k]) and (k == "final" or not isinstance(v, bool)) for k, v in fields.items())
-    return r if ok else None
 
 
 def read(path: str | Path, foreign: list[int] | None = None) -> Iterator[Record]:
