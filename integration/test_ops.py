@@ -163,6 +163,22 @@ def test_sync_points_item_tolist_bool(mesh4):
         f"{x:.3f}"  # as with a plain tensor of more than one element
 
 
+def test_memory_interfaces_copy_the_whole_tensor_or_refuse_in_one_line(mesh1):
+    """The wrapper holds no memory: its DLPack capsule pointed at address 0 (`numpy.from_dlpack` read it), and
+    `share_memory_()` (`model.share_memory()` before torch.multiprocessing) crashed the process."""
+    import numpy as np
+
+    from dtorch.errors import DTorchError
+    from dtorch.nn import replicate_module
+
+    a = torch.randn(4, 3)
+    x = dist(a, mesh1, Shard(0))
+    assert np.array_equal(np.from_dlpack(x), a.numpy()) and np.array_equal(x.numpy(), a.numpy())
+    model = replicate_module(torch.nn.Linear(3, 2), mesh1)
+    with pytest.raises(DTorchError, match=r"share_memory_\(\): a DTensor's shards live on the workers"):
+        model.share_memory()
+
+
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)
 def test_nn_init_functions_initialise_sharded_parameters(mesh1, placement):
     """Every `torch.nn.init` function runs on a DTensor as on a tensor: the deterministic ones give torch's values

@@ -156,6 +156,21 @@ class DTensor(torch.Tensor):
     def numpy(self, *, force: bool = False) -> Any:
         return self.to_torch().numpy()
 
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole tensor, as `numpy()` gives it (a sync point): the wrapper has no memory, and its capsule pointed
+        at address 0, which a consumer (`numpy.from_dlpack`) read."""
+        return self.to_torch().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU: the copy `__dlpack__` gives is in this process
+
+    def share_memory_(self) -> DTensor:
+        """Refused in one line (torch's reached for the wrapper's storage, which it has not, and crashed the process):
+        `model.share_memory()` for torch.multiprocessing shares memory of this process, and a DTensor's shards
+        live on the workers."""
+        raise DTorchError("dtorch: share_memory_(): a DTensor's shards live on the workers, not in this process's "
+                          "memory; processes share them through the session (or .full_tensor() for a plain copy)")
+
     def __format__(self, format_spec: str) -> str:
         """`f"{loss:.4f}"`: a 0-dim DTensor formats its value, as a plain tensor does (a sync point)."""
         if self.dim() == 0:
