@@ -165,7 +165,7 @@ def test_sync_points_item_tolist_bool(mesh4):
 
 def test_memory_interfaces_copy_the_whole_tensor_or_refuse_in_one_line(mesh1):
     """The wrapper holds no memory: its DLPack capsule pointed at address 0 (`numpy.from_dlpack` read it), and
-    `share_memory_()` (`model.share_memory()` before torch.multiprocessing) crashed the process."""
+    `share_memory_()` (`model.share_memory()` before torch.multiprocessing) and `apply_(fn)` crashed the process."""
     import numpy as np
 
     from dtorch.errors import DTorchError
@@ -177,6 +177,8 @@ def test_memory_interfaces_copy_the_whole_tensor_or_refuse_in_one_line(mesh1):
     model = replicate_module(torch.nn.Linear(3, 2), mesh1)
     with pytest.raises(DTorchError, match=r"share_memory_\(\): a DTensor's shards live on the workers"):
         model.share_memory()
+    assert x.apply_(lambda v: v * 2 + 1) is x and x.placements == (Shard(0),)  # it crashed the process too
+    assert torch.equal(x.full_tensor(), a.apply_(lambda v: v * 2 + 1))
 
 
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)

@@ -164,6 +164,16 @@ class DTensor(torch.Tensor):
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU: the copy `__dlpack__` gives is in this process
 
+    def apply_(self, callable: Any) -> DTensor:
+        """`callable` on every element, in this process as torch runs it (a sync point: the whole tensor comes to
+        the client and goes back laid out as before). torch's ran it over the wrapper, which has no memory, and
+        crashed the process."""
+        values = self.to_torch()
+        values.apply_(callable)
+        with torch.no_grad():
+            self.copy_(values)
+        return self
+
     def share_memory_(self) -> DTensor:
         """Refused in one line (torch's reached for the wrapper's storage, which it has not, and crashed the process):
         `model.share_memory()` for torch.multiprocessing shares memory of this process, and a DTensor's shards
