@@ -31,6 +31,15 @@ def _batches(n, rows=8):
     return [(torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)) for _ in range(n)]
 
 
+def _step(net, opt, x, y):
+    """One plain MSE training step; the loss."""
+    loss = ((net(x) - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 @contextlib.contextmanager
 def _auto(enabled=True):
     """Automatic capture on (a fresh one: its counts are the test's) or off; on again afterwards, the default."""
@@ -93,13 +102,7 @@ def test_two_kinds_of_steps_each_get_a_program(mesh2d):
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
     ref = _mlp()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    expected = []
-    for x, y in batches:
-        loss = ((ref(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
+    expected = [_step(ref, opt, x, y) for x, y in batches]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     for got, want in zip(params, ref.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
@@ -253,13 +256,7 @@ def test_batches_uploaded_by_another_thread_train_as_torch_and_end_automatic_cap
     ref, model = _mlp(), parallelize_module(_mlp(), mesh1, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.05), torch.optim.SGD(model.parameters(), lr=0.05)
     batches = _batches(24)
-    want = []
-    for x, y in batches:
-        loss = ((ref(x) - y) ** 2).mean()
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        want.append(loss.item())
+    want = [_step(ref, ref_opt, x, y) for x, y in batches]
     ready: queue.Queue = queue.Queue(maxsize=3)
 
     def prefetch():
@@ -271,22 +268,13 @@ def test_batches_uploaded_by_another_thread_train_as_torch_and_end_automatic_cap
     with _auto() as capture, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x, y in batches[:4]:  # steps of this thread alone: recorded, then replayed
-            loss = ((model(dtorch.distribute_tensor(x, mesh1, [Replicate()])) -
-                     dtorch.distribute_tensor(y, mesh1, [Replicate()])) ** 2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            got.append(loss.item())
+            got.append(_step(model, opt, dtorch.distribute_tensor(x, mesh1, [Replicate()]),
+                             dtorch.distribute_tensor(y, mesh1, [Replicate()])))
         assert capture.replays >= 1
         producer = threading.Thread(target=prefetch, daemon=True)
         producer.start()
         for _ in batches[4:]:
-            dx, dy = ready.get(timeout=60)
-            loss = ((model(dx) - dy) ** 2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            got.append(loss.item())
+            got.append(_step(model, opt, *ready.get(timeout=60)))
         producer.join(timeout=60)
         assert capture.stopped and get_session().step is None
     assert any("automatic capture is off" in str(w.message) for w in caught)

@@ -51,42 +51,37 @@ def _gradients(v: dict[str, Any]) -> list | None:
     return grads
 
 
-def _sgd(func: Any) -> Any:
-    def step(args: tuple, kwargs: dict) -> Any:
+def _sgd(v: dict[str, Any], grads: list) -> None:  # rule 3
+    params, bufs, momentum = v["self"], v["momentum_buffer_list"], v["momentum"]
+    if momentum:
+        if v["is_first_step"]:
+            aten._foreach_copy_.default(bufs, grads)
+        else:
+            aten._foreach_mul_.Scalar(bufs, momentum)
+            aten._foreach_add_.List(bufs, grads, alpha=1 - v["dampening"])
+        grads = aten._foreach_add.List(grads, bufs, alpha=momentum) if v["nesterov"] else bufs
+    aten._foreach_add_.List(params, grads, alpha=-_number(v["lr"]))
+
+
+def _adagrad(v: dict[str, Any], grads: list) -> None:  # rule 4
+    lr, decay, sums = _number(v["lr"]), v["lr_decay"], v["state_sums"]
+    aten._foreach_addcmul_.Scalar(sums, grads, grads)
+    std = aten._foreach_sqrt.default(sums)
+    aten._foreach_add_.Scalar(std, v["eps"])
+    steps = [-lr / (1 + (float(s) - 1) * decay) for s in v["state_steps"]]
+    aten._foreach_addcdiv_.ScalarList(v["self"], grads, std, steps)
+
+
+def _decomposition(func: Any, math: Any) -> Any:
+    """One overload of a fused kernel: its arguments by name, rules 1 and 2, then its `math`."""
+    def step(args: tuple, kwargs: dict) -> None:
         v = _named(func, args, kwargs)
         grads = _gradients(v)
-        if grads is None:
-            return None
-        params, bufs, momentum = v["self"], v["momentum_buffer_list"], v["momentum"]
-        if momentum:  # rule 3
-            if v["is_first_step"]:
-                aten._foreach_copy_.default(bufs, grads)
-            else:
-                aten._foreach_mul_.Scalar(bufs, momentum)
-                aten._foreach_add_.List(bufs, grads, alpha=1 - v["dampening"])
-            grads = aten._foreach_add.List(grads, bufs, alpha=momentum) if v["nesterov"] else bufs
-        aten._foreach_add_.List(params, grads, alpha=-_number(v["lr"]))
-        return None
+        if grads is not None:
+            math(v, grads)
     return step
 
 
-def _adagrad(func: Any) -> Any:
-    def step(args: tuple, kwargs: dict) -> Any:
-        v = _named(func, args, kwargs)
-        grads = _gradients(v)
-        if grads is None:
-            return None
-        lr, decay, sums = _number(v["lr"]), v["lr_decay"], v["state_sums"]  # rule 4
-        aten._foreach_addcmul_.Scalar(sums, grads, grads)
-        std = aten._foreach_sqrt.default(sums)
-        aten._foreach_add_.Scalar(std, v["eps"])
-        steps = [-lr / (1 + (float(s) - 1) * decay) for s in v["state_steps"]]
-        aten._foreach_addcdiv_.ScalarList(v["self"], grads, std, steps)
-        return None
-    return step
-
-
-for _op in (aten._fused_sgd_.default, aten._fused_sgd_.tensor_lr):
-    register_decomposition(_op)(_sgd(_op))
-for _op in (aten._fused_adagrad_.default, aten._fused_adagrad_.tensor_lr):
-    register_decomposition(_op)(_adagrad(_op))
+for _op, _math in ((aten._fused_sgd_.default, _sgd), (aten._fused_sgd_.tensor_lr, _sgd),
+                   (aten._fused_adagrad_.default, _adagrad), (aten._fused_adagrad_.tensor_lr, _adagrad)):
+    register_decomposition(_op)(_decomposition(_op, _math))

@@ -66,8 +66,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-RTOL = ATOL = 1e-4
-HALF_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}  # rtol = atol for outputs of these dtypes
+RTOL = ATOL = 1e-4  # one number: rtol = atol, for float outputs as for their half-precision ones below
+HALF_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = (torch.float32, torch.int64, torch.bool, torch.complex64)
 
 # OpInfo names whose values are random or uninitialised: compared on shapes and dtypes only.
@@ -254,10 +254,9 @@ def compare(got: Any, expected: Any, values: bool = True) -> None:
                 continue
             if e.layout != torch.strided:
                 e = e.to_dense()
-            tol = (0.0, 0.0) if not (e.is_floating_point() or e.is_complex()) else \
-                (HALF_TOLERANCE[e.dtype],) * 2 if e.dtype in HALF_TOLERANCE else (RTOL, ATOL)
+            tol = HALF_TOLERANCE.get(e.dtype, RTOL) if (e.is_floating_point() or e.is_complex()) else 0.0
             try:
-                torch.testing.assert_close(g, e, rtol=tol[0], atol=tol[1], equal_nan=True, check_device=False,
+                torch.testing.assert_close(g, e, rtol=tol, atol=tol, equal_nan=True, check_device=False,
                                            check_stride=False, check_layout=False)
             except AssertionError as err:
                 lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
