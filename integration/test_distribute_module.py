@@ -59,3 +59,37 @@ def test_distribute_module_refuses_a_second_call_and_bad_hooks(mesh1):
         dtorch.distribute_module(copy.deepcopy(nn.Linear(4, 4)), mesh1, input_fn=lambda inputs, mesh: inputs)
     with pytest.raises(ValueError, match="needs a device_mesh"):
         dtorch.distribute_module(nn.Linear(4, 4))
+
+
+class _Seen(nn.Module):
+    """Records the placements of what its forward receives, and returns it plus its own weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(6))
+        self.seen: list = []
+
+    def forward(self, x: torch.Tensor, *, bias: torch.Tensor) -> torch.Tensor:
+        self.seen = [getattr(t, "placements", None) for t in (x, bias)]  # None: a plain tensor
+        return x * self.weight + bias
+
+
+@pytest.mark.parametrize("style,inside,out", [
+    (dtorch.nn.PrepareModuleInput(desired_input_layouts=Shard(0), desired_input_kwarg_layouts={"bias": Shard(1)}),
+     [(Shard(0),), (Shard(1),)], None),
+    (dtorch.nn.PrepareModuleOutput(output_layouts=Shard(0), desired_output_layouts=Replicate()),
+     [(Replicate(),), None], (Replicate(),)),
+    (dtorch.nn.PrepareModuleInputOutput(desired_input_layouts=Shard(0), desired_input_kwarg_layouts={"bias": Shard(1)},
+                                        output_layouts=Shard(0), desired_output_layouts=Replicate()),
+     [(Shard(0),), (Shard(1),)], (Replicate(),)),
+], ids=["input", "output", "input_output"])
+def test_prepare_module_styles_move_inputs_and_outputs_as_torchs(mesh1, style, inside, out):
+    """torch's PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput (the last was missing): the module's
+    forward sees its inputs in the desired layouts, its caller the output in the desired one, the values unchanged."""
+    x, bias = torch.randn(4, 6), torch.randn(4, 6)
+    module = dtorch.nn.parallelize_module(_Seen(), mesh1, style)
+    got = module(dtorch.distribute_tensor(x, mesh1, [Replicate()]), bias=bias)
+    assert module.seen == inside
+    if out is not None:
+        assert got.placements == out
+    torch.testing.assert_close(got.full_tensor(), x + bias)

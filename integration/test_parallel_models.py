@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import dtorch
 from _helpers import worker_bytes
-from dtorch import Replicate, Shard
+from dtorch import Partial, Replicate, Shard
 from dtorch.nn import (
     ColwiseParallel,
     RowwiseParallel,
@@ -384,10 +384,13 @@ def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as
         torch.testing.assert_close(got.full_tensor(), want, rtol=2e-2, atol=2e-2)
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-2, atol=1e-2, msg=name)
-    with pytest.raises(NotImplementedError, match=r"reduces gradients in the parameter's dtype \(torch.float32\) or "
-                                                  r"in param_dtype \(torch.bfloat16\), not in reduce_dtype="):
-        fully_shard(nn.Linear(4, 4), mesh1, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float16))(
-            torch.randn(2, 4))
+    linear, x = nn.Linear(4, 4), torch.randn(2, 4)  # a third dtype for the reduction (before: NotImplementedError)
+    sharded = fully_shard(copy.deepcopy(linear), mesh1, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float16))
+    sharded(x).sum().backward()
+    half = copy.deepcopy(linear).bfloat16()
+    half(x.bfloat16()).sum().backward()
+    assert sharded.weight.grad.dtype == torch.float32
+    assert torch.equal(sharded.weight.grad.full_tensor(), half.weight.grad.half().float())
     with pytest.raises(TypeError, match="mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got dtype"):
         fully_shard(nn.Linear(4, 4), mesh1, mp_policy=torch.bfloat16)
     with pytest.raises(TypeError, match=r"fully_shard needs one mesh: fully_shard\(module, mesh\) or "):
@@ -396,9 +399,9 @@ def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as
         fully_shard(nn.Linear(4, 4), mesh="dp")
 
 
-@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("reshard,how", [(True, "default"), (False, "argument"), (False, "method")])
 def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_them_again_for_backward(
-        cluster, mesh1, reshard):
+        cluster, mesh1, reshard, how):
     """torch's FSDP2 default (reshard_after_forward=True). Autograd saved the gathered weights of every layer for its
     backward, so between a forward and its backward each worker held the whole model gathered, as under data
     parallelism, besides its shards: fully sharding saved no memory in training."""
@@ -407,7 +410,9 @@ def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_the
     model = copy.deepcopy(ref)
     x = torch.randn(8, 256)
     before = worker_bytes(cluster)
-    fully_shard(model, mesh1, **({} if reshard else {"reshard_after_forward": False}))  # True: torch's default
+    fully_shard(model, mesh1, **({"reshard_after_forward": False} if how == "argument" else {}))  # True: torch's
+    if how == "method":  # FSDP2's `FSDPModule.set_reshard_after_forward`
+        model.set_reshard_after_forward(False)
     batch = dtorch.distribute_tensor(x, mesh1, [Shard(0)])
     sharded = {w: b - before.get(w, 0) for w, b in worker_bytes(cluster).items()}
     loss = model(batch).pow(2).mean()
@@ -424,6 +429,39 @@ def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_the
     for p, r in zip(model.parameters(), ref.parameters()):
         assert p.grad.placements == p.placements == (Shard(0),)
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
+
+
+def test_fully_shard_accumulates_gradients_unreduced_until_requires_gradient_sync_as_fsdp2(mesh1):
+    """FSDP2's gradient accumulation: `set_requires_gradient_sync(False)` on the micro-batches but the last. Their
+    gradients stay unreduced (Partial, no collective), the last backward reduces the sum once, and the step is
+    torch's on the whole batch (before: AttributeError, and each micro-batch reduced its own)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh1)
+    fully_shard(model, mesh1)
+    xs = torch.randn(3, 6, 8).unbind()
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        for i, x in enumerate(xs):
+            ref(x).pow(2).mean().backward()
+            model.set_requires_gradient_sync(i == len(xs) - 1)
+            model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).pow(2).mean().backward()
+            weight = model[0].weight
+            if i < len(xs) - 1:
+                assert weight.grad.placements == (Partial(),), (step, i)  # left unreduced on each device
+            else:
+                assert weight.grad.placements == weight.placements == (Shard(0),)
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), **TOL)
+    model[0].set_requires_gradient_sync(False, recurse=False)  # one submodule alone
+    model(dtorch.distribute_tensor(xs[0], mesh1, [Shard(0)])).sum().backward()
+    assert model[0].weight.grad.placements == (Partial(),) and model[2].weight.grad.placements == (Shard(0),)
 
 
 class _Checkpointed(nn.Module):

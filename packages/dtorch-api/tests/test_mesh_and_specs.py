@@ -8,6 +8,7 @@ import torch
 import dtorch
 from dtorch._spec import contiguous_stride, normalize_placements
 from dtorch.device_mesh import init_device_mesh
+from dtorch.errors import DTorchError
 
 
 def test_mesh_shapes_and_identity():
@@ -33,6 +34,30 @@ def test_bad_mesh_dim_names_and_device_type():
         dtorch.DeviceMesh("cpu", [0, 1], mesh_dim_names=("a", "b"))
     with pytest.raises(ValueError, match="device_type"):
         dtorch.DeviceMesh("gpu", [0])
+
+
+def test_flatten_names_a_dim_of_the_root_mesh_as_torchs():
+    """torch's `mesh["dp", "cp"]._flatten("dp_cp")` (torchtitan's way to a data-parallel mesh over several dims),
+    which the root then gives by name (before: AttributeError)."""
+    root = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+    flat = root["dp", "cp"]._flatten("dp_cp")
+    assert flat.tolist() == [0, 2, 4, 6] and flat.mesh_dim_names == ("dp_cp",)
+    assert root["dp_cp"] == flat and root["tp"]["dp_cp"] == flat
+    assert root["cp", "tp"]._flatten().mesh_dim_names == ("cp_tp",)
+    assert root["dp", "cp"]._flatten("dp_cp") == flat  # again, the same: allowed
+    with pytest.raises(ValueError, match="'dp_cp' already names another dim"):
+        root["cp", "tp"]._flatten("dp_cp")
+    with pytest.raises(ValueError, match="'tp' already names another dim"):
+        root["dp", "cp"]._flatten("tp")
+
+
+@pytest.mark.parametrize("call", [lambda m: m.get_rank(), lambda m: m.get_local_rank("tp"),
+                                  lambda m: m.get_coordinate(), lambda m: m.get_group("tp"),
+                                  lambda m: m.get_all_groups()])
+def test_per_rank_questions_get_one_line_that_says_why(call):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(DTorchError, match="the client has no rank and no process group"):
+        call(mesh)
 
 
 def test_placements_are_checked_and_normalized():

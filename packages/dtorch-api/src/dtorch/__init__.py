@@ -19,7 +19,7 @@ from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 _LAZY = {
     "DeviceMesh": "dtorch.device_mesh",
     "init_device_mesh": "dtorch.device_mesh",
-    "DTensor": "dtorch.dtensor",
+    "DTensor": "dtorch.factories",  # (which gives it `DTensor.from_local`)
     "distribute_tensor": "dtorch.factories",
     "distribute_module": "dtorch.nn",
     "rand": "dtorch.factories",

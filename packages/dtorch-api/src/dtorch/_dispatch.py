@@ -558,7 +558,7 @@ def _run_locally(func: Any, args: tuple, kwargs: dict, leaves: list[DTensor], wh
     _check_local_size(func, why, leaves)
 
     def full(v: Any) -> Any:
-        return v.to_torch() if isinstance(v, dtensor.DTensor) else v
+        return v._read() if isinstance(v, dtensor.DTensor) else v
 
     return func(*pytree.tree_map(full, args), **pytree.tree_map(full, kwargs))
 
@@ -590,7 +590,7 @@ def _run_out(plan: Plan, func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _write_out(plan: Plan, out: torch.Tensor, res: Any) -> None:
     if not isinstance(out, dtensor.DTensor):
-        full = res.to_torch() if isinstance(res, dtensor.DTensor) else res
+        full = res._read() if isinstance(res, dtensor.DTensor) else res
         with torch.no_grad():
             if out.shape != full.shape:
                 out.resize_(full.shape)

@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
+from dtorch.errors import DTorchError
+
 _registry: dict[tuple, int] = {}
 _registry_lock = threading.Lock()
 
 
-def _flatten(ids: Any) -> tuple[list[int], list[int]]:
+def _ids_and_shape(ids: Any) -> tuple[list[int], list[int]]:
     if isinstance(ids, torch.Tensor):
         return [int(i) for i in ids.flatten().tolist()], list(ids.shape)
     if isinstance(ids, int):
@@ -26,7 +28,7 @@ def _flatten(ids: Any) -> tuple[list[int], list[int]]:
         raise TypeError(f"DeviceMesh ids must be a (nested) list of ints or a tensor, got {type(ids).__name__}")
     if all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         return list(ids), [len(ids)]
-    parts = [_flatten(i) for i in ids]
+    parts = [_ids_and_shape(i) for i in ids]
     shapes = {tuple(s) for _, s in parts}
     if len(shapes) != 1:
         raise ValueError(f"DeviceMesh ids must be a rectangular nested list, got rows of shapes {sorted(shapes)}")
@@ -46,7 +48,7 @@ class DeviceMesh:
     def __init__(self, device_type: str, mesh: Any, mesh_dim_names: Sequence[str] | None = None) -> None:
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"DeviceMesh device_type must be 'cpu' or 'cuda', got {device_type!r}")
-        flat, shape = _flatten(mesh)
+        flat, shape = _ids_and_shape(mesh)
         if not flat or not shape:
             raise ValueError("DeviceMesh needs at least one device id in a list, e.g. DeviceMesh('cpu', [0, 1])")
         if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in flat):
@@ -64,6 +66,8 @@ class DeviceMesh:
         with _registry_lock:
             self.id = _registry.setdefault(key, len(_registry))
         self._torch_meshes: dict[int, Any] = {}
+        self._root: DeviceMesh = self  # the mesh this one was sliced from, which keeps the flattened dims' names
+        self._flattened: dict[str, DeviceMesh] = {}
 
     # ------------------------------------------------------------------ torch-like surface
     @property
@@ -85,13 +89,44 @@ class DeviceMesh:
         if self.mesh_dim_names is None:
             raise KeyError("this DeviceMesh has no mesh_dim_names; name its dims to take a sub-mesh")
         wanted = (names,) if isinstance(names, str) else tuple(names)
+        if len(wanted) == 1 and wanted[0] in self._root._flattened:
+            return self._root._flattened[wanted[0]]
         unknown = [n for n in wanted if n not in self.mesh_dim_names]
         if unknown:
             raise KeyError(f"mesh dim {unknown[0]!r} not in {list(self.mesh_dim_names)}")
         dims = [self.mesh_dim_names.index(n) for n in wanted]
         index = tuple(slice(None) if d in dims else 0 for d in range(self.ndim))
         sub = self.mesh[index].permute(*[sorted(dims).index(d) for d in dims]) if len(dims) > 1 else self.mesh[index]
-        return DeviceMesh(self.device_type, sub, mesh_dim_names=wanted)
+        out = DeviceMesh(self.device_type, sub, mesh_dim_names=wanted)
+        out._root = self._root
+        return out
+
+    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """torch's `mesh["dp", "cp"]._flatten("dp_cp")`: this mesh's devices as one dim, which the mesh it was
+        sliced from then gives by that name (`root["dp_cp"]`)."""
+        name = mesh_dim_name or "_".join(self.mesh_dim_names or ("flat",))
+        flat, root = DeviceMesh(self.device_type, list(self.devices), mesh_dim_names=(name,)), self._root
+        if name in (root.mesh_dim_names or ()) or root._flattened.get(name, flat) != flat:
+            raise ValueError(f"DeviceMesh._flatten: {name!r} already names another dim of {root!r}")
+        root._flattened[name] = flat
+        flat._root = root
+        return flat
+
+    # torch's per-rank surface: an SPMD program asks which rank it is; a DTorch program runs once, on no rank.
+    def get_rank(self) -> int:
+        raise _no_rank("get_rank()")
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        raise _no_rank("get_local_rank()")
+
+    def get_coordinate(self) -> list[int] | None:
+        raise _no_rank("get_coordinate()")
+
+    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+        raise _no_rank("get_group()")
+
+    def get_all_groups(self) -> list[Any]:
+        raise _no_rank("get_all_groups()")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DeviceMesh) and other.id == self.id and other.mesh_dim_names == self.mesh_dim_names
@@ -114,6 +149,11 @@ class DeviceMesh:
                            mesh_dim_names=self.mesh_dim_names, _init_backend=False, _rank=rank)
             self._torch_meshes[rank] = tm
         return tm
+
+
+def _no_rank(what: str) -> DTorchError:
+    return DTorchError(f"dtorch: DeviceMesh.{what}: the client has no rank and no process group (the program runs "
+                       "once, and the workers form the groups its moves need); placements say what each device holds")
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int],

@@ -18,7 +18,7 @@ from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach
 
 from dtorch import _dataplane, _dispatch
 from dtorch._source import user_src
-from dtorch._spec import Spec, normalize_placements
+from dtorch._spec import Spec, contiguous_stride, normalize_placements
 from dtorch.device_mesh import WRAPPER_DEVICE, DeviceMesh
 from dtorch.errors import DTorchError
 from dtorch_protocol.placement_types import Partial, Placement, Replicate
@@ -101,7 +101,7 @@ class DTensor(torch.Tensor):
         """`torch.save` and pickle write the whole tensor as a plain one (a sync point): `torch.save(model.state_dict(),
         path)` is a checkpoint that `torch.load` reads anywhere, and `load_state_dict` of a parallelized model shards
         again. (A DTensor is a handle into one session's cluster; the handle itself means nothing elsewhere.)"""
-        full = self.to_torch()
+        full = self._read()
         if self.requires_grad and full.is_floating_point():
             full.requires_grad_(True)
         return full.__reduce_ex__(protocol)
@@ -121,8 +121,18 @@ class DTensor(torch.Tensor):
         return self._spec.mesh
 
     # ------------------------------------------------------------------ sync points
-    def to_torch(self) -> torch.Tensor:
-        """The whole tensor as a plain torch.Tensor on the client (a sync point)."""
+    def to_torch(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole tensor as a plain torch.Tensor on the client (a sync point). Differentiable, as torch's
+        `full_tensor()`: a loss computed from it sends its gradient back laid out as this tensor is (a Partial mesh
+        dim as Replicate), or as `grad_placements`."""
+        if grad_placements is not None:
+            grad_placements = normalize_placements(grad_placements, self.device_mesh, self.dim())
+        if self.requires_grad and torch.is_grad_enabled():  # (its way back uploads: `distribute_tensor`'s path)
+            return _FullTensor.apply(self, grad_placements)
+        return self._read()
+
+    def _read(self) -> torch.Tensor:
+        """The whole tensor, read (no autograd)."""
         values = self._combined()
         return self._session.fetch(values._tid, values._spec)
 
@@ -151,15 +161,15 @@ class DTensor(torch.Tensor):
         return future
 
     def tolist(self) -> Any:
-        return self.to_torch().tolist()
+        return self._read().tolist()
 
     def numpy(self, *, force: bool = False) -> Any:
-        return self.to_torch().numpy()
+        return self._read().numpy()
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         """The whole tensor, as `numpy()` gives it (a sync point): the wrapper has no memory, and its capsule pointed
         at address 0, which a consumer (`numpy.from_dlpack`) read."""
-        return self.to_torch().__dlpack__(*args, **kwargs)
+        return self._read().__dlpack__(*args, **kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU: the copy `__dlpack__` gives is in this process
@@ -168,7 +178,7 @@ class DTensor(torch.Tensor):
         """`callable` on every element, in this process as torch runs it (a sync point: the whole tensor comes to
         the client and goes back laid out as before). torch's ran it over the wrapper, which has no memory, and
         crashed the process."""
-        values = self.to_torch()
+        values = self._read()
         values.apply_(callable)
         with torch.no_grad():
             self.copy_(values)
@@ -189,12 +199,16 @@ class DTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
-        return f"DTensor({self.to_torch()!r}, device_mesh={self.device_mesh!r}, placements={self.placements}{grad})"
+        return f"DTensor({self._read()!r}, device_mesh={self.device_mesh!r}, placements={self.placements}{grad})"
 
     # ------------------------------------------------------------------ layout
-    def redistribute(self, device_mesh: DeviceMesh | None = None,
-                     placements: Sequence[Placement] | None = None) -> DTensor:
-        """The same values laid out by `placements` on `device_mesh` (default: this mesh); differentiable."""
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *,
+                     async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> DTensor:
+        """The same values laid out by `placements` on `device_mesh` (default: this mesh); differentiable. As in
+        torch, `forward_dtype` casts before the move (the result has that dtype) and `backward_dtype` casts the
+        gradient before its move back (which then ends in this tensor's dtype). `async_op` changes nothing: every
+        DTorch op returns at once, and its moves run while the program goes on."""
         mesh = device_mesh or self.device_mesh
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"device_mesh must be a dtorch.DeviceMesh, got {type(mesh).__name__}")
@@ -203,7 +217,7 @@ class DTensor(torch.Tensor):
                 raise ValueError("redistribute to another mesh needs placements=")
             placements = self.placements
         target = normalize_placements(placements, mesh, len(self.shape))
-        return _Redistribute.apply(self, mesh, target)
+        return _Redistribute.apply(self, mesh, target, forward_dtype or self.dtype, backward_dtype or self.dtype)
 
 
 # As torch's DTensor does: optimizers and `clip_grad_norm_` take their `_foreach_` paths for DTensors where they
@@ -221,16 +235,44 @@ def wrap(spec: Spec, tid: int, session: Session) -> DTensor:
     return r
 
 
+def _gradient_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """The layout a gradient goes back in to a tensor of `placements`: a Partial mesh dim becomes Replicate."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
 class _Redistribute(torch.autograd.Function):
-    """Forward: move to the target layout. Backward: move the gradient back (Partial becomes Replicate)."""
+    """Forward: cast to `forward_dtype`, move to the target layout. Backward: cast the gradient to `backward_dtype`,
+    move it back, cast it to the input's dtype."""
 
     @staticmethod
-    def forward(ctx: Any, x: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    def forward(ctx: Any, x: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                forward_dtype: torch.dtype, backward_dtype: torch.dtype) -> DTensor:
         ctx.src_mesh, ctx.src_placements = x.device_mesh, x.placements
-        out = _dispatch.redistribute_to(x, mesh, placements, user_src(4))
+        ctx.dtype, ctx.backward_dtype = x.dtype, backward_dtype
+        cast = x if x.dtype == forward_dtype else x.to(forward_dtype)
+        out = _dispatch.redistribute_to(cast, mesh, placements, user_src(4))
         return out.view_as(out) if out is x else out
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
-        back = tuple(Replicate() if isinstance(p, Partial) else p for p in ctx.src_placements)
-        return _dispatch.redistribute_to(grad, ctx.src_mesh, back, user_src(2)), None, None
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None, None]:
+        if grad.dtype != ctx.backward_dtype:
+            grad = grad.to(ctx.backward_dtype)
+        back = _dispatch.redistribute_to(grad, ctx.src_mesh, _gradient_placements(ctx.src_placements), user_src(2))
+        return (back if back.dtype == ctx.dtype else back.to(ctx.dtype)), None, None, None, None
+
+
+class _FullTensor(torch.autograd.Function):
+    """Forward: the whole tensor, read. Backward: its gradient laid out again on the mesh."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:
+        ctx.mesh, ctx.session = x.device_mesh, x._session
+        ctx.placements = grad_placements or _gradient_placements(x.placements)
+        return x._read()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
+        if isinstance(grad, DTensor):
+            return grad.redistribute(ctx.mesh, ctx.placements), None
+        spec = Spec(ctx.mesh, ctx.placements, tuple(grad.shape), contiguous_stride(tuple(grad.shape)), grad.dtype)
+        return DTensor(spec, ctx.session.upload(grad, spec), ctx.session), None

@@ -1,4 +1,4 @@
-"""Creating DTensors: random and constant factories, `distribute_tensor`, and the session RNG seed.
+"""Creating DTensors: random and constant factories, `distribute_tensor`, `from_local`, and the session RNG seed.
 
 Also optimizer state loaded from a checkpoint (`optimizer.load_state_dict`): it arrives as plain tensors, and each
 one shaped like its DTensor parameter is laid out like it before the optimizer's next step (a global step pre-hook,
@@ -25,7 +25,7 @@ from dtorch.device_mesh import DeviceMesh
 from dtorch.dtensor import DTensor
 from dtorch.runtime import get_session
 from dtorch_protocol import messages as m
-from dtorch_protocol.placement_types import Placement
+from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 _RANDOM = ("rand", "randn")
 
@@ -110,9 +110,10 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, device_mesh: DeviceMes
 
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None,
-                      ) -> DTensor:
+                      *, src_data_rank: int | None = 0) -> DTensor:
     """Shard a full torch tensor from the client onto the mesh (data goes straight to the workers); a meta tensor
-    has no values, and its shards are allocated on the workers uninitialized, as `torch.empty`."""
+    has no values, and its shards are allocated on the workers uninitialized, as `torch.empty`. `src_data_rank`
+    (torch's: which rank's tensor is the source) changes nothing: the client's tensor is the only one."""
     if isinstance(tensor, DTensor):
         raise TypeError("distribute_tensor takes a plain torch.Tensor; use .redistribute() on a DTensor")
     if not isinstance(tensor, torch.Tensor):
@@ -131,6 +132,96 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
     session = get_session()
     tid = session.upload(tensor, spec)
     return DTensor(spec, tid, session, requires_grad=tensor.requires_grad)
+
+
+def _lay_out(tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """`distribute_tensor`, differentiable where `tensor` requires grad: its gradient comes back whole to the client
+    (torch's `distribute_tensor` makes a leaf; `from_local` is differentiable)."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _LayOut.apply(tensor, device_mesh, tuple(placements))
+    return distribute_tensor(tensor, device_mesh, placements)
+
+
+class _LayOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+        return distribute_tensor(tensor.detach(), mesh, placements)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None, None]:
+        return grad.full_tensor(), None, None
+
+
+# How the local tensors of one mesh dim's devices make the tensor they stand for (`from_local`), by placement. Partial
+# ones combine in mesh order, as every path that reduces does (`dtorch_protocol.values.reduce_in_order`), but out of
+# place, so that autograd sees it.
+_REDUCE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
+_COMBINE = {
+    Shard: lambda group, p: torch.cat(group, p.dim),
+    Replicate: lambda group, p: group[0],
+    Partial: lambda group, p: _reduce(group, p.reduce_op),
+}
+
+
+def _reduce(group: list[torch.Tensor], op: str) -> torch.Tensor:
+    acc = group[0]
+    for t in group[1:]:
+        acc = _REDUCE[op](acc, t)
+    if op != "avg" or len(group) == 1:
+        return acc
+    if acc.is_floating_point() or acc.is_complex():
+        return acc / len(group)
+    return acc.div(len(group), rounding_mode="trunc")
+
+
+def from_local(local_tensor: torch.Tensor | Sequence[torch.Tensor], device_mesh: DeviceMesh | None = None,
+               placements: Sequence[Placement] | None = None, *, run_check: bool = False,
+               shape: Sequence[int] | None = None, stride: Sequence[int] | None = None,
+               grad_placements: Sequence[Placement] | None = None) -> DTensor:
+    """torch's `DTensor.from_local`, for a program that runs once: `local_tensor` is each device's local tensor (as
+    when every rank of an SPMD program passes the same one: `from_local(torch.ones(2), mesh, [Shard(0)])` has
+    2 x mesh.size() ones), or a list of them, one per device in the mesh's row-major order. The DTensor is the
+    tensor they stand for under `placements` (Shard: concatenated, Partial: reduced in mesh order, Replicate: the
+    first device's; `run_check=True` checks that replicated ones are equal), laid out as `distribute_tensor` lays it
+    out. Differentiable: each local tensor gets the gradient the chain rule gives it. `grad_placements` is checked and
+    otherwise changes nothing: in torch it picks the layout of the gradient each rank's local tensor receives, and
+    here the local tensors are the client's own."""
+    mesh = _check_mesh("from_local", device_mesh)
+    many = isinstance(local_tensor, (list, tuple))
+    tensors = list(local_tensor) if many else [local_tensor] * mesh.size()
+    if len(tensors) != mesh.size():
+        raise ValueError(f"from_local: got {len(tensors)} local tensors for a mesh of {mesh.size()} devices; pass "
+                         "one tensor (every device's) or one per device, in the mesh's row-major order")
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+            raise TypeError(f"from_local takes plain torch.Tensors (the local ones), got {type(t).__name__}")
+        if t.dtype != tensors[0].dtype or t.dim() != tensors[0].dim():
+            raise ValueError(f"from_local: the local tensors differ: {t.dtype} with {t.dim()} dims against "
+                             f"{tensors[0].dtype} with {tensors[0].dim()}; every device's must have the same dtype "
+                             "and number of dims")
+    target = normalize_placements(placements, mesh, tensors[0].dim())
+    normalize_placements(grad_placements, mesh, tensors[0].dim())
+    dims = list(mesh.shape)
+    while dims:  # the last mesh dim varies fastest: combine its groups, then the next one out
+        k, p = dims.pop(), target[len(dims)]
+        groups = [tensors[i:i + k] for i in range(0, len(tensors), k)]
+        if run_check and isinstance(p, Replicate) and any(not torch.equal(t, g[0]) for g in groups for t in g):
+            raise ValueError(f"from_local(run_check=True): the local tensors of mesh dim {len(dims)} are "
+                             "Replicate() but not equal")
+        tensors = [_COMBINE[type(p)](g, p) for g in groups]
+    full = tensors[0]
+    if shape is not None and tuple(shape) != tuple(full.shape):
+        raise ValueError(f"from_local: the local tensors make a tensor of shape {list(full.shape)} under {target}, "
+                         f"not shape={list(shape)}")
+    if stride is not None and tuple(stride) != contiguous_stride(tuple(full.shape)):
+        raise ValueError(f"from_local: stride={list(stride)} is not the contiguous stride of shape "
+                         f"{list(full.shape)}, {list(contiguous_stride(tuple(full.shape)))}; DTorch lays the tensor "
+                         "out contiguously")
+    return _lay_out(full, mesh, target)
+
+
+DTensor.from_local = staticmethod(from_local)  # torch's spelling; set here, where uploads are (`dtorch.DTensor` loads
+# this module)
 
 
 def manual_seed(seed: int) -> None:

@@ -17,6 +17,7 @@ from dtorch.nn.style import (
     ExpertParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -25,4 +26,4 @@ from dtorch.nn.style import (
 __all__ = ["distribute_module", "parallelize_module", "replicate_module", "fully_shard", "place_on_mesh",
            "microbatch_forward", "loss_parallel", "copy_weights", "to_layout", "hf_tp_plan", "llama_tp_plan",
            "moe_ep_plan", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-           "PrepareModuleInput", "PrepareModuleOutput", "ExpertParallel"]
+           "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput", "ExpertParallel"]

@@ -105,14 +105,19 @@ def _reduce_early(param: torch.Tensor) -> None:
     """A gradient autograd just accumulated that is still Partial is reduced now, to the parameter's placements
     (what the optimizer's first use would do later): issued here, the collective overlaps the rest of backward.
     A plain one (torch's formulas that make their zeros with a factory taking no tensor: `sgn`, `copysign`'s sign)
-    becomes a DTensor laid out as the parameter."""
+    becomes a DTensor laid out as the parameter. A `fully_shard` parameter's gradient accumulates unreduced while
+    its module does not synchronize gradients (`_Gathered.sync`), and is laid out as the parameter at the first
+    backward that does."""
     grad = param.grad
     if isinstance(param, DTensor) and grad is not None and not isinstance(grad, DTensor):
         param.grad = torch.zeros_like(param) if grad._is_zerotensor() else \
             distribute_tensor(grad.detach(), param.device_mesh, param.placements)
         return
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.device_mesh == param.device_mesh \
-            and any(p.is_partial() for p in grad.placements) and grad.placements != param.placements:
+    if not isinstance(grad, DTensor) or not isinstance(param, DTensor) or grad.device_mesh != param.device_mesh \
+            or grad.placements == param.placements:
+        return
+    owner = getattr(param, "_dtorch_fully_shard", None)
+    if owner is None and any(p.is_partial() for p in grad.placements) or owner is not None and owner.sync:
         param.grad = grad.redistribute(placements=param.placements)
 
 
@@ -261,17 +266,13 @@ class _Precision:
                             f"{type(policy).__name__}")
         return cls(**{f: getattr(policy, f) for f in fields})
 
-    def gather(self, p: DTensor, placements: tuple[Placement, ...]) -> DTensor:
-        """`p` gathered to `placements` in the forward's dtype; the gradient is reduced in `reduce_dtype`: the cast
-        goes after the gather where that is the parameter's dtype, before it where it is `param_dtype`."""
+    def gather(self, p: DTensor, placements: tuple[Placement, ...], reduce: bool) -> DTensor:
+        """`p` gathered to `placements` in the forward's dtype, its gradient reduced in `reduce_dtype` (or, where
+        not `reduce`, left as the backward makes it)."""
         dtype = self.param_dtype or p.dtype
-        reduce = self.reduce_dtype or dtype
-        if reduce == dtype:
-            return p.to(dtype).redistribute(placements=placements)
-        if reduce == p.dtype:
-            return p.redistribute(placements=placements).to(dtype)
-        raise NotImplementedError(f"dtorch fully_shard reduces gradients in the parameter's dtype ({p.dtype}) or in "
-                                  f"param_dtype ({dtype}), not in reduce_dtype={reduce}")
+        if not reduce:
+            return _Unreduced.apply(p, placements, dtype)
+        return p.redistribute(placements=placements, forward_dtype=dtype, backward_dtype=self.reduce_dtype or dtype)
 
     def cast(self, dtype: torch.dtype | None, tree: Any) -> Any:
         if dtype is None:
@@ -285,6 +286,20 @@ class _Precision:
         return self.cast(self.output_dtype, output)
 
 
+class _Unreduced(torch.autograd.Function):
+    """A gather whose gradient is not reduced: it reaches the parameter as the backward made it (Partial over a
+    sharded batch) and accumulates there with no communication (FSDP2's `set_requires_gradient_sync(False)`)."""
+
+    @staticmethod
+    def forward(ctx: Any, p: DTensor, placements: tuple[Placement, ...], dtype: torch.dtype) -> DTensor:
+        ctx.dtype = p.dtype
+        return p.redistribute(placements=placements, forward_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
+        return (grad if grad.dtype == ctx.dtype else grad.to(ctx.dtype)), None, None
+
+
 class _Gathered:
     """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dim `dim`
     (a forward pre-hook puts the gathered tensors in their places, a forward hook puts the sharded parameters back);
@@ -296,6 +311,7 @@ class _Gathered:
 
     def __init__(self, names: list[str], dim: int, reshard: bool, precision: _Precision) -> None:
         self.names, self.dim, self.reshard, self.precision = names, dim, reshard, precision
+        self.sync = True  # gradients reduced in each backward (`set_requires_gradient_sync`)
         self.stored: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
         self.hooks: list[Any] = []  # per call under way (nested ones too): the saved-tensor hooks it entered, or None
 
@@ -303,7 +319,9 @@ class _Gathered:
         for name in self.names:
             p = mod._parameters.get(name)
             if isinstance(p, DTensor) and name not in self.stored:  # (not again in a nested call of the module)
-                whole = self.precision.gather(p, _with(p.placements, self.dim, Replicate(), p.ndim))
+                unreduced = p.grad is not None and p.grad.placements != p.placements  # (from unsynced backwards)
+                whole = self.precision.gather(p, _with(p.placements, self.dim, Replicate(), p.ndim),
+                                              reduce=self.sync and not unreduced)
                 self.stored[name] = (p, whole, whole._version)
                 mod._parameters[name] = whole
                 if self.reshard:
@@ -340,6 +358,9 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     at a time on each worker, not the whole model's (`_reshard`); False keeps them from forward to backward (one
     gather fewer per parameter and step).
 
+    The module given gets FSDP2's `set_requires_gradient_sync(bool)` (gradient accumulation with no reduction until
+    the last micro-batch) and `set_reshard_after_forward(bool)`, each over its fully sharded submodules.
+
     `mp_policy`: torch's `MixedPrecisionPolicy` (`torch.distributed.fsdp`): the parameters are gathered in
     `param_dtype` and the gradients reduced in `reduce_dtype` (None: `param_dtype`; or the parameter's own dtype),
     stored in the parameter's dtype, as the optimizer keeps them; the module's floating point inputs are cast to
@@ -372,11 +393,35 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             mod._dtorch_gathered = hooks = _Gathered(names, dim, reshard_after_forward, precision)
             mod.register_forward_pre_hook(hooks.gather)
             mod.register_forward_hook(hooks.restore, always_call=True)
+            for name in names:
+                mod._parameters[name]._dtorch_fully_shard = hooks  # (`_reduce_early` asks it whether to reduce)
+    for method in (set_requires_gradient_sync, set_reshard_after_forward):
+        setattr(module, method.__name__, types.MethodType(method, module))
     if precision.param_dtype is not None and precision.cast_forward_inputs:
         module.register_forward_pre_hook(precision.inputs, with_kwargs=True)
     if precision.output_dtype is not None:
         module.register_forward_hook(precision.outputs)
     return replicate_module(module, device_mesh)
+
+
+# What torch's `fully_shard` adds to the modules it is given (FSDP2's `FSDPModule`), bound to each of them.
+def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    """FSDP2's gradient accumulation without communication: while False, each backward leaves the parameters'
+    gradients unreduced (Partial over a sharded batch, the size of the whole parameter on each device) and adds to
+    them there; the first backward with True reduces the sum once, to the parameters' layout."""
+    for hooks in _fully_sharded(self, recurse):
+        hooks.sync = requires_gradient_sync
+
+
+def set_reshard_after_forward(self: nn.Module, reshard_after_forward: bool, recurse: bool = True) -> None:
+    """FSDP2's: whether the next forwards free their gathered parameters at their end (`fully_shard`'s argument)."""
+    for hooks in _fully_sharded(self, recurse):
+        hooks.reshard = reshard_after_forward
+
+
+def _fully_sharded(module: nn.Module, recurse: bool) -> list[_Gathered]:
+    mods = module.modules() if recurse else (module,)
+    return [m._dtorch_gathered for m in mods if getattr(m, "_dtorch_gathered", None) is not None]
 
 
 @_lays_out

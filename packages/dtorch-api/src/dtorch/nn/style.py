@@ -130,6 +130,18 @@ class PrepareModuleOutput(ParallelStyle):
         return self.desired_output_layouts
 
 
+@dataclass(frozen=True)
+class PrepareModuleInputOutput(PrepareModuleInput):
+    """`PrepareModuleInput` and `PrepareModuleOutput` in one style, as torch's."""
+
+    use_local_input: bool = False
+    output_layouts: Any = None
+    desired_output_layouts: Any = None
+
+    def output_layouts_for(self, module: Any) -> Any:
+        return self.desired_output_layouts
+
+
 def _as_tuple(v: Any) -> Any:
     if v is None:
         return None
