@@ -93,3 +93,23 @@ def test_prepare_module_styles_move_inputs_and_outputs_as_torchs(mesh1, style, i
     if out is not None:
         assert got.placements == out
     torch.testing.assert_close(got.full_tensor(), x + bias)
+
+
+def test_torchs_own_parallel_styles_and_placements_lay_out_as_dtorchs(mesh1):
+    """A plan written for torch (`torch.distributed.tensor.parallel` styles, torch's placements) ran into
+    "'ColwiseParallel' object has no attribute 'items'"; it now lays the model out as the DTorch styles do."""
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor import parallel as tp
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = dtorch.nn.parallelize_module(copy.deepcopy(ref), mesh1, {
+        "0": tp.ColwiseParallel(), "2": tp.RowwiseParallel(output_layouts=TorchShard(0))})
+    assert model[0].weight.placements == (Shard(0),) and model[2].weight.placements == (Shard(1),)
+    x = torch.randn(6, 8)
+    out = model(x)
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), ref(x))
+    with pytest.raises(TypeError, match="parallelize_plan must be a ParallelStyle or a {submodule name: style} dict, "
+                                        "got str"):
+        dtorch.nn.parallelize_module(nn.Linear(4, 4), mesh1, "colwise")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 
-from dtorch import Replicate
+from dtorch import Replicate, Shard
 from dtorch.nn import ColwiseParallel, RowwiseParallel, SequenceParallel, hf_tp_plan
 
 
@@ -58,3 +58,27 @@ def test_entries_no_dtorch_style_takes_stay_replicated_and_are_named():
 def test_a_module_without_a_plan_is_refused_in_one_line():
     with pytest.raises(TypeError, match="hf_tp_plan takes a transformers model .* got Linear"):
         hf_tp_plan(nn.Linear(2, 2))
+
+
+def test_each_of_torchs_styles_is_the_dtorch_style_of_its_name_and_fields():
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+    from torch.distributed.tensor import parallel as tp
+
+    from dtorch.nn import style as ds
+    from dtorch.nn.style import as_style
+
+    assert as_style(tp.ColwiseParallel(input_layouts=S(0), use_local_output=False)) == \
+        ds.ColwiseParallel(Shard(0), Shard(-1), False)
+    assert as_style(tp.RowwiseParallel(output_layouts=S(1))) == ds.RowwiseParallel(Shard(-1), Shard(1), True)
+    assert as_style(tp.SequenceParallel(sequence_dim=2)) == ds.SequenceParallel(2, False)
+    assert as_style(tp.PrepareModuleInput(input_layouts=(S(0), None), desired_input_layouts=(R(), None),
+                                          input_kwarg_layouts={"mask": S(1)},
+                                          desired_input_kwarg_layouts={"mask": R()})) == \
+        ds.PrepareModuleInput((Shard(0), None), (Replicate(), None), {"mask": Shard(1)}, {"mask": Replicate()})
+    assert as_style(tp.PrepareModuleOutput(output_layouts=S(0), desired_output_layouts=R())) == \
+        ds.PrepareModuleOutput((Shard(0),), (Replicate(),), True)
+    assert as_style(tp.PrepareModuleInputOutput(input_layouts=S(0), desired_input_layouts=R(), output_layouts=R(),
+                                                desired_output_layouts=S(1))) == \
+        ds.PrepareModuleInputOutput((Shard(0),), (Replicate(),), {}, {}, True, False, (Replicate(),), (Shard(1),))
+    assert as_style("colwise") == "colwise"  # not a style: left for the caller to refuse

@@ -72,6 +72,19 @@ def test_placements_are_checked_and_normalized():
         normalize_placements(["S0", dtorch.Replicate()], mesh, 2)
 
 
+def test_torchs_own_placements_are_taken_as_dtorchs():
+    """A program written for torch.distributed.tensor imports torch's Shard/Replicate/Partial; they were refused with
+    "placements must be Shard(dim), ..., got Shard(dim=0)", which reads as a contradiction."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]])
+    assert normalize_placements([Shard(-1), Replicate()], mesh, 3) == (dtorch.Shard(2), dtorch.Replicate())
+    assert normalize_placements([Partial("max"), Partial()], mesh, 1) == (dtorch.Partial("max"), dtorch.Partial())
+    with pytest.raises(TypeError, match=r"\(DTorch's or torch's\), got torch.distributed.tensor.placement_types._S"):
+        normalize_placements([_StridedShard(0, split_factor=2), Replicate()], mesh, 2)
+
+
 def test_contiguous_stride():
     assert contiguous_stride((2, 3, 4)) == (12, 4, 1)
     assert contiguous_stride(()) == ()

@@ -41,6 +41,17 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def from_torch_placement(p: object) -> object:
+    """torch's placement values, as a program written for `torch.distributed.tensor` imports them, made DTorch's
+    (by exact type: torch's `_StridedShard`, a Shard, is not one of them); anything else as it is."""
+    if not type(p).__module__.startswith("torch.distributed.tensor"):
+        return p
+    from torch.distributed.tensor import placement_types as tp
+
+    convert = {tp.Shard: lambda: Shard(p.dim), tp.Replicate: Replicate, tp.Partial: lambda: Partial(p.reduce_op)}
+    return convert.get(type(p), lambda: p)()
+
+
 def normalize_placements(placements: Sequence[Placement] | None, mesh: DeviceMesh, ndim: int,
                          ) -> tuple[Placement, ...]:
     """Check one placement per mesh dim and make Shard dims non-negative; raise a one-line error otherwise."""
@@ -53,7 +64,10 @@ def normalize_placements(placements: Sequence[Placement] | None, mesh: DeviceMes
     out = []
     for p in placements:
         if not isinstance(p, Placement):
-            raise TypeError(f"placements must be Shard(dim), Replicate() or Partial(op), got {p!r}")
+            p = from_torch_placement(p)
+        if not isinstance(p, Placement):
+            raise TypeError(f"placements must be Shard(dim), Replicate() or Partial(op) (DTorch's or torch's), got "
+                            f"{type(p).__module__}.{p!r}")
         if isinstance(p, Shard):
             if not -ndim <= p.dim < ndim:
                 raise ValueError(f"{p} is out of range for a tensor with {ndim} dims")

@@ -36,7 +36,7 @@ from dtorch.device_mesh import DeviceMesh
 from dtorch.dtensor import DTensor
 from dtorch.factories import distribute_tensor
 from dtorch.nn import _reshard
-from dtorch.nn.style import ParallelStyle
+from dtorch.nn.style import ParallelStyle, as_style
 from dtorch_protocol.placement_types import Placement, Replicate, Shard
 
 
@@ -224,16 +224,22 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
     """Apply `parallelize_plan` (a style, or {submodule name pattern: style}) on mesh dim `tp_mesh_dim`.
 
     Patterns use fnmatch wildcards (`"layers.*.mlp.up_proj"`). Everything the plan does not name is
-    replicated. Returns the module, changed in place.
+    replicated. Returns the module, changed in place. torch's own styles (`torch.distributed.tensor.parallel`) are
+    taken as the DTorch styles of the same names and fields.
     """
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
     dim = _mesh_dim(device_mesh, tp_mesh_dim)
+    parallelize_plan = as_style(parallelize_plan)
     if isinstance(parallelize_plan, ParallelStyle):
         _apply_style(module, parallelize_plan, device_mesh, dim)
+    elif parallelize_plan is not None and not isinstance(parallelize_plan, Mapping):
+        raise TypeError(f"parallelize_plan must be a ParallelStyle or a {{submodule name: style}} dict, got "
+                        f"{type(parallelize_plan).__name__}")
     elif parallelize_plan:
         names = [name for name, _ in module.named_modules()]
         for pattern, style in parallelize_plan.items():
+            style = as_style(style)
             if not isinstance(style, ParallelStyle):
                 raise TypeError(f"plan entry {pattern!r} must be a ParallelStyle, got {type(style).__name__}")
             matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtorch._spec import from_torch_placement
 from dtorch_protocol.placement_types import Placement, Replicate, Shard
 
 
@@ -209,3 +210,44 @@ def _expert_count(module: Any, name: str) -> int:
         raise ValueError(f"ExpertParallel: {name!r} has 3-d parameters of leading sizes {sorted(stacked)}; expected "
                          "one expert count")
     return stacked.pop()
+
+
+# torch's own styles (`torch.distributed.tensor.parallel.ColwiseParallel()`, as a ported plan names them), by type
+# name: the DTorch style with the same fields. torch keeps each layout as a tuple, and its placements are its own.
+def _layouts(v: Any) -> Any:
+    return tuple(from_torch_placement(p) for p in v) if isinstance(v, tuple) else from_torch_placement(v)
+
+
+def _one(v: Any) -> Any:
+    v = _layouts(v)
+    return v[0] if isinstance(v, tuple) and len(v) == 1 else v
+
+
+def _input(t: Any, **more: Any) -> dict[str, Any]:
+    kw = {k: {n: _one(p) for n, p in (getattr(t, k) or {}).items()}
+          for k in ("input_kwarg_layouts", "desired_input_kwarg_layouts")}
+    return dict(input_layouts=_layouts(t.input_layouts), desired_input_layouts=_layouts(t.desired_input_layouts),
+                **kw, **more)
+
+
+_FROM_TORCH = {
+    "ColwiseParallel": lambda t: ColwiseParallel(_one(t.input_layouts), _one(t.output_layouts), t.use_local_output),
+    "RowwiseParallel": lambda t: RowwiseParallel(_one(t.input_layouts), _one(t.output_layouts), t.use_local_output),
+    "SequenceParallel": lambda t: SequenceParallel(_one(t.sequence_sharding).dim, t.use_local_output),
+    "PrepareModuleInput": lambda t: PrepareModuleInput(**_input(t, use_local_output=t.use_local_output)),
+    "PrepareModuleOutput": lambda t: PrepareModuleOutput(_layouts(t.output_layouts),
+                                                         _layouts(t.desired_output_layouts), t.use_local_output),
+    "PrepareModuleInputOutput": lambda t: PrepareModuleInputOutput(
+        **_input(t.prepare_module_input, use_local_output=t.prepare_module_output.use_local_output),
+        output_layouts=_layouts(t.prepare_module_output.output_layouts),
+        desired_output_layouts=_layouts(t.prepare_module_output.desired_output_layouts)),
+}
+
+
+def as_style(style: Any) -> Any:
+    """A DTorch style as it is; one of torch's (`torch.distributed.tensor.parallel`) as the DTorch style it names;
+    anything else as it is (the caller refuses it)."""
+    if isinstance(style, ParallelStyle) or not type(style).__module__.startswith("torch.distributed.tensor.parallel"):
+        return style
+    convert = _FROM_TORCH.get(type(style).__name__)
+    return style if convert is None else convert(style)
