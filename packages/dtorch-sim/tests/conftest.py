@@ -13,6 +13,7 @@ BASE = {
                                "duration": {"dist": "exponential", "mean": 30}},
                  "steps_per_job": 6, "sync_every": 2},
     "heartbeat": {"interval_s": 1.0, "timeout_s": 4.0},
+    "policy": {"name": "fifo"},  # (the tests of other policies say so)
 }
 
 

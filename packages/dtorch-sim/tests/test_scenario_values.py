@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dtorch_sim.scenario import Distribution, Policy, parse
+from dtorch_sim.scenario import Distribution, Policy, ScenarioError, parse
 
 N = 20_000
 
@@ -101,3 +101,27 @@ def test_a_csv_path_resolves_against_the_scenario_folder_then_the_current_one(ba
     assert sc.resolve(str(cwd / "here.csv")) == cwd / "here.csv"
     monkeypatch.setenv("HOME", str(cwd))
     assert sc.resolve(str(Path("~", "here.csv"))) == cwd / "here.csv"  # the user's home folder, expanded
+
+
+def test_a_scenario_with_no_policy_runs_the_controllers_default(base):
+    """A user pointing the simulator at a trace to see what DTorch would do got FIFO, which the controller runs only
+    when told (its default is the DTorch policy)."""
+    from dtorch_controller.core.policies import DEFAULT_POLICY
+
+    del base["policy"]
+    assert parse(base).policy.name == DEFAULT_POLICY == "dtorch"
+
+
+def test_a_cluster_of_one_device_type_need_not_name_it(base):
+    """`nodes: [{count: 4, devices_per_node: 8}]` was refused ("cluster.device_types: required field is missing",
+    "cluster.nodes.0.device_type: required field is missing"): one device type, `gpu`, is the default, and a node
+    group takes the only type there is."""
+    base["cluster"] = {"nodes": [{"count": 4, "devices_per_node": 8}]}
+    cluster = parse(base).cluster
+    assert list(cluster.device_types) == ["gpu"] and cluster.nodes[0].device_type == "gpu"
+    assert (cluster.device_types["gpu"].speed, cluster.device_types["gpu"].memory_gb) == (1.0, 80.0)
+    base["cluster"] = {"device_types": {"h100": {"speed": 2.0}}, "nodes": [{"count": 1}]}
+    assert parse(base).cluster.nodes[0].device_type == "h100"
+    base["cluster"] = {"device_types": {"h100": {}, "a100": {}}, "nodes": [{"count": 1}]}
+    with pytest.raises(ScenarioError, match="cluster.nodes.0.device_type"):  # two types: the group must say which
+        parse(base)

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dtorch_controller.core.policies import DEFAULT_POLICY
 
 
 class ScenarioError(Exception):
@@ -66,6 +68,20 @@ class Cluster(_Model):
     device_types: dict[str, DeviceType] = Field(min_length=1)
     nodes: list[NodeGroup] = []
     node_list: NodeList | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_device_type(cls, data: Any) -> Any:
+        """A cluster of one device type need not name it: `device_types` defaults to one, `gpu` (speed 1, 80 GB),
+        and a node group without a `device_type` takes the only one there is."""
+        if not isinstance(data, dict):
+            return data
+        types = data.get("device_types") or {"gpu": {}}
+        data = {**data, "device_types": types}
+        if isinstance(types, dict) and len(types) == 1 and isinstance(data.get("nodes"), list):
+            only = next(iter(types))
+            data["nodes"] = [{"device_type": only, **g} if isinstance(g, dict) else g for g in data["nodes"]]
+        return data
 
     @model_validator(mode="after")
     def _types_known(self) -> Cluster:
@@ -436,7 +452,7 @@ class Controller(_Model):
 
 
 class Policy(_Model):
-    name: str = "fifo"
+    name: str = DEFAULT_POLICY  # the controller's default, which a scenario with no policy shows
     params: dict[str, object] = {}
     params_for: dict[str, dict[str, object]] = {}  # per-policy parameters (name -> params), for `run` and `compare`
 
