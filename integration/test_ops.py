@@ -892,3 +892,32 @@ def test_attention_with_a_mask_of_any_rank_on_every_layout(mesh1, placement):
         torch.testing.assert_close(got.full_tensor(), want, msg=str(mask.shape))
         for d, t in zip(dinputs, inputs):
             torch.testing.assert_close(d.grad.full_tensor(), t.grad, msg=str(mask.shape))
+
+
+def test_ops_run_under_the_clients_default_dtype(mesh1):
+    """`torch.set_default_dtype(torch.float64)`: an op on integers that makes floats gives float64 values, as torch's,
+    also where the op was planned before the change and in a compiled step recorded before it. The workers ran
+    such ops under their own default: float32 values labelled float64, and the next op mixing them failed on the
+    worker ("expected m1 and m2 to have the same dtype, but got: float != double")."""
+    ints = torch.arange(12).reshape(3, 4)
+    x = dtorch.distribute_tensor(ints, mesh1, [Shard(0)])
+    step = dtorch.compile(lambda x: (x * 0.1).sqrt())
+
+    def check() -> None:
+        assert torch.equal((x / 3).full_tensor(), ints / 3)  # the bits of torch's under this default
+        assert torch.equal(x.sqrt().full_tensor(), ints.sqrt())
+        for _ in range(3):  # eager, recorded, replayed
+            got = step(x)
+            assert got.dtype == torch.get_default_dtype() and torch.equal(got.full_tensor(), (ints * 0.1).sqrt())
+        ones = torch.ones(4, 2)
+        assert torch.equal(((x / 3) @ dtorch.distribute_tensor(ones, mesh1, [Replicate()])).full_tensor(),
+                          (ints / 3) @ ones)
+
+    before = torch.get_default_dtype()
+    try:
+        check()  # float32: planned and recorded under it
+        torch.set_default_dtype(torch.float64)
+        check()
+    finally:
+        torch.set_default_dtype(before)
+    check()

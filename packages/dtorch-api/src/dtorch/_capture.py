@@ -789,6 +789,7 @@ class AutoSteps:
             self.close()
             return
         _dispatch.step_hook = None
+        key = (key, torch.get_default_dtype())  # a step recorded under another default dtype is another step
         track = self.track = self.tracks.get(key)
         if track is None:
             if len(self.tracks) < MAX_TRACKS:

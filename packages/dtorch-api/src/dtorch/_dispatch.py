@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._mode_utils import no_dispatch
 
-from dtorch import _planner, _views
+from dtorch import _planner, _torch_state, _views
 from dtorch._planner import MixedMeshes, Plan, is_inplace, out_plan, outs, writes
 from dtorch._registry import NoRule, Refused, decomposition_for
 from dtorch._sharding import NestedShard, check_strided, local_shape
@@ -279,12 +279,24 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
+_default_dtype = torch.get_default_dtype
+_planned_under = _torch_state.update()
+
+
+def _new_default_dtype() -> None:
+    global _planned_under
+    _planned_under = _torch_state.update()
+    planner.clear()
+
+
 def torch_dispatch(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
     """`DTensor.__torch_dispatch__`. The hot path, for an op whose arguments are DTensors and numbers and whose
     plan is cached and fast: key (the op, each DTensor's spec id, each number with its type), a tensor id, the
     user's line, one record queued (the sender thread encodes it), the output wrapper. Nothing else.
     (Keys hold the op's id, not the op: OpOverload's `__hash__` is Python; the plan holds the op, so the id
     stays its own while the key is cached.)"""
+    if _default_dtype() is not _planned_under:  # plans, and ops, follow torch.set_default_dtype (`_torch_state`)
+        _new_default_dtype()
     hook = step_hook
     if hook is not None:  # a compiled step is being recorded or replayed (dtorch.steps), by this thread or another
         if hook.owner == _thread():
@@ -484,7 +496,8 @@ def _emit(plan: Plan, leaves: list[DTensor]) -> Any:
                              kwargs=_fill(plan.kwargs, tids),
                              outs=[None if t is None else m.OutSpec(t, s.wire) for t, s in zip(out_tids, outs)],
                              local=local, src=src, seed=session.next_seed() if plan.random else None,
-                             writes=[tids[i] for i in sorted(plan.mutated) if tids[i] not in out_tids]))
+                             writes=[tids[i] for i in sorted(plan.mutated) if tids[i] not in out_tids],
+                             default_dtype=_torch_state.default_dtype))
     # a written input that had to move was written in its moved copy: copy it back in place (keeps aliasing)
     written_back = {}
     for i in plan.mutated:

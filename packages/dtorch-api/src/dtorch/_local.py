@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from dtorch import _torch_state
 from dtorch._source import user_src
 from dtorch._spec import Spec, contiguous_stride
 from dtorch_protocol import messages as m
@@ -50,7 +51,7 @@ def emit(op: Any, args: tuple, out: Spec | list[Spec | None], per_device: list[t
                if arg.alias_info is not None and arg.alias_info.is_write and is_dtensor(a)]
     session.emit(m.InstrCall(op=str(op), mesh=mesh.id, args=encode(list(args)), kwargs=kw,
                              outs=[None if s is None else m.OutSpec(t, s.wire) for t, s in zip(tids, specs)],
-                             local=local, src=user_src(3), writes=written))
+                             local=local, src=user_src(3), writes=written, default_dtype=_torch_state.default_dtype))
     results = [None if s is None else make(s, t, session) for t, s in zip(tids, specs)]
     return results if isinstance(out, list) else results[0]
 

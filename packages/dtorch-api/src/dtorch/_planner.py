@@ -51,6 +51,7 @@ from dtorch import (  # noqa: F401
     _sequences,
     _sharding,
     _softmax,
+    _torch_state,
 )
 from dtorch._registry import NoRule, ValueDependent, rule_for
 from dtorch._source import src_text
@@ -110,12 +111,14 @@ def _fast_encoder(plan: Plan, slots: list[tuple[int, int]]) -> Callable[[tuple],
     sender thread; the message built field by field where the template cannot be cut."""
     out: Spec = plan.outputs
     n = len(slots)
+    default_dtype = _torch_state.default_dtype  # the one it was planned under (plans go when it changes)
 
     def call(tids: Sequence[int], out_tid: int, src: str) -> m.InstrCall:
         args = plan.args.copy()
         for pos, leaf in slots:
             args[pos] = {"$t": tids[leaf]}
-        return m.InstrCall(plan.op_name, out.mesh.id, args, plan.kwargs, [m.OutSpec(out_tid, out.wire)], None, src)
+        return m.InstrCall(plan.op_name, out.mesh.id, args, plan.kwargs, [m.OutSpec(out_tid, out.wire)], None, src,
+                           default_dtype=default_dtype)
 
     template = Template.of(call([sentinel(i) for i in range(n)], sentinel(n), SRC_HOLE),
                            [*(sentinel(i) for i in range(n)), sentinel(n), SRC_HOLE])

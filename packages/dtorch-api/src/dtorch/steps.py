@@ -32,6 +32,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dtorch import _capture, _dispatch, _graph
 from dtorch._capture import AutoSteps, Program, _Recorder, _Replayer
 from dtorch.runtime import get_session
@@ -74,10 +76,13 @@ class Compiled:
         self.unreplayable: str | None = None  # why the step always runs eagerly (rule 5)
         self.graph: _graph.Graph | None = None
         self.no_graph: str | None = None  # why a mode="graph" step replays with its Python (_graph rule 1)
+        self.default_dtype = torch.get_default_dtype()  # the one its program was recorded under (`_torch_state`)
 
     def _call(self, session: Session, args: tuple, kwargs: dict) -> Any:
         if session is not self.session:
             self._begin(session)
+        if torch.get_default_dtype() is not self.default_dtype:  # its ops were planned under another: record again
+            self.default_dtype, self.program, self.graph = torch.get_default_dtype(), None, None
         self.calls += 1
         if self.unreplayable is not None or self.calls <= self.warmup or _dispatch.step_hook is not None \
                 or session.step is not None:

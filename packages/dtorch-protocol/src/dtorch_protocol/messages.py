@@ -24,12 +24,12 @@ error's kind is an `ErrorKind` (`ErrorReport.kind`, `Chunk.kind`, and
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.9"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.10"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
@@ -47,7 +47,8 @@ PROTOCOL_VERSION = "1.9"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Keep
 # InstrRead, CmdReadable and PullRequest.after (a sync point's read goes out with its Sync, not after its answer);
 # 1.9: a capped session's capabilities carry its memory cap (`auth`, cap2), MeshPlaced.memory_cap and
 # SyncReply.memory_cap; GroupOp.ranks, and GroupOp's layout and lengths in short forms (O(1) per rank, not
-# O(ranks), where they are regular)
+# O(ranks), where they are regular); 1.10: InstrCall.default_dtype and CmdRun.default_dtype (an op runs under the
+# client's `torch.set_default_dtype`)
 
 
 class ErrorKind(str, enum.Enum):
@@ -222,6 +223,9 @@ class InstrAdopt(Struct, frozen=True, tag="adopt"):
     spec: TensorSpec
 
 
+DefaultDtype = Literal["", "float64", "float16", "bfloat16"]  # what `torch.set_default_dtype` takes besides float32
+
+
 class InstrCall(Struct, frozen=True, gc=False, tag="call"):
     """Run one aten op on every device of `mesh`, on local shards."""
 
@@ -235,6 +239,8 @@ class InstrCall(Struct, frozen=True, gc=False, tag="call"):
     seed: int | None = None  # random ops: every device runs the op under this seed (inputs are replicated)
     writes: list[int] = []  # tensors (ids among the arguments) the op writes in place besides its `outs`
     # (`_foreach_add_`'s lists, batch norm's running statistics): a snapshot copies them again
+    default_dtype: DefaultDtype = ""  # the client's `torch.get_default_dtype()`, "" for float32: the op runs under
+    # it (what `x / 3` or `x.sqrt()` of an integer x gives)
 
 
 class InstrRedistribute(Struct, frozen=True, tag="redistribute"):
@@ -454,6 +460,7 @@ class CmdRun(Struct, frozen=True, gc=False, tag="run"):
     src: str = ""
     seed: int | None = None  # run under torch.manual_seed(seed), restoring the RNG state after
     mesh: int = -1  # >= 0: one command for every worker of this mesh, run on the devices its CmdMesh names (1.7)
+    default_dtype: DefaultDtype = ""  # InstrCall.default_dtype (1.10)
 
 
 class CmdMesh(Struct, frozen=True, gc=False, tag="mesh"):

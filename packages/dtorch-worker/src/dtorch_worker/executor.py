@@ -600,7 +600,7 @@ class Executor:
                 a[i] if i < len(a) else k.get(name))])
             before = hygiene.sizes_before(cmd.op, (a, k))
             with self._rng(cmd.seed):
-                flat = flatten(run(*a, **k))
+                flat = flatten(run(*a, **k) if not cmd.default_dtype else _under_default(cmd.default_dtype, run, a, k))
             hygiene.scrub(cmd.op, flat, before, (a, k))  # no bytes another session left behind
             if len(cmd.outs) > len(flat):
                 raise ValueError(f"{cmd.op} returned {len(flat)} outputs, expected {len(cmd.outs)}")
@@ -956,6 +956,17 @@ def written_args(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments `op` may write in place (`Tensor(a!)` in its schema, out= included, and
     those it writes unmarked: a training batch norm's running statistics, `dtorch_protocol.writes`)."""
     return tuple(written_arguments(str(op), op._schema.arguments))
+
+
+def _under_default(name: str, run: Any, a: list, k: dict) -> Any:
+    """`run(*a, **k)` under the client's default dtype (`CmdRun.default_dtype`, one the protocol allows), as torch
+    runs it there: an op on integers that makes floats makes them in it. Only this thread runs ops."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype_from_name(name))
+    try:
+        return run(*a, **k)
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

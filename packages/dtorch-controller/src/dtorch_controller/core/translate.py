@@ -221,11 +221,12 @@ class _Translator:
         op, args, kwargs, src, seed, given = instr.op, instr.args, instr.kwargs, instr.src, instr.seed, instr.local
         if given is None:  # alike on every device: one command for all (rule 2)
             self._shared(mesh, hosts, m.CmdRun(op=op, devices=[], args=args, kwargs=kwargs, outs=outs, src=src,
-                                               seed=seed, mesh=mesh.id))
+                                               seed=seed, mesh=mesh.id, default_dtype=instr.default_dtype))
         else:  # per-device arguments: each worker only its own devices' (the bytes stay per worker)
             for worker, devices in hosts.items():
                 self._emit(worker, m.CmdRun(op=op, devices=devices, args=args, kwargs=kwargs, outs=outs, src=src,
-                                            seed=seed, local={d: given[d] for d in devices if d in given}))
+                                            seed=seed, local={d: given[d] for d in devices if d in given},
+                                            default_dtype=instr.default_dtype))
         for out in instr.outs:
             if out is not None:
                 self.s.tensors[out.tid] = out.spec
