@@ -921,3 +921,15 @@ def test_ops_run_under_the_clients_default_dtype(mesh1):
     finally:
         torch.set_default_dtype(before)
     check()
+
+
+def test_backward_with_a_plain_gradient_gives_dtensor_gradients(mesh1):
+    """`y.backward(gradient=plain)`: the plain gradient is laid out as y is, as an op lays out the plain tensors it
+    mixes in; the leaf's gradient was a plain tensor (whatever the leaf's layout)."""
+    full, weights = torch.randn(4, 3), torch.randn(4, 3)
+    ref = full.clone().requires_grad_()
+    (ref * 3).backward(gradient=weights)
+    x = dtorch.distribute_tensor(full, mesh1, [Shard(0)]).requires_grad_()
+    (x * 3).backward(gradient=weights)
+    assert isinstance(x.grad, dtorch.DTensor) and x.grad.placements == (Shard(0),)
+    assert torch.equal(x.grad.full_tensor(), ref.grad)

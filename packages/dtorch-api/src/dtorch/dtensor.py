@@ -201,6 +201,15 @@ class DTensor(torch.Tensor):
         grad = ", requires_grad=True" if self.requires_grad else ""
         return f"DTensor({self._read()!r}, device_mesh={self.device_mesh!r}, placements={self.placements}{grad})"
 
+    def backward(self, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False, inputs: Any = None) -> None:
+        """torch's; a plain `gradient` (the whole tensor's) is laid out as this tensor first, as an op lays out the
+        plain tensors it mixes in, so the gradients it makes are DTensors (they were plain ones, on DTensor leaves)."""
+        if isinstance(gradient, torch.Tensor) and not isinstance(gradient, DTensor):
+            gradient = _upload(self._session, gradient.to(self.dtype), self.device_mesh,
+                               _gradient_placements(self.placements))
+        super().backward(gradient, retain_graph, create_graph, inputs)
+
     # ------------------------------------------------------------------ layout
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *,
                      async_op: bool = False, forward_dtype: torch.dtype | None = None,
@@ -274,5 +283,10 @@ class _FullTensor(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
         if isinstance(grad, DTensor):
             return grad.redistribute(ctx.mesh, ctx.placements), None
-        spec = Spec(ctx.mesh, ctx.placements, tuple(grad.shape), contiguous_stride(tuple(grad.shape)), grad.dtype)
-        return DTensor(spec, ctx.session.upload(grad, spec), ctx.session), None
+        return _upload(ctx.session, grad, ctx.mesh, ctx.placements), None
+
+
+def _upload(session: Session, tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    """A plain tensor of the client laid out on `mesh` (`distribute_tensor`'s path, below it)."""
+    spec = Spec(mesh, placements, tuple(tensor.shape), contiguous_stride(tuple(tensor.shape)), tensor.dtype)
+    return DTensor(spec, session.upload(tensor, spec), session)
