@@ -464,6 +464,34 @@ def test_fully_shard_accumulates_gradients_unreduced_until_requires_gradient_syn
     assert model[0].weight.grad.placements == (Partial(),) and model[2].weight.grad.placements == (Shard(0),)
 
 
+def test_fully_shard_unshard_keeps_the_gathered_parameters_across_forwards_until_reshard_as_fsdp2(mesh1):
+    """FSDP2's `unshard()` / `reshard()` (not recursive): generation reads the parameters once per token, and each
+    forward gathered and freed them again. Unsharded, the module's parameters are the gathered tensors until
+    `reshard()`, forward after forward; a block sharded by its own call keeps its own gathers."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 4))
+    model = copy.deepcopy(ref)
+    fully_shard(model[1], mesh1)
+    fully_shard(model, mesh1)
+    assert model.unshard(async_op=True).wait() is None
+    held = model[0].weight
+    assert held.placements == (Replicate(),) and model[2].weight.placements == (Replicate(),)
+    assert model[1][0].weight.placements == (Shard(0),)  # another call's group: not unsharded
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).full_tensor(), ref(x),
+                                       **TOL)
+            assert model[0].weight is held  # not gathered again
+    model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).sum().backward()  # training through the held gather
+    ref(x).sum().backward()
+    model.reshard()
+    assert model[0].weight.placements == (Shard(0),) and isinstance(model[0].weight, nn.Parameter)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.placements == p.grad.placements == (Shard(0),)
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
+
+
 class _Checkpointed(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()

@@ -318,10 +318,37 @@ class _Gathered:
     def __init__(self, names: list[str], dim: int, reshard: bool, precision: _Precision) -> None:
         self.names, self.dim, self.reshard, self.precision = names, dim, reshard, precision
         self.sync = True  # gradients reduced in each backward (`set_requires_gradient_sync`)
+        self.held = False  # gathered and kept until `reshard()` (`unshard()`)
         self.stored: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
         self.hooks: list[Any] = []  # per call under way (nested ones too): the saved-tensor hooks it entered, or None
 
     def gather(self, mod: nn.Module, _args: Any) -> None:
+        if self.held:  # unsharded (`unshard()`): the gathered parameters stay in place until `reshard()`
+            self.hooks.append(None)
+            return
+        self._put_gathered(mod, track=self.reshard)
+        self.hooks.append(_reshard.install() if self.reshard else None)
+
+    def restore(self, mod: nn.Module, _args: Any, _output: Any) -> None:
+        hooks = self.hooks.pop() if self.hooks else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        if not self.held:
+            self._put_back(mod)
+
+    def hold(self, mod: nn.Module) -> None:
+        """FSDP2's `unshard()`: the parameters gathered now and kept in place for every forward until `reshard()`
+        (no gather and no free per forward: generation reads them once per token)."""
+        if not self.held and not self.hooks:  # (not inside its own forward)
+            self._put_gathered(mod, track=False)
+            self.held = True
+
+    def release(self, mod: nn.Module) -> None:
+        if self.held:
+            self.held = False
+            self._put_back(mod)
+
+    def _put_gathered(self, mod: nn.Module, track: bool) -> None:
         for name in self.names:
             p = mod._parameters.get(name)
             if isinstance(p, DTensor) and name not in self.stored:  # (not again in a nested call of the module)
@@ -330,14 +357,10 @@ class _Gathered:
                                               reduce=self.sync and not unreduced)
                 self.stored[name] = (p, whole, whole._version)
                 mod._parameters[name] = whole
-                if self.reshard:
+                if track:
                     _reshard.track(whole, p)
-        self.hooks.append(_reshard.install() if self.reshard else None)
 
-    def restore(self, mod: nn.Module, _args: Any, _output: Any) -> None:
-        hooks = self.hooks.pop() if self.hooks else None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
+    def _put_back(self, mod: nn.Module) -> None:
         for name, (p, whole, version) in self.stored.items():
             if whole._version != version:
                 with torch.no_grad():
@@ -365,7 +388,8 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     gather fewer per parameter and step).
 
     The module given gets FSDP2's `set_requires_gradient_sync(bool)` (gradient accumulation with no reduction until
-    the last micro-batch) and `set_reshard_after_forward(bool)`, each over its fully sharded submodules.
+    the last micro-batch), `set_reshard_after_forward(bool)`, and `unshard()` / `reshard()` (its parameters kept
+    gathered across forwards, as for generation).
 
     `mp_policy`: torch's `MixedPrecisionPolicy` (`torch.distributed.fsdp`): the parameters are gathered in
     `param_dtype` and the gradients reduced in `reduce_dtype` (None: `param_dtype`; or the parameter's own dtype),
@@ -386,6 +410,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     dim = _mesh_dim(device_mesh, mesh_dim)
     precision = _Precision.of(mp_policy)
     replicate = (Replicate(),) * device_mesh.ndim
+    module._dtorch_groups = groups = []  # (submodule, its hooks) of this call: FSDP2's parameter group of `module`
     for mod in list(module.modules()):
         if getattr(mod, "_dtorch_gathered", None) is not None:  # sharded by an earlier call (per block, then root)
             continue
@@ -401,7 +426,8 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             mod.register_forward_hook(hooks.restore, always_call=True)
             for name in names:
                 mod._parameters[name]._dtorch_fully_shard = hooks  # (`_reduce_early` asks it whether to reduce)
-    for method in (set_requires_gradient_sync, set_reshard_after_forward):
+            groups.append((mod, hooks))
+    for method in (set_requires_gradient_sync, set_reshard_after_forward, unshard, reshard):
         setattr(module, method.__name__, types.MethodType(method, module))
     if precision.param_dtype is not None and precision.cast_forward_inputs:
         module.register_forward_pre_hook(precision.inputs, with_kwargs=True)
@@ -410,24 +436,49 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     return replicate_module(module, device_mesh)
 
 
-# What torch's `fully_shard` adds to the modules it is given (FSDP2's `FSDPModule`), bound to each of them.
+# What torch's `fully_shard` adds to the modules it is given (FSDP2's `FSDPModule`), bound to each of them. Without
+# `recurse`, a method acts on the parameters of the module's own call (FSDP2's parameter group), not on those of
+# submodules given to `fully_shard` before it.
 def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
     """FSDP2's gradient accumulation without communication: while False, each backward leaves the parameters'
     gradients unreduced (Partial over a sharded batch, the size of the whole parameter on each device) and adds to
     them there; the first backward with True reduces the sum once, to the parameters' layout."""
-    for hooks in _fully_sharded(self, recurse):
+    for _mod, hooks in _fully_sharded(self, recurse):
         hooks.sync = requires_gradient_sync
 
 
 def set_reshard_after_forward(self: nn.Module, reshard_after_forward: bool, recurse: bool = True) -> None:
     """FSDP2's: whether the next forwards free their gathered parameters at their end (`fully_shard`'s argument)."""
-    for hooks in _fully_sharded(self, recurse):
+    for _mod, hooks in _fully_sharded(self, recurse):
         hooks.reshard = reshard_after_forward
 
 
-def _fully_sharded(module: nn.Module, recurse: bool) -> list[_Gathered]:
-    mods = module.modules() if recurse else (module,)
-    return [m._dtorch_gathered for m in mods if getattr(m, "_dtorch_gathered", None) is not None]
+def unshard(self: nn.Module, async_op: bool = False) -> _Unsharded | None:
+    """FSDP2's (not recursive): this module's parameters gathered now and kept for every forward until `reshard()`,
+    as for generation, which would otherwise gather and free them once per token. The gathers run asynchronously
+    either way; with `async_op`, the handle's `wait()` returns at once."""
+    for mod, hooks in _fully_sharded(self, recurse=False):
+        hooks.hold(mod)
+    return _Unsharded() if async_op else None
+
+
+def reshard(self: nn.Module) -> None:
+    """FSDP2's: the gathered parameters `unshard()` kept are freed; forwards gather their own again."""
+    for mod, hooks in _fully_sharded(self, recurse=False):
+        hooks.release(mod)
+
+
+class _Unsharded:
+    """FSDP2's `UnshardHandle`: its gathers are queued on the workers like any op, so there is nothing to wait for."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _fully_sharded(module: nn.Module, recurse: bool) -> list[tuple[nn.Module, _Gathered]]:
+    if not recurse:
+        return list(getattr(module, "_dtorch_groups", ()))
+    return [(m, m._dtorch_gathered) for m in module.modules() if getattr(m, "_dtorch_gathered", None) is not None]
 
 
 @_lays_out
