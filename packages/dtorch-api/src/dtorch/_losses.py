@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from dtorch._local import is_dtensor, sharded_dim, to
-from dtorch._registry import register_decomposition
+from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.placement_types import Replicate, Shard
 
 aten = torch.ops.aten
@@ -72,7 +72,7 @@ def _picks(self: Any, target: Any, weight: Any, ignore_index: int) -> tuple[Any,
 
 
 def _nll_by_class_shard(args: tuple, kwargs: dict) -> Any:  # rule 4, forward
-    values = dict(zip(("self", "target", "weight", "reduction", "ignore_index"), args), **kwargs)
+    values = named_args(aten.nll_loss_forward.default, args, kwargs)
     self, target, weight = values["self"], values["target"], values.get("weight")
     if not _class_sharded(self, target):
         return NotImplemented
@@ -88,8 +88,7 @@ def _nll_by_class_shard(args: tuple, kwargs: dict) -> Any:  # rule 4, forward
 
 @register_decomposition(aten.nll_loss_backward.default)
 def nll_backward_by_class_shard(args: tuple, kwargs: dict) -> Any:  # rule 4, backward
-    values = dict(zip(("grad_output", "self", "target", "weight", "reduction", "ignore_index", "total_weight"), args),
-                  **kwargs)
+    values = named_args(aten.nll_loss_backward.default, args, kwargs)
     grad, self, target = values["grad_output"], values["self"], values["target"]
     if not _class_sharded(self, target):
         return NotImplemented

@@ -21,16 +21,9 @@ from typing import Any
 
 import torch
 
-from dtorch._registry import register_decomposition
+from dtorch._registry import named_args, register_decomposition
 
 aten = torch.ops.aten
-
-
-def _named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    values = {a.name: a.default_value if a.has_default_value() else None for a in func._schema.arguments}
-    values.update(zip((a.name for a in func._schema.arguments), args))
-    values.update(kwargs)
-    return values
 
 
 def _number(v: Any) -> float:
@@ -75,7 +68,7 @@ def _adagrad(v: dict[str, Any], grads: list) -> None:  # rule 4
 def _decomposition(func: Any, math: Any) -> Any:
     """One overload of a fused kernel: its arguments by name, rules 1 and 2, then its `math`."""
     def step(args: tuple, kwargs: dict) -> None:
-        v = _named(func, args, kwargs)
+        v = named_args(func, args, kwargs)
         grads = _gradients(v)
         if grads is not None:
             math(v, grads)

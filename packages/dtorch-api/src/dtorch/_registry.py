@@ -87,6 +87,14 @@ Decomposition = Callable[[tuple, dict], Any]
 _DECOMPOSITIONS: dict[Any, Decomposition] = {}
 
 
+def named_args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by their names in `func`'s schema, defaults filled in (for decompositions that read them)."""
+    values = {a.name: a.default_value if a.has_default_value() else None for a in func._schema.arguments}
+    values.update(zip((a.name for a in func._schema.arguments), args))
+    values.update(kwargs)
+    return values
+
+
 def register_decomposition(*ops: Any) -> Callable[[Decomposition], Decomposition]:
     """Decorator: `fn` may carry out each of `ops` (OpOverloads). An op has at most one decomposition."""
     return _adder(_DECOMPOSITIONS, "decomposition", ops)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dtorch._local import sharded_dim, to
-from dtorch._registry import register_decomposition
+from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.placement_types import Replicate
 
 aten = torch.ops.aten
@@ -42,7 +42,7 @@ def _row_sum(x: Any, dim: int) -> Any:
 
 def _forward_input(args: tuple, kwargs: dict) -> tuple[Any, int] | None:
     """(x, dim) of `_softmax`/`_log_softmax` (x in float32 under half_to_float), or None where they decline."""
-    values = dict(zip(("self", "dim", "half_to_float"), args), **kwargs)
+    values = named_args(aten._softmax.default, args, kwargs)  # (_log_softmax's are the same)
     x, dim = values["self"], values["dim"]
     if not sharded_dim(x, dim=dim):
         return None
@@ -51,7 +51,7 @@ def _forward_input(args: tuple, kwargs: dict) -> tuple[Any, int] | None:
 
 def _backward_input(args: tuple, kwargs: dict) -> tuple[Any, Any, int, torch.dtype] | None:
     """(grad, out, dim, input dtype) of the backwards, or None where they decline."""
-    values = dict(zip(("grad_output", "output", "dim", "input_dtype"), args), **kwargs)
+    values = named_args(aten._softmax_backward_data.default, args, kwargs)  # (_log_softmax_backward_data's too)
     grad, out, dim = values["grad_output"], values["output"], values["dim"]
     return (grad, out, dim, values["input_dtype"]) if sharded_dim(grad, out, dim=dim) else None
 
