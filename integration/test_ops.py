@@ -501,8 +501,9 @@ def test_module_dtype_conversion_converts_the_shards(mesh1, convert):
         assert torch.equal(d.full_tensor(), p.detach())
         torch.testing.assert_close(d.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-6)  # summed over the batch
     assert_same(model(dist(x.to(dtype), mesh1, Shard(0))), ref(x.to(dtype)), exact=False)
-    with pytest.raises(TypeError, match=r"cannot assign a plain Tensor to a DTensor's .data"):
-        model[0].weight.data = torch.zeros(16, 8, dtype=dtype)
+    fresh = torch.arange(16 * 9, dtype=dtype).reshape(16, 9)  # a plain one, of another shape (an initializer's, or
+    model[0].weight.data = fresh  # transformers' resize_token_embeddings'): laid out as the parameter is (refused)
+    assert model[0].weight.placements == (Replicate(),) and torch.equal(model[0].weight.full_tensor(), fresh)
 
 
 def test_half_precision_scalars_go_to_and_from_the_workers(mesh1):

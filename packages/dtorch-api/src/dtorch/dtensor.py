@@ -67,10 +67,12 @@ class DTensor(torch.Tensor):
     def data(self, new: torch.Tensor) -> None:
         """`p.data = q`, as `nn.Module.to(dtype)`, `.half()` and `.double()` convert parameters and gradients: `p`
         becomes `q` (its tensor id, layout, session and metadata; `q`'s release frees `p`'s old shards). torch's own
-        setter would change the metadata alone and leave `p` naming its old shards."""
+        setter would change the metadata alone and leave `p` naming its old shards. A plain `q` is laid out as `p`
+        is first (transformers' `resize_token_embeddings` gives a parallelized model's embedding a plain tensor of
+        the new size this way)."""
         if not isinstance(new, DTensor):
-            raise TypeError(f"cannot assign a plain {type(new).__name__} to a DTensor's .data; make it a DTensor first "
-                            "(dtorch.distribute_tensor)")
+            placements = normalize_placements(_gradient_placements(self.placements), self.device_mesh, new.dim())
+            new = _upload(self._session, new.detach(), self.device_mesh, placements)
         _BASE_DATA.__set__(self, new)
         self._spec, new._spec = new._spec, self._spec
         self._tid, new._tid = new._tid, self._tid
