@@ -934,3 +934,21 @@ def test_backward_with_a_plain_gradient_gives_dtensor_gradients(mesh1):
     (x * 3).backward(gradient=weights)
     assert isinstance(x.grad, dtorch.DTensor) and x.grad.placements == (Shard(0),)
     assert torch.equal(x.grad.full_tensor(), ref.grad)
+
+
+def test_a_plain_parameter_mixed_with_dtensors_is_pointed_out_once(mesh1):
+    """A module left plain (never laid out, or put in after: transformers' resize_token_embeddings replaces the
+    output layer) computes right, uploads its parameters at each use, and its optimizer then fails at the step
+    ("would write into the plain torch.Tensor 'self'"), far from the cause: the first use now warns, once, at the
+    user's line."""
+    import warnings
+
+    linear = torch.nn.Linear(4, 3)
+    x = dist(torch.randn(6, 4), mesh1, Shard(0))
+    with pytest.warns(UserWarning, match=r"a plain nn.Parameter of shape \[3\] takes part in an op on DTensors") as got:
+        out = linear(x)
+    assert got[0].filename == __file__
+    torch.testing.assert_close(out.full_tensor(), linear(x.full_tensor()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear(x)  # once per parameter

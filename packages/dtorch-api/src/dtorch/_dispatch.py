@@ -35,7 +35,7 @@ from dtorch import _planner, _torch_state, _views
 from dtorch._planner import MixedMeshes, Plan, is_inplace, out_plan, outs, writes
 from dtorch._registry import NoRule, Refused, decomposition_for
 from dtorch._sharding import NestedShard, check_strided, local_shape
-from dtorch._source import SKIP, caller, user_src
+from dtorch._source import SKIP, caller, stacklevel, user_src
 from dtorch._spec import Spec, StridedShard, contiguous_stride
 from dtorch._views import by_root as _origins
 from dtorch.device_mesh import WRAPPER_DEVICE
@@ -251,7 +251,12 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                                       "make it a DTensor first (dtorch.distribute_tensor)")
 
     def lift(v: Any) -> Any:
-        return replicate_plain(v, ref) if isinstance(v, torch.Tensor) and not isinstance(v, dtensor.DTensor) else v
+        if not isinstance(v, torch.Tensor) or isinstance(v, dtensor.DTensor):
+            return v
+        if isinstance(v, torch.nn.Parameter) and not getattr(v, "_dtorch_warned", False):
+            v._dtorch_warned = True  # (once per parameter)
+            warnings.warn(PLAIN_PARAMETER.format(shape=list(v.shape)), stacklevel=stacklevel())
+        return replicate_plain(v, ref)
 
     return pytree.tree_map(lift, args), pytree.tree_map(lift, kwargs)
 
@@ -259,6 +264,9 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 AUTOCAST_CUDA = ("dtorch: torch.autocast('cuda') does not reach DTensors, which are CPU tensors in this process (their "
                  "mesh says where the shards live); use torch.autocast('cpu', dtype=...): the workers then compute in "
                  "that dtype, on whatever devices they have")
+PLAIN_PARAMETER = ("dtorch: a plain nn.Parameter of shape {shape} takes part in an op on DTensors: it is uploaded at "
+                   "each use, and an optimizer cannot step it (its gradient is a DTensor); lay its module out first "
+                   "(dtorch.nn.replicate_module, parallelize_module or fully_shard)")
 WRITES_PLAIN = "writes into a plain torch.Tensor"  # why an in-place op on one runs on the client (a sync point)
 _FLAT = (int, float, bool, type(None))
 _TORCH_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)  # what torch raises about shapes and dtypes
