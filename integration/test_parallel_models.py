@@ -313,12 +313,15 @@ def test_training_matches_single_process(mesh2d, layout):
         torch.testing.assert_close(p.grad.to_torch(), r.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("load", ["copy", "assign", "assign_dtensors"])
 @pytest.mark.parametrize("layout", ["tp", "fsdp_blocks_then_root", "tp_x_fsdp"])
-def test_a_model_built_on_the_meta_device_is_laid_out_loaded_and_trained_as_torch(mesh1, mesh2d, layout):
+def test_a_model_built_on_the_meta_device_is_laid_out_loaded_and_trained_as_torch(mesh1, mesh2d, layout, load):
     """The way to build a model too large for one host (torchtitan's, FSDP2's): on the meta device, laid out, then
     `to_empty` and a checkpoint loaded. distribute_tensor could not copy out of a meta tensor; and fully_shard per
     block and then on the root (FSDP2's pattern) gathered the blocks' parameters twice, leaving them gathered after
-    the forward: the optimizer stepped the shards while the forward kept reading the stale gathered copies."""
+    the forward: the optimizer stepped the shards while the forward kept reading the stale gathered copies.
+    `load_state_dict(..., assign=True)` (torch's recipe: of tensors laid out as the parameters, or of plain ones)
+    put plain parameters in the model, or DTensor ones without what the layout gives its own."""
     ref = tiny_llama()
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(ref.config)
@@ -335,7 +338,13 @@ def test_a_model_built_on_the_meta_device_is_laid_out_loaded_and_trained_as_torc
         shard(model)
     assert all(isinstance(p, dtorch.DTensor) for p in model.parameters())
     model.to_empty(device="cpu")
-    model.load_state_dict(ref.state_dict())
+    state = ref.state_dict()
+    if load == "assign_dtensors":
+        laid_out = model.state_dict()
+        state = {k: dtorch.distribute_tensor(v, laid_out[k].device_mesh, laid_out[k].placements)
+                 for k, v in state.items()}
+    model.load_state_dict(state, assign=load != "copy")
+    assert all(isinstance(p, dtorch.DTensor) for p in model.parameters())
     for name, buffer in ref.named_buffers():  # not in the state dict (rotary frequencies): made again, as with torch
         model.get_buffer(name).copy_(buffer)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -346,6 +355,8 @@ def test_a_model_built_on_the_meta_device_is_laid_out_loaded_and_trained_as_torc
             o.step()
             o.zero_grad()
     torch.testing.assert_close(model(ids).logits.full_tensor(), ref(ids).logits, **TOL)
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad.placements == p.placements for p in model.parameters())  # reduced as they landed
     if layout != "tp":
         shard = model.model.layers[0].mlp.up_proj.weight
         assert isinstance(shard, nn.Parameter) and shard.placements[0] == Shard(0)  # stored sharded after a forward

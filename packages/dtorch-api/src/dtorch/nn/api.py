@@ -24,6 +24,7 @@ import dataclasses
 import fnmatch
 import functools
 import inspect
+import itertools
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -57,7 +58,8 @@ def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
       one parameter: the entry points lay parameters out submodule by submodule, which gave every use a copy of its
       own, trained apart. After the layout, each other use takes the first use's parameter;
     * a transformers model's `save_pretrained` writes the full weights (`save_pretrained` below, bound to the
-      model under transformers' name, which is also how pickle finds a bound method again)."""
+      model under transformers' name, which is also how pickle finds a bound method again);
+    * `load_state_dict(..., assign=True)` keeps the layout (`_keep_layouts`)."""
     @functools.wraps(lay_out)
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         uses: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -72,6 +74,7 @@ def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
                 other.register_parameter(other_name, shared)
         if callable(getattr(type(module), "save_pretrained", None)):
             module.save_pretrained = types.MethodType(save_pretrained, module)
+        _keep_layouts(module)
         return result
     return run
 
@@ -96,18 +99,57 @@ def _with(placements: tuple[Placement, ...], dim: int, p: Placement, ndim: int) 
 
 def _set_param(module: nn.Module, name: str, value: torch.Tensor, requires_grad: bool) -> None:
     param = nn.Parameter(value, requires_grad=requires_grad)
-    if requires_grad and isinstance(value, DTensor):
-        param.register_post_accumulate_grad_hook(_reduce_early)
+    if isinstance(value, DTensor):
+        _arm(module, name, param)
     module.register_parameter(name, param)
 
 
+def _arm(module: nn.Module, name: str, param: torch.Tensor) -> None:
+    """What DTorch's layout gives a DTensor parameter: its gradient reduced as it lands (`_reduce_early`) and, under
+    `fully_shard`, its module's gradient sync (`_Gathered.sync`)."""
+    if param.requires_grad and not getattr(param, "_dtorch_armed", False):
+        param._dtorch_armed = True
+        param.register_post_accumulate_grad_hook(_reduce_early)
+    hooks = getattr(module, "_dtorch_gathered", None)
+    if hooks is not None and name in hooks.names:
+        param._dtorch_fully_shard = hooks  # (`_reduce_early` asks it whether to reduce)
+
+
+def _keep_layouts(module: nn.Module) -> None:
+    """`load_state_dict(..., assign=True)` (torch's way to fill a model laid out on the meta device) puts the state
+    dict's tensors in the parameters' places: a plain one is laid out as the tensor it replaces first (it made the
+    model plain: uploaded at each use, its optimizer failing at the step), and each DTensor parameter put in gets
+    what the layout gave the one it replaces (`_arm`)."""
+    if not getattr(module, "_dtorch_keeps_layouts", False):
+        module._dtorch_keeps_layouts = True
+        module.register_load_state_dict_pre_hook(_lay_out_assigned)
+        module.register_load_state_dict_post_hook(_arm_assigned)
+
+
+def _lay_out_assigned(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_: Any) -> None:
+    if not local_metadata.get("assign_to_params_buffers"):
+        return
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        value = state_dict.get(prefix + name)
+        if isinstance(t, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and value.shape == t.shape:
+            state_dict[prefix + name] = distribute_tensor(value.detach(), t.device_mesh, t.placements)
+
+
+def _arm_assigned(module: nn.Module, _incompatible: Any) -> None:
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if isinstance(p, DTensor):
+                _arm(mod, name, p)
+
+
 def _reduce_early(param: torch.Tensor) -> None:
-    """A gradient autograd just accumulated that is still Partial is reduced now, to the parameter's placements
-    (what the optimizer's first use would do later): issued here, the collective overlaps the rest of backward.
-    A plain one (torch's formulas that make their zeros with a factory taking no tensor: `sgn`, `copysign`'s sign)
-    becomes a DTensor laid out as the parameter. A `fully_shard` parameter's gradient accumulates unreduced while
-    its module does not synchronize gradients (`_Gathered.sync`), and is laid out as the parameter at the first
-    backward that does."""
+    """A gradient autograd just accumulated that is not laid out as its parameter (Partial over a sharded batch,
+    Replicate where every device computed the whole of it) is laid out as it now, what the optimizer's first use
+    would do later: issued here, a collective overlaps the rest of backward, and a replicated gradient is held once,
+    not on every device. A plain one (torch's formulas that make their zeros with a factory taking no tensor: `sgn`,
+    `copysign`'s sign) becomes a DTensor laid out as the parameter. A `fully_shard` parameter's gradient accumulates
+    unreduced while its module does not synchronize gradients (`_Gathered.sync`)."""
     grad = param.grad
     if isinstance(param, DTensor) and grad is not None and not isinstance(grad, DTensor):
         param.grad = torch.zeros_like(param) if grad._is_zerotensor() else \
@@ -117,7 +159,7 @@ def _reduce_early(param: torch.Tensor) -> None:
             or grad.placements == param.placements:
         return
     owner = getattr(param, "_dtorch_fully_shard", None)
-    if owner is None and any(p.is_partial() for p in grad.placements) or owner is not None and owner.sync:
+    if owner is None or owner.sync:
         param.grad = grad.redistribute(placements=param.placements)
 
 
@@ -425,7 +467,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             mod.register_forward_pre_hook(hooks.gather)
             mod.register_forward_hook(hooks.restore, always_call=True)
             for name in names:
-                mod._parameters[name]._dtorch_fully_shard = hooks  # (`_reduce_early` asks it whether to reduce)
+                _arm(mod, name, mod._parameters[name])
             groups.append((mod, hooks))
     for method in (set_requires_gradient_sync, set_reshard_after_forward, unshard, reshard):
         setattr(module, method.__name__, types.MethodType(method, module))
