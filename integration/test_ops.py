@@ -895,6 +895,28 @@ def test_attention_with_a_mask_of_any_rank_on_every_layout(mesh1, placement):
             torch.testing.assert_close(d.grad.full_tensor(), t.grad, msg=str(mask.shape))
 
 
+@pytest.mark.parametrize("kv_heads,stays", [(2, True), (1, False)], ids=["even", "uneven"])
+def test_grouped_query_attention_stays_sharded_on_heads(mesh1, kv_heads, stays):
+    """Grouped-query attention (`enable_gqa`, transformers' SDPA path for Llama 3, Mistral, Qwen: fewer key/value
+    heads than query heads) with the heads sharded ran replicated: the rule refused head counts that differ, so every
+    device gathered q, k and v and computed the whole attention, and q/k/v projections' gradients came back whole.
+    Where the key/value heads split evenly, each device holds the ones its query heads read and the heads stay
+    sharded; where they do not (one kv head on two devices), it still computes right, replicated."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=gen)
+    k, v = (torch.randn(2, kv_heads, 6, 8, generator=gen) for _ in range(2))
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
+    want.pow(2).sum().backward()
+    dinputs = [dist(t, mesh1, Shard(1)).requires_grad_() for t in (q, k, v)]
+    got = F.scaled_dot_product_attention(*dinputs, is_causal=True, enable_gqa=True)
+    assert (got.placements == (Shard(1),)) == stays
+    got.pow(2).sum().backward()
+    torch.testing.assert_close(got.full_tensor(), want)
+    for d, t in zip(dinputs, inputs):
+        torch.testing.assert_close(d.grad.full_tensor(), t.grad)
+
+
 def test_ops_run_under_the_clients_default_dtype(mesh1):
     """`torch.set_default_dtype(torch.float64)`: an op on integers that makes floats gives float64 values, as torch's,
     also where the op was planned before the change and in a compiled step recorded before it. The workers ran

@@ -2,8 +2,10 @@
 Each registers its ops in `_registry` (see there for how to add a rule module).
 
 Per mesh dim, the query's placement picks the layout of the whole op:
-  Shard(0) batch / Shard(1) heads   every input and output sharded the same way (heads need q and kv
-                                    heads equal, as after transformers' repeat_kv)
+  Shard(0) batch / Shard(1) heads   every input and output sharded the same way (heads: q and kv heads
+                                    equal, as after transformers' repeat_kv, or grouped-query attention's
+                                    fewer kv heads split evenly, so that each device holds the kv heads its
+                                    query heads read)
   Shard(2) sequence                 context parallelism: queries stay sharded, keys and values are
                                     gathered; a causal mask becomes a per-device mask of the device's
                                     query rows (`is_causal` aligns top-left, which a shard would break);
@@ -29,14 +31,16 @@ _R = Replicate()
 
 
 def _roles(q: Spec, k: Spec) -> list[str]:
-    roles = []
-    for p in q.placements:
+    roles, split = [], 1  # split: how many parts the heads are cut into
+    for p, n in zip(q.placements, q.mesh.shape):
         if isinstance(p, Shard) and p.dim in (0, 1, 2):
-            if p.dim == 1 and q.shape[1] != k.shape[1]:
-                raise NoRule("heads sharded but query and key/value head counts differ")
             roles.append("bhs"[p.dim])
+            split *= n if p.dim == 1 else 1
         else:
             roles.append("r")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if split > 1 and heads != kv_heads and (heads % kv_heads or kv_heads % split):
+        raise NoRule("heads sharded, but the key/value heads do not split evenly with the query heads they serve")
     if roles.count("s") > 1:
         raise NoRule("sequence sharded on more than one mesh dim")
     if any(n == 0 for c in coords(q.mesh.shape) for _, n in shard_box(q.shape, q.mesh.shape, q.placements, c)):
