@@ -895,6 +895,37 @@ def test_attention_with_a_mask_of_any_rank_on_every_layout(mesh1, placement):
             torch.testing.assert_close(d.grad.full_tensor(), t.grad, msg=str(mask.shape))
 
 
+@pytest.mark.parametrize("layout", ["vocab", "batch_and_vocab"])
+def test_a_vocabulary_parallel_embedding_never_gathers_its_table(cluster, mesh4, mesh2d, layout):
+    """`RowwiseParallel` on an `nn.Embedding` (Megatron's vocabulary-parallel embedding: the table's rows sharded):
+    the whole table was gathered on every device at every forward (torch's rule answers with a private placement).
+    Each device now looks up the indices in its own rows (_embedding rule 1) and the output is reduced once; values
+    and gradients are torch's, uneven shards and padding_idx included."""
+    from dtorch_protocol import messages as m
+
+    mesh, at = {"vocab": (mesh4, [Shard(0)]), "batch_and_vocab": (mesh2d, [Replicate(), Shard(0)])}[layout]
+    ids_at = [Replicate()] if layout == "vocab" else [Shard(0), Replicate()]
+    g = torch.Generator().manual_seed(0)
+    ref = torch.nn.Embedding(10, 6, padding_idx=3)  # 10 rows over 4 devices: 3, 3, 3, 1
+    ids = torch.randint(0, 10, (4, 5), generator=g)
+    ids[0, :4] = torch.tensor([0, 9, 3, 5])
+    table = dist(ref.weight.detach(), mesh, *at).requires_grad_()
+    sent, eager_emit = [], cluster.emit
+    cluster.emit = lambda item: (sent.append(item), eager_emit(item))[1]
+    try:
+        got = F.embedding(dist(ids, mesh, *ids_at), table, padding_idx=3)
+    finally:
+        cluster.emit = eager_emit
+    want = ref(ids)
+    upstream = torch.randn(want.shape, generator=g)
+    (want * upstream).sum().backward()
+    (got * dist(upstream, mesh, *[Replicate()] * mesh.ndim)).sum().backward()
+    assert got.placements[-1] == Partial()
+    torch.testing.assert_close(got.full_tensor(), want)
+    torch.testing.assert_close(table.grad.full_tensor(), ref.weight.grad)
+    assert not [i for i in sent if isinstance(i, m.InstrRedistribute)]  # the table stays where it is
+
+
 @pytest.mark.parametrize("kv_heads,stays", [(2, True), (1, False)], ids=["even", "uneven"])
 def test_grouped_query_attention_stays_sharded_on_heads(mesh1, kv_heads, stays):
     """Grouped-query attention (`enable_gqa`, transformers' SDPA path for Llama 3, Mistral, Qwen: fewer key/value
