@@ -12,6 +12,7 @@ per device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from dtorch.dtensor import DTensor
 from dtorch.runtime import get_session
 from dtorch_protocol import messages as m
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
+from dtorch_protocol.values import divide
 
 _RANDOM = ("rand", "randn")
 
@@ -164,14 +166,8 @@ _COMBINE = {
 
 
 def _reduce(group: list[torch.Tensor], op: str) -> torch.Tensor:
-    acc = group[0]
-    for t in group[1:]:
-        acc = _REDUCE[op](acc, t)
-    if op != "avg" or len(group) == 1:
-        return acc
-    if acc.is_floating_point() or acc.is_complex():
-        return acc / len(group)
-    return acc.div(len(group), rounding_mode="trunc")
+    acc = functools.reduce(_REDUCE[op], group)
+    return divide(acc, len(group)) if op == "avg" and len(group) > 1 else acc  # (acc is a new tensor here)
 
 
 def from_local(local_tensor: torch.Tensor | Sequence[torch.Tensor], device_mesh: DeviceMesh | None = None,
@@ -187,8 +183,7 @@ def from_local(local_tensor: torch.Tensor | Sequence[torch.Tensor], device_mesh:
     otherwise changes nothing: in torch it picks the layout of the gradient each rank's local tensor receives, and
     here the local tensors are the client's own."""
     mesh = _check_mesh("from_local", device_mesh)
-    many = isinstance(local_tensor, (list, tuple))
-    tensors = list(local_tensor) if many else [local_tensor] * mesh.size()
+    tensors = list(local_tensor) if isinstance(local_tensor, (list, tuple)) else [local_tensor] * mesh.size()
     if len(tensors) != mesh.size():
         raise ValueError(f"from_local: got {len(tensors)} local tensors for a mesh of {mesh.size()} devices; pass "
                          "one tensor (every device's) or one per device, in the mesh's row-major order")
