@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import dtorch
-from _helpers import assert_same, run_scenario
+from _helpers import assert_same, run_scenario, tap
 from dtorch import Partial, Replicate, Shard
 
 
@@ -415,6 +415,80 @@ def test_writing_rows_and_columns_of_a_sharded_parameter_under_no_grad(mesh1, st
             m.weight[:, 1] = 2.0
     assert model.weight.placements == ((Shard(0),) if style == "rowwise" else (Shard(1),))
     assert_same(model.weight.detach(), ref.weight.detach())
+
+
+ITEM_WRITES = [  # (index, value: "n" a number, "t" a tensor of the region's shape, "row" one that broadcasts to it)
+    (5, "n"), (-1, "t"), ((slice(1, 8, 3),), "n"), ((slice(2, 7), slice(0, 6, 2)), "t"), ((Ellipsis, 4), "t"),
+    ((4, 5), "n"), ((slice(8, 2),), "n"), ((slice(None), 2), "t"), ((slice(1, None, 2), Ellipsis), "row"),
+]
+
+
+@pytest.mark.parametrize("index,value", ITEM_WRITES, ids=str)
+def test_item_assignment_on_a_sharded_dim_writes_where_the_rows_live(cluster, mesh4, mesh2d, index, value):
+    """`x[i] = v` on a dim x is sharded on gathered the whole tensor to every device and wrote it back (64 MiB moved
+    to set one row of a 64 MiB tensor; torch's DTensor gathers too). Each device now writes its own part of the
+    region (_setitem): x never moves, and the values are torch's for numbers, values laid out in any way and plain
+    ones, broadcast, on 1-d and 2-d meshes with uneven shards (9 rows over 4 devices)."""
+    from dtorch_protocol import messages as m
+
+    g = torch.Generator().manual_seed(0)
+    for mesh, at in [(mesh4, [Shard(0)]), (mesh4, [Shard(1)]), (mesh2d, [Shard(0), Shard(1)]),
+                     (mesh2d, [Shard(0), Shard(0)])]:
+        a = torch.arange(54.0).view(9, 6)
+        region = a[index]
+        v = {"n": 7.5, "t": torch.randn(region.shape, generator=g), "row": torch.randn(region.shape[-1:], generator=g)}[
+            value]
+        values = [v] if value == "n" else [v, *(dist(v, mesh, *p) for p in
+                                              ([Replicate()] * mesh.ndim, [Shard(0)] * mesh.ndim, at) if
+                                              all(q.dim < v.dim() for q in p if q.is_shard()))]
+        for dv in values:
+            x, want = dist(a.clone(), mesh, *at), a.clone()
+            sent: list = []
+            with tap(cluster, sent):
+                x[index] = dv
+            want[index] = v
+            assert_same(x, want)
+            assert x.placements == tuple(at)
+            assert not [i for i in sent if isinstance(i, m.InstrRedistribute) and i.src == x._tid], (mesh, at, dv)
+
+
+def test_item_assignment_on_a_sharded_dim_is_replayed_and_bumps_the_version(cluster, mesh1):
+    """A sequence-sharded KV cache written at a position in an automatically captured loop (one `.item()` a step)
+    gives torch's values, replayed; a write under no_grad into a tensor autograd saved makes backward refuse, as
+    torch does. `x[:, 3] = 3.0` (a fill_ with a 0-dim tensor through a view of an unsharded dim) keeps the shards
+    where they are too (torch has no rule for it: the view was gathered and written back)."""
+    from dtorch_protocol import messages as m
+
+    g = torch.Generator().manual_seed(0)
+    cache, w, x = torch.zeros(2, 4, 12, 8), torch.randn(8, 8, generator=g), torch.randn(2, 4, 8, generator=g)
+    dcache, dw, dx = dist(cache.clone(), mesh1, Shard(2)), dist(w, mesh1, Replicate()), dist(x, mesh1, Replicate())
+    dtorch.auto_compile(False)
+    capture = dtorch.auto_compile(True)
+    with torch.no_grad():
+        for _ in range(8):
+            for c, t, v in ((cache, x, w), (dcache, dx, dw)):
+                c[:, :, 9] = torch.tanh(t @ v) * 0.5 + 0.25
+            x, dx = (torch.tanh(c[:, :, 9] @ v) - 0.5 * t for c, t, v in ((cache, x, w), (dcache, dx, dw)))
+            assert dx.sum().item() == pytest.approx(x.sum().item(), abs=1e-5)
+    assert capture.replays >= 3 and capture.fallbacks == 0
+    torch.testing.assert_close(dcache.full_tensor(), cache)
+    assert dcache.placements == (Shard(2),)
+
+    y = dist(torch.randn(6, 4, generator=g), mesh1, Shard(0)).requires_grad_() * 2
+    loss = (y * y).sum()
+    with torch.no_grad():
+        y[3] = 0.0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+    sent = []
+    t = dist(torch.zeros(6, 4), mesh1, Shard(0))
+    with tap(cluster, sent):
+        t[:, 3] = 3.0
+    want = torch.zeros(6, 4)
+    want[:, 3] = 3.0
+    assert_same(t, want)
+    assert not [i for i in sent if isinstance(i, m.InstrRedistribute)]
 
 
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)

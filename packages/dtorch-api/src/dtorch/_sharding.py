@@ -179,6 +179,8 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
         raise NoRule("a boolean mask indexes a sharded dim")
     if func is _aten.fill_.Scalar and isinstance(args[0], Spec) and args[0].has_partial():
         return _fill_partial(func, args, kwargs, mesh)
+    if func is _aten.fill_.Tensor and _fill_0d(args):  # (torch has no rule: self was gathered and written back)
+        return Propagation(func, (args[0], args[1].with_placements((Replicate(),) * mesh.ndim)), kwargs, None, args[0])
     try:
         # never torch's own cache: it keys on the tensor args plus only the non-tensor args a rule declares
         # static, so e.g. histc(bins=1) would reuse the plan of histc(bins=100); our plan cache keys on all args
@@ -248,6 +250,13 @@ def _fill_partial(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Pro
     per_rank = [((self, value if all(c[d] == 0 for d in sums) else zero, *args[2:]), kwargs)
                 for c in coords(mesh.shape)]
     return Propagation(func, args, kwargs, per_rank, self)
+
+
+def _fill_0d(args: tuple) -> bool:
+    """fill_ with a 0-dim tensor (`x[:, 3] = 3.0` after its view) into a self with nothing Partial: every device fills
+    its own shard with the value, replicated."""
+    return len(args) == 2 and isinstance(args[0], Spec) and not args[0].has_partial() and \
+        isinstance(args[1], Spec) and not args[1].shape
 
 
 def _copy_in_place(args: tuple) -> bool:

@@ -16,7 +16,7 @@ import torch
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
-from dtorch import _dataplane, _dispatch
+from dtorch import _dataplane, _dispatch, _setitem
 from dtorch._source import user_src
 from dtorch._spec import Spec, contiguous_stride, normalize_placements
 from dtorch.device_mesh import WRAPPER_DEVICE, DeviceMesh
@@ -77,6 +77,23 @@ class DTensor(torch.Tensor):
         self._spec, new._spec = new._spec, self._spec
         self._tid, new._tid = new._tid, self._tid
         self._session, new._session = new._session, self._session
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """`x[i] = v`: on a dim `x` is sharded on, each device writes its own rows (`_setitem`); else torch's."""
+        where = _setitem.region(self, index, value)
+        if where is None:
+            return super().__setitem__(index, value)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = _dispatch.replicate_plain(value.detach(), self)
+        hook = _dispatch.owned_hook()
+        if hook is None:
+            _setitem.write(self, where, value)
+        else:  # an operation of a compiled step (`_capture`)
+            tensor = isinstance(value, DTensor)
+            key = ("setitem", self._spec.sid, where, value._spec.sid if tensor else (type(value), value))
+            hook.run(key, [self, value] if tensor else [self], lambda: _setitem.write(self, where, value))
+        torch.autograd.graph.increment_version(self)
+        return None
 
     def __copy__(self) -> DTensor:
         """`copy.copy`: as torch's, a tensor that shares the data (an alias on the workers: writes to either show in
