@@ -7,8 +7,8 @@ from rich.console import Console
 
 from dtorch_controller import cli, status_view
 from dtorch_controller.server import run_server
+from dtorch_protocol import auth, wire
 from dtorch_protocol import messages as m
-from dtorch_protocol import wire
 
 
 @pytest.fixture
@@ -108,3 +108,22 @@ def test_top_shows_workers_sessions_the_queue_and_each_sessions_throughput(contr
     assert cli.main(["top", "--controller", "127.0.0.1:1", "--iterations", "1"]) == 1
     assert "cannot reach 127.0.0.1:1" in capsys.readouterr().err
     stub.close()
+
+
+def test_names_from_tenants_and_workers_reach_the_operators_terminal_as_plain_text(controller, capsys):
+    """A session's name and a worker's device type are anyone's text: `status` and `top` show rich markup as it is
+    (a `[/]` crashed both) and escape control characters (an ESC sequence cleared the operator's screen)."""
+    _, address, keys = controller
+    worker = wire.Stub("dtorch.Controller", address, keys.worker)
+    worker.call("Register", m.RegisterWorker(hello=wire.hello("worker"), address="127.0.0.1:9",
+                                             device_type="cpu\x1b]0;owned\x07", memory_bytes=1 << 30,
+                                             secret=auth.new_worker_secret()))
+    tenant = wire.Stub("dtorch.Controller", address, keys.alice)
+    tenant.call("OpenSession", m.OpenSession(hello=wire.hello("client"), name="[/]x\x1b[2J[bold]y\u202e"))
+    for argv in (["status"], ["top", "--iterations", "1"]):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "[/]x\\x1b[2J[bold]y\\u202e" in out and "cpu\\x1b]0;owned\\x07" in out, out
+        assert not {"\x1b", "\x07", "\u202e"} & set(out)
+    worker.close()
+    tenant.close()

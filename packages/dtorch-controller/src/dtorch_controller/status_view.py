@@ -1,12 +1,24 @@
-"""Render a StatusReply for people (rich tables) or programs (JSON)."""
+"""Render a StatusReply for people (rich tables) or programs (JSON).
+
+Every string of a reply is shown as plain text (`plain`): session names, a worker's address and device type, event
+lines and the rest come from tenants and workers, and an operator's terminal must not take them as instructions.
+
+| in a reply's string                                      | shown as                             |
+|----------------------------------------------------------|--------------------------------------|
+| rich markup (`[bold]`, `[/]`, `[link=...]`)              | the brackets as they are, no style   |
+| C0 and C1 control characters, DEL (ESC sequences, `\r`)  | escaped: `\x1b`                      |
+| bidirectional overrides and isolates (U+202A-E, 2066-9)  | escaped: `\u202e`                    |
+"""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import msgspec
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from dtorch_protocol import messages as m
 
@@ -18,6 +30,14 @@ def human_bytes(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{n} B"
+
+
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(text: str) -> Text:
+    """A string from the controller as inert text: no markup, unsafe characters escaped (module table)."""
+    return Text(_UNSAFE.sub(lambda c: ascii(c.group())[1:-1], text))
 
 
 def to_json(reply: m.StatusReply) -> str:
@@ -36,10 +56,10 @@ def render(reply: m.StatusReply, console: Console | None = None, events: int = 2
     for w in reply.workers:
         leased = ", ".join(f"{s[:8]}" + (f" ({human_bytes(cap)})" if cap else "") for s, cap in w.leases.items())
         util = f"{w.utilization:.0%}" if w.utilization >= 0 else "-"
-        workers.add_row(w.worker, w.state, w.address, w.node or "-", w.device_type, human_bytes(w.memory_bytes), util,
-                        str(w.tensors), human_bytes(w.bytes), human_bytes(w.backup_bytes), leased or "-",
-                        ", ".join(w.devices) or "-")
-    title = f"sessions ({len(reply.sessions)}, {reply.queued} queued; policy {reply.policy or '?'})"
+        workers.add_row(*map(plain, (w.worker, w.state, w.address, w.node or "-", w.device_type,
+                                     human_bytes(w.memory_bytes), util, str(w.tensors), human_bytes(w.bytes),
+                                     human_bytes(w.backup_bytes), leased or "-", ", ".join(w.devices) or "-")))
+    title = plain(f"sessions ({len(reply.sessions)}, {reply.queued} queued; policy {reply.policy or '?'})")
     sessions = Table(title=title, title_justify="left")
     for column in ("session", "name", "priority", "kind", "schedule", "queue", "state", "devices", "tensors",
                    "snapshot", "recovered", "moved"):
@@ -49,11 +69,11 @@ def render(reply: m.StatusReply, console: Console | None = None, events: int = 2
         snapshot = f"batch {s.snapshot_batch} +{s.replay_batches}" if s.snapshot_batch >= 0 else "none"
         if s.snapshot_bytes:  # what its copies hold, and what its taking copied (the rest kept: unchanged)
             snapshot += f", {human_bytes(s.snapshot_bytes)} ({human_bytes(s.snapshot_copied_bytes)} copied)"
-        sessions.add_row(s.session[:8], s.name or "-", s.priority, s.kind or "-", s.schedule or "-",
-                         str(s.queue_position) if s.queue_position else "-", s.state, devices, str(s.tensors),
-                         snapshot, str(s.recoveries), str(s.migrations))
+        sessions.add_row(*map(plain, (s.session[:8], s.name or "-", s.priority, s.kind or "-", s.schedule or "-",
+                                      str(s.queue_position) if s.queue_position else "-", s.state, devices,
+                                      str(s.tensors), snapshot, str(s.recoveries), str(s.migrations))))
     console.print(workers)
     console.print(sessions)
     console.print(f"recent events ({min(events, len(reply.events))} of {len(reply.events)})", style="bold")
     for line in reply.events[-events:]:
-        console.print(f"  {line}", highlight=False, markup=False)
+        console.print(plain(f"  {line}"), highlight=False)

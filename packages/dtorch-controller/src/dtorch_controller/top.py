@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from dtorch_controller.status_view import human_bytes
+from dtorch_controller.status_view import human_bytes, plain
 from dtorch_protocol import messages as m
 
 
@@ -46,16 +46,18 @@ def frame(prev: Snapshot | None, now: Snapshot, target: str) -> Group:
     alive = sum(1 for w in reply.workers if w.state == "alive")
     running = sum(1 for s in reply.sessions if s.schedule == "running")
     rates = _rates(prev, now)
-    head = Text(f"dtorch-controller {target}  {time.strftime('%H:%M:%S')}  policy {reply.policy or '?'}  "
-                f"workers {alive}/{len(reply.workers)} alive  sessions {len(reply.sessions)} ({running} running)  "
-                f"queue {reply.queued}", style="bold")
+    head = plain(f"dtorch-controller {target}  {time.strftime('%H:%M:%S')}  policy {reply.policy or '?'}  "
+                 f"workers {alive}/{len(reply.workers)} alive  sessions {len(reply.sessions)} ({running} running)  "
+                 f"queue {reply.queued}")
+    head.stylize("bold")
     workers = Table(title="workers", title_justify="left", expand=True)
     for c in ("worker", "state", "node", "device", "util", "memory", "held", "sessions"):
         workers.add_column(c, justify="right" if c in ("util", "memory", "held") else "left")
     for w in reply.workers:
         util = f"{w.utilization:.0%}" if w.utilization >= 0 else "-"
-        workers.add_row(w.worker, w.state, w.node or "-", w.device_type, util, human_bytes(w.memory_bytes),
-                        human_bytes(w.bytes), ", ".join(sorted({d.split(":")[0][:8] for d in w.devices})) or "-")
+        workers.add_row(*map(plain, (w.worker, w.state, w.node or "-", w.device_type, util, human_bytes(w.memory_bytes),
+                                     human_bytes(w.bytes),
+                                     ", ".join(sorted({d.split(":")[0][:8] for d in w.devices})) or "-")))
     sessions = Table(title="sessions", title_justify="left", expand=True)
     for c in ("session", "name", "priority", "schedule", "devices", "batches/s", "devices busy", "device-s",
               "tensors"):
@@ -63,14 +65,15 @@ def frame(prev: Snapshot | None, now: Snapshot, target: str) -> Group:
                                                         "tensors") else "left")
     for s in reply.sessions:
         batches, busy = rates.get(s.session, (0.0, 0.0))
-        sessions.add_row(s.session[:8], s.name or "-", s.priority, s.schedule or "-", str(len(s.devices)),
-                         f"{batches:.1f}", f"{busy:.2f}", f"{s.attained_s:.0f}", str(s.tensors))
+        sessions.add_row(*map(plain, (s.session[:8], s.name or "-", s.priority, s.schedule or "-", str(len(s.devices)),
+                                      f"{batches:.1f}", f"{busy:.2f}", f"{s.attained_s:.0f}", str(s.tensors))))
     queue = Table(title=f"queue ({reply.queued})", title_justify="left", expand=True)
     for c in ("position", "session", "name", "priority", "kind"):
         queue.add_column(c)
     for s in sorted((s for s in reply.sessions if s.queue_position), key=lambda s: s.queue_position):
-        queue.add_row(str(s.queue_position), s.session[:8], s.name or "-", s.priority, s.kind or "-")
-    events = Text("\n".join(reply.events[-5:]), style="dim")
+        queue.add_row(*map(plain, (str(s.queue_position), s.session[:8], s.name or "-", s.priority, s.kind or "-")))
+    events = Text("\n").join(plain(line) for line in reply.events[-5:])
+    events.stylize("dim")
     return Group(head, workers, sessions, queue, events)
 
 
