@@ -131,12 +131,36 @@ def test_a_negative_dispatch_window_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize(("name", "takes"), [("DTORCH_DISPATCH_AHEAD", "a whole number"),
-                                             ("DTORCH_HEARTBEAT_TIMEOUT", "a number"),
+                                             ("DTORCH_HEARTBEAT_TIMEOUT", "a finite number"),
                                              ("DTORCH_SNAPSHOT_BATCHES", "a whole number")])
 def test_a_malformed_environment_default_is_one_line_naming_the_variable(name, takes):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
     out = _run("--listen", "127.0.0.1:0", env={**env, name: "1.5x"})
     assert out.returncode == 2 and out.stderr == f"dtorch-controller: ${name} must be {takes}, not '1.5x'\n"
+
+
+def test_ports_and_times_out_of_range_are_refused_naming_the_option(tmp_path):
+    """A port above 65535 was served on a random port (--listen) or crashed the start (--metrics-port, and -1 ran
+    without metrics); an infinite time crashed a timer thread (--usage-interval inf) while the controller went on."""
+    keys = str(tmp_path / "keys.json")
+    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    for argv, line in [
+        (["--listen", "127.0.0.1:99999"], "dtorch-controller: --listen needs HOST:PORT with a port 0-65535, got "
+                                          "'127.0.0.1:99999'"),
+        (["--metrics-port", "99999"], "dtorch-controller: error: argument --metrics-port: expected a port number "
+                                      "0-65535 (0: none), got '99999'"),
+        (["--metrics-port", "-1"], "dtorch-controller: error: argument --metrics-port: expected a port number "
+                                   "0-65535 (0: none), got '-1'"),
+        (["--usage-interval", "inf"], "dtorch-controller: error: argument --usage-interval: expected a finite "
+                                      "number of seconds, got 'inf'"),
+    ]:
+        out = _run("--keys", keys, "--listen", "127.0.0.1:0", *argv)
+        assert out.returncode in (1, 2) and out.stderr.splitlines()[-1] == line, (argv, out.stderr)
+        assert "Traceback" not in out.stderr and "listening" not in out.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+    out = _run("--keys", keys, "--listen", "127.0.0.1:0", env={**env, "DTORCH_SESSION_TIMEOUT": "inf"})
+    assert out.returncode == 2
+    assert out.stderr == "dtorch-controller: $DTORCH_SESSION_TIMEOUT must be a finite number, not 'inf'\n"
 
 
 def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):

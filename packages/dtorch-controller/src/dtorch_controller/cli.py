@@ -24,6 +24,7 @@ the watchdog to end the controller when the user's process goes away.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import threading
@@ -38,12 +39,33 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 WATCHDOG_INTERVAL_S = 0.5
 
 
+MAX_PORT = 65535
+
+
 def _normalize_listen(listen: str) -> str:
     """":50051" means every interface, as in `--listen :50051`."""
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise SystemExit(f"dtorch-controller: --listen needs HOST:PORT, got {listen!r}")
+    if not sep or not port.isdigit() or int(port) > MAX_PORT:
+        raise SystemExit(f"dtorch-controller: --listen needs HOST:PORT with a port 0-{MAX_PORT}, got {listen!r}")
     return f"{host or '0.0.0.0'}:{port}"
+
+
+def _seconds(text: str) -> float:
+    """An option's time in seconds: a finite number (inf and nan overflowed the timers that wait on them)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    """A TCP port to serve on, 0-65535 (0: none)."""
+    if not text.isdigit() or int(text) > MAX_PORT:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-{MAX_PORT} (0: none), got {text!r}")
+    return int(text)
 
 
 def _write_port_file(path: str, addresses: Sequence[str]) -> None:
@@ -173,10 +195,10 @@ def _from_env(name: str, default: str, kind: type[float] | type[int]) -> float:
     """An option's default from `$name`; a malformed value is one line naming the variable and what it takes."""
     raw = os.environ.get(name, default)
     try:
-        return kind(raw)
-    except ValueError:
-        print(f"dtorch-controller: ${name} must be {'a whole number' if kind is int else 'a number'}, not {raw!r}",
-              file=sys.stderr)
+        return kind(raw) if kind is int else _seconds(raw)
+    except (ValueError, argparse.ArgumentTypeError):
+        print(f"dtorch-controller: ${name} must be {'a whole number' if kind is int else 'a finite number'}, not "
+              f"{raw!r}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -189,16 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a separate port for workers (required with TLS: it requires their certificates)")
     _tls_args(parser)
     parser.add_argument("--port-file", help="write the address actually served on to this file")
-    parser.add_argument("--heartbeat-interval", type=float, default=0.2, metavar="S",
+    parser.add_argument("--heartbeat-interval", type=_seconds, default=0.2, metavar="S",
                         help="how often workers report (default 0.2)")
-    parser.add_argument("--heartbeat-timeout", type=float, metavar="S",
+    parser.add_argument("--heartbeat-timeout", type=_seconds, metavar="S",
                         default=_from_env("DTORCH_HEARTBEAT_TIMEOUT", "1.0", float),
                         help="a worker silent this long is lost (default 1.0, $DTORCH_HEARTBEAT_TIMEOUT)")
-    parser.add_argument("--session-timeout", type=float, metavar="S",
+    parser.add_argument("--session-timeout", type=_seconds, metavar="S",
                         default=_from_env("DTORCH_SESSION_TIMEOUT", "5.0", float),
                         help="close a client session silent this long, freeing its shards (default 5.0; 0: never; "
                              "$DTORCH_SESSION_TIMEOUT)")
-    parser.add_argument("--collective-timeout", type=float, metavar="S",
+    parser.add_argument("--collective-timeout", type=_seconds, metavar="S",
                         default=_from_env("DTORCH_COLLECTIVE_TIMEOUT", "60", float),
                         help="bound on a process group's rendezvous and on each collective: past it the op fails "
                              "naming the workers that never arrived (default 60, $DTORCH_COLLECTIVE_TIMEOUT)")
@@ -215,15 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_from_env("DTORCH_SNAPSHOT_BATCHES", "32", int),
                         help="copy each session's live tensors to another worker every N batches, so a lost "
                              "worker's tensors are rebuilt (default 32, $DTORCH_SNAPSHOT_BATCHES; 0: no recovery)")
-    parser.add_argument("--snapshot-interval", type=float, metavar="S",
+    parser.add_argument("--snapshot-interval", type=_seconds, metavar="S",
                         default=_from_env("DTORCH_SNAPSHOT_INTERVAL", "30", float),
                         help="... or at the next batch once the last copy is this old (default 30)")
-    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+    parser.add_argument("--metrics-port", type=_port, default=0, metavar="PORT",
                         help="serve Prometheus metrics on this port (default 0: none; metrics.py lists the series)")
     parser.add_argument("--usage-file", metavar="PATH", default=os.environ.get("DTORCH_USAGE_FILE", ""),
                         help="append usage records (JSON lines, one per session and interval) to this file "
                              "(default $DTORCH_USAGE_FILE; none when unset)")
-    parser.add_argument("--usage-interval", type=float, default=60.0, metavar="S",
+    parser.add_argument("--usage-interval", type=_seconds, default=60.0, metavar="S",
                         help="one usage record per session every S seconds, and one when it closes (default 60)")
     parser.add_argument("--parent-pid", type=int, help="exit when this process exits")
     commands = parser.add_subparsers(dest="command", metavar="{keys,status,top,usage,drain,migrate}")
@@ -238,13 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     us.add_argument("--format", choices=("table", "csv", "json"), default="table")
     tp = commands.add_parser("top", help="a live view of workers, sessions, the queue and throughput")
     tp.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
-    tp.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh every S seconds (default 1)")
+    tp.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="refresh every S seconds (default 1)")
     tp.add_argument("--iterations", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N frames
-    tp.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
+    tp.add_argument("--timeout", type=_seconds, default=5.0, help=argparse.SUPPRESS)
     st = commands.add_parser("status", help="show workers, sessions and recent events of a running controller")
     st.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
     st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
-    st.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
+    st.add_argument("--timeout", type=_seconds, default=5.0, help=argparse.SUPPRESS)
     dr = commands.add_parser("drain", help="move everything off a worker (devices, copies), then release it")
     dr.add_argument("worker", help="worker id, as `status` lists it (w3)")
     mg = commands.add_parser("migrate", help="move one logical device of a running session to another worker")
@@ -254,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (dr, mg):
         sub.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
         sub.add_argument("--json", action="store_true", help="print the raw AdminReply as JSON")
-        sub.add_argument("--timeout", type=float, default=300.0, metavar="S",
+        sub.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
                          help="answer after this long even if still in progress (default 300)")
     for sub in (st, tp, dr, mg):
         sub.add_argument("--tls-ca", metavar="PEM", help="the CA of a TLS controller (default $DTORCH_TLS_CA)")
