@@ -59,6 +59,10 @@ CASES: dict[str, tuple[Edit, str]] = {
     "unknown field": (_set("cost.speed", 2), "cost.speed: unknown field (check the spelling)"),
     "bad value names the input": (_set("seed", "x"), "seed: Input should be a valid integer, unable to parse string "
                                                      "as an integer (got 'x')"),
+    # a number is finite: an infinite memory crashed the run, an infinite launch time ran 2.7 million events of nonsense
+    "infinite number": (_set("cluster.device_types.a100.memory_gb", float("inf")),
+                        "cluster.device_types.a100.memory_gb: Input should be a finite number (got inf)"),
+    "not a number": (_set("cost.launch_s", float("nan")), "cost.launch_s: Input should be a finite number (got nan)"),
     "not a mapping": (lambda d, t: "x", "(top level): expected a mapping of scenario fields, got str"),
     # cluster
     "no nodes": (_set("cluster.nodes", []),

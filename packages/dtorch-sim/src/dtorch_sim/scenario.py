@@ -30,7 +30,7 @@ class ScenarioError(Exception):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a number is finite (inf: nonsense)
 
 
 # ---------------------------------------------------------------- cluster
