@@ -491,6 +491,68 @@ def test_item_assignment_on_a_sharded_dim_is_replayed_and_bumps_the_version(clus
     assert not [i for i in sent if isinstance(i, m.InstrRedistribute)]
 
 
+REGION_READS = {  # name -> (a view of part of a dim, the shape of the part that moves)
+    "x[3]": (lambda t: t[3], (1, 6)), "x[-1]": (lambda t: t[-1], (1, 6)), "x[2:4]": (lambda t: t[2:4], (2, 6)),
+    "x[1::4]": (lambda t: t[1::4], (3, 6)), "x.narrow(0, 7, 2)": (lambda t: t.narrow(0, 7, 2), (2, 6)),
+    "x[:, 2]": (lambda t: t[:, 2], (10, 1)), "x[:, -3:]": (lambda t: t[:, -3:], (10, 3)),
+}
+
+
+@pytest.mark.parametrize("read", REGION_READS)
+def test_a_view_of_part_of_a_sharded_dim_moves_only_that_part(cluster, mesh4, mesh2d, read):
+    """`x[3]` of a row-sharded x (`print(x[0])`, the last position of sequence-sharded hidden states) gathered the
+    whole of x on every device. Only the part moves now (_slices, _regions rule 3): one reduction of its bytes.
+    The view still aliases x as torch's does: writes through it reach x, writes to x reach it (_views), also in a
+    replayed step; integers, -0.0 and NaN arrive as they are."""
+    from dtorch_protocol import messages as m
+
+    take, moved_shape = REGION_READS[read]
+    a = torch.arange(60.0).view(10, 6) - 20.0
+    a[3, 1], a[9, 5], a[2, 2] = -0.0, float("nan"), float("inf")
+    dim = 1 if ":, " in read else 0
+    for mesh, at in [(mesh4, [Shard(dim)]), (mesh2d, [Shard(dim), Shard(1 - dim)]), (mesh2d, [Shard(dim)] * 2)]:
+        for values in (a, a.nan_to_num().long()):
+            x, want = dist(values.clone(), mesh, *at), values.clone()
+            sent: list = []
+            with tap(cluster, sent):
+                view = take(x)
+            torch.testing.assert_close(view.full_tensor(), take(want), equal_nan=True)
+            assert torch.equal(view.full_tensor().signbit(), take(want).signbit())
+            moves = [i for i in sent if isinstance(i, m.InstrRedistribute)]
+            assert moves and all(tuple(i.src_spec.shape) == moved_shape for i in moves), (mesh, at)
+            view.mul_(2)  # through the view, into x
+            take(want).mul_(2)
+            torch.testing.assert_close(x.full_tensor(), want, equal_nan=True)
+            x.add_(1)  # into x, seen by the view
+            want.add_(1)
+            torch.testing.assert_close(view.full_tensor(), take(want), equal_nan=True)
+
+
+def test_writes_through_views_of_parts_of_a_sharded_dim_are_replayed(mesh1):
+    """A step that reads and writes through `x[1]` of a row-sharded x, replayed by automatic capture, gives torch's
+    values (a replayed view's origin is the region its recording moved)."""
+    a = torch.arange(24.0).view(6, 4)
+    x = dist(a.clone(), mesh1, Shard(0))
+    dtorch.auto_compile(False)
+    capture = dtorch.auto_compile(True)
+    for k in range(7):
+        for t in (a, x):
+            row = t[1]
+            row.mul_(0.5)
+            t[4].add_(row * 0.25 + float(k))
+            t.sub_(0.125)
+            t[:, 2].clamp_(max=40.0)
+        assert x[4].sum().item() == pytest.approx(a[4].sum().item())
+    assert capture.replays >= 3 and capture.fallbacks == 0
+    assert_same(x, a)
+    row.fill_(-1.0)  # x's row, made by the last replayed step: eager writes through it and into x
+    a[1].fill_(-1.0)
+    assert_same(x, a)
+    x.add_(1.0)
+    a.add_(1.0)
+    assert_same(row, a[1])
+
+
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)
 def test_gradients_through_item_assignment_on_a_sharded_dim(mesh1, placement):
     w = torch.randn(6, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)

@@ -321,7 +321,8 @@ class _Recorder(_Mode):
 
     def _origin(self, v: DTensor, leaves: list, first_tid: int) -> Any:
         """How a replay gives a view of a moved copy its origin (`_views`): None (no origin), ("leaf", i) (that of
-        argument i) or ("moved", i, slot, spec) (argument i and its copy made by this op)."""
+        argument i) or ("moved", i, slot, spec, region) (argument i and its copy, of that region, made by this
+        op)."""
         origin = getattr(v, "_origin", None)
         if origin is None:
             return None
@@ -329,7 +330,7 @@ class _Recorder(_Mode):
             if origin is getattr(leaf, "_origin", None):
                 return "leaf", i
             if origin.base is leaf and self.slot_of.get(origin.moved._tid, -1) >= first_tid:
-                return "moved", i, self.slot_of[origin.moved._tid], origin.moved._spec
+                return "moved", i, self.slot_of[origin.moved._tid], origin.moved._spec, origin.region
         raise Unreplayable("an op returns a view of a copy moved outside it")
 
     def cut(self) -> None:
@@ -471,7 +472,7 @@ class _Replayer(_Mode):
         """The origin a recorded view of a moved copy gets (`_Recorder._origin` says how)."""
         if how[0] == "leaf":
             return leaves[how[1]]._origin
-        return _views.Origin(leaves[how[1]], DTensor(how[3], self.tids[how[2]], self.session))
+        return _views.Origin(leaves[how[1]], DTensor(how[3], self.tids[how[2]], self.session), how[4])
 
     def _bind(self, op: _Op, leaves: list) -> bool:
         tids = self.tids

@@ -50,6 +50,7 @@ from dtorch import (  # noqa: F401
     _rules,
     _sequences,
     _sharding,
+    _slices,
     _softmax,
     _torch_state,
 )

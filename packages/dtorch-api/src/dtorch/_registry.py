@@ -96,8 +96,23 @@ def named_args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def register_decomposition(*ops: Any) -> Callable[[Decomposition], Decomposition]:
-    """Decorator: `fn` may carry out each of `ops` (OpOverloads). An op has at most one decomposition."""
-    return _adder(_DECOMPOSITIONS, "decomposition", ops)
+    """Decorator: `fn` may carry out each of `ops` (OpOverloads). Where several may (each for its own case: `_joint`'s
+    slices of joint sequences, `_slices`' of sharded dims), they are asked in the order they were registered."""
+    def add(fn: Decomposition) -> Decomposition:
+        for op in ops:
+            known = _DECOMPOSITIONS.get(op)
+            _DECOMPOSITIONS[op] = fn if known is None else _either(known, fn)
+        return fn
+
+    return add
+
+
+def _either(first: Decomposition, second: Decomposition) -> Decomposition:
+    def either(args: tuple, kwargs: dict) -> Any:
+        done = first(args, kwargs)
+        return second(args, kwargs) if done is NotImplemented else done
+
+    return either
 
 
 def decomposition_for(op: Any) -> Decomposition | None:

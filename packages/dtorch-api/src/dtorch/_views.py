@@ -5,15 +5,15 @@ to move first (a row of a row-sharded tensor is read from a replicated copy), th
 workers, not the input: a write through the view (`x[1] = 5`, which is `x.select(0, 1).fill_(5)`) stayed in the
 copy, and later writes to the input did not show in the view (torch 2.13's DTensor loses `x[1].mul_(0)` too).
 DTorch keeps torch's aliasing with an `Origin` per such move: the input and its moved copy, which the views keep
-alive.
+alive. The copy is of the whole input, or of the region a view names (`_slices`: `x[3]` moves that row alone).
 
 Rules (`after_view` and `after_write`, called by `_dispatch` inside the op's dispatch, so that their copies are
 not the user's: autograd does not see them and no version counter moves):
   1. A view op whose input moved gives outputs with the origin (that input, its moved copy).
   2. A view of a tensor with an origin that needs no move shares the origin (it aliases the same moved copy).
-  3. After an op writes a tensor with an origin, the moved copy is copied back into the origin's input. The copy is
-     itself a write to that input, so a chain of moved views unwinds, one origin at a time, to the tensor that owns
-     the storage.
+  3. After an op writes a tensor with an origin, the moved copy is copied back into the origin's input (a region's
+     copy into that region, each device writing its part: `_regions`). The copy is itself a write to that input,
+     so a chain of moved views unwinds, one origin at a time, to the tensor that owns the storage.
   4. After an op writes a tensor without an origin, the moved copies of the live origins whose input shares its
      autograd base (`t._base`, the storage's owner) are refreshed from their inputs, oldest first (a view of a view
      after the view). Origins taking part in the write being carried out are skipped.
@@ -26,6 +26,9 @@ import weakref
 from typing import Any
 
 import torch
+
+from dtorch import _regions
+from dtorch._regions import Region
 
 _copy = torch.ops.aten.copy_.default
 
@@ -40,12 +43,13 @@ def _root(t: Any) -> int:
 
 
 class Origin:
-    """The input a view was taken of and its moved copy, which the view aliases on the workers."""
+    """The input a view was taken of and its moved copy, which the view aliases on the workers: the whole input, or
+    only a region of it (`_slices`: `region` says which, and the copy has the region's shape)."""
 
-    __slots__ = ("base", "moved", "busy", "__weakref__")
+    __slots__ = ("base", "moved", "region", "busy", "__weakref__")
 
-    def __init__(self, base: Any, moved: Any) -> None:
-        self.base, self.moved, self.busy = base, moved, False
+    def __init__(self, base: Any, moved: Any, region: Region | None = None) -> None:
+        self.base, self.moved, self.region, self.busy = base, moved, region, False
         key = _root(base)
 
         def forget(ref: weakref.ref) -> None:
@@ -57,11 +61,26 @@ class Origin:
 
         by_root.setdefault(key, []).append(weakref.ref(self, forget))
 
-    def copy(self, dst: Any, src: Any) -> None:
+    def put_back(self) -> None:
+        """Rule 3: the moved copy into the input (its region alone, each device writing its part)."""
+        if self.region is None:
+            self._copying(_copy, self.base, self.moved)
+        else:
+            self._copying(_regions.write, self.base, self.region, self.moved)
+            self._copying(after_write, self.base)  # (emitted, not dispatched: rule 4 for the input's other views)
+
+    def refresh(self) -> None:
+        """Rule 4: the input into the moved copy."""
+        if self.region is None:
+            self._copying(_copy, self.moved, self.base)
+        else:
+            self._copying(_copy, self.moved, _regions.read(self.base, self.region))
+
+    def _copying(self, fn: Any, *args: Any) -> None:
         global copying
         self.busy, outer, copying = True, copying, self
         try:
-            _copy(dst, src)
+            fn(*args)
         finally:
             self.busy, copying = False, outer
 
@@ -80,10 +99,10 @@ def after_write(t: Any) -> None:
     origin = getattr(t, "_origin", None)
     if origin is not None:
         if not origin.busy:
-            origin.copy(origin.base, origin.moved)  # rule 3
+            origin.put_back()  # rule 3
         return
     refs = by_root.get(_root(t))
     for ref in list(refs or ()):
         o = ref()
         if o is not None and not o.busy:
-            o.copy(o.moved, o.base)  # rule 4
+            o.refresh()  # rule 4
