@@ -136,6 +136,12 @@ CASES: dict[str, tuple[Edit, str]] = {
                           "one value, got [0.9, 1.2]"),
     "state size": (_set("workload.state_gb", 0),
                    "workload.state_gb: state_gb is gigabytes > 0 per device, or a distribution, got 0.0"),
+    # a number or a distribution: one line about the branch meant (it was a line for each, named by pydantic's types)
+    "state size word": (_set("workload.state_gb", "big"), "workload.state_gb: Input should be a valid number, unable "
+                                                         "to parse string as a number (got 'big')"),
+    "state distribution": (_set("workload.state_gb", {"dist": "pareto"}),
+                           "workload.state_gb.dist: Input should be 'constant', 'exponential', 'uniform' or "
+                           "'lognormal' (got 'pareto')"),
     # faults
     "fault time": (_faults({"kind": "worker_failure"}), "faults.0: give exactly one of at or mtbf_s"),
     "fault time twice": (_faults({"kind": "worker_failure", "at": 1, "mtbf_s": 5}),
@@ -197,6 +203,7 @@ VALID: dict[str, Edit] = {
     "heartbeat just in order": _set("heartbeat", {"interval_s": 4, "timeout_s": 4.001}),
     "node list with a default": _csv("n.csv", "sn,gpu,model\nn0,8,H800\nn1,0,H800\n", "cluster.node_list",
                                      {"default_device_type": "slow"}),
+    "state distribution": _set("workload.state_gb", {"dist": "uniform", "low": 1, "high": 3}),
     "trace": lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", TRACE)(d, t)),
 }
 

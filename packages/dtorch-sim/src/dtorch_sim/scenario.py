@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from dtorch_controller.core.policies import DEFAULT_POLICY
 
@@ -130,6 +130,16 @@ class Distribution(_Model):
             return rng.uniform(self.low, self.high)
         mu = math.log(self.mean) - self.sigma ** 2 / 2  # type: ignore[arg-type]
         return rng.lognormvariate(mu, self.sigma)
+
+
+def _number_or_distribution(value: Any) -> str:
+    return "(distribution)" if isinstance(value, (dict, Distribution)) else "(number)"
+
+
+# A number, or a distribution to draw it from: a mapping is read as a distribution, anything else as a number, so a
+# mistake gets one line about the branch it meant (the tags, in parentheses, are left out of the path: format_errors).
+NumberOrDistribution = Annotated[Annotated[float, Tag("(number)")] | Annotated[Distribution, Tag("(distribution)")],
+                                 Discriminator(_number_or_distribution)]
 
 
 class Arrival(_Model):
@@ -304,7 +314,7 @@ class Workload(_Model):
     sync_every: int = Field(5, ge=1)  # steps between Syncs; a Sync is the job's durable point for restarts
     # live state (weights, optimizer) per device, what moves, snapshots and offloads copy: a number, or a
     # distribution drawn per job (capped at the smallest device memory)
-    state_gb: float | Distribution = Field(2.0)
+    state_gb: NumberOrDistribution = Field(2.0)
     scaling: Scaling = Scaling()
     expected_steps: Declared = Declared()
     elastic_jobs: ElasticJobs = ElasticJobs()
@@ -516,7 +526,7 @@ def format_errors(err: ValidationError, prefix: str = "") -> list[str]:
     """One line per pydantic error: `field.path: what was expected (got ...)`."""
     lines = []
     for e in err.errors():
-        path = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        path = ".".join(str(x) for x in e["loc"] if not str(x).startswith("(")) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] in ("missing",):
             msg = "required field is missing"
