@@ -48,6 +48,16 @@ def _csv(name: str, text: str, path: str, value: dict | None = None) -> Edit:
     return edit
 
 
+def _bytes(name: str, data: bytes, value: dict) -> Edit:
+    """Write a trace of these bytes into the test's folder and point workload.trace at it."""
+
+    def edit(data_: dict, tmp: Path) -> None:
+        (tmp / name).write_bytes(data)
+        data_["workload"]["trace"] = {**value, "path": str(tmp / name)}
+
+    return edit
+
+
 TRACE = {"format": "itp"}
 ITP_ROWS = "job_id,submission_time,duration,num_gpu\na,0,10,1\n"
 
@@ -116,6 +126,17 @@ CASES: dict[str, tuple[Edit, str]] = {
                                 _csv("t.csv", ITP_ROWS + "b,5,x,2\n", "workload.trace", TRACE)(d, t)),
                   "workload.trace.path: line 3 of {tmp}/t.csv: duration value 'x' (column 'duration') is not a "
                   "number"),
+    # files that are not UTF-8 CSV text were tracebacks (a folder, Latin-1); a spreadsheet's byte-order mark hid the
+    # first column (VALID: "trace with a byte-order mark")
+    "trace not UTF-8": (lambda d, t: (d["workload"].pop("synthetic"),
+                                      _bytes("t.csv", ITP_ROWS.encode() + b"\xe9,1,2,1\n", TRACE)(d, t)),
+                        "workload.trace.path: {tmp}/t.csv is not UTF-8 text (byte 0xe9 at offset 49): save it as "
+                        "UTF-8"),
+    "trace is a folder": (lambda d, t: (d["workload"].pop("synthetic"), (t / "d.csv").mkdir(),
+                                        d["workload"].update(trace={**TRACE, "path": str(t / "d.csv")})),
+                          "workload.trace.path: cannot read {tmp}/d.csv: Is a directory"),
+    "empty node list": (_csv("n.csv", "", "cluster.node_list"),
+                        "cluster.node_list.path: {tmp}/n.csv is empty: expected a CSV with a header line"),
     "trace quota": (lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", {
         **TRACE, "partition": {"column": "vc", "quotas": {"a": 0}}})(d, t)),
                     "workload.trace.partition.quotas: a quota is a number of jobs >= 1, got a: 0"),
@@ -204,6 +225,8 @@ VALID: dict[str, Edit] = {
     "node list with a default": _csv("n.csv", "sn,gpu,model\nn0,8,H800\nn1,0,H800\n", "cluster.node_list",
                                      {"default_device_type": "slow"}),
     "state distribution": _set("workload.state_gb", {"dist": "uniform", "low": 1, "high": 3}),
+    "trace with a byte-order mark": lambda d, t: (d["workload"].pop("synthetic"),
+                                                  _bytes("t.csv", b"\xef\xbb\xbf" + ITP_ROWS.encode(), TRACE)(d, t)),
     "trace": lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", TRACE)(d, t)),
 }
 
@@ -306,6 +329,10 @@ def test_load_mistakes(tmp_path: Path) -> None:
         load(tmp_path / "bad.yaml")
     assert e.value.lines == [f"{tmp_path / 'bad.yaml'}: line 2 not valid YAML: expected ',' or ']', but got "
                              "'<stream end>'"]  # where, and yaml's own words for what is wrong
+    (tmp_path / "latin1.yaml").write_bytes("name: caf\u00e9\n".encode("latin-1"))  # was a UnicodeDecodeError traceback
+    with pytest.raises(ScenarioError) as e:
+        load(tmp_path / "latin1.yaml")
+    assert e.value.lines == [f"{tmp_path / 'latin1.yaml'}: cannot read: not UTF-8 text (byte 0xe9 at offset 9)"]
 
 
 def _messages(module: object) -> list[str]:
@@ -326,7 +353,7 @@ def _messages(module: object) -> list[str]:
 
 def test_every_message_has_a_case() -> None:
     covered = "\n".join([line for _, line in CASES.values()] + [line for _, line in OVERRIDES] +
-                        ["cannot read", "not valid YAML"])  # test_load_mistakes
+                        ["cannot read: not UTF-8 text (byte", "not valid YAML"])  # test_load_mistakes
     for module in (scenario, jobs):
         missing = [text for text in _messages(module) if text not in covered]
         assert not missing, f"{module.__name__} raises messages no case here triggers: {missing}"

@@ -17,11 +17,13 @@ Also here: reading node lists (the openb GPU nodes CSV) into node groups.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
@@ -121,6 +123,22 @@ def _synthetic(sc: Scenario) -> Iterator[JobSpec]:
         yield JobSpec(id=f"job{i}", arrival=t, devices=devices, duration=duration, share=share)
 
 
+def _csv_rows(path: Path, field: str) -> csv.DictReader:
+    """A CSV file's rows by its header: UTF-8 text, a leading byte-order mark ignored (spreadsheets write one). A
+    file that cannot be read (a folder, no permission, another encoding) is a TraceError naming `field`."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{field}: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+                         "save it as UTF-8") from None
+    except OSError as e:
+        raise TraceError(f"{field}: cannot read {path}: {e.strerror or e}") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    if not reader.fieldnames:
+        raise TraceError(f"{field}: {path} is empty: expected a CSV with a header line")
+    return reader
+
+
 def _columns(reader: csv.DictReader, cols: dict[str, str], needed: list[str], where: str) -> None:
     header = reader.fieldnames or []
     for role in needed:
@@ -183,69 +201,68 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
     prios = tr.priorities()
     path = sc.trace_path()
     read_time = _time_reader(tr.time_format)
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        header = reader.fieldnames or []
-        timing = "duration" if "duration" in cols else "end"
-        named = tr.format != "csv" or "job_id" in cols
-        _columns(reader, cols, [*(["job_id"] if named else []), "submit", "num_gpu", timing],
-                 "workload.trace.columns")
-        for field_name, rule in (("filter", tr.filter), ("partition", tr.partition)):
-            if rule is not None and rule.column not in header:
-                raise TraceError(f"workload.trace.{field_name}.column: column {rule.column!r} is not in the CSV "
-                                 f"header {header}")
-        keep = set(tr.filter.values) if tr.filter is not None else None
-        has = {role for role, col in cols.items() if col in header}
-        for n, row in enumerate(reader, start=2):
-            if keep is not None and row[tr.filter.column] not in keep:  # type: ignore[union-attr]
-                continue
+    reader = _csv_rows(path, "workload.trace.path")
+    header = reader.fieldnames or []
+    timing = "duration" if "duration" in cols else "end"
+    named = tr.format != "csv" or "job_id" in cols
+    _columns(reader, cols, [*(["job_id"] if named else []), "submit", "num_gpu", timing],
+             "workload.trace.columns")
+    for field_name, rule in (("filter", tr.filter), ("partition", tr.partition)):
+        if rule is not None and rule.column not in header:
+            raise TraceError(f"workload.trace.{field_name}.column: column {rule.column!r} is not in the CSV "
+                             f"header {header}")
+    keep = set(tr.filter.values) if tr.filter is not None else None
+    has = {role for role, col in cols.items() if col in header}
+    for n, row in enumerate(reader, start=2):
+        if keep is not None and row[tr.filter.column] not in keep:  # type: ignore[union-attr]
+            continue
 
-            def cell(role: str, read: Callable[[str], float], row=row, n=n) -> float:
-                value = row[cols[role]]
-                try:
-                    return read(value)
-                except (TypeError, ValueError):
-                    how = "a number" if read is float else f"in time_format {tr.time_format!r}"
-                    raise TraceError(f"workload.trace.path: line {n} of {path}: {role} value {value!r} (column "
-                                     f"{cols[role]!r}) is not {how}") from None
+        def cell(role: str, read: Callable[[str], float], row=row, n=n) -> float:
+            value = row[cols[role]]
+            try:
+                return read(value)
+            except (TypeError, ValueError):
+                how = "a number" if read is float else f"in time_format {tr.time_format!r}"
+                raise TraceError(f"workload.trace.path: line {n} of {path}: {role} value {value!r} (column "
+                                 f"{cols[role]!r}) is not {how}") from None
 
-            submit = cell("submit", read_time)
-            if submit < tr.start_s:
+        submit = cell("submit", read_time)
+        if submit < tr.start_s:
+            continue
+        if timing == "duration":
+            if not row[cols["duration"]]:
+                continue  # still running when the trace ended: no duration
+            duration = cell("duration", float)
+        else:
+            start = row[cols["start"]] if "start" in has else None
+            if start == "":
+                if tr.unscheduled == "skip":
+                    continue
+                start = None
+            if not row[cols["end"]]:
                 continue
-            if timing == "duration":
-                if not row[cols["duration"]]:
-                    continue  # still running when the trace ended: no duration
-                duration = cell("duration", float)
-            else:
-                start = row[cols["start"]] if "start" in has else None
-                if start == "":
-                    if tr.unscheduled == "skip":
-                        continue
-                    start = None
-                if not row[cols["end"]]:
-                    continue
-                begin = cell("start", read_time) if start is not None and tr.duration_from == "start" else submit
-                duration = cell("end", read_time) - begin
-            gpus = int(cell("num_gpu", float)) if row[cols["num_gpu"]] else 0
-            share = 1.0
-            if gpus == 0:
-                if tr.zero_gpu == "skip":
-                    continue
-                gpus = 1
-            milli = row[cols["gpu_milli"]] if "gpu_milli" in has else ""
-            if gpus == 1 and milli and float(milli) < 1000:
-                if tr.fractional == "skip":
-                    continue
-                if tr.fractional == "share" and float(milli) > 0:
-                    share = float(milli) / 1000
-            if duration <= 0 or (tr.max_gpus is not None and gpus > tr.max_gpus):
+            begin = cell("start", read_time) if start is not None and tr.duration_from == "start" else submit
+            duration = cell("end", read_time) - begin
+        gpus = int(cell("num_gpu", float)) if row[cols["num_gpu"]] else 0
+        share = 1.0
+        if gpus == 0:
+            if tr.zero_gpu == "skip":
                 continue
-            if tr.max_duration_s is not None:
-                duration = min(duration, tr.max_duration_s)
-            prio = prios.get(row[cols["priority"]], "normal") if "priority" in has else "normal"
-            job_id = row[cols["job_id"]] if named else f"row{n}"
-            group = row[tr.partition.column] if tr.partition is not None else ""
-            yield _Row(submit, job_id, gpus, duration, share, prio, group)
+            gpus = 1
+        milli = row[cols["gpu_milli"]] if "gpu_milli" in has else ""
+        if gpus == 1 and milli and float(milli) < 1000:
+            if tr.fractional == "skip":
+                continue
+            if tr.fractional == "share" and float(milli) > 0:
+                share = float(milli) / 1000
+        if duration <= 0 or (tr.max_gpus is not None and gpus > tr.max_gpus):
+            continue
+        if tr.max_duration_s is not None:
+            duration = min(duration, tr.max_duration_s)
+        prio = prios.get(row[cols["priority"]], "normal") if "priority" in has else "normal"
+        job_id = row[cols["job_id"]] if named else f"row{n}"
+        group = row[tr.partition.column] if tr.partition is not None else ""
+        yield _Row(submit, job_id, gpus, duration, share, prio, group)
 
 
 def check_trace(sc: Scenario) -> None:
@@ -284,16 +301,15 @@ def node_groups(sc: Scenario) -> list[NodeGroup]:
     cols = nl.column_map()
     path = sc.resolve(nl.path)
     rows: list[tuple[str, int]] = []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        _columns(reader, cols, ["devices", "model"], "cluster.node_list.columns")
-        for n, row in enumerate(reader, start=2):
-            try:
-                devices = int(float(row[cols["devices"]] or 0))
-            except ValueError as e:
-                raise TraceError(f"cluster.node_list.path: line {n} of {path}: {e}") from None
-            if devices > 0:
-                rows.append((row[cols["model"]], devices))
+    reader = _csv_rows(path, "cluster.node_list.path")
+    _columns(reader, cols, ["devices", "model"], "cluster.node_list.columns")
+    for n, row in enumerate(reader, start=2):
+        try:
+            devices = int(float(row[cols["devices"]] or 0))
+        except ValueError as e:
+            raise TraceError(f"cluster.node_list.path: line {n} of {path}: {e}") from None
+        if devices > 0:
+            rows.append((row[cols["model"]], devices))
     rows = rows[::nl.every]
     if nl.limit is not None:
         rows = rows[:nl.limit]

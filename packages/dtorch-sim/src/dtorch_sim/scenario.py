@@ -618,7 +618,10 @@ def load(path: str | Path, overrides: list[str] = ()) -> Scenario:  # type: igno
     """Read a scenario file, apply `--set path=value` overrides, validate."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ScenarioError([f"{path}: cannot read: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                             f"{e.start})"]) from None
     except OSError as e:
         raise ScenarioError([f"{path}: cannot read: {e.strerror or e}"]) from None
     try:
