@@ -125,7 +125,24 @@ CASES: dict[str, tuple[Edit, str]] = {
     "trace row": (lambda d, t: (d["workload"].pop("synthetic"),
                                 _csv("t.csv", ITP_ROWS + "b,5,x,2\n", "workload.trace", TRACE)(d, t)),
                   "workload.trace.path: line 3 of {tmp}/t.csv: duration value 'x' (column 'duration') is not a "
-                  "number"),
+                  "finite number"),
+    # cells that read as numbers but are none a trace can mean: they made jobs of nan seconds or of -2 devices
+    "trace nan": (lambda d, t: (d["workload"].pop("synthetic"),
+                                _csv("t.csv", ITP_ROWS + "b,5,nan,2\n", "workload.trace", TRACE)(d, t)),
+                  "workload.trace.path: line 3 of {tmp}/t.csv: duration value 'nan' (column 'duration') is not a "
+                  "finite number"),
+    "trace devices": (lambda d, t: (d["workload"].pop("synthetic"),
+                                    _csv("t.csv", ITP_ROWS + "b,5,10,-2\n", "workload.trace", TRACE)(d, t)),
+                      "workload.trace.path: line 3 of {tmp}/t.csv: num_gpu value '-2' (column 'num_gpu') is not a "
+                      "whole number >= 0"),
+    "trace share": (lambda d, t: (d["workload"].pop("synthetic"), _csv(
+        "t.csv", "name,num_gpu,gpu_milli,qos,creation_time,scheduled_time,deletion_time\na,1,half,LS,0,1,9\n",
+        "workload.trace", {"format": "openb"})(d, t)),
+                    "workload.trace.path: line 2 of {tmp}/t.csv: gpu_milli value 'half' (column 'gpu_milli') is not a "
+                    "finite number >= 0"),
+    "trace short row": (lambda d, t: (d["workload"].pop("synthetic"),
+                                      _csv("t.csv", ITP_ROWS + "b,5,10\n", "workload.trace", TRACE)(d, t)),
+                        "workload.trace.path: line 3 of {tmp}/t.csv: 3 fields, the header has 4"),
     # files that are not UTF-8 CSV text were tracebacks (a folder, Latin-1); a spreadsheet's byte-order mark hid the
     # first column (VALID: "trace with a byte-order mark")
     "trace not UTF-8": (lambda d, t: (d["workload"].pop("synthetic"),
@@ -151,7 +168,7 @@ CASES: dict[str, tuple[Edit, str]] = {
     "no job left": (lambda d, t: (d["workload"].pop("synthetic"), _csv("t.csv", ITP_ROWS, "workload.trace", {
         **TRACE, "filter": {"column": "job_id", "values": ["zz"]}})(d, t)),
                     "workload.trace: no job left to simulate from {tmp}/t.csv (every row was skipped: filter on "
-                    "column 'job_id', start_s, zero_gpu, unscheduled, max_gpus; check them)"),
+                    "column 'job_id', start_s, zero_gpu, unscheduled, max_gpus, durations <= 0; check them)"),
     "parallel fraction": (_set("workload.scaling", {"parallel_fraction": [0.9, 1.2]}),
                           "workload.scaling.parallel_fraction: a parallel fraction is in (0, 1]: give [low, high] or "
                           "one value, got [0.9, 1.2]"),

@@ -146,11 +146,41 @@ def _columns(reader: csv.DictReader, cols: dict[str, str], needed: list[str], wh
             raise TraceError(f"{where}: column {cols.get(role)!r} (for {role}) is not in the CSV header {header}")
 
 
+def _finite(value: str) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(value)
+    return number
+
+
+def _amount(value: str) -> float:
+    number = _finite(value)
+    if number < 0:
+        raise ValueError(value)
+    return number
+
+
+def _count(value: str) -> int:
+    number = _amount(value)
+    if not number.is_integer():
+        raise ValueError(value)
+    return int(number)
+
+
+# What a trace cell must hold, by the reader of its role (a cell that does not is an error naming its line): nan, inf
+# and negative device counts made jobs of nan seconds, arrivals at nan and meshes of -2 devices.
+CELL_READERS: dict[Callable[[str], float], str] = {
+    _finite: "a finite number",  # submit, start and end in seconds, duration
+    _amount: "a finite number >= 0",  # gpu_milli
+    _count: "a whole number >= 0",  # num_gpu
+}
+
+
 def _time_reader(fmt: str) -> Callable[[str], float]:
     """`time_format` -> a function from a cell to seconds: numbers, ISO 8601, or a strptime pattern (POSIX seconds,
     UTC unless the value carries its zone)."""
     if fmt == "seconds":
-        return float
+        return _finite
     parse = datetime.fromisoformat if fmt == "iso" else (lambda v: datetime.strptime(v, fmt))
 
     def read(value: str) -> float:
@@ -214,6 +244,9 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
     keep = set(tr.filter.values) if tr.filter is not None else None
     has = {role for role, col in cols.items() if col in header}
     for n, row in enumerate(reader, start=2):
+        if None in row.values():
+            raise TraceError(f"workload.trace.path: line {n} of {path}: {sum(v is not None for v in row.values())} "
+                             f"fields, the header has {len(header)}")
         if keep is not None and row[tr.filter.column] not in keep:  # type: ignore[union-attr]
             continue
 
@@ -222,7 +255,7 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
             try:
                 return read(value)
             except (TypeError, ValueError):
-                how = "a number" if read is float else f"in time_format {tr.time_format!r}"
+                how = CELL_READERS.get(read) or f"in time_format {tr.time_format!r}"
                 raise TraceError(f"workload.trace.path: line {n} of {path}: {role} value {value!r} (column "
                                  f"{cols[role]!r}) is not {how}") from None
 
@@ -232,7 +265,7 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
         if timing == "duration":
             if not row[cols["duration"]]:
                 continue  # still running when the trace ended: no duration
-            duration = cell("duration", float)
+            duration = cell("duration", _finite)
         else:
             start = row[cols["start"]] if "start" in has else None
             if start == "":
@@ -243,18 +276,18 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
                 continue
             begin = cell("start", read_time) if start is not None and tr.duration_from == "start" else submit
             duration = cell("end", read_time) - begin
-        gpus = int(cell("num_gpu", float)) if row[cols["num_gpu"]] else 0
+        gpus = cell("num_gpu", _count) if row[cols["num_gpu"]] else 0
         share = 1.0
         if gpus == 0:
             if tr.zero_gpu == "skip":
                 continue
             gpus = 1
-        milli = row[cols["gpu_milli"]] if "gpu_milli" in has else ""
-        if gpus == 1 and milli and float(milli) < 1000:
+        milli = cell("gpu_milli", _amount) if "gpu_milli" in has and row[cols["gpu_milli"]] else 1000.0
+        if gpus == 1 and milli < 1000:
             if tr.fractional == "skip":
                 continue
-            if tr.fractional == "share" and float(milli) > 0:
-                share = float(milli) / 1000
+            if tr.fractional == "share" and milli > 0:
+                share = milli / 1000
         if duration <= 0 or (tr.max_gpus is not None and gpus > tr.max_gpus):
             continue
         if tr.max_duration_s is not None:
@@ -271,8 +304,9 @@ def check_trace(sc: Scenario) -> None:
         tr = sc.workload.trace
         rules = [f"{name} on column {rule.column!r}" for name, rule in (("filter", tr.filter),
                                                                          ("partition", tr.partition)) if rule]
+        rules.append("start_s, zero_gpu, unscheduled, max_gpus, durations <= 0")
         raise TraceError(f"workload.trace: no job left to simulate from {sc.trace_path()} (every row was skipped: "
-                         f"{', '.join(rules + ['start_s, zero_gpu, unscheduled, max_gpus'])}; check them)")
+                         f"{', '.join(rules)}; check them)")
 
 
 def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
