@@ -86,7 +86,14 @@ CASES: dict[str, tuple[Edit, str]] = {
                           "cluster.node_list.path: file 'missing.csv' not found (looked in . and in the current "
                           "directory)"),
     "node list row": (_csv("n.csv", "sn,gpu,model\nn0,x,a100\n", "cluster.node_list"),
-                      "cluster.node_list.path: line 2 of {tmp}/n.csv: could not convert string to float: 'x'"),
+                      "cluster.node_list.path: line 2 of {tmp}/n.csv: devices value 'x' (column 'gpu') is not a whole "
+                      "number >= 0"),
+    "node list of no devices": (_csv("n.csv", "sn,gpu,model\nn0,0,a100\n", "cluster.node_list"),  # was "ok"
+                                "cluster.node_list: no node with devices in {tmp}/n.csv (rows with 0 devices are "
+                                "skipped, then every and limit apply)"),
+    "node list devices": (_csv("n.csv", "sn,gpu,model\nn0,inf,a100\n", "cluster.node_list"),  # was a traceback
+                          "cluster.node_list.path: line 2 of {tmp}/n.csv: devices value 'inf' (column 'gpu') is not a "
+                          "whole number >= 0"),
     "node list column": (_csv("n.csv", "sn,gpus,model\nn0,8,a100\n", "cluster.node_list"),
                          "cluster.node_list.columns: column 'gpu' (for devices) is not in the CSV header "
                          "['sn', 'gpus', 'model']"),

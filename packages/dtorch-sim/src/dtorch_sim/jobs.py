@@ -172,7 +172,7 @@ def _count(value: str) -> int:
 CELL_READERS: dict[Callable[[str], float], str] = {
     _finite: "a finite number",  # submit, start and end in seconds, duration
     _amount: "a finite number >= 0",  # gpu_milli
-    _count: "a whole number >= 0",  # num_gpu
+    _count: "a whole number >= 0",  # num_gpu, a node list's devices
 }
 
 
@@ -338,15 +338,20 @@ def node_groups(sc: Scenario) -> list[NodeGroup]:
     reader = _csv_rows(path, "cluster.node_list.path")
     _columns(reader, cols, ["devices", "model"], "cluster.node_list.columns")
     for n, row in enumerate(reader, start=2):
+        value = row[cols["devices"]]
         try:
-            devices = int(float(row[cols["devices"]] or 0))
-        except ValueError as e:
-            raise TraceError(f"cluster.node_list.path: line {n} of {path}: {e}") from None
+            devices = _count(value or "0")
+        except (TypeError, ValueError):
+            raise TraceError(f"cluster.node_list.path: line {n} of {path}: devices value {value!r} (column "
+                             f"{cols['devices']!r}) is not {CELL_READERS[_count]}") from None
         if devices > 0:
             rows.append((row[cols["model"]], devices))
     rows = rows[::nl.every]
     if nl.limit is not None:
         rows = rows[:nl.limit]
+    if not rows:
+        raise TraceError(f"cluster.node_list: no node with devices in {path} (rows with 0 devices are skipped, then "
+                         "every and limit apply)")
     unknown = sorted({model for model, _ in rows if model not in sc.cluster.device_types})
     if unknown and nl.default_device_type is None:
         raise TraceError(f"cluster.node_list: models {unknown} are not in cluster.device_types "
