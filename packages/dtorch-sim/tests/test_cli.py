@@ -26,3 +26,21 @@ def test_cli_set_overrides_fields_and_reports_bad_paths(tmp_path):
                           "cluster.nodes.5.count=1"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip() == (
         "--set cluster.nodes.5.count=1: cluster.nodes has no item '5' (a list of 2)")
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line_before_anything_runs(tmp_path):
+    """--out naming a file was a traceback from mkdir after the whole simulation had run (minutes, lost)."""
+    from pathlib import Path
+
+    scenario = Path(__file__).resolve().parents[3] / "scenarios" / "synthetic-small.yaml"
+    (tmp_path / "taken").write_text("")
+    for command in (["run"], ["compare", "--policies", "fifo,las"]):
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", *command, str(scenario), "--quiet", "--no-plots",
+                              "--out", str(tmp_path / "taken")], capture_output=True, text=True)
+        folder = tmp_path / "taken" / ("fifo" if command[0] == "compare" else "")
+        assert out.returncode == 1 and out.stdout == "", out.stderr
+        assert out.stderr.splitlines() == [f"--out {str(folder).rstrip('/')}: cannot write results there: "
+                                           f"{'File exists' if command == ['run'] else 'Not a directory'}"]
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(scenario), "--policies", "fifo,srtf",
+                          "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
+    assert out.returncode == 1 and "unknown policy 'srtf'" in out.stderr and not (tmp_path / "cmp").exists()

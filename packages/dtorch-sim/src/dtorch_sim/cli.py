@@ -10,6 +10,7 @@ A bad scenario is reported as one line per mistake (`field.path: what was expect
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,20 @@ def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: boo
     wall = time.perf_counter() - started
     summary = metrics.write(sim, out, plots=plots)
     return summary, wall, metrics.series(sim)
+
+
+def _outputs(folders: list[Path]) -> str | None:
+    """Make the output folders before anything runs; a folder that cannot be written is one line (after a long run it
+    was a traceback, and the run was lost)."""
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".dtorch-sim-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as e:
+            return f"--out {folder}: cannot write results there: {e.strerror or e}"
+    return None
 
 
 def _table(rows: list[tuple[dict, float]]) -> Table:
@@ -128,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
     # Piped or redirected output gets a wide console: a table that wraps at 80 columns cannot be read in a file.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+    names = _policy_names(args.policies) if args.command == "compare" else []
+    problem = (_policies_problem(names, sc) if args.command == "compare" else None) or \
+        _outputs([Path(args.out) / name for name in names] or [Path(args.out)])
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
     try:
         if args.command == "run":
             summary, wall, _run = _simulate(sc, Path(args.out), err, args.quiet, not args.no_plots)
@@ -140,21 +161,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _compare(args: argparse.Namespace, sc: Scenario, console: Console, err: Console) -> int:
-    from dtorch_sim import metrics
+def _policy_names(text: str) -> list[str]:
+    return list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
 
-    names = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
+
+def _policies_problem(names: list[str], sc: Scenario) -> str | None:
+    """`--policies`: each known, and its parameters (`policy.params_for`) accepted by it."""
     unknown = [p for p in names if not is_known(p)]
     if unknown or not names:
-        print(f"--policies: unknown policy {', '.join(map(repr, unknown)) or '(none given)'}: known policies are "
-              f"{known()}", file=sys.stderr)
-        return 1
+        return (f"--policies: unknown policy {', '.join(map(repr, unknown)) or '(none given)'}: known policies are "
+                f"{known()}")
     for name in names:
         try:
             make_policy(name, sc.policy.for_name(name))
         except UnknownPolicy as e:
-            print(f"policy.params_for.{name}: {e}", file=sys.stderr)
-            return 1
+            return f"policy.params_for.{name}: {e}"
+    return None
+
+
+def _compare(args: argparse.Namespace, sc: Scenario, console: Console, err: Console) -> int:
+    from dtorch_sim import metrics
+
+    names = _policy_names(args.policies)
     rows, runs = [], []
     for name in names:
         summary, wall, run = _simulate(sc.with_policy(name), Path(args.out) / name, err, args.quiet, not args.no_plots)
