@@ -44,3 +44,14 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_before_anything_run
     out = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(scenario), "--policies", "fifo,srtf",
                           "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
     assert out.returncode == 1 and "unknown policy 'srtf'" in out.stderr and not (tmp_path / "cmp").exists()
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`dtorch-sim validate x.yaml | true` was a BrokenPipeError traceback."""
+    from pathlib import Path
+
+    scenario = Path(__file__).resolve().parents[3] / "scenarios" / "synthetic-small.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "dtorch_sim", "validate", str(scenario)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before it writes: its first line meets a closed pipe
+    assert proc.wait(timeout=60) == 141 and proc.stderr.read() == ""

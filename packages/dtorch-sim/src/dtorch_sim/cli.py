@@ -100,7 +100,19 @@ def _table(rows: list[tuple[dict, float]]) -> Table:
     return table
 
 
+BROKEN_PIPE_STATUS = 128 + 13  # killed by SIGPIPE, what a shell reports for a Unix tool whose reader left
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command; a reader that goes away (`| head`, `| true`) ends it quietly, not with a BrokenPipeError."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at the interpreter's final flush
+        return BROKEN_PIPE_STATUS
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="dtorch-sim", description="Simulate a DTorch cluster with the real "
                                      "controller core and simulated workers.")
     parser.add_argument("--version", action="version", version=f"dtorch-sim {__version__}")
