@@ -107,3 +107,25 @@ def test_validate_warns_about_jobs_larger_than_the_cluster_and_time_units(base, 
     out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario)], capture_output=True,
                          text=True)
     assert out.returncode == 0 and "warning: workload: 2 of 3 jobs ask for more devices" in out.stdout
+
+
+def test_jobs_over_the_controllers_mesh_limit_are_warned_as_refused_not_as_slower(base, tmp_path):
+    """The warning said a job of 600 devices on 8 would run slower on virtual devices; the core refuses a mesh over 64
+    logical devices per device and the job failed at once."""
+    from dtorch_sim.harness import Simulation
+
+    csv_trace(base, tmp_path / "t.csv", "t,n,d\n0,600,10\n1,16,10\n", columns={"submit": "t", "num_gpu": "n",
+                                                                            "duration": "d"})
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == [
+        "warning: workload: 1 of 2 jobs ask for more devices than the cluster's 8 at the start (up to 16): they run "
+        "with several logical devices per device (virtual devices), slower (drop them with workload.trace.max_gpus, "
+        "or add nodes)",
+        "warning: workload: 1 of 2 jobs ask for more than the controller accepts (64 logical devices per device: 512 "
+        "on the cluster at the start; up to 600): it refuses their meshes and they fail at once (drop them with "
+        "workload.trace.max_gpus, or add nodes)"]
+    sim = Simulation(sc.model_copy(update={"duration_s": 5.0}))
+    for _ in sim.run():
+        pass
+    big = next(r for r in sim.jobs if r.spec.devices == 600)
+    assert big.failed is not None and big.placed is None

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
+from dtorch_controller.core.controller import MAX_LOGICAL_PER_DEVICE
 from dtorch_protocol import messages as m
 from dtorch_sim import __version__
 from dtorch_sim.scenario import NodeGroup, Scenario, Workload
@@ -313,11 +314,18 @@ def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
     """What may surprise in a scenario that is valid: one line each (printed by validate, run and compare)."""
     lines = []
     devices = sum(g.count * g.devices_per_node for g in node_groups(sc))
-    big = [j.devices for j in specs if j.devices > devices]
+    most = MAX_LOGICAL_PER_DEVICE * max(1, devices)  # the core refuses a larger mesh (controller.py rule 11)
+    big = [j.devices for j in specs if devices < j.devices <= most]
     if big:
         lines.append(f"warning: workload: {len(big):,} of {len(specs):,} jobs ask for more devices than the cluster's "
                      f"{devices:,} at the start (up to {max(big):,}): they run with several logical devices per "
                      "device (virtual devices), slower (drop them with workload.trace.max_gpus, or add nodes)")
+    refused = [j.devices for j in specs if j.devices > most]
+    if refused:
+        lines.append(f"warning: workload: {len(refused):,} of {len(specs):,} jobs ask for more than the controller "
+                     f"accepts ({MAX_LOGICAL_PER_DEVICE} logical devices per device: {most:,} on the cluster at the "
+                     f"start; up to {max(refused):,}): it refuses their meshes and they fail at once (drop them with "
+                     "workload.trace.max_gpus, or add nodes)")
     tr = sc.workload.trace
     if tr is not None and (tr.time_scale != 1 or tr.arrival_scale is not None):
         lines.append(f"note: policy times (LAS thresholds, relocate_after, ...) are simulated seconds: they do not "
