@@ -55,3 +55,21 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
                             stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # before it writes: its first line meets a closed pipe
     assert proc.wait(timeout=60) == 141 and proc.stderr.read() == ""
+
+
+def test_why_a_job_failed_is_in_jobs_csv_and_the_first_reason_is_printed(tmp_path):
+    """A failed job was a count in the summary and nothing else: its error (here the controller's refusal of a mesh
+    over its logical-device limit) was kept in memory and never written."""
+    import csv
+    from pathlib import Path
+
+    scenario = Path(__file__).resolve().parents[3] / "scenarios" / "synthetic-small.yaml"
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "run", str(scenario), "--quiet", "--no-plots", "--out",
+                          str(tmp_path), "--set", "workload.synthetic.size={choices: [3000, 1]}", "--set",
+                          "workload.synthetic.jobs=3"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = list(csv.DictReader((tmp_path / "jobs.csv").open()))
+    failed = [r for r in rows if r["failed_s"]]
+    assert failed and all(r["error"].startswith("OpenMesh refused") for r in failed), rows
+    assert all(r["error"] == "" for r in rows if not r["failed_s"])
+    assert f"note: {len(failed)} jobs failed ({failed[0]['job_id']}: OpenMesh refused" in out.stderr

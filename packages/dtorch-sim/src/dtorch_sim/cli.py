@@ -40,6 +40,10 @@ def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: boo
         for now in sim.run():
             progress.update(task, completed=sim.jobs_ended(), now=now)
     wall = time.perf_counter() - started
+    failed = [r for r in sim.jobs if r.failed is not None]
+    if failed:  # the table counts them; why is in jobs.csv, and the first reason here
+        console.print(f"note: {len(failed):,} jobs failed ({failed[0].spec.id}: {failed[0].error}); jobs.csv's error "
+                      "column says why each one did", markup=False, highlight=False)
     summary = metrics.write(sim, out, plots=plots)
     return summary, wall, metrics.series(sim)
 

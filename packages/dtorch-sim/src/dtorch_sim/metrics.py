@@ -14,6 +14,8 @@ Definitions (metrics.json):
   duration on such devices (a job on fewer devices runs slower, never faster), so no mean JCT is below this mean:
   a goal stated as a ratio to another policy's mean (e.g. 1/1.3 of LAS's) is out of reach where it is lower.
 * `makespan_s`: last finish - first arrival.
+* jobs.csv, one row per job: its spec, what happened to it, and `error`: why a failed job failed (the controller's
+  refusal, or the error its Sync reported), empty otherwise.
 * `utilization`: time averages over the samples, weighted by alive devices: `busy` (executing), `allocated`
   (leased to a session), `unallocated_share` (capacity no session leases: a whole device, or the room left by
   packed leases), also while sessions wait (`unallocated_share_when_queued`: capacity stranded although
@@ -160,13 +162,13 @@ def write(sim: Simulation, out: str | Path, plots: bool = True) -> dict:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["job_id", "arrival_s", "devices", "share", "priority", "duration_s", "placed_s", "finished_s",
                     "failed_s", "jct_s", "queueing_delay_s", "frozen_s", "restarts", "preemptions", "recoveries",
-                    "steps_done", "work_device_s", "group"])
+                    "steps_done", "work_device_s", "group", "error"])
         for r in sim.jobs:
             s = r.spec
             w.writerow([s.id, _r(s.arrival), s.devices, _r(s.share), s.priority, _r(s.duration), _r(r.placed),
                         _r(r.finished), _r(r.failed), _r(r.finished - s.arrival) if r.finished is not None else None,
                         _r(r.placed - s.arrival) if r.placed is not None else None, _r(r.frozen_s), r.restarts,
-                        r.preemptions, r.recoveries, r.steps_done, _r(r.work_s), s.group])
+                        r.preemptions, r.recoveries, r.steps_done, _r(r.work_s), s.group, r.error])
     with open(out / "utilization.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["t_s", "alive", "allocated", "bound", "allocated_frac", "busy_frac", "queued", "frozen",
