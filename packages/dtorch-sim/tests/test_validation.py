@@ -75,6 +75,15 @@ CASES: dict[str, tuple[Edit, str]] = {
     "not a number": (_set("cost.launch_s", float("nan")), "cost.launch_s: Input should be a finite number (got nan)"),
     "not a mapping": (lambda d, t: "x", "(top level): expected a mapping of scenario fields, got str"),
     # cluster
+    # absurd sizes: they ran out of memory, or built workers for minutes before printing anything
+    "too many devices": (_set("cluster.nodes.0.count", 10**9),
+                         "cluster: 4,000,000,000 devices at most (the cluster, elastic adds and the autoscaler's "
+                         "max_nodes) is over the 100,000 a simulation runs"),
+    "too many devices later": (_set("autoscaler", {"node": {"count": 1, "device_type": "a100"}, "max_nodes": 12_500}),
+                               "cluster: 100,008 devices at most (the cluster, elastic adds and the autoscaler's "
+                               "max_nodes) is over the 100,000 a simulation runs"),
+    "too many jobs": (_set("workload.synthetic.jobs", 10**8), "workload.synthetic.jobs: Input should be less than or "
+                                                              "equal to 1000000 (got 100000000)"),
     "no nodes": (_set("cluster.nodes", []),
                  "cluster: give nodes (a list of node groups) or node_list (a CSV of nodes)"),
     "unknown node type": (_set("cluster.nodes.0.device_type", "h100"),
@@ -234,6 +243,8 @@ CASES: dict[str, tuple[Edit, str]] = {
 
 # the valid side of each boundary above: these must parse
 VALID: dict[str, Edit] = {
+    "devices at the limit": _set("autoscaler", {"node": {"count": 1, "devices_per_node": 8, "device_type": "a100"},
+                                                "max_nodes": 12_499}),
     "uniform of one value": _set("workload.synthetic.duration", {"dist": "uniform", "low": 2, "high": 2}),
     "fractional sizes": _set("workload.synthetic.size", {"choices": [0.5, 1, 8], "weights": [0, 0, 1]}),
     "priority weights": _set("workload.priorities", {"high": 0, "low": 1}),

@@ -20,6 +20,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from dtorch_controller.core.policies import DEFAULT_POLICY
 
+# What one simulator process is built for; a scenario over these is a mistake (a count with three zeros too many),
+# refused in one line: past them it ran out of memory or spent minutes building workers before printing anything.
+LIMITS = {
+    "devices": 100_000,  # at any time: the cluster, plus elastic adds and the autoscaler's max_nodes (16 s, 0.5 GB)
+    "synthetic_jobs": 1_000_000,  # workload.synthetic.jobs (validate generates them: 18 s, 0.6 GB)
+}
+
 
 class ScenarioError(Exception):
     """A scenario that cannot be run; `lines` holds one message per mistake."""
@@ -173,7 +180,7 @@ Priority = Literal["high", "normal", "low"]
 
 
 class Synthetic(_Model):
-    jobs: int = Field(ge=1)
+    jobs: int = Field(ge=1, le=LIMITS["synthetic_jobs"])
     arrival: Arrival
     size: Sizes
     duration: Distribution  # seconds of work on a speed-1.0 device, without contention
@@ -575,11 +582,22 @@ def parse(data: object, base_dir: str = ".", source: str = "") -> Scenario:
     from dtorch_sim.jobs import TraceError, check_trace, node_groups
 
     try:
-        node_groups(sc)
+        groups = node_groups(sc)
         check_trace(sc)
     except TraceError as e:
         raise ScenarioError([f"{prefix}{e}"]) from None
+    devices = _devices_at_most(sc, groups)
+    if devices > LIMITS["devices"]:
+        raise ScenarioError([f"{prefix}cluster: {devices:,} devices at most (the cluster, elastic adds and the "
+                             f"autoscaler's max_nodes) is over the {LIMITS['devices']:,} a simulation runs"])
     return sc
+
+
+def _devices_at_most(sc: Scenario, groups: list[NodeGroup]) -> int:
+    """The most devices the run may hold at once: the cluster, every elastic add, the autoscaler's max_nodes."""
+    added = sum(e.add.count * e.add.devices_per_node for e in sc.elastic if e.add is not None)
+    scaler = sc.autoscaler.max_nodes * sc.autoscaler.node.devices_per_node if sc.autoscaler is not None else 0
+    return sum(g.count * g.devices_per_node for g in groups) + added + scaler
 
 
 def override(data: object, assignment: str) -> object:
