@@ -108,7 +108,7 @@ def test_trace_columns_and_node_lists_are_checked_against_the_csv(base, tmp_path
     base["workload"]["trace"]["columns"] = {"job_id": "id", "submit": "t", "duration": "len", "num_gpu": "gpus"}
     (line,) = errors(base)
     assert line.startswith("workload.trace.path: line 3 of ") and line.endswith(
-        ": duration value 'x' (column 'len') is not a number")
+        ": duration value 'x' (column 'len') is not a finite number")
     trace.write_text("id,t,len,gpus\na,0,10,1\nb,5,7,2\n")
     assert [(j.id, j.devices) for j in generate(parse(base))] == [("a", 1), ("b", 2)]
     nodes = tmp_path / "n.csv"
