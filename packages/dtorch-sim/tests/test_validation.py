@@ -218,6 +218,13 @@ CASES: dict[str, tuple[Edit, str]] = {
                         "faults.0: a partition needs until or duration_s (when it heals)"),
     "repair of a slow worker": (_faults({"kind": "slow_worker", "at": 5, "duration_s": 1, "repair_s": 3}),
                                 "faults.0: repair_s is for failures and partitions"),
+    # targets no run has: a typo was a fault or removal that never happened, with no word
+    "unknown worker": (_faults({"kind": "worker_failure", "at": 1, "worker": "node0/gpu4"}),
+                       "faults.0.worker: no worker 'node0/gpu4' in the cluster (workers are named like 'node0/gpu0')"),
+    "unknown node": (_faults({"kind": "node_failure", "at": 1, "node": "nod1"}),
+                     "faults.0.node: no node 'nod1' in the cluster (nodes are named like 'node0')"),
+    "unknown removed node": (_set("elastic", [{"at": 1, "action": "remove_nodes", "nodes": ["node1", "node9"]}]),
+                             "elastic.0.nodes: no node 'node9' in the cluster (nodes are named like 'node0')"),
     # elasticity and autoscaling
     "add without a group": (_set("elastic", [{"at": 1, "action": "add_nodes"}]),
                             "elastic.0: add_nodes needs `add` (a node group: count, devices_per_node, device_type)"),
@@ -245,6 +252,12 @@ CASES: dict[str, tuple[Edit, str]] = {
 VALID: dict[str, Edit] = {
     "devices at the limit": _set("autoscaler", {"node": {"count": 1, "devices_per_node": 8, "device_type": "a100"},
                                                 "max_nodes": 12_499}),
+    "targets that join later": lambda d, t: d.update(
+        elastic=[{"at": 1, "action": "add_nodes", "add": {"count": 1, "device_type": "a100", "name": "extra"}},
+                 {"at": 9, "action": "remove_nodes", "nodes": ["extra2"]}],
+        autoscaler={"node": {"count": 1, "devices_per_node": 2, "device_type": "a100", "name": "auto"}, "max_nodes": 2},
+        faults=[{"kind": "worker_failure", "at": 5, "worker": "auto4/gpu1"}, {"kind": "node_failure", "at": 5,
+                                                                            "node": "node1"}]),
     "uniform of one value": _set("workload.synthetic.duration", {"dist": "uniform", "low": 2, "high": 2}),
     "fractional sizes": _set("workload.synthetic.size", {"choices": [0.5, 1, 8], "weights": [0, 0, 1]}),
     "priority weights": _set("workload.priorities", {"high": 0, "low": 1}),

@@ -590,7 +590,43 @@ def parse(data: object, base_dir: str = ".", source: str = "") -> Scenario:
     if devices > LIMITS["devices"]:
         raise ScenarioError([f"{prefix}cluster: {devices:,} devices at most (the cluster, elastic adds and the "
                              f"autoscaler's max_nodes) is over the {LIMITS['devices']:,} a simulation runs"])
+    lines = [f"{prefix}{line}" for line in _unknown_targets(sc, groups)]
+    if lines:
+        raise ScenarioError(lines)
     return sc
+
+
+def _unknown_targets(sc: Scenario, groups: list[NodeGroup]) -> list[str]:
+    """Faults and removals that name a node or worker no run can have (a typo was a fault that never happened, with
+    no word). Nodes are `{group name}{index}`, the index counting over the whole cluster, and workers `NODE/gpuN`;
+    the nodes that may join later (elastic adds, the autoscaler) take the indexes after the cluster's."""
+    devices: dict[str, int] = {}  # node -> its devices
+    for group in groups:
+        for _ in range(group.count):
+            devices[f"{group.name}{len(devices)}"] = group.devices_per_node
+    later = [e.add for e in sc.elastic if e.add is not None] + ([sc.autoscaler.node] if sc.autoscaler else [])
+    first = len(devices)
+    joining = sum(g.count for g in later[:len(later) - bool(sc.autoscaler)]) + \
+        (sc.autoscaler.max_nodes if sc.autoscaler else 0)
+    for group in later:
+        for index in range(first, first + joining):
+            devices[f"{group.name}{index}"] = max(devices.get(f"{group.name}{index}", 0), group.devices_per_node)
+    example = next(iter(devices), "node0")
+    lines = []
+    for i, fault in enumerate(sc.faults):
+        if fault.node is not None and fault.node not in devices:
+            lines.append(f"faults.{i}.node: no node {fault.node!r} in the cluster (nodes are named like {example!r})")
+        if fault.worker is not None:
+            node, _, gpu = fault.worker.partition("/gpu")
+            if not (node in devices and gpu.isdigit() and int(gpu) < devices[node]):
+                lines.append(f"faults.{i}.worker: no worker {fault.worker!r} in the cluster (workers are named like "
+                             f"'{example}/gpu0')")
+    for i, event in enumerate(sc.elastic):
+        unknown = [n for n in event.nodes if n not in devices]
+        if unknown:
+            lines.append(f"elastic.{i}.nodes: no node {', '.join(map(repr, unknown))} in the cluster (nodes are named "
+                         f"like {example!r})")
+    return lines
 
 
 def _devices_at_most(sc: Scenario, groups: list[NodeGroup]) -> int:
