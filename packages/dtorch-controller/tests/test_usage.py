@@ -155,3 +155,20 @@ def test_lines_that_are_not_usage_records_are_named_not_summed_in_silence(tmp_pa
     out = capsys.readouterr()
     assert json.loads(out.out)[0]["device_seconds"] == 10.0
     assert out.err == f"dtorch-controller usage: skipped 2 lines of {path} that are not usage records (first: line 2)\n"
+
+
+def test_a_line_that_is_not_utf8_is_skipped_as_a_foreign_line_not_the_end_of_the_report(tmp_path, capsys):
+    """One damaged byte anywhere in the file ended `dtorch-controller usage` with Python's codec error and no file
+    name: every record of the file went unreported."""
+    path = tmp_path / "usage.jsonl"
+    log = UsageLog(path)
+    log.append([_record(1)])
+    with open(path, "ab") as f:
+        f.write(json.dumps(_record(2).__dict__).encode().replace(b"alice", b"al\xffce") + b"\n")
+    log = UsageLog(path)
+    log.append([_record(3, run="r2")])
+    log.close()
+    assert cli.main(["usage", "--usage-file", str(path), "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)[0]["device_seconds"] == 20.0
+    assert out.err == f"dtorch-controller usage: skipped 1 lines of {path} that are not usage records (first: line 2)\n"

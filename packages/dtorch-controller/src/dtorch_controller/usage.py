@@ -238,7 +238,7 @@ def _drop_torn_tail(fd: int) -> None:
 _DECODER = msgspec.json.Decoder(Record)  # typed: a field of another type is no record
 
 
-def _record(line: str) -> Record | None:
+def _record(line: bytes) -> Record | None:
     """The record a line holds, or None: not a JSON object of Record's fields with their types."""
     try:
         return _DECODER.decode(line)
@@ -250,9 +250,9 @@ def read(path: str | Path, foreign: list[int] | None = None) -> Iterator[Record]
     """Every complete record once (by run and seq); a torn last line is skipped, and so is a complete line that is
     not a record, whose number goes into `foreign`."""
     seen: set[tuple[str, int]] = set()
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 (a damaged disk block) is a foreign line, not the end
         for number, line in enumerate(f, 1):
-            if not line.endswith("\n"):
+            if not line.endswith(b"\n"):
                 break
             r = _record(line)
             if r is None:
