@@ -201,7 +201,7 @@ def test_a_lending_session_takes_its_own_devices_back_without_relocation(make_ha
 def test_parameters_are_checked():
     with pytest.raises(PolicyError, match="ascending"):
         DTorchPolicy({"thresholds": [5, 1]})
-    with pytest.raises(PolicyError, match="'fairness' must be a number >= 0"):
+    with pytest.raises(PolicyError, match="'fairness' must be a finite number >= 0"):
         DTorchPolicy({"fairness": -1})
     with pytest.raises(PolicyError, match="'lend' must be true or false"):
         DTorchPolicy({"lend": "yes"})

@@ -3,6 +3,8 @@ queue keys as the policies' docstrings state them, and when a rank changes by th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dtorch_controller.core import events as ev
@@ -68,10 +70,15 @@ def test_parameters_are_taken_as_given():
     (PriorityPolicy, {"pack": "yes"}, "policy parameter 'pack' must be true or false, got 'yes'"),
     (PriorityPolicy, {"preempt": 1}, "policy parameter 'preempt' must be true or false, got 1"),
     (LasPolicy, {"relocate": None}, "policy parameter 'relocate' must be true or false, got None"),
-    (LasPolicy, {"starve_factor": -1}, "policy parameter 'starve_factor' must be a number >= 0, got -1"),
-    (LasPolicy, {"starve_min_s": True}, "policy parameter 'starve_min_s' must be a number >= 0, got True"),
-    (LasPolicy, {"relocate_after": "1"}, "policy parameter 'relocate_after' must be a number >= 0, got '1'"),
-    (DTorchPolicy, {"fairness": -0.5}, "policy parameter 'fairness' must be a number >= 0, got -0.5"),
+    (LasPolicy, {"starve_factor": -1}, "policy parameter 'starve_factor' must be a finite number >= 0, got -1"),
+    (LasPolicy, {"starve_min_s": True}, "policy parameter 'starve_min_s' must be a finite number >= 0, got True"),
+    (LasPolicy, {"relocate_after": "1"}, "policy parameter 'relocate_after' must be a finite number >= 0, got '1'"),
+    (DTorchPolicy, {"fairness": -0.5}, "policy parameter 'fairness' must be a finite number >= 0, got -0.5"),
+    # nan passed every bound (comparisons with it are false); inf is no time (relocate=false says "never")
+    (DTorchPolicy, {"backfill_after": math.nan}, "policy parameter 'backfill_after' must be a finite number >= 0, "
+                                                 "got nan"),
+    (LasPolicy, {"relocate_after": math.inf}, "policy parameter 'relocate_after' must be a finite number >= 0, "
+                                              "got inf"),
 ])
 def test_a_bad_parameter_is_refused_in_one_line(policy, params, message):
     with pytest.raises(PolicyError) as e:
@@ -80,7 +87,8 @@ def test_a_bad_parameter_is_refused_in_one_line(policy, params, message):
 
 
 @pytest.mark.parametrize("policy", [LasPolicy, DTorchPolicy])
-@pytest.mark.parametrize("thresholds", [[], [10, 5], [5, 5], [0, 5], [-1], [True, 5], "60", ["1"], 60])
+@pytest.mark.parametrize("thresholds", [[], [10, 5], [5, 5], [0, 5], [-1], [True, 5], "60", ["1"], 60,
+                                        [math.nan], [60, math.inf]])
 def test_thresholds_must_be_ascending_positive_numbers(policy, thresholds):
     with pytest.raises(PolicyError) as e:
         policy({"thresholds": thresholds})

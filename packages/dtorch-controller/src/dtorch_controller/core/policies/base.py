@@ -28,6 +28,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -142,8 +143,8 @@ def flag(params: Mapping[str, Any], name: str, default: bool) -> bool:
 
 def number(params: Mapping[str, Any], name: str, default: float, minimum: float = 0.0) -> float:
     value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-        raise PolicyError(f"policy parameter {name!r} must be a number >= {minimum:g}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value < math.inf:
+        raise PolicyError(f"policy parameter {name!r} must be a finite number >= {minimum:g}, got {value!r}")
     return float(value)
 
 
@@ -151,7 +152,7 @@ def thresholds(params: Mapping[str, Any], default: tuple[float, ...] = DEFAULT_T
     """The `thresholds` parameter: ascending positive device-seconds, at least one."""
     value = params.get("thresholds", default)
     if (not isinstance(value, (list, tuple)) or not value
-            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 for x in value)
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < math.inf for x in value)
             or list(value) != sorted(set(value))):
         raise PolicyError(f"policy parameter 'thresholds' must be ascending positive device-seconds, got {value!r}")
     return tuple(float(x) for x in value)
