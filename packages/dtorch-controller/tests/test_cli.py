@@ -91,10 +91,27 @@ def test_exits_when_the_parent_dies(tmp_path):
                 p.wait()
 
 
-def test_status_of_an_unreachable_controller_is_one_error_line(capsys):
+def test_status_of_an_unreachable_controller_is_one_error_line(capsys, monkeypatch):
+    monkeypatch.setenv("DTORCH_API_KEY", "dtorch_00000000_x")
     assert cli.main(["status", "--controller", "127.0.0.1:1"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot reach 127.0.0.1:1" in err
+
+
+def test_asking_without_an_api_key_says_which_variable_to_set(capsys, monkeypatch, keys):
+    """The controller's refusal named an HTTP header ("empty credential: expected 'authorization: Bearer <key>'")."""
+    from dtorch_controller.server import run_server
+
+    server, address = run_server(keys=keys.authenticate)
+    monkeypatch.delenv("DTORCH_API_KEY", raising=False)
+    try:
+        for argv in (["status"], ["top", "--iterations", "1"], ["drain", "w0"]):
+            assert cli.main([*argv, "--controller", address]) == 1
+            assert capsys.readouterr().err == (f"dtorch-controller {argv[0]}: no API key: set DTORCH_API_KEY to an "
+                                               "admin key (`dtorch-controller keys create --keys FILE --role admin` "
+                                               "prints one)\n")
+    finally:
+        server.stop(0)
 
 
 @pytest.mark.parametrize("listen", ["nonsense", "host:port"])

@@ -162,6 +162,10 @@ def _policy_params(items: Sequence[str]) -> dict[str, object]:
 def _ask(args: argparse.Namespace, method: str, request: object, timeout: float) -> object | None:
     """One call to the controller named by --controller / $DTORCH_CONTROLLER; None after a one-line error."""
     target = args.controller or os.environ.get("DTORCH_CONTROLLER") or DEFAULT_LISTEN
+    if not auth.key_from_env():  # the controller's answer named an HTTP header, not what to set
+        print(f"dtorch-controller {args.command}: no API key: set DTORCH_API_KEY to an admin key (`dtorch-controller "
+              "keys create --keys FILE --role admin` prints one)", file=sys.stderr)
+        return None
     try:
         stub = wire.Stub("dtorch.Controller", target, auth.key_from_env(), tls=_tls(args))
     except TlsError as e:
