@@ -129,3 +129,15 @@ def test_jobs_over_the_controllers_mesh_limit_are_warned_as_refused_not_as_slowe
         pass
     big = next(r for r in sim.jobs if r.spec.devices == 600)
     assert big.failed is not None and big.placed is None
+
+
+def test_filter_and_partition_values_written_as_numbers_match_the_csvs_cells(base, tmp_path):
+    """`values: [1]` for a numeric column was refused ('Input should be a valid string (got 1)'), and a quota keyed
+    by a number too ('partition.quotas.1.[key]'); cells are text, so the number is taken as its text."""
+    rows = "t,n,d,vc\n0,1,10,1\n1,2,10,2\n2,1,10,1\n"
+    csv_trace(base, tmp_path / "t.csv", rows, columns={"submit": "t", "num_gpu": "n", "duration": "d"},
+              filter={"column": "vc", "values": [1]})
+    assert [j.id for j in generate(parse(base))] == ["row2", "row4"]
+    csv_trace(base, tmp_path / "t.csv", rows, columns={"submit": "t", "num_gpu": "n", "duration": "d"},
+              partition={"column": "vc", "quotas": {1: 1, 2: 1}})
+    assert [(j.id, j.group) for j in generate(parse(base))] == [("row2", "1"), ("row3", "2")]

@@ -195,14 +195,21 @@ Column = Literal["job_id", "submit", "duration", "start", "end", "num_gpu", "gpu
 TIMED = ("submit", "start", "end")  # the roles `time_format` applies to (a duration is always seconds)
 
 
-class RowFilter(_Model):
+class _CellValues(_Model):
+    """Values compared with a CSV's cells, which are text: `values: [1, 2]` in YAML means the cells "1" and "2" (numbers
+    were refused: 'Input should be a valid string')."""
+
+    model_config = ConfigDict(_Model.model_config, coerce_numbers_to_str=True)
+
+
+class RowFilter(_CellValues):
     """Keep only the rows whose `column` holds one of `values` (e.g. one virtual cluster of a multi-cluster trace)."""
 
     column: str
     values: list[str] = Field(min_length=1)
 
 
-class Partition(_Model):
+class Partition(_CellValues):
     """Split the jobs by the value of `column` (e.g. the virtual cluster): each job is tagged with its value (its
     *group*: a column of jobs.csv, JCT per group in metrics.json), and at most `quotas[value]` jobs of each value
     are kept, the earliest submitted first. Values without a quota are dropped (`others: N` keeps N of each)."""
