@@ -144,7 +144,19 @@ def test_no_key_file_is_fatal_at_start(tmp_path):
 
 def test_a_negative_dispatch_window_is_refused_in_one_line(tmp_path):
     out = _run("--dispatch-ahead", "-1", "--listen", "127.0.0.1:0")
-    assert out.returncode == 2 and "dispatch_ahead must be >= 0, got -1" in out.stderr and out.stderr.count("\n") == 1
+    assert out.returncode == 2 and out.stderr == "dtorch-controller: --dispatch-ahead must be >= 0, got -1\n"
+
+
+def test_settings_out_of_range_name_the_options_an_operator_typed(tmp_path):
+    """The refusals named the core's fields (heartbeat_timeout_s, snapshot_every_s), not the options."""
+    keys = str(tmp_path / "keys.json")
+    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--heartbeat-timeout", "0.1")
+    assert out.returncode == 2 and out.stderr == ("dtorch-controller: --heartbeat-timeout (0.1) must exceed "
+                                                  "--heartbeat-interval (0.2)\n")
+    out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--snapshot-interval", "0")
+    assert out.returncode == 2 and out.stderr == ("dtorch-controller: --snapshot-batches must be >= 0 and "
+                                                  "--snapshot-interval > 0, got 32 and 0.0\n")
 
 
 @pytest.mark.parametrize(("name", "takes"), [("DTORCH_DISPATCH_AHEAD", "a whole number"),

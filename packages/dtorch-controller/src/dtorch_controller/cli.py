@@ -36,6 +36,16 @@ from dtorch_protocol.process import on_signals, watch_parent
 from dtorch_protocol.tls import Tls, TlsError, cleartext_warning
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
+# The core's settings (`core.Config`) each option sets: a setting out of range is refused naming the option
+CONFIG_OPTIONS = {
+    "heartbeat_interval_s": "--heartbeat-interval",
+    "heartbeat_timeout_s": "--heartbeat-timeout",
+    "session_timeout_s": "--session-timeout",
+    "collective_timeout_s": "--collective-timeout",
+    "dispatch_ahead": "--dispatch-ahead",
+    "snapshot_every_batches": "--snapshot-batches",
+    "snapshot_every_s": "--snapshot-interval",
+}
 WATCHDOG_INTERVAL_S = 0.5
 
 
@@ -88,6 +98,7 @@ def _tls(args: argparse.Namespace) -> Tls | None:
 
 def serve(args: argparse.Namespace) -> int:
     from dtorch_controller.core import Config
+    from dtorch_controller.core.config import ConfigError
     from dtorch_controller.core.policies import make_policy
     from dtorch_controller.keys import KeyFileError, Keyring, key_file_from_env
     from dtorch_controller.server import run_server
@@ -95,10 +106,12 @@ def serve(args: argparse.Namespace) -> int:
     from dtorch_protocol import exposition
 
     try:
-        config = Config(heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
-                        snapshot_every_batches=args.snapshot_batches, snapshot_every_s=args.snapshot_interval,
-                        session_timeout_s=args.session_timeout, collective_timeout_s=args.collective_timeout,
-                        dispatch_ahead=args.dispatch_ahead)
+        config = Config(**{name: getattr(args, option[2:].replace("-", "_"))
+                           for name, option in CONFIG_OPTIONS.items()})
+    except ConfigError as e:
+        print(f"dtorch-controller: {e.render(CONFIG_OPTIONS)}", file=sys.stderr)
+        return 2
+    try:
         policy = make_policy(args.policy, _policy_params(args.policy_param))
         if args.usage_interval <= 0:
             raise ValueError(f"--usage-interval must be > 0 seconds, got {args.usage_interval:g}")

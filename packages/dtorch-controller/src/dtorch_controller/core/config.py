@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from string import Template
+
+
+class ConfigError(ValueError):
+    """A setting out of its range. The message names fields as `$field` (`Template`): str() gives the fields' own
+    names, `render(names)` the adapter's (`dtorch-controller` says `--heartbeat-interval`, not
+    `heartbeat_interval_s`)."""
+
+    def __init__(self, template: str) -> None:
+        self.template = Template(template)
+        super().__init__(self.render({}))
+
+    def render(self, names: Mapping[str, str]) -> str:
+        return self.template.substitute({f.name: names.get(f.name, f.name) for f in fields(Config)})
 
 
 def format_seconds(t: float) -> str:
@@ -38,21 +52,21 @@ class Config:
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval_s > 0:
-            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+            raise ConfigError(f"$heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
-            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
-                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+            raise ConfigError(f"$heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed $heartbeat_interval_s "
+                              f"({self.heartbeat_interval_s})")
         if not self.session_timeout_s >= 0:
-            raise ValueError(f"session_timeout_s must be >= 0, got {self.session_timeout_s}")
+            raise ConfigError(f"$session_timeout_s must be >= 0, got {self.session_timeout_s}")
         if self.snapshot_every_batches < 0 or not self.snapshot_every_s > 0:
-            raise ValueError(f"snapshot_every_batches must be >= 0 and snapshot_every_s > 0, got "
-                             f"{self.snapshot_every_batches} and {self.snapshot_every_s}")
+            raise ConfigError(f"$snapshot_every_batches must be >= 0 and $snapshot_every_s > 0, got "
+                              f"{self.snapshot_every_batches} and {self.snapshot_every_s}")
         if not self.collective_timeout_s > 0:
-            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+            raise ConfigError(f"$collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.dispatch_ahead < 0:
-            raise ValueError(f"dispatch_ahead must be >= 0, got {self.dispatch_ahead}")
+            raise ConfigError(f"$dispatch_ahead must be >= 0, got {self.dispatch_ahead}")
         if self.event_log_size < 1:
-            raise ValueError(f"event_log_size must be >= 1, got {self.event_log_size}")
+            raise ConfigError(f"$event_log_size must be >= 1, got {self.event_log_size}")
 
     @property
     def suspect_after_s(self) -> float:
