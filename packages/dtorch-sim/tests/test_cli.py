@@ -73,3 +73,21 @@ def test_why_a_job_failed_is_in_jobs_csv_and_the_first_reason_is_printed(tmp_pat
     assert failed and all(r["error"].startswith("OpenMesh refused") for r in failed), rows
     assert all(r["error"] == "" for r in rows if not r["failed_s"])
     assert f"note: {len(failed)} jobs failed ({failed[0]['job_id']}: OpenMesh refused" in out.stderr
+
+
+def test_a_sample_interval_too_short_for_the_run_is_refused_before_it_runs(tmp_path):
+    """metrics.sample_interval_s: 0.000001 sampled 1.4 billion times over a 1,400 s run: gigabytes, then out of
+    memory, and validate said ok."""
+    from pathlib import Path
+
+    scenario = Path(__file__).resolve().parents[3] / "scenarios" / "synthetic-small.yaml"
+    for command in ("validate", "run"):
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", command, str(scenario), "--set",
+                              "metrics.sample_interval_s=0.000001", *(["--out", str(tmp_path)] * (command == "run"))],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stdout == "", out.stderr
+        assert out.stderr == (f"{scenario}: metrics.sample_interval_s: 1e-06 s makes about 1,399,189,900 samples over "
+                              "the run's ~1,399 s, more than the 1,000,000 a run keeps: use 0.0014 s or more\n")
+    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
+                         "metrics.sample_interval_s=0.0014"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr

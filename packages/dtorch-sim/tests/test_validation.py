@@ -84,6 +84,10 @@ CASES: dict[str, tuple[Edit, str]] = {
                                "max_nodes) is over the 100,000 a simulation runs"),
     "too many jobs": (_set("workload.synthetic.jobs", 10**8), "workload.synthetic.jobs: Input should be less than or "
                                                               "equal to 1000000 (got 100000000)"),
+    "heartbeat too often": (_set("heartbeat", {"interval_s": 1e-6, "timeout_s": 1e-5}),  # ran forever
+                            "heartbeat.interval_s: Input should be greater than or equal to 0.01 (got 1e-06)"),
+    "retries too often": (_set("workload.retry_s", 1e-9), "workload.retry_s: Input should be greater than or equal "
+                                                          "to 1 (got 1e-09)"),
     "no nodes": (_set("cluster.nodes", []),
                  "cluster: give nodes (a list of node groups) or node_list (a CSV of nodes)"),
     "unknown node type": (_set("cluster.nodes.0.device_type", "h100"),
@@ -258,6 +262,8 @@ VALID: dict[str, Edit] = {
         autoscaler={"node": {"count": 1, "devices_per_node": 2, "device_type": "a100", "name": "auto"}, "max_nodes": 2},
         faults=[{"kind": "worker_failure", "at": 5, "worker": "auto4/gpu1"}, {"kind": "node_failure", "at": 5,
                                                                             "node": "node1"}]),
+    "heartbeat and retries at their limits": lambda d, t: d.update(heartbeat={"interval_s": 0.01, "timeout_s": 0.05},
+                                                                   workload={**d["workload"], "retry_s": 1}),
     "uniform of one value": _set("workload.synthetic.duration", {"dist": "uniform", "low": 2, "high": 2}),
     "fractional sizes": _set("workload.synthetic.size", {"choices": [0.5, 1, 8], "weights": [0, 0, 1]}),
     "priority weights": _set("workload.priorities", {"high": 0, "low": 1}),

@@ -20,10 +20,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dtorch_sim import __version__
-from dtorch_sim.harness import Stalled
-from dtorch_sim.jobs import generate, node_groups, warnings
+from dtorch_sim.harness import Stalled, end_guess
+from dtorch_sim.jobs import JobSpec, generate, node_groups, warnings
 from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
-from dtorch_sim.scenario import Scenario, ScenarioError, load
+from dtorch_sim.scenario import LIMITS, Scenario, ScenarioError, load
 
 
 def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: bool = True):
@@ -46,6 +46,17 @@ def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: boo
                       "column says why each one did", markup=False, highlight=False)
     summary = metrics.write(sim, out, plots=plots)
     return summary, wall, metrics.series(sim)
+
+
+def _samples_problem(sc: Scenario, specs: list[JobSpec], source: str) -> str | None:
+    """A sample interval so short that the run's samples would not fit (it ran out of memory, sampling)."""
+    interval = sc.metrics.sample_interval_s
+    end = end_guess(sc, specs)
+    if interval is None or end / interval <= LIMITS["samples"]:
+        return None
+    return (f"{source}: metrics.sample_interval_s: {interval:g} s makes about {end / interval:,.0f} samples over "
+            f"the run's ~{end:,.0f} s, more than the {LIMITS['samples']:,} a run keeps: use "
+            f"{end / LIMITS['samples']:.2g} s or more")
 
 
 def _outputs(folders: list[Path]) -> str | None:
@@ -148,7 +159,12 @@ def _main(argv: list[str] | None) -> int:
         for line in e.lines:
             print(line, file=sys.stderr)
         return 1
-    notes = warnings(sc, generate(sc))
+    specs = generate(sc)
+    problem = _samples_problem(sc, specs, args.scenario)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
+    notes = warnings(sc, specs)
     if args.command == "validate":
         print(f"{args.scenario}: ok ({sum(g.count * g.devices_per_node for g in node_groups(sc))} devices, "
               f"policy {sc.policy.name})")

@@ -47,6 +47,14 @@ STALL_EVENTS = 1 << 22  # simulator events at one simulated time (plus 64 per jo
 GC_THRESHOLD = (50_000, 20, 20)  # while the clock runs: Python's default is (700, 10, 10); see `_rare_collections`
 
 
+def end_guess(sc: Scenario, specs: list[JobSpec]) -> float:
+    """Roughly when the run ends, to size the sampling interval."""
+    if sc.duration_s is not None:
+        return sc.duration_s
+    last = specs[-1].arrival if specs else 0.0
+    return max(last + max((s.duration for s in specs), default=1.0), 1.0)
+
+
 class Stalled(RuntimeError):
     """The simulated clock stopped advancing: a bug, or a setting the simulator cannot handle."""
 
@@ -786,11 +794,7 @@ class Simulation:
         return last + 10 * sum(s.duration for s in self.specs) + 3600.0
 
     def end_guess(self) -> float:
-        """Roughly when the run ends, to size the sampling interval."""
-        if self.scenario.duration_s is not None:
-            return self.scenario.duration_s
-        last = self.specs[-1].arrival if self.specs else 0.0
-        return max(last + max((s.duration for s in self.specs), default=1.0), 1.0)
+        return end_guess(self.scenario, self.specs)
 
     # ------------------------------------------------------------ running
 

@@ -23,8 +23,11 @@ from dtorch_controller.core.policies import DEFAULT_POLICY
 # What one simulator process is built for; a scenario over these is a mistake (a count with three zeros too many),
 # refused in one line: past them it ran out of memory or spent minutes building workers before printing anything.
 LIMITS = {
-    "devices": 100_000,  # at any time: the cluster, plus elastic adds and the autoscaler's max_nodes (16 s, 0.5 GB)
-    "synthetic_jobs": 1_000_000,  # workload.synthetic.jobs (validate generates them: 18 s, 0.6 GB)
+    "devices": 100_000,  # at most, at any time: the cluster, elastic adds, the autoscaler's max_nodes (16 s, 0.5 GB)
+    "synthetic_jobs": 1_000_000,  # at most, workload.synthetic.jobs (validate generates them: 18 s, 0.6 GB)
+    "samples": 1_000_000,  # at most, the run's length / metrics.sample_interval_s (each a pass over the pool)
+    "heartbeat_interval_s": 0.01,  # at least (the controller's default is 0.2 s)
+    "retry_s": 1.0,  # at least: a queued job is woken when placed, retries are a safety net (one event each)
 }
 
 
@@ -333,7 +336,8 @@ class Workload(_Model):
     expected_steps: Declared = Declared()
     elastic_jobs: ElasticJobs = ElasticJobs()
     on_failure: Literal["restart", "fail"] = "restart"  # a job whose data was lost: resume elsewhere, or give up
-    retry_s: float = Field(60.0, gt=0)  # a queued job asks again at least this often (it is also woken when placed)
+    # a queued job asks again at least this often (it is also woken when placed)
+    retry_s: float = Field(60.0, ge=LIMITS["retry_s"])
     # weights of each job's priority class, drawn per job (empty: "normal", or the trace's own classes)
     priorities: dict[Priority, float] = {}
 
@@ -445,7 +449,7 @@ class Heartbeat(_Model):
     """How often workers report when they have nothing else to say (a report after a batch counts too), and
     when the controller declares a silent one lost. Large clusters in long runs can use long intervals."""
 
-    interval_s: float = Field(1.0, gt=0)
+    interval_s: float = Field(1.0, ge=LIMITS["heartbeat_interval_s"])
     timeout_s: float = Field(5.0, gt=0)
     # Heartbeats (and the core's heartbeat deadlines) are due on a grid of interval_s / batch_slots and share one
     # simulator event per grid point: a report is at most that much later than exact timing. 0: exact timing.
