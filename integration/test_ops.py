@@ -1035,8 +1035,9 @@ def test_attention_with_a_mask_of_any_rank_on_every_layout(mesh1, placement):
 def test_a_vocabulary_parallel_embedding_never_gathers_its_table(cluster, mesh4, mesh2d, layout):
     """`RowwiseParallel` on an `nn.Embedding` (Megatron's vocabulary-parallel embedding: the table's rows sharded):
     the whole table was gathered on every device at every forward (torch's rule answers with a private placement).
-    Each device now looks up the indices in its own rows (_embedding rule 1) and the output is reduced once; values
-    and gradients are torch's, uneven shards and padding_idx included."""
+    Each device now looks up the indices in its own rows (_embedding rule 1) and the output is reduced once; the
+    table's gradient, computed whole on every device before, is computed by each device for its rows (rule 3);
+    values and gradients are torch's, uneven shards and padding_idx included."""
     from dtorch_protocol import messages as m
 
     mesh, at = {"vocab": (mesh4, [Shard(0)]), "batch_and_vocab": (mesh2d, [Replicate(), Shard(0)])}[layout]
@@ -1046,20 +1047,22 @@ def test_a_vocabulary_parallel_embedding_never_gathers_its_table(cluster, mesh4,
     ids = torch.randint(0, 10, (4, 5), generator=g)
     ids[0, :4] = torch.tensor([0, 9, 3, 5])
     table = dist(ref.weight.detach(), mesh, *at).requires_grad_()
-    sent, eager_emit = [], cluster.emit
-    cluster.emit = lambda item: (sent.append(item), eager_emit(item))[1]
-    try:
+    sent, backward_sent = [], []
+    with tap(cluster, sent):
         got = F.embedding(dist(ids, mesh, *ids_at), table, padding_idx=3)
-    finally:
-        cluster.emit = eager_emit
     want = ref(ids)
     upstream = torch.randn(want.shape, generator=g)
     (want * upstream).sum().backward()
-    (got * dist(upstream, mesh, *[Replicate()] * mesh.ndim)).sum().backward()
+    dupstream = dist(upstream, mesh, *[Replicate()] * mesh.ndim)
+    with tap(cluster, backward_sent):
+        (got * dupstream).sum().backward()
     assert got.placements[-1] == Partial()
     torch.testing.assert_close(got.full_tensor(), want)
     torch.testing.assert_close(table.grad.full_tensor(), ref.weight.grad)
     assert not [i for i in sent if isinstance(i, m.InstrRedistribute)]  # the table stays where it is
+    # each device computes its own rows of the table's gradient (rule 3), none the whole table's to keep a part
+    assert table.grad.placements[-1] == Shard(0)
+    assert not [i for i in backward_sent if isinstance(i, m.InstrRedistribute) and list(i.src_spec.shape) == [10, 6]]
 
 
 @pytest.mark.parametrize("kv_heads,stays", [(2, True), (1, False)], ids=["even", "uneven"])

@@ -14,6 +14,11 @@ Rules (decompositions, `_registry.register_decomposition`; each declines, NotImp
      on more than one device. The unscaled backward is divided by the counts of the whole batch, which are the same
      backward of ones (`[..., 1]`): a row's sum of its occurrences, at least 1 (a row no index names has no
      gradient to scale).
+  3. The table's gradient of a vocabulary-parallel lookup (rule 1 marks its indices, which autograd saves): torch's rule computed the whole [rows, dim] gradient on every device, then each kept its rows (a
+     whole table's worth of memory and work per device at every backward). Each device now computes its own rows
+     (the indices shifted as in rule 1, the others' gradients zeroed): the gradient comes out as the table is laid
+     out on that mesh dim; on the others, Partial where the batch was sharded (or the gradient Partial), sharded on
+     the table's columns where the gradient's last dim was, Replicate where all was.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from typing import Any
 
 import torch
 
-from dtorch._local import emit, is_dtensor, spec
+from dtorch._local import emit, is_dtensor, spec, to
 from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.layout import coords, shard_box
-from dtorch_protocol.placement_types import Partial, Replicate, Shard
+from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
 
@@ -43,15 +48,23 @@ def vocabulary_parallel(args: tuple, kwargs: dict) -> Any:  # rule 1
         return NotImplemented
     mesh = weight.device_mesh
     rows = [shard_box(tuple(weight.shape), mesh.shape, weight.placements, c)[0] for c in coords(mesh.shape)]
+    mine, safe = _own_rows(indices, rows)
+    placements = tuple(Partial() if d == vocab[0] else p for d, p in enumerate(indices.placements))
+    looked_up = emit(aten.embedding.default, (weight, safe),
+                     spec(mesh, placements, (*indices.shape, weight.shape[1]), weight.dtype))
+    indices._dtorch_vocabulary = vocab[0], weight.shape[0]  # (rule 3: the indices autograd saves)
+    return aten.mul.Tensor(looked_up, aten.unsqueeze.default(mine, -1))
+
+
+def _own_rows(indices: Any, rows: list[tuple[int, int]]) -> tuple[Any, Any]:
+    """(mine, safe): where each device's indices fall in its rows (`rows`: (start, length) per device), and the
+    indices shifted into them, 0 elsewhere (rule 1)."""
+    mesh = indices.device_mesh
     shifted = emit(aten.sub.Scalar, (indices, 0), indices._spec, per_device=[(indices, start) for start, _ in rows])
     below = emit(aten.lt.Scalar, (shifted, 0), spec(mesh, indices.placements, indices.shape, torch.bool),
                  per_device=[(shifted, length) for _, length in rows])
     mine = aten.logical_and.default(aten.ge.Scalar(shifted, 0), below)
-    safe = aten.mul.Tensor(shifted, mine)
-    placements = tuple(Partial() if d == vocab[0] else p for d, p in enumerate(indices.placements))
-    looked_up = emit(aten.embedding.default, (weight, safe),
-                     spec(mesh, placements, (*indices.shape, weight.shape[1]), weight.dtype))
-    return aten.mul.Tensor(looked_up, aten.unsqueeze.default(mine, -1))
+    return mine, aten.mul.Tensor(shifted, mine)
 
 
 @register_decomposition(aten.embedding_dense_backward.default)
@@ -66,3 +79,56 @@ def scaled_by_frequency(args: tuple, kwargs: dict) -> Any:  # rule 2
     ones = aten.ones_like.default(aten.narrow.default(grad, -1, 0, 1))
     counts = aten.embedding_dense_backward.default(ones, indices, num_weights, padding_idx, False)
     return aten.div.Tensor(summed, aten.clamp_min.default(counts, 1))
+
+
+@register_decomposition(aten.embedding_dense_backward.default)
+def vocabulary_parallel_gradient(args: tuple, kwargs: dict) -> Any:  # rule 3
+    values = named_args(aten.embedding_dense_backward.default, args, kwargs)
+    grad, indices, num_weights = values["grad_output"], values["indices"], values["num_weights"]
+    lookup = getattr(indices, "_dtorch_vocabulary", None)  # (the vocabulary's mesh dim, the table's rows)
+    if lookup is None or lookup[1] != num_weights or values["scale_grad_by_freq"] or not is_dtensor(grad) or \
+            grad.device_mesh != indices.device_mesh:
+        return NotImplemented
+    layouts = _gradient_layout(grad, indices, lookup[0])
+    if layouts is None:
+        return NotImplemented
+    mesh, shape, placements = indices.device_mesh, (num_weights, grad.shape[-1]), layouts[1]
+    rows = [shard_box(shape, mesh.shape, placements, c)[0] for c in coords(mesh.shape)]
+    if any(length == 0 for _, length in rows):
+        return NotImplemented
+    mine, safe = _own_rows(indices, rows)
+    grad = aten.mul.Tensor(to(grad, layouts[0]), aten.unsqueeze.default(mine, -1))
+    pad = values["padding_idx"]
+    return emit(aten.embedding_dense_backward.default, (grad, safe, num_weights, pad, False),
+                spec(mesh, placements, shape, grad.dtype),
+                per_device=[(grad, safe, length, pad - start if start <= pad < start + length else -1, False)
+                            for start, length in rows])
+
+
+def _gradient_layout(grad: Any, indices: Any, vocab: int) -> tuple[tuple[Placement, ...], tuple[Placement, ...]] | None:
+    """Rule 3: (the placements the gradient is used in, the table gradient's), per mesh dim, from the gradient's and
+    the indices'; None where they are not among the rule's cases. A replicated gradient of sharded indices is
+    sliced as they are (a local slice)."""
+    use: list[Placement] = []
+    out: list[Placement] = []
+    last = grad.ndim - 1
+    for i, (g, x) in enumerate(zip(grad.placements, indices.placements)):
+        if i == vocab:
+            if g != Replicate() or x != Replicate():
+                return None
+            use.append(g)
+            out.append(Shard(0))
+        elif x.is_partial():
+            return None
+        elif x == Replicate() and (g == Replicate() or g.is_partial()):
+            use.append(g)
+            out.append(g)
+        elif x == Replicate() and g.is_shard() and g.dim % grad.ndim == last:
+            use.append(g)
+            out.append(Shard(1))
+        elif x.is_shard() and (g == Replicate() or g.is_shard() and g.dim % grad.ndim == x.dim % indices.ndim):
+            use.append(Shard(x.dim % indices.ndim))
+            out.append(Partial())
+        else:
+            return None
+    return tuple(use), tuple(out)
