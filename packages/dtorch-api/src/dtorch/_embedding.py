@@ -14,11 +14,12 @@ Rules (decompositions, `_registry.register_decomposition`; each declines, NotImp
      on more than one device. The unscaled backward is divided by the counts of the whole batch, which are the same
      backward of ones (`[..., 1]`): a row's sum of its occurrences, at least 1 (a row no index names has no
      gradient to scale).
-  3. The table's gradient of a vocabulary-parallel lookup (rule 1 marks its indices, which autograd saves): torch's rule computed the whole [rows, dim] gradient on every device, then each kept its rows (a
-     whole table's worth of memory and work per device at every backward). Each device now computes its own rows
-     (the indices shifted as in rule 1, the others' gradients zeroed): the gradient comes out as the table is laid
-     out on that mesh dim; on the others, Partial where the batch was sharded (or the gradient Partial), sharded on
-     the table's columns where the gradient's last dim was, Replicate where all was.
+  3. The table's gradient of a vocabulary-parallel lookup (rule 1 marks its indices, which autograd saves): torch's
+     rule computed the whole [rows, dim] gradient on every device, then each kept its rows (a whole table's worth
+     of memory and work per device at every backward). Each device now computes its own rows (the indices shifted
+     as in rule 1, the others' gradients zeroed): the gradient comes out as the table is laid out on that mesh dim;
+     on the others, Partial where the batch was sharded (a replicated gradient is sliced as the indices are) or the
+     gradient Partial, sharded on the table's columns where the gradient's last dim was, Replicate where all was.
 """
 
 from __future__ import annotations
