@@ -36,6 +36,14 @@ def test_jobs_finish_and_utilization_is_plausible(base):
     assert not sim.core.sessions  # every session closed
 
 
+def test_a_run_where_no_job_finished_has_no_makespan(base):
+    """It was 0 - the first arrival: a negative makespan in metrics.json and the summary."""
+    base["duration_s"] = 10.0  # the first jobs arrive, none of 30 s or so ends
+    s = metrics.summarize(run(base))
+    assert s["jobs"]["finished"] == 0 and s["jobs"]["submitted"] == 12
+    assert s["makespan_s"] is None
+
+
 def test_a_fake_worker_keeps_nothing_of_what_was_deleted_or_closed(base):
     # Namespaces of copies come and go all the time: a key whose shards are gone is forgotten, or every report and
     # swap walks it again (a 100,000-job run slowed down as workers gathered hundreds of empty keys).

@@ -13,7 +13,7 @@ Definitions (metrics.json):
   each asked for): a job's JCT had it started on arrival and never stopped. No policy brings a job below its
   duration on such devices (a job on fewer devices runs slower, never faster), so no mean JCT is below this mean:
   a goal stated as a ratio to another policy's mean (e.g. 1/1.3 of LAS's) is out of reach where it is lower.
-* `makespan_s`: last finish - first arrival.
+* `makespan_s`: last finish - first arrival (null when no job finished).
 * jobs.csv, one row per job: its spec, what happened to it, and `error`: why a failed job failed (the controller's
   refusal, or the error its Sync reported), empty otherwise.
 * `utilization`: time averages over the samples, weighted by alive devices: `busy` (executing), `allocated`
@@ -108,7 +108,8 @@ def summarize(sim: Simulation) -> dict:
         "frozen_share_of_jct": _stats([r.frozen_s / jct_s if jct_s > 0 else 0.0 for r, jct_s in zip(done, jct)]),
         "jct_s_by_group": {g: _stats([r.finished - r.spec.arrival for r in done if r.spec.group == g])
                            for g in sorted({r.spec.group for r in sim.jobs} - {""})},
-        "makespan_s": _r(max((r.finished for r in done), default=0.0) - (sim.jobs[0].spec.arrival if sim.jobs else 0)),
+        # none (null) when no job finished: it was 0 - the first arrival, a negative makespan
+        "makespan_s": _r(max(r.finished for r in done) - sim.jobs[0].spec.arrival) if done else None,
         "utilization": {
             "busy_mean": _weighted(samples, lambda s: s.busy),
             "allocated_mean": _weighted(samples, lambda s: s.allocated / s.alive if s.alive else 0.0),
