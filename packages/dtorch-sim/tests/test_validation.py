@@ -88,6 +88,13 @@ CASES: dict[str, tuple[Edit, str]] = {
                             "heartbeat.interval_s: Input should be greater than or equal to 0.01 (got 1e-06)"),
     "retries too often": (_set("workload.retry_s", 1e-9), "workload.retry_s: Input should be greater than or equal "
                                                           "to 1 (got 1e-09)"),
+    "steps": (_set("workload.steps_per_job", 10**7), "workload.steps_per_job: Input should be less than or equal to "
+                                                    "100000 (got 10000000)"),
+    "failures too often": (_faults({"kind": "worker_failure", "mtbf_s": 1e-6}),
+                           "faults.0.mtbf_s: Input should be greater than or equal to 1 (got 1e-06)"),
+    "autoscaler too often": (_set("autoscaler", {"node": {"count": 1, "device_type": "a100"}, "max_nodes": 1,
+                                                 "check_interval_s": 1e-6}),
+                             "autoscaler.check_interval_s: Input should be greater than or equal to 1 (got 1e-06)"),
     "no nodes": (_set("cluster.nodes", []),
                  "cluster: give nodes (a list of node groups) or node_list (a CSV of nodes)"),
     "unknown node type": (_set("cluster.nodes.0.device_type", "h100"),

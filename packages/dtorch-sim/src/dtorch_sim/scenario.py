@@ -28,6 +28,9 @@ LIMITS = {
     "samples": 1_000_000,  # at most, the run's length / metrics.sample_interval_s (each a pass over the pool)
     "heartbeat_interval_s": 0.01,  # at least (the controller's default is 0.2 s)
     "retry_s": 1.0,  # at least: a queued job is woken when placed, retries are a safety net (one event each)
+    "steps": 100_000,  # at most, a job's steps_per_job or max_steps (a step is a batch on each of its workers)
+    "mtbf_s": 1.0,  # at least, a recurring fault's mean time between failures (a microsecond ran forever)
+    "check_interval_s": 1.0,  # at least, the autoscaler's (a microsecond ran forever)
 }
 
 
@@ -325,9 +328,9 @@ class Workload(_Model):
     trace: Trace | None = None
     # A job is a session that runs its work as steps (one simulated training step per batch on its whole mesh):
     # `steps_per_job` steps each, or steps of about `step_s` seconds of work (at most `max_steps`).
-    steps_per_job: int = Field(10, ge=1)
+    steps_per_job: int = Field(10, ge=1, le=LIMITS["steps"])
     step_s: float | None = Field(None, gt=0)
-    max_steps: int = Field(100, ge=1)
+    max_steps: int = Field(100, ge=1, le=LIMITS["steps"])
     sync_every: int = Field(5, ge=1)  # steps between Syncs; a Sync is the job's durable point for restarts
     # live state (weights, optimizer) per device, what moves, snapshots and offloads copy: a number, or a
     # distribution drawn per job (capped at the smallest device memory)
@@ -368,7 +371,7 @@ class Fault(_Model):
 
     kind: Literal["worker_failure", "node_failure", "slow_worker", "partition"]
     at: float | None = Field(None, ge=0)
-    mtbf_s: float | None = Field(None, gt=0)
+    mtbf_s: float | None = Field(None, ge=LIMITS["mtbf_s"])
     worker: str | None = None  # "node3/gpu1"
     node: str | None = None  # "node3"
     mode: Literal["silent", "crash"] = "silent"  # silent: only heartbeats notice; crash: sends fail at once
@@ -427,7 +430,7 @@ class Autoscaler(_Model):
     whose devices were all unleased for `scale_down_idle_s`, down to `min_nodes` added."""
 
     node: NodeGroup  # count is ignored: one node per step
-    check_interval_s: float = Field(60.0, gt=0)
+    check_interval_s: float = Field(60.0, ge=LIMITS["check_interval_s"])
     scale_up_queued: int = Field(1, ge=1)
     step: int = Field(1, ge=1)
     provision_s: float = Field(0.0, ge=0)
