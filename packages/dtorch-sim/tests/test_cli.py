@@ -91,3 +91,17 @@ def test_a_sample_interval_too_short_for_the_run_is_refused_before_it_runs(tmp_p
     ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
                          "metrics.sample_interval_s=0.0014"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_the_progress_line_names_the_scenario_and_the_policy_as_they_are(base, tmp_path):
+    """The policy in brackets was read as rich markup and vanished ('tiny  ━━━ 3/12 jobs': compare's bars looked
+    alike), and a name such as 'x[bold red]y' restyled the line."""
+    from rich.console import Console
+
+    from dtorch_sim import cli
+    from dtorch_sim.scenario import parse
+
+    base["name"] = "x[bold red]y"
+    console = Console(record=True, force_terminal=True, width=200)
+    cli._simulate(parse(base), tmp_path, console, quiet=False, plots=False)
+    assert "x[bold red]y [fifo]" in console.export_text()

@@ -33,8 +33,10 @@ def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: boo
 
     started = time.perf_counter()
     sim = Simulation(sc)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} jobs"),
-                  TextColumn("t={task.fields[now]:.0f}s"), TimeElapsedColumn(), console=console,
+    # the description is the scenario's name and the policy's, shown as they are: as markup, "[fifo]" vanished
+    with Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} jobs"), TextColumn("t={task.fields[now]:.0f}s"),
+                  TimeElapsedColumn(), console=console,
                   disable=quiet, transient=True) as progress:
         task = progress.add_task(f"{sc.name} [{sc.policy.name}]", total=len(sim.jobs), now=0.0)
         for now in sim.run():
