@@ -105,3 +105,17 @@ def test_the_progress_line_names_the_scenario_and_the_policy_as_they_are(base, t
     console = Console(record=True, force_terminal=True, width=200)
     cli._simulate(parse(base), tmp_path, console, quiet=False, plots=False)
     assert "x[bold red]y [fifo]" in console.export_text()
+
+
+def test_an_output_folder_with_brackets_is_printed_as_it_is(tmp_path):
+    """`--out 'res[v2]'` was printed as 'wrote res/metrics.json' (rich markup), and `--out 'o[/]'` ended a finished run
+    with a MarkupError traceback."""
+    from pathlib import Path
+
+    scenario = Path(__file__).resolve().parents[3] / "scenarios" / "synthetic-small.yaml"
+    for name in ("res[v2]", "o[/]"):
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", "run", str(scenario), "--quiet", "--no-plots",
+                              "--set", "workload.synthetic.jobs=2", "--out", str(tmp_path / name)],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert f"wrote {tmp_path / name}/metrics.json" in out.stdout

@@ -154,7 +154,7 @@ def _main(argv: list[str] | None) -> int:
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # paths and names print as they are
     try:
         sc = load(args.scenario, args.set)
     except ScenarioError as e:
@@ -176,7 +176,7 @@ def _main(argv: list[str] | None) -> int:
     for line in notes:
         print(line, file=sys.stderr)
     # Piped or redirected output gets a wide console: a table that wraps at 80 columns cannot be read in a file.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+    console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 240)
     names = _policy_names(args.policies) if args.command == "compare" else []
     problem = (_policies_problem(names, sc) if args.command == "compare" else None) or \
         _outputs([Path(args.out) / name for name in names] or [Path(args.out)])
