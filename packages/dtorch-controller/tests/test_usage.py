@@ -172,3 +172,15 @@ def test_a_line_that_is_not_utf8_is_skipped_as_a_foreign_line_not_the_end_of_the
     out = capsys.readouterr()
     assert json.loads(out.out)[0]["device_seconds"] == 20.0
     assert out.err == f"dtorch-controller usage: skipped 1 lines of {path} that are not usage records (first: line 2)\n"
+
+
+def test_the_usage_table_shows_a_records_names_as_plain_text(tmp_path, capsys):
+    """A record is the file's text: a tenant or session edited into '[/]' crashed the table with a MarkupError."""
+    path = tmp_path / "usage.jsonl"
+    log = UsageLog(path)
+    log.append([_record(1, session="s[/]1", tenant="a[/]b\x1b[2J")])
+    log.close()
+    for by in ("tenant", "session"):
+        assert cli.main(["usage", "--usage-file", str(path), "--by", by]) == 0
+        out = capsys.readouterr().out
+        assert "a[/]b\\x1b[2J" in out and "\x1b" not in out

@@ -13,7 +13,7 @@ from datetime import datetime
 from rich.console import Console
 from rich.table import Table
 
-from dtorch_controller.status_view import human_bytes
+from dtorch_controller.status_view import human_bytes, plain
 from dtorch_controller.usage import Row, read, summarise
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -87,8 +87,9 @@ def main(args: argparse.Namespace) -> int:
                   "memory GiB-hours", "moved", "instructions", "from", "to"):
             table.add_column(c, justify="left" if c in (args.by, "tenant", "from", "to") else "right")
         for r in rows:
-            table.add_row(r.key[:16] if args.by == "session" else r.key or "-",
-                          *((r.tenant or "-",) if args.by == "session" else ()), str(len(r.sessions)),
+            # a record's strings are the file's: plain text (status_view); a hand-edited '[/]' crashed the table
+            table.add_row(plain(r.key[:16] if args.by == "session" else r.key or "-"),
+                          *((plain(r.tenant or "-"),) if args.by == "session" else ()), str(len(r.sessions)),
                           str(r.devices), f"{r.device_seconds / 3600:.4f}",
                           f"{r.memory_byte_seconds / 3600 / (1 << 30):.4f}", human_bytes(r.moved_bytes),
                           str(r.instructions), _iso(r.start), _iso(r.end))
