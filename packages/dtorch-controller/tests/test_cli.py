@@ -142,6 +142,21 @@ def test_no_key_file_is_fatal_at_start(tmp_path):
         assert out.returncode == 2 and "cannot read the key file" in out.stderr
 
 
+def test_a_key_file_of_the_wrong_shape_names_where_and_stops_the_start(tmp_path):
+    """A missing field was Python's 'KeyEntry.__init__() missing 2 required positional arguments', and a field of
+    another type was taken: a quota of devices "x" started the controller, to fail at the first comparison."""
+    cases = [({"version": 1, "keys": [{"id": "k1", "role": "admin"}]},
+              "Object missing required field `sha256` - at `$.keys[0]`"),
+             ({"version": 1, "quotas": {"alice": {"devices": "x"}}},
+              "Expected `int`, got `str` - at `$.quotas[...].devices`"),
+             ([], "version None, expected 1")]
+    for content, what in cases:
+        (tmp_path / "keys.json").write_text(json.dumps(content))
+        out = _run("--keys", str(tmp_path / "keys.json"), "--listen", "127.0.0.1:0")
+        assert out.returncode == 2 and out.stderr == f"dtorch-controller: the key file {tmp_path / 'keys.json'} is " \
+                                                     f"malformed: {what}\n"
+
+
 def test_a_negative_dispatch_window_is_refused_in_one_line(tmp_path):
     out = _run("--dispatch-ahead", "-1", "--listen", "127.0.0.1:0")
     assert out.returncode == 2 and out.stderr == "dtorch-controller: --dispatch-ahead must be >= 0, got -1\n"

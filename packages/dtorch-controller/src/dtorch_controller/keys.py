@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from dtorch_controller.core.events import Quota
 from dtorch_protocol import auth
 
@@ -70,6 +72,15 @@ class KeyEntry:
 
 
 @dataclass
+class _Content:
+    """The file's JSON, as msgspec decodes it (each field of its type, or the error names where it is not)."""
+
+    version: int
+    keys: list[KeyEntry] = field(default_factory=list)
+    quotas: dict[str, Quota] = field(default_factory=dict)
+
+
+@dataclass
 class KeyFile:
     keys: list[KeyEntry] = field(default_factory=list)
     quotas: dict[str, Quota] = field(default_factory=dict)
@@ -88,16 +99,16 @@ class KeyFile:
         except ValueError as e:
             raise KeyFileError(f"the key file {path} is not valid JSON: {e}") from None
         try:
-            if raw.get("version") != FILE_VERSION:
-                raise ValueError(f"version {raw.get('version')!r}, expected {FILE_VERSION}")
-            keys = [KeyEntry(**k) for k in raw.get("keys", [])]
-            quotas = {t: Quota(**q) for t, q in raw.get("quotas", {}).items()}
-            for k in keys:
+            if not isinstance(raw, dict) or raw.get("version") != FILE_VERSION:
+                raise ValueError(f"version {raw.get('version') if isinstance(raw, dict) else None!r}, expected "
+                                 f"{FILE_VERSION}")
+            content = msgspec.convert(raw, _Content)  # typed: "Expected `str`, got `int` - at `$.keys[0].id`"
+            for k in content.keys:
                 if k.role not in auth.KEY_ROLES:
                     raise ValueError(f"key {k.id} has role {k.role!r}, expected one of {auth.KEY_ROLES}")
-        except (AttributeError, TypeError, ValueError) as e:
+        except (ValueError, msgspec.ValidationError) as e:
             raise KeyFileError(f"the key file {path} is malformed: {e}") from None
-        return cls(keys, quotas)
+        return cls(content.keys, content.quotas)
 
     def write(self, path: str | Path) -> None:
         target = Path(path)
