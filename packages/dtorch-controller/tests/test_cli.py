@@ -157,6 +157,15 @@ def test_a_key_file_of_the_wrong_shape_names_where_and_stops_the_start(tmp_path)
                                                      f"malformed: {what}\n"
 
 
+def test_a_key_file_that_cannot_be_written_is_named_not_its_temporary_file(tmp_path, capsys):
+    """It said "No such file or directory: '.../.keys.json.4242.tmp'", a file the operator never named."""
+    path = tmp_path / "none" / "keys.json"
+    assert cli.main(["keys", "create", "--keys", str(path), "--role", "admin"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (f"dtorch-controller keys create: cannot write the key file {path}: No such "
+                                         "file or directory\n")
+
+
 def test_a_negative_dispatch_window_is_refused_in_one_line(tmp_path):
     out = _run("--dispatch-ahead", "-1", "--listen", "127.0.0.1:0")
     assert out.returncode == 2 and out.stderr == "dtorch-controller: --dispatch-ahead must be >= 0, got -1\n"

@@ -115,11 +115,15 @@ class KeyFile:
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         data = {"version": FILE_VERSION, "keys": [asdict(k) for k in self.keys],
                 "quotas": {t: asdict(q) for t, q in sorted(self.quotas.items())}}
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, target)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+                f.write("\n")
+            os.replace(tmp, target)
+        except OSError as e:  # it named the temporary file ("No such file or directory: '/x/.keys.json.123.tmp'")
+            tmp.unlink(missing_ok=True)
+            raise KeyFileError(f"cannot write the key file {path}: {e.strerror or e}") from None
 
     @classmethod
     def read_or_new(cls, path: str | Path) -> KeyFile:
