@@ -121,6 +121,15 @@ def test_bad_listen_address(listen):
     assert cli._normalize_listen(":50051") == "0.0.0.0:50051"
 
 
+def test_a_bad_worker_port_is_named_as_the_worker_option(tmp_path):
+    """--worker-listen HOST:99999 was refused as '--listen needs HOST:PORT', naming the option that was right."""
+    keys = str(tmp_path / "keys.json")
+    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--worker-listen", "127.0.0.1:99999")
+    assert out.returncode == 1 and out.stderr == ("dtorch-controller: --worker-listen needs HOST:PORT with a port "
+                                                  "0-65535, got '127.0.0.1:99999'\n")
+
+
 def _run(*argv, env=None):
     return subprocess.run([sys.executable, "-m", "dtorch_controller", *argv], capture_output=True, text=True,
                           timeout=60, env=env or {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")})

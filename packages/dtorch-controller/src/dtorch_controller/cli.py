@@ -52,11 +52,11 @@ WATCHDOG_INTERVAL_S = 0.5
 MAX_PORT = 65535
 
 
-def _normalize_listen(listen: str) -> str:
+def _normalize_listen(listen: str, option: str = "--listen") -> str:
     """":50051" means every interface, as in `--listen :50051`."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or int(port) > MAX_PORT:
-        raise SystemExit(f"dtorch-controller: --listen needs HOST:PORT with a port 0-{MAX_PORT}, got {listen!r}")
+        raise SystemExit(f"dtorch-controller: {option} needs HOST:PORT with a port 0-{MAX_PORT}, got {listen!r}")
     return f"{host or '0.0.0.0'}:{port}"
 
 
@@ -127,7 +127,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"dtorch-controller: {e}", file=sys.stderr)
         return 2
     listen = _normalize_listen(args.listen)
-    worker_listen = _normalize_listen(args.worker_listen) if args.worker_listen else None
+    worker_listen = _normalize_listen(args.worker_listen, "--worker-listen") if args.worker_listen else None
     if tls is None and (warning := cleartext_warning("dtorch-controller", listen)):
         print(warning, file=sys.stderr, flush=True)
     usage = UsageLog(args.usage_file) if args.usage_file else None  # unwritable: one line, no records
