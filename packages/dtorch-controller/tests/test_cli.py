@@ -121,6 +121,15 @@ def test_bad_listen_address(listen):
     assert cli._normalize_listen(":50051") == "0.0.0.0:50051"
 
 
+def test_a_port_file_that_cannot_be_written_is_one_line_and_the_controller_stops(tmp_path):
+    """It was a traceback naming the temporary file (".port.4242.tmp")."""
+    keys = str(tmp_path / "keys.json")
+    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--port-file", str(tmp_path / "none" / "port"))
+    assert out.returncode == 1 and out.stderr == (f"dtorch-controller: cannot write --port-file "
+                                                  f"{tmp_path / 'none' / 'port'}: No such file or directory\n")
+
+
 def test_a_bad_worker_port_is_named_as_the_worker_option(tmp_path):
     """--worker-listen HOST:99999 was refused as '--listen needs HOST:PORT', naming the option that was right."""
     keys = str(tmp_path / "keys.json")

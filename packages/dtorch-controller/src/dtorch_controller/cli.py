@@ -83,8 +83,11 @@ def _write_port_file(path: str, addresses: Sequence[str]) -> None:
     then the workers' when it differs (TLS)."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text("\n".join(dict.fromkeys(addresses)))
-    os.replace(tmp, target)
+    try:
+        tmp.write_text("\n".join(dict.fromkeys(addresses)))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _parent_gone(pid: int, stop: threading.Event) -> None:
@@ -148,7 +151,12 @@ def serve(args: argparse.Namespace) -> int:
         workers = f" (workers: {server.worker_address}, mutual TLS)" if server.worker_address != address else ""
         print(f"dtorch-controller listening on {address}{workers}", flush=True)
         if args.port_file:
-            _write_port_file(args.port_file, [address, server.worker_address])
+            try:
+                _write_port_file(args.port_file, [address, server.worker_address])
+            except OSError as e:  # was a traceback naming the temporary file; whoever waits for it would wait forever
+                print(f"dtorch-controller: cannot write --port-file {args.port_file}: {e.strerror or e}",
+                      file=sys.stderr)
+                return 1
         while not stop.wait(1.0):
             pass
     finally:
