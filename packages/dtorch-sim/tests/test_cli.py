@@ -119,3 +119,21 @@ def test_an_output_folder_with_brackets_is_printed_as_it_is(tmp_path):
                              capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert f"wrote {tmp_path / name}/metrics.json" in out.stdout
+
+
+def test_a_run_too_long_for_its_heartbeat_is_refused_before_it_runs():
+    """Arrivals 1e300 s apart validated ok and the run never ended: idle workers beat through the whole span."""
+    from pathlib import Path
+
+    scenario = Path(__file__).resolve().parents[3] / "scenarios" / "synthetic-small.yaml"
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
+                          "workload.synthetic.duration={dist: constant, value: 1e300}"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == (f"{scenario}: the run's ~1e+300 s with heartbeat.interval_s 1 make about 3.2e+301 heartbeat "
+                          "events, more than the 100,000,000 a run can take: give duration_s, a longer interval_s, or "
+                          "check the workload's times\n")
+    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
+                         "workload.synthetic.duration={dist: constant, value: 1e300}", "--set", "duration_s=3600"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr

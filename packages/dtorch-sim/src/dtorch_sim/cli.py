@@ -61,6 +61,21 @@ def _samples_problem(sc: Scenario, specs: list[JobSpec], source: str) -> str | N
             f"{end / LIMITS['samples']:.2g} s or more")
 
 
+def _heartbeats_problem(sc: Scenario, specs: list[JobSpec], source: str) -> str | None:
+    """A run so long for its heartbeat that the idle heartbeats alone cannot be simulated: each heartbeat slot with a
+    due worker is an event, so a run of ~end s makes end * min(devices, batch_slots) / interval_s of them (arrivals
+    1e300 s apart, or a job of 1e300 s, ran forever)."""
+    hb = sc.heartbeat
+    devices = sum(g.count * g.devices_per_node for g in node_groups(sc))
+    end = end_guess(sc, specs)
+    events = end * (min(devices, hb.batch_slots) if hb.batch_slots else devices) / hb.interval_s
+    if events <= LIMITS["heartbeat_events"]:
+        return None
+    return (f"{source}: the run's ~{end:,.3g} s with heartbeat.interval_s {hb.interval_s:g} make about {events:,.3g} "
+            f"heartbeat events, more than the {LIMITS['heartbeat_events']:,} a run can take: give duration_s, a "
+            "longer interval_s, or check the workload's times")
+
+
 def _outputs(folders: list[Path]) -> str | None:
     """Make the output folders before anything runs; a folder that cannot be written is one line (after a long run it
     was a traceback, and the run was lost)."""
@@ -162,7 +177,7 @@ def _main(argv: list[str] | None) -> int:
             print(line, file=sys.stderr)
         return 1
     specs = generate(sc)
-    problem = _samples_problem(sc, specs, args.scenario)
+    problem = _samples_problem(sc, specs, args.scenario) or _heartbeats_problem(sc, specs, args.scenario)
     if problem:
         print(problem, file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ LIMITS = {
     "devices": 100_000,  # at most, at any time: the cluster, elastic adds, the autoscaler's max_nodes (16 s, 0.5 GB)
     "synthetic_jobs": 1_000_000,  # at most, workload.synthetic.jobs (validate generates them: 18 s, 0.6 GB)
     "samples": 1_000_000,  # at most, the run's length / metrics.sample_interval_s (each a pass over the pool)
+    "heartbeat_events": 100_000_000,  # at most, the run's length x min(devices, batch_slots) / heartbeat.interval_s
     "heartbeat_interval_s": 0.01,  # at least (the controller's default is 0.2 s)
     "retry_s": 1.0,  # at least: a queued job is woken when placed, retries are a safety net (one event each)
     "steps": 100_000,  # at most, a job's steps_per_job or max_steps (a step is a batch on each of its workers)
