@@ -236,6 +236,8 @@ CASES: dict[str, tuple[Edit, str]] = {
                      "faults.0.node: no node 'nod1' in the cluster (nodes are named like 'node0')"),
     "unknown removed node": (_set("elastic", [{"at": 1, "action": "remove_nodes", "nodes": ["node1", "node9"]}]),
                              "elastic.0.nodes: no node 'node9' in the cluster (nodes are named like 'node0')"),
+    "removing more nodes than there are": (_set("elastic", [{"at": 1, "action": "remove_nodes", "count": 1000}]),
+                                           "elastic.0.count: 1,000 nodes to remove, more than the 2 the run can have"),
     # elasticity and autoscaling
     "add without a group": (_set("elastic", [{"at": 1, "action": "add_nodes"}]),
                             "elastic.0: add_nodes needs `add` (a node group: count, devices_per_node, device_type)"),

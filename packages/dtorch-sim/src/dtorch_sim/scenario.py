@@ -637,6 +637,9 @@ def _unknown_targets(sc: Scenario, groups: list[NodeGroup]) -> list[str]:
                 lines.append(f"faults.{i}.worker: no worker {fault.worker!r} in the cluster (workers are named like "
                              f"'{example}/gpu0')")
     for i, event in enumerate(sc.elastic):
+        if event.count is not None and event.count > len(devices):  # it took every node, silently
+            lines.append(f"elastic.{i}.count: {event.count:,} nodes to remove, more than the {len(devices):,} the run "
+                         "can have")
         unknown = [n for n in event.nodes if n not in devices]
         if unknown:
             lines.append(f"elastic.{i}.nodes: no node {', '.join(map(repr, unknown))} in the cluster (nodes are named "
