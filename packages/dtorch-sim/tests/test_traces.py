@@ -141,3 +141,17 @@ def test_filter_and_partition_values_written_as_numbers_match_the_csvs_cells(bas
     csv_trace(base, tmp_path / "t.csv", rows, columns={"submit": "t", "num_gpu": "n", "duration": "d"},
               partition={"column": "vc", "quotas": {1: 1, 2: 1}})
     assert [(j.id, j.group) for j in generate(parse(base))] == [("row2", "1"), ("row3", "2")]
+
+
+def test_faults_and_elastic_events_after_the_runs_end_are_warned_about(base):
+    """A fault at 100,000 s in a run that ends near 150 s never happened, and nothing said so (0/0 injected)."""
+    base["faults"] = [{"kind": "worker_failure", "at": 100_000}, {"kind": "worker_failure", "at": 5}]
+    base["elastic"] = [{"at": 100_000, "action": "remove_nodes", "count": 1}]
+    sc = parse(base)
+    (line,) = warnings(sc, generate(sc))
+    assert line.startswith("warning: faults.0, elastic.0: at or after the run's expected end (")
+    assert line.endswith(" s): it may never happen")
+    base["duration_s"] = 50.0
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == ["warning: faults.0, elastic.0: at or after the run's duration_s (50 s): it "
+                                          "may never happen"]

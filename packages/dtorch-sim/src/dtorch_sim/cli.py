@@ -20,8 +20,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dtorch_sim import __version__
-from dtorch_sim.harness import Stalled, end_guess
-from dtorch_sim.jobs import JobSpec, generate, node_groups, warnings
+from dtorch_sim.harness import Stalled
+from dtorch_sim.jobs import JobSpec, end_guess, generate, node_groups, warnings
 from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
 from dtorch_sim.scenario import LIMITS, Scenario, ScenarioError, load
 

@@ -32,7 +32,7 @@ from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.timers import Heartbeat
 from dtorch_protocol import messages as m
-from dtorch_sim.jobs import GB, JobRecord, JobSpec, generate, job, node_groups
+from dtorch_sim.jobs import GB, JobRecord, JobSpec, end_guess, generate, job, node_groups
 from dtorch_sim.policies import make_policy
 from dtorch_sim.scenario import Elastic, Fault, NodeGroup, Scenario
 from dtorch_sim.workers import Worker
@@ -45,14 +45,6 @@ DRAIN_RETRY_S = 30.0  # a refused drain (nowhere to move a session yet) is asked
 STALL_CHECK = 0xFFFF  # the run's watchdog looks at the clock every 65,536 simulator events
 STALL_EVENTS = 1 << 22  # simulator events at one simulated time (plus 64 per job and worker) that mean a stall
 GC_THRESHOLD = (50_000, 20, 20)  # while the clock runs: Python's default is (700, 10, 10); see `_rare_collections`
-
-
-def end_guess(sc: Scenario, specs: list[JobSpec]) -> float:
-    """Roughly when the run ends, to size the sampling interval."""
-    if sc.duration_s is not None:
-        return sc.duration_s
-    last = specs[-1].arrival if specs else 0.0
-    return max(last + max((s.duration for s in specs), default=1.0), 1.0)
 
 
 class Stalled(RuntimeError):

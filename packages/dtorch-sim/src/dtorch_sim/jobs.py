@@ -310,6 +310,15 @@ def check_trace(sc: Scenario) -> None:
                          f"{', '.join(rules)}; check them)")
 
 
+def end_guess(sc: Scenario, specs: list[JobSpec]) -> float:
+    """Roughly when the run ends (duration_s, else the last arrival plus the longest job), to size the sampling
+    interval and the progress steps."""
+    if sc.duration_s is not None:
+        return sc.duration_s
+    last = specs[-1].arrival if specs else 0.0
+    return max(last + max((s.duration for s in specs), default=1.0), 1.0)
+
+
 def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
     """What may surprise in a scenario that is valid: one line each (printed by validate, run and compare)."""
     lines = []
@@ -326,6 +335,13 @@ def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
                      f"accepts ({MAX_LOGICAL_PER_DEVICE} logical devices per device: {most:,} on the cluster at the "
                      f"start; up to {max(refused):,}): it refuses their meshes and they fail at once (drop them with "
                      "workload.trace.max_gpus, or add nodes)")
+    end = end_guess(sc, specs)
+    late = [f"faults.{i}" for i, f in enumerate(sc.faults) if f.at is not None and f.at >= end] + \
+        [f"elastic.{i}" for i, e in enumerate(sc.elastic) if e.at >= end]
+    if late:
+        lines.append(f"warning: {', '.join(late)}: at or after the run's "
+                     f"{'duration_s' if sc.duration_s is not None else 'expected end'} ({end:,.0f} s): "
+                     "it may never happen")
     tr = sc.workload.trace
     if tr is not None and (tr.time_scale != 1 or tr.arrival_scale is not None):
         lines.append(f"note: policy times (LAS thresholds, relocate_after, ...) are simulated seconds: they do not "
