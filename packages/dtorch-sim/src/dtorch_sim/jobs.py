@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from dtorch_controller.core import MAX_LOGICAL_PER_DEVICE  # the core's surface (.importlinter)
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
-from dtorch_controller.core.controller import MAX_LOGICAL_PER_DEVICE
 from dtorch_protocol import messages as m
 from dtorch_sim import __version__
 from dtorch_sim.scenario import NodeGroup, Scenario, Workload

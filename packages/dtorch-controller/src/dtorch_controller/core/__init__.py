@@ -7,7 +7,7 @@ docs/architecture.md and checked by `.importlinter`.
 
 from dtorch_controller.core import effects, events, timers
 from dtorch_controller.core.config import Config
-from dtorch_controller.core.controller import ControllerCore
+from dtorch_controller.core.controller import MAX_LOGICAL_PER_DEVICE, ControllerCore
 from dtorch_controller.core.effects import Effect, Notice, Refusal, Reply, SendExecute, SetTimer
 from dtorch_controller.core.events import Event
 from dtorch_controller.core.ids import counter_ids, random_session_id
@@ -16,7 +16,7 @@ from dtorch_controller.core.scheduler import Scheduler
 from dtorch_controller.core.view import CoreView
 
 __all__ = [
-    "POLICIES", "Config", "ControllerCore", "CoreView", "Effect", "Event", "FifoPolicy", "LasPolicy", "Notice",
-    "Policy", "PriorityPolicy", "Refusal", "Reply", "Scheduler", "SendExecute", "SetTimer", "counter_ids", "effects",
-    "events", "make_policy", "random_session_id", "timers",
+    "MAX_LOGICAL_PER_DEVICE", "POLICIES", "Config", "ControllerCore", "CoreView", "Effect", "Event", "FifoPolicy",
+    "LasPolicy", "Notice", "Policy", "PriorityPolicy", "Refusal", "Reply", "Scheduler", "SendExecute", "SetTimer",
+    "counter_ids", "effects", "events", "make_policy", "random_session_id", "timers",
 ]
