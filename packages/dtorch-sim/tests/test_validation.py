@@ -167,6 +167,11 @@ CASES: dict[str, tuple[Edit, str]] = {
         "workload.trace", {"format": "openb"})(d, t)),
                     "workload.trace.path: line 2 of {tmp}/t.csv: gpu_milli value 'half' (column 'gpu_milli') is not a "
                     "finite number >= 0"),
+    "trace duplicate id": (lambda d, t: (d["workload"].pop("synthetic"),
+                                         _csv("t.csv", ITP_ROWS + "a,5,10,2\n", "workload.trace", TRACE)(d, t)),
+                           "workload.trace.path: line 3 of {tmp}/t.csv: job_id 'a' (column 'job_id') is also on line "
+                           "2: job ids must be unique (map job_id to a unique column, or leave it out of a csv trace's "
+                           "columns: jobs are then named by their row)"),
     "trace short row": (lambda d, t: (d["workload"].pop("synthetic"),
                                       _csv("t.csv", ITP_ROWS + "b,5,10\n", "workload.trace", TRACE)(d, t)),
                         "workload.trace.path: line 3 of {tmp}/t.csv: 3 fields, the header has 4"),

@@ -244,6 +244,7 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
                              f"header {header}")
     keep = set(tr.filter.values) if tr.filter is not None else None
     has = {role for role, col in cols.items() if col in header}
+    lines: dict[str, int] = {}  # job id -> the line that named it
     for n, row in enumerate(reader, start=2):
         if None in row.values():
             raise TraceError(f"workload.trace.path: line {n} of {path}: {sum(v is not None for v in row.values())} "
@@ -295,6 +296,11 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
             duration = min(duration, tr.max_duration_s)
         prio = prios.get(row[cols["priority"]], "normal") if "priority" in has else "normal"
         job_id = row[cols["job_id"]] if named else f"row{n}"
+        first = lines.setdefault(job_id, n)
+        if first != n:  # the run keys its jobs by id: two of one id shared their failure and recovery records
+            raise TraceError(f"workload.trace.path: line {n} of {path}: job_id {job_id!r} (column {cols['job_id']!r}) "
+                             f"is also on line {first}: job ids must be unique (map job_id to a unique column, or "
+                             "leave it out of a csv trace's columns: jobs are then named by their row)")
         group = row[tr.partition.column] if tr.partition is not None else ""
         yield _Row(submit, job_id, gpus, duration, share, prio, group)
 
