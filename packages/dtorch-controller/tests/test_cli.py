@@ -234,6 +234,16 @@ def test_ports_and_times_out_of_range_are_refused_naming_the_option(tmp_path):
     assert out.stderr == "dtorch-controller: $DTORCH_SESSION_TIMEOUT must be a finite number, not 'inf'\n"
 
 
+def test_top_refuses_an_interval_that_is_no_pause(capsys):
+    """--interval 0 (or -1) asked the controller for its Status as fast as it answered, without end."""
+    for interval in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            cli.main(["top", "--interval", interval])
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1] == (f"dtorch-controller top: error: argument --interval: expected seconds > 0 "
+                                        f"between refreshes, got '{interval}'")
+
+
 def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):
     """Keys are shown once and stored hashed; a running controller honours a revocation within a second."""
     path = tmp_path / "keys.json"

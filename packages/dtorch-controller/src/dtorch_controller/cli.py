@@ -71,6 +71,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _interval(text: str) -> float:
+    """`top --interval`: seconds > 0 (0 asked the controller for Status as fast as it could answer, forever)."""
+    value = _seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 between refreshes, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     """A TCP port to serve on, 0-65535 (0: none)."""
     if not text.isdigit() or int(text) > MAX_PORT:
@@ -285,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     us.add_argument("--format", choices=("table", "csv", "json"), default="table")
     tp = commands.add_parser("top", help="a live view of workers, sessions, the queue and throughput")
     tp.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
-    tp.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="refresh every S seconds (default 1)")
+    tp.add_argument("--interval", type=_interval, default=1.0, metavar="S", help="refresh every S seconds (default 1)")
     tp.add_argument("--iterations", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N frames
     tp.add_argument("--timeout", type=_seconds, default=5.0, help=argparse.SUPPRESS)
     st = commands.add_parser("status", help="show workers, sessions and recent events of a running controller")
