@@ -244,6 +244,35 @@ def test_top_refuses_an_interval_that_is_no_pause(capsys):
                                         f"between refreshes, got '{interval}'")
 
 
+def test_metrics_are_served_on_the_listen_host_only(tmp_path):
+    """A controller listening on loopback served its metrics (tenants' names, device-seconds, bytes) on every
+    interface, without a key."""
+    import urllib.request
+    from pathlib import Path
+
+    keys = str(tmp_path / "keys.json")
+    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "dtorch_controller", "--keys", keys, "--listen", "127.0.0.1:0",
+                             "--metrics-port", str(port), "--port-file", str(tmp_path / "port")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):
+            if (tmp_path / "port").exists():
+                break
+            time.sleep(0.05)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert b"dtorch_controller_workers" in r.read()
+        listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        local = {f[1] for f in listening if f[3] == "0A"}  # LISTEN sockets, as hex address:port
+        assert f"0100007F:{port:04X}" in local and f"00000000:{port:04X}" not in local
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):
     """Keys are shown once and stored hashed; a running controller honours a revocation within a second."""
     path = tmp_path / "keys.json"
@@ -339,5 +368,5 @@ def test_a_busy_metrics_port_and_an_unwritable_usage_file_are_one_line_each_and_
     assert proc.returncode == 0
     usage, metrics = [line for line in err.splitlines() if line.startswith("dtorch-controller:")]
     assert f"cannot write usage records to {tmp_path}" in usage and usage.endswith("running without usage records")
-    assert metrics.startswith(f"dtorch-controller: cannot serve metrics on 0.0.0.0:{busy}")
+    assert metrics.startswith(f"dtorch-controller: cannot serve metrics on 127.0.0.1:{busy}")
     assert metrics.endswith("running without metrics")

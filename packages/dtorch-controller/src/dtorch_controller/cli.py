@@ -150,7 +150,9 @@ def serve(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as e:
         print(f"dtorch-controller: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 1
-    exposition.serve(args.metrics_port, server.service.metrics.registry, "dtorch-controller")
+    # on the --listen host: a controller on loopback served its tenants' names and usage to every interface
+    exposition.serve(args.metrics_port, server.service.metrics.registry, "dtorch-controller",
+                     host=listen.rpartition(":")[0].strip("[]"))
     stop = threading.Event()
     on_signals(stop)
     if args.parent_pid:
