@@ -184,3 +184,15 @@ def test_the_usage_table_shows_a_records_names_as_plain_text(tmp_path, capsys):
         assert cli.main(["usage", "--usage-file", str(path), "--by", by]) == 0
         out = capsys.readouterr().out
         assert "a[/]b\\x1b[2J" in out and "\x1b" not in out
+
+
+@pytest.mark.parametrize("since", ["1e20", "nan", "inf", "99999999999d"])
+def test_a_since_no_date_can_show_is_one_line(tmp_path, capsys, since):
+    """Each was a traceback (OverflowError, 'year 3170843 is out of range') from the table's title."""
+    path = tmp_path / "usage.jsonl"
+    log = UsageLog(path)
+    log.append([_record(1)])
+    log.close()
+    assert cli.main(["usage", "--usage-file", str(path), f"--since={since}"]) == 2
+    assert capsys.readouterr().err == (f"dtorch-controller usage: bad --since {since!r}: out of range (no date falls "
+                                       "there)\n")

@@ -23,21 +23,32 @@ COLUMNS = ("tenant", "sessions", "devices", "device_seconds", "memory_byte_secon
 
 
 def parse_since(text: str, now: float | None = None) -> float:
-    """Unix seconds from `--since`: unix seconds, an ISO time, or an age (90s, 30m, 24h, 7d); "" is 0."""
+    """Unix seconds from `--since`: unix seconds, an ISO time, or an age (90s, 30m, 24h, 7d); "" is 0. A time no
+    date can show (nan, inf, 1e20, an age of 99999999999d) is refused here (it was a traceback from the title)."""
     if not text:
         return 0.0
     now = time.time() if now is None else now
     if age := _AGE.match(text):
-        return now - float(age.group(1)) * _UNITS[age.group(2)]
+        return _shown(text, now - float(age.group(1)) * _UNITS[age.group(2)])
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
-        pass
+        seconds = None
+    if seconds is not None:
+        return _shown(text, seconds)
     try:
         return datetime.fromisoformat(text).timestamp()
     except ValueError:
         raise ValueError(f"bad --since {text!r}: expected unix seconds, an ISO time (2026-12-01T00:00) or an age "
                          "(90s, 30m, 24h, 7d)") from None
+
+
+def _shown(text: str, t: float) -> float:
+    try:
+        _iso(t)
+    except (ValueError, OverflowError, OSError):
+        raise ValueError(f"bad --since {text!r}: out of range (no date falls there)") from None
+    return t
 
 
 def _iso(t: float) -> str:
