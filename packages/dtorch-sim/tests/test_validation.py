@@ -73,6 +73,8 @@ CASES: dict[str, tuple[Edit, str]] = {
     "infinite number": (_set("cluster.device_types.a100.memory_gb", float("inf")),
                         "cluster.device_types.a100.memory_gb: Input should be a finite number (got inf)"),
     "not a number": (_set("cost.launch_s", float("nan")), "cost.launch_s: Input should be a finite number (got nan)"),
+    "a key not taken": (_set("workload.priorities", {"urgent": 1}),  # was 'workload.priorities.urgent.[key]: ...'
+                        "workload.priorities: key 'urgent': Input should be 'high', 'normal' or 'low'"),
     "not a mapping": (lambda d, t: "x", "(top level): expected a mapping of scenario fields, got str"),
     # cluster
     # absurd sizes: they ran out of memory, or built workers for minutes before printing anything

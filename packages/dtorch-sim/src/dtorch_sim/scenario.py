@@ -548,8 +548,13 @@ def format_errors(err: ValidationError, prefix: str = "") -> list[str]:
     """One line per pydantic error: `field.path: what was expected (got ...)`."""
     lines = []
     for e in err.errors():
-        path = ".".join(str(x) for x in e["loc"] if not str(x).startswith("(")) or "(top level)"
+        loc = [str(x) for x in e["loc"] if not str(x).startswith("(")]
         msg = e["msg"].removeprefix("Value error, ")
+        if len(loc) > 1 and loc[-1] == "[key]":  # a mapping's key, not a field: 'workload.priorities: key 'urgent': ...'
+            *loc, key = loc[:-1]
+            lines.append(f"{prefix}{'.'.join(loc) or '(top level)'}: key {key!r}: {msg}")
+            continue
+        path = ".".join(loc) or "(top level)"
         if e["type"] in ("missing",):
             msg = "required field is missing"
         elif e["type"] == "extra_forbidden":
