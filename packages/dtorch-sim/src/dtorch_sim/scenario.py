@@ -550,7 +550,7 @@ def format_errors(err: ValidationError, prefix: str = "") -> list[str]:
     for e in err.errors():
         loc = [str(x) for x in e["loc"] if not str(x).startswith("(")]
         msg = e["msg"].removeprefix("Value error, ")
-        if len(loc) > 1 and loc[-1] == "[key]":  # a mapping's key, not a field: 'workload.priorities: key 'urgent': ...'
+        if len(loc) > 1 and loc[-1] == "[key]":  # a mapping's key, not a field: "workload.priorities: key 'urgent'"
             *loc, key = loc[:-1]
             lines.append(f"{prefix}{'.'.join(loc) or '(top level)'}: key {key!r}: {msg}")
             continue
