@@ -1065,6 +1065,55 @@ def test_a_vocabulary_parallel_embedding_never_gathers_its_table(cluster, mesh4,
     assert not [i for i in backward_sent if isinstance(i, m.InstrRedistribute) and list(i.src_spec.shape) == [10, 6]]
 
 
+ALONG_SHARDS = {  # name -> op on logits [rows, vocab] (and labels [rows, 1]) along the vocabulary, as users write it
+    "argmax": lambda x, y: x.argmax(-1), "argmin": lambda x, y: x.argmin(1, keepdim=True),
+    "max": lambda x, y: x.max(-1), "min": lambda x, y: x.min(1), "logsumexp": lambda x, y: x.logsumexp(-1),
+    "logsumexp keepdim": lambda x, y: torch.logsumexp(x, [1], keepdim=True),
+    "label log-probabilities": lambda x, y: F.log_softmax(x, -1).gather(-1, y).squeeze(-1),
+}
+
+
+@pytest.mark.parametrize("op", ALONG_SHARDS)
+def test_ops_along_a_sharded_vocabulary_move_only_their_output(cluster, mesh4, mesh2d, op):
+    """argmax / max / logsumexp / gather along the vocabulary of vocabulary-parallel logits (greedy decoding, the
+    labels' log-probabilities of every RL and DPO loss) gathered the whole logits on every device. Each device now
+    works on its part and a few reductions of the output's size combine them (_arg_reductions, _softmax rule 3,
+    _gather rule 2): torch's values and first-occurrence indices, with ties across devices, NaN, and
+    infinities, on uneven shards (10 over 4 devices) and 2-d meshes; the gradient of the gathered log-probabilities
+    is torch's."""
+    from dtorch_protocol import messages as m
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 10, generator=g)
+    x[1, 2] = x[1, 8] = 9.0  # a tie across devices: the first one counts
+    x[2, 9], x[2, 1] = float("nan"), float("nan")
+    x[3] = float("-inf")
+    x[4, 5] = float("inf")
+    x[5, 0] = x[5, 4] = -7.0
+    labels = torch.randint(0, 10, (6, 1), generator=g)
+    for mesh, at, width in [(mesh4, [Shard(1)], 10), (mesh2d, [Shard(0), Shard(1)], 10),
+                            (mesh2d, [Shard(1), Shard(1)], 10), (mesh4, [Shard(1)], 5)]:  # 5: 2, 2, 1, 0
+        want = ALONG_SHARDS[op](x[:, :width], labels % width)
+        dx = dist(x[:, :width].contiguous(), mesh, *at)
+        sent: list = []
+        with tap(cluster, sent):
+            got = ALONG_SHARDS[op](dx, dist(labels % width, mesh, *[Replicate()] * mesh.ndim))
+        for w, d in zip(*((want, got) if isinstance(want, tuple) else ((want,), (got,)))):
+            torch.testing.assert_close(d.full_tensor(), w, equal_nan=True, msg=f"{op} {at}")
+        moved = [i for i in sent if isinstance(i, m.InstrRedistribute) and list(i.src_spec.shape) == [6, width]]
+        assert bool(moved) == (width == 5)  # (an empty shard has no part to work on: torch's rule gathers)
+    if op == "label log-probabilities":  # its backward: the log-softmax's output is not gathered either
+        w = x.nan_to_num(0.0, 5.0, -5.0).requires_grad_()
+        ALONG_SHARDS[op](w, labels).sum().backward()
+        dw = dist(w.detach(), mesh4, Shard(1)).requires_grad_()
+        loss = ALONG_SHARDS[op](dw, dist(labels, mesh4, Replicate())).sum()
+        sent = []
+        with tap(cluster, sent):
+            loss.backward()
+        torch.testing.assert_close(dw.grad.full_tensor(), w.grad)
+        assert not [i for i in sent if isinstance(i, m.InstrRedistribute) and i.src_spec.placements == ["S1"]]
+
+
 @pytest.mark.parametrize("kv_heads,stays", [(2, True), (1, False)], ids=["even", "uneven"])
 def test_grouped_query_attention_stays_sharded_on_heads(mesh1, kv_heads, stays):
     """Grouped-query attention (`enable_gqa`, transformers' SDPA path for Llama 3, Mistral, Qwen: fewer key/value

@@ -5,9 +5,9 @@ Rules (decompositions, `_registry.register_decomposition`; each declines, NotImp
      `RowwiseParallel` on an `nn.Embedding`, with indices replicated on that dim): torch's rule answers with a
      private placement, so the whole table was gathered on every device at every forward. As Megatron's
      vocabulary-parallel embedding does, each device looks up the indices that fall in its rows (the others read
-     row 0 and are zeroed) and the output is Partial("sum") on that mesh dim: one reduction of the activations,
-     none of the table. The indices shifted into a device's rows differ per device (per-device arguments), and
-     live only inside the rule.
+     row 0 and are zeroed with `where`, so that an inf or NaN in that row cannot leak, as it did through a product)
+     and the output is Partial("sum") on that mesh dim: one reduction of the activations, none of the table. The
+     indices shifted into a device's rows differ per device (per-device arguments), and live only inside the rule.
   2. A gradient scaled by frequency (`nn.Embedding(scale_grad_by_freq=True)`) on sharded indices:
      `embedding_dense_backward(..., scale_grad_by_freq=True)` divides each row's gradient by how often its index
      occurs in the batch; with the batch sharded, each device counted its own shard, wrong wherever an index occurs
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dtorch._local import emit, is_dtensor, spec, to
+from dtorch._local import emit, is_dtensor, only_mine, own_rows, rows, spec, to
 from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.layout import coords, shard_box
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
@@ -47,25 +47,15 @@ def vocabulary_parallel(args: tuple, kwargs: dict) -> Any:  # rule 1
     if len(vocab) != 1 or indices.placements[vocab[0]] != Replicate() or \
             any(p != Replicate() for d, p in enumerate(weight.placements) if d != vocab[0]):
         return NotImplemented
-    mesh = weight.device_mesh
-    rows = [shard_box(tuple(weight.shape), mesh.shape, weight.placements, c)[0] for c in coords(mesh.shape)]
-    mine, safe = _own_rows(indices, rows)
+    mesh, held = weight.device_mesh, rows(weight, 0)
+    if any(length == 0 for _, length in held):
+        return NotImplemented  # (a device without rows has none to read a masked index from)
+    mine, safe = own_rows(indices, held)
     placements = tuple(Partial() if d == vocab[0] else p for d, p in enumerate(indices.placements))
-    looked_up = emit(aten.embedding.default, (weight, safe),
-                     spec(mesh, placements, (*indices.shape, weight.shape[1]), weight.dtype))
+    out = spec(mesh, placements, (*indices.shape, weight.shape[1]), weight.dtype)
+    looked_up = emit(aten.embedding.default, (weight, safe), out)
     indices._dtorch_vocabulary = vocab[0], weight.shape[0]  # (rule 3: the indices autograd saves)
-    return aten.mul.Tensor(looked_up, aten.unsqueeze.default(mine, -1))
-
-
-def _own_rows(indices: Any, rows: list[tuple[int, int]]) -> tuple[Any, Any]:
-    """(mine, safe): where each device's indices fall in its rows (`rows`: (start, length) per device), and the
-    indices shifted into them, 0 elsewhere (rule 1)."""
-    mesh = indices.device_mesh
-    shifted = emit(aten.sub.Scalar, (indices, 0), indices._spec, per_device=[(indices, start) for start, _ in rows])
-    below = emit(aten.lt.Scalar, (shifted, 0), spec(mesh, indices.placements, indices.shape, torch.bool),
-                 per_device=[(shifted, length) for _, length in rows])
-    mine = aten.logical_and.default(aten.ge.Scalar(shifted, 0), below)
-    return mine, aten.mul.Tensor(shifted, mine)
+    return only_mine(aten.unsqueeze.default(mine, -1), looked_up, out)
 
 
 @register_decomposition(aten.embedding_dense_backward.default)
@@ -94,16 +84,17 @@ def vocabulary_parallel_gradient(args: tuple, kwargs: dict) -> Any:  # rule 3
     if layouts is None:
         return NotImplemented
     mesh, shape, placements = indices.device_mesh, (num_weights, grad.shape[-1]), layouts[1]
-    rows = [shard_box(shape, mesh.shape, placements, c)[0] for c in coords(mesh.shape)]
-    if any(length == 0 for _, length in rows):
+    held = [shard_box(shape, mesh.shape, placements, c)[0] for c in coords(mesh.shape)]
+    if any(length == 0 for _, length in held):
         return NotImplemented
-    mine, safe = _own_rows(indices, rows)
-    grad = aten.mul.Tensor(to(grad, layouts[0]), aten.unsqueeze.default(mine, -1))
+    mine, safe = own_rows(indices, held)
+    grad = to(grad, layouts[0])
+    grad = only_mine(aten.unsqueeze.default(mine, -1), grad, grad._spec)
     pad = values["padding_idx"]
     return emit(aten.embedding_dense_backward.default, (grad, safe, num_weights, pad, False),
                 spec(mesh, placements, shape, grad.dtype),
                 per_device=[(grad, safe, length, pad - start if start <= pad < start + length else -1, False)
-                            for start, length in rows])
+                            for start, length in held])
 
 
 def _gradient_layout(grad: Any, indices: Any, vocab: int) -> tuple[tuple[Placement, ...], tuple[Placement, ...]] | None:

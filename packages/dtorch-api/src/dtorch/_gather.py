@@ -1,14 +1,22 @@
-"""`gather` with an index smaller than its input on a dim it does not gather along.
+"""`gather`: an index smaller than the input on another dim; an input sharded along the gathered dim.
 
 `input.gather(dim, index)` reads `input[i][index[i][j]]` (dim 1): on every other dim `d`, index row `i` pairs with
 input row `i`, and `index.size(d)` may be smaller than `input.size(d)` (the rows beyond are not read). torch's
 DTensor rule shards input and index alike on such a dim, which pairs the shards' rows only when both have as many:
 `x.gather(1, idx)` of a [10, 5] input and a [5, 5] index, sharded on dim 0, gave wrong values, and so did
-`scatter_add`'s gradient, which is this gather.
+`scatter_add`'s gradient, which is this gather. And along a sharded dim (the log-probabilities of the labels from
+vocabulary-parallel logits, `logp.gather(-1, labels[..., None])`, as every RL and DPO loss reads them) torch's rule
+gathered the whole input, tokens x vocabulary, on every device.
 
-Rule (a decomposition, `_registry.register_decomposition`): where such a dim is sharded in the input or the index,
-the input is first narrowed to the index's size on it (`input.narrow(d, 0, index.size(d))`, which is what gather
-reads; its gradient pads with zeros), and then gathered. It declines (NotImplemented) otherwise.
+Rules (decompositions, `_registry.register_decomposition`; each declines, NotImplemented, outside its case):
+  1. Where a dim the index is shorter on is sharded in the input or the index, the input is first narrowed to the
+     index's size on it (`input.narrow(d, 0, index.size(d))`, which is what gather reads; its gradient pads with
+     zeros), and then gathered.
+  2. `gather` along a dim the input is sharded on (every device holding some, nothing Partial, a floating or
+     integer dtype), the index as large as the input on every other dim: the index is replicated on the mesh dims
+     sharding that dim and laid out as the input elsewhere; each device reads the indices in its rows (shifted into
+     them, `_local.own_rows`; zero elsewhere) and the output is Partial("sum") there: one reduction of the output,
+     none of the input.
 """
 
 from __future__ import annotations
@@ -17,9 +25,9 @@ from typing import Any
 
 import torch
 
-from dtorch._local import is_dtensor
+from dtorch._local import emit, is_dtensor, on_dims, only_mine, own_rows, rows, sharded_dim, spec, to
 from dtorch._registry import register_decomposition
-from dtorch_protocol.placement_types import Shard
+from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
 aten = torch.ops.aten
 
@@ -29,7 +37,7 @@ def _sharded_dims(t: Any) -> set[int]:
 
 
 @register_decomposition(aten.gather.default)
-def gather(args: tuple, kwargs: dict) -> Any:
+def gather(args: tuple, kwargs: dict) -> Any:  # rule 1
     values = dict(zip(("self", "dim", "index", "sparse_grad"), args), **kwargs)
     x, index = values["self"], values["index"]
     sharded = _sharded_dims(x) | _sharded_dims(index)
@@ -42,3 +50,33 @@ def gather(args: tuple, kwargs: dict) -> Any:
     for d in shorter:
         x = aten.narrow.default(x, d, 0, index.shape[d])
     return aten.gather.default(x, values["dim"], index, sparse_grad=values.get("sparse_grad", False))
+
+
+@register_decomposition(aten.gather.default)
+def gather_along_shards(args: tuple, kwargs: dict) -> Any:  # rule 2
+    values = dict(zip(("self", "dim", "index", "sparse_grad"), args), **kwargs)
+    x, index = values["self"], values["index"]
+    split = _split(x, values["dim"], index)
+    if split is None or values.get("sparse_grad"):
+        return NotImplemented
+    dim, spread, rows = split
+    index = to(index, on_dims(x.placements, spread, Replicate()))
+    mine, safe = own_rows(index, rows)
+    out = spec(x.device_mesh, on_dims(x.placements, spread, Partial()), tuple(index.shape), x.dtype)
+    return only_mine(mine, emit(aten.gather.default, (x, dim, safe), out), out)
+
+
+def _split(x: Any, dim: Any, index: Any) -> tuple[int, list[int], list[tuple[int, int]]] | None:
+    """(dim, the mesh dims sharding it, each device's rows of it) where rule 2 applies, else None."""
+    if not (is_dtensor(x) and is_dtensor(index) and type(dim) is int and x.ndim and x.device_mesh == index.device_mesh
+            and sharded_dim(x, dim=dim)) or index.ndim != x.ndim or index._spec.has_partial() or \
+            x._spec.unflattened() is not x._spec or not (x.dtype.is_floating_point or x.dtype in _INTEGERS):
+        return None
+    dim %= x.ndim
+    if any(index.shape[d] != x.shape[d] for d in range(x.ndim) if d != dim):
+        return None
+    spread = [i for i, p in enumerate(x.placements) if p.is_shard() and p.dim % x.ndim == dim]
+    return dim, spread, rows(x, dim)
+
+
+_INTEGERS = (torch.int64, torch.int32)

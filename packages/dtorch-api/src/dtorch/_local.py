@@ -18,16 +18,23 @@ from dtorch import _torch_state
 from dtorch._source import user_src
 from dtorch._spec import Spec, contiguous_stride
 from dtorch_protocol import messages as m
+from dtorch_protocol.layout import coords, shard_box
 from dtorch_protocol.placement_types import Placement, Replicate, Shard
 from dtorch_protocol.values import encode_value
 
 _R = Replicate()
+aten = torch.ops.aten
 
 
 def on_dim(ndim: int, dim: int, p: Placement, others: tuple[Placement, ...] | None = None) -> tuple[Placement, ...]:
     """Placements with `p` on mesh dim `dim` and `others` (default Replicate) elsewhere."""
     base = others or (_R,) * ndim
     return tuple(p if i == dim else q for i, q in enumerate(base))
+
+
+def on_dims(placements: tuple[Placement, ...], mesh_dims: list[int], p: Placement) -> tuple[Placement, ...]:
+    """`placements` with `p` on each of `mesh_dims`."""
+    return tuple(p if i in mesh_dims else q for i, q in enumerate(placements))
 
 
 def spec(mesh: Any, placements: tuple[Placement, ...], shape: tuple[int, ...], dtype: torch.dtype) -> Spec:
@@ -76,4 +83,29 @@ def sharded_dim(*tensors: Any, dim: int) -> bool:
         return False
     parts = math.prod(first.device_mesh.size(i) for i, p in enumerate(first.placements)
                       if isinstance(p, Shard) and p.dim % first.ndim == dim)
-    return parts > 1 and first.shape[dim] >= parts
+    return parts > 1 and all(length for _, length in rows(first, dim))
+
+
+def rows(t: Any, dim: int) -> list[tuple[int, int]]:
+    """Each device's (start, length) of `dim` of DTensor `t`, in the mesh's row-major order (torch.chunk's split:
+    5 over 4 devices is 2, 2, 1, 0)."""
+    mesh = t.device_mesh
+    return [shard_box(tuple(t.shape), mesh.shape, t.placements, c)[dim % t.ndim] for c in coords(mesh.shape)]
+
+
+def own_rows(indices: Any, rows: list[tuple[int, int]]) -> tuple[Any, Any]:
+    """(mine, safe) for indices into a dim split over devices (`rows`: each device's (start, length) of it, in the
+    mesh's row-major order): where each device's indices fall in its rows, and the indices shifted into them, 0
+    elsewhere. Both are laid out as `indices` but differ per device: only ops emitted here may read them."""
+    mesh = indices.device_mesh
+    shifted = emit(aten.sub.Scalar, (indices, 0), indices._spec, per_device=[(indices, start) for start, _ in rows])
+    below = emit(aten.lt.Scalar, (shifted, 0), spec(mesh, indices.placements, indices.shape, torch.bool),
+                 per_device=[(shifted, length) for _, length in rows])
+    mine = emit(aten.logical_and.default, (emit(aten.ge.Scalar, (shifted, 0), below._spec), below), below._spec)
+    return mine, emit(aten.mul.Tensor, (shifted, mine), shifted._spec)
+
+
+def only_mine(mine: Any, values: Any, out: Spec) -> Any:
+    """`values` where `mine`, zero elsewhere, on each device (`where`: an inf or NaN elsewhere cannot leak, as it
+    would through a product with the mask)."""
+    return emit(aten.where.ScalarOther, (mine, values, 0.0 if values.dtype.is_floating_point else 0), out)

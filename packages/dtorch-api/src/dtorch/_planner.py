@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 # rule modules register themselves
 from dtorch import (  # noqa: F401
     _amp,
+    _arg_reductions,
     _embedding,
     _experts,
     _gather,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dtorch._local import emit, spec, to
+from dtorch._local import emit, on_dims, spec, to
 from dtorch_protocol.layout import coords, shard_box
 from dtorch_protocol.placement_types import Partial, Placement, Replicate
 
@@ -118,12 +118,8 @@ def read(x: Any, where: Region) -> Any:
                   for w in ((dev[d][1][0], shape[d] - sum(dev[d][1])) if d in indexed else (0, 0))]
         pads.append((own, widths, lowest))
     padded = emit(aten.constant_pad_nd.default, pads[0],
-                  spec(mesh, _placed(x.placements, spread, Partial("max")), shape, x.dtype), per_device=pads)
-    return to(padded, _placed(x.placements, spread, _R))
-
-
-def _placed(placements: tuple[Placement, ...], mesh_dims: list[int], p: Placement) -> tuple[Placement, ...]:
-    return tuple(p if i in mesh_dims else q for i, q in enumerate(placements))
+                  spec(mesh, on_dims(x.placements, spread, Partial("max")), shape, x.dtype), per_device=pads)
+    return to(padded, on_dims(x.placements, spread, _R))
 
 
 Part = tuple[tuple[int, int, int], tuple[int, int]]  # (local start, local stop, step), (first, count) in the region

@@ -8,7 +8,12 @@ loss. As Megatron's vocabulary-parallel cross entropy does, DTorch reduces a max
      m), dim), with m = amax(x, dim): one all-reduced maximum and one all-reduced sum per row; the output keeps x's
      layout.
   2. Their backwards: `_log_softmax_backward_data(g, out)` is g - exp(out) * sum(g, dim) and
-     `_softmax_backward_data(g, out)` is out * (g - sum(g * out, dim)): one all-reduced sum per row.
+     `_softmax_backward_data(g, out)` is out * (g - sum(g * out, dim)): one all-reduced sum per row. A gradient
+     laid out otherwise (replicated: the gradient of the labels' log-probabilities, `gather_backward`, is) is
+     laid out as `out` first; torch's rule gathered `out` whole instead.
+  3. `logsumexp(x, dims)` over dims one of which is sharded is m + log(sum(exp(x - m), dims)), m = amax(x, dims) (0
+     where infinite, as torch's): one all-reduced maximum and one all-reduced sum per row (torch's rule gathered
+     the whole dim; a floating x only).
 Each declines (NotImplemented) unless `dim` is sharded on some mesh dim, every device holds some of it, and no input
 is Partial. The loss that follows (`nll_loss` over a sharded class dim) is `_losses` rule 4.
 """
@@ -19,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dtorch._local import sharded_dim, to
+from dtorch._local import is_dtensor, sharded_dim, to
 from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.placement_types import Replicate
 
@@ -32,12 +37,12 @@ def _reduced(t: Any) -> Any:
     return to(t, tuple(Replicate() if p.is_partial() else p for p in t.placements))
 
 
-def _row_max(x: Any, dim: int) -> Any:
-    return _reduced(aten.amax.default(x, [dim], True))
+def _row_max(x: Any, dim: int | list[int]) -> Any:
+    return _reduced(aten.amax.default(x, dim if isinstance(dim, list) else [dim], True))
 
 
-def _row_sum(x: Any, dim: int) -> Any:
-    return _reduced(aten.sum.dim_IntList(x, [dim], True))
+def _row_sum(x: Any, dim: int | list[int]) -> Any:
+    return _reduced(aten.sum.dim_IntList(x, dim if isinstance(dim, list) else [dim], True))
 
 
 def _forward_input(args: tuple, kwargs: dict) -> tuple[Any, int] | None:
@@ -53,7 +58,9 @@ def _backward_input(args: tuple, kwargs: dict) -> tuple[Any, Any, int, torch.dty
     """(grad, out, dim, input dtype) of the backwards, or None where they decline."""
     values = named_args(aten._softmax_backward_data.default, args, kwargs)  # (_log_softmax_backward_data's too)
     grad, out, dim = values["grad_output"], values["output"], values["dim"]
-    return (grad, out, dim, values["input_dtype"]) if sharded_dim(grad, out, dim=dim) else None
+    if not sharded_dim(out, dim=dim) or not is_dtensor(grad) or grad._spec.has_partial():
+        return None
+    return to(grad, out.placements), out, dim, values["input_dtype"]  # (a replicated grad: a local slice)
 
 
 def _as(t: Any, dtype: torch.dtype) -> Any:
@@ -92,3 +99,16 @@ def softmax_backward(args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     grad, out, dim, dtype = found
     return _as(aten.mul.Tensor(out, aten.sub.Tensor(grad, _row_sum(aten.mul.Tensor(grad, out), dim))), dtype)
+
+
+@register_decomposition(aten.logsumexp.default)
+def logsumexp(args: tuple, kwargs: dict) -> Any:  # rule 3
+    values = named_args(aten.logsumexp.default, args, kwargs)
+    x, dims = values["self"], values["dim"]
+    if not dims or not x.is_floating_point() or not any(sharded_dim(x, dim=d) for d in dims):
+        return NotImplemented
+    dims = sorted({d % x.ndim for d in dims})
+    m = _row_max(x, dims)
+    m = aten.masked_fill.Scalar(m, aten.eq.Scalar(aten.abs.default(m), float("inf")), 0.0)
+    out = aten.add.Tensor(aten.log.default(_row_sum(aten.exp.default(aten.sub.Tensor(x, m)), dims)), m)
+    return out if values["keepdim"] else aten.squeeze.dims(out, dims)
