@@ -196,6 +196,11 @@ def test_settings_out_of_range_name_the_options_an_operator_typed(tmp_path):
     out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--heartbeat-timeout", "0.1")
     assert out.returncode == 2 and out.stderr == ("dtorch-controller: --heartbeat-timeout (0.1) must exceed "
                                                   "--heartbeat-interval (0.2)\n")
+    # a nanosecond interval was taken: workers report every 10 ms at most, so the core saw each one suspect between
+    # its reports (suspect after two intervals)
+    out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--heartbeat-interval", "1e-9")
+    assert out.returncode == 2 and out.stderr == ("dtorch-controller: --heartbeat-interval must be >= 0.01 s (workers "
+                                                  "report at most that often), got 1e-09\n")
     out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--snapshot-interval", "0")
     assert out.returncode == 2 and out.stderr == ("dtorch-controller: --snapshot-batches must be >= 0 and "
                                                   "--snapshot-interval > 0, got 32 and 0.0\n")

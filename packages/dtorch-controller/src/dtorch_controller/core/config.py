@@ -20,6 +20,9 @@ class ConfigError(ValueError):
         return self.template.substitute({f.name: names.get(f.name, f.name) for f in fields(Config)})
 
 
+MIN_HEARTBEAT_INTERVAL_S = 0.01  # a worker reports at most this often, whatever it is told (dtorch_worker.agent)
+
+
 def format_seconds(t: float) -> str:
     """Default event-log time stamp: the core's own clock, in seconds (the server swaps in wall-clock time)."""
     return f"{t:.3f}"
@@ -51,8 +54,9 @@ class Config:
     format_time: Callable[[float], str] = format_seconds  # renders `now` in event-log lines
 
     def __post_init__(self) -> None:
-        if not self.heartbeat_interval_s > 0:
-            raise ConfigError(f"$heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if not self.heartbeat_interval_s >= MIN_HEARTBEAT_INTERVAL_S:  # a shorter one only made workers look suspect
+            raise ConfigError(f"$heartbeat_interval_s must be >= {MIN_HEARTBEAT_INTERVAL_S} s (workers report at most "
+                              f"that often), got {self.heartbeat_interval_s}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise ConfigError(f"$heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed $heartbeat_interval_s "
                               f"({self.heartbeat_interval_s})")
