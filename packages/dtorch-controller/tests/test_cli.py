@@ -201,6 +201,9 @@ def test_settings_out_of_range_name_the_options_an_operator_typed(tmp_path):
     out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--heartbeat-interval", "1e-9")
     assert out.returncode == 2 and out.stderr == ("dtorch-controller: --heartbeat-interval must be >= 0.01 s (workers "
                                                   "report at most that often), got 1e-09\n")
+    out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--session-timeout", "1e-9")  # closed every session
+    assert out.returncode == 2 and out.stderr == ("dtorch-controller: --session-timeout must be 0 (never) or >= 0.1 s, "
+                                                  "got 1e-09\n")
     out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--snapshot-interval", "0")
     assert out.returncode == 2 and out.stderr == ("dtorch-controller: --snapshot-batches must be >= 0 and "
                                                   "--snapshot-interval > 0, got 32 and 0.0\n")

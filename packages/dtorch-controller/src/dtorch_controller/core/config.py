@@ -21,6 +21,8 @@ class ConfigError(ValueError):
 
 
 MIN_HEARTBEAT_INTERVAL_S = 0.01  # a worker reports at most this often, whatever it is told (dtorch_worker.agent)
+# a shorter one closed every session at once, its client told to keep it alive every timeout / 4 (a busy loop)
+MIN_SESSION_TIMEOUT_S = 0.1
 
 
 def format_seconds(t: float) -> str:
@@ -60,8 +62,9 @@ class Config:
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise ConfigError(f"$heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed $heartbeat_interval_s "
                               f"({self.heartbeat_interval_s})")
-        if not self.session_timeout_s >= 0:
-            raise ConfigError(f"$session_timeout_s must be >= 0, got {self.session_timeout_s}")
+        if not (self.session_timeout_s == 0 or self.session_timeout_s >= MIN_SESSION_TIMEOUT_S):
+            raise ConfigError(f"$session_timeout_s must be 0 (never) or >= {MIN_SESSION_TIMEOUT_S} s, got "
+                              f"{self.session_timeout_s}")
         if self.snapshot_every_batches < 0 or not self.snapshot_every_s > 0:
             raise ConfigError(f"$snapshot_every_batches must be >= 0 and $snapshot_every_s > 0, got "
                               f"{self.snapshot_every_batches} and {self.snapshot_every_s}")
