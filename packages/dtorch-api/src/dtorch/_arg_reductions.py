@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dtorch._local import emit, on_dims, rows, sharded_dim, spec, to
+from dtorch._local import emit, on_dims, rows, sharded_dim, sharding, spec, to
 from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.placement_types import Partial, Replicate
 
@@ -54,7 +54,7 @@ def _arg(x: Any, dim: int, reduce: Any, arg: Any, over: str) -> tuple[Any, Any]:
     """Rule 1: (the extreme, its first index) along `dim`, kept as a dim of one, replicated on the mesh dims that
     shard it."""
     mesh, shape = x.device_mesh, tuple(1 if d == dim else n for d, n in enumerate(x.shape))
-    spread = [i for i, p in enumerate(x.placements) if p.is_shard() and p.dim % x.ndim == dim]
+    spread = sharding(x, dim)
     whole = on_dims(x.placements, spread, Replicate())
 
     def local(op: Any, args: tuple, dtype: torch.dtype, reduced: str | None = None, **per_device: Any) -> Any:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dtorch._local import emit, is_dtensor, on_dims, only_mine, own_rows, rows, sharded_dim, spec, to
+from dtorch._local import emit, is_dtensor, on_dims, only_mine, own_rows, rows, sharded_dim, sharding, spec, to
 from dtorch._registry import register_decomposition
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
@@ -75,8 +75,7 @@ def _split(x: Any, dim: Any, index: Any) -> tuple[int, list[int], list[tuple[int
     dim %= x.ndim
     if any(index.shape[d] != x.shape[d] for d in range(x.ndim) if d != dim):
         return None
-    spread = [i for i, p in enumerate(x.placements) if p.is_shard() and p.dim % x.ndim == dim]
-    return dim, spread, rows(x, dim)
+    return dim, sharding(x, dim), rows(x, dim)
 
 
 _INTEGERS = (torch.int64, torch.int32)

@@ -86,6 +86,11 @@ def sharded_dim(*tensors: Any, dim: int) -> bool:
     return parts > 1 and all(length for _, length in rows(first, dim))
 
 
+def sharding(t: Any, dim: int) -> list[int]:
+    """The mesh dims that shard `dim` of DTensor `t`."""
+    return [i for i, p in enumerate(t.placements) if isinstance(p, Shard) and p.dim % t.ndim == dim % t.ndim]
+
+
 def rows(t: Any, dim: int) -> list[tuple[int, int]]:
     """Each device's (start, length) of `dim` of DTensor `t`, in the mesh's row-major order (torch.chunk's split:
     5 over 4 devices is 2, 2, 1, 0)."""
