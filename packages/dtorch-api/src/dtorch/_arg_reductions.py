@@ -1,10 +1,11 @@
 """argmax, argmin, and max and min with indices, over a sharded dim (vocabulary-parallel logits).
 
 torch's rules gather the whole dim on every device first: greedy decoding from vocabulary-parallel logits
-(`logits[:, -1].argmax(-1)`) moved tokens x vocabulary at every step.
+(`logits[:, -1].argmax(-1)`) moved tokens x vocabulary at every step (and a sequence classifier's pooling, the
+argmax of the last non-padding position over a sequence-sharded batch, the positions).
 
 Rules (decompositions, `_registry.register_decomposition`; each declines, NotImplemented, unless the dim is sharded
-on some mesh dim with every device holding some of it, nothing is Partial and x is floating):
+on some mesh dim with every device holding some of it, nothing is Partial and x is floating or a 32/64-bit integer):
   1. argmax(x, dim) (argmin mirrored): each device finds its own extreme and its first place (shifted into the
      whole dim). Three reductions of the output's size, none of x: whether any device holds a NaN (which torch
      counts as the extreme), the extreme over devices (NaN aside), and the smallest index among the devices that
@@ -24,6 +25,7 @@ from dtorch_protocol.placement_types import Partial, Replicate
 
 aten = torch.ops.aten
 FIRST = torch.iinfo(torch.int64).max  # a device without the extreme offers no index
+INTEGERS = (torch.int64, torch.int32)  # (whose Partial max and min reduce as they are)
 
 # op -> (its own reduction of a device's shard, its arg-reduction, the reduction over devices, whether values too)
 EXTREMES = {
@@ -40,7 +42,7 @@ def _extreme(op: Any) -> Any:
     def run(args: tuple, kwargs: dict) -> Any:
         values = named_args(op, args, kwargs)
         x, dim = values["self"], values["dim"]
-        if type(dim) is not int or not x.is_floating_point() or not sharded_dim(x, dim=dim):
+        if type(dim) is not int or not (x.is_floating_point() or x.dtype in INTEGERS) or not sharded_dim(x, dim=dim):
             return NotImplemented
         value, index = _arg(x, dim % x.ndim, reduce, arg, over)
         if not values["keepdim"]:
@@ -62,19 +64,22 @@ def _arg(x: Any, dim: int, reduce: Any, arg: Any, over: str) -> tuple[Any, Any]:
         return emit(op, args, spec(mesh, placements, shape, dtype), **per_device)
 
     starts = [start for start, _ in rows(x, dim)]
-    extreme = local(reduce, (x, [dim], True), x.dtype)
-    nan = local(aten.isnan.default, (extreme,), torch.bool)
-    any_nan = to(local(aten._to_copy.default, (nan,), torch.float32, "max", kwargs={"dtype": torch.float32}), whole)
-    kept = local(aten.where.ScalarSelf, (nan, float("-inf") if over == "max" else float("inf"), extreme), x.dtype,
-                 over)
-    best = to(kept, whole)
-    holds = local(aten.where.self, (local(aten.gt.Scalar, (any_nan, 0.0), torch.bool), nan,
-                                    local(aten.eq.Tensor, (kept, best), torch.bool)), torch.bool)
+    extreme = local(reduce, (x, [dim], True), x.dtype, over)  # (each device's: Partial, reduced by `over`)
+    if x.is_floating_point():
+        nan = local(aten.isnan.default, (extreme,), torch.bool)
+        any_nan = to(local(aten._to_copy.default, (nan,), torch.float32, "max", kwargs={"dtype": torch.float32}),
+                     whole)
+        extreme = local(aten.where.ScalarSelf, (nan, float("-inf") if over == "max" else float("inf"), extreme),
+                        x.dtype, over)
+    best = to(extreme, whole)
+    holds = local(aten.eq.Tensor, (extreme, best), torch.bool)
+    if x.is_floating_point():
+        holds = local(aten.where.self, (local(aten.gt.Scalar, (any_nan, 0.0), torch.bool), nan, holds), torch.bool)
+        best = aten.where.ScalarSelf(aten.gt.Scalar(any_nan, 0.0), float("nan"), best)
     at = local(arg, (x, dim, True), torch.int64)
     at = local(aten.add.Tensor, (at, 0), torch.int64, per_device=[(at, start) for start in starts])
     index = to(local(aten.where.ScalarOther, (holds, at, FIRST), torch.int64, "min"), whole)
-    value = aten.where.ScalarSelf(aten.gt.Scalar(any_nan, 0.0), float("nan"), best)
-    return value, index
+    return best, index
 
 
 for _op in EXTREMES:
