@@ -1072,6 +1072,8 @@ ALONG_SHARDS = {  # name -> op on logits [rows, vocab] (and labels [rows, 1]) al
     "label log-probabilities": lambda x, y: F.log_softmax(x, -1).gather(-1, y).squeeze(-1),
     "argmax of integers": lambda x, y: (x > 0).long().argmax(-1),  # (a classifier's pooling: ties everywhere)
     "min of integers": lambda x, y: (x * 4).nan_to_num(0.0).clamp(-50, 50).int().min(1),
+    "cumsum": lambda x, y: x.nan_to_num(0.0, 9.0, -9.0).cumsum(-1),
+    "cumsum of a mask": lambda x, y: (x > 0).cumsum(1) - 1,  # (position ids from a sequence-sharded mask)
 }
 
 
@@ -1080,7 +1082,7 @@ def test_ops_along_a_sharded_vocabulary_move_only_their_output(cluster, mesh4, m
     """argmax / max / logsumexp / gather along the vocabulary of vocabulary-parallel logits (greedy decoding, the
     labels' log-probabilities of every RL and DPO loss) gathered the whole logits on every device. Each device now
     works on its part and a few reductions of the output's size combine them (_arg_reductions, _softmax rule 3,
-    _gather rule 2): torch's values and first-occurrence indices, with ties across devices, NaN, and
+    _gather rule 2, _scans): torch's values and first-occurrence indices, with ties across devices, NaN, and
     infinities, on uneven shards (10 over 4 devices) and 2-d meshes; the gradient of the gathered log-probabilities
     is torch's."""
     from dtorch_protocol import messages as m
@@ -1114,6 +1116,18 @@ def test_ops_along_a_sharded_vocabulary_move_only_their_output(cluster, mesh4, m
             loss.backward()
         torch.testing.assert_close(dw.grad.full_tensor(), w.grad)
         assert not [i for i in sent if isinstance(i, m.InstrRedistribute) and i.src_spec.placements == ["S1"]]
+
+
+@pytest.mark.parametrize("scan", ["cumsum", "cumprod", "logcumsumexp"])
+def test_a_scan_over_a_sharded_dim_written_negative_is_torchs(mesh4, scan):
+    """`x.cumsum(-1)` of a tensor sharded on its last dim ran on each shard alone (torch's rule compares the scan's
+    dim, -1, with the placements' non-negative dims, and kept the shards; torch's DTensor too): wrong values from the
+    second shard on. Even and uneven shards, one of them empty (5 over 4 devices: 2, 2, 1, 0)."""
+    for width in (8, 10, 5):
+        x = torch.linspace(0.5, 1.5, 3 * width).view(3, width)
+        want = getattr(x, scan)(-1)
+        assert_same(getattr(dist(x, mesh4, Shard(1)), scan)(-1), want, exact=False)
+        assert_same(getattr(dist(x.t().contiguous(), mesh4, Shard(0)), scan)(-2), want.t(), exact=False)
 
 
 @pytest.mark.parametrize("kv_heads,stays", [(2, True), (1, False)], ids=["even", "uneven"])

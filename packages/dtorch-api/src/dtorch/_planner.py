@@ -49,6 +49,7 @@ from dtorch import (  # noqa: F401
     _random_ops,
     _reductions,
     _rules,
+    _scans,
     _sequences,
     _sharding,
     _slices,

@@ -179,6 +179,8 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
         raise NoRule("a boolean mask indexes a sharded dim")
     if func is _aten.fill_.Scalar and isinstance(args[0], Spec) and args[0].has_partial():
         return _fill_partial(func, args, kwargs, mesh)
+    if func in _DIM_AT:
+        args = _non_negative_dim(args, _DIM_AT[func])
     if func is _aten.fill_.Tensor and _fill_0d(args):  # (torch has no rule: self was gathered and written back)
         return Propagation(func, (args[0], args[1].with_placements((Replicate(),) * mesh.ndim)), kwargs, None, args[0])
     try:
@@ -224,6 +226,19 @@ def propagate(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Propaga
 # indexes as many dims as it has, so a self sharded on its second dim or later was split against an unsplit mask.
 _MASK_INDEXED = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
                  torch.ops.aten._index_put_impl_.default}
+
+
+# Ops whose torch rule reads a negative dim as no dim at all (scans compare `[dim]` with the placements' non-negative
+# dims): `x.cumsum(-1)` of a tensor sharded on its last dim ran on each shard alone, wrong from the second shard on
+# (torch's DTensor too). The dim is made non-negative first: op -> the position of its dim argument.
+_DIM_AT = {torch.ops.aten.cumsum.default: 1, torch.ops.aten.cumprod.default: 1, torch.ops.aten.logcumsumexp.default: 1}
+
+
+def _non_negative_dim(args: tuple, at: int) -> tuple:
+    self = args[0]
+    if len(args) > at and isinstance(self, Spec) and type(args[at]) is int and args[at] < 0:
+        return (*args[:at], args[at] % max(len(self.shape), 1), *args[at + 1:])
+    return args
 
 
 def _mask_over_sharded_dim(args: tuple) -> bool:
