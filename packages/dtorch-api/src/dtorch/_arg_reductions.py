@@ -5,7 +5,7 @@ torch's rules gather the whole dim on every device first: greedy decoding from v
 argmax of the last non-padding position over a sequence-sharded batch, the positions).
 
 Rules (decompositions, `_registry.register_decomposition`; each declines, NotImplemented, unless the dim is sharded
-on some mesh dim with every device holding some of it, nothing is Partial and x is floating or a 32/64-bit integer):
+on some mesh dim with every device holding some of it, nothing is Partial and x's dtype is in `_local.REDUCIBLE`):
   1. argmax(x, dim) (argmin mirrored): each device finds its own extreme and its first place (shifted into the
      whole dim). Three reductions of the output's size, none of x: whether any device holds a NaN (which torch
      counts as the extreme), the extreme over devices (NaN aside), and the smallest index among the devices that
@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from dtorch._local import emit, on_dims, rows, sharded_dim, sharding, spec, to
+from dtorch._local import REDUCIBLE, emit, on_dims, rows, sharded_dim, sharding, spec, to
 from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.placement_types import Partial, Replicate
 
 aten = torch.ops.aten
 FIRST = torch.iinfo(torch.int64).max  # a device without the extreme offers no index
-INTEGERS = (torch.int64, torch.int32)  # (whose Partial max and min reduce as they are)
 
 # op -> (its own reduction of a device's shard, its arg-reduction, the reduction over devices, whether values too)
 EXTREMES = {
@@ -42,7 +41,7 @@ def _extreme(op: Any) -> Any:
     def run(args: tuple, kwargs: dict) -> Any:
         values = named_args(op, args, kwargs)
         x, dim = values["self"], values["dim"]
-        if type(dim) is not int or not (x.is_floating_point() or x.dtype in INTEGERS) or not sharded_dim(x, dim=dim):
+        if type(dim) is not int or x.dtype not in REDUCIBLE or not sharded_dim(x, dim=dim):
             return NotImplemented
         value, index = _arg(x, dim % x.ndim, reduce, arg, over)
         if not values["keepdim"]:

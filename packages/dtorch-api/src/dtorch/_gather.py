@@ -12,8 +12,8 @@ Rules (decompositions, `_registry.register_decomposition`; each declines, NotImp
   1. Where a dim the index is shorter on is sharded in the input or the index, the input is first narrowed to the
      index's size on it (`input.narrow(d, 0, index.size(d))`, which is what gather reads; its gradient pads with
      zeros), and then gathered.
-  2. `gather` along a dim the input is sharded on (every device holding some, nothing Partial, a floating or
-     integer dtype), the index as large as the input on every other dim: the index is replicated on the mesh dims
+  2. `gather` along a dim the input is sharded on (every device holding some, nothing Partial, a dtype of
+     `_local.REDUCIBLE`), the index as large as the input on every other dim: the index is replicated on the mesh dims
      sharding that dim and laid out as the input elsewhere; each device reads the indices in its rows (shifted into
      them, `_local.own_rows`; zero elsewhere) and the output is Partial("sum") there: one reduction of the output,
      none of the input.
@@ -25,7 +25,19 @@ from typing import Any
 
 import torch
 
-from dtorch._local import emit, is_dtensor, on_dims, only_mine, own_rows, rows, sharded_dim, sharding, spec, to
+from dtorch._local import (
+    REDUCIBLE,
+    emit,
+    is_dtensor,
+    on_dims,
+    only_mine,
+    own_rows,
+    rows,
+    sharded_dim,
+    sharding,
+    spec,
+    to,
+)
 from dtorch._registry import register_decomposition
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
 
@@ -70,12 +82,10 @@ def _split(x: Any, dim: Any, index: Any) -> tuple[int, list[int], list[tuple[int
     """(dim, the mesh dims sharding it, each device's rows of it) where rule 2 applies, else None."""
     if not (is_dtensor(x) and is_dtensor(index) and type(dim) is int and x.ndim and x.device_mesh == index.device_mesh
             and sharded_dim(x, dim=dim)) or index.ndim != x.ndim or index._spec.has_partial() or \
-            x._spec.unflattened() is not x._spec or not (x.dtype.is_floating_point or x.dtype in _INTEGERS):
+            x._spec.unflattened() is not x._spec or x.dtype not in REDUCIBLE:
         return None
     dim %= x.ndim
     if any(index.shape[d] != x.shape[d] for d in range(x.ndim) if d != dim):
         return None
     return dim, sharding(x, dim), rows(x, dim)
 
-
-_INTEGERS = (torch.int64, torch.int32)

@@ -24,6 +24,9 @@ from dtorch_protocol.values import encode_value
 
 _R = Replicate()
 aten = torch.ops.aten
+# dtypes whose Partial values reduce (sum, max, min) across devices as they are: the decompositions that leave a
+# result Partial take these only
+REDUCIBLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 
 
 def on_dim(ndim: int, dim: int, p: Placement, others: tuple[Placement, ...] | None = None) -> tuple[Placement, ...]:

@@ -14,8 +14,8 @@ Rules:
   3. `read(x, where)`: a copy of the region laid out as `x` is but replicated on the mesh dims that shard an indexed
      dim. Each device pads its part into a region of its own (the minimum of the dtype elsewhere), declared
      Partial("max") on those mesh dims, and one reduction of the region's bytes, not a gather of `x`, makes the
-     copy (`max` keeps every value as it is, -0.0 and NaN included; a sum would lose -0.0's sign). Floating and
-     32/64-bit integer dtypes only (`readable`).
+     copy (`max` keeps every value as it is, -0.0 and NaN included; a sum would lose -0.0's sign). The dtypes of
+     `_local.REDUCIBLE` only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from dtorch_protocol.placement_types import Partial, Placement, Replicate
 aten = torch.ops.aten
 Range = tuple[int, int, int]  # (first index, count, step) of one dim
 _R = Replicate()
-READABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)  # rule 3
 
 
 @dataclass(frozen=True)
@@ -98,10 +97,6 @@ def write(x: Any, where: Region, value: Any) -> None:
         emit(aten.fill_.Scalar, (dst, value), None)
         return
     emit(aten.copy_.default, (dst, _value_parts(value, x, where, parts)), None)
-
-
-def readable(x: Any) -> bool:
-    return x.dtype in READABLE
 
 
 def read(x: Any, where: Region) -> Any:

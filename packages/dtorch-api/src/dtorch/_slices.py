@@ -7,7 +7,7 @@ of hidden states) gathered the whole tensor on every device.
 Rules (decompositions of `select.int` and `slice.Tensor`; each declines, NotImplemented, outside rule 1):
   1. The case: a dim sharded on a mesh dim of more than one device, of which the view names at most half (a larger
      part costs about what a gather of the whole costs: torch's path runs); nothing Partial; not itself a view of a
-     moved copy (`_views` rule 2 applies); a floating or 32/64-bit integer dtype (`_regions.readable`).
+     moved copy (`_views` rule 2 applies); a dtype of `_local.REDUCIBLE`.
   2. The moved copy is the region alone (`_regions.read`: one reduction of the region's bytes), replicated on the
      mesh dims that shard that dim; the view is taken of it, and its origin (`_views`) is the input with that
      region: writes through the view reach the input's rows, later writes to the input reach the view.
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from dtorch import _views
-from dtorch._local import is_dtensor
-from dtorch._regions import Region, read, readable, sharded_dims
+from dtorch._local import REDUCIBLE, is_dtensor
+from dtorch._regions import Region, read, sharded_dims
 from dtorch._registry import register_decomposition
 
 aten = torch.ops.aten
@@ -61,7 +61,7 @@ def _sharded_on(x: Any, dim: Any) -> bool:
 
 def _view(x: Any, dim: int, r: tuple[int, int, int], take: Any) -> Any:
     """Rule 2, for the range `r` of `dim`."""
-    if 2 * r[1] > x.shape[dim] or not readable(x) or x._spec.has_partial() or \
+    if 2 * r[1] > x.shape[dim] or x.dtype not in REDUCIBLE or x._spec.has_partial() or \
             x._spec.unflattened() is not x._spec or getattr(x, "_origin", None) is not None:
         return NotImplemented
     where = Region(tuple(r if d == dim else (0, n, 1) for d, n in enumerate(x.shape)))
