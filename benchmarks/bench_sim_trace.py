@@ -94,6 +94,18 @@ def run(data: dict, profile: int) -> dict:
             "summary": metrics.summarize(sim)}
 
 
+def outcome(summary: dict) -> str:
+    """What the policy did with the jobs, one line; makespan and JCTs read "none" when no job finished."""
+    s, u, jct, makespan = summary["scheduling"], summary["utilization"], summary["jct_s"], summary["makespan_s"]
+
+    def seconds(value: float | None) -> str:
+        return "none" if value is None else f"{value:,.0f} s"
+
+    return (f"makespan {'none' if makespan is None else f'{makespan / 3600:.2f} h'}, mean JCT {seconds(jct['mean'])}, "
+            f"p99 {seconds(jct['p99'])}, busy {u['busy_mean']:.1%}, allocated {u['allocated_mean']:.1%}, "
+            f"preemptions {s['preemptions']:,}, relocations {s['relocations']:,}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=100_000)
@@ -114,10 +126,7 @@ def main() -> None:
                 print(f"{devices:>8,} {policy:>8} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['sim_s'] / 3600:>8.1f} h "
                       f"{r['events']:>12,} {r['events'] / r['cpu']:>13,.0f} {r['jobs'] / r['cpu']:>11,.0f} "
                       f"{r['cpu'] / r['jobs'] * 100_000 / 60:>18.1f} {r['finished']:>7,}/{r['jobs']:<8,}", flush=True)
-                s, u, jct = r["summary"]["scheduling"], r["summary"]["utilization"], r["summary"]["jct_s"]
-                print(f"{'':>17} makespan {r['summary']['makespan_s'] / 3600:.2f} h, mean JCT {jct['mean']:,.0f} s, "
-                      f"p99 {jct['p99']:,.0f} s, busy {u['busy_mean']:.1%}, allocated {u['allocated_mean']:.1%}, "
-                      f"preemptions {s['preemptions']:,}, relocations {s['relocations']:,}", flush=True)
+                print(f"{'':>17} {outcome(r['summary'])}", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak memory {rss:,.0f} MiB")
 
