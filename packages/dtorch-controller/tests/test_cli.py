@@ -91,6 +91,16 @@ def test_exits_when_the_parent_dies(tmp_path):
                 p.wait()
 
 
+@pytest.mark.parametrize("pid", ["-1", "0", "x"])
+def test_a_parent_pid_that_names_no_process_is_refused_in_one_line(tmp_path, pid):
+    """-1 (every process this user may signal: always alive) and 0 (no watchdog at all) were taken, so a
+    controller told to follow its parent outlived it."""
+    out = _run("--keys", str(tmp_path / "keys.json"), "--listen", "127.0.0.1:0", "--parent-pid", pid)
+    assert out.returncode == 2 and "listening" not in out.stdout
+    assert out.stderr.splitlines()[-1] == ("dtorch-controller: error: argument --parent-pid: expected a process id "
+                                           f"(a whole number >= 1), got '{pid}'")
+
+
 def test_status_of_an_unreachable_controller_is_one_error_line(capsys, monkeypatch):
     monkeypatch.setenv("DTORCH_API_KEY", "dtorch_00000000_x")
     assert cli.main(["status", "--controller", "127.0.0.1:1"]) == 1

@@ -86,6 +86,13 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _pid(text: str) -> int:
+    """`--parent-pid`: a process id, 1 or more (-1 and 0 named every process, or none: the watchdog never fired)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a process id (a whole number >= 1), got {text!r}")
+    return int(text)
+
+
 def _write_port_file(path: str, addresses: Sequence[str]) -> None:
     """Write atomically, so a reader polling for the file never sees half an address: the clients' address,
     then the workers' when it differs (TLS)."""
@@ -282,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default $DTORCH_USAGE_FILE; none when unset)")
     parser.add_argument("--usage-interval", type=_seconds, default=60.0, metavar="S",
                         help="one usage record per session every S seconds, and one when it closes (default 60)")
-    parser.add_argument("--parent-pid", type=int, help="exit when this process exits")
+    parser.add_argument("--parent-pid", type=_pid, metavar="PID", help="exit when this process exits")
     commands = parser.add_subparsers(dest="command", metavar="{keys,status,top,usage,drain,migrate}")
     _keys_parser(commands)
     us = commands.add_parser("usage", help="sum the usage records by tenant or session")
