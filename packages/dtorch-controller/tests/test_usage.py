@@ -171,7 +171,8 @@ def test_a_line_that_is_not_utf8_is_skipped_as_a_foreign_line_not_the_end_of_the
     assert cli.main(["usage", "--usage-file", str(path), "--format", "json"]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out)[0]["device_seconds"] == 20.0
-    assert out.err == f"dtorch-controller usage: skipped 1 lines of {path} that are not usage records (first: line 2)\n"
+    # one line, in the singular: it said "skipped 1 lines of ... that are not usage records"
+    assert out.err == f"dtorch-controller usage: skipped 1 line of {path} that is not a usage record (first: line 2)\n"
 
 
 def test_the_usage_table_shows_a_records_names_as_plain_text(tmp_path, capsys):

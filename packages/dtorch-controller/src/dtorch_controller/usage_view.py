@@ -82,8 +82,10 @@ def main(args: argparse.Namespace) -> int:
               "expected the file the controller writes with --usage-file", file=sys.stderr)
         return 2
     if foreign:
-        print(f"dtorch-controller usage: skipped {len(foreign)} lines of {args.usage_file} that are not usage records "
-              f"(first: line {foreign[0]})", file=sys.stderr)
+        lines, are = ("1 line", "is not a usage record") if len(foreign) == 1 else \
+            (f"{len(foreign)} lines", "are not usage records")
+        print(f"dtorch-controller usage: skipped {lines} of {args.usage_file} that {are} (first: line {foreign[0]})",
+              file=sys.stderr)
     out = [_fields(r, args.by) for r in rows]
     if args.format == "json":
         print(json.dumps(out, indent=1))
