@@ -197,3 +197,25 @@ def test_a_since_no_date_can_show_is_one_line(tmp_path, capsys, since):
     assert cli.main(["usage", "--usage-file", str(path), f"--since={since}"]) == 2
     assert capsys.readouterr().err == (f"dtorch-controller usage: bad --since {since!r}: out of range (no date falls "
                                        "there)\n")
+
+
+@pytest.mark.parametrize("edit", [{"start": -1e300}, {"start": 1e300, "end": 1e301}, {"end": 1e20}, {"start": -5.0},
+                                  {"start": 2000.0, "end": 1000.0}, {"device_seconds": 1e308},
+                                  {"device_seconds": -10.0}, {"moved_bytes": -1}, {"instructions": 2**63}])
+def test_a_record_with_absurd_values_is_a_foreign_line_not_a_crash(tmp_path, capsys, edit):
+    """A hand-edited record whose times no date can show was a traceback (OverflowError: timestamp out of range) from
+    the table and the JSON; huge amounts summed to inf (JSON's Infinity), negative ones were billed."""
+    path = tmp_path / "usage.jsonl"
+    log = UsageLog(path)
+    log.append([_record(1)])
+    log.close()
+    with open(path, "a") as f:
+        f.write(json.dumps({**_record(2).__dict__, **edit}) + "\n")
+        f.write(json.dumps({**_record(3).__dict__, **edit}) + "\n")
+    for fmt in ("table", "json", "csv"):
+        assert cli.main(["usage", "--usage-file", str(path), "--format", fmt]) == 0
+        out = capsys.readouterr()
+        assert out.err == (f"dtorch-controller usage: skipped 2 lines of {path} that are not usage records (first: "
+                           "line 2)\n")
+    assert cli.main(["usage", "--usage-file", str(path), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["device_seconds"] == 10.0

@@ -20,8 +20,9 @@ Rules:
 4. A file that cannot be written is one line on stderr and the controller goes on without usage records.
 
 `summarise` reads a file back for `dtorch-controller usage` (by tenant or session, since a time); a complete line that
-is not a record (a field missing or of another type, another file given by mistake) is skipped, and the command
-says how many and which first, or refuses a file that holds none.
+is not a record (a field missing or of another type, another file given by mistake, or values no controller
+writes: a negative number, one of 2**63 or more, times outside 1970-9999 or ending before they start) is skipped,
+and the command says how many and which first, or refuses a file that holds none.
 """
 
 from __future__ import annotations
@@ -238,12 +239,22 @@ def _drop_torn_tail(fd: int) -> None:
 _DECODER = msgspec.json.Decoder(Record)  # typed: a field of another type is no record
 
 
+# Bounds of a record's values, as a controller writes them: sums of many stay finite, and every time shows as a date
+MAX_AMOUNT = 2**63
+LAST_TIME = 253_402_128_000.0  # 9999-12-30 UTC: the last day a date can show in any time zone
+
+
 def _record(line: bytes) -> Record | None:
-    """The record a line holds, or None: not a JSON object of Record's fields with their types."""
+    """The record a line holds, or None: not a JSON object of Record's fields with their types, or values no
+    controller writes (a hand-edited start of -1e300 or 1e300 was a traceback from the table's dates)."""
     try:
-        return _DECODER.decode(line)
+        r = _DECODER.decode(line)
     except msgspec.DecodeError:  # (ValidationError included)
         return None
+    amounts = (r.seq, r.devices, r.device_seconds, r.memory_byte_seconds, r.moved_bytes, r.instructions)
+    if not all(0 <= a < MAX_AMOUNT for a in amounts) or not 0 <= r.start <= r.end <= LAST_TIME:
+        return None
+    return r
 
 
 def read(path: str | Path, foreign: list[int] | None = None) -> Iterator[Record]:
