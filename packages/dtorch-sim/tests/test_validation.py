@@ -164,6 +164,11 @@ CASES: dict[str, tuple[Edit, str]] = {
                                     _csv("t.csv", ITP_ROWS + "b,5,10,-2\n", "workload.trace", TRACE)(d, t)),
                       "workload.trace.path: line 3 of {tmp}/t.csv: num_gpu value '-2' (column 'num_gpu') is not a "
                       "whole number >= 0"),
+    # a negative submit time was dropped in silence (below start_s, 0 by default) while every other bad cell is named
+    "trace negative submit": (lambda d, t: (d["workload"].pop("synthetic"),
+                                            _csv("t.csv", ITP_ROWS + "b,-5,10,2\n", "workload.trace", TRACE)(d, t)),
+                              "workload.trace.path: line 3 of {tmp}/t.csv: submit value '-5' (column "
+                              "'submission_time') is before time 0: submit times are seconds >= 0 (dates: 1970 on)"),
     "trace share": (lambda d, t: (d["workload"].pop("synthetic"), _csv(
         "t.csv", "name,num_gpu,gpu_milli,qos,creation_time,scheduled_time,deletion_time\na,1,half,LS,0,1,9\n",
         "workload.trace", {"format": "openb"})(d, t)),

@@ -262,6 +262,9 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
                                  f"{cols[role]!r}) is not {how}") from None
 
         submit = cell("submit", read_time)
+        if submit < 0:  # was skipped in silence (before start_s, which is >= 0)
+            raise TraceError(f"workload.trace.path: line {n} of {path}: submit value {row[cols['submit']]!r} (column "
+                             f"{cols['submit']!r}) is before time 0: submit times are seconds >= 0 (dates: 1970 on)")
         if submit < tr.start_s:
             continue
         if timing == "duration":
