@@ -330,6 +330,23 @@ def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):
         proc.wait(10)
 
 
+def test_a_quota_names_a_tenant_that_has_keys(tmp_path):
+    """`keys quota alcie` (a typo) set a quota on a tenant no key names, said so as if it were done, and left alice
+    without one."""
+    path = str(tmp_path / "keys.json")
+    assert _run("keys", "create", "--keys", path, "--role", "tenant", "--tenant", "alice").returncode == 0
+    assert _run("keys", "create", "--keys", path, "--role", "admin").returncode == 0
+    out = _run("keys", "quota", "alcie", "--keys", path, "--devices", "4")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == ("dtorch-controller keys quota: no tenant 'alcie': no key names it (tenants: alice; "
+                          "`keys create --role tenant --tenant alcie` makes one)\n")
+    out = _run("keys", "quota", "admin", "--keys", path, "--devices", "4")
+    assert out.returncode == 1 and out.stderr == ("dtorch-controller keys quota: tenant name 'admin' is the admin "
+                                                  "keys' own: admins have no quota\n")
+    assert "quota" not in _run("keys", "list", "--keys", path).stdout
+    assert _run("keys", "quota", "alice", "--keys", path, "--devices", "4").returncode == 0
+
+
 def test_tenant_and_node_names_are_labels_and_admin_is_no_tenants(tmp_path, capsys):
     """Any string was a tenant: a newline broke `keys list` and every log line naming it, and a tenant key named
     'admin' shared the admin keys' tenant, which is what isolation compares."""

@@ -166,6 +166,12 @@ class KeyFile:
 
     def set_quota(self, tenant: str, devices: int | None, memory_bytes: int | None, sessions: int | None) -> Quota:
         check_name("tenant", tenant)
+        if tenant == auth.ADMIN:
+            raise ValueError("tenant name 'admin' is the admin keys' own: admins have no quota")
+        tenants = sorted({k.tenant for k in self.keys if k.role == auth.TENANT})
+        if tenant not in tenants:  # a typo set a quota on nobody and left the tenant meant without one
+            raise ValueError(f"no tenant {tenant!r}: no key names it (tenants: {', '.join(tenants) or 'none'}; "
+                             f"`keys create --role tenant --tenant {tenant}` makes one)")
         old = self.quotas.get(tenant, Quota())
         quota = Quota(devices=old.devices if devices is None else devices,
                       memory_bytes=old.memory_bytes if memory_bytes is None else memory_bytes,
