@@ -864,6 +864,46 @@ class AutoSteps:
         self.pause()
 
 
+
+class Eager:
+    """A block in which every operation runs eagerly (`dtorch.debug.CommDebugMode`: counting what each operation
+    sends needs each one's instructions, which a replay does not emit). It is the session's `step` while it lasts:
+    `Compiled` runs its function eagerly under any step, and automatic capture, if on, is paused (its step running
+    now ends first, as at a boundary) and armed again at the end. A replay would have run the same instructions
+    (rule 3), so what the block sees is what the program runs."""
+
+    def __init__(self, session: Session) -> None:
+        self.session, self.owner = session, threading.get_ident()
+        self.outer: AutoSteps | None = None
+
+    def __enter__(self) -> Eager:
+        step = self.session.step
+        if step is not None and type(step) is not AutoSteps:
+            raise RuntimeError("dtorch: a block that runs every operation eagerly (CommDebugMode) cannot start inside "
+                               "a dtorch.compile step: enter it around the step's call")
+        if step is not None:
+            step.interrupt("an eager block")
+            step.pause()
+            self.outer = step
+        self.session.step = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.step = None
+        if self.outer is not None and not self.outer.stopped:
+            self.outer.arm()
+
+    # what the session tells its step: nothing to end, nothing to stop
+    def interrupt(self, why: str) -> None:
+        pass
+
+    def foreign(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 MIN_OPS = 8  # an automatic step with fewer operations is not worth a program (rule 9)
 MAX_OPS = 20_000  # nor one with more: a loop that never reaches a boundary (rule 9)
 MAX_WAIT = 64  # at most this many eager steps between two tries (rule 9)

@@ -35,6 +35,12 @@ def _ids_and_shape(ids: Any) -> tuple[list[int], list[int]]:
     return [i for flat, _ in parts for i in flat], [len(ids), *shapes.pop()]
 
 
+
+def shape_of(mesh_id: int) -> tuple[int, ...]:
+    """The shape of the mesh whose `id` this is (the id a wire spec names)."""
+    with _registry_lock:
+        return next(shape for (_, _, shape), i in _registry.items() if i == mesh_id)
+
 # A DTensor's `.device`, whatever the mesh: the client's CPU, where the tensors that mix with it are made. The
 # client holds no device memory; torch runs a tensor's backward on its device's queue and picks kernels by its device,
 # so a "cuda" DTensor needed CUDA in the client (a client without it aborted) and a model's

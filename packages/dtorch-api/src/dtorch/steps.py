@@ -170,7 +170,8 @@ def auto_compile(enabled: bool = True) -> AutoSteps | None:
             auto.close()
         return auto if enabled else None
     if auto is not None or _dispatch.step_hook is not None:
-        raise RuntimeError("dtorch.auto_compile() cannot be called inside a dtorch.compile step")
+        raise RuntimeError("dtorch.auto_compile() cannot be called inside a dtorch.compile step or a CommDebugMode "
+                           "block")
     if not enabled:
         return None
     auto = AutoSteps(session)

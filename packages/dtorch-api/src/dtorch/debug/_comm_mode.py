@@ -1,0 +1,178 @@
+"""`CommDebugMode`: the collectives a block's redistributions are, counted as torch's CommDebugMode counts them.
+
+    with CommDebugMode() as comm_mode:
+        model(x).sum().backward()
+    comm_mode.get_comm_counts()[torch.ops.c10d_functional.all_reduce]
+    comm_mode.comm_module_counts["Transformer.layers.0.attention"]["forward"]
+    print(comm_mode.generate_comm_debug_tracing_table(noise_level=1))
+
+Rules:
+  1. Every redistribution the client asks for in the block is counted (an op's input laid out anew, an explicit
+     `redistribute`, `full_tensor`'s, an FSDP gather and its reduce-scatter),
+     from any thread: one per mesh dim of two devices or more whose placement changes, keyed by the functional
+     collective torch's DTensor issues for that change (table COLLECTIVES), so a torch test's assertions read the
+     same. A change that needs no communication (Replicate -> Shard, to Partial) counts nothing; a move between
+     two meshes counts one CROSS_MESH. These are what the program needs, not how the data plane moves it: the
+     workers may reduce several Partial dims in one step or take point-to-point pieces (docs/architecture.md).
+  2. Reads (`to_torch()`, `.item()`) and uploads are transfers between the client and the workers, not
+     collectives, and count nothing (torch's DTensor counts its own: `full_tensor()` is an all_gather there, a
+     replicated `distribute_tensor` a broadcast), but for a replicated upload of 1 MiB or more, which goes to the
+     workers sharded and is gathered there (one all_gather).
+  3. The block runs every operation eagerly (`_capture.Eager`): a replayed step sends one instruction for the
+     whole step, and would be counted as nothing. A replay runs the same instructions, so the counts are those
+     of the captured program.
+  4. Modules: each count also goes to every module whose forward or backward is running, under "forward" or
+     "backward" (the autograd engine is running), and to "Global"; the root module is named by its class, the
+     others by their path under it (torch's module tracker, as torch's CommDebugMode). A module's forward lasts
+     until its own forward hooks have run, so a parallel style's output redistribution (RowwiseParallel's
+     reduction) is the module's, as torch counts it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtorch import _capture, _sharding, runtime
+from dtorch.device_mesh import shape_of
+from dtorch.dtensor import DTensor
+from dtorch_protocol import messages as m
+from dtorch_protocol.placement_types import placement_from_wire
+
+_funcol = torch.ops.c10d_functional
+# (kind of the source placement, kind of the destination placement) on one mesh dim -> torch's collective
+COLLECTIVES: dict[tuple[str, str], Any] = {
+    ("S", "R"): _funcol.all_gather_into_tensor,
+    ("S", "S"): _funcol.all_to_all_single,
+    ("P", "R"): _funcol.all_reduce,
+    ("P", "S"): _funcol.reduce_scatter_tensor,
+}
+CROSS_MESH = "point_to_point"  # the key of a move between two meshes, which torch's DTensor cannot make
+
+
+def _kind(wire: str) -> str:
+    p = placement_from_wire(wire)
+    return "S" if p.is_shard() else "P" if p.is_partial() else "R"
+
+
+def collectives(src: m.TensorSpec, dst: m.TensorSpec) -> list[Any]:
+    """What one redistribution counts (rule 1)."""
+    if src.mesh != dst.mesh:
+        return [CROSS_MESH]
+    return [COLLECTIVES[kinds] for n, p, q in zip(shape_of(src.mesh), src.placements, dst.placements)
+            if n > 1 and p != q and (kinds := (_kind(p), _kind(q))) in COLLECTIVES]
+
+
+def _name(key: Any) -> str:
+    return key if isinstance(key, str) else str(key)
+
+
+class CommDebugMode:
+    """Counts the collectives of the block's redistributions (see the module docstring); read after the block."""
+
+    def __init__(self) -> None:
+        self.comm_counts: defaultdict[Any, int] = defaultdict(int)
+        self.comm_module_counts: dict[str, dict[str, defaultdict[Any, int]]] = {}
+        self.comm_line_counts: defaultdict[tuple[str, Any], int] = defaultdict(int)  # (source line, key) -> count
+        self._parameters: dict[str, dict[str, torch.Tensor]] = {}
+        self._sharding: dict[str, Any] = {}
+        self._session: Any = None
+
+    # ------------------------------------------------------------ the block
+    def __enter__(self) -> CommDebugMode:
+        self.comm_counts.clear()
+        self.comm_module_counts.clear()
+        self.comm_line_counts.clear()
+        self._parameters.clear()
+        self._sharding.clear()
+        self._session = s = runtime.get_session()
+        self._eager = _capture.Eager(s).__enter__()
+        self._tracker = _sharding.module_tracker()
+        self._tracker.register_user_hooks(pre_fw_hook=self._forward)
+        self._running: list[str] = ["Global"]  # the modules whose forward runs, outermost first (rule 4)
+        self._tracker.__enter__()
+        self._emit, s.emit = s.emit, self._tap
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._session.emit = self._emit
+        self._tracker.__exit__(*exc)
+        self._eager.__exit__(*exc)
+
+    def _tap(self, instr: Any) -> None:
+        if isinstance(instr, m.InstrRedistribute):
+            for key in collectives(instr.src_spec, instr.dst_spec):
+                self._count(key, instr.src_line)
+        self._emit(instr)
+
+    def _count(self, key: Any, line: str) -> None:
+        self.comm_counts[key] += 1
+        self.comm_line_counts[(line, key)] += 1
+        backward = self._tracker.is_bw
+        phase = "backward" if backward else "forward"
+        for name in self._tracker.parents if backward else set(self._running):
+            counts = self.comm_module_counts.setdefault(name, {"forward": defaultdict(int),
+                                                               "backward": defaultdict(int)})
+            counts[phase][key] += 1
+
+    def _forward(self, module: torch.nn.Module, _args: Any) -> None:
+        """A module's forward starts: it runs until its own forward hooks have run (one more, added now, last)."""
+        name = self._tracker.get_known_fqn(module)
+        if self._tracker.is_bw:  # (activation checkpointing's forward again, within the backward)
+            return
+        self._running.append(name)
+
+        def ended(*_: Any) -> None:
+            handle.remove()
+            if name in self._running:
+                del self._running[len(self._running) - 1 - self._running[::-1].index(name)]
+
+        handle = module.register_forward_hook(ended, always_call=True)
+        for pname, param in module.named_parameters(recurse=False):
+            self._parameters.setdefault(name, {})[pname] = param
+            if isinstance(param, DTensor):
+                self._sharding[f"{name}.{pname}"] = param.placements
+
+    # ------------------------------------------------------------ reading it (torch's names)
+    def get_total_counts(self) -> int:
+        return sum(self.comm_counts.values())
+
+    def get_comm_counts(self) -> dict[Any, int]:
+        """Count per collective, keyed as torch's (`torch.ops.c10d_functional.all_reduce`, ...)."""
+        return self.comm_counts
+
+    def get_parameter_info(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per module that ran forward in the block, its own parameters."""
+        return self._parameters
+
+    def get_sharding_info(self) -> dict[str, Any]:
+        """`"Module.path.param"` -> the placements of each DTensor parameter of the modules that ran forward."""
+        return self._sharding
+
+    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+        """The counts per module and phase; from noise level 1 the modules' parameters' placements, from 2 the
+        source lines that asked for each collective."""
+        lines = []
+        for name in sorted(self.comm_module_counts, key=lambda n: (n != "Global", n)):
+            lines.append(f"{'  ' * name.count('.')}{name}")
+            indent = "  " * (name.count(".") + 1)
+            if noise_level >= 1:
+                lines += [f"{indent}*{pname}: {placements}" for key, placements in self._sharding.items()
+                          if key.rpartition(".")[0] == name for pname in [key.rpartition(".")[2]]]
+            for phase, counts in self.comm_module_counts[name].items():
+                if counts:
+                    lines.append(f"{indent}{phase.upper()} PASS")
+                    lines += [f"{indent}  *{_name(key)}: {n}" for key, n in counts.items()]
+        if noise_level >= 2 and self.comm_line_counts:
+            lines.append("by source line")
+            lines += [f"  {line or '?'}: {_name(key)} x{n}" for (line, key), n in self.comm_line_counts.items()]
+        return "\n".join(lines)
+
+    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3) -> None:
+        Path(file_name).write_text(self.generate_comm_debug_tracing_table(noise_level) + "\n")
+
+    def __repr__(self) -> str:
+        return f"CommDebugMode(get_total_counts()={self.get_total_counts()})"
