@@ -38,7 +38,7 @@ from pathlib import Path
 
 from dtorch_sim import metrics
 from dtorch_sim.harness import Simulation
-from dtorch_sim.scenario import parse
+from dtorch_sim.scenario import ScenarioError, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "scenarios" / "traces" / "msft-itp-cluster04.csv"
@@ -106,13 +106,47 @@ def outcome(summary: dict) -> str:
             f"preemptions {s['preemptions']:,}, relocations {s['relocations']:,}")
 
 
+def _jobs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of jobs >= 1, got {text!r}")
+    return int(text)
+
+
+def _devices(text: str) -> list[int]:
+    sizes = [d.strip() for d in text.split(",")]
+    if not all(d.isdigit() and int(d) >= 8 and int(d) % 8 == 0 for d in sizes):
+        raise argparse.ArgumentTypeError(f"expected comma-separated cluster sizes, multiples of 8 (nodes of 8), got "
+                                         f"{text!r}")
+    return [int(d) for d in sizes]
+
+
+def _policies(text: str) -> list[str]:
+    from dtorch_sim.policies import is_known, known
+
+    names = text.split(",")
+    if unknown := [p for p in names if not is_known(p)]:
+        raise argparse.ArgumentTypeError(f"unknown policy {unknown[0]!r}: known policies are {known()}")
+    return names
+
+
+def _params(text: str) -> dict:
+    try:
+        params = json.loads(text)
+    except ValueError:
+        params = None
+    if not isinstance(params, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of policy parameters, got {text!r}")
+    return params
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=100_000)
-    parser.add_argument("--devices", default="512,10000", help="comma-separated cluster sizes (multiples of 8)")
-    parser.add_argument("--policies", default="fifo,las,dtorch")
+    parser.add_argument("--jobs", type=_jobs, default=100_000)
+    parser.add_argument("--devices", type=_devices, default="512,10000",
+                        help="comma-separated cluster sizes (multiples of 8)")
+    parser.add_argument("--policies", type=_policies, default="fifo,las,dtorch")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N most expensive functions")
-    parser.add_argument("--params", type=json.loads, default=None, metavar="JSON",
+    parser.add_argument("--params", type=_params, default=None, metavar="JSON",
                         help='policy parameters for every policy run, e.g. \'{"lend": false}\'')
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,9 +154,12 @@ def main() -> None:
         tiled_trace(trace, args.jobs)
         print(f"{'devices':>8} {'policy':>8} {'wall s':>8} {'CPU s':>8} {'sim time':>10} {'core events':>12} "
               f"{'events/CPU s':>13} {'jobs/CPU s':>11} {'CPU min/100k jobs':>18} {'finished':>16}", flush=True)
-        for devices in (int(d) for d in args.devices.split(",")):
-            for policy in args.policies.split(","):
-                r = run(scenario(trace, devices, policy, args.params), args.profile)
+        for devices in args.devices:
+            for policy in args.policies:
+                try:
+                    r = run(scenario(trace, devices, policy, args.params), args.profile)
+                except ScenarioError as e:  # --params the policy does not take
+                    parser.exit(2, "".join(f"bench_sim_trace.py: {line}\n" for line in e.lines))
                 print(f"{devices:>8,} {policy:>8} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['sim_s'] / 3600:>8.1f} h "
                       f"{r['events']:>12,} {r['events'] / r['cpu']:>13,.0f} {r['jobs'] / r['cpu']:>11,.0f} "
                       f"{r['cpu'] / r['jobs'] * 100_000 / 60:>18.1f} {r['finished']:>7,}/{r['jobs']:<8,}", flush=True)
