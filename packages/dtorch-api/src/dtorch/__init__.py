@@ -42,7 +42,8 @@ _LAZY = {
     "profile": "dtorch.profiling",
 }
 
-_SUBMODULES = ("nn", "optim", "debug")  # `dtorch.optim.AdamW` after a plain `import dtorch`, as with torch
+# `dtorch.optim.AdamW` after a plain `import dtorch`, as with torch
+_SUBMODULES = ("nn", "optim", "debug", "experimental")
 
 __all__ = ["__version__", "Placement", "Shard", "Replicate", "Partial", *_LAZY, *_SUBMODULES]
 

@@ -13,8 +13,8 @@ Rules DTorch writes itself are registered in `_registry` and read here before to
 One more private door, to torch.compile's tracer: DTorch's own packages are on its skip list (`trace_rules.add`, as
 numpy is), so a compiled function that runs ops on DTensors calls DTorch as it is, never tracing or compiling
 DTorch's dispatch (it did, frame by frame, with a warning about `_thread.get_ident` and a recompile per frame).
-And one to torch's module tracker (`module_tracker`), which tells `dtorch.debug.CommDebugMode` the modules running
-forward or backward, as it tells torch's own CommDebugMode.
+And one to the autograd engine's state (`in_backward`), which tells `dtorch.debug.CommDebugMode` a backward's
+collectives from a forward's.
 """
 
 from __future__ import annotations
@@ -465,9 +465,8 @@ def _global_meta_fails(func: Any, args: tuple, kwargs: dict) -> bool:
         return True
 
 
-def module_tracker() -> Any:
-    """A new `torch.distributed._tools.mod_tracker.ModTracker` (a context manager: `parents`, the names of the
-    modules running forward or backward, "Global" always among them; `is_bw`)."""
-    from torch.distributed._tools.mod_tracker import ModTracker
 
-    return ModTracker()
+def in_backward() -> int | None:
+    """The id of the backward pass (autograd graph task) this thread runs now, None outside one."""
+    task = torch._C._current_graph_task_id()
+    return None if task == -1 else task

@@ -21,20 +21,26 @@ Rules:
   3. The block runs every operation eagerly (`_capture.Eager`): a replayed step sends one instruction for the
      whole step, and would be counted as nothing. A replay runs the same instructions, so the counts are those
      of the captured program.
-  4. Modules: each count also goes to every module whose forward or backward is running, under "forward" or
-     "backward" (the autograd engine is running), and to "Global"; the root module is named by its class, the
-     others by their path under it (torch's module tracker, as torch's CommDebugMode). A module's forward lasts
-     until its own forward hooks have run, so a parallel style's output redistribution (RowwiseParallel's
-     reduction) is the module's, as torch counts it.
+  4. Modules: each count also goes to every module whose forward or backward is running (the autograd engine
+     runs in this thread: "backward"), and to "Global"; the root module is named by its class, the others by their
+     path under it (torch's CommDebugMode's names). A module's forward lasts until its own forward hooks have run,
+     so a parallel style's output redistribution (RowwiseParallel's reduction) is the module's, as torch counts
+     it; its backward from the first gradient of one of its outputs to the gradients of all its inputs that need
+     one (or the end of the backward pass). A forward run again inside a backward (activation checkpointing) is
+     the backward's.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import weakref
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from dtorch import _capture, _sharding, runtime
 from dtorch.device_mesh import shape_of
@@ -70,6 +76,77 @@ def _name(key: Any) -> str:
     return key if isinstance(key, str) else str(key)
 
 
+
+def _needing_grad(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class _Modules:
+    """Which modules run forward and backward now, by name (rule 4); `on_forward(module)` is told each forward."""
+
+    def __init__(self, on_forward: Any) -> None:
+        self.on_forward = on_forward
+        self.names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self.forward: Counter[str] = Counter()
+        self.backward: Counter[str] = Counter()
+        self.task: int | None = None  # the backward pass `backward` belongs to
+        self.calls: defaultdict[str, list[object]] = defaultdict(list)  # a module's running forwards, innermost last
+
+    def __enter__(self) -> _Modules:
+        self.handle = register_module_forward_pre_hook(self._pre)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
+
+    def running(self) -> list[str]:
+        counter = self.backward if _sharding.in_backward() is not None else self.forward
+        return ["Global", *(name for name, n in counter.items() if n > 0)]
+
+    def name(self, module: torch.nn.Module) -> str:
+        if module not in self.names:  # a root: its class; every module under it, its path (as torch names them)
+            root = self.names[module] = type(module).__name__
+            for path, sub in module.named_modules():
+                if path:
+                    self.names[sub] = f"{root}.{path}"
+        return self.names[module]
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if _sharding.in_backward() is not None:
+            return
+        name = self.name(module)
+        self.on_forward(module, name)
+        self.forward[name] += 1
+        calls, call = self.calls[name], object()
+        calls.append(call)
+
+        def ended(_module: Any, _args: Any, out: Any) -> None:  # after the module's own forward hooks
+            if not calls or calls[-1] is not call:  # (an inner call of the same module ended)
+                return
+            calls.pop()
+            handle.remove()
+            self.forward[name] -= 1
+            outputs = _needing_grad(out)
+            if outputs:
+                register_multi_grad_hook(outputs, lambda *_: self._backward_starts(name), mode="any")
+
+        handle = module.register_forward_hook(ended, always_call=True)
+        inputs = _needing_grad(args)
+        if inputs:
+            register_multi_grad_hook(inputs, lambda *_: self._backward_ends(name))
+
+    def _backward_starts(self, name: str) -> None:
+        task = _sharding.in_backward()
+        if task != self.task:  # a new backward pass: modules whose inputs needed no gradient ended with the last
+            self.task = task
+            self.backward.clear()
+        self.backward[name] += 1
+
+    def _backward_ends(self, name: str) -> None:
+        if self.backward[name] > 0:
+            self.backward[name] -= 1
+
+
 class CommDebugMode:
     """Counts the collectives of the block's redistributions (see the module docstring); read after the block."""
 
@@ -90,16 +167,13 @@ class CommDebugMode:
         self._sharding.clear()
         self._session = s = runtime.get_session()
         self._eager = _capture.Eager(s).__enter__()
-        self._tracker = _sharding.module_tracker()
-        self._tracker.register_user_hooks(pre_fw_hook=self._forward)
-        self._running: list[str] = ["Global"]  # the modules whose forward runs, outermost first (rule 4)
-        self._tracker.__enter__()
+        self._modules = _Modules(self._note_parameters).__enter__()
         self._emit, s.emit = s.emit, self._tap
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._session.emit = self._emit
-        self._tracker.__exit__(*exc)
+        self._modules.__exit__(*exc)
         self._eager.__exit__(*exc)
 
     def _tap(self, instr: Any) -> None:
@@ -111,26 +185,13 @@ class CommDebugMode:
     def _count(self, key: Any, line: str) -> None:
         self.comm_counts[key] += 1
         self.comm_line_counts[(line, key)] += 1
-        backward = self._tracker.is_bw
-        phase = "backward" if backward else "forward"
-        for name in self._tracker.parents if backward else set(self._running):
+        phase = "backward" if _sharding.in_backward() is not None else "forward"
+        for name in self._modules.running():
             counts = self.comm_module_counts.setdefault(name, {"forward": defaultdict(int),
                                                                "backward": defaultdict(int)})
             counts[phase][key] += 1
 
-    def _forward(self, module: torch.nn.Module, _args: Any) -> None:
-        """A module's forward starts: it runs until its own forward hooks have run (one more, added now, last)."""
-        name = self._tracker.get_known_fqn(module)
-        if self._tracker.is_bw:  # (activation checkpointing's forward again, within the backward)
-            return
-        self._running.append(name)
-
-        def ended(*_: Any) -> None:
-            handle.remove()
-            if name in self._running:
-                del self._running[len(self._running) - 1 - self._running[::-1].index(name)]
-
-        handle = module.register_forward_hook(ended, always_call=True)
+    def _note_parameters(self, module: torch.nn.Module, name: str) -> None:
         for pname, param in module.named_parameters(recurse=False):
             self._parameters.setdefault(name, {})[pname] = param
             if isinstance(param, DTensor):
