@@ -252,6 +252,18 @@ def test_ports_and_times_out_of_range_are_refused_naming_the_option(tmp_path):
     assert out.stderr == "dtorch-controller: $DTORCH_SESSION_TIMEOUT must be a finite number, not 'inf'\n"
 
 
+@pytest.mark.parametrize("command", [["drain", "w1"], ["migrate", "abcd", "--device", "0", "--to", "w1"]])
+@pytest.mark.parametrize("timeout", ["-1", "3601", "1e10"])
+def test_an_admin_timeout_the_protocol_refuses_is_one_line_before_asking(capsys, monkeypatch, command, timeout):
+    """-1 came back as the controller's 'bad DrainRequest message: Expected `float` >= 0.0 - at `$.timeout_s`', 1e10
+    as 'timed out' at once (gRPC's deadline overflowed), neither naming the option."""
+    monkeypatch.setenv("DTORCH_API_KEY", "dtorch_x_y")
+    with pytest.raises(SystemExit):
+        cli.main([*command, "--timeout", timeout, "--controller", "127.0.0.1:1"])
+    assert capsys.readouterr().err.splitlines()[-1] == (f"dtorch-controller {command[0]}: error: argument --timeout: "
+                                                        f"expected seconds from 0 to 3600 (an hour), got '{timeout}'")
+
+
 def test_top_refuses_an_interval_that_is_no_pause(capsys):
     """--interval 0 (or -1) asked the controller for its Status as fast as it answered, without end."""
     for interval in ("0", "-1"):

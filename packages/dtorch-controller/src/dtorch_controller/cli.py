@@ -79,6 +79,17 @@ def _interval(text: str) -> float:
     return value
 
 
+def _admin_timeout(text: str) -> float:
+    """`drain/migrate --timeout`: seconds the request may take, 0 to the protocol's bound (an hour). -1 came back as
+    the controller's 'bad DrainRequest message: Expected `float` >= 0.0', and 1e10 as 'timed out' at once."""
+    from dtorch_protocol.messages import MAX_TIMEOUT_S
+
+    value = _seconds(text)
+    if not 0 <= value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to {MAX_TIMEOUT_S:g} (an hour), got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     """A TCP port to serve on, 0-65535 (0: none)."""
     if not text.isdigit() or int(text) > MAX_PORT:
@@ -318,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (dr, mg):
         sub.add_argument("--controller", help="HOST:PORT (default $DTORCH_CONTROLLER, else 127.0.0.1:50051)")
         sub.add_argument("--json", action="store_true", help="print the raw AdminReply as JSON")
-        sub.add_argument("--timeout", type=_seconds, default=300.0, metavar="S",
+        sub.add_argument("--timeout", type=_admin_timeout, default=300.0, metavar="S",
                          help="answer after this long even if still in progress (default 300)")
     for sub in (st, tp, dr, mg):
         sub.add_argument("--tls-ca", metavar="PEM", help="the CA of a TLS controller (default $DTORCH_TLS_CA)")
