@@ -242,6 +242,9 @@ def test_ports_and_times_out_of_range_are_refused_naming_the_option(tmp_path):
                                    "0-65535 (0: none), got '-1'"),
         (["--usage-interval", "inf"], "dtorch-controller: error: argument --usage-interval: expected a finite "
                                       "number of seconds, got 'inf'"),
+        # 1e-9 settled every session's usage (a Status of the core, a record and an fsync each) in a busy loop
+        (["--usage-interval", "1e-9"], "dtorch-controller: --usage-interval must be at least 0.1 seconds, got 1e-09"),
+        (["--usage-interval", "0"], "dtorch-controller: --usage-interval must be at least 0.1 seconds, got 0"),
     ]:
         out = _run("--keys", keys, "--listen", "127.0.0.1:0", *argv)
         assert out.returncode in (1, 2) and out.stderr.splitlines()[-1] == line, (argv, out.stderr)

@@ -47,6 +47,7 @@ CONFIG_OPTIONS = {
     "snapshot_every_s": "--snapshot-interval",
 }
 WATCHDOG_INTERVAL_S = 0.5
+MIN_USAGE_INTERVAL_S = 0.1
 
 
 MAX_PORT = 65535
@@ -142,8 +143,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         policy = make_policy(args.policy, _policy_params(args.policy_param))
-        if args.usage_interval <= 0:
-            raise ValueError(f"--usage-interval must be > 0 seconds, got {args.usage_interval:g}")
+        if args.usage_interval < MIN_USAGE_INTERVAL_S:  # 1e-9 settled every session's usage in a busy loop
+            raise ValueError(f"--usage-interval must be at least {MIN_USAGE_INTERVAL_S:g} seconds, got "
+                             f"{args.usage_interval:g}")
         tls = _tls(args)
         if tls is not None and not args.worker_listen:
             raise ValueError("with TLS, workers need a port of their own (mutual TLS): add --worker-listen HOST:PORT")
@@ -299,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="append usage records (JSON lines, one per session and interval) to this file "
                              "(default $DTORCH_USAGE_FILE; none when unset)")
     parser.add_argument("--usage-interval", type=_seconds, default=60.0, metavar="S",
-                        help="one usage record per session every S seconds, and one when it closes (default 60)")
+                        help="one usage record per session every S seconds, and one when it closes (default 60, at "
+                             "least 0.1)")
     parser.add_argument("--parent-pid", type=_pid, metavar="PID", help="exit when this process exits")
     commands = parser.add_subparsers(dest="command", metavar="{keys,status,top,usage,drain,migrate}")
     _keys_parser(commands)
