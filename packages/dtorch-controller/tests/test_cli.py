@@ -177,7 +177,13 @@ def test_a_key_file_of_the_wrong_shape_names_where_and_stops_the_start(tmp_path)
               "Object missing required field `sha256` - at `$.keys[0]`"),
              ({"version": 1, "quotas": {"alice": {"devices": "x"}}},
               "Expected `int`, got `str` - at `$.quotas[...].devices`"),
-             ([], "version None, expected 1")]
+             ([], "version None, expected 1"),
+             # names `keys create` refuses, hand-edited in: escape codes reached the terminal of `keys list`
+             ({"version": 1, "keys": [{"id": "k1", "role": "tenant", "sha256": "0" * 64, "tenant": "a\x1b[2J"}]},
+              "tenant name 'a\\x1b[2J' must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or "
+              "digit"),
+             ({"version": 1, "quotas": {"[/]": {"devices": 1}}},
+              "tenant name '[/]' must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")]
     for content, what in cases:
         (tmp_path / "keys.json").write_text(json.dumps(content))
         out = _run("--keys", str(tmp_path / "keys.json"), "--listen", "127.0.0.1:0")

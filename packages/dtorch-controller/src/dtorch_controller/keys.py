@@ -106,6 +106,12 @@ class KeyFile:
             for k in content.keys:
                 if k.role not in auth.KEY_ROLES:
                     raise ValueError(f"key {k.id} has role {k.role!r}, expected one of {auth.KEY_ROLES}")
+                # names as `keys create` makes them: a hand-edited escape code reached the terminal of `keys list`
+                for what, name in (("tenant", k.tenant), ("node", k.node)):
+                    if name:
+                        check_name(what, name)
+            for tenant in content.quotas:
+                check_name("tenant", tenant)
         except (ValueError, msgspec.ValidationError) as e:
             raise KeyFileError(f"the key file {path} is malformed: {e}") from None
         return cls(content.keys, content.quotas)
