@@ -11,6 +11,9 @@ from collections.abc import Callable, Hashable
 
 log = logging.getLogger("dtorch_controller.timers")
 
+# The longest single wait: a deadline further off (a policy's backfill_after=1e308) is waited for in such steps
+MAX_WAIT_S = 3600.0
+
 
 class TimerThread:
     """Calls `fire(key)` once `clock()` reaches each timer's deadline; a new timer replaces one with the same key."""
@@ -52,8 +55,8 @@ class TimerThread:
                     heapq.heappop(self._heap)
                     continue
                 delay = at - self._clock()
-                if delay > 0:
-                    self._cond.wait(delay)
+                if delay > 0:  # at most MAX_WAIT_S at a time: a wait of 1e308 s raised OverflowError, ending the thread
+                    self._cond.wait(min(delay, MAX_WAIT_S))
                     continue
                 heapq.heappop(self._heap)
                 del self._current[key]
