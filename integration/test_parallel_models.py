@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import dtorch
 from _helpers import worker_bytes
 from dtorch import Partial, Replicate, Shard
+from dtorch.debug import CommDebugMode
 from dtorch.nn import (
     ColwiseParallel,
     RowwiseParallel,
@@ -289,14 +291,32 @@ def _train(model, opt, batches, step_input):
     return losses
 
 
-@pytest.mark.parametrize("layout", ["dp_x_tp", "fsdp"])
+@pytest.mark.parametrize("layout", ["dp_x_tp", "fsdp", "torchtitan_tp_then_fsdp_on_slices",
+                                    "torchtitan_fsdp_on_a_flattened_slice"])
 def test_training_matches_single_process(mesh2d, layout):
+    mesh = mesh2d
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     model.load_state_dict(ref.state_dict())
+    comm = contextlib.nullcontext()
     if layout == "dp_x_tp":
         parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
+    elif layout == "torchtitan_tp_then_fsdp_on_slices":
+        # torch's FSDP2 + TP recipe, where each rank passes its own slices: the whole mesh's dims here (they were
+        # the slices through coordinate 0: devices 0-1 for TP, 0 and 2 for FSDP, and activations moved between)
+        parallelize_module(model, mesh2d["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh2d["dp"])
+        assert model[0].weight.device_mesh == mesh2d and model[0].weight.placements == (Shard(0), Shard(0))
+        assert model[2].weight.placements == (Shard(0), Shard(1))
+        comm = CommDebugMode()
+    elif layout == "torchtitan_fsdp_on_a_flattened_slice":  # FSDP over dp x cp, as torchtitan's "dp_shard_cp"
+        mesh = dtorch.DeviceMesh("cpu", torch.arange(8).reshape(2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp", "cp"]._flatten("dp_cp"))
+        assert model[0].weight.device_mesh == mesh and model[0].weight.placements == (Shard(0), Shard(0), Shard(0))
+        assert model[2].weight.placements == (Shard(0), Shard(0), Shard(1))
+        comm = CommDebugMode()
     else:
         fully_shard(model, mesh2d, mesh_dim="dp")
         # as with torch's FSDP2: the model's parameters under the model's names, sharded outside the forward
@@ -305,9 +325,13 @@ def test_training_matches_single_process(mesh2d, layout):
     gen = torch.Generator().manual_seed(5)
     batches = [(torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(5)]
     expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches, lambda t: t)
-    got = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
-                 lambda t: dtorch.distribute_tensor(t, mesh2d, [Shard(0), Replicate()]))
+    with comm:
+        got = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                     lambda t: dtorch.distribute_tensor(t, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    if isinstance(comm, CommDebugMode):  # gradients reduce-scattered over dp, nothing moved between meshes
+        counts = comm.get_comm_counts()
+        assert "point_to_point" not in counts and counts[torch.ops.c10d_functional.reduce_scatter_tensor] > 0
     for p, r in zip(model.parameters(), ref.parameters()):  # the last step's gradients, laid out as the parameters
         assert p.grad.placements == p.placements
         torch.testing.assert_close(p.grad.to_torch(), r.grad, rtol=1e-4, atol=1e-5)
@@ -408,6 +432,10 @@ def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as
         fully_shard(nn.Linear(4, 4), mesh1, mesh=mesh1)
     with pytest.raises(TypeError, match="fully_shard's mesh must be a dtorch.DeviceMesh, got str"):
         fully_shard(nn.Linear(4, 4), mesh="dp")
+    tp = parallelize_module(nn.Linear(4, 4), mesh1, ColwiseParallel())  # (before: sharded on mesh1's dim 0 again)
+    with pytest.raises(ValueError, match=r"fully_shard: parameter 'weight' of Linear lives on DeviceMesh\('cpu', "
+                                         r"\[0, 1\]\), not on DeviceMesh\('cpu', \[0, 1, 2, 3\]\)"):
+        fully_shard(tp, mesh=dtorch.DeviceMesh("cpu", [0, 1, 2, 3]))
 
 
 @pytest.mark.parametrize("reshard,how", [(True, "default"), (False, "argument"), (False, "method")])

@@ -115,7 +115,7 @@ class DeviceMesh:
         if name in (root.mesh_dim_names or ()) or root._flattened.get(name, flat) != flat:
             raise ValueError(f"DeviceMesh._flatten: {name!r} already names another dim of {root!r}")
         root._flattened[name] = flat
-        flat._root = root
+        flat._root, flat._flattened_from = root, self.mesh_dim_names or ()  # (the root's dims it flattens)
         return flat
 
     # torch's per-rank surface: an SPMD program asks which rank it is; a DTorch program runs once, on no rank.

@@ -51,6 +51,24 @@ def _mesh_dim(mesh: DeviceMesh, dim: int | str) -> int:
     return dim % mesh.ndim
 
 
+def _on_root(mesh: DeviceMesh, dim: int, flattened: bool = False) -> tuple[DeviceMesh, tuple[int, ...]]:
+    """Mesh dim `dim` of a named slice of a larger mesh (`mesh["tp"]`, `mesh["dp"]`) as an SPMD program means it:
+    that dim of the whole mesh. torch's ranks each pass their own slice; this program runs once, for all of them, so
+    torchtitan's `parallelize_module(model, mesh["tp"], plan)` then `fully_shard(model, mesh=mesh["dp"])` lays the
+    parameters out over the whole mesh, as `tp_mesh_dim="tp"` and `mesh_dim="dp"` on it do. With `flattened`, a
+    flattened dim (`mesh["dp", "cp"]._flatten("dp_cp")`) is the whole mesh's dims it flattens, each sharding in turn
+    (nested: the flattened order). Any other mesh is its own."""
+    root, names = mesh._root, mesh.mesh_dim_names or ()
+    if root is mesh or not names:
+        return mesh, (dim,)
+    if names[dim] in (root.mesh_dim_names or ()):
+        return root, (root.mesh_dim_names.index(names[dim]),)
+    of = getattr(mesh, "_flattened_from", ())
+    if flattened and of and set(of) <= set(root.mesh_dim_names or ()):
+        return root, tuple(root.mesh_dim_names.index(n) for n in of)
+    return mesh, (dim,)
+
+
 def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """What every entry point keeps of the model it lays out:
 
@@ -89,11 +107,14 @@ def save_pretrained(self: nn.Module, *args: Any, state_dict: dict | None = None,
     return type(self).save_pretrained(self, *args, state_dict=state_dict, **kwargs)
 
 
-def _with(placements: tuple[Placement, ...], dim: int, p: Placement, ndim: int) -> tuple[Placement, ...]:
+def _with(placements: tuple[Placement, ...], dim: int | tuple[int, ...], p: Placement,
+          ndim: int) -> tuple[Placement, ...]:
+    """`placements` with `p` on mesh dim `dim` (or on each of several)."""
     if isinstance(p, Shard) and p.dim < 0:
         p = Shard(p.dim % max(ndim, 1))
     out = list(placements)
-    out[dim] = p
+    for d in (dim,) if isinstance(dim, int) else dim:
+        out[d] = p
     return tuple(out)
 
 
@@ -271,7 +292,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
     """
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
-    dim = _mesh_dim(device_mesh, tp_mesh_dim)
+    device_mesh, (dim,) = _on_root(device_mesh, _mesh_dim(device_mesh, tp_mesh_dim))
     parallelize_plan = as_style(parallelize_plan)
     if isinstance(parallelize_plan, ParallelStyle):
         _apply_style(module, parallelize_plan, device_mesh, dim)
@@ -349,7 +370,7 @@ class _Unreduced(torch.autograd.Function):
 
 
 class _Gathered:
-    """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dim `dim`
+    """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dims `dims`
     (a forward pre-hook puts the gathered tensors in their places, a forward hook puts the sharded parameters back);
     the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered (in the dtypes of
     `precision`, a mixed-precision policy). With `reshard`, autograd saves no gathered tensor for backward, which
@@ -357,8 +378,8 @@ class _Gathered:
     renormalizes the rows it looks up) has the write copied into the sharded parameter, as the module's own
     parameter would keep it."""
 
-    def __init__(self, names: list[str], dim: int, reshard: bool, precision: _Precision) -> None:
-        self.names, self.dim, self.reshard, self.precision = names, dim, reshard, precision
+    def __init__(self, names: list[str], dims: tuple[int, ...], reshard: bool, precision: _Precision) -> None:
+        self.names, self.dims, self.reshard, self.precision = names, dims, reshard, precision
         self.sync = True  # gradients reduced in each backward (`set_requires_gradient_sync`)
         self.held = False  # gathered and kept until `reshard()` (`unshard()`)
         self.stored: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
@@ -395,7 +416,7 @@ class _Gathered:
             p = mod._parameters.get(name)
             if isinstance(p, DTensor) and name not in self.stored:  # (not again in a nested call of the module)
                 unreduced = p.grad is not None and p.grad.placements != p.placements  # (from unsynced backwards)
-                whole = self.precision.gather(p, _with(p.placements, self.dim, Replicate(), p.ndim),
+                whole = self.precision.gather(p, _with(p.placements, self.dims, Replicate(), p.ndim),
                                               reduce=self.sync and not unreduced)
                 self.stored[name] = (p, whole, whole._version)
                 mod._parameters[name] = whole
@@ -449,7 +470,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     device_mesh = device_mesh or mesh
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"fully_shard's mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
-    dim = _mesh_dim(device_mesh, mesh_dim)
+    device_mesh, dims = _on_root(device_mesh, _mesh_dim(device_mesh, mesh_dim), flattened=True)
     precision = _Precision.of(mp_policy)
     replicate = (Replicate(),) * device_mesh.ndim
     module._dtorch_groups = groups = []  # (submodule, its hooks) of this call: FSDP2's parameter group of `module`
@@ -458,12 +479,17 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             continue
         names = []
         for name, p in list(mod.named_parameters(recurse=False)):
-            on, base = (p.device_mesh, p.placements) if isinstance(p, DTensor) else (device_mesh, replicate)
+            base = p.placements if isinstance(p, DTensor) else replicate
+            if isinstance(p, DTensor) and p.device_mesh != device_mesh:
+                raise ValueError(f"fully_shard: parameter {name!r} of {type(mod).__name__} lives on {p.device_mesh!r}, "
+                                 f"not on {device_mesh!r}: lay tensor parallelism and FSDP out on one mesh (or on "
+                                 "named slices of one: mesh[\"tp\"], mesh[\"dp\"])")
             if p.ndim:  # laid out once, where it is stored (a meta parameter is allocated there, sharded)
-                _set_param(mod, name, _distribute(p, on, _with(base, dim, Shard(0), p.ndim)), p.requires_grad)
+                _set_param(mod, name, _distribute(p, device_mesh, _with(base, dims, Shard(0), p.ndim)),
+                           p.requires_grad)
                 names.append(name)
         if names:
-            mod._dtorch_gathered = hooks = _Gathered(names, dim, reshard_after_forward, precision)
+            mod._dtorch_gathered = hooks = _Gathered(names, dims, reshard_after_forward, precision)
             mod.register_forward_pre_hook(hooks.gather)
             mod.register_forward_hook(hooks.restore, always_call=True)
             for name in names:
