@@ -11,6 +11,7 @@ import torch
 import dtorch
 from dtorch import Partial, Replicate, Shard
 from dtorch import _profile_report as report
+from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from dtorch.profiling import Profile
 from dtorch_protocol import auth, wire
 
@@ -61,6 +62,40 @@ def test_a_collective_record_says_when_it_landed_after_its_issue_and_before_its_
         assert issued.start < issued.landed <= use.start + use.seconds + 1e-3, (issued, use)
         assert all(r.landed == 0.0 for r in records if r.op != "collective")
     torch.testing.assert_close(y.to_torch(), x.to_torch())
+
+
+def test_a_replayed_steps_redistributions_are_those_of_its_program(mesh1):
+    """A steady training loop replays its captured step (one instruction per step): the profile names each of
+    its redistributions per step, with its op and its bytes, as for the eager steps (it named none)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    parallelize_module(model, mesh1, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = dtorch.distribute_tensor(torch.randn(8, 64), mesh1, [Replicate()])
+
+    def step():
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def profiled(auto):
+        dtorch.auto_compile(False)
+        capture = dtorch.auto_compile(auto)
+        for _ in range(4):
+            step()
+        with dtorch.profile() as p:
+            for _ in range(3):
+                step()
+        replays = capture.replays if capture else 0
+        dtorch.auto_compile(True)
+        return {(r.src_placements, r.dst_placements, r.op): (r.calls, r.moved_bytes) for r in p.report.moves}, replays
+
+    replayed, replays = profiled(True)
+    eager, _ = profiled(False)
+    assert replays >= 4 and replayed == eager
+    assert eager[(("Psum",), ("R",), "aten.pow.Tensor_Scalar")][0] == 3  # the rowwise output's all_reduce, per step
 
 
 def test_the_same_redistribution_repeated_is_pointed_out(mesh1):

@@ -218,7 +218,7 @@ def test_a_definition_sent_is_not_changed_by_holes_a_later_replay_finds(mesh1, m
     from dtorch import _capture
 
     sent, define = [], _capture._definition
-    monkeypatch.setattr(_capture, "_definition", lambda p: sent.append(define(p)) or sent[-1])
+    monkeypatch.setattr(_capture, "_definition", lambda s, p: sent.append(define(s, p)) or sent[-1])
     w = dtorch.distribute_tensor(torch.ones(4), mesh1, [Shard(0)])
     scale = [1.0]
 

@@ -587,7 +587,7 @@ class _Replayer(_Mode):
         if self.pos < len(p.ops) or not set(p.user_deletes.values()) <= slots_dropped:
             return self.fall_back()
         if p.redefine:
-            self.emit(_definition(p))
+            self.emit(_definition(self.session, p))
             p.redefine = False
         self.emit(m.InstrReplay(program=p.id, tids=self.tids, seeds=self.seeds, scalars=self.scalars))
         deleted = {self.tids[s] for s in p.user_deletes.values()}
@@ -736,9 +736,11 @@ def _same_result(op: _Op, result: Any, leaves: list, tids: list[int]) -> bool:
     return True
 
 
-def _definition(p: Program) -> m.InstrDefine:
+def _definition(session: Session, p: Program) -> m.InstrDefine:
+    """Program `p`'s definition, kept as the session's (`Session.programs`: what a profile reads of a replay)."""
     # a copy: the sender thread encodes it later, and a replay may meanwhile put holes into p.instrs (rule 6)
-    return m.InstrDefine(program=p.id, instrs=list(p.instrs), ntids=p.ntids, nseeds=p.nseeds, nscalars=p.nscalars)
+    instrs = session.programs[p.id] = list(p.instrs)
+    return m.InstrDefine(program=p.id, instrs=instrs, ntids=p.ntids, nseeds=p.nseeds, nscalars=p.nscalars)
 
 
 
@@ -833,7 +835,7 @@ class AutoSteps:
             program = mode.finish()
             if program is not None and len(program.ops) >= MIN_OPS:
                 track.program = program
-                self.session.emit(_definition(program))
+                self.session.emit(_definition(self.session, program))
             else:
                 self._miss(track)
         elif isinstance(mode, _Replayer):

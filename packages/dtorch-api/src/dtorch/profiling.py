@@ -10,7 +10,8 @@ Entering syncs (nothing earlier is still running) and asks every worker holding 
 record its commands (`Worker.Profile`, with the session's client capability there: a worker records and
 returns only the commands of the session the capability names); leaving syncs again and collects the records.
 Meanwhile the client notes each redistribution it asks for (from which layout to which, for which op), which
-the workers' records do not know.
+the workers' records do not know; a replayed step's are its program's (`Session.programs`), with the replay's
+tensor ids in its slots.
 A worker too old to record (it has no `Profile` service) or unreachable is one line on stderr and one note in the
 table; the profile goes on without it.
 """
@@ -94,20 +95,34 @@ class Profile:
         return reply
 
     def _tap(self, instr: Any) -> None:
-        """The session's `emit` during the block: note redistributions and the op each one is for."""
-        if isinstance(instr, m.InstrRedistribute):
-            self._moves[instr.dst] = report.Move(instr.src, tuple(instr.src_spec.placements),
-                                                 tuple(instr.dst_spec.placements), instr.src_line)
-            self._pending.append(instr.dst)
-        elif isinstance(instr, m.InstrCall) and self._pending:
-            used = set(m.tensor_refs(instr.args)) | set(m.tensor_refs(instr.kwargs))
-            for tid in self._pending:
-                move = self._moves[tid]
-                if tid in used:
-                    self._moves[tid] = report.Move(move.src, move.src_placements, move.dst_placements, move.line,
-                                                   instr.op)
-            self._pending.clear()
+        """The session's `emit` during the block: note redistributions and the op each one is for; a replayed
+        step's from its program (its slots are the replay's tensor ids)."""
+        if isinstance(instr, m.InstrReplay):
+            for step_instr in self._session.programs.get(instr.program, ()):
+                self._note(step_instr, instr.tids)
+        else:
+            self._note(instr, None)
         self._emit(instr)
+
+    def _note(self, instr: Any, slots: list[int] | None) -> None:
+        tid = (lambda t: t) if slots is None else slots.__getitem__  # noqa: E731
+        if isinstance(instr, m.InstrRedistribute):
+            dst = tid(instr.dst)
+            self._moves[dst] = report.Move(tid(instr.src), tuple(instr.src_spec.placements),
+                                           tuple(instr.dst_spec.placements), instr.src_line)
+            self._pending.append(dst)
+        elif self._pending and isinstance(instr, m.InstrCall):
+            self._used({tid(t) for t in (*m.tensor_refs(instr.args), *m.tensor_refs(instr.kwargs))}, instr.op)
+        elif self._pending and type(instr) is tuple:  # an op's record (the fast path: `_planner._fast_encoder`)
+            self._used(set(instr[1:-3]), instr[0].op_name)
+
+    def _used(self, used: set[int], op: str) -> None:
+        """The op after a redistribution: it is the redistribution's op where it reads its result."""
+        for dst in self._pending:
+            move = self._moves[dst]
+            if dst in used:
+                self._moves[dst] = report.Move(move.src, move.src_placements, move.dst_placements, move.line, op)
+        self._pending.clear()
 
     # ------------------------------------------------------------ reading it
     def _report(self) -> report.Report:

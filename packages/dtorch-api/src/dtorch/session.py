@@ -96,6 +96,7 @@ class Session:
         self.step: Any = None  # automatic capture or the compiled step running now (dtorch._capture): told of sync
         # points, uploads and flushes
         self._programs = itertools.count(1)
+        self.programs: dict[int, list] = {}  # program id -> its instructions, slot form, as last defined (_capture)
 
     def _call(self, method: str, request: Any, timeout: float) -> Any:
         return self.stub.call(method, request, timeout=timeout)

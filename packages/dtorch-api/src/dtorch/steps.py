@@ -143,7 +143,7 @@ class Compiled:
                           f"{mode.broken}", stacklevel=3)
         else:
             self.program = program
-            session.emit(_capture._definition(program))
+            session.emit(_capture._definition(session, program))
         return result
 
 
