@@ -164,6 +164,12 @@ def test_a_compiled_step_runs_eagerly_in_the_block_and_the_block_refuses_to_star
 
     with pytest.raises(RuntimeError, match="cannot start inside a dtorch.compile step"):
         nested(x)
+    with CommDebugMode() as outer:  # blocks nest, as torch's modes do; each counts what ran inside it
+        with CommDebugMode() as inner:
+            x.redistribute(mesh1, [Replicate()])
+        x.redistribute(mesh1, [Shard(1)])
+    assert dict(inner.get_comm_counts()) == {c10d.all_gather_into_tensor: 1}
+    assert dict(outer.get_comm_counts()) == {c10d.all_gather_into_tensor: 1, c10d.all_to_all_single: 1}
 
 
 def test_visualize_sharding_prints_the_parts_and_their_devices(mesh1, mesh2d, capsys):

@@ -876,10 +876,13 @@ class Eager:
 
     def __init__(self, session: Session) -> None:
         self.session, self.owner = session, threading.get_ident()
-        self.outer: AutoSteps | None = None
+        self.outer: AutoSteps | Eager | None = None
 
     def __enter__(self) -> Eager:
         step = self.session.step
+        if type(step) is Eager:  # nested: the outer block stays the session's step
+            self.outer = step
+            return self
         if step is not None and type(step) is not AutoSteps:
             raise RuntimeError("dtorch: a block that runs every operation eagerly (CommDebugMode) cannot start inside "
                                "a dtorch.compile step: enter it around the step's call")
@@ -891,6 +894,8 @@ class Eager:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if type(self.outer) is Eager:
+            return
         self.session.step = None
         if self.outer is not None and not self.outer.stopped:
             self.outer.arm()
