@@ -42,7 +42,7 @@ WAITING = "waiting"  # the schedule of a session whose mesh request is queued (c
 LOST = "lost"  # the state of a worker the core declared lost (core.view.worker_state)
 FOREVER_S = 1e12
 DRAIN_RETRY_S = 30.0  # a refused drain (nowhere to move a session yet) is asked again this often
-STALL_CHECK = 0xFFFF  # the run's watchdog looks at the clock every 65,536 simulator events
+STALL_CHECK = 65_536  # the run's watchdog looks at the clock every 65,536 simulator events
 STALL_EVENTS = 1 << 22  # simulator events at one simulated time (plus 64 per job and worker) that mean a stall
 GC_THRESHOLD = (50_000, 20, 20)  # while the clock runs: Python's default is (700, 10, 10); see `_rare_collections`
 
@@ -812,14 +812,14 @@ class Simulation:
         frozen_at, since = env.now, self.events
         with contextlib.suppress(simpy.core.StopSimulation, simpy.core.EmptySchedule):
             while True:
-                step()
-                n += 1
-                if not n & STALL_CHECK:
-                    if env.now != frozen_at:
-                        frozen_at, since = env.now, self.events
-                        n = 0
-                    elif n >= self.stall_events:
-                        raise Stalled(env.now, n, self.events - since)
+                for _ in itertools.repeat(None, STALL_CHECK):  # the loop's only work per event: the step
+                    step()
+                n += STALL_CHECK
+                if env.now != frozen_at:
+                    frozen_at, since = env.now, self.events
+                    n = 0
+                elif n >= self.stall_events:
+                    raise Stalled(env.now, n, self.events - since)
 
     def run_all(self) -> None:
         for _ in self.run():

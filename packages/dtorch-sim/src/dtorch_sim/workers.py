@@ -30,7 +30,6 @@ import math
 
 from dtorch_controller.core import events as ev
 from dtorch_protocol import messages as m
-from dtorch_protocol import shared
 from dtorch_sim import __version__
 from dtorch_sim.jobs import STEP_OP
 
@@ -222,8 +221,12 @@ class Worker:
         totals, store = self.totals, self.store
         changed = {}
         for k in dirty:  # most often a step's new outputs replaced the old ones at the same sizes: no change
-            v = m.ShardStats(tensors=len(store[k]), bytes=b) if (b := totals.get(k, 0)) else None
-            if stats.get(k) != v:
+            b = totals.get(k, 0)
+            old = stats.get(k)
+            if b and old is not None and old.bytes == b and old.tensors == len(store[k]):
+                continue
+            v = m.ShardStats(tensors=len(store[k]), bytes=b) if b else None
+            if old != v:
                 changed[k] = v
         dirty.clear()
         if not changed:
@@ -251,7 +254,7 @@ class Worker:
         if batch.seq <= self.completed or batch.seq in self.pending:
             return
         self._leave_roster()
-        if any(type(c) is m.CmdAbandon for c in batch.cmds):
+        if m.CmdAbandon in map(type, batch.cmds):
             self.skip_below[batch.session] = max(self.skip_below.get(batch.session, 0), batch.seq)
             self.errors.pop(batch.session, None)  # reports of abandoned work: nobody wants them
         self.pending[batch.seq] = batch
@@ -328,30 +331,33 @@ class Worker:
         rate = ref_flops * self.speed * self.slow
         session = batch.session
         cmds = batch.cmds
-        seconds = self._swap(batch) if any(type(c) is m.CmdRun for c in cmds) else 0.0
+        seconds = self._swap(batch) if m.CmdRun in map(type, cmds) else 0.0
         work = 0.0
         steps: dict[int, int] = {}
         launch = cost.launch_s
-        meshes = shared.Meshes()  # commands shared by a mesh's workers: this worker's devices (protocol 1.7)
+        # Commands shared by a mesh's workers (protocol 1.7, dtorch_protocol/shared.py) name the mesh: this worker's
+        # devices of it are the batch's CmdMesh before them (read here, not copied into a command of its own each)
+        meshes: dict[int, list[int]] = {}
         for cmd in cmds:
-            cmd = meshes.local(cmd)
-            if cmd is None:  # a CmdMesh: bookkeeping
+            kind = type(cmd)
+            if kind is m.CmdMesh:
+                meshes[cmd.mesh] = cmd.devices
                 continue
             seconds += launch
-            kind = type(cmd)
             if kind is m.CmdRun:
+                devices = cmd.devices if cmd.mesh < 0 else meshes[cmd.mesh]
                 store = self.store.get(session, {})
                 first = _first_ref(cmd.args)  # the input whose size the outputs take
                 if cmd.op == STEP_OP:  # jobs.Steps: per logical device, plus the serial part once per worker
                     kw = cmd.kwargs
-                    flops = float(kw.get("flops", 0.0)) * len(cmd.devices) + float(kw.get("serial_flops", 0.0))
+                    flops = float(kw.get("flops", 0.0)) * len(devices) + float(kw.get("serial_flops", 0.0))
                     step = cmd.kwargs.get("step")
                     if step is not None:
-                        steps.update((d, step) for d in cmd.devices)
+                        steps.update((d, step) for d in devices)
                     work += flops / ref_flops
                 else:
                     flops = 0.0
-                for d in cmd.devices:
+                for d in devices:
                     nbytes = store.get((first, d), 0) if first is not None else 0
                     if cmd.op != STEP_OP:
                         flops += nbytes / 4
@@ -365,7 +371,7 @@ class Worker:
                     self._put(session, (cmd.tid, d), size * math.prod(length for _start, length in box))
             elif kind is m.CmdDelete:
                 for tid in cmd.tids:
-                    for d in cmd.devices:
+                    for d in (cmd.devices if cmd.mesh < 0 else meshes[cmd.mesh]):
                         self._drop(session, (tid, d))
             elif kind is m.CmdCloseSession:
                 self.store.pop(session, None)
