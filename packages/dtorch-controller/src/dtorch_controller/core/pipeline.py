@@ -150,16 +150,20 @@ class Pipeline:
         if not mine:
             return None
         workers = self.cluster.workers
-        for worker_id, seqs in list(mine.items()):
+        full, done = None, []
+        for worker_id, seqs in mine.items():  # not a copy: a wide session's completions each ask (n x n)
             w = workers.get(worker_id)
             if w is not None and w.state != st.LOST:
                 while seqs and seqs[0] <= w.completed:
                     seqs.popleft()
                 if len(seqs) >= self.ahead:
-                    return worker_id
+                    full = worker_id
+                    break
             if w is None or w.state == st.LOST or not seqs:
-                del mine[worker_id]
-        return None
+                done.append(worker_id)
+        for worker_id in done:
+            del mine[worker_id]
+        return full
 
     def unblock(self, step: Step, worker_id: str) -> None:
         """`worker_id` completed a batch or was lost: the sessions waiting for it send what now fits (rule 7)."""

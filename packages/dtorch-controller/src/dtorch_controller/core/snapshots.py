@@ -157,6 +157,8 @@ class Snapshots:
 
     def advance(self, step: Step, s: Session, rec: Lineage) -> None:
         """Count completed copying batches; commit a complete snapshot."""
+        if rec.taking is None and not rec.adopts:
+            return  # no copies in flight (most sessions, most of the time)
         for copies in [c for c in (rec.taking, *rec.adopts.values()) if c is not None]:
             for w, seq in list(copies.pending.items()):
                 if not self.cluster.alive(w):
