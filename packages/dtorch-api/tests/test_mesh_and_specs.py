@@ -60,6 +60,24 @@ def test_per_rank_questions_get_one_line_that_says_why(call):
         call(mesh)
 
 
+def test_torchs_own_entry_points_given_a_dtorch_mesh_name_dtorchs():
+    """A ported program that still imports torch's fully_shard or parallelize_module got only "the client has no
+    rank"; the line now names the DTorch function to call."""
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.tensor.parallel as tp
+
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    with pytest.raises(DTorchError, match="torch's fully_shard was given a dtorch.DeviceMesh: call "
+                                          "dtorch.nn.fully_shard"):
+        fsdp.fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+    with pytest.raises(DTorchError, match="torch's parallelize_module was given a dtorch.DeviceMesh: call "
+                                          "dtorch.nn.parallelize_module"):
+        tp.parallelize_module(torch.nn.Linear(4, 4), mesh, tp.ColwiseParallel())
+    with pytest.raises(DTorchError, match="no process group \\(the program runs once, and the workers form the groups "
+                                          "its moves need\\); placements say what each device holds$"):
+        mesh.get_rank()
+
+
 def test_placements_are_checked_and_normalized():
     mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]])
     assert normalize_placements([dtorch.Shard(-1), dtorch.Replicate()], mesh, 3)[0] == dtorch.Shard(2)

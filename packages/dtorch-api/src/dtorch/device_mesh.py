@@ -7,6 +7,7 @@ written for 8 devices runs on 2 with the same results.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -157,9 +158,28 @@ class DeviceMesh:
         return tm
 
 
+# torch's SPMD entry points that ask a mesh for its rank -> DTorch's own, which a ported program calls instead
+COUNTERPARTS = {
+    "fully_shard": "dtorch.nn.fully_shard",
+    "parallelize_module": "dtorch.nn.parallelize_module",
+    "distribute_module": "dtorch.distribute_module",
+    "distribute_tensor": "dtorch.distribute_tensor",
+    "from_local": "dtorch.DTensor.from_local",
+    "context_parallel": "dtorch.experimental.context_parallel",
+}
+
+
 def _no_rank(what: str) -> DTorchError:
-    return DTorchError(f"dtorch: DeviceMesh.{what}: the client has no rank and no process group (the program runs "
-                       "once, and the workers form the groups its moves need); placements say what each device holds")
+    line = (f"dtorch: DeviceMesh.{what}: the client has no rank and no process group (the program runs once, and the "
+            "workers form the groups its moves need); placements say what each device holds")
+    f, called = sys._getframe(2), None
+    while f is not None:  # torch's own entry point given a DTorch mesh (the outermost: the user's call)
+        if f.f_code.co_name in COUNTERPARTS and f.f_globals.get("__name__", "").startswith("torch.distributed"):
+            called = f.f_code.co_name
+        f = f.f_back
+    if called is None:
+        return DTorchError(line)
+    return DTorchError(f"{line}. torch's {called} was given a dtorch.DeviceMesh: call {COUNTERPARTS[called]}")
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
