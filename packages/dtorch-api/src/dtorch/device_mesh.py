@@ -158,6 +158,24 @@ class DeviceMesh:
         return tm
 
 
+def on_root(mesh: DeviceMesh, dim: int, flattened: bool = False) -> tuple[DeviceMesh, tuple[int, ...]]:
+    """Mesh dim `dim` of a named slice of a larger mesh (`mesh["tp"]`, `mesh["dp"]`) as an SPMD program means it when
+    it lays a model or buffers out: that dim of the whole mesh. torch's ranks each pass their own slice; this program
+    runs once, for all of them, so torchtitan's `parallelize_module(model, mesh["tp"], plan)` then
+    `fully_shard(model, mesh=mesh["dp"])` lay the parameters out over the whole mesh, as `tp_mesh_dim="tp"` and
+    `mesh_dim="dp"` on it do. With `flattened`, a
+    flattened dim (`mesh["dp", "cp"]._flatten("dp_cp")`) is the whole mesh's dims it flattens, each sharding in turn
+    (nested: the flattened order). Any other mesh is its own."""
+    root, names = mesh._root, mesh.mesh_dim_names or ()
+    if root is mesh or not names:
+        return mesh, (dim,)
+    if names[dim] in (root.mesh_dim_names or ()):
+        return root, (root.mesh_dim_names.index(names[dim]),)
+    of = getattr(mesh, "_flattened_from", ())
+    if flattened and of and set(of) <= set(root.mesh_dim_names or ()):
+        return root, tuple(root.mesh_dim_names.index(n) for n in of)
+    return mesh, (dim,)
+
 # torch's SPMD entry points that ask a mesh for its rank -> DTorch's own, which a ported program calls instead
 COUNTERPARTS = {
     "fully_shard": "dtorch.nn.fully_shard",

@@ -26,21 +26,18 @@ from typing import Any
 import torch
 
 from dtorch._source import stacklevel
-from dtorch.device_mesh import DeviceMesh
+from dtorch.device_mesh import DeviceMesh, on_root
 from dtorch.dtensor import DTensor
 from dtorch_protocol.placement_types import Placement, Shard
 
 
 def _mesh_dim(buffer: DTensor, mesh: DeviceMesh, index: int) -> int:
-    """The mesh dim of `buffer`'s mesh that `mesh` (the context-parallel mesh) is."""
-    own = buffer.device_mesh
-    if own == mesh and mesh.ndim == 1:
-        return 0
-    names = mesh.mesh_dim_names or ()
-    if mesh.ndim == 1 and own._root is mesh._root and names and names[0] in (own.mesh_dim_names or ()):
-        return own.mesh_dim_names.index(names[0])
-    raise ValueError(f"context_parallel: buffer {index} lives on {own!r}, which neither is the 1-D mesh {mesh!r} nor "
-                     "has it as a named dim; give the context-parallel mesh as the buffer's mesh or mesh[\"cp\"]")
+    """The mesh dim of `buffer`'s mesh that `mesh` (the 1-D context-parallel mesh: its own, or a named slice) is."""
+    root, (dim,) = on_root(mesh, 0)
+    if mesh.ndim != 1 or buffer.device_mesh != root:
+        raise ValueError(f"context_parallel: buffer {index} lives on {buffer.device_mesh!r}, which neither is the 1-D "
+                         f"mesh {mesh!r} nor has it as a named dim; give the buffer's mesh or a slice: mesh[\"cp\"]")
+    return dim
 
 
 def _sharded(buffer: DTensor, mesh: DeviceMesh, seq_dim: int, index: int) -> tuple[Placement, ...]:

@@ -72,17 +72,14 @@ def collectives(src: m.TensorSpec, dst: m.TensorSpec) -> list[Any]:
             if n > 1 and p != q and (kinds := (_kind(p), _kind(q))) in COLLECTIVES]
 
 
-def _name(key: Any) -> str:
-    return key if isinstance(key, str) else str(key)
-
-
 
 def _needing_grad(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class _Modules:
-    """Which modules run forward and backward now, by name (rule 4); `on_forward(module)` is told each forward."""
+    """Which modules run forward and backward now, by name (rule 4); `on_forward(module, name)` is told of each
+    forward."""
 
     def __init__(self, on_forward: Any) -> None:
         self.on_forward = on_forward
@@ -226,10 +223,10 @@ class CommDebugMode:
             for phase, counts in self.comm_module_counts[name].items():
                 if counts:
                     lines.append(f"{indent}{phase.upper()} PASS")
-                    lines += [f"{indent}  *{_name(key)}: {n}" for key, n in counts.items()]
+                    lines += [f"{indent}  *{key}: {n}" for key, n in counts.items()]
         if noise_level >= 2 and self.comm_line_counts:
             lines.append("by source line")
-            lines += [f"  {line or '?'}: {_name(key)} x{n}" for (line, key), n in self.comm_line_counts.items()]
+            lines += [f"  {line or '?'}: {key} x{n}" for (line, key), n in self.comm_line_counts.items()]
         return "\n".join(lines)
 
     def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3) -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from dtorch.device_mesh import DeviceMesh
+from dtorch.device_mesh import DeviceMesh, on_root
 from dtorch.dtensor import DTensor
 from dtorch.factories import distribute_tensor
 from dtorch.nn import _reshard
@@ -49,24 +49,6 @@ def _mesh_dim(mesh: DeviceMesh, dim: int | str) -> int:
     if not -mesh.ndim <= dim < mesh.ndim:
         raise ValueError(f"mesh dim {dim} is out of range for a {mesh.ndim}-d mesh")
     return dim % mesh.ndim
-
-
-def _on_root(mesh: DeviceMesh, dim: int, flattened: bool = False) -> tuple[DeviceMesh, tuple[int, ...]]:
-    """Mesh dim `dim` of a named slice of a larger mesh (`mesh["tp"]`, `mesh["dp"]`) as an SPMD program means it:
-    that dim of the whole mesh. torch's ranks each pass their own slice; this program runs once, for all of them, so
-    torchtitan's `parallelize_module(model, mesh["tp"], plan)` then `fully_shard(model, mesh=mesh["dp"])` lays the
-    parameters out over the whole mesh, as `tp_mesh_dim="tp"` and `mesh_dim="dp"` on it do. With `flattened`, a
-    flattened dim (`mesh["dp", "cp"]._flatten("dp_cp")`) is the whole mesh's dims it flattens, each sharding in turn
-    (nested: the flattened order). Any other mesh is its own."""
-    root, names = mesh._root, mesh.mesh_dim_names or ()
-    if root is mesh or not names:
-        return mesh, (dim,)
-    if names[dim] in (root.mesh_dim_names or ()):
-        return root, (root.mesh_dim_names.index(names[dim]),)
-    of = getattr(mesh, "_flattened_from", ())
-    if flattened and of and set(of) <= set(root.mesh_dim_names or ()):
-        return root, tuple(root.mesh_dim_names.index(n) for n in of)
-    return mesh, (dim,)
 
 
 def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
@@ -292,7 +274,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
     """
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
-    device_mesh, (dim,) = _on_root(device_mesh, _mesh_dim(device_mesh, tp_mesh_dim))
+    device_mesh, (dim,) = on_root(device_mesh, _mesh_dim(device_mesh, tp_mesh_dim))
     parallelize_plan = as_style(parallelize_plan)
     if isinstance(parallelize_plan, ParallelStyle):
         _apply_style(module, parallelize_plan, device_mesh, dim)
@@ -470,7 +452,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     device_mesh = device_mesh or mesh
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"fully_shard's mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
-    device_mesh, dims = _on_root(device_mesh, _mesh_dim(device_mesh, mesh_dim), flattened=True)
+    device_mesh, dims = on_root(device_mesh, _mesh_dim(device_mesh, mesh_dim), flattened=True)
     precision = _Precision.of(mp_policy)
     replicate = (Replicate(),) * device_mesh.ndim
     module._dtorch_groups = groups = []  # (submodule, its hooks) of this call: FSDP2's parameter group of `module`
