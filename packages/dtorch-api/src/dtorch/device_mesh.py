@@ -163,9 +163,8 @@ def on_root(mesh: DeviceMesh, dim: int, flattened: bool = False) -> tuple[Device
     it lays a model or buffers out: that dim of the whole mesh. torch's ranks each pass their own slice; this program
     runs once, for all of them, so torchtitan's `parallelize_module(model, mesh["tp"], plan)` then
     `fully_shard(model, mesh=mesh["dp"])` lay the parameters out over the whole mesh, as `tp_mesh_dim="tp"` and
-    `mesh_dim="dp"` on it do. With `flattened`, a
-    flattened dim (`mesh["dp", "cp"]._flatten("dp_cp")`) is the whole mesh's dims it flattens, each sharding in turn
-    (nested: the flattened order). Any other mesh is its own."""
+    `mesh_dim="dp"` on it do. With `flattened`, a flattened dim (`mesh["dp", "cp"]._flatten("dp_cp")`) is the whole
+    mesh's dims it flattens, each sharding in turn (nested: the flattened order). Any other mesh is its own."""
     root, names = mesh._root, mesh.mesh_dim_names or ()
     if root is mesh or not names:
         return mesh, (dim,)
@@ -175,6 +174,7 @@ def on_root(mesh: DeviceMesh, dim: int, flattened: bool = False) -> tuple[Device
     if flattened and of and set(of) <= set(root.mesh_dim_names or ()):
         return root, tuple(root.mesh_dim_names.index(n) for n in of)
     return mesh, (dim,)
+
 
 # torch's SPMD entry points that ask a mesh for its rank -> DTorch's own, which a ported program calls instead
 COUNTERPARTS = {
