@@ -1116,6 +1116,33 @@ def test_ops_along_a_sharded_vocabulary_move_only_their_output(cluster, mesh4, m
             loss.backward()
         torch.testing.assert_close(dw.grad.full_tensor(), w.grad)
         assert not [i for i in sent if isinstance(i, m.InstrRedistribute) and i.src_spec.placements == ["S1"]]
+        # nor is anything of the logits' size made whole on every device: the gradient's zeros and the scatter
+        # into them are each device's part (_gather rules 3-4; they were replicated, twice the logits per device)
+        made = {i.op: i.outs[0].spec.placements for i in sent
+                if isinstance(i, m.InstrCall) and i.op in ("aten.new_zeros.default", "aten.scatter_add.default")}
+        assert made == {"aten.new_zeros.default": ["S1"], "aten.scatter_add.default": ["S1"]}
+
+
+@pytest.mark.parametrize("layout", ["vocab", "batch_and_vocab"])
+def test_scatter_add_into_a_sharded_dim_adds_on_the_devices_holding_the_rows(cluster, mesh4, mesh2d, layout):
+    """`scatter_add` along a dim the target is sharded on (the gradient of gathered log-probabilities, a histogram
+    over a sharded vocabulary): torch's rule gathered the target; each device now adds the sources whose indices
+    fall in its rows (_gather rule 3). Repeated indices, uneven shards (10 over 4), a 2-d mesh."""
+    from dtorch_protocol import messages as m
+
+    mesh, at = {"vocab": (mesh4, [Shard(1)]), "batch_and_vocab": (mesh2d, [Shard(0), Shard(1)])}[layout]
+    g = torch.Generator().manual_seed(3)
+    target, src = torch.randn(6, 10, generator=g), torch.randn(6, 4, generator=g)
+    index = torch.randint(0, 10, (6, 4), generator=g)
+    index[0] = torch.tensor([9, 9, 0, 0])
+    want = target.scatter_add(1, index, src)
+    replicated = [Replicate()] * mesh.ndim
+    sent: list = []
+    with tap(cluster, sent):
+        got = dist(target, mesh, *at).scatter_add(1, dist(index, mesh, *replicated), dist(src, mesh, *replicated))
+    torch.testing.assert_close(got.full_tensor(), want)
+    assert got.placements == tuple(at)
+    assert not [i for i in sent if isinstance(i, m.InstrRedistribute) and i.src_spec.shape == [6, 10]]
 
 
 @pytest.mark.parametrize("scan", ["cumsum", "cumprod", "logcumsumexp"])

@@ -17,6 +17,15 @@ Rules (decompositions, `_registry.register_decomposition`; each declines, NotImp
      sharding that dim and laid out as the input elsewhere; each device reads the indices in its rows (shifted into
      them, `_local.own_rows`; zero elsewhere) and the output is Partial("sum") there: one reduction of the output,
      none of the input.
+  3. `scatter_add` into a tensor sharded along the scattered dim, index and source as large as it on every other
+     dim: index and source are replicated on the mesh dims sharding that dim (laid out as the tensor elsewhere), and
+     each device adds the sources whose indices fall in its rows (`own_rows`, the others zero) into its own part; the
+     result is laid out as the tensor. torch's rule gathered the tensor. This is rule 2's gradient.
+  4. Rule 2's gradient starts from zeros the input's size (`gather_backward`: `grad.new_zeros(input.shape)`, then
+     rule 3), which torch's rule makes replicated: tokens x vocabulary on every device, twice the whole logits at
+     the backward's peak. A `new_zeros` in a backward pass with the shape, dtype and mesh of an input rule 2 read
+     (`GATHERED`, the most recent MAX_GATHERED) is made laid out as that input, each device allocating its part.
+     Zeros are zeros whatever their layout, so a look-alike `new_zeros` only gets another layout.
 """
 
 from __future__ import annotations
@@ -39,9 +48,14 @@ from dtorch._local import (
     to,
 )
 from dtorch._registry import register_decomposition
-from dtorch_protocol.placement_types import Partial, Replicate, Shard
+from dtorch._sharding import in_backward
+from dtorch_protocol.layout import box_shape, coords, shard_box
+from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
+MAX_GATHERED = 64
+# (mesh id, shape, dtype) of an input rule 2 gathered along its shards -> its placements, oldest first (rule 4)
+GATHERED: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[Placement, ...]] = {}
 
 
 def _sharded_dims(t: Any) -> set[int]:
@@ -75,7 +89,44 @@ def gather_along_shards(args: tuple, kwargs: dict) -> Any:  # rule 2
     index = to(index, on_dims(x.placements, spread, Replicate()))
     mine, safe = own_rows(index, rows)
     out = spec(x.device_mesh, on_dims(x.placements, spread, Partial()), tuple(index.shape), x.dtype)
+    key = (x.device_mesh.id, tuple(x.shape), x.dtype)
+    GATHERED.pop(key, None)
+    GATHERED[key] = x.placements  # (its gradient's zeros: rule 4)
+    while len(GATHERED) > MAX_GATHERED:
+        del GATHERED[next(iter(GATHERED))]
     return only_mine(mine, emit(aten.gather.default, (x, dim, safe), out), out)
+
+
+@register_decomposition(aten.scatter_add.default)
+def scatter_add_along_shards(args: tuple, kwargs: dict) -> Any:  # rule 3
+    values = dict(zip(("self", "dim", "index", "src"), args), **kwargs)
+    x, index, src = values["self"], values["index"], values["src"]
+    split = _split(x, values["dim"], index)
+    if split is None or not is_dtensor(src) or src.device_mesh != x.device_mesh or tuple(src.shape) != \
+            tuple(index.shape) or src.dtype != x.dtype:
+        return NotImplemented
+    dim, spread, rows = split
+    beside = on_dims(x.placements, spread, Replicate())
+    mine, safe = own_rows(to(index, beside), rows)
+    src = to(src, beside)
+    return emit(aten.scatter_add.default, (x, dim, safe, only_mine(mine, src, src._spec)), x._spec)
+
+
+@register_decomposition(aten.new_zeros.default)
+def gradient_zeros(args: tuple, kwargs: dict) -> Any:  # rule 4
+    values = dict(zip(("self", "size"), args), **kwargs)
+    ref, size = values["self"], values["size"]
+    if not GATHERED or not is_dtensor(ref) or in_backward() is None or \
+            values.get("layout") not in (None, torch.strided):
+        return NotImplemented
+    dtype = values.get("dtype") or ref.dtype
+    placements = GATHERED.get((ref.device_mesh.id, tuple(size), dtype))
+    if placements is None:
+        return NotImplemented
+    mesh = ref.device_mesh
+    parts = [list(box_shape(shard_box(tuple(size), mesh.shape, placements, c))) for c in coords(mesh.shape)]
+    return emit(aten.new_zeros.default, (ref, list(size)), spec(mesh, placements, tuple(size), dtype),
+                per_device=[(ref, part) for part in parts], kwargs={"dtype": dtype})
 
 
 def _split(x: Any, dim: Any, index: Any) -> tuple[int, list[int], list[tuple[int, int]]] | None:
