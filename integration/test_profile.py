@@ -95,7 +95,8 @@ def test_a_replayed_steps_redistributions_are_those_of_its_program(mesh1):
     replayed, replays = profiled(True)
     eager, _ = profiled(False)
     assert replays >= 4 and replayed == eager
-    assert eager[(("Psum",), ("R",), "aten.pow.Tensor_Scalar")][0] == 3  # the rowwise output's all_reduce, per step
+    assert eager[(("Psum",), ("R",), "")][0] == 3  # the rowwise output's all_reduce (its style's), per step
+    assert eager[(("R",), ("Psum",), "aten.addmm.default")][0] == 3  # the bias, made a Partial for the addmm
 
 
 def test_the_same_redistribution_repeated_is_pointed_out(mesh1):

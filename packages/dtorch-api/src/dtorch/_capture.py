@@ -737,9 +737,11 @@ def _same_result(op: _Op, result: Any, leaves: list, tids: list[int]) -> bool:
 
 
 def _definition(session: Session, p: Program) -> m.InstrDefine:
-    """Program `p`'s definition, kept as the session's (`Session.programs`: what a profile reads of a replay)."""
+    """Program `p`'s definition, kept as the session's with the instructions of its redistribution operations
+    (`Session.programs`: what a profile reads of a replay)."""
     # a copy: the sender thread encodes it later, and a replay may meanwhile put holes into p.instrs (rule 6)
-    instrs = session.programs[p.id] = list(p.instrs)
+    instrs = list(p.instrs)
+    session.programs[p.id] = (instrs, frozenset(i for op in p.ops if op.func is None for i in range(op.start, op.end)))
     return m.InstrDefine(program=p.id, instrs=instrs, ntids=p.ntids, nseeds=p.nseeds, nscalars=p.nscalars)
 
 

@@ -126,12 +126,9 @@ def _fast_encoder(plan: Plan, slots: list[tuple[int, int]]) -> Callable[[tuple],
     template = Template.of(call([sentinel(i) for i in range(n)], sentinel(n), SRC_HOLE),
                            [*(sentinel(i) for i in range(n)), sentinel(n), SRC_HOLE])
     if template is None:
-        encode = lambda r: call(r[1:n + 1], r[n + 1], src_text(r[n + 2], r[n + 3]))  # noqa: E731
-    else:
-        fill = template.fill
-        encode = lambda r: fill((*r[1:n + 2], src_text(r[n + 2], r[n + 3])))  # noqa: E731
-    encode.op_name = plan.op_name  # (what a profile reads of a record: the op whose inputs are r[1:-3])
-    return encode
+        return lambda r: call(r[1:n + 1], r[n + 1], src_text(r[n + 2], r[n + 3]))
+    fill = template.fill
+    return lambda r: fill((*r[1:n + 2], src_text(r[n + 2], r[n + 3])))
 
 
 def _has_slot(t: Any) -> bool:

@@ -96,33 +96,32 @@ class Profile:
 
     def _tap(self, instr: Any) -> None:
         """The session's `emit` during the block: note redistributions and the op each one is for; a replayed
-        step's from its program (its slots are the replay's tensor ids)."""
+        step's from its program (its slots are the replay's tensor ids; a redistribution that is an operation of
+        its own, `.redistribute()` or a hook's, is for no op)."""
         if isinstance(instr, m.InstrReplay):
-            for step_instr in self._session.programs.get(instr.program, ()):
-                self._note(step_instr, instr.tids)
+            instrs, explicit = self._session.programs.get(instr.program, ((), frozenset()))
+            for i, step_instr in enumerate(instrs):
+                self._note(step_instr, instr.tids.__getitem__, i in explicit)
         else:
-            self._note(instr, None)
+            self._note(instr, None, False)
         self._emit(instr)
 
-    def _note(self, instr: Any, slots: list[int] | None) -> None:
-        tid = (lambda t: t) if slots is None else slots.__getitem__  # noqa: E731
+    def _note(self, instr: Any, slot: Any, explicit: bool) -> None:
+        tid = slot or (lambda t: t)
         if isinstance(instr, m.InstrRedistribute):
             dst = tid(instr.dst)
             self._moves[dst] = report.Move(tid(instr.src), tuple(instr.src_spec.placements),
                                            tuple(instr.dst_spec.placements), instr.src_line)
-            self._pending.append(dst)
-        elif self._pending and isinstance(instr, m.InstrCall):
-            self._used({tid(t) for t in (*m.tensor_refs(instr.args), *m.tensor_refs(instr.kwargs))}, instr.op)
-        elif self._pending and type(instr) is tuple:  # an op's record (the fast path: `_planner._fast_encoder`)
-            self._used(set(instr[1:-3]), instr[0].op_name)
-
-    def _used(self, used: set[int], op: str) -> None:
-        """The op after a redistribution: it is the redistribution's op where it reads its result."""
-        for dst in self._pending:
-            move = self._moves[dst]
-            if dst in used:
-                self._moves[dst] = report.Move(move.src, move.src_placements, move.dst_placements, move.line, op)
-        self._pending.clear()
+            if not explicit:
+                self._pending.append(dst)
+        elif isinstance(instr, m.InstrCall) and self._pending:
+            used = {tid(t) for t in (*m.tensor_refs(instr.args), *m.tensor_refs(instr.kwargs))}
+            for dst in self._pending:
+                move = self._moves[dst]
+                if dst in used:
+                    self._moves[dst] = report.Move(move.src, move.src_placements, move.dst_placements, move.line,
+                                                   instr.op)
+            self._pending.clear()
 
     # ------------------------------------------------------------ reading it
     def _report(self) -> report.Report:

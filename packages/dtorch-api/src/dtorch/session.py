@@ -96,7 +96,8 @@ class Session:
         self.step: Any = None  # automatic capture or the compiled step running now (dtorch._capture): told of sync
         # points, uploads and flushes
         self._programs = itertools.count(1)
-        self.programs: dict[int, list] = {}  # program id -> its instructions, slot form, as last defined (_capture)
+        # program id -> its instructions (slot form) as last defined, and those of its redistribution operations
+        self.programs: dict[int, tuple[list, frozenset[int]]] = {}  # (_capture: a profile reads replays there)
 
     def _call(self, method: str, request: Any, timeout: float) -> Any:
         return self.stub.call(method, request, timeout=timeout)
