@@ -971,6 +971,24 @@ def test_an_op_across_meshes_writes_its_out_tensor_where_it_lives(cluster):
     assert out.device_mesh == stage1 and out.full_tensor().tolist() == [3.0, 3.0, 3.0]
 
 
+def test_an_op_between_a_mesh_and_a_named_slice_of_it_runs_on_the_whole_mesh(cluster, mesh2d):
+    """A DTensor on `mesh["tp"]` (a ported SPMD program's) meeting one on the whole mesh: the op ran on the slice,
+    the other operand replicated onto it (a model's weight gathered whole at each use). It now runs on the whole
+    mesh, the slice's operand keeping its placement on "tp" and replicated over "dp"."""
+    from dtorch_protocol import messages as m
+
+    x, w = torch.randn(8, 6), torch.randn(8, 6)
+    on_slice = dist(x, mesh2d["tp"], Shard(0))
+    whole = dist(w, mesh2d, Replicate(), Shard(0))
+    sent: list = []
+    with tap(cluster, sent):
+        got = on_slice * whole
+    assert got.device_mesh == mesh2d and got.placements == (Replicate(), Shard(0))
+    torch.testing.assert_close(got.full_tensor(), x * w)
+    (move,) = [i for i in sent if isinstance(i, m.InstrRedistribute)]
+    assert move.src_spec.placements == ["S0"] and move.dst_spec.placements == ["R", "S0"]
+
+
 @pytest.mark.parametrize("layout", ["classes", "rows_and_classes"])
 def test_cross_entropy_over_sharded_classes_reduces_rows_not_logits(cluster, mesh4, mesh2d, layout):
     """A vocabulary-parallel head's logits (classes sharded): log-softmax and nll_loss reduce one maximum, one sum

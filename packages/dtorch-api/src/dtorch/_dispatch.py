@@ -38,11 +38,11 @@ from dtorch._sharding import NestedShard, check_strided, local_shape
 from dtorch._source import SKIP, caller, stacklevel, user_src
 from dtorch._spec import Spec, StridedShard, contiguous_stride
 from dtorch._views import by_root as _origins
-from dtorch.device_mesh import WRAPPER_DEVICE
+from dtorch.device_mesh import WRAPPER_DEVICE, DeviceMesh
 from dtorch.errors import DTorchError, describe_src, env_int
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords
-from dtorch_protocol.placement_types import Replicate, Shard
+from dtorch_protocol.placement_types import Placement, Replicate, Shard
 from dtorch_protocol.values import dtype_name, tensor_to_bytes
 
 if TYPE_CHECKING:
@@ -172,7 +172,8 @@ def _from_strided(x: DTensor, mesh: Any, placements: tuple, src: str) -> DTensor
 
 
 def _to_mesh(tree: Any, first: DTensor) -> Any:
-    """Move DTensors on other meshes onto `first`'s mesh, replicated: the op then runs there.
+    """Move DTensors on other meshes onto `first`'s mesh, replicated: the op then runs there. One on a named slice
+    of that mesh (`mesh["tp"]`) keeps its placements on the slice's dims (replicated over the others).
 
     This is how unmodified code crosses pipeline stages, e.g. `generate` appending a token computed
     on the last stage to input ids held by the first.
@@ -182,10 +183,26 @@ def _to_mesh(tree: Any, first: DTensor) -> Any:
 
     def move(v: Any) -> Any:
         if isinstance(v, dtensor.DTensor) and v.device_mesh != mesh:
-            return redistribute_to(v, mesh, replicate, user_src(4))
+            return redistribute_to(v, mesh, _on_whole(v, mesh) or replicate, user_src(4))
         return v
 
     return pytree.tree_map(move, tree)
+
+
+def _on_whole(v: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...] | None:
+    """`v`'s placements on `mesh` when `v` lives on a named slice of it, else None."""
+    own, names = v.device_mesh, v.device_mesh.mesh_dim_names or ()
+    if own._root is not mesh._root or own is own._root or not names or \
+            not set(names) <= set(mesh.mesh_dim_names or ()):
+        return None
+    return tuple(v.placements[names.index(n)] if n in names else Replicate() for n in mesh.mesh_dim_names)
+
+
+def _widest(leaves: list[DTensor]) -> DTensor:
+    """Where an op across meshes runs: on the mesh the others are named slices of (a model laid out on the whole
+    mesh and an input on `mesh["tp"]`: the input moves, not every weight), else the first DTensor's."""
+    return next((d for d in leaves if all(v.device_mesh == d.device_mesh or _on_whole(v, d.device_mesh) is not None
+                                          for v in leaves)), leaves[0])
 
 
 def _written_dtensor(func: Any, args: tuple, kwargs: dict) -> DTensor | None:
@@ -435,7 +452,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
             if (by_mesh := _foreach_by_mesh(func, args)) is not None:
                 return _run_by_mesh(func, args, kwargs, by_mesh)
             home = _written_dtensor(func, args, kwargs)
-            home = leaves[0] if home is None else home
+            home = _widest(leaves) if home is None else home
             return func(*_to_mesh(args, home), **_to_mesh(kwargs, home))
         except Refused as e:  # torch refuses these shapes or dtypes: say so now, where the user wrote the op
             kind = e.error_type if e.error_type in _TORCH_ERRORS else RuntimeError
