@@ -292,9 +292,9 @@ def _train(model, opt, batches, step_input):
 
 
 @pytest.mark.parametrize("layout", ["dp_x_tp", "fsdp", "torchtitan_tp_then_fsdp_on_slices",
-                                    "torchtitan_fsdp_on_a_flattened_slice"])
+                                    "torchtitan_fsdp_on_a_flattened_slice", "hsdp"])
 def test_training_matches_single_process(mesh2d, layout):
-    mesh = mesh2d
+    mesh, place = mesh2d, None
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
@@ -317,6 +317,11 @@ def test_training_matches_single_process(mesh2d, layout):
         assert model[0].weight.device_mesh == mesh and model[0].weight.placements == (Shard(0), Shard(0), Shard(0))
         assert model[2].weight.placements == (Shard(0), Shard(0), Shard(1))
         comm = CommDebugMode()
+    elif layout == "hsdp":  # torch's fully_shard on a 2-D mesh: replicated over dim 0, sharded over dim 1
+        fully_shard(model, mesh=mesh2d)
+        assert model[0].weight.placements == (Replicate(), Shard(0))
+        comm = CommDebugMode()
+        place = [Shard(0), Shard(0)]
     else:
         fully_shard(model, mesh2d, mesh_dim="dp")
         # as with torch's FSDP2: the model's parameters under the model's names, sharded outside the forward
@@ -327,9 +332,9 @@ def test_training_matches_single_process(mesh2d, layout):
     expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches, lambda t: t)
     with comm:
         got = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
-                     lambda t: dtorch.distribute_tensor(t, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)))
+                     lambda t: dtorch.distribute_tensor(t, mesh, place or [Shard(0)] + [Replicate()] * (mesh.ndim - 1)))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
-    if isinstance(comm, CommDebugMode):  # gradients reduce-scattered over dp, nothing moved between meshes
+    if isinstance(comm, CommDebugMode):  # gradients reduce-scattered, nothing moved between meshes
         counts = comm.get_comm_counts()
         assert "point_to_point" not in counts and counts[torch.ops.c10d_functional.reduce_scatter_tensor] > 0
     for p, r in zip(model.parameters(), ref.parameters()):  # the last step's gradients, laid out as the parameters

@@ -417,8 +417,12 @@ class _Gathered:
 
 @_lays_out
 def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mesh: DeviceMesh | None = None,
-                mesh_dim: int | str = 0, reshard_after_forward: bool = True, mp_policy: Any = None) -> nn.Module:
+                mesh_dim: int | str = -1, reshard_after_forward: bool = True, mp_policy: Any = None) -> nn.Module:
     """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered for their submodule's forward.
+
+    `mesh_dim` defaults to the mesh's last dim, as torch's: a 1-D mesh shards over it, and a 2-D one is HSDP,
+    parameters sharded over dim 1 and replicated over dim 0 (give the batch `Shard(0)` on both, and gradients are
+    reduce-scattered over dim 1 and all-reduced over dim 0).
 
     As with torch's FSDP2, `module.weight` is the sharded parameter under its own name (`named_parameters()`,
     `state_dict()` and `.grad` as the model's, sharded), and only the submodule's forward sees it whole. A use
