@@ -443,6 +443,33 @@ def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as
         fully_shard(tp, mesh=dtorch.DeviceMesh("cpu", [0, 1, 2, 3]))
 
 
+def test_fully_shard_takes_torchs_placement_function_ignored_parameters_and_default_policies(mesh1):
+    """torch's fully_shard arguments a ported FSDP2 program passes (torchtitan's expert weights sharded on dim 1 by a
+    `shard_placement_fn`, `ignored_params`, `offload_policy=OffloadPolicy()`, `reshard_after_forward=None`) were
+    refused as unexpected keywords; training is torch's."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.tensor import Shard as TorchShard
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    model = copy.deepcopy(ref)
+    fully_shard(model, mesh=mesh1, reshard_after_forward=None, offload_policy=OffloadPolicy(),
+                shard_placement_fn=lambda p: TorchShard(1) if p.ndim == 2 and p.shape[1] == 16 else None,
+                ignored_params={model[0].bias})
+    assert model[2].weight.placements == (Shard(1),) and model[0].weight.placements == (Shard(0),)
+    assert model[0].bias.placements == (Replicate(),) and model[2].bias.placements == (Shard(0),)
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(3)]
+    expected = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches, lambda t: t)
+    got = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                 lambda t: dtorch.distribute_tensor(t, mesh1, [Shard(0)]))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="offload_policy=CPUOffloadPolicy: DTorch keeps the shards on"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh1, offload_policy=CPUOffloadPolicy())
+    with pytest.raises(ValueError, match=r"shard_placement_fn gave Shard\(dim=2\) for a parameter of shape \[4, 4\]"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh1, shard_placement_fn=lambda p: Shard(2))
+
+
 @pytest.mark.parametrize("reshard,how", [(True, "default"), (False, "argument"), (False, "method")])
 def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_them_again_for_backward(
         cluster, mesh1, reshard, how):

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from dtorch._spec import from_torch_placement
 from dtorch.device_mesh import DeviceMesh, on_root
 from dtorch.dtensor import DTensor
 from dtorch.factories import distribute_tensor
@@ -415,9 +416,22 @@ class _Gathered:
         self.stored.clear()
 
 
+def _shard_of(param: nn.Parameter, shard_placement_fn: Callable[[nn.Parameter], Any] | None) -> Shard:
+    """Where `fully_shard` shards a parameter: `Shard(0)`, or what torch's `shard_placement_fn` says."""
+    placement = from_torch_placement(shard_placement_fn(param)) if shard_placement_fn is not None else None
+    if placement is None:
+        return Shard(0)
+    if not isinstance(placement, Shard) or not -param.ndim <= placement.dim < param.ndim:
+        raise ValueError(f"fully_shard: shard_placement_fn gave {placement!r} for a parameter of shape "
+                         f"{list(param.shape)}; expected Shard(dim) with a dim of it, or None")
+    return Shard(placement.dim % param.ndim)
+
+
 @_lays_out
 def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mesh: DeviceMesh | None = None,
-                mesh_dim: int | str = -1, reshard_after_forward: bool = True, mp_policy: Any = None) -> nn.Module:
+                mesh_dim: int | str = -1, reshard_after_forward: bool | int | None = True, mp_policy: Any = None,
+                shard_placement_fn: Callable[[nn.Parameter], Any] | None = None, offload_policy: Any = None,
+                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered for their submodule's forward.
 
     `mesh_dim` defaults to the mesh's last dim, as torch's: a 1-D mesh shards over it, and a 2-D one is HSDP,
@@ -434,7 +448,12 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     `reshard_after_forward` (torch's name and default): the gathered parameters are freed when the submodule's
     forward ends and gathered again for its backward, so a training step holds one submodule's gathered parameters
     at a time on each worker, not the whole model's (`_reshard`); False keeps them from forward to backward (one
-    gather fewer per parameter and step).
+    gather fewer per parameter and step). None (torch's default) is True; an int (torch's resharding to a smaller
+    group) is True.
+
+    torch's `shard_placement_fn(param)` gives a parameter's `Shard(dim)` (None: `Shard(0)`), as for expert weights
+    sharded on another dim; `ignored_params` stay as they are; `offload_policy` may only be torch's plain
+    `OffloadPolicy()`: the shards stay on the workers' devices (`CPUOffloadPolicy` is refused).
 
     The module given gets FSDP2's `set_requires_gradient_sync(bool)` (gradient accumulation with no reduction until
     the last micro-batch), `set_reshard_after_forward(bool)`, and `unshard()` / `reshard()` (its parameters kept
@@ -457,6 +476,11 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"fully_shard's mesh must be a dtorch.DeviceMesh, got {type(device_mesh).__name__}")
     device_mesh, dims = on_root(device_mesh, _mesh_dim(device_mesh, mesh_dim), flattened=True)
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise NotImplementedError(f"fully_shard: offload_policy={type(offload_policy).__name__}: DTorch keeps the "
+                                  "shards on the workers' devices; give no offload_policy")
+    reshard_after_forward = reshard_after_forward is None or bool(reshard_after_forward)
+    ignored = {id(p) for p in ignored_params or ()}
     precision = _Precision.of(mp_policy)
     replicate = (Replicate(),) * device_mesh.ndim
     module._dtorch_groups = groups = []  # (submodule, its hooks) of this call: FSDP2's parameter group of `module`
@@ -470,9 +494,9 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
                 raise ValueError(f"fully_shard: parameter {name!r} of {type(mod).__name__} lives on {p.device_mesh!r}, "
                                  f"not on {device_mesh!r}: lay tensor parallelism and FSDP out on one mesh (or on "
                                  "named slices of one: mesh[\"tp\"], mesh[\"dp\"])")
-            if p.ndim:  # laid out once, where it is stored (a meta parameter is allocated there, sharded)
-                _set_param(mod, name, _distribute(p, device_mesh, _with(base, dims, Shard(0), p.ndim)),
-                           p.requires_grad)
+            if p.ndim and id(p) not in ignored:  # laid out once, where it is stored (a meta one allocated there)
+                shard = _shard_of(p, shard_placement_fn)
+                _set_param(mod, name, _distribute(p, device_mesh, _with(base, dims, shard, p.ndim)), p.requires_grad)
                 names.append(name)
         if names:
             mod._dtorch_gathered = hooks = _Gathered(names, dims, reshard_after_forward, precision)
