@@ -103,8 +103,8 @@ def test_torchs_own_parallel_styles_and_placements_lay_out_as_dtorchs(mesh1):
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    model = dtorch.nn.parallelize_module(copy.deepcopy(ref), mesh1, {
-        "0": tp.ColwiseParallel(), "2": tp.RowwiseParallel(output_layouts=TorchShard(0))})
+    model = dtorch.nn.parallelize_module(copy.deepcopy(ref), mesh1, {  # (torch's src_data_rank too: changes nothing)
+        "0": tp.ColwiseParallel(), "2": tp.RowwiseParallel(output_layouts=TorchShard(0))}, src_data_rank=None)
     assert model[0].weight.placements == (Shard(0),) and model[2].weight.placements == (Shard(1),)
     x = torch.randn(6, 8)
     out = model(x)

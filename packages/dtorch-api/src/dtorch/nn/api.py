@@ -266,8 +266,11 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
 @_lays_out
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
                        parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None, *,
-                       tp_mesh_dim: int | str = -1) -> nn.Module:
+                       tp_mesh_dim: int | str = -1, src_data_rank: int | None = 0) -> nn.Module:
     """Apply `parallelize_plan` (a style, or {submodule name pattern: style}) on mesh dim `tp_mesh_dim`.
+
+    `src_data_rank` (torch's: which rank's weights the others take, or None for each its own) is accepted and
+    changes nothing: the module on the client holds the only weights, which are laid out as they are.
 
     Patterns use fnmatch wildcards (`"layers.*.mlp.up_proj"`). Everything the plan does not name is
     replicated. Returns the module, changed in place. torch's own styles (`torch.distributed.tensor.parallel`) are
