@@ -137,10 +137,24 @@ def test_the_metrics_port_serves_and_a_port_in_use_is_one_line_and_no_stop(tmp_p
                 time.sleep(0.2)
         assert "dtorch_worker_memory_capacity_bytes" in text
         line = procs[1].stderr.readline()  # type: ignore[union-attr]
-        assert line.startswith(f"dtorch-worker: cannot serve metrics on 0.0.0.0:{busy}") and "without metrics" in line
+        # on --listen's host (loopback by default), as the controller: it served on 0.0.0.0, every interface
+        assert line.startswith(f"dtorch-worker: cannot serve metrics on 127.0.0.1:{busy}") and "without metrics" in line
         assert procs[1].poll() is None  # it goes on (registering, here with a controller that is not there)
     finally:
         blocker.close()
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("option,value,expected", [("--metrics-port", "99999", "expected a port number 0-65535"),
+                                                   ("--metrics-port", "-1", "expected a port number 0-65535"),
+                                                   ("--parent-pid", "-1", "expected a process id"),
+                                                   ("--parent-pid", "0", "expected a process id")])
+def test_a_port_or_parent_that_cannot_be_is_refused_in_one_line(option, value, expected) -> None:
+    """-1 as --parent-pid named every process (always alive: the worker outlived its parent) and 99999 as a port
+    was taken; the controller refuses both alike (dtorch_protocol.options)."""
+    done = subprocess.run([sys.executable, "-m", "dtorch_worker", "--controller", "127.0.0.1:1", option, value],
+                          env={**os.environ, "DTORCH_API_KEY": auth.new_key()[1]}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and f"argument {option}: {expected}" in done.stderr

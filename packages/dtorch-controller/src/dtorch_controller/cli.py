@@ -31,7 +31,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtorch_protocol import auth, wire
+from dtorch_protocol import auth, options, wire
 from dtorch_protocol.process import on_signals, watch_parent
 from dtorch_protocol.tls import Tls, TlsError, cleartext_warning
 
@@ -50,14 +50,14 @@ WATCHDOG_INTERVAL_S = 0.5
 MIN_USAGE_INTERVAL_S = 0.1
 
 
-MAX_PORT = 65535
 
 
 def _normalize_listen(listen: str, option: str = "--listen") -> str:
     """":50051" means every interface, as in `--listen :50051`."""
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > MAX_PORT:
-        raise SystemExit(f"dtorch-controller: {option} needs HOST:PORT with a port 0-{MAX_PORT}, got {listen!r}")
+    if not sep or not port.isdigit() or int(port) > options.MAX_PORT:
+        raise SystemExit(f"dtorch-controller: {option} needs HOST:PORT with a port 0-{options.MAX_PORT}, got "
+                         f"{listen!r}")
     return f"{host or '0.0.0.0'}:{port}"
 
 
@@ -89,20 +89,6 @@ def _admin_timeout(text: str) -> float:
     if not 0 <= value <= MAX_TIMEOUT_S:
         raise argparse.ArgumentTypeError(f"expected seconds from 0 to {MAX_TIMEOUT_S:g} (an hour), got {text!r}")
     return value
-
-
-def _port(text: str) -> int:
-    """A TCP port to serve on, 0-65535 (0: none)."""
-    if not text.isdigit() or int(text) > MAX_PORT:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-{MAX_PORT} (0: none), got {text!r}")
-    return int(text)
-
-
-def _pid(text: str) -> int:
-    """`--parent-pid`: a process id, 1 or more (-1 and 0 named every process, or none: the watchdog never fired)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a process id (a whole number >= 1), got {text!r}")
-    return int(text)
 
 
 def _write_port_file(path: str, addresses: Sequence[str]) -> None:
@@ -171,8 +157,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"dtorch-controller: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 1
     # on the --listen host: a controller on loopback served its tenants' names and usage to every interface
-    exposition.serve(args.metrics_port, server.service.metrics.registry, "dtorch-controller",
-                     host=listen.rpartition(":")[0].strip("[]"))
+    exposition.serve(args.metrics_port, server.service.metrics.registry, "dtorch-controller", listen)
     stop = threading.Event()
     on_signals(stop)
     if args.parent_pid:
@@ -295,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--snapshot-interval", type=_seconds, metavar="S",
                         default=_from_env("DTORCH_SNAPSHOT_INTERVAL", "30", float),
                         help="... or at the next batch once the last copy is this old (default 30)")
-    parser.add_argument("--metrics-port", type=_port, default=0, metavar="PORT",
+    parser.add_argument("--metrics-port", type=options.port, default=0, metavar="PORT",
                         help="serve Prometheus metrics on this port (default 0: none; metrics.py lists the series)")
     parser.add_argument("--usage-file", metavar="PATH", default=os.environ.get("DTORCH_USAGE_FILE", ""),
                         help="append usage records (JSON lines, one per session and interval) to this file "
@@ -303,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--usage-interval", type=_seconds, default=60.0, metavar="S",
                         help="one usage record per session every S seconds, and one when it closes (default 60, at "
                              "least 0.1)")
-    parser.add_argument("--parent-pid", type=_pid, metavar="PID", help="exit when this process exits")
+    parser.add_argument("--parent-pid", type=options.process_id, metavar="PID", help="exit when this process exits")
     commands = parser.add_subparsers(dest="command", metavar="{keys,status,top,usage,drain,migrate}")
     _keys_parser(commands)
     us = commands.add_parser("usage", help="sum the usage records by tenant or session")

@@ -14,10 +14,13 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 
-def serve(port: int, registry: CollectorRegistry, program: str, host: str = "0.0.0.0") -> object | None:
-    """Start the HTTP server of `registry` on `host:port` (port 0: none); returns it, or None after one line."""
+def serve(port: int, registry: CollectorRegistry, program: str, listen: str) -> object | None:
+    """Start the HTTP server of `registry` on `port` (0: none) of the host the program serves gRPC on (`listen`,
+    HOST:PORT: a loopback program is not reachable from the network through its metrics either); returns it, or
+    None after one line."""
     if port <= 0:
         return None
+    host = listen.rpartition(":")[0].strip("[]")
     try:
         server, _thread = start_http_server(port, host, registry=registry)
     except OSError as e:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dtorch_protocol import auth, exposition, wire
+from dtorch_protocol import auth, exposition, options, wire
 from dtorch_protocol.process import on_signals, watch_parent
 from dtorch_protocol.tls import Tls, TlsError, cleartext_warning
 from dtorch_worker import node
@@ -55,13 +55,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label", action="append", default=[], metavar="K=V",
                    help="a label (repeatable); `node` counts only when the worker key was made with --node '*' "
                         "(otherwise the node comes from the key)")
-    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies")
+    p.add_argument("--parent-pid", type=options.process_id, metavar="PID", help="exit when this process dies")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default: 1 on CPU, since workers share cores; torch's own on GPU)")
     p.add_argument("--register-attempts", type=int, default=10,
                    help="tries to reach the controller at start (with backoff up to 2 s) before giving up")
     p.add_argument("--lost-after", type=float, default=10.0, help="exit after the controller is unreachable this long")
-    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+    p.add_argument("--metrics-port", type=options.port, default=0, metavar="PORT",
                    help="serve Prometheus metrics on this port (default 0: none; telemetry.py lists the series)")
     p.add_argument("--no-collectives", action="store_true",
                    help="join no process groups (redistributions with this worker use point-to-point pieces)")
@@ -144,7 +144,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     memory = backend.memory_bytes()
     worker = start_worker(listen=args.listen, device=device, tls=tls, client_listen=args.client_listen or None,
                           max_put_bytes=memory, memory_bytes=memory)
-    exposition.serve(args.metrics_port, worker.service.telemetry.registry, "dtorch-worker")
+    exposition.serve(args.metrics_port, worker.service.telemetry.registry, "dtorch-worker", args.listen)
     address = advertised(worker.address, args.advertise)
     client_address = advertised(worker.client_address, args.client_advertise)
     worker.executor.address = address
