@@ -392,7 +392,7 @@ def test_a_model_built_on_the_meta_device_is_laid_out_loaded_and_trained_as_torc
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, torch.float32], ids=["reduce_bf16", "reduce_fp32"])
-def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as_torch(mesh1, reduce_dtype):
+def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as_torch(mesh1, mesh2d, reduce_dtype):
     """torch's `MixedPrecisionPolicy`: the parameters stay float32 (the optimizer's), are gathered and computed in
     bfloat16, and their gradients are reduced in `reduce_dtype` and kept in float32. The reference is what FSDP2
     computes on one device: a bfloat16 copy of the float32 model for forward and backward, its gradients stepped
@@ -441,6 +441,10 @@ def test_fully_shard_mixed_precision_trains_fp32_parameters_with_bf16_compute_as
     with pytest.raises(ValueError, match=r"fully_shard: parameter 'weight' of Linear lives on DeviceMesh\('cpu', "
                                          r"\[0, 1\]\), not on DeviceMesh\('cpu', \[0, 1, 2, 3\]\)"):
         fully_shard(tp, mesh=dtorch.DeviceMesh("cpu", [0, 1, 2, 3]))
+    tp2d = parallelize_module(nn.Linear(4, 4), mesh2d, ColwiseParallel(), tp_mesh_dim="tp")
+    with pytest.raises(ValueError, match="parameter 'weight' of Linear is already Shard\\(dim=0\\) on mesh dim 1 of "
+                                         ".*; give fully_shard the data-parallel dim"):
+        fully_shard(tp2d, mesh=mesh2d)  # (the default, the last dim: tp, where it would have lost its TP layout)
 
 
 def test_fully_shard_takes_torchs_placement_function_ignored_parameters_and_default_policies(mesh1):

@@ -419,6 +419,20 @@ class _Gathered:
         self.stored.clear()
 
 
+def _fsdp_base(p: DTensor, name: str, mod: nn.Module, mesh: DeviceMesh, dims: tuple[int, ...]) -> tuple:
+    """The placements a parameter already laid out keeps beside `fully_shard`'s on `dims` of `mesh`; refused in one
+    line where it lives on another mesh or is already sharded on those dims (its layout would be lost)."""
+    where = f"fully_shard: parameter {name!r} of {type(mod).__name__}"
+    if p.device_mesh != mesh:
+        raise ValueError(f"{where} lives on {p.device_mesh!r}, not on {mesh!r}: lay tensor parallelism and FSDP out "
+                         "on one mesh (or on named slices of one: mesh[\"tp\"], mesh[\"dp\"])")
+    taken = [d for d in dims if not p.placements[d].is_replicate()]
+    if taken:
+        raise ValueError(f"{where} is already {p.placements[taken[0]]} on mesh dim {taken[0]} of {mesh!r}; give "
+                         "fully_shard the data-parallel dim (mesh_dim=, or mesh[\"dp\"])")
+    return p.placements
+
+
 def _shard_of(param: nn.Parameter, shard_placement_fn: Callable[[nn.Parameter], Any] | None) -> Shard:
     """Where `fully_shard` shards a parameter: `Shard(0)`, or what torch's `shard_placement_fn` says."""
     placement = from_torch_placement(shard_placement_fn(param)) if shard_placement_fn is not None else None
@@ -492,15 +506,12 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             continue
         names = []
         for name, p in list(mod.named_parameters(recurse=False)):
-            base = p.placements if isinstance(p, DTensor) else replicate
-            if isinstance(p, DTensor) and p.device_mesh != device_mesh:
-                raise ValueError(f"fully_shard: parameter {name!r} of {type(mod).__name__} lives on {p.device_mesh!r}, "
-                                 f"not on {device_mesh!r}: lay tensor parallelism and FSDP out on one mesh (or on "
-                                 "named slices of one: mesh[\"tp\"], mesh[\"dp\"])")
-            if p.ndim and id(p) not in ignored:  # laid out once, where it is stored (a meta one allocated there)
-                shard = _shard_of(p, shard_placement_fn)
-                _set_param(mod, name, _distribute(p, device_mesh, _with(base, dims, shard, p.ndim)), p.requires_grad)
-                names.append(name)
+            if not p.ndim or id(p) in ignored:
+                continue
+            base = _fsdp_base(p, name, mod, device_mesh, dims) if isinstance(p, DTensor) else replicate
+            shard = _shard_of(p, shard_placement_fn)  # laid out once, where it is stored (a meta one allocated there)
+            _set_param(mod, name, _distribute(p, device_mesh, _with(base, dims, shard, p.ndim)), p.requires_grad)
+            names.append(name)
         if names:
             mod._dtorch_gathered = hooks = _Gathered(names, dims, reshard_after_forward, precision)
             mod.register_forward_pre_hook(hooks.gather)
