@@ -40,6 +40,7 @@ def pair() -> Iterator[tuple[WorkerHandle, WorkerHandle]]:
     a = start_worker(input_timeout_s=30.0)
     b = start_worker(input_timeout_s=30.0)
     _workers[:] = [a, b]
+    _next.clear()  # fresh workers start at seq 1 (a port of an earlier test's worker, reused, carried its count on)
     yield a, b
     a.stop(0)
     b.stop(0)
