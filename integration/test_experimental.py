@@ -52,6 +52,34 @@ def test_a_llama_trains_under_context_parallel_as_on_one_device(mesh2d):
     assert attention[torch.ops.c10d_functional.all_gather_into_tensor] >= 2
 
 
+def test_a_loop_entering_context_parallel_at_each_step_is_replayed_with_the_eager_losses(mesh1):
+    """The block's in-place layout changes are operations of the step: automatic capture records the step and
+    replays it, as without the block."""
+    def train(auto):
+        torch.manual_seed(0)
+        model = replicate_module(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)),
+                                 mesh1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        dtorch.auto_compile(False)
+        capture = dtorch.auto_compile(auto)
+        losses = []
+        for _ in range(6):
+            x = dtorch.distribute_tensor(torch.randn(2, 6, 8, generator=gen), mesh1, [Replicate()])
+            with context_parallel(mesh1, buffers=[x], buffer_seq_dims=[1]):
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            losses.append(loss.item())
+        replays = capture.replays if capture else 0
+        dtorch.auto_compile(True)
+        return losses, replays
+
+    (losses, replays), (eager, _) = train(True), train(False)
+    assert replays >= 2 and losses == eager
+
+
 def test_context_parallel_refuses_what_it_cannot_lay_out_in_one_line(mesh1, mesh2d):
     x = dtorch.distribute_tensor(torch.randn(2, 8), mesh1, [Replicate()])
     with pytest.raises(ValueError, match="2 buffers but 1 buffer_seq_dims"):

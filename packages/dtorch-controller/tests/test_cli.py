@@ -133,8 +133,7 @@ def test_bad_listen_address(listen):
 
 def test_a_port_file_that_cannot_be_written_is_one_line_and_the_controller_stops(tmp_path):
     """It was a traceback naming the temporary file (".port.4242.tmp")."""
-    keys = str(tmp_path / "keys.json")
-    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    keys = _admin_keys(tmp_path)
     out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--port-file", str(tmp_path / "none" / "port"))
     assert out.returncode == 1 and out.stderr == (f"dtorch-controller: cannot write --port-file "
                                                   f"{tmp_path / 'none' / 'port'}: No such file or directory\n")
@@ -142,11 +141,17 @@ def test_a_port_file_that_cannot_be_written_is_one_line_and_the_controller_stops
 
 def test_a_bad_worker_port_is_named_as_the_worker_option(tmp_path):
     """--worker-listen HOST:99999 was refused as '--listen needs HOST:PORT', naming the option that was right."""
-    keys = str(tmp_path / "keys.json")
-    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    keys = _admin_keys(tmp_path)
     out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--worker-listen", "127.0.0.1:99999")
     assert out.returncode == 1 and out.stderr == ("dtorch-controller: --worker-listen needs HOST:PORT with a port "
                                                   "0-65535, got '127.0.0.1:99999'\n")
+
+
+def _admin_keys(tmp_path) -> str:
+    """A key file with an admin key, made by `keys create`: its path."""
+    keys = str(tmp_path / "keys.json")
+    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    return keys
 
 
 def _run(*argv, env=None):
@@ -207,8 +212,7 @@ def test_a_negative_dispatch_window_is_refused_in_one_line(tmp_path):
 
 def test_settings_out_of_range_name_the_options_an_operator_typed(tmp_path):
     """The refusals named the core's fields (heartbeat_timeout_s, snapshot_every_s), not the options."""
-    keys = str(tmp_path / "keys.json")
-    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    keys = _admin_keys(tmp_path)
     out = _run("--keys", keys, "--listen", "127.0.0.1:0", "--heartbeat-timeout", "0.1")
     assert out.returncode == 2 and out.stderr == ("dtorch-controller: --heartbeat-timeout (0.1) must exceed "
                                                   "--heartbeat-interval (0.2)\n")
@@ -237,8 +241,7 @@ def test_a_malformed_environment_default_is_one_line_naming_the_variable(name, t
 def test_ports_and_times_out_of_range_are_refused_naming_the_option(tmp_path):
     """A port above 65535 was served on a random port (--listen) or crashed the start (--metrics-port, and -1 ran
     without metrics); an infinite time crashed a timer thread (--usage-interval inf) while the controller went on."""
-    keys = str(tmp_path / "keys.json")
-    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    keys = _admin_keys(tmp_path)
     for argv, line in [
         (["--listen", "127.0.0.1:99999"], "dtorch-controller: --listen needs HOST:PORT with a port 0-65535, got "
                                           "'127.0.0.1:99999'"),
@@ -289,8 +292,7 @@ def test_metrics_are_served_on_the_listen_host_only(tmp_path):
     import urllib.request
     from pathlib import Path
 
-    keys = str(tmp_path / "keys.json")
-    assert _run("keys", "create", "--keys", keys, "--role", "admin").returncode == 0
+    keys = _admin_keys(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

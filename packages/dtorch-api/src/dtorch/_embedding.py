@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
-from dtorch._local import emit, is_dtensor, only_mine, own_rows, rows, spec, to
+from dtorch._local import boxes, emit, is_dtensor, only_mine, own_rows, rows, spec, to
 from dtorch._registry import named_args, register_decomposition
-from dtorch_protocol.layout import coords, shard_box
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
@@ -84,7 +83,7 @@ def vocabulary_parallel_gradient(args: tuple, kwargs: dict) -> Any:  # rule 3
     if layouts is None:
         return NotImplemented
     mesh, shape, placements = indices.device_mesh, (num_weights, grad.shape[-1]), layouts[1]
-    held = [shard_box(shape, mesh.shape, placements, c)[0] for c in coords(mesh.shape)]
+    held = [box[0] for box in boxes(mesh, placements, shape)]
     if any(length == 0 for _, length in held):
         return NotImplemented
     mine, safe = own_rows(indices, held)

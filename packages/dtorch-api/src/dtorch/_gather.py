@@ -36,6 +36,7 @@ import torch
 
 from dtorch._local import (
     REDUCIBLE,
+    boxes,
     emit,
     is_dtensor,
     on_dims,
@@ -47,9 +48,9 @@ from dtorch._local import (
     spec,
     to,
 )
-from dtorch._registry import register_decomposition
+from dtorch._registry import named_args, register_decomposition
 from dtorch._sharding import in_backward
-from dtorch_protocol.layout import box_shape, coords, shard_box
+from dtorch_protocol.layout import box_shape
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
@@ -99,7 +100,7 @@ def gather_along_shards(args: tuple, kwargs: dict) -> Any:  # rule 2
 
 @register_decomposition(aten.scatter_add.default)
 def scatter_add_along_shards(args: tuple, kwargs: dict) -> Any:  # rule 3
-    values = dict(zip(("self", "dim", "index", "src"), args), **kwargs)
+    values = named_args(aten.scatter_add.default, args, kwargs)
     x, index, src = values["self"], values["index"], values["src"]
     split = _split(x, values["dim"], index)
     if split is None or not is_dtensor(src) or src.device_mesh != x.device_mesh or tuple(src.shape) != \
@@ -114,17 +115,18 @@ def scatter_add_along_shards(args: tuple, kwargs: dict) -> Any:  # rule 3
 
 @register_decomposition(aten.new_zeros.default)
 def gradient_zeros(args: tuple, kwargs: dict) -> Any:  # rule 4
-    values = dict(zip(("self", "size"), args), **kwargs)
-    ref, size = values["self"], values["size"]
-    if not GATHERED or not is_dtensor(ref) or in_backward() is None or \
-            values.get("layout") not in (None, torch.strided):
+    if not GATHERED or in_backward() is None:  # (every new_zeros asks: the common answer first)
         return NotImplemented
-    dtype = values.get("dtype") or ref.dtype
+    values = named_args(aten.new_zeros.default, args, kwargs)
+    ref, size = values["self"], values["size"]
+    if not is_dtensor(ref) or values["layout"] not in (None, torch.strided):
+        return NotImplemented
+    dtype = values["dtype"] or ref.dtype
     placements = GATHERED.get((ref.device_mesh.id, tuple(size), dtype))
     if placements is None:
         return NotImplemented
     mesh = ref.device_mesh
-    parts = [list(box_shape(shard_box(tuple(size), mesh.shape, placements, c))) for c in coords(mesh.shape)]
+    parts = [list(box_shape(box)) for box in boxes(mesh, placements, size)]
     return emit(aten.new_zeros.default, (ref, list(size)), spec(mesh, placements, tuple(size), dtype),
                 per_device=[(ref, part) for part in parts], kwargs={"dtype": dtype})
 

@@ -94,11 +94,15 @@ def sharding(t: Any, dim: int) -> list[int]:
     return [i for i, p in enumerate(t.placements) if isinstance(p, Shard) and p.dim % t.ndim == dim % t.ndim]
 
 
+def boxes(mesh: Any, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
+    """Each device's box ((start, length) per dim) of a tensor of `shape` laid out so, in the mesh's row-major
+    order (torch.chunk's split: 5 over 4 devices is 2, 2, 1, 0)."""
+    return [shard_box(tuple(shape), mesh.shape, tuple(placements), c) for c in coords(mesh.shape)]
+
+
 def rows(t: Any, dim: int) -> list[tuple[int, int]]:
-    """Each device's (start, length) of `dim` of DTensor `t`, in the mesh's row-major order (torch.chunk's split:
-    5 over 4 devices is 2, 2, 1, 0)."""
-    mesh = t.device_mesh
-    return [shard_box(tuple(t.shape), mesh.shape, t.placements, c)[dim % t.ndim] for c in coords(mesh.shape)]
+    """Each device's (start, length) of `dim` of DTensor `t`, in the mesh's row-major order."""
+    return [box[dim % t.ndim] for box in boxes(t.device_mesh, t.placements, t.shape)]
 
 
 def own_rows(indices: Any, rows: list[tuple[int, int]]) -> tuple[Any, Any]:

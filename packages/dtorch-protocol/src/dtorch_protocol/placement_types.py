@@ -81,6 +81,27 @@ class Partial(Placement):
         return f"Partial({self.reduce_op})"
 
 
+
+# (kind of the source placement, kind of the destination placement) on one mesh dim -> what changing it takes: the
+# collective the controller lowers it to (`dtorch_controller.core.collectives`, which `dtorch.debug.CommDebugMode`
+# counts), or a local slice. Kinds: "S" shard, "P" partial, "R" replicate; a change to a Partial is none of these.
+MOVES: dict[tuple[str, str], str] = {
+    ("S", "R"): "all_gather",
+    ("S", "S"): "all_to_all",
+    ("R", "S"): "slice",
+    ("P", "R"): "all_reduce",
+    ("P", "S"): "reduce_scatter",
+}
+
+
+def move(src: Placement, dst: Placement) -> str | None:
+    """What `src` -> `dst` on one mesh dim takes (table MOVES), None for a change to a Partial."""
+    return MOVES.get((_kind(src), _kind(dst)))
+
+
+def _kind(p: Placement) -> str:
+    return "S" if p.is_shard() else "P" if p.is_partial() else "R"
+
 _REPLICATE = Replicate()
 
 

@@ -8,12 +8,13 @@
 
 Rules:
   1. Every redistribution the client asks for in the block is counted (an op's input laid out anew, an explicit
-     `redistribute`, `full_tensor`'s, an FSDP gather and its reduce-scatter),
-     from any thread: one per mesh dim of two devices or more whose placement changes, keyed by the functional
-     collective torch's DTensor issues for that change (table COLLECTIVES), so a torch test's assertions read the
-     same. A change that needs no communication (Replicate -> Shard, to Partial) counts nothing; a move between
-     two meshes counts one CROSS_MESH. These are what the program needs, not how the data plane moves it: the
-     workers may reduce several Partial dims in one step or take point-to-point pieces (docs/architecture.md).
+     `redistribute`, an FSDP gather and its reduce-scatter), from any thread: one per mesh dim of two devices or
+     more whose placement changes, keyed by the functional collective torch's DTensor issues for that change (the
+     kind of move `placement_types.MOVES` names, the controller's lowering table, then table COLLECTIVES), so a
+     torch test's assertions read the same. A change that needs no communication (Replicate -> Shard, to Partial)
+     counts nothing; a move between two meshes counts one CROSS_MESH. These are what the program needs, not how
+     the data plane moves it: the workers may reduce several Partial dims in one step or take point-to-point
+     pieces (docs/architecture.md).
   2. Reads (`to_torch()`, `.item()`) and uploads are transfers between the client and the workers, not
      collectives, and count nothing (torch's DTensor counts its own: `full_tensor()` is an all_gather there, a
      replicated `distribute_tensor` a broadcast), but for a replicated upload of 1 MiB or more, which goes to the
@@ -46,30 +47,25 @@ from dtorch import _capture, _sharding, runtime
 from dtorch.device_mesh import shape_of
 from dtorch.dtensor import DTensor
 from dtorch_protocol import messages as m
-from dtorch_protocol.placement_types import placement_from_wire
+from dtorch_protocol.placement_types import move, placement_from_wire
 
 _funcol = torch.ops.c10d_functional
-# (kind of the source placement, kind of the destination placement) on one mesh dim -> torch's collective
-COLLECTIVES: dict[tuple[str, str], Any] = {
-    ("S", "R"): _funcol.all_gather_into_tensor,
-    ("S", "S"): _funcol.all_to_all_single,
-    ("P", "R"): _funcol.all_reduce,
-    ("P", "S"): _funcol.reduce_scatter_tensor,
+# what a change of one mesh dim's placement takes (`placement_types.MOVES`) -> torch's functional collective for it
+COLLECTIVES: dict[str, Any] = {
+    "all_gather": _funcol.all_gather_into_tensor,
+    "all_to_all": _funcol.all_to_all_single,
+    "all_reduce": _funcol.all_reduce,
+    "reduce_scatter": _funcol.reduce_scatter_tensor,
 }
 CROSS_MESH = "point_to_point"  # the key of a move between two meshes, which torch's DTensor cannot make
-
-
-def _kind(wire: str) -> str:
-    p = placement_from_wire(wire)
-    return "S" if p.is_shard() else "P" if p.is_partial() else "R"
 
 
 def collectives(src: m.TensorSpec, dst: m.TensorSpec) -> list[Any]:
     """What one redistribution counts (rule 1)."""
     if src.mesh != dst.mesh:
         return [CROSS_MESH]
-    return [COLLECTIVES[kinds] for n, p, q in zip(shape_of(src.mesh), src.placements, dst.placements)
-            if n > 1 and p != q and (kinds := (_kind(p), _kind(q))) in COLLECTIVES]
+    return [COLLECTIVES[kind] for n, p, q in zip(shape_of(src.mesh), src.placements, dst.placements)
+            if n > 1 and p != q and (kind := move(placement_from_wire(p), placement_from_wire(q))) in COLLECTIVES]
 
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtorch._local import boxes
 from dtorch._spec import StridedShard
-from dtorch_protocol.layout import coords, shard_box
 
 
 def _parts(dtensor: Any) -> dict[tuple[tuple[int, int], ...], list[int]]:
@@ -21,8 +21,8 @@ def _parts(dtensor: Any) -> dict[tuple[tuple[int, int], ...], list[int]]:
         raise ValueError(f"visualize_sharding: a strided shard ({placements}) is not one box per device; "
                          "redistribute to Shard first")
     parts: dict[tuple[tuple[int, int], ...], list[int]] = {}
-    for device, coord in zip(mesh.devices, coords(mesh.shape)):
-        parts.setdefault(shard_box(tuple(dtensor.shape), mesh.shape, placements, coord), []).append(device)
+    for device, box in zip(mesh.devices, boxes(mesh, placements, dtensor.shape)):
+        parts.setdefault(box, []).append(device)
     return parts
 
 

@@ -5,10 +5,10 @@ pieces. Nothing here touches the network or a clock; plans are cached per layout
 
 Rules:
 
-1. One mesh dim moves at a time (table MOVES): Shard(i) -> Replicate is an all_gather, Shard(i) -> Shard(j)
-   an all_to_all, Replicate -> Shard(j) a local slice, Partial -> Replicate an all_reduce and Partial ->
-   Shard(j) a reduce_scatter, among the devices that differ only in that mesh dim (a *mesh group*, positions
-   in mesh order). Kept dims stay as they are (a Partial that stays the same Partial stays a partial).
+1. One mesh dim moves at a time (table `placement_types.MOVES`): Shard(i) -> Replicate is an all_gather,
+   Shard(i) -> Shard(j) an all_to_all, Replicate -> Shard(j) a local slice, Partial -> Replicate an all_reduce and
+   Partial -> Shard(j) a reduce_scatter, among the devices that differ only in that mesh dim (a *mesh group*,
+   positions in mesh order). Kept dims stay as they are (a Partial that stays the same Partial stays a partial).
 2. Every Partial dim that is reduced is reduced in ONE step, over the devices that differ only in those dims,
    in row-major order of their coordinates: the order the point-to-point plan reduces in. Collectives only
    move bytes; the owner of each piece reduces it with torch in that order (worker `collectives.py`), so a
@@ -54,20 +54,12 @@ from dtorch_controller.core.ids import random_session_id
 from dtorch_controller.core.redistribute import pulled
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import Box, coords, shard_box
-from dtorch_protocol.placement_types import Placement, Replicate
+from dtorch_protocol.placement_types import MOVES, Placement, Replicate, move
 
 MeshKey = tuple[tuple[int, ...], tuple[int, ...]]  # (logical devices row-major, mesh shape)
 Binding = tuple[tuple[int, str], ...]  # (logical device, worker id), sorted by device
 Workers = tuple[tuple[str, str, bool], ...]  # (worker id, device kind, can join collectives), sorted by id
 
-# (kind of the source placement, kind of the destination placement) on one mesh dim -> step kind
-MOVES: dict[tuple[str, str], str] = {
-    ("S", "R"): "all_gather",
-    ("S", "S"): "all_to_all",
-    ("R", "S"): "slice",
-    ("P", "R"): "all_reduce",
-    ("P", "S"): "reduce_scatter",
-}
 COST_FACTOR = 2.0  # collectives win unless they make the busiest worker receive more than this x the pieces' bytes
 ITEMSIZE: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
@@ -75,9 +67,6 @@ ITEMSIZE: dict[str, int] = {
     "float32": 4, "complex32": 4, "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
 }
 
-
-def _kind(p: Placement) -> str:
-    return "S" if p.is_shard() else "P" if p.is_partial() else "R"
 
 
 # ---------------------------------------------------------------------------- geometry (binding-free)
@@ -215,7 +204,7 @@ def _moves(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> list[list[
     for k, (a, b) in enumerate(zip(src, dst)):
         if k in reduced or a == b:
             continue
-        kind = MOVES.get((_kind(a), _kind(b)))
+        kind = move(a, b)
         if kind is None:  # to a Partial: local zeros, the pieces do it without moving anything
             return None
         plain.append(_Move(kind, (k,), (b,)))
