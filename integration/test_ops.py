@@ -1254,3 +1254,23 @@ def test_a_plain_parameter_mixed_with_dtensors_is_pointed_out_once(mesh1):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         linear(x)  # once per parameter
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)
+def test_pin_memory_of_a_dtensor_keeps_its_values_and_counts_as_pinned(mesh4, placement):
+    """A DTensor's shards live on the workers: nothing of it is in the client's memory to pin (dtorch._pinned).
+    `pin_memory()` was refused ("NYI: aten._pin_memory"); `is_pinned()` fetched the whole tensor to answer False.
+    Now it counts as pinned, as torch's `t.pin_memory()` is: `pin_memory()` returns it as torch returns a pinned
+    tensor, and torch's `_pin_memory` (always a copy) gives the same values and layout, all without a sync point."""
+    full = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    x = dist(full, mesh4, placement)
+    reads = dict(x._session.reads)
+    assert x.is_pinned() is True
+    pinned = x.pin_memory()
+    copied = torch.ops.aten._pin_memory.default(x)
+    assert x._session.reads == reads  # nothing fetched
+    assert pinned is x and pinned.is_pinned()
+    assert isinstance(copied, dtorch.DTensor) and copied is not x and copied.is_pinned()
+    assert copied.placements == x.placements and copied.device_mesh == x.device_mesh
+    assert_same(pinned, full)
+    assert_same(copied, full)

@@ -46,6 +46,7 @@ from dtorch import (  # noqa: F401
     _joint,
     _losses,
     _optimizers,
+    _pinned,
     _random_ops,
     _reductions,
     _rules,
