@@ -29,6 +29,9 @@ Rules:
      it; its backward from the first gradient of one of its outputs to the gradients of all its inputs that need
      one (or the end of the backward pass). A forward run again inside a backward (activation checkpointing) is
      the backward's.
+  5. Nothing of the block outlives it in the program's tensors: its gradient hooks go with it. Kept, a hook on a
+     tensor that lives on (an input, a parameter's gradient path) held the mode, and through it every parameter it
+     noted, with their shards on the workers.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ class _Modules:
         self.backward: Counter[str] = Counter()
         self.task: int | None = None  # the backward pass `backward` belongs to
         self.calls: defaultdict[str, list[object]] = defaultdict(list)  # a module's running forwards, innermost last
+        # the gradient hooks on the block's tensors: removed with the block (rule 5)
+        self.hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> _Modules:
         self.handle = register_module_forward_pre_hook(self._pre)
@@ -91,6 +96,9 @@ class _Modules:
 
     def __exit__(self, *exc: object) -> None:
         self.handle.remove()
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
 
     def running(self) -> list[str]:
         counter = self.backward if _sharding.in_backward() is not None else self.forward
@@ -121,12 +129,12 @@ class _Modules:
             self.forward[name] -= 1
             outputs = _needing_grad(out)
             if outputs:
-                register_multi_grad_hook(outputs, lambda *_: self._backward_starts(name), mode="any")
+                self.hooks.append(register_multi_grad_hook(outputs, lambda *_: self._backward_starts(name), mode="any"))
 
         handle = module.register_forward_hook(ended, always_call=True)
         inputs = _needing_grad(args)
         if inputs:
-            register_multi_grad_hook(inputs, lambda *_: self._backward_ends(name))
+            self.hooks.append(register_multi_grad_hook(inputs, lambda *_: self._backward_ends(name)))
 
     def _backward_starts(self, name: str) -> None:
         task = _sharding.in_backward()
