@@ -137,3 +137,44 @@ def test_a_run_too_long_for_its_heartbeat_is_refused_before_it_runs():
                          "workload.synthetic.duration={dist: constant, value: 1e300}", "--set", "duration_s=3600"],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_cost_no_job_can_pay_before_the_run_ends_is_refused_before_it_runs(tmp_path):
+    """cost.launch_s: 1e300 validated ok, ran a minute of events and reported 0/40 jobs finished, with no word. Each
+    per-job cost (feasible.PER_JOB) is refused in one line naming the field and the range that lets a job finish."""
+    from pathlib import Path
+
+    scenario = Path(__file__).resolve().parents[3] / "scenarios" / "synthetic-small.yaml"
+    for command in ("validate", "run"):
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", command, str(scenario), "--set", "cost.launch_s=1e300",
+                              *(["--out", str(tmp_path)] * (command == "run"))], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 1 and out.stdout == "", out.stderr
+        assert out.stderr == (f"{scenario}: cost.launch_s: 1e+300 s per command (at least one a step) leaves no job "
+                              "able to finish by the run's end (~106,358 s: the last arrival + 10x the jobs' total "
+                              "work + 1 h): expected 0 <= launch_s < 1.06e+04 s\n")
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set", "duration_s=100",
+                          "--set", "cost.rpc_latency_s=60"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr == (
+        f"{scenario}: cost.rpc_latency_s: 60 s per delivery (at least one a Sync) leaves no job able to finish by the "
+        "run's end (~100 s: duration_s): expected 0 <= rpc_latency_s < 49.4 s\n")
+    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set", "duration_s=100",
+                         "--set", "cost.rpc_latency_s=49", "--set", "cost.launch_s=9.8"], capture_output=True,
+                        text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_bandwidth_too_low_for_one_copy_in_the_run_is_a_warning(base):
+    """A copy of the smallest state that outlasts the run: a job that is moved or snapshotted never ends."""
+    from dtorch_sim import feasible
+    from dtorch_sim.jobs import generate
+    from dtorch_sim.scenario import parse
+
+    sc = parse(base)
+    assert feasible.warnings(sc, generate(sc)) == []
+    base["cost"] = {"network_gbps": 1e-300}
+    sc = parse(base)
+    (line,) = feasible.warnings(sc, generate(sc))
+    assert line.startswith("warning: cost.network_gbps: copying 2 GB (the smallest job state per device) takes "
+                           "1.72e+301 s, longer than the run"), line
+    assert "a job moved or rebuilt from another worker will not finish (expected network_gbps > " in line

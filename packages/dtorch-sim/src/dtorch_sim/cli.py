@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dtorch_sim import __version__
+from dtorch_sim import __version__, feasible
 from dtorch_sim.harness import Stalled
 from dtorch_sim.jobs import JobSpec, end_guess, generate, node_groups, warnings
 from dtorch_sim.policies import UnknownPolicy, is_known, known, make_policy
@@ -177,11 +177,13 @@ def _main(argv: list[str] | None) -> int:
             print(line, file=sys.stderr)
         return 1
     specs = generate(sc)
-    problem = _samples_problem(sc, specs, args.scenario) or _heartbeats_problem(sc, specs, args.scenario)
-    if problem:
-        print(problem, file=sys.stderr)
+    problems = feasible.problems(sc, specs, args.scenario) or \
+        [p for p in (_samples_problem(sc, specs, args.scenario) or _heartbeats_problem(sc, specs, args.scenario),) if p]
+    if problems:
+        for line in problems:
+            print(line, file=sys.stderr)
         return 1
-    notes = warnings(sc, specs)
+    notes = warnings(sc, specs) + feasible.warnings(sc, specs)
     if args.command == "validate":
         print(f"{args.scenario}: ok ({sum(g.count * g.devices_per_node for g in node_groups(sc))} devices, "
               f"policy {sc.policy.name})")

@@ -32,7 +32,7 @@ from dtorch_controller.core import effects as fx
 from dtorch_controller.core import events as ev
 from dtorch_controller.core.timers import Heartbeat
 from dtorch_protocol import messages as m
-from dtorch_sim.jobs import GB, JobRecord, JobSpec, end_guess, generate, job, node_groups
+from dtorch_sim.jobs import GB, JobRecord, JobSpec, end_guess, generate, horizon, job, node_groups
 from dtorch_sim.policies import make_policy
 from dtorch_sim.scenario import Elastic, Fault, NodeGroup, Scenario
 from dtorch_sim.workers import Worker
@@ -163,7 +163,7 @@ class Simulation:
         self.all_jobs_done = self.env.event()
         self.all_jobs_done.callbacks.append(simpy.core.StopSimulation.callback)  # stop right there
         self._share_memory = min(dt.memory_gb for dt in sc.cluster.device_types.values())
-        self.end_time = sc.duration_s if sc.duration_s is not None else self._default_end()
+        self.end_time = horizon(sc, self.specs)
         self.sample_interval = sc.metrics.sample_interval_s or self.end_guess() / 200
         for group in node_groups(sc):
             self.add_nodes(group)
@@ -779,11 +779,6 @@ class Simulation:
             self.samples.append(Sample(self.env.now, n, allocated, bound, busy, view.queued,
                                        len(self._frozen_now),
                                        max(0.0, 1.0 - leased / n) if n else 0.0, min(1.0, requested / n) if n else 0.0))
-
-    def _default_end(self) -> float:
-        """Without duration_s: a generous cap, so a workload that cannot finish still ends."""
-        last = self.specs[-1].arrival if self.specs else 0.0
-        return last + 10 * sum(s.duration for s in self.specs) + 3600.0
 
     def end_guess(self) -> float:
         return end_guess(self.scenario, self.specs)

@@ -328,6 +328,22 @@ def end_guess(sc: Scenario, specs: list[JobSpec]) -> float:
     return max(last + max((s.duration for s in specs), default=1.0), 1.0)
 
 
+def horizon(sc: Scenario, specs: list[JobSpec]) -> float:
+    """When the run stops whatever happens: duration_s, else a generous cap (the last arrival plus ten times the
+    jobs' total work plus an hour), so a workload that cannot finish still ends."""
+    if sc.duration_s is not None:
+        return sc.duration_s
+    last = specs[-1].arrival if specs else 0.0
+    return last + 10 * sum(s.duration for s in specs) + 3600.0
+
+
+def step_count(spec: JobSpec, wl: Workload) -> int:
+    """How many steps a job runs: `steps_per_job`, or steps of about `step_s` (at most `max_steps`)."""
+    if wl.step_s is not None:
+        return max(1, min(wl.max_steps, math.ceil(spec.duration / wl.step_s)))
+    return wl.steps_per_job
+
+
 def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
     """What may surprise in a scenario that is valid: one line each (printed by validate, run and compare)."""
     lines = []
@@ -409,10 +425,7 @@ class Steps:
     A step declares `flops` per device: duration/steps seconds on a speed-1.0 device under the cost model."""
 
     def __init__(self, spec: JobSpec, wl: Workload, reference_tflops: float, state_bytes: int) -> None:
-        if wl.step_s is not None:
-            self.steps = max(1, min(wl.max_steps, math.ceil(spec.duration / wl.step_s)))
-        else:
-            self.steps = wl.steps_per_job
+        self.steps = step_count(spec, wl)
         self.step_s = spec.duration / self.steps
         # Amdahl (scenario.Scaling): on its n devices a step takes step_s = T1 * ((1 - p) + p / n). Each worker pays
         # the serial part T1 * (1 - p) once per step and the parallel part T1 * p / n per logical device it hosts,
