@@ -8,10 +8,12 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import dtorch
 from dtorch import Replicate, Shard
 from dtorch.errors import RemoteOpError
+from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from dtorch_protocol import messages as m
 from dtorch_protocol import wire
 
@@ -173,3 +175,35 @@ def test_a_sparse_gradient_is_refused_at_the_op_in_one_line(mesh1):
         out.backward()
     assert "\n" not in str(info.value)
     assert torch.equal((emb.weight * 0).to_torch(), torch.zeros(10, 4))  # the session goes on
+
+
+class _Attention(nn.Module):
+    """pytorch/examples' Llama 2 attention, cut down: its heads are the `n_heads` attribute a TP recipe patches."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_ported_recipes_local_head_count_is_refused_saying_to_keep_the_models_own(mesh1):
+    """torch's tensor-parallel recipes (pytorch/examples' fsdp_tp_example) divide each attention's head count by the
+    TP size, since each SPMD rank's module sees its local shard; DTorch's modules see global shapes. Ported as
+    written, the first view failed with torch's bare "shape '[2, 6, 2, 8]' is invalid for input of size 192"."""
+    torch.manual_seed(0)
+    model, full = _Attention(16, 4), torch.randn(2, 6, 16)
+    expected = model(full)
+    plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
+    parallelize_module(model, mesh1, plan)
+    x = dtorch.distribute_tensor(full, mesh1, [Replicate()])
+    torch.testing.assert_close(model(x).to_torch(), expected)  # the model's own counts: one device's result
+    model.n_heads //= mesh1.size()  # the recipe's patch
+    with pytest.raises(RuntimeError, match=r"aten.view.default at .*test_errors.py.* is invalid for input of size 192 "
+                                           r"\(this shape holds 1/2 of the tensor, .* keep the model's own counts\)$"):
+        model(x)

@@ -9,7 +9,8 @@ carry it out as several ops. Carrying a plan out by route (see `_planner` for th
   sync, local         fetch the inputs (a sync point, at most DTORCH_LOCAL_MAX_BYTES), run the op here; local
                       uploads its outputs as Replicate
   out                 run the functional op, then copy each result into its out= tensor
-An op whose shapes or dtypes torch refuses raises here, at once, with torch's error, the op and the user's line.
+An op whose shapes or dtypes torch refuses raises here, at once, with torch's error, the op and the user's line;
+a view whose shape holds 1/n of a tensor sharded over n devices also says what that is (`_local_count_hint`).
 
 In-place ops keep the DTensor object; when they change its shape (`squeeze_`, `transpose_`, `resize_`)
 the wrapper's metadata follows. An in-place op on a plain torch.Tensor (`buf[i] = x`) takes the DTensors' values
@@ -53,6 +54,27 @@ LITERAL_MAX_NUMEL = 1 << 16  # plain tensors up to this size travel inside the i
 
 planner = _planner.Planner()
 _cached = planner.get
+
+
+SHAPED_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+
+def _local_count_hint(func: Any, args: tuple) -> str:
+    """What to add to torch's refusal of a view whose shape holds the tensor divided by a sharded mesh dim's size:
+    the mark of torch's SPMD recipes, which patch a module's counts (attention heads) to each rank's local ones.
+    DTorch's modules see global shapes, so a ported recipe must drop that patch."""
+    if func not in SHAPED_VIEWS or len(args) < 2 or type(args[0]) is not dtensor.DTensor:
+        return ""
+    x, shape = args[0], args[1]
+    if not isinstance(shape, (list, tuple)) or -1 in shape or not all(type(n) is int for n in shape):
+        return ""
+    wanted = math.prod(shape)
+    for size, p in zip(x.device_mesh.shape, x.placements):
+        if size > 1 and isinstance(p, Shard) and wanted * size == x.numel():
+            return (f" (this shape holds 1/{size} of the tensor, as a head count divided by the {size} devices of "
+                    f"a torch tensor-parallel recipe would: DTorch modules see global shapes, keep the model's own "
+                    f"counts)")
+    return ""
 
 
 class _Plain(Exception):
@@ -456,7 +478,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict, key: Any = None) -> Any:
             return func(*_to_mesh(args, home), **_to_mesh(kwargs, home))
         except Refused as e:  # torch refuses these shapes or dtypes: say so now, where the user wrote the op
             kind = e.error_type if e.error_type in _TORCH_ERRORS else RuntimeError
-            raise kind(f"{func} at {describe_src(user_src(2))}: {e.message}") from None
+            raise kind(f"{func} at {describe_src(user_src(2))}: {e.message}{_local_count_hint(func, args)}") from None
     if plan.encode is not None:
         session: Session = leaves[0]._session
         tid = session.new_tid()
