@@ -353,6 +353,37 @@ def test_keys_create_list_revoke_quota(tmp_path, monkeypatch, capsys):
         proc.wait(10)
 
 
+def test_keys_list_is_a_table_that_tells_keys_apart_and_shows_no_secret(tmp_path):
+    """Fixed column widths glued a long tenant or node to the next column ('research-vision-team-' then the node);
+    each column is now as wide as its longest value, a revoked key says so, and neither a key nor its hash shows."""
+    path = str(tmp_path / "keys.json")
+    made = [_run("keys", "create", "--keys", path, *argv).stdout.strip() for argv in (
+        ("--role", "tenant", "--tenant", "research-vision-team"), ("--role", "worker", "--node", "gpu-node-42.example"),
+        ("--role", "admin",))]
+    ids = [key.split("_")[1] for key in made]
+    assert _run("keys", "revoke", ids[2], "--keys", path).returncode == 0
+    out = _run("keys", "list", "--keys", path)
+    assert out.returncode == 0, out.stderr
+    header, *rows = [line.split() for line in out.stdout.splitlines()]
+    assert header == ["ID", "ROLE", "TENANT", "NODE", "CREATED", "STATE"]
+    assert [row[:4] for row in rows] == [[ids[0], "tenant", "research-vision-team", "-"],
+                                         [ids[1], "worker", "-", "gpu-node-42.example"],
+                                         [ids[2], "admin", "admin", "-"]]
+    assert [row[6:] for row in rows][:2] == [["active"], ["active"]] and rows[2][6] == "revoked", out.stdout
+    first, *lines = out.stdout.splitlines()
+    starts = [first.index(name) for name in header]
+    for line, row in zip(lines, rows):  # each cell starts under its column's name, after at least two spaces
+        assert [line[at:].split()[0] for at in starts] == row[:5] + row[6:7], line
+        assert all(line[at - 2:at] == "  " for at in starts[1:]), line
+    stored = json.loads((tmp_path / "keys.json").read_text())["keys"]
+    for key, entry in zip(made, stored):
+        assert key.split("_", 2)[2] not in out.stdout and entry["sha256"] not in out.stdout
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"version": 1, "keys": [], "quotas": {}}))
+    assert _run("keys", "list", "--keys", str(empty)).stdout.splitlines()[1] == (
+        "(no keys: `dtorch-controller keys create` makes one)")
+
+
 def test_a_quota_names_a_tenant_that_has_keys(tmp_path):
     """`keys quota alcie` (a typo) set a quota on a tenant no key names, said so as if it were done, and left alice
     without one."""

@@ -339,7 +339,7 @@ def _keys_parser(commands: argparse._SubParsersAction) -> None:
     create.add_argument("--tenant", default="", help="the tenant a tenant key belongs to")
     create.add_argument("--node", default="", help="worker keys: the node label their workers get ('*': the "
                                                     "node each worker names with --label node=NAME)")
-    sub.add_parser("list", help="every key: id, role, tenant, node, created, revoked")
+    sub.add_parser("list", help="every key: id, role, tenant, node, created, state (never its hash)")
     revoke = sub.add_parser("revoke", help="revoke a key (a running controller notices within a second)")
     revoke.add_argument("id")
     quota = sub.add_parser("quota", help="a tenant's limits (0: none); without limits, shows them")
@@ -353,7 +353,7 @@ def _keys_parser(commands: argparse._SubParsersAction) -> None:
 
 def keys_command(args: argparse.Namespace) -> int:
     """`keys create|list|revoke|quota`: edit the key file (created on the first `create`, mode 0600)."""
-    from dtorch_controller.keys import KeyFile, KeyFileError, key_file_from_env
+    from dtorch_controller.keys import KeyFile, KeyFileError, key_file_from_env, listing
 
     path = args.keys or key_file_from_env()
     if not path:
@@ -368,13 +368,7 @@ def keys_command(args: argparse.Namespace) -> int:
             owner = f" for tenant {entry.tenant}" if entry.role == auth.TENANT else ""
             print(f"created {entry.role} key {entry.id}{owner}: it is shown only now", file=sys.stderr)
         elif args.keys_command == "list":
-            kf = KeyFile.read(path)
-            print(f"{'ID':10}{'ROLE':8}{'TENANT':16}{'NODE':12}{'CREATED':22}REVOKED")
-            for k in kf.keys:
-                print(f"{k.id:10}{k.role:8}{k.tenant or '-':16}{k.node or '-':12}{k.created:22}{k.revoked or '-'}")
-            for tenant, q in sorted(kf.quotas.items()):
-                print(f"quota {tenant}: devices {q.devices or 'any'}, memory {q.memory_bytes or 'any'} bytes, "
-                      f"sessions {q.sessions or 'any'}")
+            print("\n".join(listing(KeyFile.read(path))))
         elif args.keys_command == "revoke":
             kf = KeyFile.read(path)
             entry = kf.revoke(args.id)

@@ -17,6 +17,9 @@ Rules:
 4. The running controller re-reads the file when it changes (checked at most once a second), so a
    revocation or a new quota takes effect without a restart; if the new content is unusable it keeps the
    last good one and logs why.
+6. `keys list` (`listing`) is one line per key in the columns of `LIST_COLUMNS`, each as wide as its longest value
+   and two spaces apart (fixed widths glued a 20-letter tenant to the node column), then one line per quota. It
+   never shows a key's hash, and cannot show the key, which is not stored.
 """
 
 from __future__ import annotations
@@ -69,6 +72,30 @@ class KeyEntry:
     node: str = ""
     created: str = ""
     revoked: str = ""
+
+
+# `keys list`: column -> what it shows of a key ('-': nothing)
+LIST_COLUMNS = {
+    "ID": lambda k: k.id,  # what `keys revoke` takes, and what the controller's logs name
+    "ROLE": lambda k: k.role,
+    "TENANT": lambda k: k.tenant or "-",
+    "NODE": lambda k: k.node or "-",  # worker keys: the node label their workers get
+    "CREATED": lambda k: k.created.replace("T", " ") or "-",  # UTC
+    "STATE": lambda k: f"revoked {k.revoked.replace('T', ' ')}" if k.revoked else "active",
+}
+
+
+def listing(kf: KeyFile) -> list[str]:
+    """The lines of `keys list` (rule 6)."""
+    rows = [list(LIST_COLUMNS)] + [[str(show(k)) for show in LIST_COLUMNS.values()] for k in kf.keys]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(LIST_COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    if not kf.keys:
+        lines.append("(no keys: `dtorch-controller keys create` makes one)")
+    for tenant, q in sorted(kf.quotas.items()):
+        lines.append(f"quota {tenant}: devices {q.devices or 'any'}, memory {q.memory_bytes or 'any'} bytes, "
+                     f"sessions {q.sessions or 'any'}")
+    return lines
 
 
 @dataclass
