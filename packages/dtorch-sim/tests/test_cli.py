@@ -146,9 +146,9 @@ def test_a_cost_no_job_can_pay_before_the_run_ends_is_refused_before_it_runs(tmp
 
     scenario = Path(__file__).resolve().parents[3] / "scenarios" / "synthetic-small.yaml"
     for command in ("validate", "run"):
-        out = subprocess.run([sys.executable, "-m", "dtorch_sim", command, str(scenario), "--set", "cost.launch_s=1e300",
-                              *(["--out", str(tmp_path)] * (command == "run"))], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", command, str(scenario), "--set",
+                              "cost.launch_s=1e300", *(["--out", str(tmp_path)] * (command == "run"))],
+                             capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and out.stdout == "", out.stderr
         assert out.stderr == (f"{scenario}: cost.launch_s: 1e+300 s per command (at least one a step) leaves no job "
                               "able to finish by the run's end (~106,358 s: the last arrival + 10x the jobs' total "
