@@ -10,6 +10,14 @@ from dtorch_sim.jobs import generate, warnings
 from dtorch_sim.scenario import ScenarioError, parse
 
 
+@pytest.fixture
+def base(base: dict) -> dict:
+    """conftest's scenario less its 'slow' device type, which no node has: the warnings here are compared whole, and
+    an unused type is a warning of its own (test_a_device_type_no_node_has_is_warned_about)."""
+    del base["cluster"]["device_types"]["slow"]
+    return base
+
+
 def errors(data: dict) -> list[str]:
     with pytest.raises(ScenarioError) as e:
         parse(data)
@@ -155,3 +163,25 @@ def test_faults_and_elastic_events_after_the_runs_end_are_warned_about(base):
     sc = parse(base)
     assert warnings(sc, generate(sc)) == ["warning: faults.0, elastic.0: at or after the run's duration_s (50 s): it "
                                           "may never happen"]
+
+
+def test_a_device_type_no_node_has_is_warned_about(base):
+    """A device type declared and given to no node (a typo in a node group's device_type, or one left over) validated
+    ok in silence: no job can run on it, and its memory_gb, the smallest, still capped every job's state."""
+    base["cluster"]["device_types"]["v100"] = {"speed": 0.5, "memory_gb": 16}
+    base["workload"]["state_gb"] = 40
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == [
+        "warning: cluster.device_types: 'v100' is declared but no node has it (cluster.nodes, node_list, elastic adds, "
+        "autoscaler): no job can run there (nodes have 'a100'); the memory_gb of 'v100' (16) still caps every job's "
+        "state_gb"]
+    assert {j.state_gb for j in generate(sc)} == {16.0}
+    base["cluster"]["device_types"]["h100"] = {"memory_gb": 80}
+    base["cluster"]["device_types"].pop("v100")
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == [
+        "warning: cluster.device_types: 'h100' is declared but no node has it (cluster.nodes, node_list, elastic adds, "
+        "autoscaler): no job can run there (nodes have 'a100')"]
+    base["elastic"] = [{"at": 1, "action": "add_nodes", "add": {"count": 1, "device_type": "h100"}}]
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == []  # nodes that join later have it

@@ -347,7 +347,9 @@ def step_count(spec: JobSpec, wl: Workload) -> int:
 def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
     """What may surprise in a scenario that is valid: one line each (printed by validate, run and compare)."""
     lines = []
-    devices = sum(g.count * g.devices_per_node for g in node_groups(sc))
+    groups = node_groups(sc)
+    lines += _unused_types(sc, groups)
+    devices = sum(g.count * g.devices_per_node for g in groups)
     most = MAX_LOGICAL_PER_DEVICE * max(1, devices)  # the core refuses a larger mesh (controller.py rule 11)
     big = [j.devices for j in specs if devices < j.devices <= most]
     if big:
@@ -372,6 +374,24 @@ def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
         lines.append(f"note: policy times (LAS thresholds, relocate_after, ...) are simulated seconds: they do not "
                      f"follow workload.trace.time_scale ({tr.time_scale:g}); scale them yourself (policy.params)")
     return lines
+
+
+def _unused_types(sc: Scenario, groups: list[NodeGroup]) -> list[str]:
+    """Device types no node of the run has (the cluster's, elastic adds, the autoscaler's): no job runs on them (a
+    typo in a node group's device_type, or a type left over), and the smallest memory_gb still caps every job's state."""
+    later = [e.add for e in sc.elastic if e.add is not None] + ([sc.autoscaler.node] if sc.autoscaler else [])
+    used = {g.device_type for g in groups + later}
+    unused = [name for name in sc.cluster.device_types if name not in used]
+    if not unused:
+        return []
+    types = sc.cluster.device_types
+    cap = min(types[name].memory_gb for name in used) if used else math.inf
+    capping = sorted((types[name].memory_gb, name) for name in unused if types[name].memory_gb < cap)
+    return [f"warning: cluster.device_types: {', '.join(map(repr, unused))} {'is' if len(unused) == 1 else 'are'} "
+            f"declared but no node has {'it' if len(unused) == 1 else 'them'} (cluster.nodes, node_list, elastic adds, "
+            f"autoscaler): no job can run there (nodes have {', '.join(map(repr, sorted(used)))})"
+            + (f"; the memory_gb of {capping[0][1]!r} ({capping[0][0]:g}) still caps every job's state_gb" if capping
+               else "")]
 
 
 def node_groups(sc: Scenario) -> list[NodeGroup]:
