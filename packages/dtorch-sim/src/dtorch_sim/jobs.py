@@ -378,7 +378,8 @@ def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
 
 def _unused_types(sc: Scenario, groups: list[NodeGroup]) -> list[str]:
     """Device types no node of the run has (the cluster's, elastic adds, the autoscaler's): no job runs on them (a
-    typo in a node group's device_type, or a type left over), and the smallest memory_gb still caps every job's state."""
+    typo in a node group's device_type, or a type left over), and the smallest memory_gb still caps every job's
+    state."""
     later = [e.add for e in sc.elastic if e.add is not None] + ([sc.autoscaler.node] if sc.autoscaler else [])
     used = {g.device_type for g in groups + later}
     unused = [name for name in sc.cluster.device_types if name not in used]
