@@ -474,18 +474,24 @@ def test_fully_shard_takes_torchs_placement_function_ignored_parameters_and_defa
         fully_shard(nn.Linear(4, 4), mesh=mesh1, shard_placement_fn=lambda p: Shard(2))
 
 
-@pytest.mark.parametrize("reshard,how", [(True, "default"), (False, "argument"), (False, "method")])
+@pytest.mark.parametrize("reshard,how", [(True, "default"), (False, "argument"), (False, "method"),
+                                         (False, "root"), (True, "root, argument")])
 def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_them_again_for_backward(
         cluster, mesh1, reshard, how):
-    """torch's FSDP2 default (reshard_after_forward=True). Autograd saved the gathered weights of every layer for its
-    backward, so between a forward and its backward each worker held the whole model gathered, as under data
-    parallelism, besides its shards: fully sharding saved no memory in training."""
+    """torch's FSDP2 default (reshard_after_forward=None): the blocks' gathered parameters are freed after the
+    forward (autograd saved the gathered weights of every layer for its backward, so between a forward and its
+    backward each worker held the whole model gathered, as under data parallelism: fully sharding saved no memory in
+    training), the root's are kept for the backward, which needs them first (DTorch freed and gathered them again:
+    one gather per parameter and step more than torch)."""
     torch.manual_seed(0)
     ref = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256, bias=False), nn.LayerNorm(256)) for _ in range(4)])
     model = copy.deepcopy(ref)
     x = torch.randn(8, 256)
     before = worker_bytes(cluster)
-    fully_shard(model, mesh1, **({"reshard_after_forward": False} if how == "argument" else {}))  # True: torch's
+    if not how.startswith("root"):  # blocks first, the root last
+        for block in model:
+            fully_shard(block, mesh1, **({"reshard_after_forward": False} if how == "argument" else {}))
+    fully_shard(model, mesh1, **({"reshard_after_forward": True} if how == "root, argument" else {}))
     if how == "method":  # FSDP2's `FSDPModule.set_reshard_after_forward`
         model.set_reshard_after_forward(False)
     batch = dtorch.distribute_tensor(x, mesh1, [Shard(0)])

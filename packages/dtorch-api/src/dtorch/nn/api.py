@@ -446,7 +446,7 @@ def _shard_of(param: nn.Parameter, shard_placement_fn: Callable[[nn.Parameter], 
 
 @_lays_out
 def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mesh: DeviceMesh | None = None,
-                mesh_dim: int | str = -1, reshard_after_forward: bool | int | None = True, mp_policy: Any = None,
+                mesh_dim: int | str = -1, reshard_after_forward: bool | int | None = None, mp_policy: Any = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None, offload_policy: Any = None,
                 ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP/ZeRO-3 style: parameters stored Shard(0) over `mesh_dim`, gathered for their submodule's forward.
@@ -462,11 +462,12 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     the same mesh (the stored layout adds Shard(0) on `mesh_dim`). Optimizer state follows the sharded parameters,
     so it is sharded too.
 
-    `reshard_after_forward` (torch's name and default): the gathered parameters are freed when the submodule's
-    forward ends and gathered again for its backward, so a training step holds one submodule's gathered parameters
-    at a time on each worker, not the whole model's (`_reshard`); False keeps them from forward to backward (one
-    gather fewer per parameter and step). None (torch's default) is True; an int (torch's resharding to a smaller
-    group) is True.
+    `reshard_after_forward` (torch's name): True frees the gathered parameters when the submodule's forward ends and
+    gathers them again for its backward, so a training step holds one submodule's gathered parameters at a time on
+    each worker, not the whole model's (`_reshard`); False keeps them from forward to backward (one gather fewer per
+    parameter and step). None, torch's default, is torch's heuristic: False for the root (the outermost module given
+    to `fully_shard`, whose parameters the backward needs first) and True for the blocks inside it (a module given
+    before, then inside a later call, becomes a block); an int (torch's resharding to a smaller group) is True.
 
     torch's `shard_placement_fn(param)` gives a parameter's `Shard(dim)` (None: `Shard(0)`), as for expert weights
     sharded on another dim; `ignored_params` stay as they are; `offload_policy` may only be torch's plain
@@ -496,7 +497,8 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise NotImplementedError(f"fully_shard: offload_policy={type(offload_policy).__name__}: DTorch keeps the "
                                   "shards on the workers' devices; give no offload_policy")
-    reshard_after_forward = reshard_after_forward is None or bool(reshard_after_forward)
+    auto = reshard_after_forward is None  # the root's for now: False (see the docstring)
+    reshard_after_forward = not auto and bool(reshard_after_forward)
     ignored = {id(p) for p in ignored_params or ()}
     precision = _Precision.of(mp_policy)
     replicate = (Replicate(),) * device_mesh.ndim
@@ -519,6 +521,12 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             for name in names:
                 _arm(mod, name, mod._parameters[name])
             groups.append((mod, hooks))
+    for sub in module.modules():  # an earlier call's root by default inside this one is one of its blocks now
+        if sub is not module and getattr(sub, "_dtorch_auto", False):
+            sub._dtorch_auto = False
+            for _mod, hooks in sub._dtorch_groups:
+                hooks.reshard = True
+    module._dtorch_auto = auto
     for method in (set_requires_gradient_sync, set_reshard_after_forward, unshard, reshard):
         setattr(module, method.__name__, types.MethodType(method, module))
     if precision.param_dtype is not None and precision.cast_forward_inputs:
@@ -540,7 +548,11 @@ def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *,
 
 
 def set_reshard_after_forward(self: nn.Module, reshard_after_forward: bool, recurse: bool = True) -> None:
-    """FSDP2's: whether the next forwards free their gathered parameters at their end (`fully_shard`'s argument)."""
+    """FSDP2's: whether the next forwards free their gathered parameters at their end (`fully_shard`'s argument;
+    what it sets, a later `fully_shard` of an outer module keeps)."""
+    for m in self.modules() if recurse else [self]:
+        if getattr(m, "_dtorch_auto", False):
+            m._dtorch_auto = False
     for _mod, hooks in _fully_sharded(self, recurse):
         hooks.reshard = reshard_after_forward
 
