@@ -10,13 +10,13 @@ Rules:
    names, such as Kubernetes' downward API). Revoking marks the key; it never comes back.
 3. A tenant's quotas (`keys quota`): devices its sessions may hold at once, device memory it may lease,
    sessions it may have open. 0 = no limit.
+4. The running controller re-reads the file when it changes (checked at most once a second), so a
+   revocation or a new quota takes effect without a restart; if the new content is unusable it keeps the
+   last good one and logs why.
 5. Names are labels (`NAMES`): a tenant is 1-63 letters, digits, `.`, `_` or `-`, starting with a letter or digit
    (it is a Prometheus label, a usage record's field, a column of `keys list`); a node as long as a Kubernetes
    node name (253), or `*`. `admin` is the admin keys' tenant and no tenant key's: whatever isolates tenants
    compares their names.
-4. The running controller re-reads the file when it changes (checked at most once a second), so a
-   revocation or a new quota takes effect without a restart; if the new content is unusable it keeps the
-   last good one and logs why.
 6. `keys list` (`listing`) is one line per key in the columns of `LIST_COLUMNS`, each as wide as its longest value
    and two spaces apart (fixed widths glued a 20-letter tenant to the node column), then one line per quota. It
    never shows a key's hash, and cannot show the key, which is not stored.
