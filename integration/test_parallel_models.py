@@ -474,6 +474,27 @@ def test_fully_shard_takes_torchs_placement_function_ignored_parameters_and_defa
         fully_shard(nn.Linear(4, 4), mesh=mesh1, shard_placement_fn=lambda p: Shard(2))
 
 
+def test_torch_save_of_a_laid_out_model_says_to_save_its_state_dict(mesh1, tmp_path):
+    """`torch.save(model)` pickles the module object with its layout's hooks: it failed with pickle's "Can't pickle
+    local object '_apply_style.<locals>.post_hook'"; the state dict saves, and copies still copy."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(2, 4)
+    for lay_out in (lambda m: parallelize_module(m, mesh1, {"0": ColwiseParallel(), "2": RowwiseParallel()}),
+                    lambda m: fully_shard(m, mesh1)):
+        model = lay_out(copy.deepcopy(ref))
+        with pytest.raises(TypeError, match=r"^torch.save\(model\) pickles a module DTorch laid out, hooks and all: "
+                                            r"save its state dict, torch.save\(model.state_dict\(\), path\)"):
+            torch.save(model, io.BytesIO())
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        buf.seek(0)
+        loaded = torch.load(buf)
+        assert all(type(loaded[k]) is torch.Tensor and torch.equal(loaded[k], v) for k, v in ref.state_dict().items())
+        twin = copy.deepcopy(model)
+        torch.testing.assert_close(twin(dtorch.distribute_tensor(x, mesh1, [Replicate()])).to_torch(), ref(x), **TOL)
+
+
 @pytest.mark.parametrize("reshard,how", [(True, "default"), (False, "argument"), (False, "method"),
                                          (False, "root"), (True, "root, argument")])
 def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_them_again_for_backward(

@@ -60,7 +60,9 @@ def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
       own, trained apart. After the layout, each other use takes the first use's parameter;
     * a transformers model's `save_pretrained` writes the full weights (`save_pretrained` below, bound to the
       model under transformers' name, which is also how pickle finds a bound method again);
-    * `load_state_dict(..., assign=True)` keeps the layout (`_keep_layouts`)."""
+    * `load_state_dict(..., assign=True)` keeps the layout (`_keep_layouts`);
+    * `torch.save(model)` is refused in one line saying what to save (`_SaveGuard`); it failed with pickle's
+      "Can't pickle local object '_apply_style.<locals>.post_hook'"."""
     @functools.wraps(lay_out)
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         uses: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -76,8 +78,27 @@ def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if callable(getattr(type(module), "save_pretrained", None)):
             module.save_pretrained = types.MethodType(save_pretrained, module)
         _keep_layouts(module)
+        if not any(type(h) is _SaveGuard for h in module._forward_hooks.values()):
+            module.register_forward_hook(_SaveGuard(), prepend=True)  # (pickle reads a module's hooks first)
         return result
     return run
+
+
+class _SaveGuard:
+    """A forward hook that does nothing but refuse to be pickled: `torch.save(model)` pickles the module object,
+    with the hooks the layout put on it, where a checkpoint is the state dict. Copies (`copy.deepcopy(model)`) take
+    it along."""
+
+    def __call__(self, *_args: Any) -> None:
+        return None
+
+    def __deepcopy__(self, _memo: dict) -> _SaveGuard:
+        return self
+
+    def __reduce_ex__(self, _protocol: Any) -> Any:
+        raise TypeError("torch.save(model) pickles a module DTorch laid out, hooks and all: save its state dict, "
+                        "torch.save(model.state_dict(), path), which writes the full weights as plain tensors "
+                        "(load_state_dict lays them out again), or save_pretrained(path) for a transformers model")
 
 
 def save_pretrained(self: nn.Module, *args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
