@@ -533,6 +533,37 @@ def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_the
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
 
 
+@pytest.mark.parametrize("how", ["no_sync", "set_requires_gradient_sync"])
+def test_a_data_parallel_model_accumulates_gradients_unreduced_in_no_sync_as_ddp(mesh1, how):
+    """DDP's `with model.no_sync():` (and FSDP2's `set_requires_gradient_sync`) on a replicated model: the
+    micro-batches inside leave their gradients unreduced (Partial, no collective), the first backward after reduces
+    the sum once, and the step is torch's on the whole batch. It was an AttributeError, and each backward all-reduced
+    every gradient as it landed."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = replicate_module(copy.deepcopy(ref), mesh1)
+    xs = torch.randn(3, 6, 8).unbind()
+    for x in xs:
+        ref(x).pow(2).mean().backward()
+    for x in xs[:-1]:
+        with CommDebugMode() as comm:
+            if how == "no_sync":
+                with model.no_sync():
+                    model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).pow(2).mean().backward()
+            else:
+                model.set_requires_gradient_sync(False)
+                model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).pow(2).mean().backward()
+        assert comm.get_comm_counts().get(torch.ops.c10d_functional.all_reduce, 0) == 0
+        assert model[0].weight.grad.placements == (Partial(),)
+    model.set_requires_gradient_sync(True)
+    with CommDebugMode() as comm:
+        model(dtorch.distribute_tensor(xs[-1], mesh1, [Shard(0)])).pow(2).mean().backward()
+    assert comm.get_comm_counts()[torch.ops.c10d_functional.all_reduce] == 4  # once per parameter
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.grad.placements == (Replicate(),)
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
+
+
 def test_fully_shard_accumulates_gradients_unreduced_until_requires_gradient_sync_as_fsdp2(mesh1):
     """FSDP2's gradient accumulation: `set_requires_gradient_sync(False)` on the micro-batches but the last. Their
     gradients stay unreduced (Partial, no collective), the last backward reduces the sum once, and the step is

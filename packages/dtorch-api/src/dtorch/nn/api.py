@@ -26,7 +26,7 @@ import functools
 import inspect
 import itertools
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -62,7 +62,10 @@ def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
       model under transformers' name, which is also how pickle finds a bound method again);
     * `load_state_dict(..., assign=True)` keeps the layout (`_keep_layouts`);
     * `torch.save(model)` is refused in one line saying what to save (`_SaveGuard`); it failed with pickle's
-      "Can't pickle local object '_apply_style.<locals>.post_hook'"."""
+      "Can't pickle local object '_apply_style.<locals>.post_hook'";
+    * gradient accumulation without communication, as DDP's `model.no_sync()` and FSDP2's
+      `set_requires_gradient_sync(False)`: both are bound to the module, and every parameter the layout armed that
+      no `fully_shard` group owns answers to the module's `_GradSync` (`_reduce_early`)."""
     @functools.wraps(lay_out)
     def run(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         uses: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -80,8 +83,28 @@ def _lays_out(lay_out: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         _keep_layouts(module)
         if not any(type(h) is _SaveGuard for h in module._forward_hooks.values()):
             module.register_forward_hook(_SaveGuard(), prepend=True)  # (pickle reads a module's hooks first)
+        module.__dict__.setdefault("_dtorch_grad_sync", _GradSync())
+        _answer_to_grad_sync(module)
+        for method in (set_requires_gradient_sync, no_sync):
+            setattr(module, method.__name__, types.MethodType(method, module))
         return result
     return run
+
+
+class _GradSync:
+    """Whether the backward reduces the gradients of the parameters a layout gave a module (`_reduce_early`)."""
+
+    def __init__(self) -> None:
+        self.sync = True
+
+
+def _answer_to_grad_sync(module: nn.Module) -> None:
+    """The armed parameters of a laid-out `module` that no `fully_shard` group (nor an inner layout) owns answer to
+    its `_GradSync`."""
+    flag = module.__dict__["_dtorch_grad_sync"]
+    for p in module.parameters():
+        if getattr(p, "_dtorch_armed", False) and getattr(p, "_dtorch_sync", None) is None:
+            p._dtorch_sync = flag
 
 
 class _SaveGuard:
@@ -137,7 +160,7 @@ def _arm(module: nn.Module, name: str, param: torch.Tensor) -> None:
         param.register_post_accumulate_grad_hook(_reduce_early)
     hooks = getattr(module, "_dtorch_gathered", None)
     if hooks is not None and name in hooks.names:
-        param._dtorch_fully_shard = hooks  # (`_reduce_early` asks it whether to reduce)
+        param._dtorch_sync = hooks  # (`_reduce_early` asks it whether to reduce)
 
 
 def _keep_layouts(module: nn.Module) -> None:
@@ -166,6 +189,8 @@ def _arm_assigned(module: nn.Module, _incompatible: Any) -> None:
         for name, p in mod._parameters.items():
             if isinstance(p, DTensor):
                 _arm(mod, name, p)
+    if "_dtorch_grad_sync" in module.__dict__:
+        _answer_to_grad_sync(module)
 
 
 def _reduce_early(param: torch.Tensor) -> None:
@@ -174,7 +199,8 @@ def _reduce_early(param: torch.Tensor) -> None:
     would do later: issued here, a collective overlaps the rest of backward, and a replicated gradient is held once,
     not on every device. A plain one (torch's formulas that make their zeros with a factory taking no tensor: `sgn`,
     `copysign`'s sign) becomes a DTensor laid out as the parameter. A `fully_shard` parameter's gradient accumulates
-    unreduced while its module does not synchronize gradients (`_Gathered.sync`)."""
+    unreduced while its module does not synchronize gradients (`_Gathered.sync`, or the laid-out module's `_GradSync`:
+    `no_sync()`)."""
     grad = param.grad
     if isinstance(param, DTensor) and grad is not None and not isinstance(grad, DTensor):
         param.grad = torch.zeros_like(param) if grad._is_zerotensor() else \
@@ -183,7 +209,7 @@ def _reduce_early(param: torch.Tensor) -> None:
     if not isinstance(grad, DTensor) or not isinstance(param, DTensor) or grad.device_mesh != param.device_mesh \
             or grad.placements == param.placements:
         return
-    owner = getattr(param, "_dtorch_fully_shard", None)
+    owner = getattr(param, "_dtorch_sync", None)
     if owner is None or owner.sync:
         param.grad = grad.redistribute(placements=param.placements)
 
@@ -548,7 +574,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             for _mod, hooks in sub._dtorch_groups:
                 hooks.reshard = True
     module._dtorch_auto = auto
-    for method in (set_requires_gradient_sync, set_reshard_after_forward, unshard, reshard):
+    for method in (set_reshard_after_forward, unshard, reshard):  # (`_lays_out` binds set_requires_gradient_sync)
         setattr(module, method.__name__, types.MethodType(method, module))
     if precision.param_dtype is not None and precision.cast_forward_inputs:
         module.register_forward_pre_hook(precision.inputs, with_kwargs=True)
@@ -563,9 +589,24 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
 def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
     """FSDP2's gradient accumulation without communication: while False, each backward leaves the parameters'
     gradients unreduced (Partial over a sharded batch, the size of the whole parameter on each device) and adds to
-    them there; the first backward with True reduces the sum once, to the parameters' layout."""
+    them there; the first backward with True reduces the sum once, to the parameters' layout. On a module laid out
+    otherwise (data parallel, tensor parallel), the same for the parameters its layout gave it."""
     for _mod, hooks in _fully_sharded(self, recurse):
         hooks.sync = requires_gradient_sync
+    for m in self.modules() if recurse else [self]:
+        if "_dtorch_grad_sync" in m.__dict__:
+            m._dtorch_grad_sync.sync = requires_gradient_sync
+
+
+@contextlib.contextmanager
+def no_sync(self: nn.Module) -> Iterator[None]:
+    """DDP's `with model.no_sync():` the backwards inside accumulate the gradients unreduced (no collective), and the
+    first backward after the block reduces their sum once (`set_requires_gradient_sync(False)`, then True)."""
+    set_requires_gradient_sync(self, False)
+    try:
+        yield
+    finally:
+        set_requires_gradient_sync(self, True)
 
 
 def set_reshard_after_forward(self: nn.Module, reshard_after_forward: bool, recurse: bool = True) -> None:
