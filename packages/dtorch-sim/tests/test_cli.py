@@ -19,11 +19,10 @@ def test_cli_reports_an_unreadable_scenario_in_one_line(tmp_path):
 
 
 def test_cli_set_overrides_fields_and_reports_bad_paths(tmp_path):
-    scenario = SMALL
-    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
+    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL), "--set",
                          "cluster.nodes.0.count=10", "--set", "policy={name: dtorch}"], capture_output=True, text=True)
     assert ok.returncode == 0 and "(88 devices, policy dtorch)" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
+    bad = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL), "--set",
                           "cluster.nodes.5.count=1"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip() == (
         "--set cluster.nodes.5.count=1: cluster.nodes has no item '5' (a list of 2)")
@@ -31,24 +30,22 @@ def test_cli_set_overrides_fields_and_reports_bad_paths(tmp_path):
 
 def test_an_output_folder_that_cannot_be_written_is_one_line_before_anything_runs(tmp_path):
     """--out naming a file was a traceback from mkdir after the whole simulation had run (minutes, lost)."""
-    scenario = SMALL
     (tmp_path / "taken").write_text("")
     for command in (["run"], ["compare", "--policies", "fifo,las"]):
-        out = subprocess.run([sys.executable, "-m", "dtorch_sim", *command, str(scenario), "--quiet", "--no-plots",
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", *command, str(SMALL), "--quiet", "--no-plots",
                               "--out", str(tmp_path / "taken")], capture_output=True, text=True)
         folder = tmp_path / "taken" / ("fifo" if command[0] == "compare" else "")
         assert out.returncode == 1 and out.stdout == "", out.stderr
         assert out.stderr.splitlines() == [f"--out {str(folder).rstrip('/')}: cannot write results there: "
                                            f"{'File exists' if command == ['run'] else 'Not a directory'}"]
-    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(scenario), "--policies", "fifo,srtf",
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(SMALL), "--policies", "fifo,srtf",
                           "--out", str(tmp_path / "cmp")], capture_output=True, text=True)
     assert out.returncode == 1 and "unknown policy 'srtf'" in out.stderr and not (tmp_path / "cmp").exists()
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly():
     """`dtorch-sim validate x.yaml | true` was a BrokenPipeError traceback."""
-    scenario = SMALL
-    proc = subprocess.Popen([sys.executable, "-m", "dtorch_sim", "validate", str(scenario)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # before it writes: its first line meets a closed pipe
     assert proc.wait(timeout=60) == 141 and proc.stderr.read() == ""
@@ -58,8 +55,7 @@ def test_why_a_job_failed_is_in_jobs_csv_and_the_first_reason_is_printed(tmp_pat
     """A failed job was a count in the summary and nothing else: its error (here the controller's refusal of a mesh
     over its logical-device limit) was kept in memory and never written."""
     import csv
-    scenario = SMALL
-    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "run", str(scenario), "--quiet", "--no-plots", "--out",
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "run", str(SMALL), "--quiet", "--no-plots", "--out",
                           str(tmp_path), "--set", "workload.synthetic.size={choices: [3000, 1]}", "--set",
                           "workload.synthetic.jobs=3"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -72,24 +68,22 @@ def test_why_a_job_failed_is_in_jobs_csv_and_the_first_reason_is_printed(tmp_pat
 
 def _refused_by_validate_and_run(tmp_path, setting: str, message: str):
     """`validate` and `run` of synthetic-small with `--set setting` both refuse with `message` (its `{scenario}`
-    filled in) before running anything; the scenario's path."""
-    scenario = SMALL
+    filled in) before running anything."""
     for command in ("validate", "run"):
-        out = subprocess.run([sys.executable, "-m", "dtorch_sim", command, str(scenario), "--set", setting,
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", command, str(SMALL), "--set", setting,
                               *(["--out", str(tmp_path)] * (command == "run"))], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 1 and out.stdout == "", out.stderr
-        assert out.stderr == message.format(scenario=scenario)
-    return scenario
+        assert out.stderr == message.format(scenario=SMALL)
 
 
 def test_a_sample_interval_too_short_for_the_run_is_refused_before_it_runs(tmp_path):
     """metrics.sample_interval_s: 0.000001 sampled 1.4 billion times over a 1,400 s run: gigabytes, then out of
     memory, and validate said ok."""
-    scenario = _refused_by_validate_and_run(tmp_path, "metrics.sample_interval_s=0.000001", (
+    _refused_by_validate_and_run(tmp_path, "metrics.sample_interval_s=0.000001", (
         "{scenario}: metrics.sample_interval_s: 1e-06 s makes about 1,399,189,900 samples over the run's ~1,399 s, "
         "more than the 1,000,000 a run keeps: use 0.0014 s or more\n"))
-    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
+    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL), "--set",
                          "metrics.sample_interval_s=0.0014"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
 
@@ -111,9 +105,8 @@ def test_the_progress_line_names_the_scenario_and_the_policy_as_they_are(base, t
 def test_an_output_folder_with_brackets_is_printed_as_it_is(tmp_path):
     """`--out 'res[v2]'` was printed as 'wrote res/metrics.json' (rich markup), and `--out 'o[/]'` ended a finished run
     with a MarkupError traceback."""
-    scenario = SMALL
     for name in ("res[v2]", "o[/]"):
-        out = subprocess.run([sys.executable, "-m", "dtorch_sim", "run", str(scenario), "--quiet", "--no-plots",
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", "run", str(SMALL), "--quiet", "--no-plots",
                               "--set", "workload.synthetic.jobs=2", "--out", str(tmp_path / name)],
                              capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
@@ -122,15 +115,14 @@ def test_an_output_folder_with_brackets_is_printed_as_it_is(tmp_path):
 
 def test_a_run_too_long_for_its_heartbeat_is_refused_before_it_runs():
     """Arrivals 1e300 s apart validated ok and the run never ended: idle workers beat through the whole span."""
-    scenario = SMALL
-    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL), "--set",
                           "workload.synthetic.duration={dist: constant, value: 1e300}"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1 and out.stdout == ""
-    assert out.stderr == (f"{scenario}: the run's ~1e+300 s with heartbeat.interval_s 1 make about 3.2e+301 heartbeat "
+    assert out.stderr == (f"{SMALL}: the run's ~1e+300 s with heartbeat.interval_s 1 make about 3.2e+301 heartbeat "
                           "events, more than the 100,000,000 a run can take: give duration_s, a longer interval_s, or "
                           "check the workload's times\n")
-    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set",
+    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL), "--set",
                          "workload.synthetic.duration={dist: constant, value: 1e300}", "--set", "duration_s=3600"],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
@@ -139,16 +131,16 @@ def test_a_run_too_long_for_its_heartbeat_is_refused_before_it_runs():
 def test_a_cost_no_job_can_pay_before_the_run_ends_is_refused_before_it_runs(tmp_path):
     """cost.launch_s: 1e300 validated ok, ran a minute of events and reported 0/40 jobs finished, with no word. Each
     per-job cost (feasible.PER_JOB) is refused in one line naming the field and the range that lets a job finish."""
-    scenario = _refused_by_validate_and_run(tmp_path, "cost.launch_s=1e300", (
+    _refused_by_validate_and_run(tmp_path, "cost.launch_s=1e300", (
         "{scenario}: cost.launch_s: 1e+300 s per command (at least one a step) leaves no job able to finish by the "
         "run's end (~106,358 s: the last arrival + 10x the jobs' total work + 1 h): expected 0 <= launch_s < "
         "1.06e+04 s\n"))
-    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set", "duration_s=100",
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL), "--set", "duration_s=100",
                           "--set", "cost.rpc_latency_s=60"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stderr == (
-        f"{scenario}: cost.rpc_latency_s: 60 s per delivery (at least one a Sync) leaves no job able to finish by the "
+        f"{SMALL}: cost.rpc_latency_s: 60 s per delivery (at least one a Sync) leaves no job able to finish by the "
         "run's end (~100 s: duration_s): expected 0 <= rpc_latency_s < 49.4 s\n")
-    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(scenario), "--set", "duration_s=100",
+    ok = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL), "--set", "duration_s=100",
                          "--set", "cost.rpc_latency_s=49", "--set", "cost.launch_s=9.8"], capture_output=True,
                         text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr

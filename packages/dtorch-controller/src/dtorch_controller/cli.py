@@ -50,8 +50,6 @@ WATCHDOG_INTERVAL_S = 0.5
 MIN_USAGE_INTERVAL_S = 0.1
 
 
-
-
 def _normalize_listen(listen: str, option: str = "--listen") -> str:
     """":50051" means every interface, as in `--listen :50051`."""
     host, sep, port = listen.rpartition(":")

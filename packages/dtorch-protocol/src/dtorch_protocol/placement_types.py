@@ -81,7 +81,6 @@ class Partial(Placement):
         return f"Partial({self.reduce_op})"
 
 
-
 # (kind of the source placement, kind of the destination placement) on one mesh dim -> what changing it takes: the
 # collective the controller lowers it to (`dtorch_controller.core.collectives`, which `dtorch.debug.CommDebugMode`
 # counts), or a local slice. Kinds: "S" shard, "P" partial, "R" replicate; a change to a Partial is none of these.
@@ -101,6 +100,7 @@ def move(src: Placement, dst: Placement) -> str | None:
 
 def _kind(p: Placement) -> str:
     return "S" if p.is_shard() else "P" if p.is_partial() else "R"
+
 
 _REPLICATE = Replicate()
 

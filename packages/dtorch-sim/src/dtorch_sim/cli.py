@@ -177,8 +177,10 @@ def _main(argv: list[str] | None) -> int:
             print(line, file=sys.stderr)
         return 1
     specs = generate(sc)
-    problems = feasible.problems(sc, specs, args.scenario) or \
-        [p for p in (_samples_problem(sc, specs, args.scenario) or _heartbeats_problem(sc, specs, args.scenario),) if p]
+    problems = feasible.problems(sc, specs, args.scenario)
+    if not problems:
+        problem = _samples_problem(sc, specs, args.scenario) or _heartbeats_problem(sc, specs, args.scenario)
+        problems = [problem] if problem else []
     if problems:
         for line in problems:
             print(line, file=sys.stderr)

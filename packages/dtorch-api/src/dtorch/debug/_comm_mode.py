@@ -71,7 +71,6 @@ def collectives(src: m.TensorSpec, dst: m.TensorSpec) -> list[Any]:
             if n > 1 and p != q and (kind := move(placement_from_wire(p), placement_from_wire(q))) in COLLECTIVES]
 
 
-
 def _needing_grad(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
