@@ -1,6 +1,6 @@
 """DTorch against PyTorch's own DTensor and plain torch, side by side in one run (printed, never asserted).
 
-    python benchmarks/bench_vs_torch.py [--repeats 10] [--quick] [--only a,b,c,d,e,f] [--device cpu|cuda]
+    python benchmarks/bench_vs_torch.py [--repeats 10] [--quick] [--only a,b,c,d,e,f,g,h,i] [--device cpu|cuda]
                                         [--rounds 1] [--auto-compile on|off]  (--rounds: (a)-(d) in turns)
 
 Three contenders, one after the other on the same machine (never at the same time):
@@ -44,6 +44,12 @@ Items (those of issue #11):
     over 1-8 devices, block-seeded (each device draws the blocks of its shard) against drawing the whole
     tensor and keeping the box (what workers did before).
 
+(i) FSDP: a training step (forward, backward, SGD) of 4 residual blocks (LayerNorm, Linear 512->2048, ReLU, Linear
+    2048->512) and a head, `fully_shard` per block and then on the root, as FSDP2's recipe, batch 64 sharded over
+    2 devices (each torch rank its 32 rows), loss on the client, against torch's own FSDP2 (`fully_shard`) on 2
+    gloo ranks; with each step's all_gathers and reduce_scatters (DTorch's `CommDebugMode`, and torch's own on
+    rank 0).
+
 Figures are medians of `--repeats` runs; ratios are DTorch / peer (below 1.0x: DTorch is faster).
 Each worker and each torch rank uses one intra-op thread; plain torch uses as many as there are ranks.
 """
@@ -80,6 +86,37 @@ def make_mlp(seed: int = 0) -> nn.Sequential:
         layers.append(nn.Linear(HIDDEN, HIDDEN))
         layers.append(nn.ReLU() if i < LAYERS - 1 else nn.Identity())
     return nn.Sequential(*layers)
+
+
+FSDP_HIDDEN, FSDP_BLOCKS = 512, 4
+
+
+def make_fsdp_model(seed: int = 0) -> nn.Sequential:
+    """(i): residual MLP blocks and a head (each block one `fully_shard` call, as FSDP2's recipe)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = (nn.LayerNorm(FSDP_HIDDEN), nn.Linear(FSDP_HIDDEN, 4 * FSDP_HIDDEN),
+                                             nn.Linear(4 * FSDP_HIDDEN, FSDP_HIDDEN))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(torch.relu(self.up(self.norm(x))))
+
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block() for _ in range(FSDP_BLOCKS)], nn.Linear(FSDP_HIDDEN, FSDP_HIDDEN))
+
+
+def fsdp_batch(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, FSDP_HIDDEN, generator=g), torch.randn(BATCH, FSDP_HIDDEN, generator=g)
+
+
+def comm_counts(mode: Any) -> tuple[int, int]:
+    """(all_gathers, reduce_scatters) a CommDebugMode (torch's or DTorch's) counted."""
+    counts = {str(k).rsplit(".", 1)[-1]: v for k, v in mode.get_comm_counts().items()}
+    gathers = sum(v for k, v in counts.items() if "all_gather" in k or "allgather" in k)
+    return gathers, sum(v for k, v in counts.items() if "reduce_scatter" in k)
 
 
 def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,6 +338,21 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
             del t, part
         out["d"] = bw
 
+    if "i" in args.only:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        model = make_fsdp_model().to(device)
+        for block in model[:-1]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        inp, target = (t.chunk(world)[rank].to(device) for t in fsdp_batch())
+        step = sgd_step(model, inp, target)  # (each rank's loss is its half's mean: FSDP2 averages the gradients)
+        out["i"] = median_ms(step, args.repeats, before=dist.barrier)
+        with CommDebugMode() as comm:
+            step()
+        out["i_comm"] = comm_counts(comm)
+
     dist.barrier()
     if rank == 0:
         queue.put(out)
@@ -353,6 +405,9 @@ def run_plain(args: argparse.Namespace) -> dict:
     if "c" in args.only:
         step = sgd_step(model, inp, target)
         out["c"] = median_ms(step, args.repeats)
+    if "i" in args.only:
+        out["i"] = median_ms(sgd_step(make_fsdp_model().to(device), *(t.to(device) for t in fsdp_batch())),
+                             args.repeats)
     return out
 
 
@@ -426,6 +481,20 @@ def run_dtorch(args: argparse.Namespace) -> dict:
                                                 warmup=D_WARMUP)
             del partial, sharded
         out["d"] = bw
+    if "i" in args.only:
+        from dtorch.debug import CommDebugMode
+        from dtorch.nn import fully_shard
+
+        model = make_fsdp_model()
+        for block in model[:-1]:
+            fully_shard(block, mesh)
+        fully_shard(model, mesh)
+        inp, target = (dtorch.distribute_tensor(t, mesh, [Shard(0)]) for t in fsdp_batch())
+        step = sgd_step(model, inp, target)
+        out["i"] = median_ms(step, args.repeats)
+        with CommDebugMode() as comm:
+            step()
+        out["i_comm"] = comm_counts(comm)
     dtorch.shutdown()
 
     if "e" in args.only:
@@ -675,7 +744,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--iters", type=int, default=5000, help="(a): loop length")
     p.add_argument("--quick", action="store_true", help="(d): 4 sizes up to 16 MiB")
-    p.add_argument("--only", default="a,b,c,d,e,f,g,h", help="comma-separated items to run")
+    p.add_argument("--only", default="a,b,c,d,e,f,g,h,i", help="comma-separated items to run")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rounds", type=int, default=1, help="(a)-(d): the three contenders measured this many times, "
                    "in turns; figures are medians over the rounds and ratios are medians of each round's ratios, "
@@ -691,8 +760,8 @@ def main() -> None:
 
     load_before = os.getloadavg()
     plain = run_plain(args)
-    torch_dt = run_torch(args) if args.only & {"a", "b", "c", "d"} else {}
-    dt = run_dtorch(args) if args.only & {"a", "b", "c", "d", "e", "f"} else {}
+    torch_dt = run_torch(args) if args.only & {"a", "b", "c", "d", "i"} else {}
+    dt = run_dtorch(args) if args.only & {"a", "b", "c", "d", "e", "f", "i"} else {}
     rounds = [(plain, torch_dt, dt)]
     turns = argparse.Namespace(**{**vars(args), "only": args.only & {"a", "b", "c", "d"}})
     for _ in range(args.rounds - 1 if turns.only else 0):
@@ -785,6 +854,14 @@ def main() -> None:
                   f"command {f[mode]['flying_ms']:6.2f} ms, compute run meanwhile {f[mode]['overlapped_ms']:6.2f} ms")
         print(f"    overlapped / waited {ratio(f['overlapped']['ms'], f['waited']['ms'])} (on 2 shared CPU cores a "
               "transfer is CPU work too: overlap hides it only where a core would otherwise wait)")
+    if "i" in args.only:
+        print(f"(i) FSDP training step: {FSDP_BLOCKS} blocks ({FSDP_HIDDEN}->{4 * FSDP_HIDDEN}->{FSDP_HIDDEN}) and a "
+              f"head, fully_shard per block and on the root, batch {BATCH} over 2 devices, loss on the client")
+        for who, figures in (("dtorch", dt), ("torch FSDP2", torch_dt)):
+            gathers, scatters = figures["i_comm"]
+            print(f"    {who:<16}  {figures['i']:9.2f} ms   {gathers} all_gathers and {scatters} reduce_scatters per "
+                  "step" + (f"   dtorch/FSDP2 {ratio(dt['i'], torch_dt['i'])}" if who == "dtorch" else ""))
+        print(f"    plain torch       {plain['i']:9.2f} ms   dtorch/plain {ratio(dt['i'], plain['i'])}")
     if capture:
         print("(g) Llama DPxTP training step (2x2 mesh, AdamW foreach), user-thread time, median of steps "
               f"3-{args.steps}")

@@ -533,6 +533,42 @@ def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_the
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
 
 
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_fully_shard_moves_each_calls_parameters_in_one_collective_each_way_as_fsdp2(mesh1, precision):
+    """FSDP2's flat buffers: a `fully_shard` call's parameters are gathered in one all_gather when its module's
+    forward starts (again in its backward, where it reshards) and their gradients reduced in one reduce_scatter
+    (`_buckets`). DTorch gathered and reduced each parameter of each submodule alone: this model's step took 22
+    all_gathers and 15 reduce_scatters, now 6 and 4 (torch's FSDP2: 5 and 3). A parameter whose shards are uneven
+    (the head's 3 rows over 2 devices) still moves alone, in the same step; the values are torch's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 8))  # noqa: E731
+    ref = nn.Sequential(block(), block(), nn.Linear(8, 8), nn.Linear(8, 3, bias=False))
+    model = copy.deepcopy(ref)
+    policy = {} if precision is None else {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                             reduce_dtype=torch.float32)}
+    for b in model[:2]:
+        fully_shard(b, mesh1, **policy)
+    fully_shard(model, mesh1, **policy)
+    x = torch.randn(6, 8)
+    with CommDebugMode() as forward:
+        loss = model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).pow(2).mean()
+    with CommDebugMode() as backward:
+        loss.backward()
+    gather, scatter = torch.ops.c10d_functional.all_gather_into_tensor, torch.ops.c10d_functional.reduce_scatter_tensor
+    # forward: each block's 6 parameters in one, the root's linear 2 in one and the head alone; backward: the
+    # blocks' (resharded) gathered again, the root's kept; one reduce per call, the head's alone
+    assert forward.get_comm_counts()[gather] == 4 and backward.get_comm_counts()[gather] == 2
+    assert backward.get_comm_counts()[scatter] == 4
+    ref(x).pow(2).mean().backward()
+    tol = TOL if precision is None else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(loss.item(), ref(x).pow(2).mean().item(), **tol)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.placements == p.placements == (Shard(0),) and p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, **tol, msg=name)
+
+
 @pytest.mark.parametrize("how", ["no_sync", "set_requires_gradient_sync"])
 def test_a_data_parallel_model_accumulates_gradients_unreduced_in_no_sync_as_ddp(mesh1, how):
     """DDP's `with model.no_sync():` (and FSDP2's `set_requires_gradient_sync`) on a replicated model: the

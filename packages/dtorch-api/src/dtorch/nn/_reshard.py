@@ -9,8 +9,9 @@ default); DTorch does it with autograd's saved-tensor hooks, in force for the su
 Rules:
   1. A saved tensor that is a gathered parameter, its transpose (a linear's weight), or any view of one gathered
      on every mesh dim (replicated: the view's global strides are each device's) is saved as a recipe: the sharded
-     parameter, the gathered placements and dtype (a mixed-precision policy's `param_dtype`), and the view.
-  2. Backward unpacks a recipe by gathering the parameter again; recipes unpacked while that copy is alive share it.
+     parameter, the gather that made it (`_buckets.GatherAgain`: its placements, dtype and bucket), and the view.
+  2. Backward unpacks a recipe by gathering the parameter again, with the rest of its gather (`_buckets` rule 5);
+     recipes unpacked while that copy is alive share it.
   3. Any other tensor is saved as autograd saves it.
   4. The hooks are installed only while grad is enabled and no other saved-tensor hooks are in force: activation
      checkpointing's own hooks save nothing of the forward (its recomputation gathers again by itself), and hooks
@@ -27,61 +28,54 @@ import torch
 import torch.nn as nn
 
 from dtorch.dtensor import DTensor
-from dtorch_protocol.placement_types import Placement
+from dtorch.nn._buckets import GatherAgain
 
-# id(gathered tensor) -> (the gathered tensor, its sharded parameter), while a forward holds it
-_live: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
-# (id(sharded parameter), gathered placements, dtype) -> the copy backward gathered, while a use holds it (rule 2)
-_again: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# id(gathered tensor) -> (the gathered tensor, its sharded parameter, the gather that made it), while a forward holds it
+_live: dict[int, tuple[weakref.ref, nn.Parameter, GatherAgain]] = {}
 
 
 @dataclass(frozen=True)
 class _Recipe:
     param: nn.Parameter
-    placements: tuple[Placement, ...]
-    dtype: torch.dtype
+    again: GatherAgain
     view: tuple | str | None  # None: the gathered tensor; "t": its transpose; (size, stride, offset): as_strided
 
 
-def track(gathered: DTensor, param: nn.Parameter) -> None:
-    _live[id(gathered)] = (weakref.ref(gathered), param)
+def track(gathered: DTensor, param: nn.Parameter, again: GatherAgain) -> None:
+    _live[id(gathered)] = (weakref.ref(gathered), param, again)
 
 
 def untrack(gathered: DTensor) -> None:
     _live.pop(id(gathered), None)
 
 
-def _param_of(t: Any) -> nn.Parameter | None:
+def _made(t: Any) -> tuple[nn.Parameter, GatherAgain] | None:
     entry = _live.get(id(t)) if t is not None else None
-    return entry[1] if entry is not None and entry[0]() is t else None
+    return entry[1:] if entry is not None and entry[0]() is t else None
 
 
 def _pack(t: Any) -> Any:
     if type(t) is not DTensor:
         return t
-    param = _param_of(t)
-    if param is not None:
-        return _Recipe(param, t.placements, t.dtype, None)
+    made = _made(t)
+    if made is not None:
+        return _Recipe(*made, None)
     base = t._base
-    param = _param_of(base)
-    if param is None:  # rule 3
+    made = _made(base)
+    if made is None:  # rule 3
         return t
     if t.ndim == base.ndim == 2 and t.shape == base.shape[::-1] and t.stride() == base.stride()[::-1] \
             and t.storage_offset() == base.storage_offset():
-        return _Recipe(param, base.placements, base.dtype, "t")
+        return _Recipe(*made, "t")
     if all(p.is_replicate() for p in base.placements):
-        return _Recipe(param, base.placements, base.dtype, (tuple(t.shape), t.stride(), t.storage_offset()))
+        return _Recipe(*made, (tuple(t.shape), t.stride(), t.storage_offset()))
     return t
 
 
 def _unpack(saved: Any) -> Any:
     if type(saved) is not _Recipe:
         return saved
-    p, key = saved.param, (id(saved.param), saved.placements, saved.dtype)
-    whole = _again.get(key)
-    if whole is None:
-        whole = _again[key] = (p if p.dtype == saved.dtype else p.to(saved.dtype)).redistribute(
-            placements=saved.placements)
+    whole = saved.again.whole(saved.param)
     if saved.view is None:
         return whole
     return whole.t() if saved.view == "t" else whole.as_strided(*saved.view)

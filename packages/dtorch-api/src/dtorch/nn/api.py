@@ -38,6 +38,7 @@ from dtorch.device_mesh import DeviceMesh, on_root
 from dtorch.dtensor import DTensor
 from dtorch.factories import distribute_tensor
 from dtorch.nn import _reshard
+from dtorch.nn._buckets import Gather, GatherAgain, Member
 from dtorch.nn.style import ParallelStyle, as_style
 from dtorch_protocol.placement_types import Placement, Replicate, Shard
 
@@ -368,13 +369,11 @@ class _Precision:
                             f"{type(policy).__name__}")
         return cls(**{f: getattr(policy, f) for f in fields})
 
-    def gather(self, p: DTensor, placements: tuple[Placement, ...], reduce: bool) -> DTensor:
+    def member(self, p: DTensor, placements: tuple[Placement, ...], reduce: bool) -> Member:
         """`p` gathered to `placements` in the forward's dtype, its gradient reduced in `reduce_dtype` (or, where
-        not `reduce`, left as the backward makes it)."""
+        not `reduce`, left as the backward makes it: FSDP2's `set_requires_gradient_sync(False)`)."""
         dtype = self.param_dtype or p.dtype
-        if not reduce:
-            return _Unreduced.apply(p, placements, dtype)
-        return p.redistribute(placements=placements, forward_dtype=dtype, backward_dtype=self.reduce_dtype or dtype)
+        return Member(p, placements, dtype, (self.reduce_dtype or dtype) if reduce else None)
 
     def cast(self, dtype: torch.dtype | None, tree: Any) -> Any:
         if dtype is None:
@@ -388,35 +387,34 @@ class _Precision:
         return self.cast(self.output_dtype, output)
 
 
-class _Unreduced(torch.autograd.Function):
-    """A gather whose gradient is not reduced: it reaches the parameter as the backward made it (Partial over a
-    sharded batch) and accumulates there with no communication (FSDP2's `set_requires_gradient_sync(False)`)."""
-
-    @staticmethod
-    def forward(ctx: Any, p: DTensor, placements: tuple[Placement, ...], dtype: torch.dtype) -> DTensor:
-        ctx.dtype = p.dtype
-        return p.redistribute(placements=placements, forward_dtype=dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
-        return (grad if grad.dtype == ctx.dtype else grad.to(ctx.dtype)), None, None
-
-
 class _Gathered:
     """`fully_shard`'s hooks on one submodule: its forward sees the parameters `names` gathered on mesh dims `dims`
     (a forward pre-hook puts the gathered tensors in their places, a forward hook puts the sharded parameters back);
     the gather is differentiable, so each sharded parameter gets its gradient, reduce-scattered (in the dtypes of
-    `precision`, a mixed-precision policy). With `reshard`, autograd saves no gathered tensor for backward, which
-    gathers again (`_reshard`). A forward that writes a gathered parameter in place (`nn.Embedding(max_norm=...)`
-    renormalizes the rows it looks up) has the write copied into the sharded parameter, as the module's own
-    parameter would keep it."""
+    `precision`, a mixed-precision policy). The parameters come gathered from their call's `_Group` (`ready`), or,
+    for a forward outside the group's, are gathered here, together (`_buckets`). With `reshard`, autograd saves no
+    gathered tensor for backward, which gathers again (`_reshard`). A forward that writes a gathered parameter in
+    place (`nn.Embedding(max_norm=...)` renormalizes the rows it looks up) has the write copied into the sharded
+    parameter, as the module's own parameter would keep it."""
 
     def __init__(self, names: list[str], dims: tuple[int, ...], reshard: bool, precision: _Precision) -> None:
         self.names, self.dims, self.reshard, self.precision = names, dims, reshard, precision
         self.sync = True  # gradients reduced in each backward (`set_requires_gradient_sync`)
         self.held = False  # gathered and kept until `reshard()` (`unshard()`)
         self.stored: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
+        self.ready: dict[str, tuple[DTensor, GatherAgain | None]] = {}  # gathered by the group's forward, for it
         self.hooks: list[Any] = []  # per call under way (nested ones too): the saved-tensor hooks it entered, or None
+
+    def members(self, mod: nn.Module) -> list[tuple[str, Member]]:
+        """The parameters to gather now (not in place already, as in a nested call of the module), by name."""
+        out = []
+        for name in self.names:
+            p = mod._parameters.get(name)
+            if isinstance(p, DTensor) and name not in self.stored and name not in self.ready:
+                unreduced = p.grad is not None and p.grad.placements != p.placements  # (from unsynced backwards)
+                out.append((name, self.precision.member(p, _with(p.placements, self.dims, Replicate(), p.ndim),
+                                                        reduce=self.sync and not unreduced)))
+        return out
 
     def gather(self, mod: nn.Module, _args: Any) -> None:
         if self.held:  # unsharded (`unshard()`): the gathered parameters stay in place until `reshard()`
@@ -445,16 +443,15 @@ class _Gathered:
             self._put_back(mod)
 
     def _put_gathered(self, mod: nn.Module, track: bool) -> None:
-        for name in self.names:
-            p = mod._parameters.get(name)
-            if isinstance(p, DTensor) and name not in self.stored:  # (not again in a nested call of the module)
-                unreduced = p.grad is not None and p.grad.placements != p.placements  # (from unsynced backwards)
-                whole = self.precision.gather(p, _with(p.placements, self.dims, Replicate(), p.ndim),
-                                              reduce=self.sync and not unreduced)
-                self.stored[name] = (p, whole, whole._version)
-                mod._parameters[name] = whole
-                if track:
-                    _reshard.track(whole, p)
+        wholes = {**self.ready, **_gather(self.members(mod), self.reshard and track)}
+        for name, (whole, again) in wholes.items():
+            if name in self.stored:
+                continue
+            p = mod._parameters[name]
+            self.stored[name] = (p, whole, whole._version)
+            mod._parameters[name] = whole
+            if track and again is not None:
+                _reshard.track(whole, p, again)
 
     def _put_back(self, mod: nn.Module) -> None:
         for name, (p, whole, version) in self.stored.items():
@@ -464,6 +461,48 @@ class _Gathered:
             mod._parameters[name] = p
             _reshard.untrack(whole)
         self.stored.clear()
+
+
+class _Group:
+    """One `fully_shard` call's parameters (FSDP2's parameter group): gathered together when the forward of the
+    module given to the call starts (one collective per bucket, `_buckets`), handed to each submodule's forward
+    inside it (`_Gathered.ready`) and dropped from here when it ends; their gradients are reduced together when
+    the group's backward ends."""
+
+    def __init__(self, units: list[tuple[nn.Module, _Gathered]]) -> None:
+        self.units = units
+        self.depth = 0  # calls of the module under way
+
+    def fill(self, track: bool) -> None:
+        """Every unit's parameters not in place yet gathered together, into its `ready`."""
+        named = [((unit, name), mb) for mod, unit in self.units if not unit.held for name, mb in unit.members(mod)]
+        for (unit, name), (whole, again) in _gather(named, track and any(u.reshard for _, u in self.units)).items():
+            unit.ready[name] = (whole, again if unit.reshard else None)
+
+    def clear(self) -> None:
+        for _mod, unit in self.units:
+            unit.ready.clear()
+
+    def gather(self, _mod: nn.Module, _args: Any) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.fill(track=True)
+
+    def done(self, _mod: nn.Module, _args: Any, _output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.clear()
+
+
+def _gather(named: list[tuple[Any, Member]], reshard: bool) -> dict[Any, tuple[DTensor, GatherAgain | None]]:
+    """The members gathered together (a differentiable `Gather`): name -> (gathered, what gathers it again for
+    backward, with `reshard`)."""
+    if not named:
+        return {}
+    members = tuple(mb for _, mb in named)
+    again = GatherAgain(members) if reshard else None
+    wholes = Gather.apply(members, again, *(mb.param for mb in members))
+    return {name: (whole, again) for (name, _), whole in zip(named, wholes)}
 
 
 def _fsdp_base(p: DTensor, name: str, mod: nn.Module, mesh: DeviceMesh, dims: tuple[int, ...]) -> tuple:
@@ -549,7 +588,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     ignored = {id(p) for p in ignored_params or ()}
     precision = _Precision.of(mp_policy)
     replicate = (Replicate(),) * device_mesh.ndim
-    module._dtorch_groups = groups = []  # (submodule, its hooks) of this call: FSDP2's parameter group of `module`
+    groups: list[tuple[nn.Module, _Gathered]] = []  # (submodule, its hooks) of this call: FSDP2's parameter group
     for mod in list(module.modules()):
         if getattr(mod, "_dtorch_gathered", None) is not None:  # sharded by an earlier call (per block, then root)
             continue
@@ -568,10 +607,14 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             for name in names:
                 _arm(mod, name, mod._parameters[name])
             groups.append((mod, hooks))
+    module._dtorch_group = group = _Group(groups)
+    if groups:
+        module.register_forward_pre_hook(group.gather, prepend=True)
+        module.register_forward_hook(group.done, always_call=True)
     for sub in module.modules():  # an earlier call's root by default inside this one is one of its blocks now
         if sub is not module and getattr(sub, "_dtorch_auto", False):
             sub._dtorch_auto = False
-            for _mod, hooks in sub._dtorch_groups:
+            for _mod, hooks in sub._dtorch_group.units:
                 hooks.reshard = True
     module._dtorch_auto = auto
     for method in (set_reshard_after_forward, unshard, reshard):  # (`_lays_out` binds set_requires_gradient_sync)
@@ -623,8 +666,12 @@ def unshard(self: nn.Module, async_op: bool = False) -> _Unsharded | None:
     """FSDP2's (not recursive): this module's parameters gathered now and kept for every forward until `reshard()`,
     as for generation, which would otherwise gather and free them once per token. The gathers run asynchronously
     either way; with `async_op`, the handle's `wait()` returns at once."""
-    for mod, hooks in _fully_sharded(self, recurse=False):
-        hooks.hold(mod)
+    group = getattr(self, "_dtorch_group", None)
+    if group is not None:
+        group.fill(track=False)
+        for mod, hooks in group.units:
+            hooks.hold(mod)
+        group.clear()
     return _Unsharded() if async_op else None
 
 
@@ -643,7 +690,8 @@ class _Unsharded:
 
 def _fully_sharded(module: nn.Module, recurse: bool) -> list[tuple[nn.Module, _Gathered]]:
     if not recurse:
-        return list(getattr(module, "_dtorch_groups", ()))
+        group = getattr(module, "_dtorch_group", None)
+        return list(group.units) if group is not None else []
     return [(m, m._dtorch_gathered) for m in module.modules() if getattr(m, "_dtorch_gathered", None) is not None]
 
 
