@@ -569,6 +569,37 @@ def test_fully_shard_moves_each_calls_parameters_in_one_collective_each_way_as_f
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, **tol, msg=name)
 
 
+def test_fully_shard_leaves_frozen_and_unused_parameters_without_gradients_as_torch(mesh1):
+    """A group gathered together (`_buckets.Gather`) mixes parameters that train with frozen ones (LoRA's base
+    weights) and ones the forward does not use: as with torch, a frozen parameter's gathered copy needs no gradient
+    (the backward computes none for it) and neither has a `.grad` after the backward (a zero gradient is not None to
+    an optimizer: AdamW would decay the unused weight)."""
+    class Adapted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base, self.lora, self.unused = nn.Linear(8, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.base(x) + self.lora(x)
+
+    torch.manual_seed(0)
+    ref = Adapted()
+    ref.base.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    fully_shard(model, mesh1)
+    seen = []
+    model.base.register_forward_pre_hook(lambda mod, _args: seen.append(mod.weight.requires_grad))
+    x = torch.randn(4, 8)
+    model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    assert seen == [False]
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (r.grad is None), name
+        if r.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
+    assert model.lora.weight.grad is not None and model.unused.weight.grad is None
+
+
 @pytest.mark.parametrize("how", ["no_sync", "set_requires_gradient_sync"])
 def test_a_data_parallel_model_accumulates_gradients_unreduced_in_no_sync_as_ddp(mesh1, how):
     """DDP's `with model.no_sync():` (and FSDP2's `set_requires_gradient_sync`) on a replicated model: the

@@ -23,7 +23,8 @@ Rules:
      Partial dims (a reduce_scatter, and an all_reduce) reduces them; the result is split and viewed as each
      parameter's shard. Any other gradient is redistributed alone. Gradients are reduced in `reduce_dtype` and
      kept in the parameter's dtype. Where the module does not synchronize gradients (`Member.reduce` None), they
-     are returned as the backward made them.
+     are returned as the backward made them. As torch's own: a frozen parameter's gathered copy requires no
+     gradient, and a parameter the forward did not use gets none (None, not zeros).
   4. Both move the per-parameter redistributions' bytes, only together: the values are the same, bit for bit (each
      sum is taken in the order that collectives rule 2 fixes).
   5. Gathering again for backward (`_reshard`) is per gather: the first parameter a backward needs gathers the whole
@@ -116,7 +117,10 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, members: tuple[Member, ...], again: GatherAgain | None, *params: DTensor) -> tuple:
         ctx.members, ctx.again = members, again
-        return tuple(gather(members))
+        wholes = gather(members)
+        ctx.mark_non_differentiable(*(w for w, p in zip(wholes, params) if not p.requires_grad))  # (frozen)
+        ctx.set_materialize_grads(False)  # (an unused parameter's gradient stays None, not zeros)
+        return tuple(wholes)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:

@@ -542,7 +542,9 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     reduce-scattered over dim 1 and all-reduced over dim 0).
 
     As with torch's FSDP2, `module.weight` is the sharded parameter under its own name (`named_parameters()`,
-    `state_dict()` and `.grad` as the model's, sharded), and only the submodule's forward sees it whole. A use
+    `state_dict()` and `.grad` as the model's, sharded), and only the submodule's forward sees it whole. The
+    call's parameters are gathered together when `module`'s forward starts, and their gradients reduced together
+    when its backward ends: one collective each way, as FSDP2's flat buffers (`_buckets`). A use
     outside that forward (another module reading a tied weight) reads the sharded parameter, which DTorch's ops take
     as any other layout. Works on a plain module (other mesh dims replicated) or on one already tensor-parallel on
     the same mesh (the stored layout adds Shard(0) on `mesh_dim`). Optimizer state follows the sharded parameters,
