@@ -600,6 +600,62 @@ def test_fully_shard_leaves_frozen_and_unused_parameters_without_gradients_as_to
     assert model.lora.weight.grad is not None and model.unused.weight.grad is None
 
 
+def test_torchs_fsdp2_example_runs_with_dtorchs_fully_shard_as_written(mesh1):
+    """pytorch/examples' FSDP2 example (distributed/FSDP2): layers sharded on the meta device, then the root;
+    `isinstance(model, FSDPModule)` asserted; each layer's forward and backward prefetching set; with explicit
+    prefetching, `model.unshard()` before every step, never `reshard()`; `clip_grad_norm_`. DTorch's modules failed
+    the isinstance, had no prefetch setters, and kept the parameters `unshard()` gathered forever: from the second
+    step on, every forward read the first step's weights (FSDP2 reshards them after the backward). Now the module
+    is an `FSDP<Class>`, the hints are taken (each gather runs while earlier work computes), FSDP2's other settings
+    are refused in one line, and the steps are torch's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def make():
+        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                             nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+
+    torch.manual_seed(0)
+    ref = make()
+    with torch.device("meta"):
+        model = make()
+    layers = [model[1], model[2]]
+    for layer in layers:
+        fully_shard(layer, mesh1)
+    fully_shard(model, mesh1)
+    assert all(isinstance(m, FSDPModule) for m in (model, *layers)) and isinstance(model, nn.Sequential)
+    assert type(model).__name__ == "FSDPSequential" and isinstance(model[1:3], nn.Sequential)  # (torch's indexing)
+    layers[0].set_modules_to_forward_prefetch([layers[1]])
+    layers[1].set_modules_to_backward_prefetch([layers[0]])
+    with pytest.raises(TypeError, match="set_modules_to_forward_prefetch: Linear was not given to fully_shard"):
+        layers[0].set_modules_to_forward_prefetch([model[0]])
+    with pytest.raises(NotImplementedError, match=r"^FSDPSequential\.set_gradient_divide_factor: DTorch's fully_shard "
+                                                  "has no such setting"):
+        model.set_gradient_divide_factor(2.0)
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    twin = copy.deepcopy(model)
+    assert type(twin) is type(model) and twin[1][0].weight.placements == (Shard(0),)
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        model.unshard()
+        loss = model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(x).sum()
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.item(), ref_loss.item(), **TOL)
+        assert model[0].weight.placements == (Shard(0),)  # resharded after the backward, as FSDP2
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), **TOL)
+
+
 @pytest.mark.parametrize("how", ["no_sync", "set_requires_gradient_sync"])
 def test_a_data_parallel_model_accumulates_gradients_unreduced_in_no_sync_as_ddp(mesh1, how):
     """DDP's `with model.no_sync():` (and FSDP2's `set_requires_gradient_sync`) on a replicated model: the

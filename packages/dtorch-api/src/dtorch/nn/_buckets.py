@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -111,12 +111,13 @@ def reduce(members: Sequence[Member], grads: Sequence[Any]) -> list[Any]:
 
 
 class Gather(torch.autograd.Function):
-    """A gather whose backward is its reduce: `Gather.apply(members, again, *params)` gives the gathered parameters;
-    `again` (a `GatherAgain` or None) is released when the gradients are reduced (rule 5)."""
+    """A gather whose backward is its reduce: `Gather.apply(members, after, *params)` gives the gathered parameters;
+    each of `after` is called when the backward reaches it (FSDP2's post-backward: `GatherAgain.release`, rule 5)."""
 
     @staticmethod
-    def forward(ctx: Any, members: tuple[Member, ...], again: GatherAgain | None, *params: DTensor) -> tuple:
-        ctx.members, ctx.again = members, again
+    def forward(ctx: Any, members: tuple[Member, ...], after: tuple[Callable[[], None], ...],
+                *params: DTensor) -> tuple:
+        ctx.members, ctx.after = members, after
         wholes = gather(members)
         ctx.mark_non_differentiable(*(w for w, p in zip(wholes, params) if not p.requires_grad))  # (frozen)
         ctx.set_materialize_grads(False)  # (an unused parameter's gradient stays None, not zeros)
@@ -124,8 +125,8 @@ class Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
-        if ctx.again is not None:
-            ctx.again.release()
+        for done in ctx.after:
+            done()
         return (None, None, *reduce(ctx.members, grads))
 
 

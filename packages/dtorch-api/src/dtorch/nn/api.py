@@ -37,7 +37,7 @@ from dtorch._spec import from_torch_placement
 from dtorch.device_mesh import DeviceMesh, on_root
 from dtorch.dtensor import DTensor
 from dtorch.factories import distribute_tensor
-from dtorch.nn import _reshard
+from dtorch.nn import _fsdp_module, _reshard
 from dtorch.nn._buckets import Gather, GatherAgain, Member
 from dtorch.nn.style import ParallelStyle, as_style
 from dtorch_protocol.placement_types import Placement, Replicate, Shard
@@ -427,12 +427,13 @@ class _Gathered:
         hooks = self.hooks.pop() if self.hooks else None
         if hooks is not None:
             hooks.__exit__(None, None, None)
-        if not self.held:
+        if not self.held or (self.reshard and not self.hooks):  # (FSDP2 reshards held ones after forward too)
+            self.held = False
             self._put_back(mod)
 
     def hold(self, mod: nn.Module) -> None:
-        """FSDP2's `unshard()`: the parameters gathered now and kept in place for every forward until `reshard()`
-        (no gather and no free per forward: generation reads them once per token)."""
+        """FSDP2's `unshard()`: the parameters gathered now and kept in place for the forwards until FSDP2 would
+        reshard them (`unshard`)."""
         if not self.held and not self.hooks:  # (not inside its own forward)
             self._put_gathered(mod, track=False)
             self.held = True
@@ -473,11 +474,17 @@ class _Group:
         self.units = units
         self.depth = 0  # calls of the module under way
 
-    def fill(self, track: bool) -> None:
-        """Every unit's parameters not in place yet gathered together, into its `ready`."""
+    def fill(self, track: bool, after: tuple[Callable[[], None], ...] = ()) -> None:
+        """Every unit's parameters not in place yet gathered together, into its `ready` (`after`: called when
+        their gradients are reduced)."""
         named = [((unit, name), mb) for mod, unit in self.units if not unit.held for name, mb in unit.members(mod)]
-        for (unit, name), (whole, again) in _gather(named, track and any(u.reshard for _, u in self.units)).items():
+        reshard = track and any(u.reshard for _, u in self.units)
+        for (unit, name), (whole, again) in _gather(named, reshard, after).items():
             unit.ready[name] = (whole, again if unit.reshard else None)
+
+    def release(self) -> None:
+        for mod, unit in self.units:
+            unit.release(mod)
 
     def clear(self) -> None:
         for _mod, unit in self.units:
@@ -494,14 +501,16 @@ class _Group:
             self.clear()
 
 
-def _gather(named: list[tuple[Any, Member]], reshard: bool) -> dict[Any, tuple[DTensor, GatherAgain | None]]:
+def _gather(named: list[tuple[Any, Member]], reshard: bool, after: tuple[Callable[[], None], ...] = ()
+            ) -> dict[Any, tuple[DTensor, GatherAgain | None]]:
     """The members gathered together (a differentiable `Gather`): name -> (gathered, what gathers it again for
-    backward, with `reshard`)."""
+    backward, with `reshard`); `after` is called when their gradients are reduced."""
     if not named:
         return {}
     members = tuple(mb for _, mb in named)
     again = GatherAgain(members) if reshard else None
-    wholes = Gather.apply(members, again, *(mb.param for mb in members))
+    wholes = Gather.apply(members, after if again is None else (*after, again.release),
+                          *(mb.param for mb in members))
     return {name: (whole, again) for (name, _), whole in zip(named, wholes)}
 
 
@@ -561,9 +570,11 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
     sharded on another dim; `ignored_params` stay as they are; `offload_policy` may only be torch's plain
     `OffloadPolicy()`: the shards stay on the workers' devices (`CPUOffloadPolicy` is refused).
 
-    The module given gets FSDP2's `set_requires_gradient_sync(bool)` (gradient accumulation with no reduction until
-    the last micro-batch), `set_reshard_after_forward(bool)`, and `unshard()` / `reshard()` (its parameters kept
-    gathered across forwards, as for generation).
+    The module given becomes an instance of torch's `FSDPModule`, as with FSDP2 (its class `FSDP<Class>`), with
+    FSDP2's `set_requires_gradient_sync(bool)` (gradient accumulation with no reduction until the last micro-batch),
+    `set_reshard_after_forward(bool)`, and `unshard()` / `reshard()` (its parameters kept gathered across forwards,
+    as for generation); its prefetching hints are taken with nothing to do, and its other settings are refused in
+    one line (`_fsdp_module`).
 
     `mp_policy`: torch's `MixedPrecisionPolicy` (`torch.distributed.fsdp`): the parameters are gathered in
     `param_dtype` and the gradients reduced in `reduce_dtype` (None: `param_dtype`; or the parameter's own dtype),
@@ -619,8 +630,8 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
             for _mod, hooks in sub._dtorch_group.units:
                 hooks.reshard = True
     module._dtorch_auto = auto
-    for method in (set_reshard_after_forward, unshard, reshard):  # (`_lays_out` binds set_requires_gradient_sync)
-        setattr(module, method.__name__, types.MethodType(method, module))
+    _fsdp_module.adopt(module, {f.__name__: f for f in (set_reshard_after_forward, unshard, reshard,
+                                                        set_requires_gradient_sync)})
     if precision.param_dtype is not None and precision.cast_forward_inputs:
         module.register_forward_pre_hook(precision.inputs, with_kwargs=True)
     if precision.output_dtype is not None:
@@ -665,12 +676,15 @@ def set_reshard_after_forward(self: nn.Module, reshard_after_forward: bool, recu
 
 
 def unshard(self: nn.Module, async_op: bool = False) -> _Unsharded | None:
-    """FSDP2's (not recursive): this module's parameters gathered now and kept for every forward until `reshard()`,
-    as for generation, which would otherwise gather and free them once per token. The gathers run asynchronously
-    either way; with `async_op`, the handle's `wait()` returns at once."""
+    """FSDP2's (not recursive): this module's parameters gathered now and kept in place, as FSDP2 keeps them, until
+    `reshard()`, the end of a forward where the module reshards after forward, or the end of their backward (FSDP2's
+    post-backward reshard: the optimizer's step then updates the shards, and the next forward gathers them again).
+    The root, which does not reshard after forward, keeps them across forwards without backward, as for generation,
+    which would otherwise gather and free them once per token. The gathers run asynchronously either way; with
+    `async_op`, the handle's `wait()` returns at once."""
     group = getattr(self, "_dtorch_group", None)
     if group is not None:
-        group.fill(track=False)
+        group.fill(track=False, after=(group.release,))
         for mod, hooks in group.units:
             hooks.hold(mod)
         group.clear()
