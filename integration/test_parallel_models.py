@@ -626,6 +626,7 @@ def test_torchs_fsdp2_example_runs_with_dtorchs_fully_shard_as_written(mesh1):
     assert type(model).__name__ == "FSDPSequential" and isinstance(model[1:3], nn.Sequential)  # (torch's indexing)
     layers[0].set_modules_to_forward_prefetch([layers[1]])
     layers[1].set_modules_to_backward_prefetch([layers[0]])
+    model.set_reshard_after_backward(False)  # (a memory hint too)
     with pytest.raises(TypeError, match="set_modules_to_forward_prefetch: Linear was not given to fully_shard"):
         layers[0].set_modules_to_forward_prefetch([model[0]])
     with pytest.raises(NotImplementedError, match=r"^FSDPSequential\.set_gradient_divide_factor: DTorch's fully_shard "

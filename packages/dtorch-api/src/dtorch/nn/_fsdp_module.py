@@ -8,11 +8,12 @@ class answers each of them itself:
 
 Rules:
   1. `unshard`, `reshard`, `set_requires_gradient_sync` and `set_reshard_after_forward` are DTorch's (`api.py`).
-  2. Hints about when to communicate (table ACCEPTED: prefetching, the last backward, a CUDA event) are taken, and
-     there is nothing to do: the client issues each gather as the program reaches it, and each worker runs it while
-     the work queued before it still computes.
-  3. Every other method of `FSDPModule` (a gradient divide factor, custom collectives, torch's own buffers) is refused
-     in one line that names it: each changes what is computed or how it moves, and DTorch has no such setting.
+  2. Hints about when to communicate and where FSDP2 keeps its buffers, which change no value (table ACCEPTED:
+     prefetching, the last backward, a CUDA event, resharding after backward, NCCL's memory) are taken, and there is
+     nothing to do: the client issues each gather as the program reaches it, and each worker runs it while the work
+     queued before it still computes.
+  3. Every other method of `FSDPModule` (a gradient divide factor, custom collectives or hooks, sum reductions) is
+     refused in one line that names it: each changes what is computed, and DTorch has no such setting.
   4. `_apply` (`model.to_empty(...)`, `.to(...)`, `.float()`) is `nn.Module`'s. `copy.deepcopy` builds the copy
      without FSDP2's constructor, which calls the module's `__init__` again (FSDP2 refuses deepcopy).
 """
@@ -26,7 +27,10 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 ACCEPTED = frozenset({"set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "set_is_last_backward",
-                      "set_post_optim_event", "reset_iter_state"})
+                      "set_post_optim_event", "reset_iter_state", "set_reshard_after_backward",
+                      "set_unshard_in_backward", "set_allocate_memory_from_process_group_for_comm",
+                      "set_symm_mem_for_comm", "set_reduce_scatter_max_input_buffers",
+                      "set_separate_reduce_scatter_group", "_set_unshard_async_op"})
 _classes: dict[type, type] = {}  # the module's class -> its FSDP class
 
 
@@ -59,7 +63,7 @@ def _accepted(name: str) -> Callable[..., None]:
 def _refusal(name: str) -> Callable[..., None]:
     def refuse(self: nn.Module, *_args: Any, **_kwargs: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__}.{name}: DTorch's fully_shard has no such setting (it "
-                                  "changes what FSDP2 computes or how it moves); leave it out")
+                                  "changes what FSDP2 computes); leave it out")
 
     refuse.__name__ = name
     return refuse
