@@ -533,13 +533,14 @@ def test_fully_shard_frees_gathered_parameters_after_the_forward_and_gathers_the
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL)
 
 
-@pytest.mark.parametrize("precision", [None, "bf16"])
-def test_fully_shard_moves_each_calls_parameters_in_one_collective_each_way_as_fsdp2(mesh1, precision):
+@pytest.mark.parametrize("precision,hsdp", [(None, False), ("bf16", False), (None, True)])
+def test_fully_shard_moves_each_calls_parameters_in_one_collective_each_way_as_fsdp2(mesh1, mesh2d, precision, hsdp):
     """FSDP2's flat buffers: a `fully_shard` call's parameters are gathered in one all_gather when its module's
     forward starts (again in its backward, where it reshards) and their gradients reduced in one reduce_scatter
-    (`_buckets`). DTorch gathered and reduced each parameter of each submodule alone: this model's step took 22
-    all_gathers and 15 reduce_scatters, now 6 and 4 (torch's FSDP2: 5 and 3). A parameter whose shards are uneven
-    (the head's 3 rows over 2 devices) still moves alone, in the same step; the values are torch's."""
+    (`_buckets`), and under HSDP one all_reduce over the replicated dim. DTorch gathered and reduced each parameter
+    of each submodule alone: this model's step took 22 all_gathers and 15 reduce_scatters, now 6 and 4 (torch's
+    FSDP2: 5 and 3). A parameter whose shards are uneven (the head's 3 rows over 2 devices) still moves alone, in
+    the same step; the values are torch's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     torch.manual_seed(0)
@@ -548,12 +549,13 @@ def test_fully_shard_moves_each_calls_parameters_in_one_collective_each_way_as_f
     model = copy.deepcopy(ref)
     policy = {} if precision is None else {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                              reduce_dtype=torch.float32)}
+    mesh = mesh2d if hsdp else mesh1  # (HSDP: replicated over dim 0, sharded over dim 1)
     for b in model[:2]:
-        fully_shard(b, mesh1, **policy)
-    fully_shard(model, mesh1, **policy)
-    x = torch.randn(6, 8)
+        fully_shard(b, mesh, **policy)
+    fully_shard(model, mesh, **policy)
+    x = torch.randn(8, 8)
     with CommDebugMode() as forward:
-        loss = model(dtorch.distribute_tensor(x, mesh1, [Shard(0)])).pow(2).mean()
+        loss = model(dtorch.distribute_tensor(x, mesh, [Shard(0)] * mesh.ndim)).pow(2).mean()
     with CommDebugMode() as backward:
         loss.backward()
     gather, scatter = torch.ops.c10d_functional.all_gather_into_tensor, torch.ops.c10d_functional.reduce_scatter_tensor
@@ -561,11 +563,14 @@ def test_fully_shard_moves_each_calls_parameters_in_one_collective_each_way_as_f
     # blocks' (resharded) gathered again, the root's kept; one reduce per call, the head's alone
     assert forward.get_comm_counts()[gather] == 4 and backward.get_comm_counts()[gather] == 2
     assert backward.get_comm_counts()[scatter] == 4
+    if hsdp:  # each bucket's reduce all-reduced over dim 0 too
+        assert backward.get_comm_counts()[torch.ops.c10d_functional.all_reduce] == 4
     ref(x).pow(2).mean().backward()
     tol = TOL if precision is None else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(loss.item(), ref(x).pow(2).mean().item(), **tol)
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-        assert p.grad.placements == p.placements == (Shard(0),) and p.grad.dtype == torch.float32, name
+        assert p.grad.placements == p.placements == (Replicate(),) * hsdp + (Shard(0),), name
+        assert p.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, **tol, msg=name)
 
 

@@ -68,17 +68,12 @@ def gather(members: Sequence[Member]) -> list[DTensor]:
     out: list[Any] = [None] * len(members)
     for (dims, dtype, _summed), idx in _buckets(members, [m.dtype for m in members]).items():
         params = [members[i].param for i in idx]
+        shards, targets = [_cast(p, dtype) for p in params], [members[i].placements for i in idx]
         if dims is None or len(idx) == 1:
-            for i in idx:
-                out[i] = _cast(members[i].param, dtype).redistribute(placements=members[i].placements)
-            continue
-        n, keep = _counts(params[0], dims, ())
-        mesh = params[0].device_mesh
-        lengths = [math.prod(_local_shape(p.placements, p)) for p in params]
-        flat = emit(aten._chunk_cat.default, ([_cast(p, dtype) for p in params], 0, 1),
-                    spec(mesh, _flat(mesh.ndim, dims, _S0), (n, sum(lengths) * keep), dtype))
-        rows = flat.redistribute(placements=_flat(mesh.ndim, dims, _R))
-        for i, whole in zip(idx, _split(rows, lengths, [members[i].placements for i in idx], params, n, keep)):
+            wholes = [t.redistribute(placements=pl) for t, pl in zip(shards, targets)]
+        else:
+            wholes = _packed(shards, params, targets, dims, (), scatter=False)
+        for i, whole in zip(idx, wholes):
             out[i] = whole
     return out
 
@@ -90,22 +85,16 @@ def reduce(members: Sequence[Member], grads: Sequence[Any]) -> list[Any]:
     for i in [i for i in todo if members[i].reduce is None]:
         out[i] = _cast(grads[i], members[i].param.dtype)
     todo = [i for i in todo if members[i].reduce is not None]
-    buckets = _buckets([members[i] for i in todo], [members[i].reduce for i in todo],
-                       [grads[i] for i in todo])
+    buckets = _buckets([members[i] for i in todo], [members[i].reduce for i in todo], [grads[i] for i in todo])
     for (dims, dtype, summed), where in buckets.items():
         idx = [todo[j] for j in where]
         params = [members[i].param for i in idx]
+        cast, targets = [_cast(grads[i], dtype) for i in idx], [p.placements for p in params]
         if dims is None or len(idx) == 1:
-            for i, p in zip(idx, params):
-                out[i] = _cast(_cast(grads[i], dtype).redistribute(placements=p.placements), p.dtype)
-            continue
-        n, keep = _counts(params[0], dims, summed)
-        mesh = params[0].device_mesh
-        lengths = [math.prod(_local_shape(p.placements, p)) for p in params]
-        flat = emit(aten._chunk_cat.default, ([_cast(grads[i], dtype) for i in idx], 0, n),
-                    spec(mesh, _flat(mesh.ndim, dims, _SUM, summed, _SUM), (n, sum(lengths) * keep), dtype))
-        rows = flat.redistribute(placements=_flat(mesh.ndim, dims, _S0, summed, _R))
-        for i, p, g in zip(idx, params, _split(rows, lengths, [p.placements for p in params], params, n, keep)):
+            reduced = [g.redistribute(placements=pl) for g, pl in zip(cast, targets)]
+        else:
+            reduced = _packed(cast, params, targets, dims, summed, scatter=True)
+        for i, p, g in zip(idx, params, reduced):
             out[i] = _cast(g, p.dtype)
     return out
 
@@ -202,21 +191,29 @@ def _counts(p: DTensor, dims: tuple[int, ...], summed: tuple[int, ...]) -> tuple
     return math.prod(sizes[d] for d in dims), math.prod(n for d, n in enumerate(sizes) if d not in dims + summed)
 
 
-def _flat(ndim: int, dims: tuple[int, ...], p: Placement, summed: tuple[int, ...] = (),
-          q: Placement = _R) -> tuple[Placement, ...]:
+def _flat(ndim: int, dims: tuple[int, ...], p: Placement, summed: tuple[int, ...], q: Placement
+          ) -> tuple[Placement, ...]:
     """The flat tensor's placements: `p` on the gather dims, `q` on the `summed` ones, Shard(1) (each device its own
     columns) elsewhere."""
     return tuple(p if d in dims else q if d in summed else _S1 for d in range(ndim))
 
 
-def _split(rows: DTensor, lengths: list[int], placements: list[tuple[Placement, ...]], params: list[DTensor],
-           n: int, keep: int) -> list[DTensor]:
-    """Each device's rows split per parameter and viewed as its shard laid out as `placements` (rules 2 and 3)."""
-    mesh, dtype = rows.device_mesh, rows.dtype
+def _packed(tensors: list[DTensor], params: list[DTensor], targets: list[tuple[Placement, ...]],
+            dims: tuple[int, ...], summed: tuple[int, ...], scatter: bool) -> list[DTensor]:
+    """`tensors` (one per parameter of a bucket: its shard, or with `scatter` its gradient) moved to `targets` in one
+    redistribution over the gather dims: packed into one flat tensor on each device, moved, split and viewed as
+    each target's local shape (rules 2 and 3)."""
+    mesh, dtype = params[0].device_mesh, tensors[0].dtype
+    n, keep = _counts(params[0], dims, summed)
+    lengths = [math.prod(_local_shape(p.placements, p)) for p in params]
+    src, dst = (_SUM, _S0) if scatter else (_S0, _R)
+    flat = emit(aten._chunk_cat.default, (tensors, 0, n if scatter else 1),
+                spec(mesh, _flat(mesh.ndim, dims, src, summed, _SUM), (n, sum(lengths) * keep), dtype))
+    rows = flat.redistribute(placements=_flat(mesh.ndim, dims, dst, summed, _R))
     pieces = emit(aten.split_with_sizes_copy.default, (rows, lengths, 1),
                   [spec(mesh, rows.placements, (n, length * keep), dtype) for length in lengths])
     return [emit(aten.view.default, (piece, list(_local_shape(pl, p))), spec(mesh, pl, tuple(p.shape), dtype))
-            for piece, pl, p in zip(pieces, placements, params)]
+            for piece, pl, p in zip(pieces, targets, params)]
 
 
 def _cast(t: Any, dtype: torch.dtype) -> Any:

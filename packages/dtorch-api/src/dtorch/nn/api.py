@@ -400,7 +400,7 @@ class _Gathered:
     def __init__(self, names: list[str], dims: tuple[int, ...], reshard: bool, precision: _Precision) -> None:
         self.names, self.dims, self.reshard, self.precision = names, dims, reshard, precision
         self.sync = True  # gradients reduced in each backward (`set_requires_gradient_sync`)
-        self.held = False  # gathered and kept until `reshard()` (`unshard()`)
+        self.held = False  # gathered by `unshard()` and kept until FSDP2 would reshard them
         self.stored: dict[str, tuple[nn.Parameter, torch.Tensor, int]] = {}
         self.ready: dict[str, tuple[DTensor, GatherAgain | None]] = {}  # gathered by the group's forward, for it
         self.hooks: list[Any] = []  # per call under way (nested ones too): the saved-tensor hooks it entered, or None
@@ -417,7 +417,7 @@ class _Gathered:
         return out
 
     def gather(self, mod: nn.Module, _args: Any) -> None:
-        if self.held:  # unsharded (`unshard()`): the gathered parameters stay in place until `reshard()`
+        if self.held:  # unsharded (`unshard()`): the gathered parameters are in place already
             self.hooks.append(None)
             return
         self._put_gathered(mod, track=self.reshard)
@@ -572,9 +572,9 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh | None = None, *, mes
 
     The module given becomes an instance of torch's `FSDPModule`, as with FSDP2 (its class `FSDP<Class>`), with
     FSDP2's `set_requires_gradient_sync(bool)` (gradient accumulation with no reduction until the last micro-batch),
-    `set_reshard_after_forward(bool)`, and `unshard()` / `reshard()` (its parameters kept gathered across forwards,
-    as for generation); its prefetching hints are taken with nothing to do, and its other settings are refused in
-    one line (`_fsdp_module`).
+    `set_reshard_after_forward(bool)`, and `unshard()` / `reshard()` (its parameters gathered ahead and kept as
+    FSDP2 keeps them: across forwards without backward, as for generation); its hints that change no value
+    (prefetching) are taken with nothing to do, and its other settings are refused in one line (`_fsdp_module`).
 
     `mp_policy`: torch's `MixedPrecisionPolicy` (`torch.distributed.fsdp`): the parameters are gathered in
     `param_dtype` and the gradients reduced in `reduce_dtype` (None: `param_dtype`; or the parameter's own dtype),
