@@ -7,13 +7,15 @@ rendezvous of every worker) once for each parameter of the group (a transformer 
 
 Rules:
   1. A parameter is *packed* when it goes from Shard(0) to Replicate on every mesh dim its gather changes (the
-     *gather dims*), it is split evenly (every device's shard has one shape), and no other mesh dim splits its
-     dim 0. Packed parameters with the same gather dims and one dtype (after the mixed-precision cast) form a
-     *bucket*. A bucket of one, and any other parameter, is redistributed alone.
+     *gather dims*) and it is split evenly (every device's shard has one shape). The other mesh dims that split its
+     dim 0 stay so (the *stacked dims*: TP's colwise weights under FSDP x TP). Packed parameters with the same
+     gather and stacked dims and one dtype (after the mixed-precision cast) form a *bucket*. A bucket of one, and
+     any other parameter, is redistributed alone.
   2. A bucket's gather: each device concatenates its shards, flattened (`aten._chunk_cat`, in one chunk), into its
-     row of a flat tensor. The flat tensor is laid out Shard(0) over the gather dims and Shard(1) over the others,
-     so each device's row is its own. One redistribution to Replicate over the gather dims (an all_gather) gives
-     every device its group's rows, in the order of their chunks of dim 0. Each device then splits the rows per
+     row of a flat tensor. The flat tensor is laid out Shard(0) over the gather and stacked dims, nested as the
+     parameters' dim 0 (so its rows are in the order of their chunks of dim 0), and Shard(1) over the others, so
+     each device's row is its own. One redistribution to Replicate over the gather dims (an all_gather; the stacked
+     dims keep Shard(0)) gives every device the rows of its gathered shards. Each device then splits them per
      parameter (`aten.split_with_sizes_copy`) and views each piece as its gathered shard.
   3. A bucket's reduce (the backward of its gather) takes the gradients that arrive Partial(sum) on the gather dims
      and, on each other dim, laid out as the gathered parameter or Partial(sum) where the parameter is Replicate
@@ -66,13 +68,13 @@ class Member:
 def gather(members: Sequence[Member]) -> list[DTensor]:
     """Each member's parameter gathered: each bucket in one collective, the rest alone (rules 1 and 2)."""
     out: list[Any] = [None] * len(members)
-    for (dims, dtype, _summed), idx in _buckets(members, [m.dtype for m in members]).items():
+    for (dims, stacked, dtype, _summed), idx in _buckets(members, [m.dtype for m in members]).items():
         params = [members[i].param for i in idx]
         shards, targets = [_cast(p, dtype) for p in params], [members[i].placements for i in idx]
         if dims is None or len(idx) == 1:
             wholes = [t.redistribute(placements=pl) for t, pl in zip(shards, targets)]
         else:
-            wholes = _packed(shards, params, targets, dims, (), scatter=False)
+            wholes = _packed(shards, params, targets, dims, stacked, (), scatter=False)
         for i, whole in zip(idx, wholes):
             out[i] = whole
     return out
@@ -86,14 +88,14 @@ def reduce(members: Sequence[Member], grads: Sequence[Any]) -> list[Any]:
         out[i] = _cast(grads[i], members[i].param.dtype)
     todo = [i for i in todo if members[i].reduce is not None]
     buckets = _buckets([members[i] for i in todo], [members[i].reduce for i in todo], [grads[i] for i in todo])
-    for (dims, dtype, summed), where in buckets.items():
+    for (dims, stacked, dtype, summed), where in buckets.items():
         idx = [todo[j] for j in where]
         params = [members[i].param for i in idx]
         cast, targets = [_cast(grads[i], dtype) for i in idx], [p.placements for p in params]
         if dims is None or len(idx) == 1:
             reduced = [g.redistribute(placements=pl) for g, pl in zip(cast, targets)]
         else:
-            reduced = _packed(cast, params, targets, dims, summed, scatter=True)
+            reduced = _packed(cast, params, targets, dims, stacked, summed, scatter=True)
         for i, p, g in zip(idx, params, reduced):
             out[i] = _cast(g, p.dtype)
     return out
@@ -148,18 +150,20 @@ class GatherAgain:
 
 def _buckets(members: Sequence[Member], dtypes: Sequence[torch.dtype],
              grads: Sequence[Any] | None = None) -> dict[tuple, list[int]]:
-    """(gather dims or None, dtype, the other dims the gradients are Partial on) -> the indices of the members moved
-    together (gather dims None: each alone), rules 1 and 3."""
+    """(gather dims or None, stacked dims, dtype, the other dims the gradients are Partial on) -> the indices of the
+    members moved together (gather dims None: each alone), rules 1 and 3."""
     out: dict[tuple, list[int]] = {}
     for i, (m, dtype) in enumerate(zip(members, dtypes)):
         dims, summed = _gather_dims(m.param, m.placements), ()
+        stacked = tuple(d for d, q in enumerate(m.placements) if d not in (dims or ()) and isinstance(q, Shard)
+                        and q.dim % m.param.ndim == 0)
         if dims is not None and grads is not None:
             g = grads[i].placements if isinstance(grads[i], DTensor) else ()
             summed = tuple(d for d, (q, w) in enumerate(zip(g, m.placements)) if d not in dims and q != w)
             if len(g) != len(m.placements) or any(g[d] != _SUM for d in dims) \
                     or any(g[d] != _SUM or m.placements[d] != _R for d in summed):
                 dims, summed = None, ()
-        out.setdefault((dims, dtype, summed), []).append(i)
+        out.setdefault((dims, stacked, dtype, summed), []).append(i)
     return out
 
 
@@ -168,7 +172,7 @@ def _gather_dims(p: DTensor, gathered: tuple[Placement, ...]) -> tuple[int, ...]
     dims = tuple(d for d, (s, g) in enumerate(zip(p.placements, gathered)) if s != g)
     if not dims or any(p.placements[d] != _S0 or gathered[d] != _R for d in dims):
         return None
-    if any(q.is_partial() or (isinstance(q, Shard) and q.dim % p.ndim == 0) for q in gathered):
+    if any(q.is_partial() for q in gathered):
         return None
     return dims if _even(tuple(p.device_mesh.shape), p.placements, tuple(p.shape)) else None
 
@@ -184,34 +188,37 @@ def _local_shape(placements: tuple[Placement, ...], p: DTensor) -> tuple[int, ..
     return tuple(n for _, n in shard_box(tuple(p.shape), mesh_shape, placements, (0,) * len(mesh_shape)))
 
 
-def _counts(p: DTensor, dims: tuple[int, ...], summed: tuple[int, ...]) -> tuple[int, int]:
-    """The flat tensor's rows (the devices of one gather group) and the row's length over a device's (its Shard(1)
-    dims: neither gathered nor `summed`)."""
+def _counts(p: DTensor, dims: tuple[int, ...], stacked: tuple[int, ...], summed: tuple[int, ...]
+            ) -> tuple[int, int, int]:
+    """The devices of one gather group (the rows a device gathers), the stacked dims' devices (the flat tensor has
+    both's product of rows), and the row's length over a device's (its Shard(1) dims: the rest)."""
     sizes = tuple(p.device_mesh.shape)
-    return math.prod(sizes[d] for d in dims), math.prod(n for d, n in enumerate(sizes) if d not in dims + summed)
+    return (math.prod(sizes[d] for d in dims), math.prod(sizes[d] for d in stacked),
+            math.prod(n for d, n in enumerate(sizes) if d not in dims + stacked + summed))
 
 
-def _flat(ndim: int, dims: tuple[int, ...], p: Placement, summed: tuple[int, ...], q: Placement
-          ) -> tuple[Placement, ...]:
-    """The flat tensor's placements: `p` on the gather dims, `q` on the `summed` ones, Shard(1) (each device its own
-    columns) elsewhere."""
-    return tuple(p if d in dims else q if d in summed else _S1 for d in range(ndim))
+def _flat(ndim: int, dims: tuple[int, ...], p: Placement, stacked: tuple[int, ...], summed: tuple[int, ...],
+          q: Placement) -> tuple[Placement, ...]:
+    """The flat tensor's placements: `p` on the gather dims, Shard(0) on the stacked ones, `q` on the `summed` ones,
+    Shard(1) (each device its own columns) elsewhere."""
+    return tuple(p if d in dims else _S0 if d in stacked else q if d in summed else _S1 for d in range(ndim))
 
 
 def _packed(tensors: list[DTensor], params: list[DTensor], targets: list[tuple[Placement, ...]],
-            dims: tuple[int, ...], summed: tuple[int, ...], scatter: bool) -> list[DTensor]:
+            dims: tuple[int, ...], stacked: tuple[int, ...], summed: tuple[int, ...], scatter: bool
+            ) -> list[DTensor]:
     """`tensors` (one per parameter of a bucket: its shard, or with `scatter` its gradient) moved to `targets` in one
     redistribution over the gather dims: packed into one flat tensor on each device, moved, split and viewed as
     each target's local shape (rules 2 and 3)."""
     mesh, dtype = params[0].device_mesh, tensors[0].dtype
-    n, keep = _counts(params[0], dims, summed)
+    n, m, keep = _counts(params[0], dims, stacked, summed)
     lengths = [math.prod(_local_shape(p.placements, p)) for p in params]
     src, dst = (_SUM, _S0) if scatter else (_S0, _R)
     flat = emit(aten._chunk_cat.default, (tensors, 0, n if scatter else 1),
-                spec(mesh, _flat(mesh.ndim, dims, src, summed, _SUM), (n, sum(lengths) * keep), dtype))
-    rows = flat.redistribute(placements=_flat(mesh.ndim, dims, dst, summed, _R))
+                spec(mesh, _flat(mesh.ndim, dims, src, stacked, summed, _SUM), (n * m, sum(lengths) * keep), dtype))
+    rows = flat.redistribute(placements=_flat(mesh.ndim, dims, dst, stacked, summed, _R))
     pieces = emit(aten.split_with_sizes_copy.default, (rows, lengths, 1),
-                  [spec(mesh, rows.placements, (n, length * keep), dtype) for length in lengths])
+                  [spec(mesh, rows.placements, (n * m, length * keep), dtype) for length in lengths])
     return [emit(aten.view.default, (piece, list(_local_shape(pl, p))), spec(mesh, pl, tuple(p.shape), dtype))
             for piece, pl, p in zip(pieces, targets, params)]
 
