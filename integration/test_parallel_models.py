@@ -577,7 +577,7 @@ def test_fully_shard_moves_each_calls_parameters_in_one_collective_each_way_as_f
 def test_fully_shard_over_tensor_parallel_moves_colwise_weights_in_one_collective_too(mesh2d):
     """FSDP x TP: a colwise weight is Shard(0) on the tp dim as well as on dp, so its gathered layout keeps dim 0
     split over tp (`_buckets`' stacked dims). Such parameters were gathered and reduced one by one (in the
-    pytorch/examples FSDP x TP Llama: 12 of its 14 FSDP gathers per step); now each kind is one bucket: the step
+    pytorch/examples FSDP x TP Llama: 12 of its 13 FSDP gathers per step); now each kind is one bucket: the step
     takes 2 all_gathers (the colwise pair, the rowwise pair) and 2 reduce_scatters, with torch's values."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
