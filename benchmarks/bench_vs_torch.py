@@ -107,6 +107,14 @@ def make_fsdp_model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*[Block() for _ in range(FSDP_BLOCKS)], nn.Linear(FSDP_HIDDEN, FSDP_HIDDEN))
 
 
+def fully_sharded(model: nn.Sequential, fully_shard: Callable[..., Any], mesh: Any) -> nn.Sequential:
+    """(i): FSDP2's recipe, with torch's `fully_shard` or DTorch's: each block, then the root."""
+    for block in model[:-1]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def fsdp_batch(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(BATCH, FSDP_HIDDEN, generator=g), torch.randn(BATCH, FSDP_HIDDEN, generator=g)
@@ -342,10 +350,7 @@ def _torch_rank(rank: int, world: int, port: int, args: argparse.Namespace, queu
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.debug import CommDebugMode
 
-        model = make_fsdp_model().to(device)
-        for block in model[:-1]:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fully_sharded(make_fsdp_model().to(device), fully_shard, mesh)
         inp, target = (t.chunk(world)[rank].to(device) for t in fsdp_batch())
         step = sgd_step(model, inp, target)  # (each rank's loss is its half's mean: FSDP2 averages the gradients)
         out["i"] = median_ms(step, args.repeats, before=dist.barrier)
@@ -485,10 +490,7 @@ def run_dtorch(args: argparse.Namespace) -> dict:
         from dtorch.debug import CommDebugMode
         from dtorch.nn import fully_shard
 
-        model = make_fsdp_model()
-        for block in model[:-1]:
-            fully_shard(block, mesh)
-        fully_shard(model, mesh)
+        model = fully_sharded(make_fsdp_model(), fully_shard, mesh)
         inp, target = (dtorch.distribute_tensor(t, mesh, [Shard(0)]) for t in fsdp_batch())
         step = sgd_step(model, inp, target)
         out["i"] = median_ms(step, args.repeats)

@@ -67,17 +67,7 @@ class Member:
 
 def gather(members: Sequence[Member]) -> list[DTensor]:
     """Each member's parameter gathered: each bucket in one collective, the rest alone (rules 1 and 2)."""
-    out: list[Any] = [None] * len(members)
-    for (dims, stacked, dtype, _summed), idx in _buckets(members, [m.dtype for m in members]).items():
-        params = [members[i].param for i in idx]
-        shards, targets = [_cast(p, dtype) for p in params], [members[i].placements for i in idx]
-        if dims is None or len(idx) == 1:
-            wholes = [t.redistribute(placements=pl) for t, pl in zip(shards, targets)]
-        else:
-            wholes = _packed(shards, params, targets, dims, stacked, (), scatter=False)
-        for i, whole in zip(idx, wholes):
-            out[i] = whole
-    return out
+    return _moved(members, [m.param for m in members], [m.dtype for m in members], [m.placements for m in members])
 
 
 def reduce(members: Sequence[Member], grads: Sequence[Any]) -> list[Any]:
@@ -87,17 +77,28 @@ def reduce(members: Sequence[Member], grads: Sequence[Any]) -> list[Any]:
     for i in [i for i in todo if members[i].reduce is None]:
         out[i] = _cast(grads[i], members[i].param.dtype)
     todo = [i for i in todo if members[i].reduce is not None]
-    buckets = _buckets([members[i] for i in todo], [members[i].reduce for i in todo], [grads[i] for i in todo])
-    for (dims, stacked, dtype, summed), where in buckets.items():
-        idx = [todo[j] for j in where]
-        params = [members[i].param for i in idx]
-        cast, targets = [_cast(grads[i], dtype) for i in idx], [p.placements for p in params]
+    mine = [members[i] for i in todo]
+    reduced = _moved(mine, [grads[i] for i in todo], [m.reduce for m in mine], [m.param.placements for m in mine],
+                     scatter=True)
+    for i, m, g in zip(todo, mine, reduced):
+        out[i] = _cast(g, m.param.dtype)
+    return out
+
+
+def _moved(members: Sequence[Member], tensors: list[Any], dtypes: list[torch.dtype],
+           targets: list[tuple[Placement, ...]], scatter: bool = False) -> list[DTensor]:
+    """`tensors` (one per member: its parameter, or with `scatter` its gradient) cast to `dtypes` and moved to
+    `targets`: each bucket in one collective, the rest alone."""
+    out: list[Any] = [None] * len(members)
+    for (dims, stacked, dtype, summed), idx in _buckets(members, dtypes, tensors if scatter else None).items():
+        cast = [_cast(tensors[i], dtype) for i in idx]
         if dims is None or len(idx) == 1:
-            reduced = [g.redistribute(placements=pl) for g, pl in zip(cast, targets)]
+            moved = [t.redistribute(placements=targets[i]) for t, i in zip(cast, idx)]
         else:
-            reduced = _packed(cast, params, targets, dims, stacked, summed, scatter=True)
-        for i, p, g in zip(idx, params, reduced):
-            out[i] = _cast(g, p.dtype)
+            moved = _packed(cast, [members[i].param for i in idx], [targets[i] for i in idx], dims, stacked, summed,
+                            scatter)
+        for i, t in zip(idx, moved):
+            out[i] = t
     return out
 
 

@@ -693,8 +693,9 @@ def unshard(self: nn.Module, async_op: bool = False) -> _Unsharded | None:
 
 def reshard(self: nn.Module) -> None:
     """FSDP2's: the gathered parameters `unshard()` kept are freed; forwards gather their own again."""
-    for mod, hooks in _fully_sharded(self, recurse=False):
-        hooks.release(mod)
+    group = getattr(self, "_dtorch_group", None)
+    if group is not None:
+        group.release()
 
 
 class _Unsharded:
