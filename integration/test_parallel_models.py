@@ -1089,3 +1089,76 @@ def test_a_gradient_torch_makes_as_plain_zeros_becomes_the_parameters_layout(mes
     assert isinstance(model.w.grad, dtorch.DTensor) and model.w.grad.placements == model.w.placements
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.to_torch(), r.detach(), **TOL)
+
+
+def test_fsdp2_examples_checkpoint_through_the_state_dict_api_resumes_training_as_torch(mesh1, tmp_path):
+    """pytorch/examples' FSDP2 checkpointing with `--dcp-api`: `get_model_state_dict` and `get_optimizer_state_dict`
+    with `full_state_dict=True, cpu_offload=True`, `torch.save`, then into a model built on the meta device,
+    `set_model_state_dict` and `set_optimizer_state_dict` with `full_state_dict=True, broadcast_from_rank0=True`. With
+    torch's functions the full dicts held DTorch's handles, and the load failed asking for the default process group;
+    DTorch's (`dtorch.checkpoint`, the same names) give plain full tensors and load into the layouts, so training
+    resumes as torch's does."""
+    from dtorch.checkpoint import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def make():
+        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+
+    def sharded():
+        with torch.device("meta"):
+            model = make()
+        for layer in (model[0], model[1], model[2]):
+            fully_shard(layer, mesh1)
+        fully_shard(model, mesh1)
+        return model
+
+    def step(model, opt, x, to_mesh):
+        loss = model(to_mesh(x)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    torch.manual_seed(0)
+    ref = make()
+    model = sharded()
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 8, generator=gen) for _ in range(3)]
+    on_mesh = functools.partial(dtorch.distribute_tensor, device_mesh=mesh1, placements=[Shard(0)])
+    for x in batches[:2]:
+        assert step(model, opt, x, on_mesh) == pytest.approx(step(ref, ref_opt, x, lambda t: t), rel=1e-5)
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full)
+    ref_model_sd = ref.state_dict()
+    assert model_sd.keys() == ref_model_sd.keys()
+    for k, v in model_sd.items():
+        assert type(v) is torch.Tensor and not v.requires_grad, k
+        torch.testing.assert_close(v, ref_model_sd[k], **TOL)
+    moments = [v for state in optim_sd["state"].values() for v in state.values() if v.dim() > 0]
+    assert len(moments) == 2 * len(ref_model_sd) and all(type(v) is torch.Tensor for v in moments)
+    sharded_sd = get_model_state_dict(model)  # without the option: the parameters as they are laid out
+    assert isinstance(sharded_sd["0.weight"], dtorch.DTensor) and sharded_sd["0.weight"].placements == (Shard(0),)
+    torch.save(model_sd, tmp_path / "model.pt")
+    torch.save(optim_sd, tmp_path / "optim.pt")
+
+    resumed = sharded()
+    resumed.to_empty(device="cpu")
+    loading = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(resumed, torch.load(tmp_path / "model.pt", mmap=True, weights_only=True), options=loading)
+    assert resumed[0].weight.placements == (Shard(0),)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    set_optimizer_state_dict(resumed, resumed_opt, torch.load(tmp_path / "optim.pt", weights_only=True),
+                             options=loading)
+    assert step(resumed, resumed_opt, batches[2], on_mesh) == pytest.approx(
+        step(ref, ref_opt, batches[2], lambda t: t), rel=1e-5)
+    for p, r in zip(resumed.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), **TOL)

@@ -43,7 +43,7 @@ _LAZY = {
 }
 
 # `dtorch.optim.AdamW` after a plain `import dtorch`, as with torch
-_SUBMODULES = ("nn", "optim", "debug", "experimental")
+_SUBMODULES = ("nn", "optim", "debug", "experimental", "checkpoint")
 
 __all__ = ["__version__", "Placement", "Shard", "Replicate", "Partial", *_LAZY, *_SUBMODULES]
 
