@@ -1,7 +1,8 @@
 """Repository-wide pytest hooks.
 
 * The test order's seed is printed before the first test and again at the end: pytest-randomly shuffles every
-  run, and a run that never ends (or fails) must still say how to repeat its order.
+  run, and a run that never ends (or fails) must still say how to repeat its order. (`nox -s tests` runs two test
+  processes, each taking the next tests of that order as it finishes one; `-n 0` runs the whole order in one.)
 * A hard bound per test. pytest-timeout's signal method cannot interrupt a thread stuck in C code (a collective,
   a lock taken inside a C extension), so each test also arms `faulthandler`, from a thread of its own: past its
   timeout plus a grace, every thread's stack goes to the terminal and the run ends with an error, instead of
@@ -21,7 +22,8 @@ _STDERR = pytest.StashKey()  # the terminal's stderr, kept where output capture 
 
 def _order(config) -> str | None:
     seed = getattr(config.option, "randomly_seed", None)
-    return f"test order: pytest -p randomly --randomly-seed={seed} repeats it" if isinstance(seed, int) else None
+    return (f"test order: pytest -p randomly --randomly-seed={seed} -n 0 repeats it in one process"
+            if isinstance(seed, int) else None)
 
 
 def pytest_configure(config) -> None:
@@ -33,10 +35,10 @@ def pytest_unconfigure(config) -> None:
     config.stash[_STDERR].close()
 
 
-def pytest_collection_finish(session) -> None:
+def pytest_sessionstart(session) -> None:
     line = _order(session.config)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if line and reporter is not None:
+    if line and reporter is not None and not hasattr(session.config, "workerinput"):  # (not in xdist's workers)
         reporter.write_line(line)
 
 
