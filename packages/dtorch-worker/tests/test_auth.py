@@ -176,7 +176,7 @@ def test_pulls_whose_callers_gave_up_free_their_threads(worker):
     stub = wire.Stub(SERVICE, w.address, w.capability(S))
     for _ in range(20):  # more than the 16 a session may have in flight: they end when their callers give up
         with pytest.raises((TimeoutError, wire.LimitExceeded)):
-            list(stub.stream("Pull", m.PullRequest(session=S, tid=999, device=0, timeout_s=600.0), timeout=0.3))
+            list(stub.stream("Pull", m.PullRequest(session=S, tid=999, device=0, timeout_s=600.0), timeout=0.1))
     deadline = time.monotonic() + 10
     while True:  # the handlers notice within moments, not after 600 s
         try:

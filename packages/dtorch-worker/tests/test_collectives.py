@@ -252,18 +252,18 @@ def test_a_peer_that_never_arrives_fails_within_the_bound_naming_it(workers):
     low = lowering.lower((6,), "float32", ((0, 1, 2), (3,)), (Shard(0),), (Replicate(),),
                          tuple(sorted(binding.items())), tuple((w, "cpu", True) for w in ("w0", "w1", "w2")))
     shapes = ({d: [2] for d in range(3)}, {d: [6] for d in range(3)})
-    first = lowering.commands(low, cluster.groups, cluster.members, 30, 31, "float32", shapes, timeout_s=10.0)
+    first = lowering.commands(low, cluster.groups, cluster.members, 30, 31, "float32", shapes, timeout_s=5.0)
     cluster.wait(cluster.send(first))
     assert torch.equal(workers[0].store.get(("sess-missing", 31, 0)), torch.ones(6))
     cmds = lowering.commands(low, cluster.groups, cluster.members, 30, 32, "float32", shapes, src_line="train.py:9")
     del cmds["w2"]  # w2 never runs its part
-    cluster.wait(cluster.send(cmds), timeout=40)  # far less than the 60 s a default group would wait
+    cluster.wait(cluster.send(cmds), timeout=30)  # far less than the 60 s a default group would wait
     for w, d in (("w0", 0), ("w1", 1)):
         value = cluster.worker[w].store.get(("sess-missing", 32, d))
         assert isinstance(value, Poison), value
         msg = value.report.message
         assert msg.startswith("all_gather of tensor 30 into 32 on group g1 (generation 1, 3 workers) timed out "
-                              "after 10s waiting for "), msg
+                              "after 5s waiting for "), msg
         assert msg.endswith(f"w2 at {workers[2].address}"), msg  # the one missing, and only it
         errors = cluster.worker[w].executor.take_errors()["sess-missing"]
         assert errors[0].src == "train.py:9" and errors[0].op == "redistribute", errors

@@ -105,9 +105,9 @@ def test_the_latest_execute_sets_the_cap_and_closing_forgets_it(ex: Executor) ->
 
 
 def put(service: WorkerService, session: str, tid: int, n: int, data: bytes | None = None, cap: int = 0) -> None:
-    value = torch.zeros(n)
-    service.Put(iter([PutChunk(session=session, tid=tid, device=0, dtype="float32", shape=[n],
-                               data=tensor_to_bytes(value) if data is None else data)]),
+    if data is None:
+        data = tensor_to_bytes(torch.zeros(n))
+    service.Put(iter([PutChunk(session=session, tid=tid, device=0, dtype="float32", shape=[n], data=data)]),
                 auth.Caller(auth.CLIENT, name=session, memory_cap=cap))
 
 
