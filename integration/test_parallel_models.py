@@ -1162,3 +1162,34 @@ def test_fsdp2_examples_checkpoint_through_the_state_dict_api_resumes_training_a
         step(ref, ref_opt, batches[2], lambda t: t), rel=1e-5)
     for p, r in zip(resumed.parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), r.detach(), **TOL)
+
+
+def test_sequence_parallel_example_takes_its_plain_input_sharded_and_communicates_as_torchs(mesh1):
+    """pytorch/examples' sequence_parallel_example: `ColwiseParallel(input_layouts=Shard(0))` and
+    `RowwiseParallel(output_layouts=Shard(0))` on a plain input. The input is the whole batch (the program runs once),
+    laid out as the style says it comes: each device is sent its rows, gathered for the first linear, and the
+    output reduce-scattered back to rows. That is torch's forward, one all_gather and one reduce_scatter; the input
+    was replicated before (sent whole to every device, no gather), so the table read differently from torch's."""
+
+    class ToyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.in_proj, self.relu, self.out_proj = nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 5)
+
+        def forward(self, x):
+            return self.out_proj(self.relu(self.in_proj(x)))
+
+    torch.manual_seed(0)
+    ref = ToyModel()
+    model = parallelize_module(copy.deepcopy(ref), mesh1, {"in_proj": ColwiseParallel(input_layouts=Shard(0)),
+                                                           "out_proj": RowwiseParallel(output_layouts=Shard(0))})
+    inp = torch.rand(20, 10)
+    with CommDebugMode() as comm:
+        out = model(inp)
+    assert {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()} == {
+        "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), ref(inp), **TOL)
+    out.sum().backward()
+    ref(inp).sum().backward()
+    torch.testing.assert_close(model.in_proj.weight.grad.full_tensor(), ref.in_proj.weight.grad, **TOL)

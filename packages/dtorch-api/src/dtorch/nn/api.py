@@ -221,12 +221,16 @@ def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, 
     return distribute_tensor(t.detach(), mesh, placements)
 
 
-def to_layout(x: Any, mesh: DeviceMesh, dim: int, layout: Placement | None) -> Any:
-    """Move one activation's placement on mesh dim `dim` to `layout` (plain tensors are distributed first)."""
+def to_layout(x: Any, mesh: DeviceMesh, dim: int, layout: Placement | None, given: Placement | None = None) -> Any:
+    """Move one activation's placement on mesh dim `dim` to `layout`. A plain tensor is the whole value (the program
+    runs once): it is distributed first, sharded on `dim` as `given` where that is a Shard (a style's
+    `input_layouts`: each device is sent its part, as each rank of torch's program holds its own), else replicated."""
     if layout is None or not isinstance(x, torch.Tensor):
         return x
     if not isinstance(x, DTensor):
-        x = distribute_tensor(x, mesh, (Replicate(),) * mesh.ndim)
+        first = (Replicate(),) * mesh.ndim
+        sharded = isinstance(given, Shard) and -x.ndim <= given.dim < x.ndim
+        x = distribute_tensor(x, mesh, _with(first, dim, given, x.ndim) if sharded else first)
     if x.device_mesh != mesh:
         x = x.redistribute(device_mesh=mesh, placements=(Replicate(),) * mesh.ndim)
     target = _with(x.placements, dim, layout, x.ndim)
@@ -240,13 +244,13 @@ def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim:
         placement = style.param_placements(module, name)
         placements = replicate if placement is None else _with(replicate, dim, placement, p.ndim)
         _set_param(module, name, _distribute(p, mesh, placements), p.requires_grad)
-    _given, desired = style.input_layouts_for(module)
+    given, desired = style.input_layouts_for(module)
+    kw_given = getattr(style, "input_kwarg_layouts", {}) or {}
     kw_desired = getattr(style, "desired_input_kwarg_layouts", {}) or {}
     if desired or kw_desired:
         def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            args = tuple(to_layout(a, mesh, dim, desired[i] if desired and i < len(desired) else None)
-                         for i, a in enumerate(args))
-            kwargs = {k: to_layout(v, mesh, dim, kw_desired.get(k)) for k, v in kwargs.items()}
+            args = tuple(to_layout(a, mesh, dim, _nth(desired, i), _nth(given, i)) for i, a in enumerate(args))
+            kwargs = {k: to_layout(v, mesh, dim, kw_desired.get(k), kw_given.get(k)) for k, v in kwargs.items()}
             return args, kwargs
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -259,6 +263,10 @@ def _apply_style(module: nn.Module, style: ParallelStyle, mesh: DeviceMesh, dim:
             return to_layout(output, mesh, dim, out_layout)
 
         module.register_forward_hook(post_hook)
+
+
+def _nth(layouts: Any, i: int) -> Any:
+    return layouts[i] if layouts and i < len(layouts) else None
 
 
 @_lays_out
