@@ -135,6 +135,41 @@ def test_idle_workers_beat_through_their_slot_roster_with_no_call_each_and_the_c
     assert calls < calls_each / 2, (calls, calls_each)  # the rest: beats in steps longer than the interval
 
 
+def test_the_workers_of_a_step_end_in_one_simpy_event_and_the_core_sees_what_it_saw_with_one_each(base, tmp_path):
+    # The batch ends of a step's workers, due at one instant and timed one right after the other, share one simpy
+    # event (Simulation.at_end): the core gets the same events in the same order, and every output is the same, as
+    # with a timeout of their own each (preemption, a failure and its detection included).
+    base["workload"]["synthetic"]["jobs"] = 30
+    base["policy"] = {"name": "dtorch"}
+    base["faults"] = [{"kind": "worker_failure", "mtbf_s": 40}]
+
+    def run(merged: bool, out: Path) -> tuple[list[str], int]:
+        sim = Simulation(parse(base))
+        if not merged:  # a simpy timeout of its own for each, made where the merged call is
+            sim.at_end = lambda delay, fn, arg: sim.env.timeout(delay).callbacks.append(lambda _e: fn(arg))
+        fed: list[str] = []
+        handle = sim.core.handle
+
+        def spy(now, event):
+            fed.append(f"{now!r} {event!r}")
+            return handle(now, event)
+
+        sim.core.handle = spy
+        sim.run_all()
+        metrics.write(sim, out, plots=False)
+        return fed, sim.merged
+
+    fed, merged = run(True, tmp_path / "merged")
+    fed_each, merged_each = run(False, tmp_path / "each")
+    assert merged > 100 and merged_each == 0
+    assert len(fed) > 1000 and fed == fed_each
+    for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "each" / name).read_bytes()
+    summary = json.loads((tmp_path / "merged" / "metrics.json").read_text())
+    assert summary["scheduling"]["preemptions"] > 0  # and failures (a header and more lines):
+    assert len((tmp_path / "merged" / "failures.csv").read_text().splitlines()) > 1
+
+
 def test_heartbeats_with_nothing_new_reach_the_core_as_one_event_per_slot_and_a_fenced_worker_stops(base):
     # A heartbeat with nothing new is no Report of its own: the slot's beats go as one WorkersAlive, fed before any
     # other event. A worker the core declared lost while it runs learns it from that event's answer and stops, as

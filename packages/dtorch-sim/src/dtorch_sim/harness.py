@@ -24,6 +24,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from heapq import heappush
 
 import simpy
 
@@ -38,6 +39,7 @@ from dtorch_sim.scenario import Elastic, Fault, NodeGroup, Scenario
 from dtorch_sim.workers import Worker
 
 _SYNC = object()  # a request whose reply the caller reads at once (workers: Register, Report)
+_SEND_EXECUTE, _REPLY = fx.SendExecute, fx.Reply  # the effects of nearly every event, looked up once
 WAITING = "waiting"  # the schedule of a session whose mesh request is queued (core.view.schedule)
 LOST = "lost"  # the state of a worker the core declared lost (core.view.worker_state)
 FOREVER_S = 1e12
@@ -121,6 +123,8 @@ class Simulation:
         self._held: dict[Hashable, float] = {}  # heartbeat deadlines of healthy workers, held back (see `set_timer`)
         self._timer_gen = itertools.count()
         self._slots: dict[float, list] = {}  # time -> calls due then (see `later`)
+        self._group: list | None = None  # [time, eid, calls] of the last `at_end` event scheduled
+        self.merged = 0  # calls that joined the `at_end` event before them (simpy events saved)
         self._alive: dict[str, float] = {}  # worker id -> utilization: heartbeats with nothing new (see `alive`)
         self._slot = sc.heartbeat.interval_s / sc.heartbeat.batch_slots if sc.heartbeat.batch_slots else 0.0
         self._rosters: dict[int, dict[str, Worker]] = {}  # slot phase -> idle workers it beats for (see `quiet`)
@@ -259,8 +263,11 @@ class Simulation:
             return
         now = self._roster_last[phase] = self.env.now
         alive = self._alive
-        for worker_id in roster:
-            alive.setdefault(worker_id, 0.0)  # the ones that joined in this slot have beaten already
+        if alive:
+            for worker_id in roster:
+                alive.setdefault(worker_id, 0.0)  # the ones that joined in this slot have beaten already
+        else:
+            alive.update(dict.fromkeys(roster, 0.0))  # the same entries in the same order, at C speed
         due = self._roster_due[phase] = self.slot_after(now + self.scenario.heartbeat.interval_s)
         self.later(due, self._roster_beat, phase)
 
@@ -282,14 +289,14 @@ class Simulation:
     def _handle(self, event: ev.Event) -> deque | None:
         self.events += 1
         more = None
-        for effect in self.core.handle(self.env.now, event):
+        for effect in self.core.handle(self.env._now, event):
             kind = type(effect)
-            if kind is fx.SendExecute:
+            if kind is _SEND_EXECUTE:
                 failed = self.send(effect)
                 if failed is not None:
                     more = more or deque()
                     more.append(failed)
-            elif kind is fx.Reply:
+            elif kind is _REPLY:
                 waiter = self._waiting.pop(effect.request_id, None)
                 if waiter is _SYNC:
                     self._replies[effect.request_id] = effect.message
@@ -308,6 +315,37 @@ class Simulation:
             bucket = self._slots[at] = []
             self.env.timeout(max(0.0, at - self.env.now), at).callbacks.append(self._run_slot)
         bucket.append((fn, arg))
+
+    def at_end(self, delay: float, fn: Callable[[object], None], arg: object) -> None:
+        """Call `fn(arg)` after `delay`, as a simpy timeout made now would: the end of a batch on a worker. Calls due
+        at the same instant whose timeouts would have been made one right after the other (consecutive event ids,
+        nothing else scheduled between them: the workers of one step, sent one batch each by one core event)
+        share one simpy event, which calls them in order where their own events would have run one after the
+        other: nothing else can run between them at that instant (it would be scheduled later, so it runs after
+        them; the urgent events, processes starting, are never made by these calls). The event ids are drawn as
+        the timeouts would have drawn them, so every other event keeps its place."""
+        env = self.env
+        at = env._now + delay
+        eid = next(env._eid)
+        group = self._group
+        if group is not None and group[1] == eid - 1 and group[0] == at:
+            group[1] = eid
+            group[2].append((fn, arg))
+            self.merged += 1
+            return
+        calls = [(fn, arg)]
+        self._group = [at, eid, calls]
+        event = simpy.Event(env)
+        event._ok, event._value = True, calls
+        event.callbacks.append(self._run_group)  # type: ignore[union-attr]
+        heappush(env._queue, (at, simpy.core.NORMAL, eid, event))  # what env.schedule does, with that id
+
+    def _run_group(self, event: simpy.Event) -> None:
+        calls = event._value
+        if self._group is not None and self._group[2] is calls:
+            self._group = None  # running: a call made now is a new event
+        for fn, arg in calls:
+            fn(arg)
 
     def _run_slot(self, event: simpy.Event) -> None:
         for fn, arg in self._slots.pop(event.value):
@@ -488,7 +526,9 @@ class Simulation:
         rec.work_s += work
         if not steps:
             return
-        high = self._high.setdefault(rec.spec.id, {})
+        high = self._high.get(rec.spec.id)
+        if high is None:
+            high = self._high[rec.spec.id] = {}
         per_device = work / len(steps)
         for d, step in steps.items():
             if step <= high.get(d, -1):

@@ -78,6 +78,7 @@ class Worker:
         self.reported_at: float | None = None  # when the controller last got a report (utilization span)
         self.busy_at_report = 0.0
         self.beat_armed = False  # a beat of its own is pending (`_beat`)
+        self._due: tuple[float | None, float] = (None, 0.0)  # the last report and the slot of the heartbeat after it
         self.quiet: tuple[int | None, float] | None = None  # in a roster: (phase, since when); joining: (None, when)
 
     # ------------------------------------------------------------ life
@@ -93,6 +94,7 @@ class Worker:
             return
         self.id = reply.worker
         self.interval = reply.heartbeat_interval_s
+        self._due = (None, 0.0)
         self.last_report = self.env.now - self.interval + self.sim.rng.uniform(0, self.interval)
         self.sim.registered(self)
         self._next_beat()
@@ -127,7 +129,10 @@ class Worker:
         whenever that may change (a report, a batch started, a wake); at most one beat of its own is pending."""
         if self.beat_armed or self.quiet is not None or not self.alive:
             return
-        due = self.sim.slot_after(self.last_report + self.interval)
+        last = self.last_report
+        if last != self._due[0]:  # asked again and again between two reports: worked out once per report
+            self._due = (last, self.sim.slot_after(last + self.interval))
+        due = self._due[1]
         if self.current is not None:
             if self.started + self.seconds < due:
                 return
@@ -208,7 +213,9 @@ class Worker:
         """The busy fraction since the last report, which `now` becomes."""
         busy = self.busy_until_now()
         span = now - self.reported_at if self.reported_at is not None else 0.0
-        utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
+        utilization = (busy - self.busy_at_report) / span if span > 0 else 0.0
+        if not utilization < 1.0:  # min(1.0, utilization), without the call
+            utilization = 1.0
         self.reported_at, self.busy_at_report = now, busy
         return utilization
 
@@ -253,7 +260,8 @@ class Worker:
         """A batch arrived (the harness checked that it can): queue it; a CmdAbandon acts now."""
         if batch.seq <= self.completed or batch.seq in self.pending:
             return
-        self._leave_roster()
+        if self.quiet is not None:
+            self._leave_roster()
         if m.CmdAbandon in map(type, batch.cmds):
             self.skip_below[batch.session] = max(self.skip_below.get(batch.session, 0), batch.seq)
             self.errors.pop(batch.session, None)  # reports of abandoned work: nobody wants them
@@ -273,19 +281,20 @@ class Worker:
             self.seconds, self.work = 0.0, None
         else:
             self.seconds = self._run(batch)
-        self.env.timeout(self.seconds, self.token).callbacks.append(self._done)
+        self.sim.at_end(self.seconds, self._done, self.token)  # one simpy event for a step's workers
 
-    def _done(self, event) -> None:
-        if event.value != self.token or not self.alive:
+    def _done(self, token: int) -> None:
+        if token != self.token or not self.alive:
             return
         batch = self.current
         assert batch is not None
-        elapsed = self.env.now - self.started
+        sim = self.sim
+        elapsed = self.env._now - self.started
         self.busy_s += elapsed
-        self.sim.busy_end(self.started, elapsed)
+        sim.busy_end(self.started, elapsed)
         if self.work is not None:
             rec, steps, work = self.work
-            self.sim.work_done(rec, steps, work)
+            sim.work_done(rec, steps, work)
         self.current = self.work = None
         self.completed = batch.seq
         self.report()
@@ -347,13 +356,16 @@ class Worker:
             if kind is m.CmdRun:
                 devices = cmd.devices if cmd.mesh < 0 else meshes[cmd.mesh]
                 store = self.store.get(session, {})
-                first = _first_ref(cmd.args)  # the input whose size the outputs take
+                args = cmd.args  # the input whose size the outputs take: a step's workers share the command
+                if args is not _last_ref[0]:
+                    _last_ref[:] = args, _first_ref(args)
+                first = _last_ref[1]
                 if cmd.op == STEP_OP:  # jobs.Steps: per logical device, plus the serial part once per worker
                     kw = cmd.kwargs
                     flops = float(kw.get("flops", 0.0)) * len(devices) + float(kw.get("serial_flops", 0.0))
                     step = cmd.kwargs.get("step")
                     if step is not None:
-                        steps.update((d, step) for d in devices)
+                        steps.update(dict.fromkeys(devices, step))
                     work += flops / ref_flops
                 else:
                     flops = 0.0
@@ -409,13 +421,14 @@ class Worker:
         take bytes / `host_gbps`, on this batch's clock. Packed (capped) sessions fit by their caps: no swapping."""
         session = batch.session
         nbytes = 0
-        if self.offloaded.pop(session, None) is not None:  # loaded back
+        if self.offloaded and self.offloaded.pop(session, None) is not None:  # loaded back
             nbytes = self.totals.get(session, 0)
             if nbytes:
                 self._resident.add(session)
-        if not batch.memory_cap:
+        resident = self._resident
+        if not batch.memory_cap and (len(resident) > 1 or resident and session not in resident):  # others' state
             live = self.sim.session_jobs
-            for other in [k for k in self._resident if k != session and k in live]:
+            for other in [k for k in resident if k != session and k in live]:
                 held = self.offloaded[other] = self.totals[other]
                 nbytes += held
                 self._resident.discard(other)
@@ -484,6 +497,7 @@ class Worker:
 
 
 _NONE = object()
+_last_ref: list = [None, None]  # the args `_first_ref` read last and what it found (a step's workers ask in a row)
 
 
 def _first_ref(value: object, top: bool = True) -> object:

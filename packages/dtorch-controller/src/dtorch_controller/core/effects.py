@@ -29,13 +29,17 @@ class Refusal:
     message: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Reply:
     """Answer request `request_id` with a reply message of its method (`AliveReply` for `WorkersAlive`), or with a
     `Refusal`."""
 
     request_id: Hashable
     message: Any
+
+    def __init__(self, request_id: Hashable, message: Any) -> None:
+        # frozen, but made without the generated __init__'s object.__setattr__ per field: most events answer one
+        self.__dict__.update(request_id=request_id, message=message)
 
 
 @dataclass(frozen=True)
@@ -46,13 +50,17 @@ class AliveReply:
     fenced: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SendExecute:
     """Deliver one command batch. Batch seqs per worker are contiguous from 1; the worker runs them in order."""
 
     worker_id: str
     address: str
     execute: m.Execute
+
+    def __init__(self, worker_id: str, address: str, execute: m.Execute) -> None:
+        # as Reply's: one per worker of every batch
+        self.__dict__.update(worker_id=worker_id, address=address, execute=execute)
 
 
 @dataclass(frozen=True)

@@ -102,12 +102,16 @@ class Register:
     msg: m.RegisterWorker
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Report:
     """A heartbeat, completion and error report in one."""
 
     request_id: RequestId
     msg: m.WorkerReport
+
+    def __init__(self, request_id: RequestId, msg: m.WorkerReport) -> None:
+        # frozen, but made without the generated __init__'s object.__setattr__ per field: one per completed batch
+        self.__dict__.update(request_id=request_id, msg=msg)
 
 
 @dataclass(frozen=True)

@@ -330,6 +330,8 @@ class Moves:
 
     def advance(self, step: Step, s: Session) -> None:
         self._flush_drops(step)
+        if not self.queues.get(s.id):
+            return  # no move of the session (most often): nothing runs, nothing to start
         for mv in self.running(s.id):
             if self.cluster.workers[mv.copier].completed < mv.seq and not mv.failed:
                 continue
@@ -410,6 +412,8 @@ class Moves:
                              f"{report.downtime_s:.3f}s") if ok else f"move failed: {mv.failed}"))
 
     def _flush_drops(self, step: Step) -> None:
+        if not self.drops:
+            return  # asked on every session's settle pass: most often there is nothing to drop
         keep = []
         for drop in self.drops:
             s = self.cluster.sessions.get(drop.session)

@@ -132,15 +132,16 @@ class Pipeline:
         if s.id not in self.cluster.sessions or self.holds.get(s.id):
             return
         rec = self.rec(s, step.now)
+        sent = False
         for b in rec.log:
             if not b.sent:
                 if self.ahead and (full := self._full(s)) is not None:
                     self.windowed.setdefault(full, set()).add(s.id)  # rule 7: its completion sends the rest
                     break
-                b.sent = True
+                b.sent = sent = True
                 rec.sent_upto = b.seq
                 self._send_batch(step, s, rec, b)
-        if not rec.enabled:
+        if sent and not rec.enabled:  # without lineage the log holds only what is not sent (none was before)
             rec.log = [b for b in rec.log if not b.sent]
         step.pumped.add(s.id)
 
@@ -246,14 +247,20 @@ class Pipeline:
     def send(self, step: Step, s: Session, cmds: Cmds) -> dict[str, int]:
         """One Execute per worker with commands, with the worker's next seq; returns worker -> seq."""
         seqs = {}
+        workers, flight = self.cluster.workers, None
         for worker_id, batch in cmds.items():
             if not batch:
                 continue
-            w = self.cluster.workers[worker_id]
+            w = workers[worker_id]
             w.sent += 1
             s.sent[worker_id] = seqs[worker_id] = w.sent
             if self.ahead:
-                self.in_flight.setdefault(s.id, {}).setdefault(worker_id, deque()).append(w.sent)
+                if flight is None:
+                    flight = self.in_flight.setdefault(s.id, {})
+                mine = flight.get(worker_id)
+                if mine is None:
+                    mine = flight[worker_id] = deque()
+                mine.append(w.sent)
             step.emit(fx.SendExecute(worker_id, w.address, m.Execute(seq=w.sent, session=s.id, cmds=batch,
                                                                      memory_cap=s.memory_cap)))
         return seqs

@@ -46,7 +46,7 @@ class Snapshots:
     def busy(self, s: Session, rec: Lineage) -> bool:
         """Copies being made (a snapshot, uploads), or a snapshot wanted that could start now. One that cannot (the
         session is not open, or held) waits for nothing a report brings: what ends the hold looks at the session."""
-        return rec.taking is not None or any(c.pending for c in rec.adopts.values()) \
+        return rec.taking is not None or bool(rec.adopts) and any(c.pending for c in rec.adopts.values()) \
             or (rec.force and rec.enabled and self._can_start(s))
 
     def _can_start(self, s: Session) -> bool:

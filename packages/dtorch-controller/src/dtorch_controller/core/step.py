@@ -15,7 +15,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dtorch_controller.core import effects as fx
@@ -24,18 +24,24 @@ from dtorch_controller.core.model import Worker
 from dtorch_controller.core.scheduler import Changes
 
 
-@dataclass(slots=True)  # one per event: slots make it cheaper to make and to read
+@dataclass(slots=True, init=False)  # one per event: slots make it cheaper to make and to read
 class Step:
     now: float
     log: EventLog
-    out: list[fx.Effect] = field(default_factory=list)
-    changes: list[Changes] = field(default_factory=list)  # the scheduler's decisions, to apply
-    touched: set[str] = field(default_factory=set)  # sessions to look at again in the settle pass
-    pumped: set[str] = field(default_factory=set)  # sessions whose batches went out (a snapshot may be due)
-    synced: set[str] = field(default_factory=set)  # sessions whose Syncs may be answerable
-    reporter: Worker | None = None  # the worker whose report this is: sessions waiting for it move on
-    completed: bool = False  # ... and it completed more work (its deletes and parked Syncs may go on)
-    everyone: bool = False  # look at every active session (a worker was lost)
+    out: list[fx.Effect]
+    changes: list[Changes]  # the scheduler's decisions, to apply
+    touched: set[str]  # sessions to look at again in the settle pass
+    pumped: set[str]  # sessions whose batches went out (a snapshot may be due)
+    synced: set[str]  # sessions whose Syncs may be answerable
+    reporter: Worker | None  # the worker whose report this is: sessions waiting for it move on
+    completed: bool  # ... and it completed more work (its deletes and parked Syncs may go on)
+    everyone: bool  # look at every active session (a worker was lost)
+
+    def __init__(self, now: float, log: EventLog, out: list[fx.Effect] | None = None) -> None:
+        # written out: the generated one calls a factory per field (a step per event, millions on a long run)
+        self.now, self.log, self.out = now, log, [] if out is None else out
+        self.changes, self.touched, self.pumped, self.synced = [], set(), set(), set()
+        self.reporter, self.completed, self.everyone = None, False, False
 
     def emit(self, effect: fx.Effect) -> None:
         self.out.append(effect)
