@@ -19,9 +19,9 @@ PACKAGES = [
     "packages/dtorch-sim",
 ]
 TORCH = "torch==2.13.0"  # the packages accept >=2.13,<2.15; we test on 2.13 (private sharding APIs move)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "pytest-xdist", "numpy", "expecttest", "transformers", "diffusers",
-             "import-linter", "kubernetes-validate", "pyyaml", "cryptography",
-             "hatchling", "tomli; python_version < '3.11'"]  # hatchling: test_packaging builds wheels offline
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "pytest-randomly", "pytest-xdist", "numpy", "expecttest", "transformers",
+             "diffusers", "import-linter", "kubernetes-validate", "pyyaml", "cryptography", "hatchling",
+             "tomli; python_version < '3.11'"]  # hatchling: test_packaging builds wheels offline
 
 
 def third_party_dependencies() -> list[str]:
