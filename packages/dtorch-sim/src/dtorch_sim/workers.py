@@ -213,9 +213,7 @@ class Worker:
         """The busy fraction since the last report, which `now` becomes."""
         busy = self.busy_until_now()
         span = now - self.reported_at if self.reported_at is not None else 0.0
-        utilization = (busy - self.busy_at_report) / span if span > 0 else 0.0
-        if not utilization < 1.0:  # min(1.0, utilization), without the call
-            utilization = 1.0
+        utilization = min(1.0, (busy - self.busy_at_report) / span) if span > 0 else 0.0
         self.reported_at, self.busy_at_report = now, busy
         return utilization
 

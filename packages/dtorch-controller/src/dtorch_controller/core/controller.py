@@ -509,11 +509,8 @@ class ControllerCore:
         if w is None or w.state == st.LOST:
             return step.reply(e.request_id, m.ReportReply(ok=False, message="fenced"))
         self._heard(step, w)
-        before = completed = w.completed
-        if msg.completed > completed:  # max(completed, min(msg.completed, w.sent)), without the calls: a report
-            completed = msg.completed if msg.completed < w.sent else w.sent  # cannot finish what it never got
-            if completed > before:
-                w.completed = completed
+        before = w.completed
+        w.completed = max(w.completed, min(msg.completed, w.sent))  # it cannot have finished what it never got
         w.stats = self._own(w, msg.sessions)  # read only, here and by whoever sent it
         w.received_bytes = msg.received_bytes
         if msg.utilization >= 0:
@@ -536,15 +533,10 @@ class ControllerCore:
         of them would count in their owners' Status, bills and memory caps. (A session's `#` namespaces, its
         recovery copies, land on workers it sends nothing and count only in the admin's backup bytes.) The same
         dict when there are none (the usual case)."""
-        sessions, mine = self.cluster.sessions, w.sessions
-        for k in stats:  # most often all are its own: no list made
-            if k not in mine and (s := sessions.get(k)) is not None and w.id not in s.sent:
-                break
-        else:
-            return stats
+        sessions = self.cluster.sessions
         foreign = [k for k in stats
-                   if k not in mine and (s := sessions.get(k)) is not None and w.id not in s.sent]
-        return {k: v for k, v in stats.items() if k not in foreign}
+                   if k not in w.sessions and (s := sessions.get(k)) is not None and w.id not in s.sent]
+        return {k: v for k, v in stats.items() if k not in foreign} if foreign else stats
 
     def _heard(self, step: Step, w: Worker) -> None:
         """What any report of a worker that is not lost does first: it is alive (a suspect one is back)."""
