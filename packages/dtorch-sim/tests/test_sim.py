@@ -170,6 +170,48 @@ def test_the_workers_of_a_step_end_in_one_simpy_event_and_the_core_sees_what_it_
     assert len((tmp_path / "merged" / "failures.csv").read_text().splitlines()) > 1
 
 
+def test_a_jobs_answers_at_once_resume_it_with_no_simpy_event_only_where_nothing_else_runs_first(base, tmp_path):
+    # A request the core answers at once resumes its job at once (Simulation.ask) only where the event that would
+    # have resumed it would have run next: jobs in lockstep (pairs with the same arrival, duration and size, as in a
+    # sweep) and a closing session's batches, due at once, keep their order. The core gets the same events in the
+    # same order, and every output is the same, as with an event each (a failure and its detection included).
+    jobs = [(t * 7.0, 20.0 + t, size) for t in range(8) for size in (1, 2, 2)]
+    (tmp_path / "trace.csv").write_text("submit,duration,gpus\n" + "".join(f"{a},{d},{g}\n" for a, d, g in jobs))
+    base["workload"] = {"trace": {"format": "csv", "path": str(tmp_path / "trace.csv"),
+                                  "columns": {"submit": "submit", "duration": "duration", "num_gpu": "gpus"}},
+                        "steps_per_job": 6, "sync_every": 2}
+    base["policy"] = {"name": "dtorch"}
+    base["faults"] = [{"kind": "worker_failure", "at": 30}]
+
+    def run(at_once: bool, out: Path) -> tuple[list[str], int]:
+        sim = Simulation(parse(base))
+        if not at_once:  # the event of its own that `request` gives, for every request
+
+            def ask(make):
+                return (yield sim.request(make))
+
+            sim.ask = ask
+        fed: list[str] = []
+        handle = sim.core.handle
+
+        def spy(now, event):
+            fed.append(f"{now!r} {event!r}")
+            return handle(now, event)
+
+        sim.core.handle = spy
+        sim.run_all()
+        metrics.write(sim, out, plots=False)
+        return fed, sim.answered
+
+    fed, answered = run(True, tmp_path / "at-once")
+    fed_each, answered_each = run(False, tmp_path / "each")
+    assert answered > 50 and answered_each == 0
+    assert len(fed) > 500 and fed == fed_each
+    for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
+        assert (tmp_path / "at-once" / name).read_bytes() == (tmp_path / "each" / name).read_bytes()
+    assert json.loads((tmp_path / "at-once" / "metrics.json").read_text())["jobs"]["finished"] == len(jobs)
+
+
 def test_heartbeats_with_nothing_new_reach_the_core_as_one_event_per_slot_and_a_fenced_worker_stops(base):
     # A heartbeat with nothing new is no Report of its own: the slot's beats go as one WorkersAlive, fed before any
     # other event. A worker the core declared lost while it runs learns it from that event's answer and stops, as

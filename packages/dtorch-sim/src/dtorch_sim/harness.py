@@ -39,6 +39,7 @@ from dtorch_sim.scenario import Elastic, Fault, NodeGroup, Scenario
 from dtorch_sim.workers import Worker
 
 _SYNC = object()  # a request whose reply the caller reads at once (workers: Register, Report)
+_ASK = object()  # a job's request, while the core handles it (see `ask`)
 _SEND_EXECUTE, _REPLY = fx.SendExecute, fx.Reply  # the effects of nearly every event, looked up once
 WAITING = "waiting"  # the schedule of a session whose mesh request is queued (core.view.schedule)
 LOST = "lost"  # the state of a worker the core declared lost (core.view.worker_state)
@@ -125,6 +126,7 @@ class Simulation:
         self._slots: dict[float, list] = {}  # time -> calls due then (see `later`)
         self._group: list | None = None  # [time, eid, calls] of the last `at_end` event scheduled
         self.merged = 0  # calls that joined the `at_end` event before them (simpy events saved)
+        self.answered = 0  # jobs' requests answered at once and resumed with no simpy event (see `ask`)
         self._alive: dict[str, float] = {}  # worker id -> utilization: heartbeats with nothing new (see `alive`)
         self._slot = sc.heartbeat.interval_s / sc.heartbeat.batch_slots if sc.heartbeat.batch_slots else 0.0
         self._rosters: dict[int, dict[str, Worker]] = {}  # slot phase -> idle workers it beats for (see `quiet`)
@@ -191,6 +193,32 @@ class Simulation:
         self._waiting[rid] = done
         self.handle(make(rid))
         return done
+
+    def ask(self, make: Callable[[int], ev.Event]) -> Iterator[simpy.Event]:
+        """`request`, for a job's process: `reply = yield from sim.ask(make)`. An answer the core gives at once (a
+        Submit, an open, a close) resumes the job at once, with no simpy event, when the event that would have
+        resumed it would have run next anyway: nothing in the heap runs before it (the events at this instant
+        scheduled earlier; anything scheduled later, in this event or after it, runs after it, as it would have).
+        Otherwise it is that event, with the id it would have had (drawn when the reply came). The job's process
+        is the only one waiting for its answer, and nothing else runs between its own resumption and the rest of
+        the event it runs in (a job's own event has no other callback)."""
+        rid = next(self._request_ids)
+        self._waiting[rid] = _ASK
+        self.handle(make(rid))
+        answer = self._replies.pop(rid, None)
+        if answer is None:  # answered later (a parked Sync, a queued mesh): the reply succeeds the event
+            done = self._waiting[rid] = self.env.event()
+            return (yield done)
+        eid, message = answer
+        env = self.env
+        queue = env._queue
+        if queue and queue[0] < (env._now, simpy.core.NORMAL, eid):  # another event runs first: as before
+            done = simpy.Event(env)
+            done._ok, done._value = True, message
+            heappush(queue, (env._now, simpy.core.NORMAL, eid, done))  # what succeed() scheduled, with its id
+            return (yield done)
+        self.answered += 1
+        return message
 
     def call(self, kind: Callable[[int, object], ev.Event], msg: object) -> object:
         """Feed `kind(request_id, msg)`, a request the core answers at once (Register, Report), and return the
@@ -300,6 +328,8 @@ class Simulation:
                 waiter = self._waiting.pop(effect.request_id, None)
                 if waiter is _SYNC:
                     self._replies[effect.request_id] = effect.message
+                elif waiter is _ASK:  # the id the event resuming the job would draw now (see `ask`)
+                    self._replies[effect.request_id] = (next(self.env._eid), effect.message)
                 elif waiter is not None:
                     waiter.succeed(effect.message)  # type: ignore[attr-defined]
             elif kind is fx.SetTimer:

@@ -494,7 +494,7 @@ def job(sim, rec: JobRecord):
     work = Steps(spec, wl, sim.scenario.cost.reference_tflops, sim.state_bytes(spec, cap))
     while True:
         expected = work.syncs_left(rec.steps_done, wl.sync_every, spec.declares)
-        opened = yield sim.request(lambda r, expected=expected: ev.OpenSession(r, m.OpenSession(
+        opened = yield from sim.ask(lambda r, expected=expected: ev.OpenSession(r, m.OpenSession(
             hello=HELLO, name=spec.id, priority=spec.priority, memory_cap=cap, expected_steps=expected)))
         if isinstance(opened, fx.Refusal):
             rec.failed, rec.error = env.now, f"OpenSession refused: {opened.message}"
@@ -503,20 +503,20 @@ def job(sim, rec: JobRecord):
         sim.session_opened(session, rec)
         mesh = m.OpenMesh(session=session, mesh=0, devices=list(range(spec.devices)), shape=[spec.devices],
                           min_devices=spec.min_devices)
-        placed = yield sim.request(lambda r, mesh=mesh: ev.OpenMesh(r, mesh))
+        placed = yield from sim.ask(lambda r, mesh=mesh: ev.OpenMesh(r, mesh))
         while not isinstance(placed, fx.Refusal) and not placed.placed:
             yield sim.placed_or_timeout(session, wl.retry_s)
-            placed = yield sim.request(lambda r, mesh=mesh: ev.OpenMesh(r, mesh))
+            placed = yield from sim.ask(lambda r, mesh=mesh: ev.OpenMesh(r, mesh))
         if isinstance(placed, fx.Refusal):
             rec.failed, rec.error = env.now, f"OpenMesh refused: {placed.message}"
-            yield sim.request(lambda r, s=session: ev.CloseSession(r, m.CloseSession(session=s)))
+            yield from sim.ask(lambda r, s=session: ev.CloseSession(r, m.CloseSession(session=s)))
             sim.session_closed(session)
             return
         if rec.placed is None:
             rec.placed = env.now
         sim.job_running(rec)
         ok = yield from run_steps(sim, session, work, wl.sync_every, rec)
-        yield sim.request(lambda r, s=session: ev.CloseSession(r, m.CloseSession(session=s)))
+        yield from sim.ask(lambda r, s=session: ev.CloseSession(r, m.CloseSession(session=s)))
         sim.session_closed(session)
         if ok:
             rec.finished = env.now
@@ -541,8 +541,8 @@ def run_steps(sim, session: str, work: Steps, sync_every: int, rec: JobRecord):
             seq += 1
             instrs = (work.setup() if first else []) + work.step(rec.steps_done + i)
             first = False
-            yield sim.request(lambda r, seq=seq, instrs=instrs: ev.Submit(r, m.Submit(session, seq, instrs)))
-        reply = yield sim.request(lambda r, seq=seq: ev.Sync(r, m.Sync(session, seq, SYNC_TIMEOUT_S)))
+            yield from sim.ask(lambda r, seq=seq, instrs=instrs: ev.Submit(r, m.Submit(session, seq, instrs)))
+        reply = yield from sim.ask(lambda r, seq=seq: ev.Sync(r, m.Sync(session, seq, SYNC_TIMEOUT_S)))
         if isinstance(reply, fx.Refusal) or not reply.done or reply.errors:
             if not isinstance(reply, fx.Refusal) and reply.errors:
                 rec.error = reply.errors[0].message
