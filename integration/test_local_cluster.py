@@ -56,6 +56,29 @@ def test_embedded_cluster_dies_with_a_killed_client():
     assert _children_of(proc.pid) == []
 
 
+def _started_at(pid: int) -> float:
+    """When process `pid` started, on time.time()'s clock (to the kernel's clock tick)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - since_boot
+
+
+def test_the_workers_start_beside_the_controller_not_after_it():
+    """The embedded cluster started its workers once the controller was up (its port file written), so their own
+    start, mostly importing torch, came after the controller's. They now start at once, told the port held for it."""
+    from dtorch.local_cluster import LocalCluster
+
+    cluster = LocalCluster(2)
+    try:
+        port_file = cluster.dir / "controller.addr"
+        assert port_file.read_text().strip() == cluster.address
+        up = port_file.stat().st_mtime
+        started = [_started_at(p.pid) for p in cluster.procs[1:]]
+        assert len(started) == 2 and all(t < up for t in started), (started, up)
+    finally:
+        cluster.stop()
+
+
 def test_a_with_block_closes_its_session_and_stops_its_cluster():
     code = """
 import os, torch, dtorch

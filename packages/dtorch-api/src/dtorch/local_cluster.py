@@ -7,16 +7,23 @@ dtorch-controller and dtorch-worker packages (`pip install dtorch-api[local]`).
 It makes its own keys, with no set-up: a key file in its private temporary directory with an admin key
 (this process's: `dtorch.drain` and `dtorch.migrate` work locally) and a worker key for its workers.
 Traffic stays on loopback, in cleartext.
+
+The controller and the workers start at once (each worker's start is mostly importing torch): the controller's port
+is picked and held here first (`_held_port`), so the workers are told its address before it listens, and register
+once it does (they retry while it is not up).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dtorch_protocol import messages as m
@@ -25,6 +32,23 @@ from dtorch_protocol.tls import ENV as TLS_ENV
 
 # a cluster of this process's own: none of the settings meant for a shared one
 _NOT_INHERITED = {"DTORCH_API_KEY", "DTORCH_KEYS", "DTORCH_TOKEN", *TLS_ENV.values()}
+REGISTER_ATTEMPTS = 60  # a worker's tries while the controller starts (backoff up to 2 s: about 2 minutes)
+
+
+@contextmanager
+def _held_port() -> Iterator[int]:
+    """A free loopback port, bound here (never listening) with SO_REUSEPORT, as gRPC binds its servers: the
+    controller can listen on it while it is held, and no other program can take it first. Where the option does
+    not exist (Windows), it is let go at once, and another program could take it before the controller does."""
+    reuse = getattr(socket, "SO_REUSEPORT", None)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        if reuse is not None:
+            held.setsockopt(socket.SOL_SOCKET, reuse, 1)
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        if reuse is None:
+            held.close()
+        yield port
 
 
 class LocalCluster:
@@ -44,16 +68,19 @@ class LocalCluster:
         parent = str(os.getpid())
         try:
             port_file = self.dir / "controller.addr"
-            self._spawn("controller", [sys.executable, "-m", "dtorch_controller", "--listen", "127.0.0.1:0",
-                                       "--keys", str(self.dir / "keys.json"), "--port-file", str(port_file),
-                                       "--parent-pid", parent])
             deadline = time.monotonic() + start_timeout
-            self.address = self._wait_for_file(port_file, deadline)
-            for i in range(workers):
-                dev = f"cuda:{i}" if device == "cuda" else device
-                self._spawn(f"worker{i}", [sys.executable, "-m", "dtorch_worker", "--controller", self.address,
-                                           "--device", dev, "--parent-pid", parent],
-                            env={**self.env, "DTORCH_API_KEY": worker_key})
+            with _held_port() as port:
+                self.address = f"127.0.0.1:{port}"
+                self._spawn("controller", [sys.executable, "-m", "dtorch_controller", "--listen", self.address,
+                                           "--keys", str(self.dir / "keys.json"), "--port-file", str(port_file),
+                                           "--parent-pid", parent])
+                for i in range(workers):
+                    dev = f"cuda:{i}" if device == "cuda" else device
+                    self._spawn(f"worker{i}", [sys.executable, "-m", "dtorch_worker", "--controller", self.address,
+                                               "--device", dev, "--parent-pid", parent,
+                                               "--register-attempts", str(REGISTER_ATTEMPTS)],
+                                env={**self.env, "DTORCH_API_KEY": worker_key})
+                self._wait_for_file(port_file, deadline)
             self._wait_for_workers(workers, deadline)
         except BaseException:
             self.stop()
