@@ -212,6 +212,55 @@ def test_a_jobs_answers_at_once_resume_it_with_no_simpy_event_only_where_nothing
     assert json.loads((tmp_path / "at-once" / "metrics.json").read_text())["jobs"]["finished"] == len(jobs)
 
 
+@pytest.mark.parametrize("recovery", [False, True])
+def test_the_core_skips_its_look_at_a_session_whose_window_is_still_full_and_decides_the_same(base, tmp_path,
+                                                                                           recovery):
+    # A wide session's completions but the last of a step pump it and find the window full on another worker: the
+    # settle pass looks at it only where a look could change something (ControllerCore._inert). The core makes the
+    # same effects from the same events, and every output is the same, as with a look each time: through
+    # preemption, relocation, failures and (with recovery) snapshots due by time and rebuilds.
+    base["workload"]["synthetic"]["jobs"] = 30
+    base["workload"]["synthetic"]["size"] = {"choices": [2, 4, 8]}
+    base["policy"] = {"name": "dtorch"}
+    base["faults"] = [{"kind": "worker_failure", "mtbf_s": 40}]
+    if recovery:
+        base["recovery"] = {"snapshot_every_batches": 3, "snapshot_every_s": 5.0}
+
+    def run(skip: bool, out: Path) -> tuple[list[str], int]:
+        sim = Simulation(parse(base))
+        core = sim.core
+        inert, skipped = core._inert, [0]
+
+        def counted(sid: str) -> bool:
+            found = skip and inert(sid)
+            skipped[0] += found
+            return found
+
+        core._inert = counted
+        fed: list[str] = []
+        handle = core.handle
+
+        def spy(now, event):
+            effects = handle(now, event)
+            fed.append(f"{now!r} {event!r} {effects!r}")
+            return effects
+
+        core.handle = spy
+        sim.run_all()
+        metrics.write(sim, out, plots=False)
+        return fed, skipped[0]
+
+    fed, skipped = run(True, tmp_path / "skip")
+    fed_each, skipped_each = run(False, tmp_path / "each")
+    assert skipped_each == 0 and (skipped == 0 if recovery else skipped > 100)
+    assert len(fed) > 1000 and fed == fed_each
+    for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
+        assert (tmp_path / "skip" / name).read_bytes() == (tmp_path / "each" / name).read_bytes()
+    summary = json.loads((tmp_path / "skip" / "metrics.json").read_text())
+    assert summary["scheduling"]["preemptions"] > 0 and summary["scheduling"]["relocations"] > 0
+    assert len((tmp_path / "skip" / "failures.csv").read_text().splitlines()) > 1
+
+
 def test_heartbeats_with_nothing_new_reach_the_core_as_one_event_per_slot_and_a_fenced_worker_stops(base):
     # A heartbeat with nothing new is no Report of its own: the slot's beats go as one WorkersAlive, fed before any
     # other event. A worker the core declared lost while it runs learns it from that event's answer and stops, as

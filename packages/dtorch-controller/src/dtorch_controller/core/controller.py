@@ -27,7 +27,9 @@ Rules:
    of them calls back into it. A handler does its event's own work, then the *settle pass* applies the
    scheduler's decisions and looks at the sessions the event touched (their copies, rebuild, moves,
    snapshot), again until nothing changes any more, like h11's state-triggered transitions run to a fixed
-   point; then it files the sessions that wait (waits.py) and answers the Syncs that can be answered.
+   point; then it files the sessions that wait (waits.py) and answers the Syncs that can be answered. A session
+   that a completion pumped and that sent nothing (its dispatch window still full on another worker) is looked
+   at only where a look could change something (`_inert`): the same effects, without the look.
 11. A session belongs to the tenant that opened it (`event.who`): a request naming another tenant's session
    is answered as for an unknown one, and keeps nothing alive. A tenant's Status shows its own sessions, the
    workers they use (with its own shards only) and everyone else's work as anonymous counts; an admin sees
@@ -156,7 +158,9 @@ class ControllerCore:
             if step.reporter is None or (not step.completed and self.waits.idle_for(step.reporter)):
                 return  # nothing changed that could let anything move on (most requests, idle heartbeats)
         if step.completed and step.reporter is not None and self.pipeline.windowed:
-            self.pipeline.unblock(step, step.reporter.id)  # pipeline rule 7: the next batches fit now
+            for sid in self.pipeline.unblock(step, step.reporter.id):  # pipeline rule 7: the next batches fit now
+                if self._inert(sid):  # nothing went out, and a look at it would change nothing
+                    step.pumped.discard(sid)
         if step.reporter is not None:
             look = self.waits.looked_at_by(step.reporter)
         elif step.everyone:
@@ -210,6 +214,18 @@ class ControllerCore:
                 s = sessions.get(sid)
                 if s is not None:
                     self._answer_syncs(step, s)
+
+    def _inert(self, sid: str) -> bool:
+        """A look at the session in this settle pass would change nothing, when its pump sent nothing because the
+        dispatch window is full on another worker (the completions of a wide session's workers but the last of a
+        step): no lineage (no snapshot may be due, none in flight), no upload copies, no rebuild, no move or drop of
+        its own, no drop of anyone's (any look flushes them), not in the wait index, and its parked Syncs wait for
+        the batches the window holds back (`Pipeline.held`)."""
+        rec = self.pipeline.recs.get(sid)
+        moves = self.moves
+        return rec is not None and not rec.enabled and rec.taking is None and not rec.adopts \
+            and not self.recovery.rebuilding(sid) and not moves.busy(sid) and not moves.drops \
+            and sid not in self.waits.active
 
     def _answer_syncs(self, step: Step, s: Session) -> None:
         """Answer the session's parked Syncs if they can be, else file them under a worker they wait for."""

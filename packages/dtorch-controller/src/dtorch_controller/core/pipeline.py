@@ -127,10 +127,11 @@ class Pipeline:
         rec = self.recs.get(s.id)
         return rec is not None and rec.sent_upto < s.seq
 
-    def pump(self, step: Step, s: Session) -> None:
-        """Send the logged batches not sent yet, in order, unless the session is held."""
+    def pump(self, step: Step, s: Session) -> bool:
+        """Send the logged batches not sent yet, in order, unless the session is held. True when something went
+        out."""
         if s.id not in self.cluster.sessions or self.holds.get(s.id):
-            return
+            return False
         rec = self.rec(s, step.now)
         sent = False
         for b in rec.log:
@@ -144,6 +145,7 @@ class Pipeline:
         if sent and not rec.enabled:  # without lineage the log holds only what is not sent (none was before)
             rec.log = [b for b in rec.log if not b.sent]
         step.pumped.add(s.id)
+        return sent
 
     def _full(self, s: Session) -> str | None:
         """A worker that has `ahead` batches of the session not completed yet (rule 7), or None."""
@@ -166,12 +168,19 @@ class Pipeline:
             del mine[worker_id]
         return full
 
-    def unblock(self, step: Step, worker_id: str) -> None:
-        """`worker_id` completed a batch or was lost: the sessions waiting for it send what now fits (rule 7)."""
+    def unblock(self, step: Step, worker_id: str) -> list[str]:
+        """`worker_id` completed a batch or was lost: the sessions waiting for it send what now fits (rule 7).
+        Returns the ones that sent nothing (the window is still full on another of their workers: a wide session's
+        completions but the last of a step) and that nothing had pumped before in this event."""
+        still = []
+        pumped = step.pumped
         for sid in sorted(self.windowed.pop(worker_id, ())):
             s = self.cluster.sessions.get(sid)
             if s is not None:
-                self.pump(step, s)
+                before = sid in pumped
+                if not self.pump(step, s) and not before:
+                    still.append(sid)
+        return still
 
     def busy_for(self, session: str, now: float) -> float:
         """Seconds until the session's last batch should be done, from the pace of its batches (inf: unknown)."""
