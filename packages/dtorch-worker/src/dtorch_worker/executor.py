@@ -58,6 +58,7 @@ import torch
 
 from dtorch_protocol import programs, shared
 from dtorch_protocol.messages import (
+    TENSOR_SLOT,
     Cmd,
     CmdAbandon,
     CmdCloseSession,
@@ -204,6 +205,9 @@ class Executor:
         self._sending: dict[int, list[threading.Event]] = {}  # storage -> collectives sending from it (rule 7)
         # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
         self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
+        # what follows the running command: its list (the batch, or a program's), the next index, and whether the
+        # list ends the batch
+        self._after: tuple[Sequence[Cmd], int, bool] = ((), 0, True)
         # DTORCH_SYNC_BACKUPS=1: upload backups copied in the stream, as before (benchmarks compare)
         self.sync_backups = os.environ.get("DTORCH_SYNC_BACKUPS", "") == "1"
         self._backups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dtorch-backup",
@@ -399,12 +403,17 @@ class Executor:
         self.store.set_cap(batch.session, batch.memory_cap)
         self.peers.grant(batch.session, batch.caps)
         meshes = shared.Meshes()  # this batch's CmdMesh: the devices of its shared commands here
-        for cmd in batch.cmds:
+        cmds = batch.cmds
+        for i, cmd in enumerate(cmds):
             if type(cmd) is CmdReplay or type(cmd) is CmdProgram:
-                for filled in self._program(batch.session, cmd):
-                    self._local(batch.session, filled, meshes)
+                filled = self._program(batch.session, cmd)
+                for k, one in enumerate(filled):
+                    self._after = (filled, k + 1, i + 1 == len(cmds))
+                    self._local(batch.session, one, meshes)
             else:
+                self._after = (cmds, i + 1, True)
                 self._local(batch.session, cmd, meshes)
+        self._after = ((), 0, True)
 
     def _local(self, session: str, cmd: Cmd, meshes: shared.Meshes) -> None:
         """Run `cmd` as this worker's own command: a command shared by a mesh's workers gets the devices its mesh has
@@ -834,25 +843,39 @@ class Executor:
                 if d not in cmd.in_shapes:
                     raise ValueError(f"no shape for logical device {d} of tensor {cmd.src}")
                 current[d] = torch.zeros(list(cmd.in_shapes[d]), dtype=dtype, device=self.device)
+        last = len(cmd.steps) - 1
         for k, step in enumerate(cmd.steps):
             what = f"{step.kind} of tensor {cmd.src} into {cmd.dst}"
             done = collectives.Result()
             flying = []
+            # needed at once: a later step packs it, or the next command reads it, or nothing else is left to run
+            # (groups.py rule 4); only where it is this worker's one op of the step (two run side by side on lanes)
+            now = (k < last or self._needed_at_once(cmd.dst)) and sum(1 for op in step.ops if op.group) == 1
             for op in map(collectives.spelled_out, step.ops):
                 direct: list[torch.Tensor] = []
                 finish = collectives.prepare(step, op, current, poisoned, dtype, self.buffers,
                                              self.backend.gather_by_all_to_all(len(op.layout)), direct)
                 if op.group:
-                    future = self.groups.submit(session, op, what, self._counted(session, cmd.dst, finish))
+                    future = self.groups.submit(session, op, what, self._counted(session, cmd.dst, finish), now)
                     flying.append((op, future))
                     self._sends_from(direct, future)  # in-place writes to those storages wait for it
                 else:
                     _merge(done, finish(collectives.LocalCtx(poisoned)))
-            if k == len(cmd.steps) - 1:
+            if k == last:
                 return self._issue(session, cmd, what, done, flying)
             for op, future in flying:  # an intermediate step: the next one packs its outputs
                 _merge(done, future.result(timeout=self.groups.bound(session, op)))
             current, poisoned = done.outputs, done.poisoned
+
+    def _needed_at_once(self, tid: int) -> bool:
+        """Is tensor `tid` needed as soon as it is made: the next command of the batch (deletes skipped) names it
+        among its arguments (not inside lists), or the batch ends here with no other batch waiting to run?"""
+        cmds, i, ends_batch = self._after
+        while i < len(cmds) and type(cmds[i]) is CmdDelete:
+            i += 1
+        if i == len(cmds):
+            return ends_batch and not self._pending
+        return type(cmds[i]) is CmdRun and {TENSOR_SLOT: tid} in cmds[i].args
 
     def _counted(self, session: str, dst: int, finish: collectives.Finish) -> collectives.Finish:
         """`finish`, telling `on_received` what its collective op received (metrics, profiles, usage)."""

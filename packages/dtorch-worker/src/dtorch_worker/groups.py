@@ -25,6 +25,10 @@ Rules:
    device whose backend asks for one lane for all groups (`DeviceBackend.one_lane`: NCCL, where kernels of two
    communicators issued in different orders on two GPUs can deadlock): there every group's ops run on the
    worker's one lane, in the executor's order, which is the controller's total order (rule 5 holds as well).
+   An op whose output the executor needs at once (`submit(now=True)`: the next command reads it, or a later step
+   of the same redistribution packs it) runs on the executor's own thread instead, where its lane has nothing
+   queued or running and there is more than one lane: the group's order is kept, the executor waits where it
+   would have waited anyway, and the two thread hand-offs (to the lane, and back at the first use) are saved.
 5. Why this cannot deadlock across sessions: the controller assigns every worker's Execute seqs in the one order
    it handles events in, so any two batches reach all their common workers in the same relative order; a group's
    ops are issued (submitted to its lane) by every member at the same place of that order, and the only blocking
@@ -104,6 +108,8 @@ class Group:
     pg: Any = None
     store: Any = None
     issued: int = 0  # the last op seq submitted to the lane
+    queued: int = 0  # work items handed to the lane (by the executor's thread only)
+    finished: int = 0  # of those, how many the lane has finished (by the lane only): it is idle when equal
     broken: str = ""  # why the group cannot run ops any more ("" while it can)
     aborted: threading.Event = field(default_factory=threading.Event)
     waiting: set[Any] = field(default_factory=set)  # completions waited for (device.completion): an abort sets them
@@ -278,7 +284,7 @@ class Groups:
             self._fenced.pop((session, cmd.group), None)
         if old is not None:
             self._fence(old, f"replaced by generation {cmd.generation}")
-        g.lane.submit(self._build, g)
+        self._on_lane(g, self._build, g)
 
     def _build(self, g: Group) -> None:
         from torch.distributed import PrefixStore, TCPStore
@@ -303,8 +309,9 @@ class Groups:
 
     # ------------------------------------------------------------ ops (executor thread submits, lane runs)
 
-    def submit(self, session: str, op: GroupOp, what: str, fn: Callable[[Ctx], Any]) -> Future:
-        """Queue `fn(ctx)` on the group's lane; checks the group and the op's place in its order."""
+    def submit(self, session: str, op: GroupOp, what: str, fn: Callable[[Ctx], Any], now: bool = False) -> Future:
+        """Queue `fn(ctx)` on the group's lane, or with `now` run it here if the lane is idle (rule 4); checks the
+        group and the op's place in its order."""
         with self._lock:
             g = self._groups.get((session, op.group))
             fenced = self._fenced.get((session, op.group))
@@ -318,7 +325,25 @@ class Groups:
             raise GroupError(f"{what} refused: rank {op.rank} of {len(op.layout)} does not match {g.name()}, rank "
                              f"{g.rank}")
         g.issued = op.seq
-        return g.lane.submit(self._run, g, Ctx(g, what, op.seq, self.backend), fn)
+        ctx = Ctx(g, what, op.seq, self.backend)
+        if now and g.lane is not self._one_lane and g.queued == g.finished:
+            done: Future = Future()
+            try:
+                done.set_result(self._run(g, ctx, fn))
+            except Exception as e:  # noqa: BLE001 - delivered as the lane's future would deliver it
+                done.set_exception(e)
+            return done
+        return self._on_lane(g, self._run, g, ctx, fn)
+
+    def _on_lane(self, g: Group, fn: Callable[..., Any], *args: Any) -> Future:
+        def counted() -> Any:
+            try:
+                return fn(*args)
+            finally:
+                g.finished += 1
+        future = g.lane.submit(counted)
+        g.queued += 1
+        return future
 
     def _run(self, g: Group, ctx: Ctx, fn: Callable[[Ctx], Any]) -> Any:
         if g.aborted.is_set():
