@@ -321,15 +321,15 @@ def test_outputs_are_waited_for_at_their_first_use_not_at_the_issue(workers):
     assert torch.equal(workers[0].store.get(("sess-overlap", 53, 0)), torch.tensor([2.0, 2.0, 3.0, 3.0]))
 
 
-@pytest.mark.parametrize("then,where", [("read", "dtorch-executor"), ("nothing", "dtorch-executor"),
-                                        ("create, read", "dtorch-group-")])
+@pytest.mark.parametrize("then,where", [("read", "dtorch-executor"), ("delete, mesh, read", "dtorch-executor"),
+                                        ("nothing", "dtorch-executor"), ("create, read", "dtorch-group-")])
 def test_a_collective_needed_at_once_runs_on_the_executor_and_one_read_later_on_its_lane(workers, monkeypatch, then,
                                                                                         where):
-    """Groups rule 4: an all_reduce whose output the next command reads (or that ends the work queued) ran on its
-    group's lane while the executor waited for it at once: two thread hand-offs per collective, about 5% of a worker's
-    CPU on a TP forward. It now runs on the executor. One whose output is read later still runs on the lane, and
-    overlaps what the executor runs meanwhile."""
-    from dtorch_protocol.messages import CmdCreate, CmdRun
+    """Groups rule 4: an all_reduce whose output the next command reads (deletes and marks skipped), or that ends
+    the work queued, ran on its group's lane while the executor waited for it at once: two thread hand-offs per
+    collective, about a tenth of a worker's CPU on a TP forward. It now runs on the executor. One whose output is
+    read later still runs on the lane, and overlaps what the executor runs meanwhile."""
+    from dtorch_protocol.messages import CmdCreate, CmdDelete, CmdMesh, CmdRun
     from dtorch_worker.groups import Groups
 
     ran_on: list[str] = []
@@ -350,7 +350,8 @@ def test_a_collective_needed_at_once_runs_on_the_executor_and_one_read_later_on_
     shapes = ({d: [4] for d in range(2)}, {d: [4] for d in range(2)})
     cmds = lowering.commands(low, cluster.groups, cluster.members, 60, 61, "float32", shapes)
     for wid, d in (("w0", 0), ("w1", 1)):
-        cmds[wid] += {"read": [], "nothing": [], "create, read": [
+        cmds[wid] += {"read": [], "nothing": [], "delete, mesh, read": [
+            CmdDelete(tids=[60], devices=[d]), CmdMesh(mesh=0, devices=[d])], "create, read": [
             CmdCreate(tid=62, dtype="float32", shape=[1], init="ones", boxes={d: [[0, 1]]})]}[then]
         if then != "nothing":
             cmds[wid].append(CmdRun(op="aten.add.Tensor", devices=[d], args=[{"$t": 61}, 1.0], kwargs={}, outs=[63]))

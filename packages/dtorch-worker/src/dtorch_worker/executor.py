@@ -42,6 +42,7 @@ them. Peaks inside one command (temporaries, all devices' results before they ar
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -69,6 +70,7 @@ from dtorch_protocol.messages import (
     CmdFetchShards,
     CmdGroup,
     CmdKeepCopies,
+    CmdMesh,
     CmdProgram,
     CmdReadable,
     CmdRebuilt,
@@ -205,9 +207,8 @@ class Executor:
         self._sending: dict[int, list[threading.Event]] = {}  # storage -> collectives sending from it (rule 7)
         # DTORCH_SYNC_COLLECTIVES=1: wait for each collective where it is issued (no overlap; benchmarks compare)
         self.sync_collectives = os.environ.get("DTORCH_SYNC_COLLECTIVES", "") == "1"
-        # what follows the running command: its list (the batch, or a program's), the next index, and whether the
-        # list ends the batch
-        self._after: tuple[Sequence[Cmd], int, bool] = ((), 0, True)
+        # what follows the running command: the rest of its program (if it is a program's), then of its batch
+        self._after: tuple[Sequence[Cmd], int, Sequence[Cmd], int] = ((), 0, (), 0)
         # DTORCH_SYNC_BACKUPS=1: upload backups copied in the stream, as before (benchmarks compare)
         self.sync_backups = os.environ.get("DTORCH_SYNC_BACKUPS", "") == "1"
         self._backups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dtorch-backup",
@@ -408,12 +409,12 @@ class Executor:
             if type(cmd) is CmdReplay or type(cmd) is CmdProgram:
                 filled = self._program(batch.session, cmd)
                 for k, one in enumerate(filled):
-                    self._after = (filled, k + 1, i + 1 == len(cmds))
+                    self._after = (filled, k + 1, cmds, i + 1)
                     self._local(batch.session, one, meshes)
             else:
-                self._after = (cmds, i + 1, True)
+                self._after = ((), 0, cmds, i + 1)
                 self._local(batch.session, cmd, meshes)
-        self._after = ((), 0, True)
+        self._after = ((), 0, (), 0)
 
     def _local(self, session: str, cmd: Cmd, meshes: shared.Meshes) -> None:
         """Run `cmd` as this worker's own command: a command shared by a mesh's workers gets the devices its mesh has
@@ -868,14 +869,14 @@ class Executor:
             current, poisoned = done.outputs, done.poisoned
 
     def _needed_at_once(self, tid: int) -> bool:
-        """Is tensor `tid` needed as soon as it is made: the next command of the batch (deletes skipped) names it
-        among its arguments (not inside lists), or the batch ends here with no other batch waiting to run?"""
-        cmds, i, ends_batch = self._after
-        while i < len(cmds) and type(cmds[i]) is CmdDelete:
-            i += 1
-        if i == len(cmds):
-            return ends_batch and not self._pending
-        return type(cmds[i]) is CmdRun and {TENSOR_SLOT: tid} in cmds[i].args
+        """Is tensor `tid` needed as soon as it is made: the batch's next command that runs anything (deletes and
+        marks skipped) names it among its arguments (not inside lists), or there is none and no other batch is
+        waiting to run?"""
+        program, k, batch, i = self._after
+        for cmd in itertools.chain(itertools.islice(program, k, None), itertools.islice(batch, i, None)):
+            if type(cmd) not in _MARKS:
+                return type(cmd) is CmdRun and {TENSOR_SLOT: tid} in cmd.args
+        return not self._pending
 
     def _counted(self, session: str, dst: int, finish: collectives.Finish) -> collectives.Finish:
         """`finish`, telling `on_received` what its collective op received (metrics, profiles, usage)."""
@@ -1037,6 +1038,9 @@ def _describe(cmd: Cmd) -> tuple[str, str, list[int]]:
         return (f"restore shards from {cmd.address or 'this worker'} ({cmd.namespace})", "",
                 sorted({t for tids in cmd.devices.values() for t in tids}))
     return type(cmd).__name__, "", []
+
+
+_MARKS = {CmdDelete, CmdReadable, CmdMesh}  # commands that run nothing: an output read after them is needed at once
 
 
 def _outputs(cmd: Cmd) -> list[tuple[int, int]]:

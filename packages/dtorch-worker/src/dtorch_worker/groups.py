@@ -25,10 +25,11 @@ Rules:
    device whose backend asks for one lane for all groups (`DeviceBackend.one_lane`: NCCL, where kernels of two
    communicators issued in different orders on two GPUs can deadlock): there every group's ops run on the
    worker's one lane, in the executor's order, which is the controller's total order (rule 5 holds as well).
-   An op whose output the executor needs at once (`submit(now=True)`: the next command reads it, or a later step
-   of the same redistribution packs it) runs on the executor's own thread instead, where its lane has nothing
-   queued or running and there is more than one lane: the group's order is kept, the executor waits where it
-   would have waited anyway, and the two thread hand-offs (to the lane, and back at the first use) are saved.
+   An op whose output the executor needs at once (`submit(now=True)`: the next command reads it, a later step of
+   the same redistribution packs it, or nothing else is left to run) runs on the executor's own thread instead,
+   where its lane has nothing queued or running and there is more than one lane: the group's order is kept, the
+   executor waits where it would have waited anyway, and the two thread hand-offs (to the lane, and back at the
+   first use) are saved.
 5. Why this cannot deadlock across sessions: the controller assigns every worker's Execute seqs in the one order
    it handles events in, so any two batches reach all their common workers in the same relative order; a group's
    ops are issued (submitted to its lane) by every member at the same place of that order, and the only blocking
