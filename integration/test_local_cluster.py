@@ -79,6 +79,17 @@ def test_the_workers_start_beside_the_controller_not_after_it():
         cluster.stop()
 
 
+def test_connect_starts_the_cluster_before_it_imports_torch():
+    """`dtorch.connect` imported the session's modules (torch among them, about 3 s) before it started the local
+    cluster's processes, which then took as long again to import torch themselves. It now starts them first and
+    imports while they start: `dtorch.runtime` itself imports no torch."""
+    code = ("import sys, dtorch.runtime; "
+            "print(sorted(m for m in ('torch', 'dtorch.session', 'dtorch._capture') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_a_with_block_closes_its_session_and_stops_its_cluster():
     code = """
 import os, torch, dtorch

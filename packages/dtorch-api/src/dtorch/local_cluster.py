@@ -9,8 +9,9 @@ It makes its own keys, with no set-up: a key file in its private temporary direc
 Traffic stays on loopback, in cleartext.
 
 The controller and the workers start at once (each worker's start is mostly importing torch): the controller's port
-is picked and held here first (`_held_port`), so the workers are told its address before it listens, and register
-once it does (they retry while it is not up).
+is picked and held here first (`_hold_port`), so the workers are told its address before it listens, and register
+once it does (they retry while it is not up). `connect` starts them before it imports the rest of DTorch (torch
+among it), and waits for them after (`wait=False`, then `wait()`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from dtorch_protocol import messages as m
@@ -35,24 +34,28 @@ _NOT_INHERITED = {"DTORCH_API_KEY", "DTORCH_KEYS", "DTORCH_TOKEN", *TLS_ENV.valu
 REGISTER_ATTEMPTS = 60  # a worker's tries while the controller starts (backoff up to 2 s: about 2 minutes)
 
 
-@contextmanager
-def _held_port() -> Iterator[int]:
-    """A free loopback port, bound here (never listening) with SO_REUSEPORT, as gRPC binds its servers: the
-    controller can listen on it while it is held, and no other program can take it first. Where the option does
-    not exist (Windows), it is let go at once, and another program could take it before the controller does."""
+def _hold_port() -> tuple[int, socket.socket | None]:
+    """A free loopback port, and the socket holding it: bound (never listening) with SO_REUSEPORT, as gRPC binds its
+    servers, so the controller can listen on it while it is held and no other program can take it first. Where the
+    option does not exist (Windows) it is let go at once (None), and another program could take it before the
+    controller does."""
     reuse = getattr(socket, "SO_REUSEPORT", None)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
-        if reuse is not None:
-            held.setsockopt(socket.SOL_SOCKET, reuse, 1)
-        held.bind(("127.0.0.1", 0))
-        port = held.getsockname()[1]
-        if reuse is None:
-            held.close()
-        yield port
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if reuse is not None:
+        held.setsockopt(socket.SOL_SOCKET, reuse, 1)
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    if reuse is None:
+        held.close()
+        return port, None
+    return port, held
 
 
 class LocalCluster:
-    def __init__(self, workers: int = 2, *, device: str = "cpu", start_timeout: float = 120.0) -> None:
+    def __init__(self, workers: int = 2, *, device: str = "cpu", start_timeout: float = 120.0,
+                 wait: bool = True) -> None:
+        """Start the processes; with `wait`, return once the controller listens and every worker has registered
+        (otherwise call `wait()` before using it: the processes start meanwhile)."""
         if workers < 1:
             raise ValueError(f"a local cluster needs at least 1 worker, got {workers}")
         missing = [p for p in ("dtorch_controller", "dtorch_worker") if importlib.util.find_spec(p) is None]
@@ -65,26 +68,42 @@ class LocalCluster:
         self.api_key, worker_key = new_key_file(self.dir / "keys.json", ("admin", ""), ("worker", ""))
         self.procs: list[subprocess.Popen] = []
         self.env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+        self._workers, self._deadline = workers, time.monotonic() + start_timeout
+        self._port_file = self.dir / "controller.addr"
+        port, self._held = _hold_port()
+        self.address = f"127.0.0.1:{port}"
         parent = str(os.getpid())
         try:
-            port_file = self.dir / "controller.addr"
-            deadline = time.monotonic() + start_timeout
-            with _held_port() as port:
-                self.address = f"127.0.0.1:{port}"
-                self._spawn("controller", [sys.executable, "-m", "dtorch_controller", "--listen", self.address,
-                                           "--keys", str(self.dir / "keys.json"), "--port-file", str(port_file),
-                                           "--parent-pid", parent])
-                for i in range(workers):
-                    dev = f"cuda:{i}" if device == "cuda" else device
-                    self._spawn(f"worker{i}", [sys.executable, "-m", "dtorch_worker", "--controller", self.address,
-                                               "--device", dev, "--parent-pid", parent,
-                                               "--register-attempts", str(REGISTER_ATTEMPTS)],
-                                env={**self.env, "DTORCH_API_KEY": worker_key})
-                self._wait_for_file(port_file, deadline)
-            self._wait_for_workers(workers, deadline)
+            self._spawn("controller", [sys.executable, "-m", "dtorch_controller", "--listen", self.address,
+                                       "--keys", str(self.dir / "keys.json"), "--port-file", str(self._port_file),
+                                       "--parent-pid", parent])
+            for i in range(workers):
+                dev = f"cuda:{i}" if device == "cuda" else device
+                self._spawn(f"worker{i}", [sys.executable, "-m", "dtorch_worker", "--controller", self.address,
+                                           "--device", dev, "--parent-pid", parent,
+                                           "--register-attempts", str(REGISTER_ATTEMPTS)],
+                            env={**self.env, "DTORCH_API_KEY": worker_key})
+            if wait:
+                self.wait()
         except BaseException:
             self.stop()
             raise
+
+    def wait(self) -> None:
+        """Block until the controller listens on its port and every worker has registered (bounded by the start
+        timeout); raises, with the cluster stopped, if a process exits or the time runs out."""
+        try:
+            self._wait_for_file(self._port_file, self._deadline)
+            self._let_go_of_port()
+            self._wait_for_workers(self._workers, self._deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _let_go_of_port(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.dir / f"{name}.log", "wb")
@@ -131,6 +150,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """End every process of the cluster (bounded: terminate, then kill)."""
+        self._let_go_of_port()
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.terminate()

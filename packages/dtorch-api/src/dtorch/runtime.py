@@ -12,14 +12,16 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from typing import TYPE_CHECKING
 
-from dtorch._capture import AutoSteps
 from dtorch.errors import ClusterError, env_int
 from dtorch.local_cluster import LocalCluster
-from dtorch.session import Session
 from dtorch_protocol import messages as m
 from dtorch_protocol import wire
 from dtorch_protocol.tls import Tls
+
+if TYPE_CHECKING:
+    from dtorch.session import Session
 
 _lock = threading.RLock()
 _session: Session | None = None
@@ -49,11 +51,17 @@ def connect(controller: str | None = None, *, api_key: str | None = None, tls_ca
         tls, cluster = None, None
         if not address:
             n = workers if workers is not None else env_int("DTORCH_LOCAL_WORKERS", 2)
-            cluster = LocalCluster(n, device=os.environ.get("DTORCH_LOCAL_DEVICE", "cpu"))
+            # its processes start while this one imports the session's modules (torch among them), a few seconds
+            cluster = LocalCluster(n, device=os.environ.get("DTORCH_LOCAL_DEVICE", "cpu"), wait=False)
             address, api_key = cluster.address, cluster.api_key
         else:
             tls = Tls.load(ca=tls_ca)
         try:
+            from dtorch._capture import AutoSteps
+            from dtorch.session import Session
+
+            if cluster is not None:
+                cluster.wait()
             _session = Session(address, api_key, tls=tls, name=name, priority=priority, kind=kind,
                                memory_cap=memory_cap, min_devices=min_devices, expected_steps=expected_steps)
         except BaseException:
