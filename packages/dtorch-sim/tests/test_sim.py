@@ -22,6 +22,23 @@ def run(data: dict) -> Simulation:
     return sim
 
 
+def _spy(sim: Simulation, record) -> None:
+    """Every event the core handles also goes to `record(now, event, effects)`."""
+    handle = sim.core.handle
+
+    def spy(now, event):
+        effects = handle(now, event)
+        record(now, event, effects)
+        return effects
+
+    sim.core.handle = spy
+
+
+def _assert_same_outputs(a: Path, b: Path) -> None:
+    for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
 def test_jobs_finish_and_utilization_is_plausible(base):
     sim = run(base)
     s = metrics.summarize(sim)
@@ -87,14 +104,8 @@ def test_only_a_stopped_workers_heartbeat_deadlines_reach_the_core_and_it_is_det
     base["faults"] = [{"kind": "worker_failure", "at": 10, "worker": "node0/gpu1"}]
     sim = Simulation(parse(base))
     fired: list[tuple[float, Heartbeat]] = []
-    handle = sim.core.handle
-
-    def spy(now, event):
-        if isinstance(event, ev.TimerFired) and type(event.key) is Heartbeat:
-            fired.append((now, event.key))
-        return handle(now, event)
-
-    sim.core.handle = spy
+    _spy(sim, lambda now, event, _effects: fired.append((now, event.key))
+         if isinstance(event, ev.TimerFired) and type(event.key) is Heartbeat else None)
     sim.run_all()
     failed = sim.by_address["node0/gpu1"]
     assert fired and {key.worker for _now, key in fired} == {failed.id}
@@ -114,18 +125,15 @@ def test_idle_workers_beat_through_their_slot_roster_with_no_call_each_and_the_c
         if not roster:
             sim.quiet = lambda worker, due: False  # every beat a call of the worker's own
         heard: list[tuple[float, str, float]] = []
-        handle, later, calls = sim.core.handle, sim.later, [0]
-
-        def spy(now, event):
-            if isinstance(event, ev.WorkersAlive):
-                heard.extend((round(now, 9), w, u) for w, u in event.workers.items())
-            return handle(now, event)
+        later, calls = sim.later, [0]
+        _spy(sim, lambda now, event, _effects: heard.extend((round(now, 9), w, u) for w, u in event.workers.items())
+             if isinstance(event, ev.WorkersAlive) else None)
 
         def count(at, fn, arg):
             calls[0] += fn.__name__ == "_beat"  # a worker's own beat
             later(at, fn, arg)
 
-        sim.core.handle, sim.later = spy, count
+        sim.later = count
         sim.run_all()
         return sorted(heard), calls[0], metrics.summarize(sim)["jct_s"]["mean"]
 
@@ -148,13 +156,7 @@ def test_the_workers_of_a_step_end_in_one_simpy_event_and_the_core_sees_what_it_
         if not merged:  # a simpy timeout of its own for each, made where the merged call is
             sim.at_end = lambda delay, fn, arg: sim.env.timeout(delay).callbacks.append(lambda _e: fn(arg))
         fed: list[str] = []
-        handle = sim.core.handle
-
-        def spy(now, event):
-            fed.append(f"{now!r} {event!r}")
-            return handle(now, event)
-
-        sim.core.handle = spy
+        _spy(sim, lambda now, event, _effects: fed.append(f"{now!r} {event!r}"))
         sim.run_all()
         metrics.write(sim, out, plots=False)
         return fed, sim.merged
@@ -163,8 +165,7 @@ def test_the_workers_of_a_step_end_in_one_simpy_event_and_the_core_sees_what_it_
     fed_each, merged_each = run(False, tmp_path / "each")
     assert merged > 100 and merged_each == 0
     assert len(fed) > 1000 and fed == fed_each
-    for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
-        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "each" / name).read_bytes()
+    _assert_same_outputs(tmp_path / "merged", tmp_path / "each")
     summary = json.loads((tmp_path / "merged" / "metrics.json").read_text())
     assert summary["scheduling"]["preemptions"] > 0  # and failures (a header and more lines):
     assert len((tmp_path / "merged" / "failures.csv").read_text().splitlines()) > 1
@@ -192,13 +193,7 @@ def test_a_jobs_answers_at_once_resume_it_with_no_simpy_event_only_where_nothing
 
             sim.ask = ask
         fed: list[str] = []
-        handle = sim.core.handle
-
-        def spy(now, event):
-            fed.append(f"{now!r} {event!r}")
-            return handle(now, event)
-
-        sim.core.handle = spy
+        _spy(sim, lambda now, event, _effects: fed.append(f"{now!r} {event!r}"))
         sim.run_all()
         metrics.write(sim, out, plots=False)
         return fed, sim.answered
@@ -207,8 +202,7 @@ def test_a_jobs_answers_at_once_resume_it_with_no_simpy_event_only_where_nothing
     fed_each, answered_each = run(False, tmp_path / "each")
     assert answered > 50 and answered_each == 0
     assert len(fed) > 500 and fed == fed_each
-    for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
-        assert (tmp_path / "at-once" / name).read_bytes() == (tmp_path / "each" / name).read_bytes()
+    _assert_same_outputs(tmp_path / "at-once", tmp_path / "each")
     assert json.loads((tmp_path / "at-once" / "metrics.json").read_text())["jobs"]["finished"] == len(jobs)
 
 
@@ -238,14 +232,7 @@ def test_the_core_skips_its_look_at_a_session_whose_window_is_still_full_and_dec
 
         core._inert = counted
         fed: list[str] = []
-        handle = core.handle
-
-        def spy(now, event):
-            effects = handle(now, event)
-            fed.append(f"{now!r} {event!r} {effects!r}")
-            return effects
-
-        core.handle = spy
+        _spy(sim, lambda now, event, effects: fed.append(f"{now!r} {event!r} {effects!r}"))
         sim.run_all()
         metrics.write(sim, out, plots=False)
         return fed, skipped[0]
@@ -254,8 +241,7 @@ def test_the_core_skips_its_look_at_a_session_whose_window_is_still_full_and_dec
     fed_each, skipped_each = run(False, tmp_path / "each")
     assert skipped_each == 0 and (skipped == 0 if recovery else skipped > 100)
     assert len(fed) > 1000 and fed == fed_each
-    for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
-        assert (tmp_path / "skip" / name).read_bytes() == (tmp_path / "each" / name).read_bytes()
+    _assert_same_outputs(tmp_path / "skip", tmp_path / "each")
     summary = json.loads((tmp_path / "skip" / "metrics.json").read_text())
     assert summary["scheduling"]["preemptions"] > 0 and summary["scheduling"]["relocations"] > 0
     assert len((tmp_path / "skip" / "failures.csv").read_text().splitlines()) > 1
@@ -267,13 +253,7 @@ def test_heartbeats_with_nothing_new_reach_the_core_as_one_event_per_slot_and_a_
     # from the "fenced" answer to its report.
     sim = Simulation(parse(base))
     fed: list[tuple[float, object]] = []
-    handle = sim.core.handle
-
-    def spy(now, event):
-        fed.append((now, event))
-        return handle(now, event)
-
-    sim.core.handle = spy
+    _spy(sim, lambda now, event, _effects: fed.append((now, event)))
     cut: list = []
 
     def cut_off(_event) -> None:  # the core loses an idle worker that still runs (as if a send to it had failed)
