@@ -79,23 +79,3 @@ def test_a_rule_that_answers_with_placements_for_another_mesh_rank_is_no_rule(me
     assert _placements([tp.Shard(0)], mesh2) == (Shard(0),)
     with pytest.raises(NoRule, match=r"torch's rule gave 2 placements for a 1-d mesh"):
         _placements([tp.Shard(0), tp.Replicate()], mesh2)
-
-
-@pytest.mark.parametrize("dynamo_first", [False, True], ids=["dtorch-first", "dynamo-first"])
-def test_dtorch_never_imports_torch_compiles_tracer_and_is_on_its_skip_list_whichever_comes_first(dynamo_first):
-    """`_sharding` put DTorch's packages on torch.compile's skip list by importing its tracer, a second and a quarter
-    of every program's start; they now go on it when the tracer is imported, before DTorch or after it."""
-    import subprocess
-    import sys
-
-    program = "\n".join([
-        "import sys",
-        "import torch._dynamo" if dynamo_first else "",
-        "import dtorch.nn, dtorch.dtensor, dtorch._dispatch, dtorch_protocol.wire",
-        "" if dynamo_first else "assert 'torch._dynamo' not in sys.modules, 'DTorch imported the tracer'",
-        "import torch._dynamo",
-        "for m in (dtorch._dispatch, dtorch_protocol.wire):",
-        "    assert torch._dynamo.trace_rules.check_file(m.__file__).skipped, m.__file__",
-    ])
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]

@@ -13,27 +13,23 @@ Rules DTorch writes itself are registered in `_registry` and read here before to
 One more private door, to torch.compile's tracer: DTorch's own packages are on its skip list (`trace_rules.add`, as
 numpy is), so a compiled function that runs ops on DTensors calls DTorch as it is, never tracing or compiling
 DTorch's dispatch (it did, frame by frame, with a warning about `_thread.get_ident` and a recompile per frame).
-They go on it when the tracer is imported (`_when_imported`): DTorch never imports it itself, which took a second
-and a quarter off every program's start (`import torch._dynamo` alone costs that).
 And one to the autograd engine's state (`in_backward`), which tells `dtorch.debug.CommDebugMode` a backward's
 collectives from a forward's.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import logging
 import math
-import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._dynamo import trace_rules as _dynamo_trace_rules
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -52,43 +48,8 @@ from dtorch.device_mesh import DeviceMesh
 from dtorch_protocol.layout import box_shape, coords, shard_box
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
-
-class _WhenImported(importlib.abc.MetaPathFinder):
-    """Calls `then(module)` once the module `name` has been imported, by whoever imports it first."""
-
-    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # once; the finders after it find the module
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            loader_exec, then = spec.loader.exec_module, self.then
-
-            def exec_module(module: Any) -> None:
-                loader_exec(module)
-                then(module)
-            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-def _when_imported(name: str, then: Callable[[Any], None]) -> None:
-    module = sys.modules.get(name)
-    if module is not None:
-        then(module)
-    else:
-        sys.meta_path.insert(0, _WhenImported(name, then))
-
-
-def _skip_dtorch(dynamo: Any) -> None:
-    """torch.compile's tracer calls DTorch's packages as they are (module doc)."""
-    for package in ("dtorch", "dtorch_protocol"):
-        dynamo.trace_rules.add(package)
-
-
-_when_imported("torch._dynamo", _skip_dtorch)
+for _package in ("dtorch", "dtorch_protocol"):  # torch.compile's tracer calls them as they are (module doc)
+    _dynamo_trace_rules.add(_package)
 
 _prop = _TorchDTensor._op_dispatcher.sharding_propagator
 # torch logs every op its fake tensors refuse (a traceback per line, `E... fake_tensor.py:...`); DTorch raises the
