@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,6 +78,34 @@ def test_the_workers_start_beside_the_controller_not_after_it():
         assert len(started) == 2 and all(t < up for t in started), (started, up)
     finally:
         cluster.stop()
+
+
+def test_a_stopped_cluster_leaves_no_directory_and_one_with_a_failed_process_keeps_its_logs(capsys):
+    """Every embedded cluster left its temporary directory behind (its key file and logs): hundreds of them in /tmp
+    after a day's runs. A clean stop removes it; a process that died keeps its logs, and only them."""
+    from dtorch.local_cluster import LocalCluster
+
+    clean = LocalCluster(1)
+    assert (clean.dir / "keys.json").exists()
+    clean.stop()
+    assert not clean.dir.exists()
+    assert capsys.readouterr().err == ""
+
+    failed = LocalCluster(1)
+    try:
+        failed.procs[1].send_signal(signal.SIGKILL)
+        failed.procs[1].wait(10)
+    finally:
+        failed.stop()
+    try:
+        assert sorted(p.name for p in failed.dir.iterdir()) == ["controller.addr", "controller.log", "worker0.log"]
+        assert capsys.readouterr().err.strip() == (
+            "dtorch: local cluster process(es) exited before the cluster was stopped: worker0 (code -9); "
+            f"logs kept in {failed.dir}")
+        failed.stop()  # again, as at exit: the logs stay
+        assert (failed.dir / "worker0.log").exists()
+    finally:
+        shutil.rmtree(failed.dir, ignore_errors=True)
 
 
 def test_connect_starts_the_cluster_before_it_imports_torch():

@@ -1,7 +1,9 @@
 """An embedded local cluster: a controller and N worker processes on this machine, owned by this process.
 
 Started when no DTORCH_CONTROLLER is set. The processes watch this process and exit with
-it, and `stop()` (run at exit) ends them, so nothing is left behind. Needs the
+it, and `stop()` (run at exit) ends them and removes the cluster's temporary directory (its keys and logs), so
+nothing is left behind. Where a process of it failed (it did not start, or exited on its own before `stop()`),
+the logs stay there for the user to read, and the error or a line on stderr names the directory. Needs the
 dtorch-controller and dtorch-worker packages (`pip install dtorch-api[local]`).
 
 It makes its own keys, with no set-up: a key file in its private temporary directory with an admin key
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -67,6 +70,7 @@ class LocalCluster:
 
         self.api_key, worker_key = new_key_file(self.dir / "keys.json", ("admin", ""), ("worker", ""))
         self.procs: list[subprocess.Popen] = []
+        self._failed = False  # a process did not start or exited on its own: its logs are kept
         self.env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
         self._workers, self._deadline = workers, time.monotonic() + start_timeout
         self._port_file = self.dir / "controller.addr"
@@ -86,6 +90,7 @@ class LocalCluster:
             if wait:
                 self.wait()
         except BaseException:
+            self._failed = True
             self.stop()
             raise
 
@@ -97,6 +102,7 @@ class LocalCluster:
             self._let_go_of_port()
             self._wait_for_workers(self._workers, self._deadline)
         except BaseException:
+            self._failed = True
             self.stop()
             raise
 
@@ -114,15 +120,16 @@ class LocalCluster:
     def _check_alive(self) -> None:
         for p in self.procs:
             if p.poll() is not None:
-                tail = self._log_tail(p)
-                raise RuntimeError(f"local cluster process {' '.join(p.args[1:3])} exited with code {p.returncode}: "
-                                   f"{tail}")
+                raise RuntimeError(f"local cluster process {self._name(p)} exited with code {p.returncode}: "
+                                   f"{self._log_tail(p)} (logs in {self.dir})")
+
+    def _name(self, p: subprocess.Popen) -> str:
+        index = self.procs.index(p)
+        return "controller" if index == 0 else f"worker{index - 1}"
 
     def _log_tail(self, p: subprocess.Popen) -> str:
-        index = self.procs.index(p)
-        name = "controller" if index == 0 else f"worker{index - 1}"
         try:
-            lines = (self.dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+            lines = (self.dir / f"{self._name(p)}.log").read_text(errors="replace").strip().splitlines()
         except OSError:
             return "(no log)"
         return lines[-1] if lines else "(empty log)"
@@ -149,8 +156,10 @@ class LocalCluster:
             stub.close()
 
     def stop(self) -> None:
-        """End every process of the cluster (bounded: terminate, then kill)."""
+        """End every process of the cluster (bounded: terminate, then kill) and remove its directory; where a process
+        failed (exited with an error), only its key file, and the logs stay."""
         self._let_go_of_port()
+        exited = [f"{self._name(p)} (code {p.returncode})" for p in self.procs if p.poll() not in (None, 0)]
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.terminate()
@@ -162,3 +171,14 @@ class LocalCluster:
                 p.kill()
                 p.wait(5.0)
         self.procs.clear()
+        self._tidy(exited)
+
+    def _tidy(self, exited: list[str]) -> None:
+        if exited and not self._failed:  # a start failure's error names the directory already
+            print(f"dtorch: local cluster process(es) exited before the cluster was stopped: {', '.join(exited)}; "
+                  f"logs kept in {self.dir}", file=sys.stderr)
+        self._failed = self._failed or bool(exited)
+        if self._failed:
+            (self.dir / "keys.json").unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
