@@ -113,6 +113,27 @@ def test_an_output_folder_with_brackets_is_printed_as_it_is(tmp_path):
         assert f"wrote {tmp_path / name}/metrics.json" in out.stdout
 
 
+def test_the_closing_line_names_the_files_the_run_wrote(tmp_path):
+    """`run --no-plots` ended with "wrote .../metrics.json, jobs.csv, utilization.csv, failures.csv (+ plots)", and no
+    plot was there; `compare --no-plots` said nothing of plots, but with them it named two without looking."""
+    for plots, folder in (([], "plain"), (["--no-plots"], "bare")):
+        out = subprocess.run([sys.executable, "-m", "dtorch_sim", "run", str(SMALL), "--quiet", *plots,
+                              "--set", "workload.synthetic.jobs=2", "--out", str(tmp_path / folder)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        named = out.stdout.strip().splitlines()[-1].removeprefix(f"wrote {tmp_path / folder}/").split(", ")
+        assert sorted(named) == sorted(p.name for p in (tmp_path / folder).iterdir())
+        assert any(name.endswith(".png") for name in named) == (not plots)
+    out = subprocess.run([sys.executable, "-m", "dtorch_sim", "compare", str(SMALL), "--quiet", "--policies",
+                          "fifo,las", "--set", "workload.synthetic.jobs=2", "--out", str(tmp_path / "both")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pngs = sorted(p.name for p in (tmp_path / "both").iterdir() if p.is_file())
+    assert pngs == ["jct_cdf.png", "utilization.png"]
+    assert out.stdout.strip().splitlines()[-1] == (f"wrote one folder per policy under {tmp_path / 'both'}, and "
+                                                   "jct_cdf.png, utilization.png overlaying them")
+
+
 def test_a_run_too_long_for_its_heartbeat_is_refused_before_it_runs():
     """Arrivals 1e300 s apart validated ok and the run never ended: idle workers beat through the whole span."""
     out = subprocess.run([sys.executable, "-m", "dtorch_sim", "validate", str(SMALL), "--set",

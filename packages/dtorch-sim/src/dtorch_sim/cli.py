@@ -27,7 +27,8 @@ from dtorch_sim.scenario import LIMITS, Scenario, ScenarioError, load
 
 
 def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: bool = True):
-    """Run one scenario; (summary, wall seconds, the plots' series). Raises Stalled."""
+    """Run one scenario; (summary, wall seconds, the plots' series, the names of the plots written). Raises
+    Stalled."""
     from dtorch_sim import metrics
     from dtorch_sim.harness import Simulation
 
@@ -46,8 +47,9 @@ def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: boo
     if failed:  # the table counts them; why is in jobs.csv, and the first reason here
         console.print(f"note: {len(failed):,} jobs failed ({failed[0].spec.id}: {failed[0].error}); jobs.csv's error "
                       "column says why each one did", markup=False, highlight=False)
-    summary = metrics.write(sim, out, plots=plots)
-    return summary, wall, metrics.series(sim)
+    summary = metrics.write(sim, out, plots=False)
+    pngs = [path.name for path in metrics.plot(sim, out)] if plots else []
+    return summary, wall, metrics.series(sim), pngs
 
 
 def _samples_problem(sc: Scenario, specs: list[JobSpec], source: str) -> str | None:
@@ -204,9 +206,10 @@ def _main(argv: list[str] | None) -> int:
         return 1
     try:
         if args.command == "run":
-            summary, wall, _run = _simulate(sc, Path(args.out), err, args.quiet, not args.no_plots)
+            summary, wall, _run, pngs = _simulate(sc, Path(args.out), err, args.quiet, not args.no_plots)
             console.print(_table([(summary, wall)]))
-            console.print(f"wrote {args.out}/metrics.json, jobs.csv, utilization.csv, failures.csv (+ plots)")
+            files = ", ".join(["metrics.json", "jobs.csv", "utilization.csv", "failures.csv", *pngs])
+            console.print(f"wrote {args.out}/{files}")
             return 0
         return _compare(args, sc, console, err)
     except Stalled as e:
@@ -238,14 +241,14 @@ def _compare(args: argparse.Namespace, sc: Scenario, console: Console, err: Cons
     names = _policy_names(args.policies)
     rows, runs = [], []
     for name in names:
-        summary, wall, run = _simulate(sc.with_policy(name), Path(args.out) / name, err, args.quiet, not args.no_plots)
+        summary, wall, run, _pngs = _simulate(sc.with_policy(name), Path(args.out) / name, err, args.quiet,
+                                              not args.no_plots)
         rows.append((summary, wall))
         runs.append(run)
-    if not args.no_plots:
-        metrics.plot_compare(runs, Path(args.out))
+    pngs = [] if args.no_plots else [path.name for path in metrics.plot_compare(runs, Path(args.out))]
     console.print(_table(rows))
     console.print(f"wrote one folder per policy under {args.out}"
-                  + ("" if args.no_plots else ", and jct_cdf.png, utilization.png overlaying them"))
+                  + (f", and {', '.join(pngs)} overlaying them" if pngs else ""))
     return 0
 
 
