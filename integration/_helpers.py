@@ -103,6 +103,18 @@ def run_scenario(script: str, *args: str, env: dict | None = None, timeout: floa
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def small_mlp():
+    """The capture tests' MLP (8 -> 16 -> 8, GELU), seeded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+
+def small_batches(n, rows=8):
+    """n seeded (input, target) pairs for `small_mlp`."""
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)) for _ in range(n)]
+
+
 def mlp_train_step(model, opt, x, y, dropout=0.0):
     """One training step of the integration tests' small MLPs (MSE, clipped gradients): the loss."""
     import torch.nn.functional as F

@@ -9,26 +9,15 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import dtorch
-from _helpers import tap
+from _helpers import small_batches, small_mlp, tap
 from dtorch import Replicate, Shard
 from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from dtorch.runtime import get_session
 from dtorch_protocol import messages as m
 
 PLACE = [Shard(0), Replicate()]
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-
-
-def _batches(n, rows=8):
-    gen = torch.Generator().manual_seed(5)
-    return [(torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)) for _ in range(n)]
 
 
 def _step(net, opt, x, y):
@@ -54,7 +43,7 @@ def _auto(enabled=True):
 def _loop(mesh2d, batches, auto, norms=False, sent=None, dropout=0.0):
     """A TP x DP MLP trained by a plain loop that reads the loss every step (and, with `norms`, the parameters'
     norm: a second kind of step); what each step sent when `sent` is a list."""
-    model = _mlp()
+    model = small_mlp()
     parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     session = get_session()
@@ -79,7 +68,7 @@ def _loop(mesh2d, batches, auto, norms=False, sent=None, dropout=0.0):
 
 
 def test_a_plain_training_loop_is_replayed_with_the_eager_results(mesh2d):
-    batches = _batches(7)
+    batches = small_batches(7)
     sent: list = []
     losses, _, params, counts = _loop(mesh2d, batches, True, sent=sent, dropout=0.2)
     eager_losses, _, eager_params, _ = _loop(mesh2d, batches, False, dropout=0.2)
@@ -94,13 +83,13 @@ def test_a_plain_training_loop_is_replayed_with_the_eager_results(mesh2d):
 
 
 def test_two_kinds_of_steps_each_get_a_program(mesh2d):
-    batches = _batches(6)
+    batches = small_batches(6)
     losses, norms, params, counts = _loop(mesh2d, batches, True, norms=True)
     eager_losses, eager_norms, eager_params, _ = _loop(mesh2d, batches, False, norms=True)
     assert counts == (5, 0)  # the training step: 4 is recorded, 5-6 replayed; the norm: 3 recorded, 4-6 replayed
     assert (losses, norms) == (eager_losses, eager_norms)
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
-    ref = _mlp()
+    ref = small_mlp()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     expected = [_step(ref, opt, x, y) for x, y in batches]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
@@ -132,7 +121,7 @@ def test_a_step_that_changes_inside_falls_back_and_short_steps_define_nothing(me
 
 
 def test_a_compiled_step_under_automatic_capture_is_its_own(mesh2d):
-    model = _mlp()
+    model = small_mlp()
     ref = copy.deepcopy(model)
     parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -146,7 +135,7 @@ def test_a_compiled_step_under_automatic_capture_is_its_own(mesh2d):
 
     step = dtorch.compile(lambda x, y: train(model, opt, x, y))
     with _auto():
-        for x, y in _batches(5):
+        for x, y in small_batches(5):
             loss = step(dtorch.distribute_tensor(x, mesh2d, PLACE), dtorch.distribute_tensor(y, mesh2d, PLACE))
             torch.testing.assert_close(loss.item(), train(ref, ref_opt, x, y).item(), rtol=1e-5, atol=1e-6)
     assert (step.replays, step.fallbacks) == (3, 0)
@@ -224,7 +213,7 @@ def test_torch_compile_of_a_model_trains_as_torch_and_never_traces_dtorch(mesh1)
     import warnings
 
     torch.manual_seed(0)
-    ref = _mlp()
+    ref = small_mlp()
     model = copy.deepcopy(ref)
     dtorch.nn.replicate_module(model, mesh1)
     compiled = torch.compile(model)
@@ -253,9 +242,9 @@ def test_batches_uploaded_by_another_thread_train_as_torch_and_end_automatic_cap
     import threading
     import warnings
 
-    ref, model = _mlp(), parallelize_module(_mlp(), mesh1, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    ref, model = small_mlp(), parallelize_module(small_mlp(), mesh1, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.05), torch.optim.SGD(model.parameters(), lr=0.05)
-    batches = _batches(24)
+    batches = small_batches(24)
     want = [_step(ref, ref_opt, x, y) for x, y in batches]
     ready: queue.Queue = queue.Queue(maxsize=3)
 

@@ -8,24 +8,12 @@ import warnings
 import msgspec
 import pytest
 import torch
-from torch import nn
 
 import dtorch
-from _helpers import mlp_train_step
+from _helpers import mlp_train_step, small_batches, small_mlp
 from dtorch import Replicate, Shard
 from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from dtorch_protocol import messages as m
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-
-
-def _batches(n, rows=8):
-    gen = torch.Generator().manual_seed(5)
-    return [(torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)) for _ in range(n)]
-
 
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),  # AdamW: step sizes change every step
@@ -34,7 +22,7 @@ OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
 
 def _train(mesh2d, batches, compiled, dropout=0.0, optimizer="sgd"):
     """A TP x DP MLP trained by `dtorch.compile`d steps or plain calls; losses, parameters."""
-    model = _mlp()
+    model = small_mlp()
     parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
     opt = OPTIMIZERS[optimizer](model.parameters())
     step = dtorch.compile(lambda x, y: mlp_train_step(model, opt, x, y, dropout))
@@ -49,7 +37,7 @@ def _train(mesh2d, batches, compiled, dropout=0.0, optimizer="sgd"):
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_replayed_training_matches_eager_bit_for_bit_and_plain_torch(mesh2d, optimizer):
-    batches = _batches(6)
+    batches = small_batches(6)
     losses, params, step = _train(mesh2d, batches, compiled=True, optimizer=optimizer)
     eager_losses, eager_params, _ = _train(mesh2d, batches, compiled=False, optimizer=optimizer)
     assert (step.replays, step.fallbacks, step.unreplayable) == (4, 0, None)  # call 1 warms up, call 2 records
@@ -58,7 +46,7 @@ def test_replayed_training_matches_eager_bit_for_bit_and_plain_torch(mesh2d, opt
         assert step.program.nscalars > 0  # its step sizes are the replay's numbers
         # each op with holes reads them from its key, unplanned (a list of equal step sizes: in order)
         assert all(step.program.ops[i].numbers is not None for i in step.program.holes)
-    ref = _mlp()
+    ref = small_mlp()
     opt = OPTIMIZERS[optimizer](ref.parameters())
     expected = [mlp_train_step(ref, opt, x, y).item() for x, y in batches]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
@@ -67,7 +55,7 @@ def test_replayed_training_matches_eager_bit_for_bit_and_plain_torch(mesh2d, opt
 
 
 def test_random_ops_in_a_replay_draw_the_seeds_an_eager_run_draws(mesh2d):
-    batches = _batches(5)
+    batches = small_batches(5)
     losses, params, step = _train(mesh2d, batches, compiled=True, dropout=0.3)
     eager_losses, eager_params, _ = _train(mesh2d, batches, compiled=False, dropout=0.3)
     assert step.replays == 3 and losses == eager_losses
@@ -75,8 +63,8 @@ def test_random_ops_in_a_replay_draw_the_seeds_an_eager_run_draws(mesh2d):
 
 
 def test_a_replay_sends_one_instruction_and_a_new_shape_falls_back_for_that_step(mesh2d, cluster):
-    batches = _batches(3) + _batches(1, rows=4) + _batches(2)
-    model = _mlp()
+    batches = small_batches(3) + small_batches(1, rows=4) + small_batches(2)
+    model = small_mlp()
     ref = copy.deepcopy(model)
     parallelize_module(model, mesh2d, {"0": ColwiseParallel(), "2": RowwiseParallel()}, tp_mesh_dim="tp")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
