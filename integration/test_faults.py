@@ -18,18 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import CONTROLLER, Keys, start_controller, start_worker, stop_all
+from _helpers import CONTROLLER, Keys, run_scenario, start_controller, start_worker, stop_all
 
 HERE = Path(__file__).parent
-ENV = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
-ENV["DTORCH_SNAPSHOT_BATCHES"] = "4"  # a few snapshots per run: both copies and the replayed log are used
+SNAPSHOTS = {"DTORCH_SNAPSHOT_BATCHES": "4"}  # a few snapshots per run: both copies and the replayed log are used
+ENV = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"} | SNAPSHOTS
 
 
 def run(mode: str, *args: str, timeout: float = 240) -> dict:
-    out = subprocess.run([sys.executable, str(HERE / "_fault_run.py"), mode, *args], capture_output=True, text=True,
-                         timeout=timeout, env=ENV)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_scenario("_fault_run.py", mode, *args, env=SNAPSHOTS, timeout=timeout)
 
 
 def assert_same_as_fault_free(result: dict) -> None:
