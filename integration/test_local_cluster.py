@@ -44,9 +44,10 @@ def test_quickstart_prints_tensor_and_leaves_nothing_behind():
     assert _children_of(proc.pid) == []
 
 
-def test_embedded_cluster_dies_with_a_killed_client():
+def test_embedded_cluster_dies_with_a_killed_client(tmp_path):
     code = "import dtorch, time; dtorch.connect(workers=1); print('up', flush=True); time.sleep(60)"
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})  # a killed client cannot remove its directory
     assert proc.stdout.readline().strip() == "up"
     assert len(_children_of(proc.pid)) == 2
     proc.send_signal(signal.SIGKILL)
@@ -106,6 +107,15 @@ def test_a_stopped_cluster_leaves_no_directory_and_one_with_a_failed_process_kee
         assert (failed.dir / "worker0.log").exists()
     finally:
         shutil.rmtree(failed.dir, ignore_errors=True)
+
+    with pytest.raises(TimeoutError) as late:  # a start that fails: the error names where its logs are
+        LocalCluster(1, start_timeout=0.01)
+    kept = Path(re.search(r"\(logs in (.+)\)$", str(late.value)).group(1))
+    try:
+        names = {p.name for p in kept.iterdir()}
+        assert {"controller.log", "worker0.log"} <= names and "keys.json" not in names
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
 
 
 def test_connect_starts_the_cluster_before_it_imports_torch():

@@ -2,7 +2,7 @@
 
 Started when no DTORCH_CONTROLLER is set. The processes watch this process and exit with
 it, and `stop()` (run at exit) ends them and removes the cluster's temporary directory (its keys and logs), so
-nothing is left behind. Where a process of it failed (it did not start, or exited on its own before `stop()`),
+nothing is left behind. Where a process of it failed (it did not start, or exited with an error before `stop()`),
 the logs stay there for the user to read, and the error or a line on stderr names the directory. Needs the
 dtorch-controller and dtorch-worker packages (`pip install dtorch-api[local]`).
 
@@ -70,7 +70,7 @@ class LocalCluster:
 
         self.api_key, worker_key = new_key_file(self.dir / "keys.json", ("admin", ""), ("worker", ""))
         self.procs: list[subprocess.Popen] = []
-        self._failed = False  # a process did not start or exited on its own: its logs are kept
+        self._failed = False  # a process did not start or exited with an error: its logs are kept
         self.env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
         self._workers, self._deadline = workers, time.monotonic() + start_timeout
         self._port_file = self.dir / "controller.addr"
@@ -89,8 +89,8 @@ class LocalCluster:
                             env={**self.env, "DTORCH_API_KEY": worker_key})
             if wait:
                 self.wait()
-        except BaseException:
-            self._failed = True
+        except BaseException as e:
+            self._failed = isinstance(e, Exception)  # not on Ctrl-C: nothing failed, nothing to read
             self.stop()
             raise
 
@@ -101,8 +101,8 @@ class LocalCluster:
             self._wait_for_file(self._port_file, self._deadline)
             self._let_go_of_port()
             self._wait_for_workers(self._workers, self._deadline)
-        except BaseException:
-            self._failed = True
+        except BaseException as e:
+            self._failed = isinstance(e, Exception)
             self.stop()
             raise
 
@@ -140,7 +140,7 @@ class LocalCluster:
             if path.exists() and path.read_text().strip():
                 return path.read_text().strip()
             time.sleep(0.02)
-        raise TimeoutError("the local controller did not start in time")
+        raise TimeoutError(f"the local controller did not start in time (logs in {self.dir})")
 
     def _wait_for_workers(self, n: int, deadline: float) -> None:
         stub = wire.Stub("dtorch.Controller", self.address, self.api_key)
