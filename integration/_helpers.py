@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -96,12 +95,10 @@ def worker_bytes(cluster: Any) -> dict[str, int]:
 
 
 def run_scenario(script: str, *args: str, env: dict | None = None, timeout: float = 600) -> dict:
-    """Run integration/`script` in a process (and embedded cluster) of its own; the JSON line it ends with. Its
-    temporary files go to a directory removed after it: a scenario that kills a worker keeps its cluster's logs."""
-    with tempfile.TemporaryDirectory(prefix="dtorch-scenario-") as tmp:
-        full_env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"} | {"TMPDIR": tmp} | (env or {})
-        out = subprocess.run([sys.executable, str(Path(__file__).parent / script), *args], capture_output=True,
-                             text=True, timeout=timeout, env=full_env)
+    """Run integration/`script` in a process (and embedded cluster) of its own; the JSON line it ends with."""
+    full_env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"} | (env or {})
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / script), *args], capture_output=True,
+                         text=True, timeout=timeout, env=full_env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

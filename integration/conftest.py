@@ -4,10 +4,27 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 
 import dtorch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_pytests_folder(tmp_path_factory):
+    """Every process the tests start (and this one) keeps its temporary files in a folder of pytest's, which keeps
+    the last three runs' only: a cluster whose worker a test kills keeps its logs (local_cluster.py), and the suite
+    left a dozen such folders in /tmp per run."""
+    folder = str(tmp_path_factory.mktemp("tmp"))
+    old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = folder, folder
+    yield
+    tempfile.tempdir = old_dir
+    if old_env is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = old_env
 
 
 @pytest.fixture(scope="session", autouse=True)
