@@ -34,6 +34,16 @@ def _spy(sim: Simulation, record) -> None:
     sim.core.handle = spy
 
 
+def _run_fed(sim: Simulation, out: Path, effects: bool = False) -> list[str]:
+    """Run `sim` to the end and write its outputs into `out`; every event the core handled, with its time (and the
+    effects it made, with `effects`), as text."""
+    fed: list[str] = []
+    _spy(sim, lambda now, event, made: fed.append(f"{now!r} {event!r}" + (f" {made!r}" if effects else "")))
+    sim.run_all()
+    metrics.write(sim, out, plots=False)
+    return fed
+
+
 def _assert_same_outputs(a: Path, b: Path) -> None:
     for name in ("metrics.json", "jobs.csv", "utilization.csv", "failures.csv"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
@@ -155,11 +165,7 @@ def test_the_workers_of_a_step_end_in_one_simpy_event_and_the_core_sees_what_it_
         sim = Simulation(parse(base))
         if not merged:  # a simpy timeout of its own for each, made where the merged call is
             sim.at_end = lambda delay, fn, arg: sim.env.timeout(delay).callbacks.append(lambda _e: fn(arg))
-        fed: list[str] = []
-        _spy(sim, lambda now, event, _effects: fed.append(f"{now!r} {event!r}"))
-        sim.run_all()
-        metrics.write(sim, out, plots=False)
-        return fed, sim.merged
+        return _run_fed(sim, out), sim.merged
 
     fed, merged = run(True, tmp_path / "merged")
     fed_each, merged_each = run(False, tmp_path / "each")
@@ -192,11 +198,7 @@ def test_a_jobs_answers_at_once_resume_it_with_no_simpy_event_only_where_nothing
                 return (yield sim.request(make))
 
             sim.ask = ask
-        fed: list[str] = []
-        _spy(sim, lambda now, event, _effects: fed.append(f"{now!r} {event!r}"))
-        sim.run_all()
-        metrics.write(sim, out, plots=False)
-        return fed, sim.answered
+        return _run_fed(sim, out), sim.answered
 
     fed, answered = run(True, tmp_path / "at-once")
     fed_each, answered_each = run(False, tmp_path / "each")
@@ -231,11 +233,7 @@ def test_the_core_skips_its_look_at_a_session_whose_window_is_still_full_and_dec
             return found
 
         core._inert = counted
-        fed: list[str] = []
-        _spy(sim, lambda now, event, effects: fed.append(f"{now!r} {event!r} {effects!r}"))
-        sim.run_all()
-        metrics.write(sim, out, plots=False)
-        return fed, skipped[0]
+        return _run_fed(sim, out, effects=True), skipped[0]
 
     fed, skipped = run(True, tmp_path / "skip")
     fed_each, skipped_each = run(False, tmp_path / "each")

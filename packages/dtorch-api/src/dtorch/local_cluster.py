@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dtorch_protocol import messages as m
@@ -77,7 +79,7 @@ class LocalCluster:
         port, self._held = _hold_port()
         self.address = f"127.0.0.1:{port}"
         parent = str(os.getpid())
-        try:
+        with self._stopped_on_failure():
             self._spawn("controller", [sys.executable, "-m", "dtorch_controller", "--listen", self.address,
                                        "--keys", str(self.dir / "keys.json"), "--port-file", str(self._port_file),
                                        "--parent-pid", parent])
@@ -87,20 +89,22 @@ class LocalCluster:
                                            "--device", dev, "--parent-pid", parent,
                                            "--register-attempts", str(REGISTER_ATTEMPTS)],
                             env={**self.env, "DTORCH_API_KEY": worker_key})
-            if wait:
-                self.wait()
-        except BaseException as e:
-            self._failed = isinstance(e, Exception)  # not on Ctrl-C: nothing failed, nothing to read
-            self.stop()
-            raise
+        if wait:
+            self.wait()
 
     def wait(self) -> None:
         """Block until the controller listens on its port and every worker has registered (bounded by the start
         timeout); raises, with the cluster stopped, if a process exits or the time runs out."""
-        try:
+        with self._stopped_on_failure():
             self._wait_for_file(self._port_file, self._deadline)
             self._let_go_of_port()
             self._wait_for_workers(self._workers, self._deadline)
+
+    @contextmanager
+    def _stopped_on_failure(self) -> Iterator[None]:
+        """A start that raises stops the cluster; its logs stay unless it was interrupted (Ctrl-C: nothing failed)."""
+        try:
+            yield
         except BaseException as e:
             self._failed = isinstance(e, Exception)
             self.stop()
