@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import dtorch
@@ -44,6 +45,61 @@ def test_synchronize_waits_for_the_ops_issued_and_raises_their_error(mesh1):
         dtorch.synchronize()  # no value read: the error comes all the same
     dtorch.synchronize()  # told once
     assert torch.equal((x * 0).to_torch(), torch.zeros(4, 4))
+
+
+OUT_OF_RANGE = {  # name -> (what torch raises, a lookup into a [10, 3] table by 3 indices (or labels))
+    # an embedding whose table's rows are sharded (vocabulary-parallel, _embedding rule 1)
+    "embedding": ("index out of range in self", lambda t, i, y: F.embedding(i, t)),
+    # gather and scatter_add along a sharded dim (_gather rules 2 and 3)
+    "gather": ("out of bounds", lambda t, i, y: t.gather(0, i[:, None].expand(-1, 3).contiguous())),
+    "scatter_add": ("out of bounds", lambda t, i, y: t.scatter_add(0, i[:, None].expand(-1, 3).contiguous(),
+                                                                   t[:3] * 0 + 1)),
+    # cross_entropy (nll_loss) of class-sharded logits (_losses rule 4); ignore_index -100 stays allowed
+    "cross_entropy": ("out of bounds", lambda t, i, y: F.cross_entropy(t.T, y)),
+}
+
+
+@pytest.mark.parametrize("op", OUT_OF_RANGE)
+def test_an_index_outside_a_sharded_dim_fails_as_in_torch_and_never_reads_zeros(mesh4, op):
+    """A lookup whose rows (or classes) are sharded masks each device's indices to its own rows; an index outside
+    every device's rows (a label above the vocabulary, a tokenizer that does not match its table) read zeros and
+    the program went on with a wrong value, where torch raises. It now fails at the next sync, naming the op, the
+    expected range and the user's line, on every layout these rules serve; the session goes on."""
+    message, lookup = OUT_OF_RANGE[op]
+    table = torch.randn(10, 3)
+    good, labels = torch.tensor([0, 9, 4]), torch.tensor([1, -100, 2])
+    for bad, bad_labels in [(torch.tensor([0, 10, 4]), torch.tensor([1, 10, 2])),
+                            (torch.tensor([0, -1, 4]), torch.tensor([1, -5, 2]))]:
+        with pytest.raises(Exception, match=message):
+            lookup(table, bad, bad_labels)  # torch
+        d = [dtorch.distribute_tensor(t, mesh4, [p]) for t, p in
+             [(table, Shard(0)), (bad, Replicate()), (bad_labels, Replicate())]]
+        got = lookup(*d)
+        with pytest.raises(RemoteOpError, match=rf"{message}.*expected each in \[0, 10\)") as info:
+            got.full_tensor()
+        # the user's line is the lookup's (the lambda's, here)
+        assert f"test_errors.py:{lookup.__code__.co_firstlineno} " in str(info.value)
+        assert "\n" not in str(info.value)
+    want = lookup(table, good, labels)
+    d = [dtorch.distribute_tensor(t, mesh4, [p]) for t, p in [(table, Shard(0)), (good, Replicate()),
+                                                               (labels, Replicate())]]
+    torch.testing.assert_close(lookup(*d).full_tensor(), want)
+
+
+def test_an_index_outside_a_vocabulary_parallel_table_fails_in_a_graph_step_too(mesh4):
+    """A compiled step replays its recorded commands, the index check among them: the call with a bad id fails at
+    its sync, and the next call goes on."""
+    torch.manual_seed(0)
+    plain = torch.randn(10, 3)
+    table = dtorch.distribute_tensor(plain, mesh4, [Shard(0)])
+    step = dtorch.compile(lambda ids: F.embedding(ids, table).sum(), mode="graph")
+    for ids in ([1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [0, 1]):
+        got = step(dtorch.distribute_tensor(torch.tensor(ids), mesh4, [Replicate()]))
+        if 10 in ids:
+            with pytest.raises(RemoteOpError, match=r"index out of range in self.*expected each in \[0, 10\)"):
+                got.item()
+        else:
+            torch.testing.assert_close(got.item(), F.embedding(torch.tensor(ids), plain).sum().item())
 
 
 def test_bad_placements_and_meshes_are_one_line_errors(mesh1):

@@ -57,3 +57,20 @@ def test_dropout_off_the_cpu_is_one_clear_line():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match=r"dropout_p=0.5 off the CPU: expected 0.0"):
         portable.flash_attention(q, q, q, 0.5)
+
+
+@pytest.mark.parametrize("name", ["aten._assert_async.msg", "aten._assert_async.default"])
+def test_an_assert_off_the_cpu_is_checked_on_the_host_as_the_cpu_checks_it(name):
+    """On CUDA, torch's `_assert_async` fails inside the device (a device-side assert), which leaves the device unusable
+    for every session of the worker: off the CPU the worker checks it on the host instead, with the CPU's error."""
+    op = resolve_op(name)
+    ours = portable.kernel(name, op, torch.device("meta"))  # any device but the CPU
+    assert ours is not op and portable.kernel(name, op, torch.device("cpu")) is op
+    args = ("an index is out of range",) if name.endswith(".msg") else ()
+    ours(torch.tensor(True), *args)
+    for cond in (torch.tensor(False), torch.tensor([0])):
+        with pytest.raises(RuntimeError) as theirs:
+            op(cond, *args)
+        with pytest.raises(RuntimeError) as got:
+            ours(cond, *args)
+        assert str(got.value) == str(theirs.value)

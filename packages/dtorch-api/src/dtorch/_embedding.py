@@ -8,6 +8,8 @@ Rules (decompositions, `_registry.register_decomposition`; each declines, NotImp
      row 0 and are zeroed with `where`, so that an inf or NaN in that row cannot leak, as it did through a product)
      and the output is Partial("sum") on that mesh dim: one reduction of the activations, none of the table. The
      indices shifted into a device's rows differ per device (per-device arguments), and live only inside the rule.
+     An index outside the table fails the op as torch's lookup does (`_local.check_indices`), instead of reading
+     zeros.
   2. A gradient scaled by frequency (`nn.Embedding(scale_grad_by_freq=True)`) on sharded indices:
      `embedding_dense_backward(..., scale_grad_by_freq=True)` divides each row's gradient by how often its index
      occurs in the batch; with the batch sharded, each device counted its own shard, wrong wherever an index occurs
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dtorch._local import boxes, emit, is_dtensor, only_mine, own_rows, rows, spec, to
+from dtorch._local import boxes, check_indices, emit, is_dtensor, only_mine, own_rows, rows, spec, to
 from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.placement_types import Partial, Placement, Replicate, Shard
 
@@ -49,6 +51,8 @@ def vocabulary_parallel(args: tuple, kwargs: dict) -> Any:  # rule 1
     mesh, held = weight.device_mesh, rows(weight, 0)
     if any(length == 0 for _, length in held):
         return NotImplemented  # (a device without rows has none to read a masked index from)
+    check_indices(indices, weight.shape[0], f"index out of range in self: an index of embedding is outside the "
+                  f"table's {weight.shape[0]} rows, expected each in [0, {weight.shape[0]})")
     mine, safe = own_rows(indices, held)
     placements = tuple(Partial() if d == vocab[0] else p for d, p in enumerate(indices.placements))
     out = spec(mesh, placements, (*indices.shape, weight.shape[1]), weight.dtype)

@@ -16,7 +16,8 @@ Rules (decompositions, `_registry.register_decomposition`; each declines, NotImp
      `_local.REDUCIBLE`), the index as large as the input on every other dim: the index is replicated on the mesh dims
      sharding that dim and laid out as the input elsewhere; each device reads the indices in its rows (shifted into
      them, `_local.own_rows`; zero elsewhere) and the output is Partial("sum") there: one reduction of the output,
-     none of the input.
+     none of the input. An index outside the dim fails the op, as torch's kernel does (`_local.check_indices`),
+     instead of reading zeros; so does rule 3's, instead of adding nothing.
   3. `scatter_add` into a tensor sharded along the scattered dim, index and source as large as it on every other
      dim: index and source are replicated on the mesh dims sharding that dim (laid out as the tensor elsewhere), and
      each device adds the sources whose indices fall in its rows (`own_rows`, the others zero) into its own part; the
@@ -37,6 +38,7 @@ import torch
 from dtorch._local import (
     REDUCIBLE,
     boxes,
+    check_indices,
     emit,
     is_dtensor,
     on_dims,
@@ -88,6 +90,7 @@ def gather_along_shards(args: tuple, kwargs: dict) -> Any:  # rule 2
         return NotImplemented
     dim, spread, rows = split
     index = to(index, on_dims(x.placements, spread, Replicate()))
+    check_indices(index, x.shape[dim], _out_of_bounds("gather", dim, x.shape[dim]))
     mine, safe = own_rows(index, rows)
     out = spec(x.device_mesh, on_dims(x.placements, spread, Partial()), tuple(index.shape), x.dtype)
     key = (x.device_mesh.id, tuple(x.shape), x.dtype)
@@ -108,7 +111,9 @@ def scatter_add_along_shards(args: tuple, kwargs: dict) -> Any:  # rule 3
         return NotImplemented
     dim, spread, rows = split
     beside = on_dims(x.placements, spread, Replicate())
-    mine, safe = own_rows(to(index, beside), rows)
+    index = to(index, beside)
+    check_indices(index, x.shape[dim], _out_of_bounds("scatter_add", dim, x.shape[dim]))
+    mine, safe = own_rows(index, rows)
     src = to(src, beside)
     return emit(aten.scatter_add.default, (x, dim, safe, only_mine(mine, src, src._spec)), x._spec)
 
@@ -129,6 +134,11 @@ def gradient_zeros(args: tuple, kwargs: dict) -> Any:  # rule 4
     parts = [list(box_shape(box)) for box in boxes(mesh, placements, size)]
     return emit(aten.new_zeros.default, (ref, list(size)), spec(mesh, placements, tuple(size), dtype),
                 per_device=[(ref, part) for part in parts], kwargs={"dtype": dtype})
+
+
+def _out_of_bounds(op: str, dim: int, size: int) -> str:
+    return (f"an index of {op} is out of bounds for dimension {dim} with size {size}, expected each in "
+            f"[0, {size})")
 
 
 def _split(x: Any, dim: Any, index: Any) -> tuple[int, list[int], list[tuple[int, int]]] | None:

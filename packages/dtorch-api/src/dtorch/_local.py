@@ -117,6 +117,19 @@ def own_rows(indices: Any, rows: list[tuple[int, int]]) -> tuple[Any, Any]:
     return mine, emit(aten.mul.Tensor, (shifted, mine), shifted._spec)
 
 
+def check_indices(indices: Any, size: int, message: str, allowed: int | None = None) -> None:
+    """Fail where an index lies outside [0, `size`) (and is not `allowed`: an ignore_index), as torch's kernel
+    does: a lookup masked by `own_rows` would read zeros there, a wrong value and no error. The failure reaches the
+    user at the next sync point, with `message` and the user's line. Each device checks the indices it holds (its
+    `all` covers its own shard: no collective); only the assert reads that per-device flag."""
+    ok = aten.logical_and.default(aten.ge.Scalar(indices, 0), aten.lt.Scalar(indices, size))
+    if allowed is not None:
+        ok = aten.logical_or.default(ok, aten.eq.Scalar(indices, allowed))
+    mesh = indices.device_mesh
+    every = emit(aten.all.default, (ok,), spec(mesh, (_R,) * mesh.ndim, (), torch.bool))
+    emit(aten._assert_async.msg, (every, message), [])
+
+
 def only_mine(mine: Any, values: Any, out: Spec) -> Any:
     """`values` where `mine`, zero elsewhere, on each device (`where`: an inf or NaN elsewhere cannot leak, as it
     would through a product with the mask)."""

@@ -19,7 +19,8 @@ MEAN and some DTensor argument is sharded):
      each device compares its own classes with the targets (a one-hot of its shard: the class indices, made on the
      workers and laid out as the classes) and sums what it holds of each row's target: one all-reduced value per
      row. Weights and ignored targets apply per row as torch's kernel does; the backward puts -weight x gradient
-     at each row's target, in the classes' layout.
+     at each row's target, in the classes' layout. A target outside the classes (and not ignored) fails the forward,
+     as torch's kernel does (`_local.check_indices`), instead of picking zero.
 Reduction codes are torch's: NONE 0, MEAN 1, SUM 2.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dtorch._local import is_dtensor, sharded_dim, to
+from dtorch._local import check_indices, is_dtensor, sharded_dim, to
 from dtorch._registry import named_args, register_decomposition
 from dtorch_protocol.placement_types import Replicate, Shard
 
@@ -76,7 +77,10 @@ def _nll_by_class_shard(args: tuple, kwargs: dict) -> Any:  # rule 4, forward
     self, target, weight = values["self"], values["target"], values.get("weight")
     if not _class_sharded(self, target):
         return NotImplemented
-    onehot, row_weight = _picks(self, target, weight, values.get("ignore_index", -100))
+    ignore, classes = values.get("ignore_index", -100), self.shape[1]
+    check_indices(target, classes, f"Target out of bounds: a target of nll_loss is outside the {classes} classes, "
+                                   f"expected each in [0, {classes}) or ignore_index ({ignore})", allowed=ignore)
+    onehot, row_weight = _picks(self, target, weight, ignore)
     picked = aten.sum.dim_IntList(aten.where.self(onehot, self, aten.new_zeros.default(self, [])), [1])
     losses = aten.neg.default(aten.mul.Tensor(picked, row_weight))
     reduction = values.get("reduction", MEAN)

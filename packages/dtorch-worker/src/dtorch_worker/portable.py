@@ -8,6 +8,11 @@ the results laid out as the CPU kernel lays them out (the layout the client's me
 Rules:
 1. A name in KERNELS runs its kernel here on every device but the CPU; on the CPU, torch's own kernel runs.
 2. Each kernel computes what torch's CPU kernel computes (tests compare them on the CPU), in float32 at least.
+3. A name in ON_HOST (asserts) is checked on the host on every device but the CPU, as torch's CPU kernel checks it:
+   the device's own kernel fails a false assert inside the device (a device-side assert), which leaves the device
+   unusable for every session of this worker until it restarts. The host check waits for the value (a sync of the
+   stream); clients emit such an assert where a wrong index would otherwise give a silent wrong value
+   (dtorch `_local.check_indices`).
 """
 
 from __future__ import annotations
@@ -80,12 +85,27 @@ KERNELS: dict[str, Callable[..., Any]] = {
 }
 
 
+def assert_on_host(cond: torch.Tensor, assert_msg: str = "Expected Tensor with single nonzero value, but got zero"
+                   ) -> None:
+    """`aten._assert_async` as the CPU runs it (rule 3): RuntimeError with the message where `cond` is false."""
+    if not bool(cond.item()):
+        raise RuntimeError(assert_msg)
+
+
+ON_HOST: dict[str, Callable[..., Any]] = {
+    "aten._assert_async.default": assert_on_host,
+    "aten._assert_async.msg": assert_on_host,
+}
+
+
 def _meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
 def kernel(name: str, op: torch._ops.OpOverload, device: torch.device) -> Callable[..., Any]:
-    """What runs `op` (resolved from `name`) on `device` (rule 1)."""
+    """What runs `op` (resolved from `name`) on `device` (rules 1 and 3)."""
+    if device.type != "cpu" and name in ON_HOST:
+        return ON_HOST[name]
     portable = KERNELS.get(name) if device.type != "cpu" else None
     if portable is None:
         return op
