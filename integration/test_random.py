@@ -40,6 +40,24 @@ def test_in_place_init_is_plan_independent(mesh1, mesh4, mesh2d):
     assert 0 < values[0].std() < 0.05
 
 
+@pytest.mark.parametrize("call", ["uniform_(3, -1)", "normal_(0, -1)", "bernoulli_(2.0)", "init.normal_(std=-2)"])
+def test_bad_arguments_of_an_in_place_random_op_raise_torchs_error_at_once(mesh4, call):
+    """On a sharded tensor these ops draw their values from a random factory; their arguments were never checked, so
+    `uniform_(3, -1)` filled the range upside down, `normal_(std=-1)` a mirrored normal and `bernoulli_(2.0)` ones,
+    where torch raises. torch's checks now run first: the same error, at the call, and the tensor is unchanged."""
+    ops = {"uniform_(3, -1)": lambda t: t.uniform_(3, -1), "normal_(0, -1)": lambda t: t.normal_(0, -1),
+           "bernoulli_(2.0)": lambda t: t.bernoulli_(2.0),
+           "init.normal_(std=-2)": lambda t: torch.nn.init.normal_(t, std=-2.0)}
+    full = torch.randn(8, 6)
+    with pytest.raises(RuntimeError) as want:
+        ops[call](full.clone())
+    x = dtorch.distribute_tensor(full, mesh4, [Shard(1)])
+    with pytest.raises(RuntimeError) as got:
+        ops[call](x)
+    assert str(got.value) == str(want.value)
+    assert torch.equal(x.full_tensor(), full)
+
+
 def test_random_write_through_a_view_reaches_the_base(mesh4):
     w = dtorch.zeros(8, 6, device_mesh=mesh4, placements=[Shard(0)])
     torch.nn.init.uniform_(w[:, 2], 1, 2)  # a real view: dim 1 is not sharded

@@ -13,6 +13,9 @@ Rules:
      `normal_(mean, std)` is `self.copy_(randn * std + mean)`; `native_dropout(x, p, train=True)` is
      `(x * mask * 1/(1 - p), mask)` with `mask = rand < 1 - p` (0 for p = 1). Draws are float64 for float64
      tensors, float32 otherwise.
+  3. The arguments are torch's to check: the op first runs on an empty tensor of the dtype here, so a bad one
+     (`uniform_(3, -1)`, `normal_(std=-1)`, `bernoulli_(2.0)`) raises torch's own error at once, as in torch (the
+     decompositions drew values from it: a range upside down, a mean minus a negative spread, all ones).
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ from dtorch_protocol.placement_types import Partial
 aten = torch.ops.aten
 
 
-def _layout_kept(t: Any, kwargs: dict) -> bool:
-    """Rule 1."""
-    return (is_dtensor(t) and t.dtype.is_floating_point and kwargs.get("generator") is None
-            and not any(isinstance(p, Partial) for p in t.placements))
+def _layout_kept(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Rule 1; rule 3's check where it holds."""
+    t = args[0]
+    if not (is_dtensor(t) and t.dtype.is_floating_point and kwargs.get("generator") is None
+            and not any(isinstance(p, Partial) for p in t.placements)):
+        return False
+    op(torch.empty(0, dtype=t.dtype), *args[1:], **kwargs)  # rule 3: torch's checks of the arguments, no values
+    return True
 
 
 def _draw(like: Any, init: str) -> Any:
@@ -53,7 +60,7 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 @register_decomposition(aten.bernoulli_.float)
 def bernoulli_(args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if not _layout_kept(self, kwargs):
+    if not _layout_kept(aten.bernoulli_.float, args, kwargs):
         return NotImplemented
     p = _arg(args, kwargs, 1, "p", 0.5)
     return aten.copy_.default(self, aten.lt.Scalar(_draw(self, "rand"), p))
@@ -62,7 +69,7 @@ def bernoulli_(args: tuple, kwargs: dict) -> Any:
 @register_decomposition(aten.uniform_.default)
 def uniform_(args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if not _layout_kept(self, kwargs):
+    if not _layout_kept(aten.uniform_.default, args, kwargs):
         return NotImplemented
     low, high = _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0)
     r = aten.add.Scalar(aten.mul.Scalar(_draw(self, "rand"), high - low), low)
@@ -72,7 +79,7 @@ def uniform_(args: tuple, kwargs: dict) -> Any:
 @register_decomposition(aten.normal_.default)
 def normal_(args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if not _layout_kept(self, kwargs):
+    if not _layout_kept(aten.normal_.default, args, kwargs):
         return NotImplemented
     mean, std = _arg(args, kwargs, 1, "mean", 0.0), _arg(args, kwargs, 2, "std", 1.0)
     r = aten.add.Scalar(aten.mul.Scalar(_draw(self, "randn"), std), mean)
@@ -83,7 +90,7 @@ def normal_(args: tuple, kwargs: dict) -> Any:
 def native_dropout(args: tuple, kwargs: dict) -> Any:
     x = args[0]
     p, train = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "train", None)
-    if not train or not _layout_kept(x, kwargs):
+    if not train or not _layout_kept(aten.native_dropout.default, args, kwargs):
         return NotImplemented
     mask = aten.lt.Scalar(_draw(x, "rand"), 1.0 - p)
     scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
