@@ -42,6 +42,10 @@ a floating point dtype: `torch.autograd.grad` of the float outputs (those that n
 cotangents (Replicate DTensors for DTorch) with respect to every float input, compared with torch's as values are (a
 gradient torch leaves undefined may be all zeros); a gradient that is a plain tensor, not a DTensor, fails. Reported
 apart, as the variants are.
+`--errors` runs each OpInfo's error inputs too (the bad arguments torch must refuse: its `error_inputs`), on
+all-Replicate and up to `max_combos` sharded combinations: every one torch raises on here must raise on DTensors,
+at the call or at the next sync point (the outputs' `full_tensor()`, then `dtorch.synchronize()`); one that gives a
+value instead fails (a rule that masks, draws or moves values may skip a check torch's kernel makes). Reported apart.
 
 The module imports no cluster; `run()` takes a mesh. The CLI (`main`) starts ONE embedded cluster
 (`dtorch.connect(workers=2)`) for the whole run and reconnects only if the cluster breaks.
@@ -110,6 +114,7 @@ class OpResult:
     inplace: str = ""  # with --variants: "pass", or "fail: <error>" / "not-supported: <error>"; "" = not run
     out: str = ""  # with --variants: the out= variant, likewise
     grad: str = ""  # with --grad: the gradients, likewise
+    errors: str = ""  # with --errors: its error inputs, likewise ("" = none torch raises on here)
 
 
 @dataclass
@@ -438,12 +443,56 @@ def _variants(op: Any, sample: Any, expected: Any, combos: list[tuple], mesh: An
             _record(res, kind, run_variant(op, kind, sample, expected, combo, mesh), combo)
 
 
+def run_error_case(op: Any, sample: Any, combo: tuple, mesh: Any) -> _Outcome:
+    """One error input under one placement combination (--errors): it must raise, at the call or the next sync."""
+    import dtorch
+
+    try:
+        inputs = _distribute((_clone(sample.input), _clone(sample.args), _clone(sample.kwargs)), combo, mesh)
+    except _Unsupported as e:
+        return _Outcome("not-supported", str(e))
+    try:
+        got = op(inputs[0], *inputs[1], **inputs[2])
+        for t in _tensor_leaves(got):
+            if isinstance(t, dtorch.DTensor):
+                t.full_tensor()
+        dtorch.synchronize()
+    except Exception:  # noqa: BLE001 - refused, as torch refuses it
+        return _Outcome("pass")
+    return _Outcome("fail", "gave a value where torch raises")
+
+
+def _errors(op: Any, mesh: Any, max_combos: int, res: OpResult) -> None:
+    """--errors: every error input torch raises on here, on all-Replicate and sharded combinations."""
+    try:
+        cases = list(op.error_inputs(torch.device("cpu")))
+    except Exception:  # noqa: BLE001 (the OpInfo has none, or cannot make them here)
+        return
+    for case in cases:
+        sample = case.sample_input
+        leaves = _tensor_leaves((sample.input, sample.args, sample.kwargs))
+        if not leaves:
+            continue
+        try:
+            op(*_clone((sample.input, *sample.args)), **_clone(sample.kwargs))
+            continue  # torch does not raise on it here (a check of another device's)
+        except Exception:  # noqa: BLE001 - torch refuses it: so must DTorch
+            pass
+        for combo in placement_combos([t.shape for t in leaves], max_combos):
+            out = run_error_case(op, sample, combo, mesh)
+            if out.status != "not-supported":
+                _record(res, "errors", _Outcome(out.status, f"{out.error} ({case.error_regex[:80]!r})"), combo)
+
+
 def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partial: bool = False,
-           variants: bool = False, grad: bool = False, want: torch.dtype = torch.float32) -> OpResult:
+           variants: bool = False, grad: bool = False, want: torch.dtype = torch.float32,
+           errors: bool = False) -> OpResult:
     """Every case of one OpInfo; see the module docstring for the rules."""
     start = time.perf_counter()
     name = op_key(op)
     res = OpResult(name, "pass", values_checked=not UNCOMPARABLE.match(name))
+    if errors:
+        _errors(op, mesh, max_combos, res)
     dtype = pick_dtype(op, want)
     if dtype is None:
         res.status, res.error = "not-supported", (f"no CPU {str(want).removeprefix('torch.')}" if want != torch.float32
@@ -516,11 +565,11 @@ def _cluster_broken(res: OpResult, mesh: Any) -> bool:
 
 def run(ops: Sequence, mesh: Any, max_samples: int = 3, max_combos: int = 3, reconnect: Any = None,
         progress: Any = None, partial: bool = False, variants: bool = False, grad: bool = False,
-        want: torch.dtype = torch.float32) -> list[OpResult]:
+        want: torch.dtype = torch.float32, errors: bool = False) -> list[OpResult]:
     """Run `ops` on `mesh`; `reconnect()` (optional) returns a fresh mesh after the cluster broke."""
     results = []
     for i, op in enumerate(ops):
-        res = run_op(op, mesh, max_samples, max_combos, partial, variants, grad, want)
+        res = run_op(op, mesh, max_samples, max_combos, partial, variants, grad, want, errors)
         results.append(res)
         if progress is not None:
             progress(i, len(ops), res)
@@ -583,11 +632,11 @@ def write_report(results: Sequence[OpResult], out_dir: str, meta: dict) -> tuple
         if chosen:
             lines += [f"## {status} ({len(chosen)})", "", "| OpInfo | first error | case |", "|---|---|---|"]
             lines += [f"| `{r.name}` | {_md(r.error)} | {_md(r.failing_case)} |" for r in chosen] + [""]
-    for kind in ("inplace", "out", "grad"):
+    for kind in ("inplace", "out", "grad", "errors"):
         ran = [r for r in results if getattr(r, kind)]
         if ran:
             bad = [r for r in ran if not getattr(r, kind).startswith("pass")]
-            title = "gradients" if kind == "grad" else f"{kind} variants"
+            title = {"grad": "gradients", "errors": "error inputs (raise as in torch)"}.get(kind, f"{kind} variants")
             lines += [f"## {title}: {len(ran) - len(bad)} of {len(ran)} pass", ""]
             if bad:
                 lines += ["| OpInfo | first error |", "|---|---|"]
@@ -617,6 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also the in-place and out= variants (reported apart; the status is the function's)")
     parser.add_argument("--grad", action="store_true",
                         help="also the gradients of every float input (reported apart, as the variants)")
+    parser.add_argument("--errors", action="store_true",
+                        help="also each OpInfo's error inputs: they must raise as in torch (reported apart)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="the samples' floating point dtype (bfloat16, float16: only OpInfos that support it)")
     parser.add_argument("--workers", type=int, default=2)
@@ -640,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def progress(i: int, n: int, res: OpResult) -> None:
         if not args.quiet:
             err = f"  {res.error[:150]}" if res.status != "pass" else ""
-            for kind in ("inplace", "out", "grad"):
+            for kind in ("inplace", "out", "grad", "errors"):
                 if getattr(res, kind) and not getattr(res, kind).startswith("pass"):
                     err += f"  [{kind}: {getattr(res, kind)[:150]}]"
             print(f"[{i + 1}/{n}] {res.name}: {res.status} ({res.passed}/{res.cases}, {res.seconds:.1f}s){err}",
@@ -650,12 +701,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = connect()
     try:
         results = run(ops, mesh, args.max_samples, args.max_combos, reconnect=connect, progress=progress,
-                      partial=args.partial, variants=args.variants, grad=args.grad, want=getattr(torch, args.dtype))
+                      partial=args.partial, variants=args.variants, grad=args.grad, want=getattr(torch, args.dtype),
+                      errors=args.errors)
     finally:
         dtorch.shutdown()
     seconds = round(time.perf_counter() - start, 1)
     meta = {"torch": torch.__version__, "workers": args.workers, "mesh_devices": 4, "max_samples": args.max_samples,
             "max_combos": args.max_combos, "partial": args.partial, "variants": args.variants, "grad": args.grad,
+            "errors": args.errors,
             "dtype": args.dtype,
             "seconds": seconds}
     json_path, md_path = write_report(results, args.out_dir, meta)
