@@ -100,6 +100,7 @@ def test_an_index_outside_a_vocabulary_parallel_table_fails_in_a_graph_step_too(
                 got.item()
         else:
             torch.testing.assert_close(got.item(), F.embedding(torch.tensor(ids), plain).sum().item())
+    assert step.replays >= 3  # the bad call was a replay, not a Python run
 
 
 def test_bad_placements_and_meshes_are_one_line_errors(mesh1):

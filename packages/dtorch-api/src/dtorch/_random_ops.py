@@ -33,14 +33,15 @@ from dtorch_protocol.placement_types import Partial
 aten = torch.ops.aten
 
 
-def _layout_kept(op: Any, args: tuple, kwargs: dict) -> bool:
-    """Rule 1; rule 3's check where it holds."""
-    t = args[0]
-    if not (is_dtensor(t) and t.dtype.is_floating_point and kwargs.get("generator") is None
-            and not any(isinstance(p, Partial) for p in t.placements)):
-        return False
-    op(torch.empty(0, dtype=t.dtype), *args[1:], **kwargs)  # rule 3: torch's checks of the arguments, no values
-    return True
+def _layout_kept(t: Any, kwargs: dict) -> bool:
+    """Rule 1."""
+    return (is_dtensor(t) and t.dtype.is_floating_point and kwargs.get("generator") is None
+            and not any(isinstance(p, Partial) for p in t.placements))
+
+
+def _checked(op: Any, args: tuple, kwargs: dict) -> None:
+    """Rule 3: torch's checks of the arguments, on an empty tensor (no values drawn)."""
+    op(torch.empty(0, dtype=args[0].dtype), *args[1:], **kwargs)
 
 
 def _draw(like: Any, init: str) -> Any:
@@ -60,8 +61,9 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 @register_decomposition(aten.bernoulli_.float)
 def bernoulli_(args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if not _layout_kept(aten.bernoulli_.float, args, kwargs):
+    if not _layout_kept(self, kwargs):
         return NotImplemented
+    _checked(aten.bernoulli_.float, args, kwargs)
     p = _arg(args, kwargs, 1, "p", 0.5)
     return aten.copy_.default(self, aten.lt.Scalar(_draw(self, "rand"), p))
 
@@ -69,8 +71,9 @@ def bernoulli_(args: tuple, kwargs: dict) -> Any:
 @register_decomposition(aten.uniform_.default)
 def uniform_(args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if not _layout_kept(aten.uniform_.default, args, kwargs):
+    if not _layout_kept(self, kwargs):
         return NotImplemented
+    _checked(aten.uniform_.default, args, kwargs)
     low, high = _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0)
     r = aten.add.Scalar(aten.mul.Scalar(_draw(self, "rand"), high - low), low)
     return aten.copy_.default(self, r)
@@ -79,8 +82,9 @@ def uniform_(args: tuple, kwargs: dict) -> Any:
 @register_decomposition(aten.normal_.default)
 def normal_(args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if not _layout_kept(aten.normal_.default, args, kwargs):
+    if not _layout_kept(self, kwargs):
         return NotImplemented
+    _checked(aten.normal_.default, args, kwargs)
     mean, std = _arg(args, kwargs, 1, "mean", 0.0), _arg(args, kwargs, 2, "std", 1.0)
     r = aten.add.Scalar(aten.mul.Scalar(_draw(self, "randn"), std), mean)
     return aten.copy_.default(self, r)
@@ -90,7 +94,7 @@ def normal_(args: tuple, kwargs: dict) -> Any:
 def native_dropout(args: tuple, kwargs: dict) -> Any:
     x = args[0]
     p, train = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "train", None)
-    if not train or not _layout_kept(aten.native_dropout.default, args, kwargs):
+    if not train or not _layout_kept(x, kwargs):  # (its p is checked by F.dropout, as for torch's kernel)
         return NotImplemented
     mask = aten.lt.Scalar(_draw(x, "rand"), 1.0 - p)
     scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)

@@ -443,10 +443,11 @@ def _variants(op: Any, sample: Any, expected: Any, combos: list[tuple], mesh: An
             _record(res, kind, run_variant(op, kind, sample, expected, combo, mesh), combo)
 
 
-def run_error_case(op: Any, sample: Any, combo: tuple, mesh: Any) -> _Outcome:
+def run_error_case(op: Any, case: Any, combo: tuple, mesh: Any) -> _Outcome:
     """One error input under one placement combination (--errors): it must raise, at the call or the next sync."""
     import dtorch
 
+    sample = case.sample_input
     try:
         inputs = _distribute((_clone(sample.input), _clone(sample.args), _clone(sample.kwargs)), combo, mesh)
     except _Unsupported as e:
@@ -459,7 +460,7 @@ def run_error_case(op: Any, sample: Any, combo: tuple, mesh: Any) -> _Outcome:
         dtorch.synchronize()
     except Exception:  # noqa: BLE001 - refused, as torch refuses it
         return _Outcome("pass")
-    return _Outcome("fail", "gave a value where torch raises")
+    return _Outcome("fail", f"gave a value where torch raises ({case.error_regex[:80]!r})")
 
 
 def _errors(op: Any, mesh: Any, max_combos: int, res: OpResult) -> None:
@@ -479,9 +480,9 @@ def _errors(op: Any, mesh: Any, max_combos: int, res: OpResult) -> None:
         except Exception:  # noqa: BLE001 - torch refuses it: so must DTorch
             pass
         for combo in placement_combos([t.shape for t in leaves], max_combos):
-            out = run_error_case(op, sample, combo, mesh)
+            out = run_error_case(op, case, combo, mesh)
             if out.status != "not-supported":
-                _record(res, "errors", _Outcome(out.status, f"{out.error} ({case.error_regex[:80]!r})"), combo)
+                _record(res, "errors", out, combo)
 
 
 def run_op(op: Any, mesh: Any, max_samples: int = 3, max_combos: int = 3, partial: bool = False,
