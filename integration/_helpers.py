@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 # The CLIs, found through the running interpreter (its environment has the packages), never through PATH
@@ -95,12 +97,22 @@ def worker_bytes(cluster: Any) -> dict[str, int]:
 
 
 def run_scenario(script: str, *args: str, env: dict | None = None, timeout: float = 600) -> dict:
-    """Run integration/`script` in a process (and embedded cluster) of its own; the JSON line it ends with."""
+    """Run integration/`script` in a process (and embedded cluster) of its own; the JSON line it ends with.
+
+    A run still going after `timeout` is aborted with faulthandler on: the failure shows where each of its threads
+    waited, and where the embedded cluster's logs are kept."""
     full_env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"} | (env or {})
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / script), *args], capture_output=True,
-                         text=True, timeout=timeout, env=full_env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=full_env | {"PYTHONFAULTHANDLER": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack to stderr, then it dies
+        _, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"{script} {' '.join(args)} was still running after {timeout:.0f}s; its stderr ends:\n"
+                    f"{stderr[-8000:]}", pytrace=False)
+    assert proc.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def small_mlp():

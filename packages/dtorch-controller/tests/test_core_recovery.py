@@ -946,7 +946,8 @@ def test_a_queued_migrate_whose_target_went_away_fails_naming_it(make_harness):
 
 def test_an_upload_whose_copy_its_worker_did_not_finish_cannot_be_rebuilt(make_harness):
     """lineage.py rule 3: an upload's copies count once the adopt's batch completed on its worker; a worker lost
-    before that leaves no complete copy of its shards, and the loss is reported, not rebuilt from nothing."""
+    before that leaves no copy of its shards (its backup may be partial), and the loss is reported, not rebuilt
+    from nothing."""
     h, ids, sid = setup(make_harness, every=100)
     s = session(h, sid)
     h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
@@ -957,7 +958,7 @@ def test_an_upload_whose_copy_its_worker_did_not_finish_cannot_be_rebuilt(make_h
     assert s.state == "degraded"
     _, reply = h.sync(sid, 1)
     assert [e.message.rpartition("not rebuilt: ")[2] for e in reply.errors] == [
-        "the upload of tensor 5 (batch 1) has no complete copy"]
+        "every copy of the upload of tensor 5 was on lost workers"]
 
 
 def test_an_upload_whose_every_copy_was_lost_cannot_be_rebuilt(make_harness):
@@ -978,6 +979,63 @@ def test_an_upload_whose_every_copy_was_lost_cannot_be_rebuilt(make_harness):
     _, reply = h.sync(sid, 1)
     assert [e.message.rpartition("not rebuilt: ")[2] for e in reply.errors] == [
         "every copy of the upload of tensor 5 was on lost workers"]
+
+
+@pytest.mark.parametrize("every", [2, 0], ids=["rebuilt", "not-rebuilt"])
+def test_a_lost_workers_peers_are_fenced_at_once_whether_or_not_the_session_is_rebuilt(make_harness, every):
+    """recovery.py rule 6: each other live worker of a session the lost worker served gets one CmdFence naming it
+    (a stopped worker keeps its connections open: their copies and collectives would wait on it), outside the
+    session's stream (its Sync does not wait for it); a worker that shared nothing with it gets none."""
+    h, ids, sid = setup(make_harness, workers=4, every=every)
+    s = session(h, sid)
+    other = h.open_session()
+    assert h.open_mesh(other, 1, [0, 1]).placed
+    h.submit(sid, 1, [create(1)])
+    h.submit(sid, 2, [add_(1)])
+    h.report_all()
+    h.take_sent()
+    victim, survivor = s.devices[1], s.devices[0]
+    bystanders = set(ids) - {victim, survivor} - set(h.core.pipeline.recs[sid].namespaces.get(f"{sid}#s1", ()))
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    fences = [(e.worker_id, e.execute) for e in h.take_sent() if any(type(c) is m.CmdFence for c in e.execute.cmds)]
+    address = h.core.workers[victim].address
+    assert (survivor, [m.CmdFence(addresses=[address])]) in [(w, x.cmds) for w, x in fences]
+    assert len({w for w, _ in fences}) == len(fences)  # one each, though two sessions shared it
+    assert all(x.session.endswith("#fence") for _, x in fences)
+    assert victim not in {w for w, _ in fences} and not bystanders & {w for w, _ in fences}
+    assert s.state == ("recovering" if every else "degraded")
+    if not every:  # answered at once: the fences are not waited for
+        assert h.sync(sid, 2)[1].done
+
+
+def test_an_uploads_copy_to_a_lost_backup_leaves_its_primarys_and_the_rebuild_waits_for_it(make_harness):
+    """recovery.py rule 1, snapshots.py rule 3: the survivor still copying an upload to the lost worker (its backup)
+    is waited for, not given up on; its copy fails once fenced (ErrorReport.peer), its own copy stands, and the
+    session is rebuilt from it."""
+    h, ids, sid = setup(make_harness, workers=2, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
+    primary, victim = s.devices[0], s.devices[1]
+    address = h.core.workers[victim].address
+    [seq] = [e.execute.seq for e in h.take_sent() if e.worker_id == primary
+             and any(type(c) is m.CmdSendShards and c.to == address for c in e.execute.cmds)]
+    h.report(victim)  # the victim's own copies are done; the primary's copy to it is not
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    assert s.state == "recovering"
+    assert not cmds_of(h.take_sent(), kind=m.CmdAbandon)  # waits for the copy being made
+    failed = m.ErrorReport(op="copy shards", src="", message="cancelled", seq=seq, kind=m.ErrorKind.COPY,
+                           peer=address)
+    h.report(primary, errors={sid: [failed]})
+    assert cmds_of(h.take_sent(), kind=m.CmdAbandon)
+    sent = []
+    for _ in range(4):
+        h.report_all()
+        sent += h.take_sent()
+    assert s.state == "open" and s.devices == {0: primary, 1: primary}
+    restores = cmds_of(sent, kind=m.CmdFetchShards)
+    assert {(d, c.address) for c in restores for d in c.devices} == {(0, ""), (1, "")}  # the primary's own copies
+    _, reply = h.sync(sid, 1)
+    assert reply.done and reply.errors == []
 
 
 def test_a_loss_of_a_worker_with_unfinished_commands_and_no_tensors_says_so(make_harness):

@@ -18,7 +18,7 @@ import torch
 
 from dtorch_controller.core import collectives as lowering
 from dtorch_protocol.layout import coords, shard_box
-from dtorch_protocol.messages import CmdAbandon, CmdGroup, CollectiveStep, Execute, GroupOp
+from dtorch_protocol.messages import CmdAbandon, CmdFence, CmdGroup, CollectiveStep, Execute, GroupOp
 from dtorch_protocol.placement_types import Partial, Replicate, Shard
 from dtorch_protocol.values import dtype_name, reduce_in_order
 from dtorch_worker.collectives import spelled_out
@@ -293,6 +293,28 @@ def test_abandon_ends_a_wait_at_once_and_fences_the_groups(workers):
                                                      in_shapes={0: [2]}, out_shapes={0: [4]})]}))
     value = workers[0].store.get(("sess-abandon", 43, 0))
     assert isinstance(value, Poison) and "was fenced (the session is being rebuilt)" in value.report.message
+
+
+def test_a_fence_of_a_member_ends_the_wait_for_it_at_once_from_any_namespace(workers):
+    """groups.py rule 7: CmdFence names w1, declared lost (a stopped worker keeps its connections open); w0's op
+    waiting for it fails at once, saying why, though the fence came in a batch of another namespace (the
+    controller sends one per worker). The session is not rebuilt here: the failure is reported."""
+    cluster = Cluster(workers, session="sess-fenced")
+    for d in range(2):
+        cluster.worker[f"w{d}"].store.put(("sess-fenced", 40, d), torch.ones(2))
+    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), ((0, "w0"), (1, "w1")),
+                         (("w0", "cpu", True), ("w1", "cpu", True), ("w2", "cpu", True)))
+    shapes = ({d: [2] for d in range(2)}, {d: [4] for d in range(2)})
+    cmds = lowering.commands(low, cluster.groups, cluster.members, 40, 41, "float32", shapes, timeout_s=20.0)
+    cmds["w1"] = [c for c in cmds["w1"] if isinstance(c, CmdGroup)]  # w1 never runs the op: w0 waits
+    seqs = cluster.send(cmds)
+    time.sleep(0.5)
+    assert not workers[0].executor.wait_completed(seqs["w0"], 0.1)  # in flight
+    Cluster(workers, session="sess-fenced#fence").send({"w0": [CmdFence(addresses=[workers[1].address])]})
+    assert workers[0].executor.wait_completed(seqs["w0"], 8.0)  # long before the group's 20 s timeout
+    value = workers[0].store.get(("sess-fenced", 41, 0))
+    assert isinstance(value, Poison) and "was aborted (a member was declared lost)" in value.report.message
+    assert workers[0].executor.take_errors()["sess-fenced"][0].op == "redistribute"
 
 
 def test_outputs_are_waited_for_at_their_first_use_not_at_the_issue(workers):

@@ -3,6 +3,7 @@ CmdAbandon (start a session over, acting on arrival) and CmdRebuilt, fencing of 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from dtorch_protocol.messages import (
     CmdAbandon,
     CmdCloseSession,
     CmdCreate,
+    CmdFence,
     CmdFetchShards,
     CmdKeepCopies,
     CmdRebuilt,
@@ -278,6 +280,33 @@ def test_shards_from_a_fenced_sender_are_refused(pair):
     assert "declared lost" in err.message and err.seq > 0
     assert err.kind == ErrorKind.COPY  # the controller's own copy: it reacts, the user never sees it
     assert (f"{s}#s1", 1, 0) not in b.store
+
+
+def test_a_fence_ends_a_copy_to_a_peer_that_never_answers_and_the_report_names_that_peer(pair):
+    """CmdFence acts on arrival: a snapshot copy to a worker that accepts connections and never answers (a stopped
+    one: its kernel still accepts) ends at once, not at the copy's 600 s timeout; its COPY report names the peer
+    (ErrorReport.peer), so the controller knows the primary's own copy stands."""
+    a, b = pair
+    s = "sess-silent"
+    silent = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        wait(a, send(a, s, ones(1, [0])))
+        seq = _next[a.address] = _next[a.address] + 1
+        stub = wire.Stub("dtorch.Worker", a.address, a.execute_token())
+        copy = CmdSendShards(devices={0: [1]}, namespace=f"{s}#a0", to=address, host=True)
+        assert stub.call("Execute", Execute(seq=seq, session=s, cmds=[copy],
+                                            caps={address: b.capability(s, "peer")})).ok
+        stub.close()
+        time.sleep(0.5)
+        assert not a.executor.wait_completed(seq, 0.1)  # waits on the silent peer
+        started = time.monotonic()
+        wait(a, send(a, f"{s}#fence", CmdFence(addresses=[address])))
+        assert time.monotonic() - started < 10
+        (err,) = a.executor.take_errors()[s]
+        assert (err.kind, err.peer, err.seq) == (ErrorKind.COPY, address, seq)
+    finally:
+        silent.close()
 
 
 def test_store_waits_end_when_the_session_is_abandoned():

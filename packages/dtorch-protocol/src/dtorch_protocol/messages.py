@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.10"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.11"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
@@ -48,7 +48,8 @@ PROTOCOL_VERSION = "1.10"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Kee
 # 1.9: a capped session's capabilities carry its memory cap (`auth`, cap2), MeshPlaced.memory_cap and
 # SyncReply.memory_cap; GroupOp.ranks, and GroupOp's layout and lengths in short forms (O(1) per rank, not
 # O(ranks), where they are regular); 1.10: InstrCall.default_dtype and CmdRun.default_dtype (an op runs under the
-# client's `torch.set_default_dtype`)
+# client's `torch.set_default_dtype`); 1.11: CmdFence (a lost worker is fenced by the workers that shared a session
+# with it, whether or not the session is rebuilt), ErrorReport.peer (where a failed copy went)
 
 
 class ErrorKind(str, enum.Enum):
@@ -95,6 +96,7 @@ class ErrorReport(Struct, frozen=True):
     tid: int = -1  # an output of the failed op, when known
     seq: int = 0  # the reporting worker's Execute seq of the failed command (0: not from a worker batch)
     kind: ErrorKind = ErrorKind.OP
+    peer: str = ""  # a failed copy to another worker (kind COPY): that worker's address (1.11)
 
 
 # ---------------------------------------------------------------- the tensor slot in op arguments
@@ -647,6 +649,18 @@ class CmdAbandon(Struct, frozen=True, tag="abandon"):
     lost: list[str] = []
 
 
+class CmdFence(Struct, frozen=True, tag="fence"):
+    """The workers at `addresses` were declared lost (1.11).
+
+    Acts when the batch ARRIVES, for every session on this worker: calls in flight to them end now, groups with a
+    member at one of them are aborted (their waits end, their ops fail), and they are never reached again. Sent to
+    the workers that shared a session with a lost worker, whether or not the session is rebuilt: nothing of theirs
+    waits on a worker that will never answer (a stopped one keeps its connections open).
+    """
+
+    addresses: list[str]
+
+
 class CmdRebuilt(Struct, frozen=True, tag="rebuilt"):
     """The session's shards on this worker are rebuilt: client Pulls may read them again."""
 
@@ -690,7 +704,7 @@ class CmdReplay(Struct, frozen=True, tag="replay"):
 
 Cmd = (CmdCreate | CmdRun | CmdRedistribute | CmdExpectReads | CmdDelete | CmdCloseSession | CmdSendShards
        | CmdKeepCopies | CmdFetchShards | CmdAbandon | CmdRebuilt | CmdStay | CmdGroup | CmdCollective | CmdProgram
-       | CmdReplay | CmdMesh | CmdReadable)
+       | CmdReplay | CmdMesh | CmdReadable | CmdFence)
 
 
 class Execute(Struct, frozen=True):

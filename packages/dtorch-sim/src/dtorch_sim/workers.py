@@ -407,7 +407,7 @@ class Worker:
                     self._put(session, (cmd.dst, d), nbytes)
                     moved += nbytes
                 seconds += moved * 8 / (cost.network_gbps * 1e9)
-            # CmdExpectReads, CmdRebuilt, CmdStay: bookkeeping only
+            # CmdExpectReads, CmdRebuilt, CmdStay, CmdFence (simulated workers wait on no peer): bookkeeping only
         rec = sim.session_jobs.get(session)
         self.work = (rec, steps, work) if rec is not None and work else None
         return seconds

@@ -67,6 +67,7 @@ from dtorch_protocol.messages import (
     CmdCreate,
     CmdDelete,
     CmdExpectReads,
+    CmdFence,
     CmdFetchShards,
     CmdGroup,
     CmdKeepCopies,
@@ -248,8 +249,11 @@ class Executor:
         Execute handler answers as an error: batch numbers come from the controller alone, once each.
 
         A batch with a CmdAbandon acts on arrival: the session's earlier batches are skipped, and whatever
-        the session is waiting for now (shards, peers' reads, pulls) ends, so its rebuild starts promptly.
+        the session is waiting for now (shards, peers' reads, pulls) ends, so its rebuild starts promptly. So does a
+        CmdFence: nothing here waits on the lost workers it names any more.
         """
+        for fence in (c for c in batch.cmds if isinstance(c, CmdFence)):
+            self.fence(fence.addresses)
         abandon = next((c for c in batch.cmds if isinstance(c, CmdAbandon)), None)
         with self._cond:
             if self._stopped or batch.seq <= self._executed or batch.seq in self._pending:
@@ -283,10 +287,15 @@ class Executor:
     def _abandon_now(self, session: str, cmd: CmdAbandon) -> None:
         with self._errors_lock:
             self._errors.pop(session, None)  # reports of abandoned work: nobody wants them
-        self.peers.fence(cmd.lost)
+        self.fence(cmd.lost)
         self.store.abandon(session)
         self.peers.cancel(session)
         self.groups.abort(session)  # collectives in flight end now; their groups are fenced
+
+    def fence(self, addresses: list[str]) -> None:
+        """The workers at `addresses` were lost: calls to them end now, and so do the groups they are members of."""
+        self.peers.fence(addresses)
+        self.groups.fence_members(addresses)
 
     def _abandoned(self, session: str, seq: int) -> bool:
         with self._cond:
@@ -512,6 +521,8 @@ class Executor:
                 self.store.rebuilt(session)
             elif isinstance(cmd, CmdStay):
                 self.store.clear_moved(session, list(cmd.devices))
+            elif isinstance(cmd, CmdFence):
+                pass  # it acted on arrival (`submit`)
             else:
                 raise TypeError(f"unknown command {type(cmd).__name__}")
             if cap and (held := self.store.session_bytes(session)) > cap \
@@ -529,7 +540,8 @@ class Executor:
             else:
                 message = one_line(e) + self.backend.error_hint(e)
             tid = e.tid if isinstance(e, StaleCopy) else outs[0] if outs else -1
-            report = ErrorReport(op=op, src=src, message=message, tid=tid, seq=self._seq, kind=kind)
+            report = ErrorReport(op=op, src=src, message=message, tid=tid, seq=self._seq, kind=kind,
+                                 peer=self._copied_to(cmd))
             log.debug("command %s failed: %s", op, report.message)
             self._poison(session, cmd, report)
             self._record(session, report)
@@ -724,7 +736,7 @@ class Executor:
                 self._copy(session, cmd, items)
             except Exception as e:  # noqa: BLE001 - reported like the copy in the stream would be
                 self._record(session, ErrorReport(op=_describe(cmd)[0], src="", message=one_line(e), seq=seq,
-                                                  kind=ErrorKind.COPY), seq)
+                                                  kind=ErrorKind.COPY, peer=self._copied_to(cmd)), seq)
             finally:
                 for key in keys:
                     self.store.read_served(key)
@@ -946,6 +958,11 @@ class Executor:
 
     def _is_local(self, address: str) -> bool:
         return not address or address == self.address
+
+    def _copied_to(self, cmd: Cmd) -> str:
+        """`ErrorReport.peer` of a failed command: the worker a copy went to ("" for a local copy or another command),
+        so the controller tells a copy lost with its destination from one that failed here."""
+        return cmd.to if isinstance(cmd, CmdSendShards) and not self._is_local(cmd.to) else ""
 
     def _fetch_all(self, session: str, src: int, dst_tid: int, jobs: Iterable[tuple[Piece, torch.Tensor]]) -> None:
         """Pull remote pieces in parallel, each straight into its destination view."""

@@ -41,7 +41,8 @@ Rules:
    that line. A peer that dies (SIGKILL) fails the op at once (gloo) or at the timeout (NCCL).
 7. Fencing: a CmdGroup of a newer generation fences the session's groups of older generations here once their
    submitted ops are done (bounded); CmdAbandon (a rebuild) aborts all the session's groups at once: their waits
-   end now, ops in flight fail as aborted; CmdCloseSession closes them. An op naming a fenced group is refused.
+   end now, ops in flight fail as aborted; so does CmdFence every group with a member at a lost worker's address,
+   whichever its session; CmdCloseSession closes them. An op naming a fenced group is refused.
    Process group objects of fenced groups are dropped on a reaper thread (gloo's destructor waits for a stuck op).
 """
 
@@ -113,6 +114,7 @@ class Group:
     finished: int = 0  # of those, how many the lane has finished (by the lane only): it is idle when equal
     broken: str = ""  # why the group cannot run ops any more ("" while it can)
     aborted: threading.Event = field(default_factory=threading.Event)
+    why_aborted: str = ""  # set before `aborted`: the session is being rebuilt, a member was lost, ...
     waiting: set[Any] = field(default_factory=set)  # completions waited for (device.completion): an abort sets them
 
     @property
@@ -154,7 +156,7 @@ class Ctx:
         marked = False
         while not done.wait(min(SLOW_S, max(deadline - time.monotonic(), 0.0))) or g.aborted.is_set():
             if g.aborted.is_set():
-                raise GroupError(f"{self.op} on {g.name()} was aborted (the session is being rebuilt)")
+                raise GroupError(f"{self.op} on {g.name()} was aborted ({g.why_aborted})")
             if not marked:
                 marked = True
                 _mark(g, "arrived", self.seq)
@@ -348,7 +350,7 @@ class Groups:
 
     def _run(self, g: Group, ctx: Ctx, fn: Callable[[Ctx], Any]) -> Any:
         if g.aborted.is_set():
-            raise GroupError(f"{ctx.op} on {g.name()} was aborted (the session is being rebuilt)")
+            raise GroupError(f"{ctx.op} on {g.name()} was aborted ({g.why_aborted})")
         if g.broken:
             raise GroupError(f"{ctx.op} cannot run: {g.broken}")
         try:
@@ -376,6 +378,7 @@ class Groups:
             if self._groups.get((g.session, g.id)) is g:
                 del self._groups[(g.session, g.id)]
             self._fenced[(g.session, g.id)] = f"was fenced ({why})"
+        g.why_aborted = g.why_aborted or why  # the first reason stays
         g.aborted.set()
         for done in list(g.waiting):
             done.set()  # waits in progress see `aborted` now
@@ -396,6 +399,14 @@ class Groups:
             gs = [g for (s, _i), g in self._groups.items() if s == session]
         for g in gs:
             self._fence(g, "the session is being rebuilt")
+
+    def fence_members(self, addresses: list[str]) -> None:
+        """CmdFence: every group (of any session) with a member at one of `addresses` ends now, as on CmdAbandon."""
+        lost = tuple(f" at {a}" for a in addresses)
+        with self._lock:
+            gs = [g for g in self._groups.values() if any(member.endswith(lost) for member in g.members)]
+        for g in gs:
+            self._fence(g, "a member was declared lost")
 
     def close(self, session: str) -> None:
         """CmdCloseSession: forget the session's groups."""
@@ -471,7 +482,7 @@ def _meet(g: Group) -> None:
     deadline = time.monotonic() + g.timeout_s
     while not g.store.check(keys):
         if g.aborted.wait(POLL_S):
-            raise GroupError("aborted (the session is being rebuilt)")
+            raise GroupError(f"aborted ({g.why_aborted})")
         if time.monotonic() >= deadline:
             raise CollectiveTimeout(f"timed out after {g.timeout_s:g}s waiting for "
                                     f"{_missing(g, 'joined', 0) or 'a member (unknown which)'}")

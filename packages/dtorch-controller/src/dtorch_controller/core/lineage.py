@@ -13,7 +13,9 @@ Rules:
 3. Uploads (InstrAdopt) have no lineage: their shards are copied (local + another worker) from the point of
    the adopt in the stream, kept while the adopt is in the log. The copies are made in the background
    (`CmdSendShards.background`: the worker's next commands do not wait, bounded bytes in flight); they count
-   as complete when the adopt's batch does, so a loss before that is one without a complete copy, as before.
+   as complete when the adopt's batch does. A worker lost before its batch did leaves no copy of its own
+   devices' shards (the backup may be partial); a rebuild waits for the copies live workers are making
+   (recovery.py rule 1), and a copy to a lost backup worker leaves the primary's own (snapshots.py rule 3).
 4. Copies live on workers under namespaces derived from the session id (`{session}#s{n}` for snapshot
    n, `{session}#a{n}` for uploads adopted in window n); the log is truncated and older namespaces are
    dropped when a newer snapshot is complete. Memory is bounded by two copies of the session's live

@@ -7,7 +7,8 @@ Rules:
    are held (`Hold.RECOVERING`) and its lost logical devices are rebound through the scheduler; then the rebuild
    goes through the phases of `state.REBUILD_TABLE`:
    placing   wait until every logical device is bound to a live worker (a copy it needs that is only on a
-             suspect worker is waited for: that worker may report again);
+             suspect worker is waited for: that worker may report again) and the uploads' copies that live
+             workers are making are made (or failed: a copy to a lost worker leaves the primary's own);
    resetting every worker of the session gets CmdAbandon (acts on arrival: abandons the old stream, ends
              its waits on the dead worker) and drops the session's known tensors; wait until all ran it;
    replaying each worker restores its devices' shards from the snapshot copies (CmdFetchShards, local
@@ -22,6 +23,10 @@ Rules:
 4. A rebuild may restart from placing at any phase (another loss): every phase can be done again.
 5. A running move of the session stops (moves.py rule 4); the move's target may hold shards of the session and
    is reset too.
+6. Whether or not the session is rebuilt, its other live workers (hosts, holders of its copies) get CmdFence for the
+   lost worker at once, one each (under a namespace of the session's: no Sync waits for it): a stopped worker keeps
+   its connections open, and a copy or a collective waiting on it would otherwise hold their streams (and the
+   session's next Sync) until its own timeout.
 """
 
 from __future__ import annotations
@@ -79,9 +84,12 @@ class Recovery:
 
     def worker_lost(self, step: Step, w: Worker, reason: str) -> None:
         """`w` was just declared lost: rebuild the sessions that used it, or report what they lost (rules 1-3)."""
+        fence: dict[str, str] = {}  # live worker -> a session they shared with `w` (rule 6)
         for sid in sorted(self.cluster.sessions):
             s = self.cluster.sessions[sid]
             rec = self.pipeline.recs.get(sid)
+            for wid in self._sharing(s, rec, w):
+                fence.setdefault(wid, sid)
             bound = w.id in s.devices.values()
             uses = bound or self.moves.involves(sid, w.id)
             if not bound:  # what it sent there (a move's source) is not waited for; the core may forget `w`
@@ -106,17 +114,29 @@ class Recovery:
                 self.moves.sources_lost(step, s)
                 if bound:
                     self._report_loss(step, s, w, reason, why)
+        for wid in self.cluster.order(fence):  # outside the sessions' streams: no Sync waits for it
+            self.pipeline.send_raw(step, wid, f"{fence[wid]}#fence", [m.CmdFence(addresses=[w.address])])
+
+    def _sharing(self, s: Session, rec: Lineage | None, w: Worker) -> list[str]:
+        """The session's other live workers (hosts, holders of its copies) when `w` was one of its workers."""
+        workers = set(s.devices.values()) | set(s.sent)
+        for holders in rec.namespaces.values() if rec is not None else ():
+            workers |= holders
+        return [wid for wid in workers if wid != w.id and self.cluster.alive(wid)] if w.id in workers else []
 
     def _forget_copies_on(self, step: Step, s: Session, rec: Lineage, w: Worker) -> None:
         held = False
         for copies in (rec.snapshot, rec.taking, *rec.adopts.values()):
             if copies is None:
                 continue
+            making = copies.pending.pop(w.id, None) is not None  # `w` was copying its devices' shards
             for d, holders in copies.holders.items():
                 if w.id in holders:
                     held = True
-                    copies.holders[d] = [h for h in holders if h != w.id]
-            if copies.pending.pop(w.id, None) is not None:
+                    # an upload's copy that `w` was making from its own device may be partial: none is left
+                    copies.holders[d] = [] if making and holders[0] == w.id and copies is not rec.taking \
+                        else [h for h in holders if h != w.id]
+            if making and copies is rec.taking:
                 copies.failed = copies.failed or f"worker {w.id} was lost while copying"
         for ns in rec.namespaces.values():
             ns.discard(w.id)
@@ -159,8 +179,8 @@ class Recovery:
         for b in rec.sent_batches():
             for instr in b.instrs:
                 if isinstance(instr, m.InstrAdopt):
-                    copies = rec.adopts.get(instr.tid)
-                    if copies is None or copies.failed or copies.pending:
+                    copies = rec.adopts.get(instr.tid)  # copies live workers are still making: waited for (rule 1)
+                    if copies is None or copies.failed:
                         return f"the upload of tensor {instr.tid} (batch {b.seq}) has no complete copy"
                     if not copies.tensors:
                         continue  # refused: nothing to restore
@@ -233,6 +253,8 @@ class Recovery:
         if r.phase == st.RebuildPhase.PLACING:
             if r.placed and not step.everyone and _devices(s) - set(s.devices):
                 return  # still waiting for the scheduler (copies only go with a loss, which looks at all)
+            if any(c.pending for c in rec.adopts.values()):
+                return  # uploads' copies live workers are making: they complete, or fail (rule 1)
             why = self.unrecoverable(step, s)
             if why is not None:
                 return self._give_up(step, s, rec, why)

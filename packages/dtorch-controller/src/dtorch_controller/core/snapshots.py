@@ -10,7 +10,9 @@ Rules:
    while one is being made, while a hold forbids it (`state.HOLDS`), or while the session is not open.
 3. It counts once every copying batch completed without error; then the log up to k and older copies are dropped
    (lineage.py rule 4). A failed copy (a report of kind COPY) makes it fail: its copies are dropped and a new one
-   is forced. Uploads' copies (made at their adopt, pipeline.py) count the same way.
+   is forced. Uploads' copies (made at their adopt, pipeline.py) count the same way, except that a failed copy to
+   the backup worker (`ErrorReport.peer`: it may have been lost) leaves the primary's own copy, and forces a
+   snapshot to protect the upload again.
 4. Remote copies go to another node than the primary's (`Pool.backup_for`): losing a whole node leaves a copy of
    every device it hosted. With no other worker to keep copies on, the session is not protected: its log and
    copies are dropped.
@@ -193,12 +195,20 @@ class Snapshots:
             self.maybe(step, s)
 
     def copy_failed(self, rec: Lineage, w: Worker, e: m.ErrorReport) -> None:
-        """A copy of this worker's failed (kind COPY): the copies it made are no good. STALE_COPY (rule 6): the copy
-        of tensor `e.tid` could not be kept: it is copied from now on."""
+        """A copy of this worker's failed (kind COPY): the copies it made are no good, except that an upload's copy
+        to another worker (`e.peer`) leaves the one it made of its own devices, and a snapshot is forced.
+        STALE_COPY (rule 6): the copy of tensor `e.tid` could not be kept: it is copied from now on."""
         if e.kind == m.ErrorKind.STALE_COPY:
             rec.unkeepable.add(e.tid)
         for copies in (rec.taking, *rec.adopts.values()):
-            if copies is not None and copies.pending.get(w.id) == e.seq:
+            if copies is None or copies.pending.get(w.id) != e.seq:
+                continue
+            if e.peer and copies is not rec.taking:
+                for d, holders in copies.holders.items():
+                    if holders[:1] == [w.id]:
+                        copies.holders[d] = [w.id]
+                rec.force = True
+            else:
                 copies.failed = e.message
 
     # ------------------------------------------------------------ what waits
