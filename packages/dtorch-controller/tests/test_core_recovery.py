@@ -961,6 +961,29 @@ def test_an_upload_whose_copy_its_worker_did_not_finish_cannot_be_rebuilt(make_h
         "every copy of the upload of tensor 5 was on lost workers"]
 
 
+def test_a_replicated_upload_whose_worker_did_not_finish_its_copy_is_restored_from_a_replicas(make_harness):
+    """lineage.py rule 3: the lost worker's own copy may be partial, but a replicated upload's other devices hold the
+    same value: the rebuild restores the lost device from a replica's copy (`CmdFetchShards.rename`)."""
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8], placements=("R",))), add_(5)])
+    h.take_sent()
+    victim = s.devices[1]
+    h.report(s.devices[0])  # device 0's copies are done; device 1's worker never finishes its batch
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    assert s.state == "recovering"
+    sent = []
+    for _ in range(4):
+        h.report_all()
+        sent += h.take_sent()
+    assert s.state == "open" and victim not in s.devices.values()
+    restores = {(tuple(c.devices), tuple(c.rename.items())) for c in cmds_of(sent, kind=m.CmdFetchShards)
+                if 5 in [t for tids in c.devices.values() for t in tids]}
+    assert restores == {((0,), ()), ((0,), ((0, 1),))}  # device 1 from device 0's copy
+    _, reply = h.sync(sid, 1)
+    assert reply.done and reply.errors == []
+
+
 def test_an_upload_whose_every_copy_was_lost_cannot_be_rebuilt(make_harness):
     """lineage.py rule 3, recovery.py rule 1: a session is rebuilt only when every upload in its log has a live
     copy of each device's shards."""

@@ -176,6 +176,9 @@ def test_backup_to_a_peer_and_restore_keeps_values_and_views(pair):
     # a local restore, and closing the session drops its derived namespaces too
     wait(a, send(a, s, CmdFetchShards(devices={1: [1]}, namespace=f"{s}#s1")))
     assert torch.equal(a.store.get((s, 1, 1)), torch.arange(12.0).reshape(4, 3))
+    # a replica's copy restores another device (`rename`), from the peer's copy as from a local one
+    wait(b, send(b, s, CmdFetchShards(devices={1: [1]}, namespace=f"{s}#s1", address=a.address, rename={1: 3})))
+    assert torch.equal(b.store.get((s, 1, 3)), torch.arange(12.0).reshape(4, 3)) and (s, 1, 1) not in b.store
     wait(b, send(b, s, CmdFetchShards(devices={0: [9]}, namespace=f"{s}#s1", address=a.address)))
     (err,) = b.executor.take_errors()[s]
     assert err.op.startswith("restore shards") and "tensor 9" in err.message

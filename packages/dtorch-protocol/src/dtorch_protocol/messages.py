@@ -49,7 +49,8 @@ PROTOCOL_VERSION = "1.11"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Kee
 # SyncReply.memory_cap; GroupOp.ranks, and GroupOp's layout and lengths in short forms (O(1) per rank, not
 # O(ranks), where they are regular); 1.10: InstrCall.default_dtype and CmdRun.default_dtype (an op runs under the
 # client's `torch.set_default_dtype`); 1.11: CmdFence (a lost worker is fenced by the workers that shared a session
-# with it, whether or not the session is rebuilt), ErrorReport.peer (where a failed copy went)
+# with it, whether or not the session is rebuilt), ErrorReport.peer (where a failed copy went), CmdFetchShards.rename
+# (a replicated upload's device restored from a replica's copy)
 
 
 class ErrorKind(str, enum.Enum):
@@ -634,6 +635,7 @@ class CmdFetchShards(Struct, frozen=True, tag="fetch"):
     namespace: str
     address: str = ""
     move: list[int] = []
+    rename: dict[int, int] = {}  # a device's copies are stored as another's: a replica's restore (1.11)
 
 
 class CmdAbandon(Struct, frozen=True, tag="abandon"):

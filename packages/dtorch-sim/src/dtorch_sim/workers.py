@@ -485,7 +485,7 @@ class Worker:
                     self._error(batch.session, batch.seq, FETCH_OP, f"shard of tensor {tid} on device {d} is not "
                                                                     f"in {cmd.namespace} at {source.address}", kind)
                     continue
-                self._put(batch.session, (tid, d), b)
+                self._put(batch.session, (tid, cmd.rename.get(d, d)), b)
                 nbytes += b
         gbps = cost.network_gbps if remote else cost.host_gbps
         seconds = nbytes * 8 / (gbps * 1e9)

@@ -794,7 +794,7 @@ class Executor:
                                                                     timeout_s=0.0, move=list(cmd.move)),
                                          session)
         for tid, dev, shard in got:
-            self.store.put((session, tid, dev), shard)
+            self.store.put((session, tid, cmd.rename.get(dev, dev)), shard)
         if cmd.move:  # the devices are here again (they may have left this worker before)
             self.store.clear_moved(session, list(cmd.move))
 

@@ -14,8 +14,10 @@ Rules:
    the adopt in the stream, kept while the adopt is in the log. The copies are made in the background
    (`CmdSendShards.background`: the worker's next commands do not wait, bounded bytes in flight); they count
    as complete when the adopt's batch does. A worker lost before its batch did leaves no copy of its own
-   devices' shards (the backup may be partial); a rebuild waits for the copies live workers are making
-   (recovery.py rule 1), and a copy to a lost backup worker leaves the primary's own (snapshots.py rule 3).
+   devices' shards (the backup may be partial): a replica's copy stands in for them where the upload is
+   replicated (`upload_source`, restored with `CmdFetchShards.rename`). A rebuild waits for the copies live
+   workers are making (recovery.py rule 1), and a copy to a lost backup worker leaves the primary's own
+   (snapshots.py rule 3).
 4. Copies live on workers under namespaces derived from the session id (`{session}#s{n}` for snapshot
    n, `{session}#a{n}` for uploads adopted in window n); the log is truncated and older namespaces are
    dropped when a newer snapshot is complete. Memory is bounded by two copies of the session's live
@@ -224,6 +226,25 @@ def copy_source(copies: Copies, device: int, target: str, alive: Callable[[str],
     return holders[0] if holders else None
 
 
+def upload_source(copies: Copies, spec: m.TensorSpec, mesh: Mesh, device: int, target: str,
+                  alive: Callable[[str], bool]) -> tuple[int, str] | None:
+    """Where `target` restores `device`'s shard of an upload from: (the device whose copy it takes, a live holder of
+    it). Its own copy when one is live; else a replica's, a device of the mesh whose shard is the same box of the
+    same value (no Partial placement), as when the lost worker's own copy was partial (rule 3)."""
+    source = copy_source(copies, device, target, alive)
+    if source is not None:
+        return device, source
+    placements = parse_placements(tuple(spec.placements))
+    if device not in mesh.coord or any(p.is_partial() for p in placements):
+        return None
+    box = shard_box(tuple(spec.shape), mesh.shape, placements, mesh.coord[device])
+    for other in mesh.devices:
+        if other != device and shard_box(tuple(spec.shape), mesh.shape, placements, mesh.coord[other]) == box \
+                and (source := copy_source(copies, other, target, alive)) is not None:
+            return other, source
+    return None
+
+
 def copy_upload(s: Session, rec: Lineage, instr: m.InstrAdopt, seq: int, now: float, cmds: dict[str, list[m.Cmd]],
                 backup_for: Callable[[str], str | None], address: Callable[[str], str]) -> Copies | None:
     """Append to `cmds` the copies of an upload at its adopt (rule 3: on its worker and on `backup_for` it)."""
@@ -263,8 +284,10 @@ def restore_upload(s: Session, rec: Lineage, instr: m.InstrAdopt, cmds: dict[str
         return
     for d in mesh.devices:
         target = s.devices[d]
-        source = copy_source(copies, d, target, alive)
-        if source is None:
+        found = upload_source(copies, instr.spec, mesh, d, target, alive)
+        if found is None:
             continue  # checked before the rebuild started; a read of it will say it is missing
+        of, source = found
         cmds.setdefault(target, []).append(m.CmdFetchShards(
-            devices={d: [instr.tid]}, namespace=copies.namespace, address="" if source == target else address(source)))
+            devices={of: [instr.tid]}, namespace=copies.namespace, address="" if source == target else address(source),
+            rename={of: d} if of != d else {}))

@@ -37,7 +37,7 @@ import msgspec
 
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import state as st
-from dtorch_controller.core.lineage import Lineage, copy_source, instr_tids, tensors_on
+from dtorch_controller.core.lineage import Lineage, copy_source, instr_tids, tensors_on, upload_source
 from dtorch_controller.core.model import Cluster, Session, Worker
 from dtorch_controller.core.moves import Moves
 from dtorch_controller.core.pipeline import Cmds, Pipeline
@@ -186,7 +186,7 @@ class Recovery:
                         continue  # refused: nothing to restore
                     mesh = s.meshes.get(instr.spec.mesh)
                     for d in mesh.devices if mesh else ():
-                        if not any(self.cluster.alive(h) for h in copies.holders.get(d, [])):
+                        if upload_source(copies, instr.spec, mesh, d, "", self.cluster.alive) is None:
                             return f"every copy of the upload of tensor {instr.tid} was on lost workers"
         return None
 
@@ -371,8 +371,8 @@ class Recovery:
         for b in rec.sent_batches():
             for instr in b.instrs:
                 copies = rec.adopts.get(instr.tid) if isinstance(instr, m.InstrAdopt) else None
-                if copies is not None and copies.tensors:
-                    needed += list(copies.holders.values())
+                if copies is not None and copies.tensors:  # a device with none takes a replica's (lineage rule 3)
+                    needed += [holders for holders in copies.holders.values() if holders]
         workers = self.cluster.workers
         return any(not any(workers[h].state in ok for h in holders if self.cluster.alive(h)) for holders in needed)
 
