@@ -1031,6 +1031,22 @@ def test_a_lost_workers_peers_are_fenced_at_once_whether_or_not_the_session_is_r
         assert h.sync(sid, 2)[1].done
 
 
+def test_a_worker_restarting_at_a_fenced_address_has_it_lifted_on_every_live_worker(make_harness):
+    """recovery.py rule 6: the old worker was declared lost and fenced; a new one registering at its address (a
+    restart) is reachable again: every other live worker gets CmdFence(lifted=[address]), once."""
+    h, ids, sid = setup(make_harness, every=2)
+    victim = session(h, sid).devices[1]
+    address = h.core.workers[victim].address
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    h.take_sent()
+    new = h.register(address)
+    lifts = [(e.worker_id, e.execute.cmds) for e in h.take_sent() if any(type(c) is m.CmdFence for c in e.execute.cmds)]
+    assert sorted(lifts) == sorted((w, [m.CmdFence(lifted=[address])]) for w in ids if w != victim)
+    assert new not in {w for w, _ in lifts}
+    h.register("10.0.0.9:7000")  # an address never fenced: nothing to lift
+    assert not [e for e in h.take_sent() if any(type(c) is m.CmdFence for c in e.execute.cmds)]
+
+
 def test_an_uploads_copy_to_a_lost_backup_leaves_its_primarys_and_the_rebuild_waits_for_it(make_harness):
     """recovery.py rule 1, snapshots.py rule 3: the survivor still copying an upload to the lost worker (its backup)
     is waited for, not given up on; its copy fails once fenced (ErrorReport.peer), its own copy stands, and the

@@ -304,10 +304,14 @@ def test_a_fence_ends_a_copy_to_a_peer_that_never_answers_and_the_report_names_t
         time.sleep(0.5)
         assert not a.executor.wait_completed(seq, 0.1)  # waits on the silent peer
         started = time.monotonic()
-        wait(a, send(a, f"{s}#fence", CmdFence(addresses=[address])))
+        wait(a, send(a, "#fence", CmdFence(addresses=[address])))
         assert time.monotonic() - started < 10
         (err,) = a.executor.take_errors()[s]
         assert (err.kind, err.peer, err.seq) == (ErrorKind.COPY, address, seq)
+        with pytest.raises(ConnectionError, match="fenced"):
+            a.executor.peers.stub(address)
+        wait(a, send(a, "#fence", CmdFence(lifted=[address])))  # a worker restarted there: reachable again
+        assert a.executor.peers.stub(address) is not None
     finally:
         silent.close()
 

@@ -652,15 +652,17 @@ class CmdAbandon(Struct, frozen=True, tag="abandon"):
 
 
 class CmdFence(Struct, frozen=True, tag="fence"):
-    """The workers at `addresses` were declared lost (1.11).
+    """The workers at `addresses` were declared lost; new workers registered at `lifted` (1.11).
 
-    Acts when the batch ARRIVES, for every session on this worker: calls in flight to them end now, groups with a
-    member at one of them are aborted (their waits end, their ops fail), and they are never reached again. Sent to
-    the workers that shared a session with a lost worker, whether or not the session is rebuilt: nothing of theirs
-    waits on a worker that will never answer (a stopped one keeps its connections open).
+    Acts when the batch ARRIVES, for every session on this worker: calls in flight to `addresses` end now, groups
+    with a member at one of them are aborted (their waits end, their ops fail), and they are not reached again until
+    a CmdFence lifts the address (a worker restarting at it, once the old one was declared lost). Sent to the workers
+    that shared a session with a lost worker, whether or not the session is rebuilt: nothing of theirs waits on a
+    worker that will never answer (a stopped one keeps its connections open).
     """
 
-    addresses: list[str]
+    addresses: list[str] = []
+    lifted: list[str] = []
 
 
 class CmdRebuilt(Struct, frozen=True, tag="rebuilt"):

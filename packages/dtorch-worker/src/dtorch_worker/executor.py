@@ -254,6 +254,7 @@ class Executor:
         """
         for fence in (c for c in batch.cmds if isinstance(c, CmdFence)):
             self.fence(fence.addresses)
+            self.peers.lift(fence.lifted)
         abandon = next((c for c in batch.cmds if isinstance(c, CmdAbandon)), None)
         with self._cond:
             if self._stopped or batch.seq <= self._executed or batch.seq in self._pending:

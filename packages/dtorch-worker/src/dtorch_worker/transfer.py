@@ -232,7 +232,7 @@ class PeerPool:
         return cap
 
     def fence(self, addresses: Iterable[str]) -> None:
-        """Never talk to these addresses again; calls in flight to them end now."""
+        """Talk to these addresses no more (until `lift`ed); calls in flight to them end now."""
         with self._lock:
             stubs = []
             for a in addresses:
@@ -241,6 +241,11 @@ class PeerPool:
                     stubs.append(self._stubs.pop(a))
         for stub in stubs:
             stub.close()
+
+    def lift(self, addresses: Iterable[str]) -> None:
+        """A new worker registered at these addresses (their old one was declared lost): reach them again."""
+        with self._lock:
+            self._fenced.difference_update(addresses)
 
     def fenced(self, address: str) -> bool:
         with self._lock:

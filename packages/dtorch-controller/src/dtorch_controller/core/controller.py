@@ -515,6 +515,7 @@ class ControllerCore:
                                              "restarting there is accepted once that one is declared lost", "conflict")
         w = self.cluster.add_worker(msg, step.now)
         step.note(f"worker {w.id} registered at {msg.address} ({msg.device_type})")
+        self.recovery.worker_registered(step, w)
         step.emit(fx.SetTimer(step.now + self.config.suspect_after_s, tk.Heartbeat(w.id)))
         self._apply(step, self.sched.add_worker(step.now, w))
         step.reply(e.request_id, m.Registered(worker=w.id, heartbeat_interval_s=self.config.heartbeat_interval_s))

@@ -24,9 +24,10 @@ Rules:
 5. A running move of the session stops (moves.py rule 4); the move's target may hold shards of the session and
    is reset too.
 6. Whether or not the session is rebuilt, its other live workers (hosts, holders of its copies) get CmdFence for the
-   lost worker at once, one each (under a namespace of the session's: no Sync waits for it): a stopped worker keeps
-   its connections open, and a copy or a collective waiting on it would otherwise hold their streams (and the
-   session's next Sync) until its own timeout.
+   lost worker at once, one each (under the namespace FENCES: no Sync waits for it): a stopped worker keeps its
+   connections open, and a copy or a collective waiting on it would otherwise hold their streams (and the
+   session's next Sync) until its own timeout. A worker that registers at a fenced address (a restart) has it
+   lifted on every live worker (`CmdFence.lifted`), which reach it again.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from dtorch_controller.core.scheduler import Scheduler
 from dtorch_controller.core.snapshots import Snapshots
 from dtorch_controller.core.step import Step
 from dtorch_protocol import messages as m
+
+FENCES = "#fence"  # the namespace CmdFence goes under (no session's: it acts for all of them)
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Recovery:
         self.snapshots = snapshots
         self.moves = moves
         self.rebuilds: dict[str, Rebuild] = {}
+        self.fenced: set[str] = set()  # addresses of lost workers, until a worker registers there again (rule 6)
 
     @property
     def enabled(self) -> bool:
@@ -84,12 +88,11 @@ class Recovery:
 
     def worker_lost(self, step: Step, w: Worker, reason: str) -> None:
         """`w` was just declared lost: rebuild the sessions that used it, or report what they lost (rules 1-3)."""
-        fence: dict[str, str] = {}  # live worker -> a session they shared with `w` (rule 6)
+        fence: set[str] = set()  # the live workers that shared a session with `w` (rule 6)
         for sid in sorted(self.cluster.sessions):
             s = self.cluster.sessions[sid]
             rec = self.pipeline.recs.get(sid)
-            for wid in self._sharing(s, rec, w):
-                fence.setdefault(wid, sid)
+            fence.update(self._sharing(s, rec, w))
             bound = w.id in s.devices.values()
             uses = bound or self.moves.involves(sid, w.id)
             if not bound:  # what it sent there (a move's source) is not waited for; the core may forget `w`
@@ -114,8 +117,18 @@ class Recovery:
                 self.moves.sources_lost(step, s)
                 if bound:
                     self._report_loss(step, s, w, reason, why)
+        self.fenced.add(w.address)
         for wid in self.cluster.order(fence):  # outside the sessions' streams: no Sync waits for it
-            self.pipeline.send_raw(step, wid, f"{fence[wid]}#fence", [m.CmdFence(addresses=[w.address])])
+            self.pipeline.send_raw(step, wid, FENCES, [m.CmdFence(addresses=[w.address])])
+
+    def worker_registered(self, step: Step, w: Worker) -> None:
+        """Rule 6: a worker registered at a fenced address (a restart, once the old one was lost): every other live
+        worker may reach that address again."""
+        if w.address in self.fenced:
+            self.fenced.discard(w.address)
+            others = [x.id for x in self.cluster.workers.values() if x is not w and x.state != st.LOST]
+            for wid in self.cluster.order(others):
+                self.pipeline.send_raw(step, wid, FENCES, [m.CmdFence(lifted=[w.address])])
 
     def _sharing(self, s: Session, rec: Lineage | None, w: Worker) -> list[str]:
         """The session's other live workers (hosts, holders of its copies) when `w` was one of its workers."""
