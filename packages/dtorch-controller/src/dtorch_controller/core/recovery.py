@@ -27,7 +27,7 @@ Rules:
    lost worker at once, one each (under the namespace FENCES: no Sync waits for it): a stopped worker keeps its
    connections open, and a copy or a collective waiting on it would otherwise hold their streams (and the
    session's next Sync) until its own timeout. A worker that registers at a fenced address (a restart) has it
-   lifted on every live worker (`CmdFence.lifted`), which reach it again.
+   lifted (`CmdFence.lifted`) on the live workers that were told to fence it: they reach it again.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Recovery:
         self.snapshots = snapshots
         self.moves = moves
         self.rebuilds: dict[str, Rebuild] = {}
-        self.fenced: set[str] = set()  # addresses of lost workers, until a worker registers there again (rule 6)
+        self.fenced: dict[str, set[str]] = {}  # a lost worker's address -> the workers told, until one registers there
 
     @property
     def enabled(self) -> bool:
@@ -117,18 +117,16 @@ class Recovery:
                 self.moves.sources_lost(step, s)
                 if bound:
                     self._report_loss(step, s, w, reason, why)
-        self.fenced.add(w.address)
+        self.fenced.setdefault(w.address, set()).update(fence)
         for wid in self.cluster.order(fence):  # outside the sessions' streams: no Sync waits for it
             self.pipeline.send_raw(step, wid, FENCES, [m.CmdFence(addresses=[w.address])])
 
     def worker_registered(self, step: Step, w: Worker) -> None:
-        """Rule 6: a worker registered at a fenced address (a restart, once the old one was lost): every other live
-        worker may reach that address again."""
-        if w.address in self.fenced:
-            self.fenced.discard(w.address)
-            others = [x.id for x in self.cluster.workers.values() if x is not w and x.state != st.LOST]
-            for wid in self.cluster.order(others):
-                self.pipeline.send_raw(step, wid, FENCES, [m.CmdFence(lifted=[w.address])])
+        """Rule 6: a worker registered at a fenced address (a restart, once the old one was lost): the live workers
+        that were told to fence it may reach that address again."""
+        told = [wid for wid in self.fenced.pop(w.address, ()) if wid != w.id and self.cluster.alive(wid)]
+        for wid in self.cluster.order(told):
+            self.pipeline.send_raw(step, wid, FENCES, [m.CmdFence(lifted=[w.address])])
 
     def _sharing(self, s: Session, rec: Lineage | None, w: Worker) -> list[str]:
         """The session's other live workers (hosts, holders of its copies) when `w` was one of its workers."""
