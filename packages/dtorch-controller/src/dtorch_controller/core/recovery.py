@@ -92,8 +92,9 @@ class Recovery:
         for sid in sorted(self.cluster.sessions):
             s = self.cluster.sessions[sid]
             rec = self.pipeline.recs.get(sid)
-            fence.update(self._sharing(s, rec, w))
             bound = w.id in s.devices.values()
+            if bound or w.id in s.sent or rec is not None and any(w.id in ws for ws in rec.namespaces.values()):
+                fence.update(self._others(s, rec, w))
             uses = bound or self.moves.involves(sid, w.id)
             if not bound:  # what it sent there (a move's source) is not waited for; the core may forget `w`
                 s.sent.pop(w.id, None)
@@ -128,12 +129,10 @@ class Recovery:
         for wid in self.cluster.order(told):
             self.pipeline.send_raw(step, wid, FENCES, [m.CmdFence(lifted=[w.address])])
 
-    def _sharing(self, s: Session, rec: Lineage | None, w: Worker) -> list[str]:
-        """The session's other live workers (hosts, holders of its copies) when `w` was one of its workers."""
-        workers = set(s.devices.values()) | set(s.sent)
-        for holders in rec.namespaces.values() if rec is not None else ():
-            workers |= holders
-        return [wid for wid in workers if wid != w.id and self.cluster.alive(wid)] if w.id in workers else []
+    def _others(self, s: Session, rec: Lineage | None, w: Worker) -> list[str]:
+        """The session's live workers (hosts, holders of its copies) other than `w`."""
+        workers = set(s.devices.values()).union(s.sent, *(rec.namespaces.values() if rec is not None else ()))
+        return [wid for wid in workers if wid != w.id and self.cluster.alive(wid)]
 
     def _forget_copies_on(self, step: Step, s: Session, rec: Lineage, w: Worker) -> None:
         held = False
