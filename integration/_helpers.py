@@ -100,7 +100,7 @@ def run_scenario(script: str, *args: str, env: dict | None = None, timeout: floa
     """Run integration/`script` in a process (and embedded cluster) of its own; the JSON line it ends with.
 
     A run still going after `timeout` is aborted with faulthandler on: the failure shows where each of its threads
-    waited, and where the embedded cluster's logs are kept."""
+    waited."""
     full_env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"} | (env or {})
     proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / script), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=full_env | {"PYTHONFAULTHANDLER": "1"})

@@ -269,19 +269,25 @@ def test_a_peer_that_never_arrives_fails_within_the_bound_naming_it(workers):
         assert errors[0].src == "train.py:9" and errors[0].op == "redistribute", errors
 
 
-def test_abandon_ends_a_wait_at_once_and_fences_the_groups(workers):
-    cluster = Cluster(workers, session="sess-abandon")
-    binding = {0: "w0", 1: "w1"}
+def stuck_all_gather(cluster: Cluster, timeout_s: float) -> dict[str, int]:
+    """Tensor 40 (Shard(0) on w0, w1) all-gathered into 41, where w1 joins the group but never runs the op: w0's
+    batch is left waiting for it (checked); returns the batches' seqs."""
     for d in range(2):
-        cluster.worker[binding[d]].store.put(("sess-abandon", 40, d), torch.ones(2))
-    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), tuple(sorted(binding.items())),
+        cluster.worker[f"w{d}"].store.put((cluster.session, 40, d), torch.ones(2))
+    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), ((0, "w0"), (1, "w1")),
                          (("w0", "cpu", True), ("w1", "cpu", True), ("w2", "cpu", True)))
     shapes = ({d: [2] for d in range(2)}, {d: [4] for d in range(2)})
-    cmds = lowering.commands(low, cluster.groups, cluster.members, 40, 41, "float32", shapes, timeout_s=10.0)
+    cmds = lowering.commands(low, cluster.groups, cluster.members, 40, 41, "float32", shapes, timeout_s=timeout_s)
     cmds["w1"] = [c for c in cmds["w1"] if isinstance(c, CmdGroup)]  # w1 never runs the op: w0 waits
     seqs = cluster.send(cmds)
     time.sleep(0.5)
-    assert not workers[0].executor.wait_completed(seqs["w0"], 0.1)  # in flight: the batch is not complete
+    assert not cluster.worker["w0"].executor.wait_completed(seqs["w0"], 0.1)  # in flight: the batch is not complete
+    return seqs
+
+
+def test_abandon_ends_a_wait_at_once_and_fences_the_groups(workers):
+    cluster = Cluster(workers, session="sess-abandon")
+    seqs = stuck_all_gather(cluster, timeout_s=10.0)
     cluster.send({"w0": [CmdAbandon(tids=[41])]})
     assert workers[0].executor.wait_completed(seqs["w0"], 8.0)  # before the group's 10 s timeout ran out
     assert not workers[0].executor.take_errors().get("sess-abandon")  # abandoned work reports nothing
@@ -300,17 +306,8 @@ def test_a_fence_of_a_member_ends_the_wait_for_it_at_once_from_any_namespace(wor
     waiting for it fails at once, saying why, though the fence came in a batch of another namespace (the
     controller sends one per worker). The session is not rebuilt here: the failure is reported."""
     cluster = Cluster(workers, session="sess-fenced")
-    for d in range(2):
-        cluster.worker[f"w{d}"].store.put(("sess-fenced", 40, d), torch.ones(2))
-    low = lowering.lower((4,), "float32", ((0, 1), (2,)), (Shard(0),), (Replicate(),), ((0, "w0"), (1, "w1")),
-                         (("w0", "cpu", True), ("w1", "cpu", True), ("w2", "cpu", True)))
-    shapes = ({d: [2] for d in range(2)}, {d: [4] for d in range(2)})
-    cmds = lowering.commands(low, cluster.groups, cluster.members, 40, 41, "float32", shapes, timeout_s=20.0)
-    cmds["w1"] = [c for c in cmds["w1"] if isinstance(c, CmdGroup)]  # w1 never runs the op: w0 waits
-    seqs = cluster.send(cmds)
-    time.sleep(0.5)
-    assert not workers[0].executor.wait_completed(seqs["w0"], 0.1)  # in flight
-    Cluster(workers, session="sess-fenced#fence").send({"w0": [CmdFence(addresses=[workers[1].address])]})
+    seqs = stuck_all_gather(cluster, timeout_s=20.0)
+    Cluster(workers, session="#fence").send({"w0": [CmdFence(addresses=[workers[1].address])]})
     assert workers[0].executor.wait_completed(seqs["w0"], 8.0)  # long before the group's 20 s timeout
     value = workers[0].store.get(("sess-fenced", 41, 0))
     assert isinstance(value, Poison) and "was aborted (a member was declared lost)" in value.report.message

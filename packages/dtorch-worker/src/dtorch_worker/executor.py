@@ -252,10 +252,13 @@ class Executor:
         the session is waiting for now (shards, peers' reads, pulls) ends, so its rebuild starts promptly. So does a
         CmdFence: nothing here waits on the lost workers it names any more.
         """
-        for fence in (c for c in batch.cmds if isinstance(c, CmdFence)):
-            self.fence(fence.addresses)
-            self.peers.lift(fence.lifted)
-        abandon = next((c for c in batch.cmds if isinstance(c, CmdAbandon)), None)
+        abandon = None
+        for c in batch.cmds:  # one look at each command: every batch comes this way
+            if type(c) is CmdFence:
+                self.fence(c.addresses)
+                self.peers.lift(c.lifted)
+            elif type(c) is CmdAbandon and abandon is None:
+                abandon = c
         with self._cond:
             if self._stopped or batch.seq <= self._executed or batch.seq in self._pending:
                 return False

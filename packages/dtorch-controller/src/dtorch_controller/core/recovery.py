@@ -118,7 +118,8 @@ class Recovery:
                 self.moves.sources_lost(step, s)
                 if bound:
                     self._report_loss(step, s, w, reason, why)
-        self.fenced.setdefault(w.address, set()).update(fence)
+        if fence:
+            self.fenced.setdefault(w.address, set()).update(fence)
         for wid in self.cluster.order(fence):  # outside the sessions' streams: no Sync waits for it
             self.pipeline.send_raw(step, wid, FENCES, [m.CmdFence(addresses=[w.address])])
 
