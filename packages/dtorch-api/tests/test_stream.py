@@ -90,8 +90,9 @@ def test_sync_flushes_then_waits_until_done_yielding_each_reply(stream, controll
 def test_a_sync_carries_the_last_batch_in_its_first_call_only(stream, controller):
     controller.sync_replies = [m.SyncReply(done=False), m.SyncReply(done=True)]
     instrs = [create(t) for t in range(1, _stream.MAX_BATCH + 4)]
-    for i in instrs:
-        stream.emit(i)
+    with stream._send_lock:  # the sender thread (every POLL_S) would send part of them while they are emitted
+        for i in instrs:
+            stream.emit(i)
     list(stream.sync(30.0))
     assert [b.seq for b in controller.requests("Submit")] == [1]  # the full batch before; the last one rides along
     first, second = controller.requests("Sync")
