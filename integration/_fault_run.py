@@ -7,7 +7,9 @@ after step --at, so the survivors' next all-reduce waits for it, then SIGKILL it
 middle of that all-reduce) | stop (SIGSTOP it instead;
 SIGCONT it after the run: it must exit, fenced) | drain (drain it, from another thread, while training
 goes on) | migrate (move logical device 1 to the spare worker, idem) | kill2 (SIGKILL two workers at
-once: more than the copies survive). --graph: the step runs as a graph (`dtorch.compile(mode="graph")`, with
+once: more than the copies survive) | kill_after_upload (the inputs are sharded, Shard(0), and the worker of
+logical device 1 is SIGKILLed right after step --at + 1 uploaded them, before their copies for recovery are made:
+the client is asked for them again). --graph: the step runs as a graph (`dtorch.compile(mode="graph")`, with
 `dtorch.optim.AdamW`) in both runs. Prints one JSON line: the losses
 and final weights of both runs, what happened, and timings. Every wait is bounded.
 """
@@ -26,7 +28,7 @@ import torch
 import torch.nn as nn
 
 import dtorch
-from dtorch import Replicate, runtime
+from dtorch import Replicate, Shard, runtime
 from dtorch.nn import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
@@ -48,10 +50,11 @@ def where(device: int) -> str:
     return next(s for s in status.sessions if s.session == session.id).devices[device]
 
 
-def train(mesh, steps: int, at: int, action=None, box=None, preload=False, graph=False):
+def train(mesh, steps: int, at: int, action=None, box=None, preload=False, graph=False, after_upload=False):
     """`preload`: every batch is uploaded before the first step, so a step needs no upload (a stopped worker
     then holds up the collectives, not the client's uploads). `graph`: the step is a graph; returns how many
-    calls ran as one in `box["graphed"]`."""
+    calls ran as one in `box["graphed"]`. `after_upload`: the inputs are sharded, and `action` runs between the
+    uploads of step `at` + 1 and its first op."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -72,12 +75,15 @@ def train(mesh, steps: int, at: int, action=None, box=None, preload=False, graph
         data = [(dtorch.distribute_tensor(x, mesh, [Replicate()]), dtorch.distribute_tensor(y, mesh, [Replicate()]))
                 for x, y in data]
     losses = []
+    layout = [Shard(0)] if after_upload else [Replicate()]
     for step in range(steps):
         x, y = data[step]
-        xd = x if preload else dtorch.distribute_tensor(x, mesh, [Replicate()])
-        yd = y if preload else dtorch.distribute_tensor(y, mesh, [Replicate()])
+        xd = x if preload else dtorch.distribute_tensor(x, mesh, layout)
+        yd = y if preload else dtorch.distribute_tensor(y, mesh, layout)
+        if action is not None and after_upload and step == at + 1:
+            action()
         losses.append(step_fn(xd, yd).item())
-        if action is not None and step == at:
+        if action is not None and not after_upload and step == at:
             action()
         if box is not None and box.get("slow"):
             time.sleep(0.4)  # leave the operator time to act during the run
@@ -105,7 +111,9 @@ def main() -> None:
     dtorch.connect(args.controller or None, workers=args.workers)
     mesh = dtorch.DeviceMesh("cpu", [0, 1, 2])  # one logical device per worker (a 4th stays spare)
     preload = args.mode == "kill_in_collective"
-    clean_losses, clean_weights = train(mesh, args.steps, args.at, preload=preload, graph=args.graph)
+    after_upload = args.mode == "kill_after_upload"
+    clean_losses, clean_weights = train(mesh, args.steps, args.at, preload=preload, graph=args.graph,
+                                        after_upload=after_upload)
     info: dict = {"mode": args.mode}
 
     def kill() -> None:
@@ -167,10 +175,11 @@ def main() -> None:
         in_background(lambda: dtorch.migrate(1, spare, timeout_s=60))
 
     action = {"clean": None, "kill": kill, "stop": stop, "kill2": kill2, "drain": drain, "migrate": migrate,
-              "cli": cli, "kill_in_collective": kill_in_collective}[args.mode]
+              "cli": cli, "kill_in_collective": kill_in_collective, "kill_after_upload": kill}[args.mode]
     t0 = time.monotonic()
     try:
-        losses, weights = train(mesh, args.steps, args.at, action, box, preload=preload, graph=args.graph)
+        losses, weights = train(mesh, args.steps, args.at, action, box, preload=preload, graph=args.graph,
+                                after_upload=after_upload)
         info["error"] = None
     except Exception as e:  # noqa: BLE001 - the unrecoverable case: one clear line
         losses, weights = [], {}

@@ -69,6 +69,18 @@ def test_sigkill_in_the_middle_of_an_all_reduce_neither_hangs_the_survivors_nor_
     assert any("recovered in" in line for line in info["events"]), info["events"]
 
 
+def test_uploads_only_the_killed_worker_had_are_asked_of_the_client_again_and_the_results_stay_exact():
+    """The step's sharded inputs reached the victim, which is killed before it made their copies for recovery: no
+    copy and no replica holds its shards, so the rebuild asks the client, which still keeps them, to upload them
+    again (before: the session could not be rebuilt, and lost them)."""
+    result = run("kill_after_upload")
+    assert_same_as_fault_free(result)
+    info = result["info"]
+    assert info["workers"][info["victim"]] == "lost" and info["victim"] not in info["devices"].values()
+    assert any("asks its client for" in line for line in info["events"]), info["events"]
+    assert any("recovered in" in line for line in info["events"]), info["events"]
+
+
 def test_a_sigstopped_worker_is_treated_the_same_and_exits_when_it_wakes():
     result = run("stop")
     assert_same_as_fault_free(result)

@@ -163,3 +163,39 @@ def test_a_tensor_written_through_a_view_is_never_restored_from_a_kept_stale_cop
                               "DTORCH_SNAPSHOT_BATCHES": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines() == ["values [4.0] [4.0]", "aliased [5.0]"]
+
+
+UPLOAD_THEN_KILL = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    import dtorch
+    from dtorch import Shard, runtime
+
+    dtorch.connect(workers=2)
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    x = dtorch.ones(8, 4, device_mesh=mesh, placements=[Shard(0)])
+    x.to_torch()  # a snapshot: the session can be rebuilt
+    src = torch.arange(32.0).reshape(8, 4)
+    u = dtorch.distribute_tensor(src, mesh, [Shard(0)])  # the killed worker gets its half before it copies it
+    os.kill(runtime.get_session().cluster.procs[2].pid, signal.SIGKILL)
+    if sys.argv[1] == "written":
+        src.add_(1)  # in place, before the next sync point: the client cannot upload it again
+    try:
+        print("value", torch.equal((u + x).to_torch(), torch.arange(32.0).reshape(8, 4) + 1))
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}")
+""")
+
+
+def test_an_upload_the_killed_worker_alone_had_is_uploaded_again_by_the_client():
+    """recovery.py rule 7, `_uploads` rule 2: the client keeps an upload until a sync covers it, and Puts the
+    lost worker's half again when the rebuild asks (before: the session could not be rebuilt); a source written in
+    place since cannot be, and that is one line naming the tensor (`_uploads` rule 3)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}, "DTORCH_SNAPSHOT_BATCHES": "1"}
+    kept, written = (subprocess.run([sys.executable, "-c", UPLOAD_THEN_KILL, how], capture_output=True, text=True,
+                                    timeout=120, env=env) for how in ("kept", "written"))
+    assert kept.returncode == 0 and written.returncode == 0, kept.stderr + written.stderr
+    assert kept.stdout.strip() == "value True", kept.stdout
+    assert re.fullmatch(r"ClusterError: a worker was lost with the only copy of uploaded tensor \d+ on logical devices "
+                        r"\[[01]\], and it cannot be uploaded again: its source tensor was written in place after "
+                        r"the upload\n", written.stdout), written.stdout

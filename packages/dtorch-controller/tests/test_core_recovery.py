@@ -944,21 +944,60 @@ def test_a_queued_migrate_whose_target_went_away_fails_naming_it(make_harness):
     assert s.devices[1] == src
 
 
-def test_an_upload_whose_copy_its_worker_did_not_finish_cannot_be_rebuilt(make_harness):
-    """lineage.py rule 3: an upload's copies count once the adopt's batch completed on its worker; a worker lost
-    before that leaves no copy of its shards (its backup may be partial), and the loss is reported, not rebuilt
-    from nothing."""
+def _rebuild(h, s, rounds=4):
+    sent = []
+    for _ in range(rounds):
+        h.report_all()
+        sent += h.take_sent()
+    return sent
+
+
+@pytest.mark.parametrize("parked", [True, False], ids=["parked-sync", "next-sync"])
+def test_an_upload_whose_copy_its_worker_did_not_finish_is_asked_of_the_client_again(make_harness, parked):
+    """lineage.py rule 3, recovery.py rule 7: an upload's copies count once the adopt's batch completed on its
+    worker; a worker lost before that leaves no copy of its shards. The client still keeps the upload: once the
+    replay went out, the session's parked Sync (else its next one) is answered not done, naming the upload and
+    the device to Put again, once; then the Sync is answered done as usual."""
     h, ids, sid = setup(make_harness, every=100)
     s = session(h, sid)
     h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
     h.take_sent()
     victim = s.devices[1]
     h.report(s.devices[0])  # device 0's copies are done; device 1's worker never finishes its batch
+    rid = h.sync(sid, 1)[0] if parked else None
     h.handle(ev.WorkerUnreachable(victim, "", "killed"))
-    assert s.state == "degraded"
-    _, reply = h.sync(sid, 1)
-    assert [e.message.rpartition("not rebuilt: ")[2] for e in reply.errors] == [
-        "every copy of the upload of tensor 5 was on lost workers"]
+    assert s.state == "recovering"
+    _rebuild(h, s)
+    if not parked:
+        rid, reply = h.sync(sid, 1)
+    reply = h.replies[rid]
+    assert not reply.done and reply.reput == {5: [1]} and reply.locations[1] != h.core.workers[victim].address
+    assert any("asks its client for 1 uploads" in line for line in h.status().events)
+    h.report_all()
+    assert s.state == "open" and victim not in s.devices.values()
+    _, again = h.sync(sid, 1)
+    assert again.done and again.reput == {} and again.errors == []
+
+
+def test_an_upload_whose_batch_had_not_gone_out_is_asked_of_the_client_again_on_the_lost_workers_devices(
+        make_harness):
+    """recovery.py rule 7: the client Put an upload's shards, and its batch waits in the dispatch window behind the
+    worker that is then lost: that worker's device is asked for again, the other device's shard is where the client
+    Put it."""
+    h, ids, sid = setup(make_harness, every=100, dispatch_ahead=1)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1, [8])])
+    h.submit(sid, 2, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])  # waits for batch 1 on both workers
+    assert not h.core.pipeline.recs[sid].log[-1].sent
+    victim = s.devices[1]
+    h.report(s.devices[0])
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    _rebuild(h, s)
+    rid, reply = h.sync(sid, 2)
+    assert not reply.done and reply.reput == {5: [1]}
+    _rebuild(h, s)
+    _, again = h.sync(sid, 2)
+    assert again.done and again.errors == [] and s.state == "open"
 
 
 def test_a_replicated_upload_whose_worker_did_not_finish_its_copy_is_restored_from_a_replicas(make_harness):

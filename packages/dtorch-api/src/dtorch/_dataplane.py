@@ -231,19 +231,30 @@ class DataPlane:
         placements = spec.sharded_instead(Replicate)
         return None if placements == spec.placements else spec.with_placements(placements)
 
-    def write(self, tensor: torch.Tensor, spec: Spec, tid: int) -> None:
-        """Each device's box of the full `tensor` (on the client, of spec's dtype) to its worker, as tensor `tid`."""
+    def write(self, tensor: torch.Tensor, spec: Spec, tid: int, devices: set[int] | None = None) -> None:
+        """Each device's box of the full `tensor` (on the client, of spec's dtype) to its worker, as tensor `tid`.
+        `devices`: only those, Put again (a shard already there is left as it is)."""
         futures = []
         for flat, c in enumerate(coords(spec.mesh.shape)):
+            device = spec.mesh.devices[flat]
+            if devices is not None and device not in devices:
+                continue
             box = shard_box(spec.shape, spec.mesh.shape, spec.placements, c)
             local = tensor[_slices(box)] if holds_value(spec.placements, c) else torch.zeros(
                 [n for _, n in box], dtype=spec.dtype)
-            futures.append(self._pool.submit(self._put, tid, spec.mesh.devices[flat], local))
+            futures.append(self._pool.submit(self._put, tid, device, local, devices is not None))
         for f in futures:
             f.result()
 
-    def _put(self, tid: int, device: int, local: torch.Tensor) -> None:
-        self._relocating(device, lambda address: self._put_to(address, tid, device, local))
+    def _put(self, tid: int, device: int, local: torch.Tensor, again: bool) -> None:
+        def put(address: str) -> None:
+            try:
+                self._put_to(address, tid, device, local)
+            except wire.RemoteError as e:
+                if not again or e.kind != m.ErrorKind.REFUSED:  # Put again: the shard is there already
+                    raise
+
+        self._relocating(device, put)
 
     def _put_to(self, address: str, tid: int, device: int, local: torch.Tensor) -> None:
         dtype, shape = dtype_name(local.dtype), list(local.shape)

@@ -37,6 +37,7 @@ from dtorch._dataplane import DataPlane
 from dtorch._relocate import DeviceLost
 from dtorch._source import user_src
 from dtorch._stream import Stream
+from dtorch._uploads import Uploads
 from dtorch._version import __version__
 from dtorch.errors import env_float
 from dtorch_protocol import auth, wire
@@ -84,6 +85,7 @@ class Session:
         self.emit: Callable[[Any], None] = self._stream.emit  # queue an instruction (or a record); never blocks
         self.release: Callable[[int], None] = self._stream.release  # a DTensor's last reference is gone (batched)
         self._data = DataPlane(self.id, self.timeout, self.status, tls=tls)
+        self._uploads = Uploads()  # kept until a Sync covers them: a rebuild may ask for them again
         # async fetches wait on pulls in the data plane's pool: they must not occupy its threads
         self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-fetch")
         self.early_reads = os.environ.get("DTORCH_EARLY_READS", "1") != "0"
@@ -144,8 +146,12 @@ class Session:
         fetch, which was a sync point for the step when it was asked for: `fetch_async`)."""
         if carry:
             self._boundary("a sync point")
+        uploads = self._uploads.kept()
         for reply in self._stream.sync(self.timeout, carry):
             self._data.learn(reply.locations, reply.caps)
+            if reply.reput:
+                self._uploads.put_again(reply.reput, self._data)
+        self._uploads.safe(uploads)
 
     def _loss(self, lost: DeviceLost) -> Exception:
         """The error a sync raises about a loss; every transfer that meets it raises the same one."""
@@ -211,13 +217,12 @@ class Session:
             self._data.write(tensor, sent or spec, sent_tid)
         except DeviceLost as e:
             raise self._loss(e) from None
-        if sent is None:
-            self.emit(m.InstrAdopt(tid=tid, spec=spec.to_wire()))
-            return tid
-        self.emit(m.InstrAdopt(tid=sent_tid, spec=sent.to_wire()))
-        self.emit(m.InstrRedistribute(src=sent_tid, dst=tid, src_spec=sent.to_wire(), dst_spec=spec.to_wire(),
-                                      src_line=user_src()))
-        self.emit(m.InstrDelete(tids=[sent_tid]))
+        self.emit(m.InstrAdopt(tid=sent_tid, spec=(sent or spec).to_wire()))
+        self._uploads.keep(sent_tid, tensor, sent or spec)
+        if sent is not None:
+            self.emit(m.InstrRedistribute(src=sent_tid, dst=tid, src_spec=sent.to_wire(), dst_spec=spec.to_wire(),
+                                          src_line=user_src()))
+            self.emit(m.InstrDelete(tids=[sent_tid]))
         return tid
 
     # ------------------------------------------------------------------ admin and shutdown

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.11"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.12"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
@@ -50,7 +50,8 @@ PROTOCOL_VERSION = "1.11"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Kee
 # O(ranks), where they are regular); 1.10: InstrCall.default_dtype and CmdRun.default_dtype (an op runs under the
 # client's `torch.set_default_dtype`); 1.11: CmdFence (a lost worker is fenced by the workers that shared a session
 # with it, whether or not the session is rebuilt), ErrorReport.peer (where a failed copy went), CmdFetchShards.rename
-# (a replicated upload's device restored from a replica's copy)
+# (a replicated upload's device restored from a replica's copy); 1.12: SyncReply.reput (a rebuild asks the client to
+# Put again the uploads whose bytes were only on the lost worker)
 
 
 class ErrorKind(str, enum.Enum):
@@ -325,6 +326,8 @@ class SyncReply(Struct, frozen=True):
     message: str = ""
     caps: dict[str, str] = {}  # worker address -> this session's client capability there
     memory_cap: int = 0  # as MeshPlaced.memory_cap (1.9)
+    # tensor id -> logical devices whose shard of that upload only the lost worker had: Put it again, then Sync (1.12)
+    reput: dict[int, list[int]] = {}
 
 
 class CloseSession(Struct, frozen=True):

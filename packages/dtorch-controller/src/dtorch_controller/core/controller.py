@@ -470,6 +470,8 @@ class ControllerCore:
             return step.refuse(e.request_id, f"sync upto batch {msg.upto}, but the last batch accepted for "
                                              f"session {s.id[:8]} is {s.seq}")
         self._apply(step, self.sched.progress(step.now, s.id, msg.upto))  # a sync point is a step (rule 12)
+        if s.reput:  # a rebuild needs uploads again (recovery.py rule 7)
+            return step.reply(e.request_id, self.pipeline.reput(s))
         if not self.pipeline.held(s) and self.pipeline.first_busy(s) is None:
             return step.reply(e.request_id, self.pipeline.done(s))
         timeout = 0.0 if math.isnan(msg.timeout_s) else min(max(msg.timeout_s, 0.0), self.config.max_sync_timeout_s)

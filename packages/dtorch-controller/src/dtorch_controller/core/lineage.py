@@ -17,7 +17,8 @@ Rules:
    devices' shards (the backup may be partial): a replica's copy stands in for them where the upload is
    replicated (`upload_source`, restored with `CmdFetchShards.rename`). A rebuild waits for the copies live
    workers are making (recovery.py rule 1), and a copy to a lost backup worker leaves the primary's own
-   (snapshots.py rule 3).
+   (snapshots.py rule 3). What no copy holds, the client Puts again (`reputs`, recovery.py rule 7): the shards its
+   lost primary had not copied yet, and the uploads not sent yet on devices of the lost workers.
 4. Copies live on workers under namespaces derived from the session id (`{session}#s{n}` for snapshot
    n, `{session}#a{n}` for uploads adopted in window n); the log is truncated and older namespaces are
    dropped when a newer snapshot is complete. Memory is bounded by two copies of the session's live
@@ -64,6 +65,7 @@ class Copies:
     tensors: dict[int, m.TensorSpec]  # snapshot: every live tensor then; adopt: the uploaded one
     holders: dict[int, list[str]] = field(default_factory=dict)  # logical device -> workers with a copy
     pending: dict[str, int] = field(default_factory=dict)  # worker -> Execute seq to complete (being made)
+    unmade: set[int] = field(default_factory=set)  # an upload's devices whose lost worker had not copied them
     failed: str = ""  # why they cannot be used
     started: float = 0.0
     bytes: int = 0  # of every shard they hold
@@ -243,6 +245,27 @@ def upload_source(copies: Copies, spec: m.TensorSpec, mesh: Mesh, device: int, t
                 and (source := copy_source(copies, other, target, alive)) is not None:
             return other, source
     return None
+
+
+def reputs(s: Session, rec: Lineage, lost: Callable[[int], bool], alive: Callable[[str], bool]) -> dict[int, list[int]]:
+    """The uploads of the log that the client must Put again (rule 3), tensor id -> logical devices: a sent one on
+    each device whose copy its lost primary was making (no holder left) and no replica's stands in for; one not sent
+    yet on each device that was on a lost worker (`lost`: the client Put it there)."""
+    out: dict[int, list[int]] = {}
+    for b in rec.log:
+        for instr in b.instrs:
+            if type(instr) is not m.InstrAdopt or (mesh := s.meshes.get(instr.spec.mesh)) is None:
+                continue
+            if not b.sent:
+                devices = [d for d in mesh.devices if lost(d)]
+            elif (copies := rec.adopts.get(instr.tid)) is not None and copies.unmade:
+                devices = [d for d in mesh.devices if d in copies.unmade
+                           and upload_source(copies, instr.spec, mesh, d, "", alive) is None]
+            else:
+                continue
+            if devices:
+                out[instr.tid] = devices
+    return out
 
 
 def copy_upload(s: Session, rec: Lineage, instr: m.InstrAdopt, seq: int, now: float, cmds: dict[str, list[m.Cmd]],

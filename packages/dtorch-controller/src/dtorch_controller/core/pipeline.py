@@ -18,7 +18,8 @@ Rules:
    the session's binding (`compiled`; the workers keep the commands, CmdProgram; translated and compiled again
    when the binding or the tensors it reads changed); a rebuild translates the instructions it stands for.
 5. A Sync is answered done when no live worker the session sent to is behind and no hold makes it wait
-   (`state.HOLDS`: a frozen session's only while batches are held; recovering and migrating always).
+   (`state.HOLDS`: a frozen session's only while batches are held; recovering and migrating always). Uploads a
+   rebuild asks the client for (recovery.py rule 7) are the answer, not done, of its parked Syncs, else of its next.
 6. A delete of a tensor that remote readers (redistributions on other workers) still have to read is held back
    until those readers completed (or were lost).
 7. Dispatch window (`Config.dispatch_ahead` = k > 0): a session has at most k Execute batches sent and not completed
@@ -322,9 +323,22 @@ class Pipeline:
             s.errors_dropped = 0
         return m.SyncReply(done=True, errors=errors, locations=self.cluster.locations(s), memory_cap=s.memory_cap)
 
+    def reput(self, s: Session) -> m.SyncReply:
+        """The answer that asks the client for the uploads a rebuild needs (rule 5); asked once."""
+        reply = m.SyncReply(done=False, locations=self.cluster.locations(s), memory_cap=s.memory_cap, reput=s.reput,
+                            message=f"the rebuild needs {len(s.reput)} uploads again")
+        s.reput = {}
+        return reply
+
     def answer_syncs(self, step: Step, s: Session) -> str | None:
         """Answer the session's parked Syncs if they can be (rule 5); else the worker they wait for, if any (the
         controller files them under it), or None (a hold: its release looks at them again)."""
+        if s.reput and s.syncs:
+            reply = self.reput(s)
+            for pending in s.syncs.values():
+                step.reply(pending.request_id, reply)
+            s.syncs.clear()
+            return None
         # held first: it is O(1), and a frozen session's parked Syncs are looked at by every report of the workers
         # it stays bound to (with LAS, hundreds of frozen sessions), where `first_busy` walks the workers it used
         if not s.syncs or self.held(s):

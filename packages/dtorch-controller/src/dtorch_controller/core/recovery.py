@@ -28,6 +28,13 @@ Rules:
    connections open, and a copy or a collective waiting on it would otherwise hold their streams (and the
    session's next Sync) until its own timeout. A worker that registers at a fenced address (a restart) has it
    lifted (`CmdFence.lifted`) on the live workers that were told to fence it: they reach it again.
+7. Uploads no copy holds (lineage.py rule 3: a shard whose lost worker had not copied it yet, an upload whose batch
+   had not gone out yet on a device of the lost worker) do not make a session unrecoverable: the client still holds
+   them (it keeps each upload until a Sync answered done after it, and then its copies are complete). When the
+   replay goes out (the workers' resets are done, so nothing drops them), they are asked for: `Session.reput`, given
+   to the session's parked Syncs at once, else to its next one (done=False, `SyncReply.reput`); the client Puts them
+   to the devices' new workers and syncs again, and the replay's first reader of one waits for it there (the
+   worker's input wait, 10 s by default: a client that does not reach a sync point within it gets ShardMissing).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import msgspec
 
 from dtorch_controller.core import effects as fx
 from dtorch_controller.core import state as st
-from dtorch_controller.core.lineage import Lineage, copy_source, instr_tids, tensors_on, upload_source
+from dtorch_controller.core.lineage import Lineage, copy_source, instr_tids, reputs, tensors_on, upload_source
 from dtorch_controller.core.model import Cluster, Session, Worker
 from dtorch_controller.core.moves import Moves
 from dtorch_controller.core.pipeline import Cmds, Pipeline
@@ -144,9 +151,11 @@ class Recovery:
             for d, holders in copies.holders.items():
                 if w.id in holders:
                     held = True
-                    # an upload's copy that `w` was making from its own device may be partial: none is left
-                    copies.holders[d] = [] if making and holders[0] == w.id and copies is not rec.taking \
-                        else [h for h in holders if h != w.id]
+                    if making and holders[0] == w.id and copies is not rec.taking:
+                        copies.holders[d] = []  # an upload's copy `w` was making of its own device may be partial
+                        copies.unmade.add(d)
+                    else:
+                        copies.holders[d] = [h for h in holders if h != w.id]
             if making and copies is rec.taking:
                 copies.failed = copies.failed or f"worker {w.id} was lost while copying"
         for ns in rec.namespaces.values():
@@ -196,8 +205,9 @@ class Recovery:
                     if not copies.tensors:
                         continue  # refused: nothing to restore
                     mesh = s.meshes.get(instr.spec.mesh)
-                    for d in mesh.devices if mesh else ():
-                        if upload_source(copies, instr.spec, mesh, d, "", self.cluster.alive) is None:
+                    for d in mesh.devices if mesh else ():  # a copy a lost worker was making: the client's (rule 7)
+                        if d not in copies.unmade and \
+                                upload_source(copies, instr.spec, mesh, d, "", self.cluster.alive) is None:
                             return f"every copy of the upload of tensor {instr.tid} was on lost workers"
         return None
 
@@ -211,6 +221,7 @@ class Recovery:
         rec.taking = None
         rec.log = [b for b in rec.log if not b.sent]
         rec.adopts.clear()
+        s.reput = {}
         # copies are dropped when the session closes (their workers may be the lost ones)
 
     def lost_detail(self, s: Session, tids: list[int]) -> str:
@@ -359,6 +370,9 @@ class Recovery:
         r.waits = last
         r.replayed = len(batches)
         r.to(st.RESET)
+        s.reput = reputs(s, rec, lambda d: r.before.get(d) in r.gone, self.cluster.alive)  # rule 7
+        if s.reput:
+            step.note(f"session {s.id[:8]} asks its client for {len(s.reput)} uploads the lost worker alone had")
 
     def _finish(self, step: Step, s: Session, rec: Lineage, r: Rebuild) -> None:
         del self.rebuilds[s.id]

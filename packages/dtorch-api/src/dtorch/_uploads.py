@@ -1,0 +1,69 @@
+"""The uploads a client keeps until the cluster holds them safely, so that a rebuild can ask for them again.
+
+Rules:
+  1. An upload is kept (a reference to the client's tensor, no copy, with its version counter) from the moment its
+     adopt is queued until a Sync that began after that is answered done: every worker then ran its batch, and its
+     copies for recovery are complete (the controller's lineage rule 3). Memory: the client's tensors stay
+     referenced one sync window longer than the user holds them.
+  2. A rebuild that lost the only bytes of some shards asks for them (`SyncReply.reput`, the controller's recovery
+     rule 7): each is Put again to its device's worker now. A shard the worker has already (a Put that followed its
+     device when it moved, `_relocate`) is left as it is.
+  3. A tensor written in place since its upload (its version counter moved) cannot be Put again: that is an error
+     naming it, and so is one this client no longer keeps.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dtorch.errors import ClusterError
+
+if TYPE_CHECKING:
+    from dtorch._dataplane import DataPlane
+    from dtorch._spec import Spec
+
+
+@dataclass
+class _Held:
+    tensor: torch.Tensor  # the full tensor, as uploaded (the client's own when no conversion copied it)
+    spec: Spec
+    version: int  # tensor._version at the upload
+
+
+class Uploads:
+    """One session's kept uploads (rule 1), by tensor id; used from the user thread and a background fetch's."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, _Held] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, tid: int, tensor: torch.Tensor, spec: Spec) -> None:
+        """Call it after the adopt is queued: a Sync that began before cannot cover it then."""
+        with self._lock:
+            self._held[tid] = _Held(tensor, spec, tensor._version)
+
+    def kept(self) -> list[int]:
+        """The uploads a Sync beginning now covers once it is answered done."""
+        with self._lock:
+            return list(self._held)
+
+    def safe(self, tids: list[int]) -> None:
+        with self._lock:
+            for tid in tids:
+                self._held.pop(tid, None)
+
+    def put_again(self, reput: dict[int, list[int]], data: DataPlane) -> None:
+        """Rule 2: the shards a rebuild asks for, to their devices' workers now."""
+        for tid, devices in sorted(reput.items()):
+            with self._lock:
+                held = self._held.get(tid)
+            if held is None or held.tensor._version != held.version:
+                why = "this client no longer keeps it" if held is None else \
+                    "its source tensor was written in place after the upload"
+                raise ClusterError(f"a worker was lost with the only copy of uploaded tensor {tid} on logical devices "
+                                   f"{sorted(devices)}, and it cannot be uploaded again: {why}")
+            data.write(held.tensor, held.spec, tid, set(devices))
