@@ -166,7 +166,7 @@ def test_a_tensor_written_through_a_view_is_never_restored_from_a_kept_stale_cop
 
 
 UPLOAD_THEN_KILL = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     import torch
     import dtorch
     from dtorch import Shard, runtime
@@ -180,8 +180,14 @@ UPLOAD_THEN_KILL = textwrap.dedent("""
     os.kill(runtime.get_session().cluster.procs[2].pid, signal.SIGKILL)
     if sys.argv[1] == "written":
         src.add_(1)  # in place, before the next sync point: the client cannot upload it again
+    v = u + x  # read at once: on the rebuilt worker it waits (10 s at most) for the half uploaded again
+    if sys.argv[1] == "streaming":  # no sync point for longer than that wait: the request comes in a Submit's answer
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 12:
+            x = x * 1
+            time.sleep(0.05)
     try:
-        print("value", torch.equal((u + x).to_torch(), torch.arange(32.0).reshape(8, 4) + 1))
+        print("value", torch.equal(v.to_torch(), torch.arange(32.0).reshape(8, 4) + 1))
     except Exception as e:
         print(f"{type(e).__name__}: {e}")
 """)
@@ -189,13 +195,17 @@ UPLOAD_THEN_KILL = textwrap.dedent("""
 
 def test_an_upload_the_killed_worker_alone_had_is_uploaded_again_by_the_client():
     """recovery.py rule 7, `_uploads` rule 2: the client keeps an upload until a sync covers it, and Puts the
-    lost worker's half again when the rebuild asks (before: the session could not be rebuilt); a source written in
+    lost worker's half again when the rebuild asks (before: the session could not be rebuilt), at its next sync
+    point or, when it streams on without one, as soon as a Submit is answered (`_stream` rule 8); a source written in
     place since cannot be, and that is one line naming the tensor (`_uploads` rule 3)."""
     env = {**{k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}, "DTORCH_SNAPSHOT_BATCHES": "1"}
-    kept, written = (subprocess.run([sys.executable, "-c", UPLOAD_THEN_KILL, how], capture_output=True, text=True,
-                                    timeout=120, env=env) for how in ("kept", "written"))
-    assert kept.returncode == 0 and written.returncode == 0, kept.stderr + written.stderr
-    assert kept.stdout.strip() == "value True", kept.stdout
+    runs = {how: subprocess.Popen([sys.executable, "-c", UPLOAD_THEN_KILL, how], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+            for how in ("kept", "streaming", "written")}
+    out = {how: p.communicate(timeout=120) for how, p in runs.items()}
+    assert all(p.returncode == 0 for p in runs.values()), {how: err for how, (_, err) in out.items()}
+    assert out["kept"][0].strip() == "value True", out["kept"]
+    assert out["streaming"][0].strip() == "value True", out["streaming"]
     assert re.fullmatch(r"ClusterError: a worker was lost with the only copy of uploaded tensor \d+ on logical devices "
                         r"\[[01]\], and it cannot be uploaded again: its source tensor was written in place after "
-                        r"the upload\n", written.stdout), written.stdout
+                        r"the upload\n", out["written"][0]), out["written"]

@@ -223,3 +223,23 @@ def test_a_record_that_cannot_be_encoded_breaks_the_stream(stream, controller):
     with pytest.raises(ClusterError, match="could not encode an instruction for the controller: ValueError"):
         stream.flush()
     assert stream.broken
+
+
+def test_a_submits_answer_naming_uploads_to_put_again_goes_to_on_reput_at_once(controller):
+    """Rule 8: a rebuild's request for uploads in a Submit's answer reaches the session before any sync point."""
+    plain, heard = controller.__call__, []
+
+    def call(method, request, timeout):
+        reply = plain(method, request, timeout)
+        return m.SubmitReply(accepted=request.seq, reput={7: [1]}) if method == "Submit" and request.seq == 1 else reply
+
+    s = Stream(call, "s9", "ctl:1", on_reput=heard.append)
+    try:
+        s.emit(create(1))
+        s.flush()
+        assert heard == [{7: [1]}]
+        s.emit(create(2))
+        s.flush()
+        assert heard == [{7: [1]}]
+    finally:
+        s.close()

@@ -979,6 +979,25 @@ def test_an_upload_whose_copy_its_worker_did_not_finish_is_asked_of_the_client_a
     assert again.done and again.reput == {} and again.errors == []
 
 
+def test_a_client_streaming_without_a_sync_hears_of_the_uploads_to_put_again_in_its_next_submits_answer(
+        make_harness):
+    """recovery.py rule 7: a program may stream for long between sync points; the first request of the session after
+    the replay went out, a Submit here, answers the uploads to Put again, once."""
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
+    h.take_sent()
+    victim = s.devices[1]
+    h.report(s.devices[0])
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    _rebuild(h, s)
+    assert h.submit(sid, 2, [add_(5)]).reput == {5: [1]}
+    assert h.submit(sid, 3, [add_(5)]).reput == {}
+    _rebuild(h, s)
+    _, reply = h.sync(sid, 3)
+    assert reply.done and reply.reput == {}
+
+
 def test_an_upload_whose_batch_had_not_gone_out_is_asked_of_the_client_again_on_the_lost_workers_devices(
         make_harness):
     """recovery.py rule 7: the client Put an upload's shards, and its batch waits in the dispatch window behind the

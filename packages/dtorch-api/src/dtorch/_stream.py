@@ -24,6 +24,9 @@ Rules:
      can reach the controller first (it refuses batches out of order). Meanwhile the sender thread skips its
      flushes (it never waits for the lock, so keep-alives go on); a failed carrying Sync breaks the stream as a
      failed Submit does. An async fetch's sync does not carry: its thread must not stop the stream.
+  8. A Submit's answer may name uploads a rebuild needs again (`SubmitReply.reput`): they go to `on_reput` at once,
+     in the thread that submitted, so that a program that streams for long between sync points is heard before the
+     workers' wait for them ends (a Sync's answer names them too: `sync` yields it).
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ def _drain(q: deque) -> list:
 class Stream:
     """One session's ordered instruction stream to the controller at `address` (named in errors)."""
 
-    def __init__(self, call: Call, session: str, address: str, keepalive_s: float = 0.0) -> None:
+    def __init__(self, call: Call, session: str, address: str, keepalive_s: float = 0.0,
+                 on_reput: Callable[[dict[int, list[int]]], None] | None = None) -> None:
         self._call, self.session, self.address = call, session, address
+        self._on_reput = on_reput
         self._keepalive_s, self._keepalive_at = keepalive_s, time.monotonic()
         self._queue: deque = deque()
         self._dead: deque = deque()
@@ -114,9 +119,11 @@ class Stream:
         for batch in batches:
             self.seq += 1
             try:
-                self._call("Submit", m.Submit(session=self.session, seq=self.seq, instrs=batch), 60.0)
+                reply = self._call("Submit", m.Submit(session=self.session, seq=self.seq, instrs=batch), 60.0)
             except Exception as e:
                 raise self._lost(e) from None
+            if reply.reput and self._on_reput is not None:  # rule 8
+                self._on_reput(reply.reput)
         return last
 
     def _lost(self, e: Exception) -> ClusterError:

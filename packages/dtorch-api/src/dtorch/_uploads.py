@@ -9,7 +9,8 @@ Rules:
      rule 7): each is Put again to its device's worker now. A shard the worker has already (a Put that followed its
      device when it moved, `_relocate`) is left as it is.
   3. A tensor written in place since its upload (its version counter moved) cannot be Put again: that is an error
-     naming it, and so is one this client no longer keeps.
+     naming it, and so is one this client no longer keeps. Asked in a Submit's answer (the sender thread's, `_stream`
+     rule 8), the error waits for the next sync point (`check`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Uploads:
     def __init__(self) -> None:
         self._held: dict[int, _Held] = {}
         self._lock = threading.Lock()
+        self._failed: Exception | None = None  # rule 3, for the next sync point
 
     def keep(self, tid: int, tensor: torch.Tensor, spec: Spec) -> None:
         """Call it after the adopt is queued: a Sync that began before cannot cover it then."""
@@ -55,6 +57,19 @@ class Uploads:
         with self._lock:
             for tid in tids:
                 self._held.pop(tid, None)
+
+    def asked(self, reput: dict[int, list[int]], data: DataPlane) -> None:
+        """`put_again`, from a thread that must not raise (rule 3): the error is kept for `check`."""
+        try:
+            self.put_again(reput, data)
+        except Exception as e:  # noqa: BLE001 - raised at the next sync point
+            self._failed = self._failed or e
+
+    def check(self) -> None:
+        """Raise the error `asked` kept, once."""
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
 
     def put_again(self, reput: dict[int, list[int]], data: DataPlane) -> None:
         """Rule 2: the shards a rebuild asks for, to their devices' workers now."""

@@ -79,7 +79,8 @@ class Session:
         self._placed: set[int] = set()
         self._lost: Exception | None = None  # the loss error, once a transfer met a device lost for good
         self._lost_lock = threading.Lock()
-        self._stream = Stream(self._call, self.id, controller, opened.keepalive_s)
+        self._stream = Stream(self._call, self.id, controller, opened.keepalive_s,
+                              on_reput=lambda reput: self._uploads.asked(reput, self._data))
         # the user thread's per-op calls, bound once (the hot path counts every call):
         self.new_tid: Callable[[], int] = self._tids.__next__  # a fresh tensor id
         self.emit: Callable[[Any], None] = self._stream.emit  # queue an instruction (or a record); never blocks
@@ -146,11 +147,16 @@ class Session:
         fetch, which was a sync point for the step when it was asked for: `fetch_async`)."""
         if carry:
             self._boundary("a sync point")
+        self._uploads.check()
         uploads = self._uploads.kept()
-        for reply in self._stream.sync(self.timeout, carry):
-            self._data.learn(reply.locations, reply.caps)
-            if reply.reput:
-                self._uploads.put_again(reply.reput, self._data)
+        try:
+            for reply in self._stream.sync(self.timeout, carry):
+                self._data.learn(reply.locations, reply.caps)
+                if reply.reput:
+                    self._uploads.put_again(reply.reput, self._data)
+        except Exception:
+            self._uploads.check()  # the cause of a missing shard, if its upload could not be made again
+            raise
         self._uploads.safe(uploads)
 
     def _loss(self, lost: DeviceLost) -> Exception:

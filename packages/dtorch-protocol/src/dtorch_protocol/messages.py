@@ -50,8 +50,8 @@ PROTOCOL_VERSION = "1.12"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Kee
 # O(ranks), where they are regular); 1.10: InstrCall.default_dtype and CmdRun.default_dtype (an op runs under the
 # client's `torch.set_default_dtype`); 1.11: CmdFence (a lost worker is fenced by the workers that shared a session
 # with it, whether or not the session is rebuilt), ErrorReport.peer (where a failed copy went), CmdFetchShards.rename
-# (a replicated upload's device restored from a replica's copy); 1.12: SyncReply.reput (a rebuild asks the client to
-# Put again the uploads whose bytes were only on the lost worker)
+# (a replicated upload's device restored from a replica's copy); 1.12: SyncReply.reput and
+# SubmitReply.reput (a rebuild asks the client to Put again the uploads whose bytes were only on the lost worker)
 
 
 class ErrorKind(str, enum.Enum):
@@ -307,6 +307,7 @@ class Submit(Struct, frozen=True):
 
 class SubmitReply(Struct, frozen=True):
     accepted: int  # highest batch seq applied
+    reput: dict[int, list[int]] = {}  # as SyncReply.reput: told to the session's first Submit or Sync after it (1.12)
 
 
 class Sync(Struct, frozen=True):

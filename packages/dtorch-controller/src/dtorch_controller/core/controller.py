@@ -428,6 +428,9 @@ class ControllerCore:
                                              f"{s.seq + 1}")
         s.seq = msg.seq
         self.pipeline.accept(step, s, msg.instrs)  # logged; sent unless frozen, recovering or migrating
+        if s.reput:  # a rebuild needs uploads again (recovery.py rule 7): a client streaming without syncing hears it
+            reput, s.reput = s.reput, {}
+            return step.reply(e.request_id, m.SubmitReply(accepted=msg.seq, reput=reput))
         step.reply(e.request_id, m.SubmitReply(accepted=msg.seq))
 
     def _close_session(self, step: Step, e: ev.CloseSession) -> None:

@@ -19,7 +19,7 @@ Rules:
    when the binding or the tensors it reads changed); a rebuild translates the instructions it stands for.
 5. A Sync is answered done when no live worker the session sent to is behind and no hold makes it wait
    (`state.HOLDS`: a frozen session's only while batches are held; recovering and migrating always). Uploads a
-   rebuild asks the client for (recovery.py rule 7) are the answer, not done, of its parked Syncs, else of its next.
+   rebuild asks the client for (recovery.py rule 7) are the answer, not done, of its parked Syncs.
 6. A delete of a tensor that remote readers (redistributions on other workers) still have to read is held back
    until those readers completed (or were lost).
 7. Dispatch window (`Config.dispatch_ahead` = k > 0): a session has at most k Execute batches sent and not completed

@@ -32,9 +32,10 @@ Rules:
    had not gone out yet on a device of the lost worker) do not make a session unrecoverable: the client still holds
    them (it keeps each upload until a Sync answered done after it, and then its copies are complete). When the
    replay goes out (the workers' resets are done, so nothing drops them), they are asked for: `Session.reput`, given
-   to the session's parked Syncs at once, else to its next one (done=False, `SyncReply.reput`); the client Puts them
-   to the devices' new workers and syncs again, and the replay's first reader of one waits for it there (the
-   worker's input wait, 10 s by default: a client that does not reach a sync point within it gets ShardMissing).
+   to the session's parked Syncs at once (done=False, `SyncReply.reput`), else to its next Submit or Sync
+   (`SubmitReply.reput`: a program streaming for long between sync points hears it too); the client Puts them to the
+   devices' new workers, and the replay's first reader of one waits for it there (the worker's input wait, 10 s by
+   default: a client that sends nothing within it gets ShardMissing).
 """
 
 from __future__ import annotations
