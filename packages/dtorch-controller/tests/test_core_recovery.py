@@ -998,6 +998,26 @@ def test_a_client_streaming_without_a_sync_hears_of_the_uploads_to_put_again_in_
     assert reply.done and reply.reput == {}
 
 
+def test_an_upload_arriving_after_the_rebuild_is_asked_again_on_the_rebound_devices_until_a_sync_tells_where(
+        make_harness):
+    """recovery.py rule 7, pipeline.py rule 3: the loss was found and the session rebuilt before the client's batch
+    with an upload arrived (the client Put it to the lost worker): its Submit's answer asks for the rebound device;
+    once a Sync answered done told the client the new locations, an upload is not asked for again."""
+    h, ids, sid = setup(make_harness, every=1)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1, [8])])
+    _rebuild(h, s, rounds=2)
+    victim = s.devices[1]
+    h.handle(ev.WorkerUnreachable(victim, "", "killed"))
+    _rebuild(h, s)
+    assert s.state == "open" and victim not in s.devices.values()
+    assert h.submit(sid, 2, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)]).reput == {5: [1]}
+    _rebuild(h, s)
+    _, reply = h.sync(sid, 2)
+    assert reply.done and reply.reput == {}
+    assert h.submit(sid, 3, [m.InstrAdopt(tid=6, spec=spec([8]))]).reput == {}
+
+
 def test_an_upload_whose_batch_had_not_gone_out_is_asked_of_the_client_again_on_the_lost_workers_devices(
         make_harness):
     """recovery.py rule 7: the client Put an upload's shards, and its batch waits in the dispatch window behind the

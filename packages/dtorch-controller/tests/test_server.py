@@ -152,15 +152,16 @@ def test_a_sync_carrying_its_batch_is_one_call_that_submits_it_first(silent):
         stub.call("Submit", m.Submit(session=sid, seq=1, instrs=[create]), timeout=5)
 
 
-def test_a_sync_carrying_its_batch_tells_the_uploads_a_rebuild_asked_for_in_the_batchs_answer(silent):
-    """Protocol 1.12: the first Submit after a rebuild asked for uploads again answers them (recovery.py rule 7); a
-    Sync carrying its batch submits it first, so its own answer tells them, or the client would never hear."""
+def test_a_sync_carrying_its_batch_is_answered_at_once_with_the_uploads_a_rebuild_asked_for(silent):
+    """Protocol 1.12: the first Submit or Sync after a rebuild asked for uploads again answers them (recovery.py rule
+    7); the batch a Sync carries is submitted first, and leaves them to the Sync, answered at once: the batch's readers
+    wait for those uploads, so a Sync answered when they are done would wait out the workers' input wait."""
     server, stub, sid, worker, spec = silent
     with server.service._lock:  # as a rebuild's replay leaves it (test_core_recovery drives a whole one)
         server.service.core.sessions[sid].reput = {5: [1]}
     create = m.InstrCreate(tid=1, spec=spec, init="ones")
     reply = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3, instrs=[create]), timeout=60)
-    assert reply.reput == {5: [1]} and not reply.done
+    assert reply.reput == {5: [1]} and not reply.done and reply.message == "the rebuild needs 1 uploads again"
     again = stub.call("Sync", m.Sync(session=sid, upto=1, timeout_s=0.3), timeout=60)
     assert again.reput == {}  # told once
 

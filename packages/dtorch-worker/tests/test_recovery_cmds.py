@@ -186,6 +186,20 @@ def test_backup_to_a_peer_and_restore_keeps_values_and_views(pair):
     assert isinstance(b.store.get((s, 9, 0)), Poison)
 
 
+def test_a_copy_of_an_upload_still_on_its_way_waits_for_it(pair):
+    """An upload the client Puts again after a loss may come after its copy's command (recovery.py rule 7): the copy
+    waits for it as the upload's readers do (the worker's input wait), and copies the value, not a poisoned shard."""
+    a, b = pair
+    s = "sess-reput"
+    late = threading.Timer(0.3, a.store.put_upload, ((s, 5, 0), torch.arange(6.0)))  # the Put handler's store call
+    late.start()
+    wait(a, send(a, s, CmdSendShards(devices={0: [5]}, namespace=f"{s}#a1", to=b.address, host=True,
+                                     background=True)))
+    late.join()
+    assert not a.executor.take_errors()
+    assert torch.equal(b.store.get((f"{s}#a1", 5, 0)), torch.arange(6.0))
+
+
 def test_moving_a_device_sends_everything_and_redirects_clients(pair):
     a, b = pair
     s = "sess-move"

@@ -295,14 +295,11 @@ class ControllerService:
             request = msgspec.structs.replace(request, timeout_s=MAX_WAIT_S)
         wait = min(request.timeout_s, self.core.config.max_sync_timeout_s) + SYNC_GRACE_S
         with self._sync_slot(request.session), self._timed("Sync"):
-            reput = {}
             if request.instrs:  # batch `upto` rides along (protocol 1.7): accepted first, as its Submit would be
                 batch = m.Submit(session=request.session, seq=request.upto, instrs=request.instrs)
-                reput = self.request(lambda rid: ev.Submit(rid, batch, who)).reput  # told in this reply then
+                self.request(lambda rid: ev.Submit(rid, batch, who, carried=True))
                 request = msgspec.structs.replace(request, instrs=[])
             reply: m.SyncReply = self.request(lambda rid: ev.Sync(rid, request, who), wait_s=wait)
-            if reput:
-                reply = msgspec.structs.replace(reply, reput={**reput, **reply.reput})
         locations, caps = self.credentials.for_client(request.session, reply.locations, reply.memory_cap)
         return msgspec.structs.replace(reply, locations=locations, caps=caps)
 

@@ -692,8 +692,8 @@ class Executor:
         for device, tids in cmd.devices.items():
             for tid in tids:
                 listed.add((tid, device))
-                try:
-                    items.append((tid, device, self.store.get((session, tid, device))))
+                try:  # an upload the client Puts again after a loss may still be on its way (its readers wait too)
+                    items.append((tid, device, self.store.get((session, tid, device), self.input_timeout_s)))
                 except ShardMissing as e:  # never produced here (e.g. an upload that did not arrive)
                     items.append((tid, device, Poison(ErrorReport(op="copy", src="", message=str(e), tid=tid))))
         for key in self.store.device_keys(session, list(cmd.move)):  # uploads not adopted yet travel too

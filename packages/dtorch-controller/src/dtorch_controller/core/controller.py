@@ -428,8 +428,8 @@ class ControllerCore:
                                              f"{s.seq + 1}")
         s.seq = msg.seq
         self.pipeline.accept(step, s, msg.instrs)  # logged; sent unless frozen, recovering or migrating
-        if s.reput:  # a rebuild needs uploads again (recovery.py rule 7): a client streaming without syncing hears it
-            reput, s.reput = s.reput, {}
+        if s.reput and not e.carried:  # a rebuild needs uploads again (recovery.py rule 7): a client streaming
+            reput, s.reput = s.reput, {}  # without a sync hears it; a Sync carrying the batch is answered at once
             return step.reply(e.request_id, m.SubmitReply(accepted=msg.seq, reput=reput))
         step.reply(e.request_id, m.SubmitReply(accepted=msg.seq))
 

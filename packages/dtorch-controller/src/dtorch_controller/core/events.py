@@ -59,6 +59,7 @@ class Submit:
     request_id: RequestId
     msg: m.Submit
     who: Principal = OPERATOR
+    carried: bool = False  # the batch rides in a Sync (protocol 1.7): that Sync answers what a Submit's answer would
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ Rules:
    replicated (`upload_source`, restored with `CmdFetchShards.rename`). A rebuild waits for the copies live
    workers are making (recovery.py rule 1), and a copy to a lost backup worker leaves the primary's own
    (snapshots.py rule 3). What no copy holds, the client Puts again (`reputs`, recovery.py rule 7): the shards its
-   lost primary had not copied yet, and the uploads not sent yet on devices of the lost workers.
+   lost primary had not copied yet.
 4. Copies live on workers under namespaces derived from the session id (`{session}#s{n}` for snapshot
    n, `{session}#a{n}` for uploads adopted in window n); the log is truncated and older namespaces are
    dropped when a newer snapshot is complete. Memory is bounded by two copies of the session's live
@@ -247,24 +247,18 @@ def upload_source(copies: Copies, spec: m.TensorSpec, mesh: Mesh, device: int, t
     return None
 
 
-def reputs(s: Session, rec: Lineage, lost: Callable[[int], bool], alive: Callable[[str], bool]) -> dict[int, list[int]]:
-    """The uploads of the log that the client must Put again (rule 3), tensor id -> logical devices: a sent one on
-    each device whose copy its lost primary was making (no holder left) and no replica's stands in for; one not sent
-    yet on each device that was on a lost worker (`lost`: the client Put it there)."""
+def reputs(s: Session, rec: Lineage, alive: Callable[[str], bool]) -> dict[int, list[int]]:
+    """The uploads the replayed log restores that the client must Put again (rule 3), tensor id -> logical devices:
+    each device whose copy its lost primary was making (no holder left) and no replica's stands in for."""
     out: dict[int, list[int]] = {}
-    for b in rec.log:
+    for b in rec.sent_batches():
         for instr in b.instrs:
-            if type(instr) is not m.InstrAdopt or (mesh := s.meshes.get(instr.spec.mesh)) is None:
-                continue
-            if not b.sent:
-                devices = [d for d in mesh.devices if lost(d)]
-            elif (copies := rec.adopts.get(instr.tid)) is not None and copies.unmade:
+            if type(instr) is m.InstrAdopt and (copies := rec.adopts.get(instr.tid)) is not None and copies.unmade \
+                    and (mesh := s.meshes.get(instr.spec.mesh)) is not None:
                 devices = [d for d in mesh.devices if d in copies.unmade
                            and upload_source(copies, instr.spec, mesh, d, "", alive) is None]
-            else:
-                continue
-            if devices:
-                out[instr.tid] = devices
+                if devices:
+                    out[instr.tid] = devices
     return out
 
 

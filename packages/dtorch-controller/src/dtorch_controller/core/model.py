@@ -113,6 +113,7 @@ class Session:
     comm: CommGroups = field(default_factory=CommGroups)  # process groups of its collectives (collectives.py)
     programs: dict[int, m.InstrDefine] = field(default_factory=dict)  # captured steps by id (core/programs.py)
     reput: dict[int, list[int]] = field(default_factory=dict)  # uploads a rebuild asks for again (recovery.py rule 7)
+    rebound: set[int] = field(default_factory=set)  # devices a loss rebound, until a done Sync tells the client
 
 
 class Cluster:

@@ -10,7 +10,8 @@ Rules:
    counts them in the session's `sent` (its Syncs wait for them); `send_raw` sends under another namespace (copies
    kept for recovery). Every Execute carries the session's memory cap.
 3. An upload (InstrAdopt) is copied at its point in the stream (lineage.py rule 3): the batch is cut after the
-   adopt; translating for a replay restores the upload from its copies there instead.
+   adopt; translating for a replay restores the upload from its copies there instead. Going out on a device a loss
+   rebound (`Session.rebound`), it is also asked of the client again (recovery.py rule 7).
 4. `translate` does not send: a feature may translate a program again (a rebuild replays its log on a new binding)
    and send it with `send`, or leave it. `_send_batch` is the one place where a logged batch becomes commands.
    A captured program (issue #12, `programs.py`) is kept at `accept`; its replays stay in the log as they came
@@ -243,9 +244,14 @@ class Pipeline:
             start = i + 1
             if replay:
                 restore_upload(s, rec, instr, cmds, self.cluster.alive, self.cluster.address)
-            elif instr.tid not in s.tensors:  # refused by translate: nothing to restore either
+                continue
+            if instr.tid not in s.tensors:  # refused by translate: nothing to restore either
                 rec.adopts[instr.tid] = Copies(namespace="", upto=b.seq, tensors={})
-            elif rec.enabled:
+                continue
+            if s.rebound and (mesh := s.meshes.get(instr.spec.mesh)) is not None:  # rule 3
+                if again := [d for d in mesh.devices if d in s.rebound]:
+                    s.reput[instr.tid] = again
+            if rec.enabled:
                 copies = copy_upload(s, rec, instr, b.seq, now, cmds, self.pool.backup_for, self.cluster.address)
                 if copies is not None:
                     adopts.append(copies)
@@ -317,6 +323,7 @@ class Pipeline:
             rec.delivered = rec.sent_upto
             rec.window_errors.clear()
         errors, s.errors = s.errors, []
+        s.rebound.clear()  # its locations tell the client where the devices are now (recovery.py rule 7)
         if s.errors_dropped:
             errors.append(m.ErrorReport(op="errors", src="", message=f"{s.errors_dropped} more error reports came "
                                         f"from workers since the last sync; only the first {len(errors)} are kept"))

@@ -28,14 +28,16 @@ Rules:
    connections open, and a copy or a collective waiting on it would otherwise hold their streams (and the
    session's next Sync) until its own timeout. A worker that registers at a fenced address (a restart) has it
    lifted (`CmdFence.lifted`) on the live workers that were told to fence it: they reach it again.
-7. Uploads no copy holds (lineage.py rule 3: a shard whose lost worker had not copied it yet, an upload whose batch
-   had not gone out yet on a device of the lost worker) do not make a session unrecoverable: the client still holds
-   them (it keeps each upload until a Sync answered done after it, and then its copies are complete). When the
-   replay goes out (the workers' resets are done, so nothing drops them), they are asked for: `Session.reput`, given
-   to the session's parked Syncs at once (done=False, `SyncReply.reput`), else to its next Submit or Sync
-   (`SubmitReply.reput`: a program streaming for long between sync points hears it too); the client Puts them to the
-   devices' new workers, and the replay's first reader of one waits for it there (the worker's input wait, 10 s by
-   default: a client that sends nothing within it gets ShardMissing).
+7. Uploads no copy holds do not make a session unrecoverable: the client still holds them (it keeps each upload
+   until a Sync answered done after it, and then its copies are complete). They are the shards whose lost worker had
+   not copied them yet (lineage.py rule 3), found when the replay goes out (the workers' resets are done, so nothing
+   drops them), and the uploads going out later (held, or not even sent by the client yet) on a device the loss
+   rebound (`Session.rebound`, until a Sync answered done tells the client where its devices are: it may have Put
+   them to the lost worker; pipeline.py rule 3). They are asked for: `Session.reput`, given to the session's parked
+   Syncs at once (done=False, `SyncReply.reput`), else to its next Submit or Sync (`SubmitReply.reput`: a program
+   streaming for long between sync points hears it too; a Submit carried by a Sync leaves it to the Sync, answered
+   at once); the client Puts them to the devices' new workers, and the first reader of one (or its copy) waits for
+   it there (the worker's input wait, 10 s by default: a client that sends nothing within it gets ShardMissing).
 """
 
 from __future__ import annotations
@@ -222,7 +224,7 @@ class Recovery:
         rec.taking = None
         rec.log = [b for b in rec.log if not b.sent]
         rec.adopts.clear()
-        s.reput = {}
+        s.reput, s.rebound = {}, set()
         # copies are dropped when the session closes (their workers may be the lost ones)
 
     def lost_detail(self, s: Session, tids: list[int]) -> str:
@@ -371,7 +373,8 @@ class Recovery:
         r.waits = last
         r.replayed = len(batches)
         r.to(st.RESET)
-        s.reput = reputs(s, rec, lambda d: r.before.get(d) in r.gone, self.cluster.alive)  # rule 7
+        s.rebound |= {d for d in s.devices if r.before.get(d) in r.gone}  # rule 7
+        s.reput = reputs(s, rec, self.cluster.alive)
         if s.reput:
             step.note(f"session {s.id[:8]} asks its client for {len(s.reput)} uploads the lost worker alone had")
 
