@@ -181,6 +181,9 @@ UPLOAD_THEN_KILL = textwrap.dedent("""
     if sys.argv[1] == "written":
         src.add_(1)  # in place, before the next sync point: the client cannot upload it again
     v = u + x  # read at once: on the rebuilt worker it waits (10 s at most) for the half uploaded again
+    if sys.argv[1] == "kept":  # once rebuilt, an upload to the rebound device (its Put follows the device): it is
+        time.sleep(1)  # asked for again too, as the client may have Put it to the lost worker, and left as it is
+        v = v + dtorch.distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)]) - 1
     if sys.argv[1] == "streaming":  # no sync point for longer than that wait: the request comes in a Submit's answer
         t0 = time.monotonic()
         while time.monotonic() - t0 < 12:
@@ -196,8 +199,10 @@ UPLOAD_THEN_KILL = textwrap.dedent("""
 def test_an_upload_the_killed_worker_alone_had_is_uploaded_again_by_the_client():
     """recovery.py rule 7, `_uploads` rule 2: the client keeps an upload until a sync covers it, and Puts the
     lost worker's half again when the rebuild asks (before: the session could not be rebuilt), at its next sync
-    point or, when it streams on without one, as soon as a Submit is answered (`_stream` rule 8); a source written in
-    place since cannot be, and that is one line naming the tensor (`_uploads` rule 3)."""
+    point or, when it streams on without one, as soon as a Submit is answered (`_stream` rule 8). An upload to a
+    device the loss rebound is asked for too, until a sync tells the client where the device went; one that followed
+    its device is already there and left (pipeline.py rule 3). A source written in place since cannot be uploaded
+    again, and that is one line naming the tensor (`_uploads` rule 3)."""
     env = {**{k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}, "DTORCH_SNAPSHOT_BATCHES": "1"}
     runs = {how: subprocess.Popen([sys.executable, "-c", UPLOAD_THEN_KILL, how], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env)

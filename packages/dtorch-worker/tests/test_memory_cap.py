@@ -130,8 +130,9 @@ def test_uploads_over_the_cap_are_refused_with_a_one_line_reason(ex: Executor) -
     service = WorkerService(ex.store, ex)
     assert ex.submit(Execute(seq=1, session=S, cmds=[zeros(1, 100)], memory_cap=CAP))  # the cap is known at once
     put(service, S, 5, 100)  # 400 bytes (the create is not run: the executor thread is not started)
-    with pytest.raises(wire.PermissionDenied, match="already exists here"):
+    with pytest.raises(wire.Conflict, match="already exists here") as err:
         put(service, S, 5, 150)  # an upload never replaces a live shard
+    assert err.value.kind == ErrorKind.REFUSED  # typed: a client's Put again leaves the shard there
     put(service, S, 7, 50)  # 600 bytes
     with pytest.raises(wire.RemoteError) as err:
         put(service, S, 6, 150)

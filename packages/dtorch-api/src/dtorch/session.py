@@ -154,9 +154,8 @@ class Session:
                 self._data.learn(reply.locations, reply.caps)
                 if reply.reput:
                     self._uploads.put_again(reply.reput, self._data)
-        except Exception:
-            self._uploads.check()  # the cause of a missing shard, if its upload could not be made again
-            raise
+        finally:
+            self._uploads.check()  # an upload a rebuild asked for that could not be made again (the sender's too)
         self._uploads.safe(uploads)
 
     def _loss(self, lost: DeviceLost) -> Exception:

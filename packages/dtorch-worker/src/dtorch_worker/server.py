@@ -168,8 +168,8 @@ class WorkerService:
         _covered(caller, key[0], "Put", self.store)
         self.store.learn_cap(key[0], caller.memory_cap)  # uploads may come before the session's first Execute
         if self.store.peek(key) is not None:
-            raise wire.PermissionDenied(f"Put refused: tensor {key[1]} on logical device {key[2]} already exists "
-                                        "here (uploads never replace a live shard)")
+            raise wire.Conflict(f"Put refused: tensor {key[1]} on logical device {key[2]} already exists here (uploads "
+                                "never replace a live shard)", ErrorKind.REFUSED)  # a client's Put again leaves it
         if self.max_put_bytes and declared > self.max_put_bytes:
             raise wire.LimitExceeded(f"Put refused: it declares {format_bytes(declared)}, over this worker's "
                                      f"{format_bytes(self.max_put_bytes)} of memory")
