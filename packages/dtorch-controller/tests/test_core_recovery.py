@@ -1018,6 +1018,25 @@ def test_an_upload_arriving_after_the_rebuild_is_asked_again_on_the_rebound_devi
     assert h.submit(sid, 3, [m.InstrAdopt(tid=6, spec=spec([8]))]).reput == {}
 
 
+def test_a_second_rebuild_keeps_asking_for_what_the_first_asked_and_the_client_was_not_told_yet(make_harness):
+    """recovery.py rule 7: a rebuild's request for uploads is told to the client's next request; a second loss before
+    that adds to it, and forgets nothing of it (the held batch's upload the first rebuild asked for, here)."""
+    h, ids, sid = setup(make_harness, workers=4, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
+    h.take_sent()
+    first, other = s.devices[1], s.devices[0]
+    h.report(other)
+    h.handle(ev.WorkerUnreachable(first, "", "killed"))
+    h.submit(sid, 2, [m.InstrAdopt(tid=6, spec=spec([8]))])  # held by the rebuild; Put to the lost worker
+    _rebuild(h, s)
+    assert s.reput == {5: [1], 6: [1]} and s.state == "open"
+    h.handle(ev.WorkerUnreachable(other, "", "killed"))  # before the client asked anything
+    _rebuild(h, s)
+    _, reply = h.sync(sid, 2)
+    assert reply.reput == {5: [1], 6: [1]}
+
+
 def test_an_upload_whose_batch_had_not_gone_out_is_asked_of_the_client_again_on_the_lost_workers_devices(
         make_harness):
     """recovery.py rule 7: the client Put an upload's shards, and its batch waits in the dispatch window behind the

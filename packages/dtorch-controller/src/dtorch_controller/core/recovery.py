@@ -374,9 +374,9 @@ class Recovery:
         r.replayed = len(batches)
         r.to(st.RESET)
         s.rebound |= {d for d in s.devices if r.before.get(d) in r.gone}  # rule 7
-        s.reput = reputs(s, rec, self.cluster.alive)
-        if s.reput:
-            step.note(f"session {s.id[:8]} asks its client for {len(s.reput)} uploads the lost worker alone had")
+        if lost := reputs(s, rec, self.cluster.alive):
+            s.reput.update(lost)  # with what an earlier rebuild asked for and the client was not told yet
+            step.note(f"session {s.id[:8]} asks its client for {len(lost)} uploads the lost worker alone had")
 
     def _finish(self, step: Step, s: Session, rec: Lineage, r: Rebuild) -> None:
         del self.rebuilds[s.id]
