@@ -211,6 +211,6 @@ def test_an_upload_the_killed_worker_alone_had_is_uploaded_again_by_the_client()
     assert all(p.returncode == 0 for p in runs.values()), {how: err for how, (_, err) in out.items()}
     assert out["kept"][0].strip() == "value True", out["kept"]
     assert out["streaming"][0].strip() == "value True", out["streaming"]
-    assert re.fullmatch(r"ClusterError: a worker was lost with the only copy of uploaded tensor \d+ on logical devices "
-                        r"\[[01]\], and it cannot be uploaded again: its source tensor was written in place after "
-                        r"the upload\n", out["written"][0]), out["written"]
+    assert re.fullmatch(r"ClusterError: a worker was lost with the only copy of tensor \d+ \(uploaded at <string>:12\) "
+                        r"on logical devices \[[01]\], and it cannot be uploaded again: its source tensor was written "
+                        r"in place after the upload\n", out["written"][0]), out["written"]

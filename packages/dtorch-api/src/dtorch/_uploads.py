@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from types import CodeType
 from typing import TYPE_CHECKING
 
 import torch
 
+from dtorch._source import caller, src_text
 from dtorch.errors import ClusterError
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ class _Held:
     tensor: torch.Tensor  # the full tensor, as uploaded (the client's own when no conversion copied it)
     spec: Spec
     version: int  # tensor._version at the upload
+    src: tuple[CodeType | None, int]  # the user's line that uploaded it (`_source.caller`: made a line only if needed)
 
 
 class Uploads:
@@ -46,7 +49,7 @@ class Uploads:
     def keep(self, tid: int, tensor: torch.Tensor, spec: Spec) -> None:
         """Call it after the adopt is queued: a Sync that began before cannot cover it then."""
         with self._lock:
-            self._held[tid] = _Held(tensor, spec, tensor._version)
+            self._held[tid] = _Held(tensor, spec, tensor._version, caller())
 
     def kept(self) -> list[int]:
         """The uploads a Sync beginning now covers once it is answered done."""
@@ -77,8 +80,9 @@ class Uploads:
             with self._lock:
                 held = self._held.get(tid)
             if held is None or held.tensor._version != held.version:
+                what = f"tensor {tid}" + (f" (uploaded at {src_text(*held.src)})" if held is not None else "")
                 why = "this client no longer keeps it" if held is None else \
                     "its source tensor was written in place after the upload"
-                raise ClusterError(f"a worker was lost with the only copy of uploaded tensor {tid} on logical devices "
+                raise ClusterError(f"a worker was lost with the only copy of {what} on logical devices "
                                    f"{sorted(devices)}, and it cannot be uploaded again: {why}")
             data.write(held.tensor, held.spec, tid, set(devices))
