@@ -10,7 +10,7 @@ Rules:
      device when it moved, `_relocate`) is left as it is.
   3. A tensor written in place since its upload (its version counter moved) cannot be Put again: that is an error
      naming it, and so is one this client no longer keeps. Asked in a Submit's answer (the sender thread's, `_stream`
-     rule 8), the error waits for the next sync point (`check`).
+     rule 8), the error is raised at the end of the sync under way, else of the next one (`check`).
 """
 
 from __future__ import annotations
