@@ -79,6 +79,7 @@ class Session:
         self._placed: set[int] = set()
         self._lost: Exception | None = None  # the loss error, once a transfer met a device lost for good
         self._lost_lock = threading.Lock()
+        self._uploads = Uploads()  # kept until a Sync covers them: a rebuild may ask for them again
         self._stream = Stream(self._call, self.id, controller, opened.keepalive_s,
                               on_reput=lambda reput: self._uploads.asked(reput, self._data))
         # the user thread's per-op calls, bound once (the hot path counts every call):
@@ -86,7 +87,6 @@ class Session:
         self.emit: Callable[[Any], None] = self._stream.emit  # queue an instruction (or a record); never blocks
         self.release: Callable[[int], None] = self._stream.release  # a DTensor's last reference is gone (batched)
         self._data = DataPlane(self.id, self.timeout, self.status, tls=tls)
-        self._uploads = Uploads()  # kept until a Sync covers them: a rebuild may ask for them again
         # async fetches wait on pulls in the data plane's pool: they must not occupy its threads
         self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-fetch")
         self.early_reads = os.environ.get("DTORCH_EARLY_READS", "1") != "0"

@@ -323,7 +323,8 @@ class Pipeline:
             rec.delivered = rec.sent_upto
             rec.window_errors.clear()
         errors, s.errors = s.errors, []
-        s.rebound.clear()  # its locations tell the client where the devices are now (recovery.py rule 7)
+        if s.rebound:
+            s.rebound.clear()  # its locations tell the client where the devices are now (recovery.py rule 7)
         if s.errors_dropped:
             errors.append(m.ErrorReport(op="errors", src="", message=f"{s.errors_dropped} more error reports came "
                                         f"from workers since the last sync; only the first {len(errors)} are kept"))
