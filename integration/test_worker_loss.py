@@ -189,6 +189,8 @@ UPLOAD_THEN_KILL = textwrap.dedent("""
         while time.monotonic() - t0 < 12:
             x = x * 1
             time.sleep(0.05)
+    if sys.argv[1] == "silent":  # nothing sent for longer than that wait: the request comes in a keep-alive's answer
+        time.sleep(12)
     try:
         print("value", torch.equal(v.to_torch(), torch.arange(32.0).reshape(8, 4) + 1))
     except Exception as e:
@@ -202,15 +204,17 @@ def test_an_upload_the_killed_worker_alone_had_is_uploaded_again_by_the_client()
     point or, when it streams on without one, as soon as a Submit is answered (`_stream` rule 8). An upload to a
     device the loss rebound is asked for too, until a sync tells the client where the device went; one that followed
     its device is already there and left (pipeline.py rule 3). A source written in place since cannot be uploaded
-    again, and that is one line naming the tensor (`_uploads` rule 3)."""
+    again, and that is one line naming the tensor (`_uploads` rule 3). A client that sends nothing meanwhile hears
+    the request in a keep-alive's answer (before: ShardMissing after the worker's 10 s wait)."""
     env = {**{k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}, "DTORCH_SNAPSHOT_BATCHES": "1"}
     runs = {how: subprocess.Popen([sys.executable, "-c", UPLOAD_THEN_KILL, how], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env)
-            for how in ("kept", "streaming", "written")}
+            for how in ("kept", "streaming", "silent", "written")}
     out = {how: p.communicate(timeout=120) for how, p in runs.items()}
     assert all(p.returncode == 0 for p in runs.values()), {how: err for how, (_, err) in out.items()}
     assert out["kept"][0].strip() == "value True", out["kept"]
     assert out["streaming"][0].strip() == "value True", out["streaming"]
+    assert out["silent"][0].strip() == "value True", out["silent"]
     assert re.fullmatch(r"ClusterError: a worker was lost with the only copy of tensor \d+ \(uploaded at <string>:12\) "
                         r"on logical devices \[[01]\], and it cannot be uploaded again: its source tensor was written "
                         r"in place after the upload\n", out["written"][0]), out["written"]

@@ -54,6 +54,8 @@ class RecordingController:
             return m.SubmitReply(accepted=request.seq)
         if method == "Sync":
             return self.sync_replies.pop(0) if len(self.sync_replies) > 1 else self.sync_replies[0]
+        if method == "KeepAlive":
+            return m.KeepAliveReply()
         return None
 
     def requests(self, method: str) -> list[Any]:

@@ -243,3 +243,20 @@ def test_a_submits_answer_naming_uploads_to_put_again_goes_to_on_reput_at_once(c
         assert heard == [{7: [1]}]
     finally:
         s.close()
+
+
+def test_a_keepalives_answer_naming_uploads_to_put_again_goes_to_on_reput(controller):
+    """Rule 8: a client that sends nothing between sync points hears a rebuild's request in a keep-alive's answer."""
+    plain, heard = controller.__call__, []
+
+    def call(method, request, timeout):
+        reply = plain(method, request, timeout)
+        return m.KeepAliveReply(reput={7: [1]}) if method == "KeepAlive" and len(heard) == 0 else reply
+
+    s = Stream(call, "s10", "ctl:1", keepalive_s=0.01, on_reput=heard.append)
+    try:
+        controller.wait_for("KeepAlive", 3)
+        assert heard == [{7: [1]}]  # once: the later keep-alives' answers asked for nothing
+        assert controller.requests("Submit") == []
+    finally:
+        s.close()

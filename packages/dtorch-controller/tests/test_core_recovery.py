@@ -979,10 +979,11 @@ def test_an_upload_whose_copy_its_worker_did_not_finish_is_asked_of_the_client_a
     assert again.done and again.reput == {} and again.errors == []
 
 
-def test_a_client_streaming_without_a_sync_hears_of_the_uploads_to_put_again_in_its_next_submits_answer(
-        make_harness):
-    """recovery.py rule 7: a program may stream for long between sync points; the first request of the session after
-    the replay went out, a Submit here, answers the uploads to Put again, once."""
+@pytest.mark.parametrize("request_", ["Submit", "KeepAlive"])
+def test_a_client_without_a_sync_hears_of_the_uploads_to_put_again_in_its_next_submits_or_keepalives_answer(
+        make_harness, request_):
+    """recovery.py rule 7: a program may stream for long between sync points, or say nothing; the first request of
+    the session after the replay went out, a Submit or a KeepAlive, answers the uploads to Put again, once."""
     h, ids, sid = setup(make_harness, every=100)
     s = session(h, sid)
     h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
@@ -991,7 +992,10 @@ def test_a_client_streaming_without_a_sync_hears_of_the_uploads_to_put_again_in_
     h.report(s.devices[0])
     h.handle(ev.WorkerUnreachable(victim, "", "killed"))
     _rebuild(h, s)
-    assert h.submit(sid, 2, [add_(5)]).reput == {5: [1]}
+    if request_ == "KeepAlive":
+        assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)) == m.KeepAliveReply(reput={5: [1]})
+        assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)) == m.KeepAliveReply()
+    assert h.submit(sid, 2, [add_(5)]).reput == ({5: [1]} if request_ == "Submit" else {})
     assert h.submit(sid, 3, [add_(5)]).reput == {}
     _rebuild(h, s)
     _, reply = h.sync(sid, 3)

@@ -568,7 +568,17 @@ def test_a_silent_client_is_closed_and_its_shards_freed_everywhere(make_harness)
     assert closes == [(w0, [m.CmdCloseSession()]), (w1, [m.CmdCloseSession()])]
     assert sched_state(h, waiting) == "running"
     assert any("timed out: client silent for 5.0s" in line for line in h.core.log.lines())
-    assert h.call(ev.KeepAlive, m.KeepAlive(session=dead)) == m.Ack(ok=False, message="unknown session (timed out?)")
+    assert h.call(ev.KeepAlive, m.KeepAlive(session=dead)) == m.KeepAliveReply(ok=False,
+                                                                             message="unknown session (timed out?)")
+
+
+@pytest.mark.parametrize(("timeout", "snapshots", "keepalive"), [(0, 0, 0.0), (0, 32, 1.0), (2.0, 0, 0.5)])
+def test_the_controller_asks_for_keepalives_when_it_closes_silent_sessions_or_may_ask_for_uploads(
+        make_harness, timeout, snapshots, keepalive):
+    """Rule 9: with recovery on, a keep-alive's answer is how a rebuild reaches a client between sync points
+    (recovery.py rule 7), even where silent sessions are never closed."""
+    h = make_harness(session_timeout_s=timeout, snapshot_every_batches=snapshots, **QUIET)
+    assert h.call(ev.OpenSession, m.OpenSession(hello=hello("client"))).keepalive_s == keepalive
 
 
 @pytest.mark.parametrize("version", ["1.0", "1.1"])

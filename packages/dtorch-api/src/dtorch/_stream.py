@@ -14,7 +14,7 @@ Rules:
      them (a tensor's uses are all queued before its release).
   4. The sender flushes every POLL_S when instructions or more than DEAD_AT releases wait (a user thread
      issuing an op every few microseconds fills batches of about a thousand), and sends a KeepAlive every
-     `keepalive_s` when the controller asks for one (0: never).
+     `keepalive_s` when the controller asks for one (0: never), whatever else it sent.
   5. `sync` flushes, then asks the controller until every worker executed everything sent (bounded); op
      errors of the session are raised there, the first one with the op and the user's source line.
   6. A closed stream (`close`, at `dtorch.shutdown()` or the end of a `with dtorch.connect()` block) sends nothing
@@ -24,9 +24,9 @@ Rules:
      can reach the controller first (it refuses batches out of order). Meanwhile the sender thread skips its
      flushes (it never waits for the lock, so keep-alives go on); a failed carrying Sync breaks the stream as a
      failed Submit does. An async fetch's sync does not carry: its thread must not stop the stream.
-  8. A Submit's answer may name uploads a rebuild needs again (`SubmitReply.reput`): they go to `on_reput` at once,
-     in the thread that submitted, so that a program that streams for long between sync points is heard before the
-     workers' wait for them ends (a Sync's answer names them too: `sync` yields it).
+  8. A Submit's or a KeepAlive's answer may name uploads a rebuild needs again (`.reput`): they go to `on_reput` at
+     once, in the thread that asked, so that a program that streams for long between sync points, or says nothing,
+     is heard before the workers' wait for them ends (a Sync's answer names them too: `sync` yields it).
 """
 
 from __future__ import annotations
@@ -92,9 +92,11 @@ class Stream:
             if self._keepalive_s and time.monotonic() - self._keepalive_at >= self._keepalive_s:
                 self._keepalive_at = time.monotonic()  # the controller closes sessions that fall silent
                 try:
-                    self._call("KeepAlive", m.KeepAlive(session=self.session), 5.0)
+                    reply = self._call("KeepAlive", m.KeepAlive(session=self.session), 5.0)
                 except Exception:  # noqa: BLE001 - a missed keep-alive is retried at the next tick
-                    pass
+                    continue
+                if reply.reput and self._on_reput is not None:  # rule 8
+                    self._on_reput(reply.reput)
 
     def flush(self) -> None:
         """Send everything queued so far, in order."""

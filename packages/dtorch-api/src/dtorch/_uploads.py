@@ -9,8 +9,8 @@ Rules:
      rule 7): each is Put again to its device's worker now. A shard the worker has already (a Put that followed its
      device when it moved, `_relocate`) is left as it is.
   3. A tensor written in place since its upload (its version counter moved) cannot be Put again: that is an error
-     naming it, and so is one this client no longer keeps. Asked in a Submit's answer (the sender thread's, `_stream`
-     rule 8), the error is raised at the end of the sync under way, else of the next one (`check`).
+     naming it, and so is one this client no longer keeps. Asked in a Submit's or a KeepAlive's answer (the sender
+     thread's, `_stream` rule 8), the error is raised at the end of the sync under way, else of the next one (`check`).
 """
 
 from __future__ import annotations

@@ -328,7 +328,7 @@ class ControllerService:
             self.metrics.closed(request.session)
         return reply
 
-    def KeepAlive(self, request: m.KeepAlive, caller: auth.Caller) -> m.Ack:
+    def KeepAlive(self, request: m.KeepAlive, caller: auth.Caller) -> m.KeepAliveReply:
         who = self._who(caller)
         with self._timed("KeepAlive"):
             return self.request(lambda rid: ev.KeepAlive(rid, request, who))

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.12"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.13"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
@@ -51,7 +51,8 @@ PROTOCOL_VERSION = "1.12"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Kee
 # client's `torch.set_default_dtype`); 1.11: CmdFence (a lost worker is fenced by the workers that shared a session
 # with it, whether or not the session is rebuilt), ErrorReport.peer (where a failed copy went), CmdFetchShards.rename
 # (a replicated upload's device restored from a replica's copy); 1.12: SyncReply.reput and
-# SubmitReply.reput (a rebuild asks the client to Put again the uploads whose bytes were only on the lost worker)
+# SubmitReply.reput (a rebuild asks the client to Put again the uploads whose bytes were only on the lost worker);
+# 1.13: KeepAliveReply (a keep-alive hears those requests too: a client silent between sync points is asked)
 
 
 class ErrorKind(str, enum.Enum):
@@ -185,6 +186,12 @@ class KeepAlive(Struct, frozen=True):
     """The client is still there: a session silent for the controller's session timeout is closed."""
 
     session: Ident
+
+
+class KeepAliveReply(Struct, frozen=True):
+    ok: bool = True  # False: the controller does not know the session (closed, timed out, another tenant's)
+    message: str = ""
+    reput: dict[int, list[int]] = {}  # as SyncReply.reput, when the session had no Submit or Sync to tell it (1.13)
 
 
 class OpenMesh(Struct, frozen=True):

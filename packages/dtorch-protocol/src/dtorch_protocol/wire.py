@@ -52,7 +52,7 @@ SERVICES: dict[str, dict[str, tuple[type, type, str]]] = {
         "Submit": (m.Submit, m.SubmitReply, "unary"),
         "Sync": (m.Sync, m.SyncReply, "unary"),
         "CloseSession": (m.CloseSession, m.Ack, "unary"),
-        "KeepAlive": (m.KeepAlive, m.Ack, "unary"),
+        "KeepAlive": (m.KeepAlive, m.KeepAliveReply, "unary"),
         "Status": (m.StatusRequest, m.StatusReply, "unary"),
         "Register": (m.RegisterWorker, m.Registered, "unary"),
         "Report": (m.WorkerReport, m.ReportReply, "unary"),

@@ -22,7 +22,9 @@ Rules:
    timer).
 9. A client session that says nothing (any request naming it, or KeepAlive) for `session_timeout_s` is
    closed as if it had called CloseSession: every worker it used frees its shards, whatever protocol
-   version the client speaks (one that sends no keep-alives must keep talking).
+   version the client speaks (one that sends no keep-alives must keep talking). The client is asked for a
+   KeepAlive every `SessionOpened.keepalive_s`, also where silent sessions stay open but recovery is on: the
+   answer carries the uploads a rebuild asks for again (recovery.py rule 7) to a client between sync points.
 10. Calls point one way (docs/architecture.md, `.importlinter`): this module drives the components and none
    of them calls back into it. A handler does its event's own work, then the *settle pass* applies the
    scheduler's decisions and looks at the sessions the event touched (their copies, rebuild, moves,
@@ -375,6 +377,8 @@ class ControllerCore:
         if timeout > 0:
             keepalive = min(1.0, timeout / 4)
             step.emit(fx.SetTimer(now + timeout, tk.ClientSilence(sid)))
+        elif self.config.snapshot_every_batches:  # rule 9: a rebuild's requests reach a silent client
+            keepalive = 1.0
         step.reply(e.request_id, m.SessionOpened(session=sid, controller_version=self.version,
                                                  keepalive_s=keepalive))
 
@@ -659,7 +663,10 @@ class ControllerCore:
     def _keepalive(self, step: Step, e: ev.KeepAlive) -> None:
         s = self.cluster.sessions.get(e.msg.session)
         known = s is not None and owns(e.who, s)  # handle() already noted that the client is alive
-        step.reply(e.request_id, m.Ack(ok=known, message="" if known else "unknown session (timed out?)"))
+        if not known:
+            return step.reply(e.request_id, m.KeepAliveReply(ok=False, message="unknown session (timed out?)"))
+        reput, s.reput = s.reput, {}  # a rebuild needs uploads again (recovery.py rule 7): a silent client hears it
+        step.reply(e.request_id, m.KeepAliveReply(reput=reput))
 
     def _check_client(self, step: Step, key: tk.ClientSilence) -> None:
         s = self.cluster.sessions.get(key.session)

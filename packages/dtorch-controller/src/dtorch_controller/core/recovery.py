@@ -34,10 +34,11 @@ Rules:
    drops them), and the uploads going out later (held, or not even sent by the client yet) on a device the loss
    rebound (`Session.rebound`, until a Sync answered done tells the client where its devices are: it may have Put
    them to the lost worker; pipeline.py rule 3). They are asked for: `Session.reput`, given to the session's parked
-   Syncs at once (done=False, `SyncReply.reput`), else to its next Submit or Sync (`SubmitReply.reput`: a program
-   streaming for long between sync points hears it too; a Submit carried by a Sync leaves it to the Sync, answered
-   at once); the client Puts them to the devices' new workers, and the first reader of one (or its copy) waits for
-   it there (the worker's input wait, 10 s by default: a client that sends nothing within it gets ShardMissing).
+   Syncs at once (done=False, `SyncReply.reput`), else to its next Submit, Sync or KeepAlive (`SubmitReply.reput`: a
+   program streaming for long between sync points hears it too; a Submit carried by a Sync leaves it to the Sync,
+   answered at once; `KeepAliveReply.reput`: a client silent between sync points hears it within a keep-alive
+   period, 1 s at most); the client Puts them to the devices' new workers, and the first reader of one (or its
+   copy) waits for it there (the worker's input wait, 10 s by default).
 """
 
 from __future__ import annotations
