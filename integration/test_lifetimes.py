@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import time
 import weakref
 
@@ -91,3 +95,42 @@ def test_a_read_whose_early_pull_missed_keeps_nothing_alive(cluster, mesh1):
     refs = read_after_moves()
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+UPLOAD_THEN_STREAM = textwrap.dedent("""
+    import time, weakref
+    import numpy as np
+    import torch
+    import dtorch
+    from dtorch import Shard
+
+    dtorch.connect(workers=2)
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    source = np.arange(32.0, dtype=np.float32).reshape(8, 4)  # a torch tensor over it keeps it alive
+    alive = weakref.ref(source)
+    u = dtorch.distribute_tensor(torch.from_numpy(source), mesh, [Shard(0)])
+    del source
+    v = u * 2
+    t0 = time.monotonic()
+    while alive() is not None and time.monotonic() - t0 < 10:  # no sync point meanwhile
+        time.sleep(0.01)
+    print("let go", alive() is None, f"after {time.monotonic() - t0:.2f} s")
+    print("value", torch.equal(v.to_torch(), torch.arange(32.0).reshape(8, 4) * 2))
+""")
+
+
+def test_the_client_lets_go_of_an_uploads_source_once_its_copies_are_made_before_any_sync_point():
+    """`_uploads` rule 1: the client keeps each upload's source for a rebuild to ask for again only until the
+    controller says its copies are made, in a keep-alive's or a Submit's answer (before: until the next sync point,
+    however long a program streamed without one: a whole data loader's worth of batches); and, where the controller
+    rebuilds nothing (recovery off), not at all."""
+    env = {k: v for k, v in os.environ.items() if k != "DTORCH_CONTROLLER"}
+    runs = {snapshots: subprocess.Popen([sys.executable, "-c", UPLOAD_THEN_STREAM], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True,
+                                        env={**env, "DTORCH_SNAPSHOT_BATCHES": snapshots})
+            for snapshots in ("32", "0")}
+    out = {snapshots: p.communicate(timeout=120) for snapshots, p in runs.items()}
+    assert all(p.returncode == 0 for p in runs.values()), {k: err for k, (_, err) in out.items()}
+    for snapshots, (stdout, _) in out.items():  # with recovery off, nothing would ever tell the client to let go
+        let_go, value = stdout.split("\n")[:2]
+        assert let_go.startswith("let go True") and value == "value True", (snapshots, stdout)

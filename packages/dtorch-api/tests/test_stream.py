@@ -225,38 +225,40 @@ def test_a_record_that_cannot_be_encoded_breaks_the_stream(stream, controller):
     assert stream.broken
 
 
-def test_a_submits_answer_naming_uploads_to_put_again_goes_to_on_reput_at_once(controller):
-    """Rule 8: a rebuild's request for uploads in a Submit's answer reaches the session before any sync point."""
+def test_a_submits_answer_naming_uploads_goes_to_on_uploads_at_once(controller):
+    """Rule 8: a rebuild's request for uploads, and the uploads that are safe, in a Submit's answer reach the session
+    before any sync point."""
     plain, heard = controller.__call__, []
 
     def call(method, request, timeout):
         reply = plain(method, request, timeout)
-        return m.SubmitReply(accepted=request.seq, reput={7: [1]}) if method == "Submit" and request.seq == 1 else reply
+        if method == "Submit" and request.seq == 1:
+            return m.SubmitReply(accepted=request.seq, reput={7: [1]}, safe=[3])
+        return m.SubmitReply(accepted=request.seq, safe=[4]) if method == "Submit" and request.seq == 2 else reply
 
-    s = Stream(call, "s9", "ctl:1", on_reput=heard.append)
+    s = Stream(call, "s9", "ctl:1", on_uploads=lambda *told: heard.append(told))
     try:
-        s.emit(create(1))
-        s.flush()
-        assert heard == [{7: [1]}]
-        s.emit(create(2))
-        s.flush()
-        assert heard == [{7: [1]}]
+        for tid in (1, 2, 3):
+            s.emit(create(tid))
+            s.flush()
+        assert heard == [({7: [1]}, [3]), ({}, [4])]  # the third answer told nothing
     finally:
         s.close()
 
 
-def test_a_keepalives_answer_naming_uploads_to_put_again_goes_to_on_reput(controller):
-    """Rule 8: a client that sends nothing between sync points hears a rebuild's request in a keep-alive's answer."""
+def test_a_keepalives_answer_naming_uploads_goes_to_on_uploads(controller):
+    """Rule 8: a client that sends nothing between sync points hears a rebuild's request, and the uploads that are
+    safe, in a keep-alive's answer."""
     plain, heard = controller.__call__, []
 
     def call(method, request, timeout):
         reply = plain(method, request, timeout)
-        return m.KeepAliveReply(reput={7: [1]}) if method == "KeepAlive" and len(heard) == 0 else reply
+        return m.KeepAliveReply(reput={7: [1]}, safe=[3]) if method == "KeepAlive" and not heard else reply
 
-    s = Stream(call, "s10", "ctl:1", keepalive_s=0.01, on_reput=heard.append)
+    s = Stream(call, "s10", "ctl:1", keepalive_s=0.01, on_uploads=lambda *told: heard.append(told))
     try:
         controller.wait_for("KeepAlive", 3)
-        assert heard == [{7: [1]}]  # once: the later keep-alives' answers asked for nothing
+        assert heard == [({7: [1]}, [3])]  # once: the later keep-alives' answers told nothing
         assert controller.requests("Submit") == []
     finally:
         s.close()

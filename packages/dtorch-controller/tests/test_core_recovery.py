@@ -1002,6 +1002,29 @@ def test_a_client_without_a_sync_hears_of_the_uploads_to_put_again_in_its_next_s
     assert reply.done and reply.reput == {}
 
 
+@pytest.mark.parametrize("request_", ["Submit", "KeepAlive"])
+def test_an_upload_whose_copies_are_complete_is_told_safe_to_the_client_in_its_next_submits_or_keepalives_answer(
+        make_harness, request_):
+    """snapshots.py rule 7: once both copies of an upload are made (its batch completed on every worker of its mesh),
+    the client need not keep it: the next Submit's or KeepAlive's answer says so, once. Not before: a batch that only
+    one of the two workers completed leaves the other's copies in the making."""
+    h, ids, sid = setup(make_harness, every=100)
+    s = session(h, sid)
+    h.submit(sid, 1, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)])
+    h.take_sent()
+    h.report(s.devices[0])
+    assert h.submit(sid, 2, [add_(5)]).safe == []
+    h.report_all()
+
+    def told():
+        if request_ == "Submit":
+            return h.submit(sid, s.seq + 1, [add_(5)]).safe
+        return h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe
+
+    assert told() == [5]
+    assert told() == []
+
+
 def test_an_upload_arriving_after_the_rebuild_is_asked_again_on_the_rebound_devices_until_a_sync_tells_where(
         make_harness):
     """recovery.py rule 7, pipeline.py rule 3: the loss was found and the session rebuilt before the client's batch
@@ -1017,9 +1040,12 @@ def test_an_upload_arriving_after_the_rebuild_is_asked_again_on_the_rebound_devi
     assert s.state == "open" and victim not in s.devices.values()
     assert h.submit(sid, 2, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)]).reput == {5: [1]}
     _rebuild(h, s)
+    assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == []  # asked again: kept until a Sync's end
     _, reply = h.sync(sid, 2)
     assert reply.done and reply.reput == {}
     assert h.submit(sid, 3, [m.InstrAdopt(tid=6, spec=spec([8]))]).reput == {}
+    _rebuild(h, s)
+    assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == [6]
 
 
 def test_a_second_rebuild_keeps_asking_for_what_the_first_asked_and_the_client_was_not_told_yet(make_harness):

@@ -576,9 +576,10 @@ def test_a_silent_client_is_closed_and_its_shards_freed_everywhere(make_harness)
 def test_the_controller_asks_for_keepalives_when_it_closes_silent_sessions_or_may_ask_for_uploads(
         make_harness, timeout, snapshots, keepalive):
     """Rule 9: with recovery on, a keep-alive's answer is how a rebuild reaches a client between sync points
-    (recovery.py rule 7), even where silent sessions are never closed."""
+    (recovery.py rule 7), even where silent sessions are never closed; with it off, the client keeps no uploads."""
     h = make_harness(session_timeout_s=timeout, snapshot_every_batches=snapshots, **QUIET)
-    assert h.call(ev.OpenSession, m.OpenSession(hello=hello("client"))).keepalive_s == keepalive
+    opened = h.call(ev.OpenSession, m.OpenSession(hello=hello("client")))
+    assert (opened.keepalive_s, opened.recovery) == (keepalive, snapshots > 0)
 
 
 @pytest.mark.parametrize("version", ["1.0", "1.1"])

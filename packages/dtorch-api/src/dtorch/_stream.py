@@ -24,9 +24,10 @@ Rules:
      can reach the controller first (it refuses batches out of order). Meanwhile the sender thread skips its
      flushes (it never waits for the lock, so keep-alives go on); a failed carrying Sync breaks the stream as a
      failed Submit does. An async fetch's sync does not carry: its thread must not stop the stream.
-  8. A Submit's or a KeepAlive's answer may name uploads a rebuild needs again (`.reput`): they go to `on_reput` at
-     once, in the thread that asked, so that a program that streams for long between sync points, or says nothing,
-     is heard before the workers' wait for them ends (a Sync's answer names them too: `sync` yields it).
+  8. A Submit's or a KeepAlive's answer may name uploads a rebuild needs again (`.reput`) and uploads whose copies
+     are complete (`.safe`): they go to `on_uploads` at once, in the thread that asked, so that a program that
+     streams for long between sync points, or says nothing, is heard before the workers' wait for them ends, and
+     lets go of its uploads without a sync point (a Sync's answer names the first too: `sync` yields it).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ class Stream:
     """One session's ordered instruction stream to the controller at `address` (named in errors)."""
 
     def __init__(self, call: Call, session: str, address: str, keepalive_s: float = 0.0,
-                 on_reput: Callable[[dict[int, list[int]]], None] | None = None) -> None:
+                 on_uploads: Callable[[dict[int, list[int]], list[int]], None] | None = None) -> None:
         self._call, self.session, self.address = call, session, address
-        self._on_reput = on_reput
+        self._on_uploads = on_uploads
         self._keepalive_s, self._keepalive_at = keepalive_s, time.monotonic()
         self._queue: deque = deque()
         self._dead: deque = deque()
@@ -95,8 +96,7 @@ class Stream:
                     reply = self._call("KeepAlive", m.KeepAlive(session=self.session), 5.0)
                 except Exception:  # noqa: BLE001 - a missed keep-alive is retried at the next tick
                     continue
-                if reply.reput and self._on_reput is not None:  # rule 8
-                    self._on_reput(reply.reput)
+                self._heard(reply)
 
     def flush(self) -> None:
         """Send everything queued so far, in order."""
@@ -124,9 +124,12 @@ class Stream:
                 reply = self._call("Submit", m.Submit(session=self.session, seq=self.seq, instrs=batch), 60.0)
             except Exception as e:
                 raise self._lost(e) from None
-            if reply.reput and self._on_reput is not None:  # rule 8
-                self._on_reput(reply.reput)
+            self._heard(reply)
         return last
+
+    def _heard(self, reply: m.SubmitReply | m.KeepAliveReply) -> None:
+        if (reply.reput or reply.safe) and self._on_uploads is not None:  # rule 8
+            self._on_uploads(reply.reput, reply.safe)
 
     def _lost(self, e: Exception) -> ClusterError:
         self._broken = ClusterError(f"lost the instruction stream to the controller at {self.address}: {e}")

@@ -2,9 +2,12 @@
 
 Rules:
   1. An upload is kept (a reference to the client's tensor, no copy, with its version counter) from the moment its
-     adopt is queued until a Sync that began after that is answered done: every worker then ran its batch, and its
-     copies for recovery are complete (the controller's lineage rule 3). Memory: the client's tensors stay
-     referenced one sync window longer than the user holds them.
+     adopt is queued until the controller says its copies for recovery are complete (`.safe` in the answer to a
+     Submit or a KeepAlive: the controller's snapshots rule 7), or until a Sync that began after that is answered
+     done: every worker then ran its batch, and those copies are complete (the controller's lineage rule 3).
+     Memory: the client's tensors stay referenced about as long as their batch takes to run, plus a keep-alive
+     period (1 s). A controller that rebuilds no session (`SessionOpened.recovery` False) asks for none: none is
+     kept.
   2. A rebuild that lost the only bytes of some shards asks for them (`SyncReply.reput`, the controller's recovery
      rule 7): each is Put again to its device's worker now. A shard the worker has already (a Put that followed its
      device when it moved, `_relocate`) is left as it is.
@@ -41,13 +44,16 @@ class _Held:
 class Uploads:
     """One session's kept uploads (rule 1), by tensor id; used from the user thread and a background fetch's."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeping: bool = True) -> None:
+        self._keeping = keeping  # rule 1
         self._held: dict[int, _Held] = {}
         self._lock = threading.Lock()
         self._failed: Exception | None = None  # rule 3, for the next sync point
 
     def keep(self, tid: int, tensor: torch.Tensor, spec: Spec) -> None:
         """Call it after the adopt is queued: a Sync that began before cannot cover it then."""
+        if not self._keeping:
+            return
         with self._lock:
             self._held[tid] = _Held(tensor, spec, tensor._version, caller())
 
@@ -61,8 +67,10 @@ class Uploads:
             for tid in tids:
                 self._held.pop(tid, None)
 
-    def asked(self, reput: dict[int, list[int]], data: DataPlane) -> None:
-        """`put_again`, from a thread that must not raise (rule 3): the error is kept for `check`."""
+    def heard(self, reput: dict[int, list[int]], safe: list[int], data: DataPlane) -> None:
+        """The controller's word on uploads in a Submit's or a KeepAlive's answer (rules 1 and 2), from a thread that
+        must not raise (rule 3): the error is kept for `check`."""
+        self.safe(safe)  # never one of `reput`: the controller holds back what it asked for again
         try:
             self.put_again(reput, data)
         except Exception as e:  # noqa: BLE001 - raised at the next sync point

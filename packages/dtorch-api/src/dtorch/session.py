@@ -79,9 +79,9 @@ class Session:
         self._placed: set[int] = set()
         self._lost: Exception | None = None  # the loss error, once a transfer met a device lost for good
         self._lost_lock = threading.Lock()
-        self._uploads = Uploads()  # kept until a Sync covers them: a rebuild may ask for them again
+        self._uploads = Uploads(opened.recovery)  # kept until they are safe: a rebuild may ask for them again
         self._stream = Stream(self._call, self.id, controller, opened.keepalive_s,
-                              on_reput=lambda reput: self._uploads.asked(reput, self._data))
+                              on_uploads=lambda reput, safe: self._uploads.heard(reput, safe, self._data))
         # the user thread's per-op calls, bound once (the hot path counts every call):
         self.new_tid: Callable[[], int] = self._tids.__next__  # a fresh tensor id
         self.emit: Callable[[Any], None] = self._stream.emit  # queue an instruction (or a record); never blocks

@@ -52,7 +52,9 @@ PROTOCOL_VERSION = "1.13"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Kee
 # with it, whether or not the session is rebuilt), ErrorReport.peer (where a failed copy went), CmdFetchShards.rename
 # (a replicated upload's device restored from a replica's copy); 1.12: SyncReply.reput and
 # SubmitReply.reput (a rebuild asks the client to Put again the uploads whose bytes were only on the lost worker);
-# 1.13: KeepAliveReply (a keep-alive hears those requests too: a client silent between sync points is asked)
+# 1.13: KeepAliveReply (a keep-alive hears those requests too: a client silent between sync points is asked),
+# SubmitReply.safe and KeepAliveReply.safe (uploads whose copies are complete: the client lets them go before its
+# next sync point), SessionOpened.recovery (False: no rebuild asks for uploads again, the client keeps none)
 
 
 class ErrorKind(str, enum.Enum):
@@ -180,6 +182,7 @@ class SessionOpened(Struct, frozen=True):
     session: str  # unguessable id; naming it is the right to its tensors
     controller_version: str
     keepalive_s: float = 0.0  # send KeepAlive this often (0: not needed); a silent session is closed
+    recovery: bool = True  # sessions are rebuilt after a worker loss: keep uploads until they are safe (1.13)
 
 
 class KeepAlive(Struct, frozen=True):
@@ -192,6 +195,7 @@ class KeepAliveReply(Struct, frozen=True):
     ok: bool = True  # False: the controller does not know the session (closed, timed out, another tenant's)
     message: str = ""
     reput: dict[int, list[int]] = {}  # as SyncReply.reput, when the session had no Submit or Sync to tell it (1.13)
+    safe: list[int] = []  # as SubmitReply.safe (1.13)
 
 
 class OpenMesh(Struct, frozen=True):
@@ -315,6 +319,9 @@ class Submit(Struct, frozen=True):
 class SubmitReply(Struct, frozen=True):
     accepted: int  # highest batch seq applied
     reput: dict[int, list[int]] = {}  # as SyncReply.reput: told to the session's first Submit or Sync after it (1.12)
+    # uploads (tensor ids) whose copies for recovery are complete and that no rebuild asked for since the last Sync
+    # answered done: the client need not keep them any longer (1.13)
+    safe: list[int] = []
 
 
 class Sync(Struct, frozen=True):

@@ -379,8 +379,8 @@ class ControllerCore:
             step.emit(fx.SetTimer(now + timeout, tk.ClientSilence(sid)))
         elif self.config.snapshot_every_batches:  # rule 9: a rebuild's requests reach a silent client
             keepalive = 1.0
-        step.reply(e.request_id, m.SessionOpened(session=sid, controller_version=self.version,
-                                                 keepalive_s=keepalive))
+        step.reply(e.request_id, m.SessionOpened(session=sid, controller_version=self.version, keepalive_s=keepalive,
+                                                 recovery=self.config.snapshot_every_batches > 0))
 
     def _open_mesh(self, step: Step, e: ev.OpenMesh) -> None:
         msg = e.msg
@@ -432,9 +432,9 @@ class ControllerCore:
                                              f"{s.seq + 1}")
         s.seq = msg.seq
         self.pipeline.accept(step, s, msg.instrs)  # logged; sent unless frozen, recovering or migrating
-        if s.reput and not e.carried:  # a rebuild needs uploads again (recovery.py rule 7): a client streaming
-            reput, s.reput = s.reput, {}  # without a sync hears it; a Sync carrying the batch is answered at once
-            return step.reply(e.request_id, m.SubmitReply(accepted=msg.seq, reput=reput))
+        if (s.reput or s.safe) and not e.carried:  # a client streaming without a sync hears of its uploads (recovery.py
+            # rule 7: a rebuild needs them again, or they are safe); a Sync carrying the batch is answered at once
+            return step.reply(e.request_id, m.SubmitReply(accepted=msg.seq, reput=s.take_reput(), safe=s.take_safe()))
         step.reply(e.request_id, m.SubmitReply(accepted=msg.seq))
 
     def _close_session(self, step: Step, e: ev.CloseSession) -> None:
@@ -665,8 +665,8 @@ class ControllerCore:
         known = s is not None and owns(e.who, s)  # handle() already noted that the client is alive
         if not known:
             return step.reply(e.request_id, m.KeepAliveReply(ok=False, message="unknown session (timed out?)"))
-        reput, s.reput = s.reput, {}  # a rebuild needs uploads again (recovery.py rule 7): a silent client hears it
-        step.reply(e.request_id, m.KeepAliveReply(reput=reput))
+        # a silent client hears of its uploads (recovery.py rule 7: a rebuild needs them again, or they are safe)
+        step.reply(e.request_id, m.KeepAliveReply(reput=s.take_reput(), safe=s.take_safe()))
 
     def _check_client(self, step: Step, key: tk.ClientSilence) -> None:
         s = self.cluster.sessions.get(key.session)

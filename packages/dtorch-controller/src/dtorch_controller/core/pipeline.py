@@ -325,6 +325,9 @@ class Pipeline:
         errors, s.errors = s.errors, []
         if s.rebound:
             s.rebound.clear()  # its locations tell the client where the devices are now (recovery.py rule 7)
+        if s.asked or s.safe:
+            s.asked.clear()  # the client lets go of every upload it kept before the Sync (lineage.py rule 3)
+            s.safe.clear()
         if s.errors_dropped:
             errors.append(m.ErrorReport(op="errors", src="", message=f"{s.errors_dropped} more error reports came "
                                         f"from workers since the last sync; only the first {len(errors)} are kept"))
@@ -333,10 +336,9 @@ class Pipeline:
 
     def reput(self, s: Session) -> m.SyncReply:
         """The answer that asks the client for the uploads a rebuild needs (rule 5); asked once."""
-        reply = m.SyncReply(done=False, locations=self.cluster.locations(s), memory_cap=s.memory_cap, reput=s.reput,
-                            message=f"the rebuild needs {len(s.reput)} uploads again")
-        s.reput = {}
-        return reply
+        reput = s.take_reput()
+        return m.SyncReply(done=False, locations=self.cluster.locations(s), memory_cap=s.memory_cap, reput=reput,
+                           message=f"the rebuild needs {len(reput)} uploads again")
 
     def answer_syncs(self, step: Step, s: Session) -> str | None:
         """Answer the session's parked Syncs if they can be (rule 5); else the worker they wait for, if any (the

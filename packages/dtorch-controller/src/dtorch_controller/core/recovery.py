@@ -28,17 +28,17 @@ Rules:
    connections open, and a copy or a collective waiting on it would otherwise hold their streams (and the
    session's next Sync) until its own timeout. A worker that registers at a fenced address (a restart) has it
    lifted (`CmdFence.lifted`) on the live workers that were told to fence it: they reach it again.
-7. Uploads no copy holds do not make a session unrecoverable: the client still holds them (it keeps each upload
-   until a Sync answered done after it, and then its copies are complete). They are the shards whose lost worker had
-   not copied them yet (lineage.py rule 3), found when the replay goes out (the workers' resets are done, so nothing
-   drops them), and the uploads going out later (held, or not even sent by the client yet) on a device the loss
-   rebound (`Session.rebound`, until a Sync answered done tells the client where its devices are: it may have Put
-   them to the lost worker; pipeline.py rule 3). They are asked for: `Session.reput`, given to the session's parked
-   Syncs at once (done=False, `SyncReply.reput`), else to its next Submit, Sync or KeepAlive (`SubmitReply.reput`: a
-   program streaming for long between sync points hears it too; a Submit carried by a Sync leaves it to the Sync,
-   answered at once; `KeepAliveReply.reput`: a client silent between sync points hears it within a keep-alive
-   period, 1 s at most); the client Puts them to the devices' new workers, and the first reader of one (or its
-   copy) waits for it there (the worker's input wait, 10 s by default).
+7. Uploads no copy holds do not make a session unrecoverable: the client still holds them (it keeps each upload until
+   told that its copies are complete: snapshots.py rule 7, or a Sync answered done after it). They are the shards
+   whose lost worker had not copied them yet (lineage.py rule 3), found when the replay goes out (the workers' resets
+   are done, so nothing drops them), and the uploads going out later (held, or not even sent by the client yet) on a
+   device the loss rebound (`Session.rebound`, until a Sync answered done tells the client where its devices are: it
+   may have Put them to the lost worker; pipeline.py rule 3). They are asked for: `Session.reput`, given to the
+   session's parked Syncs at once (done=False, `SyncReply.reput`), else to its next Submit, Sync or KeepAlive
+   (`SubmitReply.reput`: a program streaming for long between sync points hears it too; a Submit carried by a Sync
+   leaves it to the Sync, answered at once; `KeepAliveReply.reput`: a client silent between sync points hears it
+   within a keep-alive period, 1 s at most); the client Puts them to the devices' new workers, and the first reader
+   of one (or its copy) waits for it there (the worker's input wait, 10 s by default).
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ Rules:
    the kept one). It then fails the keep (STALE_COPY, naming the tensor): the snapshot fails like any failed copy
    and is retaken whole, and that tensor is copied from then on (`Lineage.unkeepable`): a group of tensors sharing
    memory ends up copied together, as a snapshot without keeping copies it.
+7. An upload whose copies are complete, both of them (a failed copy to the backup leaves one), is told to the client
+   as safe (`Session.safe`, in the answer to its next Submit or KeepAlive): it need not keep the upload any longer
+   (recovery.py rule 7), unless a rebuild asked for it again since the last Sync answered done (`Session.asked`).
 """
 
 from __future__ import annotations
@@ -161,12 +164,16 @@ class Snapshots:
         """Count completed copying batches; commit a complete snapshot."""
         if rec.taking is None and not rec.adopts:
             return  # no copies in flight (most sessions, most of the time)
-        for copies in [c for c in (rec.taking, *rec.adopts.values()) if c is not None]:
+        for tid, copies in [(None, rec.taking), *rec.adopts.items()]:
+            if copies is None or not copies.pending:
+                continue
             for w, seq in list(copies.pending.items()):
                 if not self.cluster.alive(w):
                     copies.failed = copies.failed or f"worker {w} was lost while copying"
                 elif seq and self.cluster.workers[w].completed >= seq:
                     del copies.pending[w]
+            if tid is not None and copies.complete and self._safe(s, tid, copies):
+                s.safe.append(tid)
         taking = rec.taking
         if taking is not None and taking.failed:
             step.note(f"session {s.id[:8]} snapshot at batch {taking.upto} failed: {taking.failed}")
@@ -177,6 +184,12 @@ class Snapshots:
             self._commit(step, s, rec, taking)
         if any(c.failed for c in rec.adopts.values()):
             rec.force = True  # a snapshot after the adopt covers the upload
+
+    @staticmethod
+    def _safe(s: Session, tid: int, copies: Copies) -> bool:
+        """Rule 7: may the client let go of this upload, now that its copies are complete?"""
+        return not copies.unmade and tid not in s.reput and tid not in s.asked \
+            and all(len(holders) > 1 for holders in copies.holders.values())
 
     def _commit(self, step: Step, s: Session, rec: Lineage, snap: Copies) -> None:
         rec.snapshot, rec.taking = snap, None
