@@ -1040,12 +1040,34 @@ def test_an_upload_arriving_after_the_rebuild_is_asked_again_on_the_rebound_devi
     assert s.state == "open" and victim not in s.devices.values()
     assert h.submit(sid, 2, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)]).reput == {5: [1]}
     _rebuild(h, s)
-    assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == []  # asked again: kept until a Sync's end
     _, reply = h.sync(sid, 2)
     assert reply.done and reply.reput == {}
     assert h.submit(sid, 3, [m.InstrAdopt(tid=6, spec=spec([8]))]).reput == {}
+
+
+def test_an_upload_asked_for_again_is_kept_past_syncs_until_a_snapshot_begun_after_it_holds_it(make_harness):
+    """snapshots.py rule 7: an upload asked for again is not told safe when its copies are complete (the client may
+    still be putting it), and a Sync answered done tells the client to keep it (before: it let go of it there, and a
+    second loss before the next snapshot lost it); once a snapshot that began after it went out is committed, it is
+    safe. An upload that was not asked for is safe as soon as its copies are made."""
+    h, ids, sid = setup(make_harness, workers=4, every=100, heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6,
+                        session_timeout_s=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1, [8])])
+    _rebuild(h, s, rounds=2)
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
     _rebuild(h, s)
-    assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == [6]
+    assert h.submit(sid, 2, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)]).reput == {5: [1]}
+    _rebuild(h, s)
+    assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == []
+    _, reply = h.sync(sid, 2)
+    assert reply.done and reply.keep == [5]
+    h.advance(31.0)  # the next batch going out takes a routine snapshot (snapshot_every_s)
+    assert h.submit(sid, 3, [m.InstrAdopt(tid=6, spec=spec([8]))]).safe == []
+    _rebuild(h, s)
+    assert sorted(h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe) == [5, 6]
+    _, reply = h.sync(sid, 3)
+    assert reply.done and reply.keep == []
 
 
 def test_a_second_rebuild_keeps_asking_for_what_the_first_asked_and_the_client_was_not_told_yet(make_harness):

@@ -10,7 +10,8 @@ Rules:
      kept.
   2. A rebuild that lost the only bytes of some shards asks for them (`SyncReply.reput`, the controller's recovery
      rule 7): each is Put again to its device's worker now. A shard the worker has already (a Put that followed its
-     device when it moved, `_relocate`) is left as it is.
+     device when it moved, `_relocate`) is left as it is. One asked for is kept past the Syncs that name it
+     (`SyncReply.keep`) until it is safe: a snapshot holds it (the controller's snapshots rule 7).
   3. A tensor written in place since its upload (its version counter moved) cannot be Put again: that is an error
      naming it, and so is one this client no longer keeps. Asked in a Submit's or a KeepAlive's answer (the sender
      thread's, `_stream` rule 8), the error is raised at the end of the sync under way, else of the next one (`check`).
@@ -19,6 +20,7 @@ Rules:
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import CodeType
 from typing import TYPE_CHECKING
@@ -62,9 +64,10 @@ class Uploads:
         with self._lock:
             return list(self._held)
 
-    def safe(self, tids: list[int]) -> None:
+    def safe(self, tids: Iterable[int], keep: Iterable[int] = ()) -> None:
+        """Let go of these uploads, but those the controller keeps asking for (`SyncReply.keep`: rule 2)."""
         with self._lock:
-            for tid in tids:
+            for tid in set(tids).difference(keep):
                 self._held.pop(tid, None)
 
     def heard(self, reput: dict[int, list[int]], safe: list[int], data: DataPlane) -> None:

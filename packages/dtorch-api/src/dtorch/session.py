@@ -148,15 +148,16 @@ class Session:
         if carry:
             self._boundary("a sync point")
         self._uploads.check()
-        uploads = self._uploads.kept()
+        uploads, keep = self._uploads.kept(), []
         try:
             for reply in self._stream.sync(self.timeout, carry):
                 self._data.learn(reply.locations, reply.caps)
                 if reply.reput:
                     self._uploads.put_again(reply.reput, self._data)
+                keep = reply.keep
         finally:
             self._uploads.check()  # an upload a rebuild asked for that could not be made again (the sender's too)
-        self._uploads.safe(uploads)
+        self._uploads.safe(uploads, keep)
 
     def _loss(self, lost: DeviceLost) -> Exception:
         """The error a sync raises about a loss; every transfer that meets it raises the same one."""

@@ -54,7 +54,8 @@ PROTOCOL_VERSION = "1.13"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Kee
 # SubmitReply.reput (a rebuild asks the client to Put again the uploads whose bytes were only on the lost worker);
 # 1.13: KeepAliveReply (a keep-alive hears those requests too: a client silent between sync points is asked),
 # SubmitReply.safe and KeepAliveReply.safe (uploads whose copies are complete: the client lets them go before its
-# next sync point), SessionOpened.recovery (False: no rebuild asks for uploads again, the client keeps none)
+# next sync point), SyncReply.keep (those asked for again: kept past the Sync until a snapshot covers them),
+# SessionOpened.recovery (False: no rebuild asks for uploads again, the client keeps none)
 
 
 class ErrorKind(str, enum.Enum):
@@ -343,6 +344,7 @@ class SyncReply(Struct, frozen=True):
     memory_cap: int = 0  # as MeshPlaced.memory_cap (1.9)
     # tensor id -> logical devices whose shard of that upload only the lost worker had: Put it again, then Sync (1.12)
     reput: dict[int, list[int]] = {}
+    keep: list[int] = []  # done: uploads asked for again that no snapshot covers yet: keep them until `safe` (1.13)
 
 
 class CloseSession(Struct, frozen=True):

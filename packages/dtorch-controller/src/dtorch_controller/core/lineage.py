@@ -71,6 +71,7 @@ class Copies:
     bytes: int = 0  # of every shard they hold
     copied: int = 0  # of those copied when they were made (the rest kept from the snapshot before, rule 5)
     first_seq: dict[str, int] = field(default_factory=dict)  # worker -> its first Execute seq after them
+    covers: set[int] = field(default_factory=set)  # snapshot: uploads asked for again, sent before it (snapshots r. 7)
 
     @property
     def complete(self) -> bool:

@@ -114,12 +114,12 @@ class Session:
     programs: dict[int, m.InstrDefine] = field(default_factory=dict)  # captured steps by id (core/programs.py)
     reput: dict[int, list[int]] = field(default_factory=dict)  # uploads a rebuild asks for again (recovery.py rule 7)
     rebound: set[int] = field(default_factory=set)  # devices a loss rebound, until a done Sync tells the client
-    asked: set[int] = field(default_factory=set)  # uploads asked for again since the last done Sync: never `safe`
+    asked: set[int] = field(default_factory=set)  # asked for again, until a snapshot covers them (snapshots.py rule 7)
     safe: list[int] = field(default_factory=list)  # uploads whose copies are complete, not told yet (lineage rule 3)
 
     def take_reput(self) -> dict[int, list[int]]:
-        """The uploads a rebuild asks for again, to tell the client once; asked, they are never `safe` before a Sync
-        answered done (the client may still be putting them)."""
+        """The uploads a rebuild asks for again, to tell the client once; asked, they are `safe` only once a snapshot
+        covers them (snapshots.py rule 7)."""
         reput, self.reput = self.reput, {}
         self.asked.update(reput)
         return reput

@@ -325,14 +325,13 @@ class Pipeline:
         errors, s.errors = s.errors, []
         if s.rebound:
             s.rebound.clear()  # its locations tell the client where the devices are now (recovery.py rule 7)
-        if s.asked or s.safe:
-            s.asked.clear()  # the client lets go of every upload it kept before the Sync (lineage.py rule 3)
-            s.safe.clear()
+        s.safe.clear()  # the client lets go of every upload it kept before the Sync (lineage.py rule 3) but `keep`
         if s.errors_dropped:
             errors.append(m.ErrorReport(op="errors", src="", message=f"{s.errors_dropped} more error reports came "
                                         f"from workers since the last sync; only the first {len(errors)} are kept"))
             s.errors_dropped = 0
-        return m.SyncReply(done=True, errors=errors, locations=self.cluster.locations(s), memory_cap=s.memory_cap)
+        return m.SyncReply(done=True, errors=errors, locations=self.cluster.locations(s), memory_cap=s.memory_cap,
+                           keep=sorted(s.asked))
 
     def reput(self, s: Session) -> m.SyncReply:
         """The answer that asks the client for the uploads a rebuild needs (rule 5); asked once."""

@@ -225,7 +225,7 @@ class Recovery:
         rec.taking = None
         rec.log = [b for b in rec.log if not b.sent]
         rec.adopts.clear()
-        s.reput, s.rebound = {}, set()
+        s.reput, s.rebound, s.asked = {}, set(), set()
         # copies are dropped when the session closes (their workers may be the lost ones)
 
     def lost_detail(self, s: Session, tids: list[int]) -> str:

@@ -26,7 +26,10 @@ Rules:
    memory ends up copied together, as a snapshot without keeping copies it.
 7. An upload whose copies are complete, both of them (a failed copy to the backup leaves one), is told to the client
    as safe (`Session.safe`, in the answer to its next Submit or KeepAlive): it need not keep the upload any longer
-   (recovery.py rule 7), unless a rebuild asked for it again since the last Sync answered done (`Session.asked`).
+   (recovery.py rule 7). Not one a rebuild asked for again (`Session.reput`, then `Session.asked`): the client may
+   still be putting it, and its copies may lack the lost worker's devices. The client keeps those past its Syncs
+   (`SyncReply.keep`) until a snapshot that began after their adopts went out is committed (`Copies.covers`: its
+   copies follow the adopt in each worker's stream); then they are safe.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class Snapshots:
         workers = set(s.sent) | set(s.devices.values())
         copies = Copies(namespace=namespace, upto=upto, tensors=tensors, started=step.now,
                         first_seq={w: self.cluster.workers[w].sent + 1 for w in workers
-                                   if w in self.cluster.workers})
+                                   if w in self.cluster.workers}, covers=s.asked | set(s.reput))
         hosted: dict[str, list[int]] = {}
         for d, w in sorted(s.devices.items()):
             hosted.setdefault(w, []).append(d)
@@ -149,6 +152,7 @@ class Snapshots:
         rec.snapshot = None
         rec.log = [b for b in rec.log if not b.sent]
         rec.adopts.clear()
+        s.asked.clear()  # no snapshot will cover them: no rebuild will ask for them either (rule 7)
         self.drop(step, rec, set(rec.namespaces))
 
     def drop(self, step: Step, rec: Lineage, namespaces: set[str]) -> None:
@@ -193,6 +197,9 @@ class Snapshots:
 
     def _commit(self, step: Step, s: Session, rec: Lineage, snap: Copies) -> None:
         rec.snapshot, rec.taking = snap, None
+        if snap.covers & s.asked:  # rule 7: what was asked for again is in the snapshot
+            s.safe.extend(sorted(snap.covers & s.asked))
+            s.asked -= snap.covers
         rec.log = [b for b in rec.log if b.seq > snap.upto]
         rec.adopts = {t: c for t, c in rec.adopts.items() if c.upto > snap.upto}
         keep = {snap.namespace} | {c.namespace for c in rec.adopts.values()}
