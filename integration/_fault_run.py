@@ -50,11 +50,13 @@ def where(device: int) -> str:
     return next(s for s in status.sessions if s.session == session.id).devices[device]
 
 
-def train(mesh, steps: int, at: int, action=None, box=None, preload=False, graph=False, after_upload=False):
+def train(mesh, steps: int, at: int, action=None, box=None, preload=False, graph=False, after_upload=False,
+          prepare=None):
     """`preload`: every batch is uploaded before the first step, so a step needs no upload (a stopped worker
     then holds up the collectives, not the client's uploads). `graph`: the step is a graph; returns how many
     calls ran as one in `box["graphed"]`. `after_upload`: the inputs are sharded, and `action` runs between the
-    uploads of step `at` + 1 and its first op."""
+    uploads of step `at` + 1 and its first op; `prepare`, after step `at`, so that nothing slow lies between those
+    uploads and the action (a worker that got its adopts in the meantime would have copied its shards)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -85,6 +87,8 @@ def train(mesh, steps: int, at: int, action=None, box=None, preload=False, graph
         losses.append(step_fn(xd, yd).item())
         if action is not None and not after_upload and step == at:
             action()
+        if prepare is not None and step == at:
+            prepare()
         if box is not None and box.get("slow"):
             time.sleep(0.4)  # leave the operator time to act during the run
             if step == steps - 2:  # and the last step waits until it has acted, however slow its commands are
@@ -134,6 +138,14 @@ def main() -> None:
         info["pid"] = worker_pids()[victim]
         os.kill(info["pid"], signal.SIGSTOP)
 
+    def find_victim() -> None:
+        info["victim"] = where(1)
+        info["pid"] = worker_pids()[info["victim"]]
+
+    def kill_found() -> None:
+        info["t_kill"] = time.monotonic()
+        os.kill(info["pid"], signal.SIGKILL)
+
     def kill_in_collective() -> None:
         victim = where(1)
         info["victim"] = victim
@@ -175,11 +187,11 @@ def main() -> None:
         in_background(lambda: dtorch.migrate(1, spare, timeout_s=60))
 
     action = {"clean": None, "kill": kill, "stop": stop, "kill2": kill2, "drain": drain, "migrate": migrate,
-              "cli": cli, "kill_in_collective": kill_in_collective, "kill_after_upload": kill}[args.mode]
+              "cli": cli, "kill_in_collective": kill_in_collective, "kill_after_upload": kill_found}[args.mode]
     t0 = time.monotonic()
     try:
         losses, weights = train(mesh, args.steps, args.at, action, box, preload=preload, graph=args.graph,
-                                after_upload=after_upload)
+                                after_upload=after_upload, prepare=find_victim if after_upload else None)
         info["error"] = None
     except Exception as e:  # noqa: BLE001 - the unrecoverable case: one clear line
         losses, weights = [], {}
