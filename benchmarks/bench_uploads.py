@@ -6,13 +6,19 @@ it, read a scalar back (the sync point). Backups are two copies of each uploaded
 memory, one on the other worker); in the stream they run before the matmuls, in the background beside them.
 Printed per mode: the median time `distribute_tensor` takes on the user's thread and the median whole step.
 
-    python benchmarks/bench_uploads.py [--mb 32] [--repeats 7]
+Then what the client holds of its uploads' sources (`_uploads` rule 1) in a loop that streams: a fresh batch a step,
+and a sync point (a scalar read) every `--sync-every` steps, as a loop that logs its loss now and then. Printed: the
+largest growth of the client's resident memory over the loop, in MiB and in batches (before protocol 1.13 the
+client kept every batch until the next sync point).
+
+    python benchmarks/bench_uploads.py [--mb 32] [--repeats 7] [--steps 30] [--sync-every 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 
@@ -51,10 +57,36 @@ def measure(mb: int, repeats: int) -> tuple[float, float]:
     return statistics.median(uploads[1:]) * 1e3, statistics.median(steps[1:]) * 1e3
 
 
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def held_while_streaming(mb: int, steps: int, sync_every: int) -> float:
+    """The client's largest resident-memory growth (MiB) over `steps` steps that each upload a fresh batch."""
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    rows = (mb << 20) // (1024 * 4)
+    w = dtorch.distribute_tensor(torch.randn(1024, 1024) / 32, mesh, [Replicate()])
+    loss = (dtorch.distribute_tensor(torch.randn(rows, 1024), mesh, [Shard(0)]) @ w).sum()
+    loss.item()  # warm: the first upload's buffers are not what this measures
+    base = peak = rss_mib()
+    for step in range(1, steps + 1):
+        x = dtorch.distribute_tensor(torch.randn(rows, 1024), mesh, [Shard(0)])  # the user keeps no reference
+        loss = (x @ w).sum()
+        del x
+        peak = max(peak, rss_mib())
+        if step % sync_every == 0:
+            loss.item()
+        time.sleep(0.05)  # the rest of a step on the client (data loading, logging)
+    return peak - base
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=32)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--sync-every", type=int, default=10)
     args = p.parse_args()
     os.environ.setdefault("DTORCH_HEARTBEAT_TIMEOUT", "10")  # big copies on 2 cores: no false losses
     rows = []
@@ -76,6 +108,14 @@ def main() -> None:
     print("  mode                          upload ms   step ms")
     for name, up, step in rows:
         print(f"  {name:28s} {up:10.1f}   {step:7.1f}")
+    dtorch.connect(workers=2)
+    try:
+        held = held_while_streaming(args.mb, args.steps, args.sync_every)
+    finally:
+        dtorch.shutdown()
+    print(f"Streaming {args.steps} steps of a fresh {args.mb} MiB batch, a sync point every {args.sync_every}: the "
+          f"client's memory grew by at most {held:.0f} MiB ({held / args.mb:.1f} batches) while it kept sources for "
+          "recovery")
 
 
 if __name__ == "__main__":
