@@ -80,7 +80,7 @@ class Uploads:
             self._failed = self._failed or e
 
     def check(self) -> None:
-        """Raise the error `asked` kept, once."""
+        """Raise the error `heard` kept, once."""
         failed, self._failed = self._failed, None
         if failed is not None:
             raise failed

@@ -320,8 +320,8 @@ class Submit(Struct, frozen=True):
 class SubmitReply(Struct, frozen=True):
     accepted: int  # highest batch seq applied
     reput: dict[int, list[int]] = {}  # as SyncReply.reput: told to the session's first Submit or Sync after it (1.12)
-    # uploads (tensor ids) whose copies for recovery are complete and that no rebuild asked for since the last Sync
-    # answered done: the client need not keep them any longer (1.13)
+    # uploads (tensor ids) whose copies for recovery are complete, or, for one a rebuild asked for again, that a
+    # snapshot holds: the client need not keep them any longer (1.13)
     safe: list[int] = []
 
 

@@ -197,9 +197,9 @@ class Snapshots:
 
     def _commit(self, step: Step, s: Session, rec: Lineage, snap: Copies) -> None:
         rec.snapshot, rec.taking = snap, None
-        if snap.covers & s.asked:  # rule 7: what was asked for again is in the snapshot
-            s.safe.extend(sorted(snap.covers & s.asked))
-            s.asked -= snap.covers
+        if covered := snap.covers & s.asked:  # rule 7: what was asked for again is in the snapshot
+            s.safe.extend(sorted(covered))
+            s.asked -= covered
         rec.log = [b for b in rec.log if b.seq > snap.upto]
         rec.adopts = {t: c for t, c in rec.adopts.items() if c.upto > snap.upto}
         keep = {snap.namespace} | {c.namespace for c in rec.adopts.values()}
