@@ -1070,6 +1070,33 @@ def test_an_upload_asked_for_again_is_kept_past_syncs_until_a_snapshot_begun_aft
     assert reply.done and reply.keep == []
 
 
+def test_an_idle_clients_upload_asked_for_again_is_made_safe_by_a_snapshot_its_keep_alive_finds_due(make_harness):
+    """snapshots.py rule 7, controller rule 9: a session that sends no batch after a done Sync (a notebook between
+    cells) still takes its routine snapshot once one is due by time (`snapshot_every_s`), seen at a KeepAlive, so the
+    client lets go of an upload asked for again. Before, only a batch going out took it: the client kept the upload
+    for as long as the session stayed idle."""
+    h, ids, sid = setup(make_harness, workers=4, every=100, heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6,
+                        session_timeout_s=0)
+    s = session(h, sid)
+    h.submit(sid, 1, [create(1, [8])])
+    _rebuild(h, s, rounds=2)
+    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
+    _rebuild(h, s)
+    assert h.submit(sid, 2, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)]).reput == {5: [1]}
+    _rebuild(h, s)
+    _, reply = h.sync(sid, 2)
+    assert reply.done and reply.keep == [5]
+    h.advance(10.0)
+    assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == []
+    assert not cmds_of(h.take_sent(), kind=m.CmdSendShards)  # not due yet: no snapshot for an idle session
+    h.advance(21.0)  # past snapshot_every_s (30 s) since the last one
+    assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == []
+    assert cmds_of(_rebuild(h, s), kind=m.CmdSendShards)  # the snapshot's copies went out
+    assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == [5]
+    _, reply = h.sync(sid, 2)
+    assert reply.done and reply.keep == []
+
+
 def test_a_second_rebuild_keeps_asking_for_what_the_first_asked_and_the_client_was_not_told_yet(make_harness):
     """recovery.py rule 7: a rebuild's request for uploads is told to the client's next request; a second loss before
     that adds to it, and forgets nothing of it (the held batch's upload the first rebuild asked for, here)."""

@@ -24,7 +24,9 @@ Rules:
    closed as if it had called CloseSession: every worker it used frees its shards, whatever protocol
    version the client speaks (one that sends no keep-alives must keep talking). The client is asked for a
    KeepAlive every `SessionOpened.keepalive_s`, also where silent sessions stay open but recovery is on: the
-   answer carries the uploads a rebuild asks for again (recovery.py rule 7) to a client between sync points.
+   answer carries the uploads a rebuild asks for again (recovery.py rule 7) to a client between sync points,
+   and a KeepAlive of a session whose client keeps uploads until a snapshot holds them (snapshots.py rule 7)
+   takes that snapshot once it is due by time, though no batch goes out (an idle notebook).
 10. Calls point one way (docs/architecture.md, `.importlinter`): this module drives the components and none
    of them calls back into it. A handler does its event's own work, then the *settle pass* applies the
    scheduler's decisions and looks at the sessions the event touched (their copies, rebuild, moves,
@@ -667,6 +669,8 @@ class ControllerCore:
             return step.reply(e.request_id, m.KeepAliveReply(ok=False, message="unknown session (timed out?)"))
         # a silent client hears of its uploads (recovery.py rule 7: a rebuild needs them again, or they are safe)
         step.reply(e.request_id, m.KeepAliveReply(reput=s.take_reput(), safe=s.take_safe()))
+        if s.asked:  # what it keeps for a snapshot (snapshots.py rule 7): one due by time is taken without a batch
+            step.pumped.add(s.id)
 
     def _check_client(self, step: Step, key: tk.ClientSilence) -> None:
         s = self.cluster.sessions.get(key.session)

@@ -5,9 +5,10 @@ Rules:
 1. A snapshot rides in the workers' streams: after client batch k, each worker hosting a logical device copies
    that device's live shards locally and to another worker's host memory (CmdSendShards), at exactly the point
    after k. No pause, no race with later in-place writes.
-2. It is due after `snapshot_every_batches` batches or `snapshot_every_s` seconds (checked when batches go out),
-   and at once when `force`d (copies were lost, a drain or a move changed where they must be). None is taken
-   while one is being made, while a hold forbids it (`state.HOLDS`), or while the session is not open.
+2. It is due after `snapshot_every_batches` batches or `snapshot_every_s` seconds (checked when batches go out, and
+   at a KeepAlive of a session whose client keeps uploads for one: rule 7), and at once when `force`d (copies were
+   lost, a drain or a move changed where they must be). None is taken while one is being made, while a hold forbids
+   it (`state.HOLDS`), or while the session is not open.
 3. It counts once every copying batch completed without error; then the log up to k and older copies are dropped
    (lineage.py rule 4). A failed copy (a report of kind COPY) makes it fail: its copies are dropped and a new one
    is forced. Uploads' copies (made at their adopt, pipeline.py) count the same way, except that a failed copy to
