@@ -16,6 +16,7 @@ from dtorch_protocol.messages import (
     CmdAbandon,
     CmdCloseSession,
     CmdCreate,
+    CmdDelete,
     CmdFence,
     CmdFetchShards,
     CmdKeepCopies,
@@ -198,6 +199,34 @@ def test_a_copy_of_an_upload_still_on_its_way_waits_for_it(pair):
     late.join()
     assert not a.executor.take_errors()
     assert torch.equal(b.store.get((f"{s}#a1", 5, 0)), torch.arange(6.0))
+
+
+def test_an_upload_put_again_after_it_was_used_and_deleted_here_is_refused_and_holds_nothing(pair):
+    """store.py (uploads used and deleted), the controller's recovery.py rule 7: a rebuild asks for an upload going
+    out on a device it rebound, and the request can cross the upload's delete here. The second Put is refused, with
+    the kind the client's Put again leaves alone (REFUSED), and holds no memory; before, it was stored and held until
+    the session closed, read and freed by nothing. A session starting over here (CmdAbandon) may need the upload
+    again for its replay: then it is stored. Other sessions' Puts of the same tensor id are theirs."""
+    a, _ = pair
+    s = "sess-gone"
+    client = wire.Stub("dtorch.Worker", a.address, a.capability(s))
+    client.send_stream("Put", put_chunks(s, 5, 0, torch.full((2,), 7.0)))
+    wait(a, send(a, s, CmdRun(op="aten.add.Tensor", devices=[0], args=[{"$t": 5}, {"$t": 5}], kwargs={}, outs=[6]),
+                 CmdDelete(tids=[5], devices=[0])))
+    assert torch.equal(a.store.get((s, 6, 0)), torch.full((2,), 14.0)) and (s, 5, 0) not in a.store
+    with pytest.raises(wire.RemoteError, match="tensor 5 on logical device 0 was uploaded, used and deleted here") \
+            as refused:
+        client.send_stream("Put", put_chunks(s, 5, 0, torch.full((2,), 7.0)))
+    assert refused.value.kind == ErrorKind.REFUSED
+    assert (s, 5, 0) not in a.store and a.store.stats()[s].tensors == 1  # tensor 6 only
+    other = wire.Stub("dtorch.Worker", a.address, a.capability("sess-other"))
+    other.send_stream("Put", put_chunks("sess-other", 5, 0, torch.ones(2)))
+    wait(a, send(a, s, CmdAbandon(tids=[6])))  # a rebuild: its replay adopts tensor 5 again
+    client.send_stream("Put", put_chunks(s, 5, 0, torch.full((2,), 7.0)))
+    assert torch.equal(a.store.get((s, 5, 0)), torch.full((2,), 7.0))
+    assert torch.equal(a.store.get(("sess-other", 5, 0)), torch.ones(2))
+    client.close()
+    other.close()
 
 
 def test_moving_a_device_sends_everything_and_redirects_clients(pair):

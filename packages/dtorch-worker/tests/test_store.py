@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from dtorch_protocol.messages import ErrorReport, ShardStats
-from dtorch_worker.store import Poison, ShardMissing, TensorStore
+from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
+from dtorch_worker.store import GONE_MAX, Poison, ShardMissing, TensorStore
 
 # A put must wake the waiter: its own timeout (LONG) is longer than pytest's (300 s), so a missed wake-up fails the
 # test instead of passing late.
@@ -112,3 +112,23 @@ def test_reads_served_early_balance_and_deletes_forget_reads() -> None:
     store.expect_reads(("t", 1, 0), 3)
     store.drop_session("t")
     assert store.pending_reads(("t", 1, 0)) == 0
+
+
+def test_the_uploads_a_session_deleted_are_remembered_up_to_a_bound_and_forgotten_when_it_closes() -> None:
+    """A Put of an upload used and deleted here is refused (store.py); the record keeps each session's last GONE_MAX
+    deletes by its program (not ops' outputs, nor a move's or a rebuild's drops), and closing the session forgets
+    it."""
+    store = TensorStore()
+    for tid in range(GONE_MAX + 1):
+        assert store.put_upload(("s", tid, 0), torch.ones(1)) is None
+        store.delete(("s", tid, 0), by_program=True)
+    store.put(("s", -1, 0), torch.ones(1))  # an op's output
+    store.delete(("s", -1, 0), by_program=True)
+    store.put_upload(("s", -2, 0), torch.ones(1))
+    store.delete(("s", -2, 0))  # a move's or a rebuild's drop
+    assert store.refused_upload(("s", GONE_MAX, 0)).endswith("was uploaded, used and deleted here: not stored again")
+    assert store.put_upload(("s", GONE_MAX, 0), torch.ones(1))[0] == ErrorKind.REFUSED
+    assert store.refused_upload(("s", 0, 0)) == ""  # the oldest, past the bound
+    assert store.refused_upload(("s", -1, 0)) == "" and store.refused_upload(("s", -2, 0)) == ""
+    store.drop_session("s")
+    assert store.refused_upload(("s", GONE_MAX, 0)) == ""

@@ -499,7 +499,7 @@ class Executor:
             elif isinstance(cmd, CmdDelete):
                 for tid in cmd.tids:
                     for device in cmd.devices:
-                        self.store.delete((session, tid, device))
+                        self.store.delete((session, tid, device), by_program=True)
             elif isinstance(cmd, CmdCloseSession):
                 self._programs.pop(session, None)
                 self._copied = {k: v for k, v in self._copied.items()

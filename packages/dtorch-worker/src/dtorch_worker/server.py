@@ -167,9 +167,8 @@ class WorkerService:
         """Before anything of a Put is kept: its session, that it replaces nothing, and its declared size."""
         _covered(caller, key[0], "Put", self.store)
         self.store.learn_cap(key[0], caller.memory_cap)  # uploads may come before the session's first Execute
-        if self.store.peek(key) is not None:
-            raise wire.Conflict(f"Put refused: tensor {key[1]} on logical device {key[2]} already exists here (uploads "
-                                "never replace a live shard)", ErrorKind.REFUSED)  # a client's Put again leaves it
+        if refused := self.store.refused_upload(key):  # a client's Put again leaves it (store.py)
+            raise wire.Conflict(f"Put refused: {refused}", ErrorKind.REFUSED)
         if self.max_put_bytes and declared > self.max_put_bytes:
             raise wire.LimitExceeded(f"Put refused: it declares {format_bytes(declared)}, over this worker's "
                                      f"{format_bytes(self.max_put_bytes)} of memory")

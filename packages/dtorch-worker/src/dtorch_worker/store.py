@@ -23,6 +23,14 @@ the bytes a session's shards hold here, a storage shared by views once (as `stat
 commands, and the Put handler refuse uploads, that would take a capped session over its cap. Keys are indexed by
 session: that count never scans other sessions' shards.
 
+Uploads used and deleted: a client may Put an upload again that this worker already adopted, used and deleted (a
+rebuild asks for the uploads going out on a device it rebound until the client learns where its devices are, and
+the request can cross the delete: the controller's recovery.py rule 7). The store remembers the keys of the last
+`GONE_MAX` uploads each session's program deleted here (CmdDelete, not a move's or a rebuild's drop: a bounded
+record, since a request crosses a delete within about a keep-alive period) and refuses a Put of one (REFUSED: what
+the client's Put again leaves alone); stored, it would hold memory until the session closed, read and freed by
+nothing. A session starting over here (CmdAbandon) forgets them: a rebuild's replay may need the same upload again.
+
 Closed sessions: a session closed here (CmdCloseSession of the session itself, not of one of its `#` namespaces) is
 remembered for as long as a capability for it may live (`auth.CAP_TTL_S`), and the worker refuses its capabilities:
 an upload to a closed session would hold memory nobody accounts for or ever frees.
@@ -42,6 +50,7 @@ from dtorch_protocol.messages import ErrorKind, ErrorReport, ShardStats
 from dtorch_protocol.wire import call_ended
 
 Key = tuple[str, int, int]  # (session, tid, logical device)
+GONE_MAX = 4096  # uploads used and deleted whose keys a session's Puts are checked against (module docstring)
 Storage = tuple[tuple[bool, int], int]  # (identity: on the host or not, and address; byte size) of a shard's storage
 
 
@@ -137,6 +146,8 @@ class TensorStore:
         self._moved: set[tuple[str, int]] = set()  # (session, device) that moved away from this worker
         self._rebuilding: set[str] = set()  # sessions whose shards are being rebuilt: client reads wait
         self._traffic: dict[str, int] = {}  # session -> tensor bytes moved for it here (usage records)
+        self._uploaded: set[Key] = set()  # stored by `put_upload` and not deleted since
+        self._gone: dict[str, dict[Key, None]] = {}  # session -> its last GONE_MAX uploads deleted here, oldest first
         # `stats` of the namespaces of copies ("{session}#..."): nothing writes a copy in place, so their counts
         # hold until a shard is put or dropped there (`_changes`: the tick of its last change, never reused);
         # each report walks only the sessions' own shards
@@ -152,6 +163,7 @@ class TensorStore:
     def _pop(self, key: Key) -> Shard | None:
         value = self._data.pop(key, None)
         if value is not None:
+            self._uploaded.discard(key)
             self._changes[key[0]] = next(self._tick)
             keys = self._by_session.get(key[0])
             if keys is not None:
@@ -220,11 +232,18 @@ class TensorStore:
         with self._cond:
             return key in self._data
 
-    def delete(self, key: Key) -> bool:
+    def delete(self, key: Key, by_program: bool = False) -> bool:
+        """`by_program`: the session's own delete (CmdDelete), not a move's or a rebuild's: an upload's key is
+        remembered (module docstring)."""
         with self._cond:
             self._reads.pop(key, None)  # reads of a lost reader: nothing may wait for them any more
             self._announced.pop(key, None)
             self._cond.notify_all()
+            if by_program and key in self._uploaded:
+                gone = self._gone.setdefault(key[0], {})
+                gone[key] = None
+                if len(gone) > GONE_MAX:
+                    del gone[next(iter(gone))]
             return self._pop(key) is not None
 
     def drop_session(self, session: str) -> int:
@@ -239,6 +258,8 @@ class TensorStore:
             keys = list(self._by_session.pop(session, {}))
             for k in keys:
                 del self._data[k]
+            self._uploaded.difference_update(keys)
+            self._gone.pop(session, None)
             self._changes.pop(session, None)
             self._copies_stats.pop(session, None)
             self._moved = {m for m in self._moved if m[0] != session}
@@ -296,6 +317,7 @@ class TensorStore:
             self._gen[session] = self._gen.get(session, 0) + 1
             for k in [k for k in self._reads if k[0] == session]:
                 del self._reads[k]
+            self._gone.pop(session, None)  # the replay may need an upload it deleted before
             self._rebuilding.add(session)
             self._cond.notify_all()
 
@@ -342,22 +364,34 @@ class TensorStore:
                 return cap_message(held, cap)
             return ""
 
+    def refused_upload(self, key: Key) -> str:
+        """Why an upload of `key` is refused whatever its size (kind REFUSED), or ""."""
+        with self._cond:
+            return self._refused_upload(key)
+
+    def _refused_upload(self, key: Key) -> str:
+        if key in self._data:
+            return f"tensor {key[1]} on logical device {key[2]} already exists here (uploads never replace it)"
+        if key in self._gone.get(key[0], ()):
+            return f"tensor {key[1]} on logical device {key[2]} was uploaded, used and deleted here: not stored again"
+        return ""
+
     def put_upload(self, key: Key, value: Shard) -> tuple[ErrorKind, str] | None:
         """A client upload: stored (None) unless its device moved away (MOVED), the key holds a shard already
-        (REFUSED: uploads never replace one) or it would take the session over its memory cap here (MEMORY_CAP);
-        then (kind, one-line reason)."""
+        (REFUSED: uploads never replace one) or held one that was used and deleted (REFUSED: module docstring), or it
+        would take the session over its memory cap here (MEMORY_CAP); then (kind, one-line reason)."""
         with self._cond:
             if (key[0], key[2]) in self._moved:
                 return ErrorKind.MOVED, moved_message(key)
-            if key in self._data:
-                return ErrorKind.REFUSED, (f"tensor {key[1]} on logical device {key[2]} already exists here (uploads "
-                                           "never replace it)")
+            if refused := self._refused_upload(key):
+                return ErrorKind.REFUSED, refused
             cap = self._caps.get(key[0], 0)
             if cap > 0 and "#" not in key[0]:
                 held = self._session_bytes(key[0], {key: _storage(value)})
                 if held > cap:
                     return ErrorKind.MEMORY_CAP, cap_message(held, cap)
             self._set(key, value)
+            self._uploaded.add(key)
             self._cond.notify_all()
             return None
 

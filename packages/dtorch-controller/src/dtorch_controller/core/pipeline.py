@@ -11,7 +11,8 @@ Rules:
    kept for recovery). Every Execute carries the session's memory cap.
 3. An upload (InstrAdopt) is copied at its point in the stream (lineage.py rule 3): the batch is cut after the
    adopt; translating for a replay restores the upload from its copies there instead. Going out on a device a loss
-   rebound (`Session.rebound`), it is also asked of the client again (recovery.py rule 7).
+   rebound (`Session.rebound`), it is also asked of the client again (recovery.py rule 7); a worker that has it
+   already, or used and deleted it, refuses that Put (the worker's store.py).
 4. `translate` does not send: a feature may translate a program again (a rebuild replays its log on a new binding)
    and send it with `send`, or leave it. `_send_batch` is the one place where a logged batch becomes commands.
    A captured program (issue #12, `programs.py`) is kept at `accept`; its replays stay in the log as they came
