@@ -207,6 +207,29 @@ def test_an_op_torch_refuses_raises_at_once_with_torchs_message_the_op_and_the_l
     assert capfd.readouterr().err == ""  # none of torch's internal logging
 
 
+@pytest.mark.parametrize("case", ["float += complex", "long *= 0.5", "long /= long", "bool += long"])
+def test_an_in_place_op_whose_result_type_self_cannot_hold_raises_at_once_and_leaves_self_as_torch_does(mesh1, case):
+    """torch's rule for in-place pointwise ops (`_sharding.check_inplace_cast`): meta kernels do not check it, so
+    the op failed on the workers at the next sync point, and self was poisoned for good (every later read raised the
+    same error); torch raises at the call and leaves self as it was."""
+    dtypes = {"float += complex": (torch.float32, torch.complex64), "long *= 0.5": (torch.int64, None),
+              "long /= long": (torch.int64, torch.int64), "bool += long": (torch.bool, torch.int64)}[case]
+    full = torch.arange(8).reshape(4, 2).to(dtypes[0])
+    other = torch.ones(4, 2, dtype=dtypes[1]) if dtypes[1] is not None else 0.5
+
+    def step(t, o):
+        return t.div_(o) if case == "long /= long" else t.mul_(o) if case == "long *= 0.5" else t.add_(o)
+
+    with pytest.raises(RuntimeError) as expected:
+        step(full.clone(), other)
+    x = dtorch.distribute_tensor(full, mesh1, [Shard(0)])
+    o = dtorch.distribute_tensor(other, mesh1, [Replicate()]) if isinstance(other, torch.Tensor) else other
+    with pytest.raises(RuntimeError) as info:
+        step(x, o)
+    assert str(info.value).endswith(str(expected.value)) and " at " in str(info.value)
+    assert torch.equal(x.to_torch(), full)  # self is as it was, and readable
+
+
 def test_the_local_route_is_bounded_and_names_the_op_and_the_size(mesh1, monkeypatch):
     x = dtorch.distribute_tensor(torch.tensor([0.0, 1.0, 0.0, 2.0] * 4), mesh1, [Shard(0)])
     assert torch.equal(torch.nonzero(x).to_torch(), torch.nonzero(torch.tensor([0.0, 1.0, 0.0, 2.0] * 4)))

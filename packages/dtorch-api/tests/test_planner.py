@@ -164,6 +164,20 @@ def test_shapes_or_dtypes_torch_refuses_are_refused_with_torchs_own_error(spec, 
         plan(aten.add.Tensor, (spec((4, 3), [Shard(0)], mesh2), spec((4, 5), [Shard(0)], mesh2)), {})
 
 
+def test_an_in_place_pointwise_op_whose_result_type_self_cannot_hold_is_refused_as_torch_refuses_it(spec, mesh2):
+    """`_sharding.check_inplace_cast`: meta kernels take `long.mul_(0.5)`; torch's TensorIterator refuses it. Ops
+    whose result self can hold (a comparison into a float, a long added to a float) plan as before."""
+    long, f32 = spec((4,), [Shard(0)], mesh2, torch.int64), spec((4,), [Shard(0)], mesh2)
+    with pytest.raises(Refused) as info:
+        plan(aten.mul_.Tensor, (long, 0.5), {})
+    assert (info.value.error_type, info.value.message) == \
+        (RuntimeError, "result type Float can't be cast to the desired output type Long")
+    with pytest.raises(Refused, match="result type ComplexFloat can't be cast to the desired output type Float"):
+        plan(aten.add_.Tensor, (f32, spec((4,), [Shard(0)], mesh2, torch.complex64)), {})
+    assert plan(aten.add_.Tensor, (f32, long), {}).inplace
+    assert plan(aten.lt_.Tensor, (f32, f32), {}).outputs.dtype == torch.float32
+
+
 @pytest.mark.parametrize("op", [aten.view.default, aten._unsafe_view.default], ids=["view", "_unsafe_view"])
 def test_views_go_to_the_workers_as_reshapes(spec, mesh2, op):
     """A shard's strides can differ from the global tensor's, so a view valid globally may not be locally: the

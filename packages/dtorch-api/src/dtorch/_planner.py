@@ -283,6 +283,8 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
     inplace = is_inplace(func)
     if not _returns_tensors(func):
         return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False, why=PYTHON_VALUE)
+    if inplace and torch.Tag.pointwise in func.tags:
+        _sharding.check_inplace_cast(func, spec_args, spec_kwargs)
     # seeded ops run replicated under a shared seed, unless one of our rules covers them (it refuses dropout)
     random = torch.Tag.nondeterministic_seeded in func.tags and rule_for(func) is None
     if func.namespace not in WORKER_NAMESPACES:

@@ -323,6 +323,37 @@ def meta_outputs(func: Any, args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
     return to_spec(result)
 
 
+# c10's names of dtypes, as torch's errors write them
+_C10_NAMES = {torch.float64: "Double", torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
+              torch.complex128: "ComplexDouble", torch.complex64: "ComplexFloat", torch.complex32: "ComplexHalf",
+              torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+              torch.bool: "Bool"}
+_functional_of: dict[Any, Any] = {}  # an in-place overload -> its out-of-place overload (None: there is none)
+
+
+def check_inplace_cast(func: Any, args: tuple, kwargs: dict) -> None:
+    """torch's rule for an in-place pointwise op (TensorIterator's): the result type of its inputs must cast to
+    self's dtype (`int_tensor.mul_(0.5)`, `float_tensor.add_(complex_tensor)` raise). Meta kernels do not check it,
+    so the op failed on the workers after the call, and poisoned self, where torch raises at the call and leaves
+    self as it was. Raises `Refused` with torch's message."""
+    if func not in _functional_of:
+        name, packet = func.overloadpacket.__name__, None
+        if name.endswith("_") and not name.endswith("__"):
+            packet = getattr(torch.ops.aten, name[:-1], None)
+        _functional_of[func] = getattr(packet, func._overloadname, None) if packet is not None else None
+    functional = _functional_of[func]
+    if functional is None or not args or not isinstance(args[0], Spec):
+        return
+    try:
+        result = functional(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))
+    except Exception:  # noqa: BLE001 - the in-place op's own propagation says what is wrong
+        return
+    want = args[0].dtype
+    if isinstance(result, torch.Tensor) and not torch.can_cast(result.dtype, want):
+        names = [_C10_NAMES.get(d, str(d).removeprefix("torch.")) for d in (result.dtype, want)]
+        raise Refused(RuntimeError(f"result type {names[0]} can't be cast to the desired output type {names[1]}"))
+
+
 def _fake_outputs(func: Any, args: tuple, kwargs: dict) -> Any:
     mode = FakeTensorMode(allow_fallback_kernels=False)
 
