@@ -653,7 +653,10 @@ def _write_out(plan: Plan, out: torch.Tensor, res: Any) -> None:
         full = res._read() if isinstance(res, dtensor.DTensor) else res
         with torch.no_grad():
             if out.shape != full.shape:
-                out.resize_(full.shape)
+                try:
+                    out.resize_(full.shape)
+                except RuntimeError:  # torch's own temporaries of a DTensor op (`linalg.det(out=)`'s LU): their
+                    out.set_(torch.empty(full.shape, dtype=out.dtype))  # storage cannot grow: a fresh one
             out.copy_(full)
         return
     if not isinstance(res, dtensor.DTensor):
