@@ -113,3 +113,7 @@ def test_torchs_own_parallel_styles_and_placements_lay_out_as_dtorchs(mesh1):
     with pytest.raises(TypeError, match="parallelize_plan must be a ParallelStyle or a {submodule name: style} dict, "
                                         "got str"):
         dtorch.nn.parallelize_module(nn.Linear(4, 4), mesh1, "colwise")
+    for style in (dtorch.nn.ColwiseParallel(), tp.RowwiseParallel()):  # on a module with no parameters too: torch
+        with pytest.raises(NotImplementedError, match=r"^\w+Parallel supports nn.Linear and nn.Embedding, got ReLU "
+                                                      r"\('1'\)$"):  # refuses it; until 2026-12-07 it did nothing
+            dtorch.nn.parallelize_module(copy.deepcopy(ref), mesh1, {"1": style})

@@ -35,11 +35,12 @@ class ParallelStyle:
         return None
 
 
-def _linear_or_embedding(module: Any, style: str) -> None:
+def _linear_or_embedding(module: Any, style: ParallelStyle, name: str) -> None:
     import torch.nn as nn
 
     if not isinstance(module, (nn.Linear, nn.Embedding)):
-        raise NotImplementedError(f"{style} supports nn.Linear and nn.Embedding, got {type(module).__name__}")
+        raise NotImplementedError(f"{type(style).__name__} supports nn.Linear and nn.Embedding, got "
+                                  f"{type(module).__name__} ({name!r})")
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,12 @@ class ColwiseParallel(ParallelStyle):
     output_layouts: Placement = Shard(-1)
     use_local_output: bool = True
 
+    def prepare(self, module: Any, name: str, mesh: Any, mesh_dim: int) -> None:
+        _linear_or_embedding(module, self, name)  # a module without parameters too (torch refuses it)
+
     def param_placements(self, module: Any, name: str) -> Placement | None:
         import torch.nn as nn
 
-        _linear_or_embedding(module, "ColwiseParallel")
         if isinstance(module, nn.Embedding):
             return Shard(1)
         return Shard(0)
@@ -73,10 +76,12 @@ class RowwiseParallel(ParallelStyle):
     output_layouts: Placement = Replicate()
     use_local_output: bool = True
 
+    def prepare(self, module: Any, name: str, mesh: Any, mesh_dim: int) -> None:
+        _linear_or_embedding(module, self, name)  # a module without parameters too (torch refuses it)
+
     def param_placements(self, module: Any, name: str) -> Placement | None:
         import torch.nn as nn
 
-        _linear_or_embedding(module, "RowwiseParallel")
         if isinstance(module, nn.Embedding):
             return Shard(0)
         return Shard(1) if name == "weight" else None
