@@ -1045,11 +1045,9 @@ def test_an_upload_arriving_after_the_rebuild_is_asked_again_on_the_rebound_devi
     assert h.submit(sid, 3, [m.InstrAdopt(tid=6, spec=spec([8]))]).reput == {}
 
 
-def test_an_upload_asked_for_again_is_kept_past_syncs_until_a_snapshot_begun_after_it_holds_it(make_harness):
-    """snapshots.py rule 7: an upload asked for again is not told safe when its copies are complete (the client may
-    still be putting it), and a Sync answered done tells the client to keep it (before: it let go of it there, and a
-    second loss before the next snapshot lost it); once a snapshot that began after it went out is committed, it is
-    safe. An upload that was not asked for is safe as soon as its copies are made."""
+def _kept_after_a_loss(make_harness):
+    """A session whose upload 5 went out on a device a loss rebound: asked for again, not safe when its copies are
+    complete, and kept past the done Sync that follows (`keep == [5]`)."""
     h, ids, sid = setup(make_harness, workers=4, every=100, heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6,
                         session_timeout_s=0)
     s = session(h, sid)
@@ -1062,6 +1060,15 @@ def test_an_upload_asked_for_again_is_kept_past_syncs_until_a_snapshot_begun_aft
     assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == []
     _, reply = h.sync(sid, 2)
     assert reply.done and reply.keep == [5]
+    return h, sid, s
+
+
+def test_an_upload_asked_for_again_is_kept_past_syncs_until_a_snapshot_begun_after_it_holds_it(make_harness):
+    """snapshots.py rule 7: an upload asked for again is not told safe when its copies are complete (the client may
+    still be putting it), and a Sync answered done tells the client to keep it (before: it let go of it there, and a
+    second loss before the next snapshot lost it); once a snapshot that began after it went out is committed, it is
+    safe. An upload that was not asked for is safe as soon as its copies are made."""
+    h, sid, s = _kept_after_a_loss(make_harness)
     h.advance(31.0)  # the next batch going out takes a routine snapshot (snapshot_every_s)
     assert h.submit(sid, 3, [m.InstrAdopt(tid=6, spec=spec([8]))]).safe == []
     _rebuild(h, s)
@@ -1075,17 +1082,7 @@ def test_an_idle_clients_upload_asked_for_again_is_made_safe_by_a_snapshot_its_k
     cells) still takes its routine snapshot once one is due by time (`snapshot_every_s`), seen at a KeepAlive, so the
     client lets go of an upload asked for again. Before, only a batch going out took it: the client kept the upload
     for as long as the session stayed idle."""
-    h, ids, sid = setup(make_harness, workers=4, every=100, heartbeat_interval_s=1e5, heartbeat_timeout_s=1e6,
-                        session_timeout_s=0)
-    s = session(h, sid)
-    h.submit(sid, 1, [create(1, [8])])
-    _rebuild(h, s, rounds=2)
-    h.handle(ev.WorkerUnreachable(s.devices[1], "", "killed"))
-    _rebuild(h, s)
-    assert h.submit(sid, 2, [m.InstrAdopt(tid=5, spec=spec([8])), add_(5)]).reput == {5: [1]}
-    _rebuild(h, s)
-    _, reply = h.sync(sid, 2)
-    assert reply.done and reply.keep == [5]
+    h, sid, s = _kept_after_a_loss(make_harness)
     h.advance(10.0)
     assert h.call(ev.KeepAlive, m.KeepAlive(session=sid)).safe == []
     assert not cmds_of(h.take_sent(), kind=m.CmdSendShards)  # not due yet: no snapshot for an idle session
