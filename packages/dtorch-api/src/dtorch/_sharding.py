@@ -339,7 +339,7 @@ def check_inplace_cast(func: Any, args: tuple, kwargs: dict) -> None:
     if func not in _functional_of:
         name, packet = func.overloadpacket.__name__, None
         if name.endswith("_") and not name.endswith("__"):
-            packet = getattr(torch.ops.aten, name[:-1], None)
+            packet = getattr(getattr(torch.ops, func.namespace), name[:-1], None)  # its own namespace's
         _functional_of[func] = getattr(packet, func._overloadname, None) if packet is not None else None
     functional = _functional_of[func]
     if functional is None or not args or not isinstance(args[0], Spec):

@@ -31,7 +31,7 @@ class Step:
     out: list[fx.Effect]
     changes: list[Changes]  # the scheduler's decisions, to apply
     touched: set[str]  # sessions to look at again in the settle pass
-    pumped: set[str]  # sessions whose batches went out (a snapshot may be due)
+    pumped: set[str]  # a snapshot may be due: batches went out, or a KeepAlive of a client keeping uploads for one
     synced: set[str]  # sessions whose Syncs may be answerable
     reporter: Worker | None  # the worker whose report this is: sessions waiting for it move on
     completed: bool  # ... and it completed more work (its deletes and parked Syncs may go on)
