@@ -287,3 +287,41 @@ def test_a_ported_recipes_local_head_count_is_refused_saying_to_keep_the_models_
     with pytest.raises(RuntimeError, match=r"aten.view.default at .*test_errors.py.* is invalid for input of size 192 "
                                            r"\(this shape holds 1/2 of the tensor, .* keep the model's own counts\)$"):
         model(x)
+
+
+def test_quantized_sparse_and_nested_tensors_are_refused_in_one_line_where_they_would_enter(mesh4):
+    """DTensors hold dense tensors of plain dtypes. A quantized dtype got in (a factory, an upload, `.to`, a quantize
+    op) and failed on a worker at the next sync point (`zero_` has no QuantizedCPU kernel), or became a DTensor whose
+    dtype said float32 for a qint8 shard; printing a quantized DTensor crashed the client. Sparse and nested uploads
+    failed with torch's own "Cannot access storage" or "do not have strides"."""
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    refused = {
+        "dtorch.zeros asks for quantized dtype torch.qint8; DTensors hold unquantized dtypes only":
+            lambda: dtorch.zeros(4, device_mesh=mesh4, placements=[Replicate()], dtype=torch.qint8),
+        "distribute_tensor asks for quantized dtype torch.qint8":
+            lambda: dtorch.distribute_tensor(q, mesh4, [Replicate()]),
+        "from_local asks for quantized dtype torch.qint8": lambda: dtorch.DTensor.from_local(q, mesh4, [Shard(0)]),
+        r"distribute_tensor got a torch.sparse_coo tensor; DTensors hold strided tensors \(convert it first: "
+        r"\.to_dense\(\)\)": lambda: dtorch.distribute_tensor(torch.eye(4).to_sparse(), mesh4, [Replicate()]),
+        "distribute_tensor got a torch.sparse_csr tensor":
+            lambda: dtorch.distribute_tensor(torch.eye(4).to_sparse_csr(), mesh4, [Shard(0)]),
+        "distribute_tensor got a nested tensor.*to_padded_tensor": lambda: dtorch.distribute_tensor(
+            torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), mesh4, [Replicate()]),
+    }
+    for match, make in refused.items():
+        with pytest.raises(NotImplementedError, match=match) as info:
+            make()
+        assert "\n" not in str(info.value)
+    x = dtorch.distribute_tensor(torch.arange(8.0), mesh4, [Shard(0)])
+    ops = {"quantize_per_tensor(x, 0.1, 0, torch.qint8)": lambda: torch.quantize_per_tensor(x, 0.1, 0, torch.qint8),
+           "quantize_per_tensor_dynamic(x": lambda: torch.quantize_per_tensor_dynamic(x, torch.quint8, False),
+           "x.to(torch.qint8)": lambda: x.to(torch.qint8),
+           "empty_like(x, dtype=torch.qint8)": lambda: torch.empty_like(x, dtype=torch.qint8)}
+    for src, op in ops.items():
+        with pytest.raises(NotImplementedError, match=r"quantized dtype torch\.q?u?int8; DTensors hold") as info:
+            op()
+        assert "test_errors.py:" in str(info.value) and src in str(info.value) and "\n" not in str(info.value)
+    fake = torch.fake_quantize_per_tensor_affine(x, 0.1, 0, -128, 127)  # float in, float out: runs
+    torch.testing.assert_close(fake.full_tensor(), torch.fake_quantize_per_tensor_affine(torch.arange(8.0), 0.1, 0,
+                                                                                         -128, 127))
+    torch.testing.assert_close(x.full_tensor(), torch.arange(8.0))  # the session goes on

@@ -308,7 +308,8 @@ PLAIN_PARAMETER = ("dtorch: a plain nn.Parameter of shape {shape} takes part in 
                    "(dtorch.nn.replicate_module, parallelize_module or fully_shard)")
 WRITES_PLAIN = "writes into a plain torch.Tensor"  # why an in-place op on one runs on the client (a sync point)
 _FLAT = (int, float, bool, type(None))
-_TORCH_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)  # what torch raises about shapes and dtypes
+# what torch raises about shapes and dtypes, and what DTorch refuses (a quantized dtype)
+_TORCH_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
 LOCAL_MAX_BYTES = 64 << 20  # default bound on what one op may fetch to run on the client (DTORCH_LOCAL_MAX_BYTES)
 
 

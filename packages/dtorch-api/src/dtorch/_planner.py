@@ -15,9 +15,10 @@ Routes, in order of preference:
   local     the op's output shape depends on the values (torch's fake tensors say so: `nonzero`, `unique`,
             `masked_select`, ...) or workers cannot run it (an op outside aten/prims): a sync point that
             fetches the inputs, runs the op on the client and uploads the outputs as Replicate
-Shapes or dtypes torch's meta kernel refuses raise `Refused` (from `_sharding`), for the caller to report.
   out       an out= op whose out tensors are laid out (or shaped) unlike its outputs, or are plain
             tensors: the functional op runs, then each result is copied into its out tensor
+Shapes or dtypes torch's meta kernel refuses raise `Refused` (from `_sharding`), for the caller to report; so does a
+quantized dtype among the arguments (DTensors hold unquantized dtypes: `_spec.check_dtype`).
 
 An elementwise op's plan (`numbers_free`: pointwise ops, and `_foreach_` ops but the norm) does not depend on the
 values of its float arguments (an optimizer's step size, a learning rate schedule: new every step), only on their
@@ -57,9 +58,9 @@ from dtorch import (  # noqa: F401
     _softmax,
     _torch_state,
 )
-from dtorch._registry import NoRule, ValueDependent, rule_for
+from dtorch._registry import NoRule, Refused, ValueDependent, rule_for
 from dtorch._source import src_text
-from dtorch._spec import Spec
+from dtorch._spec import QUANTIZED, QUANTIZED_DTYPES, Spec
 from dtorch._templates import SRC_HOLE, Template, sentinel
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords
@@ -275,11 +276,15 @@ def _returns_tensors(func: Any) -> bool:
 def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
     """The plan of `func` on arguments whose DTensors are replaced by their Specs (DTensor leaves in the order
     of `pytree.tree_leaves((args, kwargs))`)."""
-    specs = [v for v in pytree.tree_leaves((spec_args, spec_kwargs)) if isinstance(v, Spec)]
+    leaves = pytree.tree_leaves((spec_args, spec_kwargs))
+    specs = [v for v in leaves if isinstance(v, Spec)]
     if len({s.mesh for s in specs}) > 1:
         raise MixedMeshes
     mesh = specs[0].mesh
     op_name = str(func)
+    for v in leaves:  # a quantize op (its meta kernel says float32 for a qint8 result), `.to(torch.qint8)`
+        if type(v) is torch.dtype and v in QUANTIZED_DTYPES:
+            raise Refused(NotImplementedError(f"quantized dtype {v}; {QUANTIZED}"))
     inplace = is_inplace(func)
     if not _returns_tensors(func):
         return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False, why=PYTHON_VALUE)

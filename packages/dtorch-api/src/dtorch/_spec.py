@@ -33,6 +33,33 @@ class StridedShard(Placement):
         return f"StridedShard(dim={self.dim}, split_factor={self.split_factor})"
 
 
+QUANTIZED_DTYPES = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+QUANTIZED = ("DTensors hold unquantized dtypes only (dequantize the tensor first, or quantize the result of "
+             ".full_tensor())")
+
+
+def check_dtype(what: str, dtype: torch.dtype) -> None:
+    """DTensors hold plain dtypes: a quantized one is refused where it would enter (a factory, an upload; an op that
+    makes one: the planner), in one line. Uncaught, a worker failed later (`zero_` has no QuantizedCPU kernel), an
+    op's meta kernel gave a float32 DTensor for a qint8 shard, and printing one crashed the client."""
+    if dtype in QUANTIZED_DTYPES:
+        raise NotImplementedError(f"dtorch: {what} asks for quantized dtype {dtype}; {QUANTIZED}")
+
+
+def check_dense(what: str, tensor: torch.Tensor) -> None:
+    """An upload is a dense strided tensor of a plain dtype (`check_dtype`): anything else, in one line saying how
+    to make one."""
+    if tensor.is_nested:
+        raise NotImplementedError(f"dtorch: {what} got a nested tensor; DTensors hold strided tensors (pad it first: "
+                                  "torch.nested.to_padded_tensor)")
+    if tensor.layout != torch.strided:
+        raise NotImplementedError(f"dtorch: {what} got a {tensor.layout} tensor; DTensors hold strided tensors "
+                                  "(convert it first: .to_dense())")
+    check_dtype(what, tensor.dtype)
+
+
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):

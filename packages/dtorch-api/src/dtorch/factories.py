@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dtorch import _dispatch
 from dtorch._source import user_src
-from dtorch._spec import Spec, contiguous_stride, normalize_placements
+from dtorch._spec import Spec, check_dense, check_dtype, contiguous_stride, normalize_placements
 from dtorch.device_mesh import DeviceMesh
 from dtorch.dtensor import DTensor
 from dtorch.runtime import get_session
@@ -57,6 +57,7 @@ def _create(init: str, shape: tuple[int, ...], mesh: DeviceMesh | None, placemen
         return hook.run(key, [], lambda: _create(init, shape, mesh, placements, dtype, requires_grad, value, arange))
     mesh = _check_mesh(init, mesh)
     dtype = dtype or torch.get_default_dtype()
+    check_dtype(f"dtorch.{init}", dtype)
     if init in _RANDOM and not dtype.is_floating_point:
         raise TypeError(f"dtorch.{init} needs a floating point dtype, got {dtype}")
     spec = Spec(mesh, normalize_placements(placements, mesh, len(shape)), shape, contiguous_stride(shape), dtype)
@@ -125,6 +126,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
                                   "jacrev), which DTorch cannot upload or lay out (a parallel style's hook does: "
                                   "tensor-parallel modules under torch.func.grad); take gradients with "
                                   "loss.backward() or torch.autograd.grad instead")
+    check_dense("distribute_tensor", tensor)
     mesh = _check_mesh("distribute_tensor", device_mesh)
     shape = tuple(tensor.shape)
     if tensor.is_meta:  # no values to upload: shards allocated on the workers, as torch.empty
@@ -190,6 +192,7 @@ def from_local(local_tensor: torch.Tensor | Sequence[torch.Tensor], device_mesh:
     for t in tensors:
         if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
             raise TypeError(f"from_local takes plain torch.Tensors (the local ones), got {type(t).__name__}")
+        check_dense("from_local", t)
         if t.dtype != tensors[0].dtype or t.dim() != tensors[0].dim():
             raise ValueError(f"from_local: the local tensors differ: {t.dtype} with {t.dim()} dims against "
                              f"{tensors[0].dtype} with {tensors[0].dim()}; every device's must have the same dtype "
