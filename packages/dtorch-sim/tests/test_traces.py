@@ -107,6 +107,7 @@ def test_validate_warns_about_jobs_larger_than_the_cluster_and_time_units(base, 
     base["workload"]["trace"]["time_scale"] = 0.01
     sc = parse(base)
     assert warnings(sc, generate(sc)) == [
+        "note: workload.trace: 1 of 3 rows of t.csv make jobs; skipped: 2 over max_gpus",
         "note: policy times (LAS thresholds, relocate_after, ...) are simulated seconds: they do not follow "
         "workload.trace.time_scale (0.01); scale them yourself (policy.params)"]
     scenario = tmp_path / "s.yaml"
@@ -137,6 +138,47 @@ def test_jobs_over_the_controllers_mesh_limit_are_warned_as_refused_not_as_slowe
         pass
     big = next(r for r in sim.jobs if r.spec.devices == 600)
     assert big.failed is not None and big.placed is None
+
+
+def test_a_job_the_controller_refuses_ends_and_the_run_stops_when_every_job_ended(base, tmp_path):
+    """A refused job never counted as ended: the run went on, idle, until its horizon (the last arrival plus ten
+    times the jobs' work plus an hour), and every utilization figure was averaged over that idle time too."""
+    from dtorch_sim import metrics
+    from dtorch_sim.harness import Simulation
+
+    csv_trace(base, tmp_path / "t.csv", "t,n,d\n0,600,10\n1,2,10\n", columns={"submit": "t", "num_gpu": "n",
+                                                                            "duration": "d"})
+    sim = Simulation(parse(base))
+    sim.run_all()
+    big, small = sorted(sim.jobs, key=lambda r: -r.spec.devices)
+    assert big.failed is not None and "OpenMesh refused" in big.error and small.finished is not None
+    assert sim.jobs_ended() == 2 and sim.all_jobs_done.triggered
+    assert sim.env.now == small.finished < 3801.0  # stopped at the last end, not at the horizon
+    assert metrics.summarize(sim)["sim_end_s"] == round(small.finished, 6)
+
+
+def test_validate_says_how_many_rows_make_jobs_and_why_the_others_do_not(base, tmp_path):
+    """Rows still running, asking for no device or over max_gpus, or left out by a filter were skipped in silence,
+    so a run of a trace could hold far fewer jobs than its file without a word."""
+    rows = ("t,n,d,vc\n"
+            "0,1,10,a\n"  # a job
+            "1,1,,a\n"  # still running
+            "2,0,10,a\n"  # no device
+            "3,9,10,a\n"  # over max_gpus
+            "4,1,0,a\n"  # no time
+            "5,1,10,b\n"  # filtered out
+            "6,2,10,a\n"  # a job
+            "7,1,,a\n")  # still running
+    csv_trace(base, tmp_path / "t.csv", rows, columns={"submit": "t", "num_gpu": "n", "duration": "d"},
+              max_gpus=8, filter={"column": "vc", "values": ["a"]}, limit=1)
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == [
+        "note: workload.trace: 2 of 8 rows of t.csv make jobs; skipped: 2 with no duration or end (still running "
+        "when the trace ended), 1 asking for 0 devices (zero_gpu: one runs them on one), 1 over max_gpus, 1 with a "
+        "duration of 0 or less, 1 left out by the filter; 1 job after partition, every and limit"]
+    csv_trace(base, tmp_path / "t.csv", "t,n,d\n0,1,10\n", columns={"submit": "t", "num_gpu": "n", "duration": "d"})
+    sc = parse(base)
+    assert warnings(sc, generate(sc)) == []  # every row a job: nothing to say
 
 
 def test_filter_and_partition_values_written_as_numbers_match_the_csvs_cells(base, tmp_path):

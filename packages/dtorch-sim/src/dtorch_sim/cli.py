@@ -45,8 +45,9 @@ def _simulate(sc: Scenario, out: Path, console: Console, quiet: bool, plots: boo
     wall = time.perf_counter() - started
     failed = [r for r in sim.jobs if r.failed is not None]
     if failed:  # the table counts them; why is in jobs.csv, and the first reason here
-        console.print(f"note: {len(failed):,} jobs failed ({failed[0].spec.id}: {failed[0].error}); jobs.csv's error "
-                      "column says why each one did", markup=False, highlight=False)
+        jobs = f"{len(failed):,} job{'s' if len(failed) != 1 else ''}"
+        console.print(f"note: {jobs} failed ({failed[0].spec.id}: {failed[0].error}); jobs.csv's error column says "
+                      "why each one did", markup=False, highlight=False)
     summary = metrics.write(sim, out, plots=False)
     pngs = [path.name for path in metrics.plot(sim, out)] if plots else []
     return summary, wall, metrics.series(sim), pngs

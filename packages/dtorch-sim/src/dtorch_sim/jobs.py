@@ -20,6 +20,7 @@ import csv
 import io
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -224,8 +225,10 @@ def _trace(sc: Scenario) -> Iterator[JobSpec]:
                       duration=r.duration * tr.time_scale, share=r.share, priority=r.priority, group=r.group)
 
 
-def _rows(sc: Scenario) -> Iterator[_Row]:
-    """The trace's rows that make jobs, in file order (rules in `scenario.Trace`)."""
+def _rows(sc: Scenario, skipped: Counter | None = None) -> Iterator[_Row]:
+    """The trace's rows that make jobs, in file order (rules in `scenario.Trace`); `skipped` counts the others by
+    reason (`SKIPPED`)."""
+    skipped = Counter() if skipped is None else skipped
     tr = sc.workload.trace
     assert tr is not None
     cols = tr.column_map()
@@ -250,6 +253,7 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
             raise TraceError(f"workload.trace.path: line {n} of {path}: {sum(v is not None for v in row.values())} "
                              f"fields, the header has {len(header)}")
         if keep is not None and row[tr.filter.column] not in keep:  # type: ignore[union-attr]
+            skipped["filter"] += 1
             continue
 
         def cell(role: str, read: Callable[[str], float], row=row, n=n) -> float:
@@ -266,18 +270,22 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
             raise TraceError(f"workload.trace.path: line {n} of {path}: submit value {row[cols['submit']]!r} (column "
                              f"{cols['submit']!r}) is before time 0: submit times are seconds >= 0 (dates: 1970 on)")
         if submit < tr.start_s:
+            skipped["start_s"] += 1
             continue
         if timing == "duration":
             if not row[cols["duration"]]:
-                continue  # still running when the trace ended: no duration
+                skipped["running"] += 1  # still running when the trace ended: no duration
+                continue
             duration = cell("duration", _finite)
         else:
             start = row[cols["start"]] if "start" in has else None
             if start == "":
                 if tr.unscheduled == "skip":
+                    skipped["unscheduled"] += 1
                     continue
                 start = None
             if not row[cols["end"]]:
+                skipped["running"] += 1
                 continue
             begin = cell("start", read_time) if start is not None and tr.duration_from == "start" else submit
             duration = cell("end", read_time) - begin
@@ -285,15 +293,18 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
         share = 1.0
         if gpus == 0:
             if tr.zero_gpu == "skip":
+                skipped["zero_gpu"] += 1
                 continue
             gpus = 1
         milli = cell("gpu_milli", _amount) if "gpu_milli" in has and row[cols["gpu_milli"]] else 1000.0
         if gpus == 1 and milli < 1000:
             if tr.fractional == "skip":
+                skipped["fractional"] += 1
                 continue
             if tr.fractional == "share" and milli > 0:
                 share = milli / 1000
         if duration <= 0 or (tr.max_gpus is not None and gpus > tr.max_gpus):
+            skipped["no_time" if duration <= 0 else "max_gpus"] += 1
             continue
         if tr.max_duration_s is not None:
             duration = min(duration, tr.max_duration_s)
@@ -306,6 +317,36 @@ def _rows(sc: Scenario) -> Iterator[_Row]:
                              "leave it out of a csv trace's columns: jobs are then named by their row)")
         group = row[tr.partition.column] if tr.partition is not None else ""
         yield _Row(submit, job_id, gpus, duration, share, prio, group)
+
+
+# why `_rows` left a row out (validate, run and compare count them: `skipped_rows`)
+SKIPPED = {
+    "running": "with no duration or end (still running when the trace ended)",
+    "unscheduled": "with an empty start (never scheduled; unscheduled: keep takes them)",
+    "zero_gpu": "asking for 0 devices (zero_gpu: one runs them on one)",
+    "fractional": "asking for part of a device (fractional: whole or share takes them)",
+    "no_time": "with a duration of 0 or less",
+    "max_gpus": "over max_gpus",
+    "start_s": "submitted before start_s",
+    "filter": "left out by the filter",
+}
+
+
+def skipped_rows(sc: Scenario, specs: list[JobSpec]) -> list[str]:
+    """One note saying how many of the trace's rows make jobs and why the others do not (none without a trace,
+    or where every row makes a job): a trace's rows left out in silence made a run look like the trace's."""
+    tr = sc.workload.trace
+    if tr is None:
+        return []
+    skipped: Counter = Counter()
+    kept = sum(1 for _ in _rows(sc, skipped))
+    if not skipped:
+        return []
+    why = ", ".join(f"{n:,} {SKIPPED[k]}" for k, n in skipped.most_common())
+    after = f"; {len(specs):,} job{'s' if len(specs) != 1 else ''} after partition, every and limit" \
+        if len(specs) != kept else ""
+    return [f"note: workload.trace: {kept:,} of {kept + sum(skipped.values()):,} rows of {sc.trace_path().name} make "
+            f"jobs; skipped: {why}{after}"]
 
 
 def check_trace(sc: Scenario) -> None:
@@ -346,7 +387,7 @@ def step_count(spec: JobSpec, wl: Workload) -> int:
 
 def warnings(sc: Scenario, specs: list[JobSpec]) -> list[str]:
     """What may surprise in a scenario that is valid: one line each (printed by validate, run and compare)."""
-    lines = []
+    lines = skipped_rows(sc, specs)
     groups = node_groups(sc)
     lines += _unused_types(sc, groups)
     devices = sum(g.count * g.devices_per_node for g in groups)
@@ -498,6 +539,7 @@ def job(sim, rec: JobRecord):
             hello=HELLO, name=spec.id, priority=spec.priority, memory_cap=cap, expected_steps=expected)))
         if isinstance(opened, fx.Refusal):
             rec.failed, rec.error = env.now, f"OpenSession refused: {opened.message}"
+            sim.job_ended(rec)
             return
         session = opened.session
         sim.session_opened(session, rec)
@@ -511,6 +553,7 @@ def job(sim, rec: JobRecord):
             rec.failed, rec.error = env.now, f"OpenMesh refused: {placed.message}"
             yield from sim.ask(lambda r, s=session: ev.CloseSession(r, m.CloseSession(session=s)))
             sim.session_closed(session)
+            sim.job_ended(rec)  # failed: the run ends when every job finished or failed
             return
         if rec.placed is None:
             rec.placed = env.now
