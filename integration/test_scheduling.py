@@ -16,6 +16,7 @@ nothing depends on timing luck.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -326,6 +327,7 @@ def test_a_waiting_mesh_shows_its_position_and_is_placed_when_a_worker_joins(mak
 # ---------------------------------------------------------------- preemption and resume
 
 LOW = """
+    os.environ["DTORCH_TIMEOUT"] = "2"  # its frozen wait below is longer: devices, not workers (the queue's bound)
     dtorch.connect(name="low", priority="low")
     mesh = dtorch.DeviceMesh("cpu", [0, 1])
     torch.manual_seed(0)
@@ -394,13 +396,17 @@ def test_high_priority_freezes_low_priority_which_resumes_and_finishes_correctly
     assert states == {"low": "frozen", "high": "running"}, states
     assert all(list(w.leases.values()) == [0] and len(w.leases) == 1 for w in st.workers)  # high holds both
     cluster.signal("low-phase2")
-    time.sleep(1.0)
+    time.sleep(3.5)  # longer than low's DTORCH_TIMEOUT: a frozen sync raised a TimeoutError after it (protocol 1.13)
     assert low.poll() is None  # frozen: its sync cannot finish while high holds the devices
     assert {s.name: s.schedule for s in cluster.status().sessions}["low"] == "frozen"
     cluster.signal("high-finish")
     assert finish(high, cluster, "high").split() == ["ok"]
     out = finish(low, cluster, "low").split()
-    assert out[:2] == ["ok", "waited"] and float(out[2]) >= 0.5, out
+    assert out[:2] == ["ok", "waited"] and float(out[2]) >= 3.0, out
+    shown = cluster.stderr("low")  # where the sync stood while it waited, then how it ended, on one line
+    assert re.search(r"dtorch: sync point waiting \d+s: the session is frozen \(preempted\); it resumes when its "
+                     r"devices free up", shown), shown
+    assert "\rdtorch: sync point done after " in shown, shown
     events = cluster.status().events
     assert any("(low) frozen on 2 devices: preempted by session" in line and "(high)" in line for line in events)
     assert any("resumed on 2 devices" in line for line in events)

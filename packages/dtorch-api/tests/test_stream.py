@@ -174,6 +174,22 @@ def test_sync_gives_up_after_its_timeout_with_the_controllers_message(stream, co
         list(stream.sync(0.0))
 
 
+def test_a_frozen_sessions_wait_is_bounded_by_the_queue_timeout_not_dtorch_timeout(stream, controller):
+    """A preempted session waits for devices, not for workers: its sync raised after DTORCH_TIMEOUT (300 s) whatever
+    the scheduler was doing. The frozen time counts against DTORCH_QUEUE_TIMEOUT instead."""
+    frozen = m.SyncReply(done=False, frozen=True, queue_position=1, message="the session is frozen (preempted)")
+    controller.sync_replies = [frozen, frozen, frozen, m.SyncReply(done=True)]
+    replies = list(stream.sync(0.0, queue_timeout=60.0))  # no time at all for workers: none was spent on them
+    assert [r.frozen for r in replies] == [True, True, True, False]
+    controller.sync_replies = [frozen]
+    with pytest.raises(TimeoutError, match=r"stayed frozen \(preempted\) for 0 s \(DTORCH_QUEUE_TIMEOUT\): the"):
+        list(stream.sync(60.0, queue_timeout=0.0))
+    controller.sync_replies = [m.SyncReply(done=False, message="workers still busy")]
+    with pytest.raises(TimeoutError, match=r"within 0 s \(DTORCH_TIMEOUT\): workers still busy"):
+        list(stream.sync(0.0, queue_timeout=60.0))  # busy workers: DTORCH_TIMEOUT as before
+    assert all(0 < s.timeout_s <= _stream.SYNC_POLL_S for s in controller.requests("Sync"))  # it hears how it stands
+
+
 def test_keepalive_when_the_controller_asks(controller):
     alive = Stream(controller, "s2", "ctl:1", keepalive_s=0.01)
     try:

@@ -208,10 +208,14 @@ def test_high_priority_freezes_low_which_holds_its_batches_and_resumes_in_order(
     assert h.submit(low, 2, [create(2)]) == m.SubmitReply(accepted=2)
     assert h.submit(low, 3, [create(3)]) == m.SubmitReply(accepted=3)
     assert h.take_sent() == []
-    rid, reply = h.sync(low, 3, timeout_s=30)
+    rid, reply = h.sync(low, 3, timeout_s=0.3)
     assert reply is None
     status = {s.session: s for s in h.status().sessions}
     assert (status[low].schedule, status[low].queue_position) == ("frozen", 0)  # it waits for its own devices
+    h.advance(0.4)  # its Sync's time is up: answered not done, saying it waits for devices (a typed field)
+    assert (h.replies[rid].done, h.replies[rid].frozen, h.replies[rid].queue_position) == (False, True, 0)
+    rid, reply = h.sync(low, 3, timeout_s=30)  # the client asks again
+    assert reply is None
     h.submit(high, 1, [create(1)])
     assert [s.execute.session for s in h.take_sent()] == [high, high]
     close(h, high)  # devices free: low resumes, its held batches go out in order after high's close

@@ -7,13 +7,13 @@ for each of those workers.
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections.abc import Callable
 from typing import IO, Any
 
 from dtorch import _source
+from dtorch._progress import Line
 from dtorch.errors import ClusterError, env_float
 from dtorch_protocol import messages as m
 
@@ -23,9 +23,8 @@ POLL_S = 0.2
 def place(call: Callable[[str, Any, float], Any], session: str, mesh: Any, min_devices: int,
           out: IO[str] | None = None) -> tuple[dict[int, str], dict[str, str]]:
     """Place `mesh` (a DeviceMesh) for `session`; `min_devices` > 0 accepts that few physical devices (elastic)."""
-    out = out or sys.stderr
+    line = Line(out)
     deadline = time.monotonic() + env_float("DTORCH_QUEUE_TIMEOUT", 600.0)
-    shown = False
     while True:
         reply = call("OpenMesh", m.OpenMesh(session=session, mesh=mesh.id, devices=list(mesh.devices),
                                             shape=list(mesh.shape), min_devices=min_devices), 30.0)
@@ -33,14 +32,10 @@ def place(call: Callable[[str, Any, float], Any], session: str, mesh: Any, min_d
             break
         if time.monotonic() > deadline:
             raise ClusterError(f"{mesh} could not be placed: {reply.message or 'no free devices'}")
-        line = f"dtorch: waiting for {mesh.size()} devices ({reply.message or 'queued'}); " \
-               f"position {reply.queue_position} in the queue"
-        out.write("\r" + line.ljust(100))
-        out.flush()
-        shown = True
+        line.show(f"dtorch: waiting for {mesh.size()} devices ({reply.message or 'queued'}); "
+                  f"position {reply.queue_position} in the queue")
         time.sleep(POLL_S)
-    if shown:
-        out.write("\r" + "dtorch: devices placed".ljust(100) + "\n")
+    line.end("dtorch: devices placed")
     other = sorted({t for t in reply.device_types.values() if t != mesh.device_type})
     if other:  # the controller places logical devices on any worker: the mesh's type is the client's to check
         warnings.warn(f"dtorch: {mesh} was placed on {' and '.join(other)} workers: this cluster gave no "

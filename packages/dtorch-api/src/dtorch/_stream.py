@@ -16,7 +16,12 @@ Rules:
      issuing an op every few microseconds fills batches of about a thousand), and sends a KeepAlive every
      `keepalive_s` when the controller asks for one (0: never), whatever else it sent.
   5. `sync` flushes, then asks the controller until every worker executed everything sent (bounded); op
-     errors of the session are raised there, the first one with the op and the user's source line.
+     errors of the session are raised there, the first one with the op and the user's source line. Each Sync
+     waits at most SYNC_POLL_S, so a long sync point hears how it stands that often (progress). Two bounds: on
+     the workers, DTORCH_TIMEOUT; on a preempted session's wait for devices (`SyncReply.frozen`: time the
+     scheduler, not the workers, takes), `queue_timeout` (DTORCH_QUEUE_TIMEOUT, as for a mesh waiting in the
+     queue), which that time does not count against DTORCH_TIMEOUT (until protocol 1.14 it did: a session frozen
+     longer than 300 s failed its sync with a TimeoutError).
   6. A closed stream (`close`, at `dtorch.shutdown()` or the end of a `with dtorch.connect()` block) sends nothing
      more: a flush or sync raises that it was closed (`check_open`; the session's reads and uploads ask it first).
   7. A blocking sync (`carry`, the user thread's) sends its last batch inside its first `Sync` (protocol 1.7:
@@ -43,6 +48,7 @@ from dtorch_protocol import messages as m
 
 MAX_BATCH = 4096  # instructions per Submit
 POLL_S = 0.005
+SYNC_POLL_S = 5.0  # the longest one Sync waits (rule 5)
 DEAD_AT = 64
 
 Call = Callable[[str, Any, float], Any]  # (method, request, timeout) -> reply: the controller stub's `call`
@@ -136,11 +142,13 @@ class Stream:
         return self._broken
 
     # ------------------------------------------------------------------ sync (rule 5)
-    def sync(self, timeout: float, carry: bool = True) -> Iterator[m.SyncReply]:
-        """Flush, then wait (at most `timeout` s) until the workers executed it all; yields each Sync reply (their
-        locations are news for the data plane), then raises the session's op errors, if any. With `carry`, the
-        last batch goes inside the first Sync (rule 7)."""
-        deadline = time.monotonic() + timeout
+    def sync(self, timeout: float, carry: bool = True, queue_timeout: float = 600.0) -> Iterator[m.SyncReply]:
+        """Flush, then wait until the workers executed it all (at most `timeout` s of waiting for workers, and
+        `queue_timeout` s frozen: rule 5); yields each Sync reply (their locations are news for the data plane; one
+        not done says how the sync stands), then raises the session's op errors, if any. With `carry`, the last
+        batch goes inside the first Sync (rule 7)."""
+        asked = time.monotonic()
+        deadline, frozen_s = asked + timeout, 0.0
         reply = None
         with self._send_lock:
             last = self._flush(keep_last=carry)
@@ -158,12 +166,19 @@ class Stream:
                 raise sync_error(reply.errors)
             if reply.done:
                 return
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if reply.frozen:  # waiting for devices, not for workers: the queue's bound
+                frozen_s += now - asked
+                deadline += now - asked
+                if frozen_s >= queue_timeout:
+                    raise TimeoutError(f"the session stayed frozen (preempted) for {queue_timeout:.0f} s "
+                                       f"(DTORCH_QUEUE_TIMEOUT): {reply.message}")
+            elif now >= deadline:
                 raise TimeoutError(f"workers did not finish within {timeout:.0f} s (DTORCH_TIMEOUT): {reply.message}")
-            reply = None
+            asked, reply = now, None
 
     def _sync_call(self, deadline: float, instrs: list | None = None) -> m.SyncReply:
-        wait = max(0.1, min(30.0, deadline - time.monotonic()))
+        wait = max(0.1, min(SYNC_POLL_S, deadline - time.monotonic()))
         return self._call("Sync", m.Sync(session=self.session, upto=self.seq, timeout_s=wait, instrs=instrs or []),
                           wait + 10.0)
 

@@ -2,11 +2,16 @@
 
     Session ── _stream.Stream       queue, sender thread, Submit, Sync, keep-alive
             ├─ _dataplane.DataPlane Pull/Put straight to workers, relocation (_relocate)
-            └─ _admission.place     OpenMesh, queue position on stderr
+            ├─ _admission.place     OpenMesh, queue position on stderr
+            └─ _progress.Line       a long sync point's progress on stderr
 
 The session speaks tensor ids and specs only (DTensors are the dispatcher's). Sync points (`fetch`) flush
 the stream, wait until every worker has executed it (bounded), raise any op error with the user's source
 line, then read shards straight from the workers. Uploads write shards straight to workers.
+
+A sync point that waits long shows it on one stderr line: at once while the session is frozen (preempted: where it
+stands in the queue to resume), after BUSY_QUIET_S while its workers are busy (a long step is the user's own
+work); the line ends with the outcome.
 
 Early reads: a fetch does not wait for the Sync's answer to ask for the shards. It ends the stream with an
 InstrRead naming a fresh read mark, and pulls with that mark (`PullRequest.after`) while the Sync is under way:
@@ -26,6 +31,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -34,6 +40,7 @@ import torch
 
 from dtorch import _admission
 from dtorch._dataplane import DataPlane
+from dtorch._progress import Line
 from dtorch._relocate import DeviceLost
 from dtorch._source import user_src
 from dtorch._stream import Stream
@@ -43,6 +50,19 @@ from dtorch.errors import env_float
 from dtorch_protocol import auth, wire
 from dtorch_protocol import messages as m
 from dtorch_protocol.tls import Tls
+
+BUSY_QUIET_S = 60.0  # a sync point waiting on busy workers shows its progress from then on
+
+
+def _progress(line: Line, reply: m.SyncReply, waited: float) -> None:
+    """A not-done Sync's news on the progress line (module doc)."""
+    if reply.frozen:
+        where = (f"position {reply.queue_position} in the queue to resume" if reply.queue_position else
+                 "it resumes when its devices free up")
+        line.show(f"dtorch: sync point waiting {waited:.0f}s: the session is frozen (preempted); {where}")
+    elif waited >= BUSY_QUIET_S:
+        line.show(f"dtorch: sync point waiting {waited:.0f}s: {reply.message}")
+
 
 if TYPE_CHECKING:
     from dtorch._spec import Spec
@@ -60,6 +80,7 @@ class Session:
         self.tls = tls  # also for the workers' client ports (the data plane, profiles)
         self.api_key = auth.key_from_env() if api_key is None else api_key
         self.timeout = env_float("DTORCH_TIMEOUT", 300.0)  # bound on any single wait for workers
+        self.queue_timeout = env_float("DTORCH_QUEUE_TIMEOUT", 600.0)  # and for devices (a mesh queued, or frozen)
         self.stub = wire.Stub("dtorch.Controller", controller, self.api_key, tls=tls)
         try:
             opened = self.stub.call("OpenSession", m.OpenSession(hello=wire.hello("client", __version__), name=name,
@@ -149,13 +170,18 @@ class Session:
             self._boundary("a sync point")
         self._uploads.check()
         uploads, keep = self._uploads.kept(), []
+        line, started, outcome = Line(), time.monotonic(), "failed"  # the user thread's waits show progress
         try:
-            for reply in self._stream.sync(self.timeout, carry):
+            for reply in self._stream.sync(self.timeout, carry, self.queue_timeout):
                 self._data.learn(reply.locations, reply.caps)
                 if reply.reput:
                     self._uploads.put_again(reply.reput, self._data)
                 keep = reply.keep
+                if carry and not reply.done:
+                    _progress(line, reply, time.monotonic() - started)
+            outcome = "done"
         finally:
+            line.end(f"dtorch: sync point {outcome} after {time.monotonic() - started:.0f}s")
             self._uploads.check()  # an upload a rebuild asked for that could not be made again (the sender's too)
         self._uploads.safe(uploads, keep)
 

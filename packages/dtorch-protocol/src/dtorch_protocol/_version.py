@@ -1,1 +1,1 @@
-__version__ = "1.13.0"  # MAJOR.MINOR is the protocol it speaks (messages.PROTOCOL_VERSION); PATCH: fixes only
+__version__ = "1.14.0"  # MAJOR.MINOR is the protocol it speaks (messages.PROTOCOL_VERSION); PATCH: fixes only

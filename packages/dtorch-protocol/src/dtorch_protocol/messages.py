@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = "1.13"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
+PROTOCOL_VERSION = "1.14"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: KeepAlive, scheduling fields;
 # 1.3: Execute.memory_cap (workers enforce packed sessions' memory caps), CmdFetchShards.move and
 # ShardsRequest.move (a frozen session's devices are pulled by their new worker); 1.4: error kinds
 # (ErrorReport.kind, Chunk.kind, the kind of a refused call in its trailing metadata); 1.5: redistributions on
@@ -55,7 +55,9 @@ PROTOCOL_VERSION = "1.13"  # 1.1: CmdExpectReads, PullRequest.expected; 1.2: Kee
 # 1.13: KeepAliveReply (a keep-alive hears those requests too: a client silent between sync points is asked),
 # SubmitReply.safe and KeepAliveReply.safe (uploads whose copies are complete: the client lets them go before its
 # next sync point), SyncReply.keep (those asked for again: kept past the Sync until a snapshot covers them),
-# SessionOpened.recovery (False: no rebuild asks for uploads again, the client keeps none)
+# SessionOpened.recovery (False: no rebuild asks for uploads again, the client keeps none); 1.14: SyncReply.frozen and
+# SyncReply.queue_position (a sync point of a preempted session waits for devices, not for workers: the client
+# bounds that wait as it bounds the queue's, and says where it stands)
 
 
 class ErrorKind(str, enum.Enum):
@@ -345,6 +347,10 @@ class SyncReply(Struct, frozen=True):
     # tensor id -> logical devices whose shard of that upload only the lost worker had: Put it again, then Sync (1.12)
     reput: dict[int, list[int]] = {}
     keep: list[int] = []  # done: uploads asked for again that no snapshot covers yet: keep them until `safe` (1.13)
+    # not done because the session is frozen (preempted) with batches held: it waits for devices, at this position
+    # in the queue to resume (0: for its own devices to free up) (1.14)
+    frozen: bool = False
+    queue_position: int = 0
 
 
 class CloseSession(Struct, frozen=True):

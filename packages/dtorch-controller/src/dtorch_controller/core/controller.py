@@ -494,7 +494,7 @@ class ControllerCore:
         if s is None or pending is None:
             return  # answered already
         busy = self.pipeline.busy(s)
-        timed_out = f"sync upto batch {pending.upto} timed out after {pending.timeout_s:g}s"
+        timed_out = f"batch {pending.upto} not done after {pending.timeout_s:g}s"
         locations = self.cluster.locations(s)
         if not busy and not self.pipeline.held(s):
             return step.reply(key.request, self.pipeline.done(s))
@@ -503,10 +503,11 @@ class ControllerCore:
                 done=False, locations=locations, memory_cap=s.memory_cap,
                 message=f"{timed_out}; the session is {s.state} with batches held"))
         if not busy:
+            position = self.sched.position(s.id)
             return step.reply(key.request, m.SyncReply(
-                done=False, locations=locations, memory_cap=s.memory_cap,
+                done=False, locations=locations, memory_cap=s.memory_cap, frozen=True, queue_position=position,
                 message=f"{timed_out}; the session is frozen (preempted) with batches held, queue position "
-                        f"{self.sched.position(s.id)}"))
+                        f"{position}"))
         names = ", ".join(f"{w.id} at {w.address}" for w in busy)  # its batch counts are every tenant's
         step.reply(key.request, m.SyncReply(done=False, locations=locations, memory_cap=s.memory_cap,
                                             message=f"{timed_out}; workers still busy: {names}"))
