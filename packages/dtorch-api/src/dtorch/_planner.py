@@ -60,7 +60,7 @@ from dtorch import (  # noqa: F401
 )
 from dtorch._registry import NoRule, Refused, ValueDependent, rule_for
 from dtorch._source import src_text
-from dtorch._spec import QUANTIZED, QUANTIZED_DTYPES, Spec
+from dtorch._spec import QUANTIZED_DTYPES, QUANTIZED_HINT, Spec
 from dtorch._templates import SRC_HOLE, Template, sentinel
 from dtorch_protocol import messages as m
 from dtorch_protocol.layout import coords
@@ -284,7 +284,7 @@ def plan(func: Any, spec_args: tuple, spec_kwargs: dict) -> Plan:
     op_name = str(func)
     for v in leaves:  # a quantize op (its meta kernel says float32 for a qint8 result), `.to(torch.qint8)`
         if type(v) is torch.dtype and v in QUANTIZED_DTYPES:
-            raise Refused(NotImplementedError(f"quantized dtype {v}; {QUANTIZED}"))
+            raise Refused(NotImplementedError(f"quantized dtype {v}; {QUANTIZED_HINT}"))
     inplace = is_inplace(func)
     if not _returns_tensors(func):
         return Plan(op_name, "sync", func, [], [], {}, None, None, [], inplace, False, why=PYTHON_VALUE)

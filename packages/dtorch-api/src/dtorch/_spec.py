@@ -34,10 +34,8 @@ class StridedShard(Placement):
 
 
 QUANTIZED_DTYPES = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-
-
-QUANTIZED = ("DTensors hold unquantized dtypes only (dequantize the tensor first, or quantize the result of "
-             ".full_tensor())")
+QUANTIZED_HINT = ("DTensors hold unquantized dtypes only (dequantize the tensor first, or quantize the result of "
+                  ".full_tensor())")
 
 
 def check_dtype(what: str, dtype: torch.dtype) -> None:
@@ -45,7 +43,7 @@ def check_dtype(what: str, dtype: torch.dtype) -> None:
     makes one: the planner), in one line. Uncaught, a worker failed later (`zero_` has no QuantizedCPU kernel), an
     op's meta kernel gave a float32 DTensor for a qint8 shard, and printing one crashed the client."""
     if dtype in QUANTIZED_DTYPES:
-        raise NotImplementedError(f"dtorch: {what} asks for quantized dtype {dtype}; {QUANTIZED}")
+        raise NotImplementedError(f"dtorch: {what} asks for quantized dtype {dtype}; {QUANTIZED_HINT}")
 
 
 def check_dense(what: str, tensor: torch.Tensor) -> None:

@@ -54,7 +54,7 @@ from dtorch_protocol.tls import Tls
 BUSY_QUIET_S = 60.0  # a sync point waiting on busy workers shows its progress from then on
 
 
-def _progress(line: Line, reply: m.SyncReply, waited: float) -> None:
+def _show_wait(line: Line, reply: m.SyncReply, waited: float) -> None:
     """A not-done Sync's news on the progress line (module doc)."""
     if reply.frozen:
         where = (f"position {reply.queue_position} in the queue to resume" if reply.queue_position else
@@ -178,7 +178,7 @@ class Session:
                     self._uploads.put_again(reply.reput, self._data)
                 keep = reply.keep
                 if carry and not reply.done:
-                    _progress(line, reply, time.monotonic() - started)
+                    _show_wait(line, reply, time.monotonic() - started)
             outcome = "done"
         finally:
             line.end(f"dtorch: sync point {outcome} after {time.monotonic() - started:.0f}s")

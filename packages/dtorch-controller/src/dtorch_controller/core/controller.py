@@ -494,23 +494,23 @@ class ControllerCore:
         if s is None or pending is None:
             return  # answered already
         busy = self.pipeline.busy(s)
-        timed_out = f"batch {pending.upto} not done after {pending.timeout_s:g}s"
+        not_done = f"batch {pending.upto} not done after {pending.timeout_s:g}s"
         locations = self.cluster.locations(s)
         if not busy and not self.pipeline.held(s):
             return step.reply(key.request, self.pipeline.done(s))
         if not busy and self.pipeline.holding(s) - {st.Hold.FROZEN}:
             return step.reply(key.request, m.SyncReply(
                 done=False, locations=locations, memory_cap=s.memory_cap,
-                message=f"{timed_out}; the session is {s.state} with batches held"))
+                message=f"{not_done}; the session is {s.state} with batches held"))
         if not busy:
             position = self.sched.position(s.id)
             return step.reply(key.request, m.SyncReply(
                 done=False, locations=locations, memory_cap=s.memory_cap, frozen=True, queue_position=position,
-                message=f"{timed_out}; the session is frozen (preempted) with batches held, queue position "
+                message=f"{not_done}; the session is frozen (preempted) with batches held, queue position "
                         f"{position}"))
         names = ", ".join(f"{w.id} at {w.address}" for w in busy)  # its batch counts are every tenant's
         step.reply(key.request, m.SyncReply(done=False, locations=locations, memory_cap=s.memory_cap,
-                                            message=f"{timed_out}; workers still busy: {names}"))
+                                            message=f"{not_done}; workers still busy: {names}"))
 
     # ------------------------------------------------------------ workers
 
