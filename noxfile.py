@@ -105,7 +105,8 @@ def compat(session: nox.Session) -> None:
     """Each package's previous release tag against HEAD: older clients with newer controllers and workers work,
     the refused combinations say so in one line (integration/compat.py; the policy: docs/architecture.md)."""
     session.install(TORCH)
-    session.install("hatch", *third_party_dependencies())  # the DTorch packages come from the builds, per process
+    # the DTorch packages come from the builds, per process; pytest: integration/_helpers (the processes' starters)
+    session.install("hatch", "pytest", *third_party_dependencies())
     session.run("python", "integration/compat.py", *session.posargs)
 
 
